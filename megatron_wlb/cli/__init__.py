@@ -1,0 +1,1 @@
+"""The ``wlb`` command line: one module per subcommand, dispatched by ``main``."""

@@ -1,0 +1,228 @@
+"""The streaming engine every packer shares: intake, oversize policy, validation, state.
+
+A packer reads documents in arrival order from a finite sequence of lengths and emits one
+``GlobalBatch`` per iteration. Each iteration first takes in ``dp * n * seq_len`` tokens of new
+documents (on average: an overshoot is credited to the next iteration), so every packer consumes
+the stream at the same rate as Megatron's concat-and-cut; then the packer's ``_plan`` places the
+new pieces and whatever it holds back. At the end of the stream it keeps emitting batches until
+it holds nothing, so every token read is emitted exactly once.
+
+``state_dict()`` captures everything needed to continue: a packer restored with
+``load_state_dict`` and fed the same sequence emits exactly the iterations an uninterrupted one
+would, which is how a Megatron checkpoint keeps the documents waiting in queues.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Sequence
+from typing import Any, ClassVar
+
+import numpy as np
+
+from megatron_wlb.costmodel import CostModel
+from megatron_wlb.packing.types import DocPiece, GlobalBatch, MicroBatch, PackingConfig
+
+STATE_VERSION = 1
+
+
+def validate_lengths(lengths: Sequence[int] | np.ndarray, what: str = "document lengths") -> np.ndarray:
+    """Return ``lengths`` as int64, or raise naming the first bad entry (zero, negative, non-integer)."""
+    arr = np.asarray(lengths)
+    if arr.ndim != 1:
+        raise ValueError(f"{what} must be a 1-D sequence, got shape {arr.shape}")
+    if arr.size == 0:
+        return arr.astype(np.int64)
+    if arr.dtype.kind == "f":
+        bad = np.flatnonzero(arr != np.floor(arr))
+        if bad.size:
+            raise ValueError(f"{what}[{bad[0]}] = {arr[bad[0]]!r} is not an integer; lengths count tokens")
+    elif arr.dtype.kind not in "iu":
+        raise ValueError(f"{what} must be integers, got dtype {arr.dtype}")
+    arr = arr.astype(np.int64)
+    bad = np.flatnonzero(arr < 1)
+    if bad.size:
+        raise ValueError(f"{what}[{bad[0]}] = {arr[bad[0]]}; every document needs at least 1 token")
+    return arr
+
+
+def pieces_to_state(pieces: Sequence[DocPiece]) -> list[list[int]]:
+    return [[p.doc_id, p.offset, p.length, p.arrival] for p in pieces]
+
+
+def pieces_from_state(rows: Sequence[Sequence[int]]) -> list[DocPiece]:
+    return [DocPiece(int(a), int(b), int(c), int(d)) for a, b, c, d in rows]
+
+
+class Packer(ABC):
+    """Base of all packers. Subclasses set ``name`` and implement ``_plan`` and ``pending``."""
+
+    name: ClassVar[str] = ""
+    #: whether the packer cuts documents itself (Megatron's concat-and-cut); the others keep each
+    #: document whole unless the oversize policy splits it.
+    cuts_documents: ClassVar[bool] = False
+
+    def __init__(self, config: PackingConfig, cost: CostModel | None = None):
+        self.config = config
+        self.cost = cost
+        self.position = 0          # documents consumed from the sequence
+        self.iteration = 0         # global batches emitted
+        self.dropped: list[tuple[int, int]] = []  # (doc_id, length) removed by oversize="drop"
+        self._credit = 0           # tokens read beyond earlier budgets
+
+    # -- what subclasses provide -----------------------------------------------------------------
+    @property
+    def capacity(self) -> int:
+        """Largest micro-batch, in tokens."""
+        return self.config.seq_len
+
+    @abstractmethod
+    def _plan(self, new: list[DocPiece], final: bool) -> list[MicroBatch]:
+        """Place ``new`` pieces (and held-back ones); return ``dp * n`` micro-batches.
+
+        ``final`` is True once the stream is exhausted: the packer must then make progress on
+        whatever it holds (release queues, place carried pieces) so that it eventually holds none.
+        """
+
+    @abstractmethod
+    def pending(self) -> int:
+        """Tokens read but not yet emitted."""
+
+    def _extra_state(self) -> dict[str, Any]:
+        return {}
+
+    def _load_extra_state(self, state: dict[str, Any]) -> None:
+        return None
+
+    # -- the stream ------------------------------------------------------------------------------
+    def pack(self, lengths: Sequence[int] | np.ndarray,
+             doc_ids: Sequence[int] | np.ndarray | None = None) -> Iterator[GlobalBatch]:
+        """Yield global batches from ``self.position`` to the end of ``lengths``, then flush.
+
+        ``doc_ids`` default to the index in ``lengths``. Feed a restored packer the same sequence.
+        """
+        lengths = validate_lengths(lengths)
+        if doc_ids is None:
+            ids = np.arange(lengths.size, dtype=np.int64)
+        else:
+            ids = np.asarray(doc_ids, dtype=np.int64)
+            if ids.shape != lengths.shape:
+                raise ValueError(f"doc_ids has {ids.size} entries but lengths has {lengths.size}")
+        if self.position > lengths.size:
+            raise ValueError(f"packer state is at document {self.position} but the stream has only "
+                             f"{lengths.size}; restore it on the stream it was saved from")
+        while True:
+            new = self._intake(lengths, ids)
+            final = self.position >= lengths.size
+            if final and not new and self.pending() == 0:
+                return
+            start = time.perf_counter()
+            micro_batches = self._plan(new, final)
+            elapsed = time.perf_counter() - start
+            batch = GlobalBatch(self.iteration, tuple(micro_batches), self.config.dp, self.config.n,
+                                plan_seconds=elapsed)
+            if final and batch.tokens == 0 and self.pending() > 0:
+                raise RuntimeError(f"{self.name} packer made no progress while flushing "
+                                   f"{self.pending()} pending tokens")
+            self.iteration += 1
+            yield batch
+
+    def _intake(self, lengths: np.ndarray, ids: np.ndarray) -> list[DocPiece]:
+        """Read this iteration's documents and apply the oversize policy."""
+        budget = self.config.tokens_per_iteration - self._credit
+        start = self.position
+        if start >= lengths.size:
+            return []
+        # Grow a window until its cumulative length covers the budget (avoids a full-array cumsum).
+        span = max(64, 2 * budget // max(1, int(lengths[start:start + 64].mean())))
+        while True:
+            stop = min(lengths.size, start + span)
+            csum = np.cumsum(lengths[start:stop])
+            if csum[-1] >= budget or stop == lengths.size:
+                break
+            span *= 2
+        k = int(np.searchsorted(csum, budget, side="left")) + 1  # docs until the budget is covered
+        k = min(k, csum.size)
+        read = int(csum[k - 1])
+        self._credit = max(0, read - budget)
+        self.position = start + k
+        return self._apply_oversize(lengths[start:start + k], ids[start:start + k])
+
+    def _apply_oversize(self, lengths: np.ndarray, ids: np.ndarray) -> list[DocPiece]:
+        cap = self.capacity
+        arrival = self.iteration
+        if self.cuts_documents or lengths.size == 0 or int(lengths.max()) <= cap:
+            return [DocPiece(int(i), 0, int(n), arrival) for i, n in zip(ids, lengths)]
+        policy = self.config.oversize
+        pieces: list[DocPiece] = []
+        for doc_id, n in zip(ids.tolist(), lengths.tolist()):
+            if n <= cap:
+                pieces.append(DocPiece(doc_id, 0, n, arrival))
+            elif policy == "split":
+                pieces.extend(DocPiece(doc_id, off, min(cap, n - off), arrival) for off in range(0, n, cap))
+            elif policy == "drop":
+                self.dropped.append((doc_id, n))
+            else:
+                raise ValueError(f"document {doc_id} has {n} tokens, more than the {self.name} packer's "
+                                 f"capacity {cap}; use oversize='split' or 'drop', or raise the capacity")
+        return pieces
+
+    # -- checkpointing ---------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-serialisable state; restore with ``load_state_dict`` on a packer of the same config."""
+        return {
+            "version": STATE_VERSION,
+            "packer": self.name,
+            "config": _config_key(self.config),
+            "position": self.position,
+            "iteration": self.iteration,
+            "credit": self._credit,
+            "dropped": [list(d) for d in self.dropped],
+            "extra": self._extra_state(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(f"packer state version {state.get('version')!r}; this build reads {STATE_VERSION}")
+        if state.get("packer") != self.name:
+            raise ValueError(f"state was saved by the {state.get('packer')!r} packer, not {self.name!r}")
+        if state.get("config") != _config_key(self.config):
+            raise ValueError("packer state was saved with a different configuration: "
+                             f"saved {state.get('config')}, now {_config_key(self.config)}")
+        self.position = int(state["position"])
+        self.iteration = int(state["iteration"])
+        self._credit = int(state["credit"])
+        self.dropped = [(int(a), int(b)) for a, b in state["dropped"]]
+        self._load_extra_state(state["extra"])
+
+
+def _config_key(config: PackingConfig) -> dict[str, Any]:
+    """The settings a restored packer must share with the saved one to replay identically."""
+    th = config.queue_thresholds
+    return {
+        "seq_len": config.seq_len, "n": config.n, "dp": config.dp, "max_seq_len": config.max_seq_len,
+        "oversize": config.oversize, "window": config.window,
+        "queue_thresholds": th if th == "auto" else list(th), "num_queues": config.num_queues,
+        "max_delay": config.max_delay, "seed": config.seed,
+    }
+
+
+PACKERS: dict[str, type[Packer]] = {}
+
+
+def register_packer(cls: type[Packer]) -> type[Packer]:
+    """Class decorator: make a packer available to ``make_packer`` under ``cls.name``."""
+    if not cls.name:
+        raise ValueError(f"{cls.__name__} needs a non-empty name")
+    PACKERS[cls.name] = cls
+    return cls
+
+
+def make_packer(name: str, config: PackingConfig, cost: CostModel | None = None) -> Packer:
+    """Build a registered packer by name (``original``, ``fixed-greedy``, ``fixed-solver``, ``wlb``)."""
+    import megatron_wlb.packing  # noqa: F401  (registers the built-in packers)
+
+    if name not in PACKERS:
+        raise ValueError(f"unknown packer {name!r}; choose one of {', '.join(sorted(PACKERS))}")
+    return PACKERS[name](config, cost)

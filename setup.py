@@ -1,0 +1,32 @@
+"""megatron-wlb: workload-balanced 4D parallelism (WLB-LLM, OSDI'25) for Megatron-LM."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron-wlb",
+    version="0.1.0",
+    description="Workload-balanced document packing and context-parallel sharding for Megatron-LM "
+                "(an open implementation of WLB-LLM, OSDI'25)",
+    long_description=open("README.md").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["megatron_wlb", "megatron_wlb.*"]),
+    package_data={"megatron_wlb": ["data/*.json", "data/*.md", "configs/*.yaml"]},
+    # The core (cost model, packers, shard layouts, simulator, CLI) needs no torch.
+    install_requires=[
+        "numpy>=1.24",
+        "highspy>=1.7",      # the MILP solver of the fixed-solver baseline
+        "pyyaml>=6",
+        "tqdm>=4.60",
+        "matplotlib>=3.7",   # figures of `wlb reproduce` / `wlb analyze`
+    ],
+    extras_require={
+        # Any torch >= 2.4 works; CPU-only machines install torch==2.13.0 first (see README).
+        "torch": ["torch>=2.4"],
+        # megatron-core imports triton unconditionally, also on CPU.
+        "megatron": ["torch>=2.4", "megatron-core>=0.16,<0.20", "triton", "packaging>=24.2"],
+        "test": ["pytest>=7", "hypothesis>=6", "ruff>=0.5"],
+    },
+    entry_points={"console_scripts": ["wlb=megatron_wlb.cli.main:main"]},
+    classifiers=["Programming Language :: Python :: 3", "License :: OSI Approved :: Apache Software License"],
+)
