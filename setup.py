@@ -11,7 +11,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["megatron_wlb", "megatron_wlb.*"]),
-    package_data={"megatron_wlb": ["data/*.json", "data/*.md", "configs/*.yaml"]},
+    package_data={"megatron_wlb": ["data/*.json", "data/*.md"]},
     # The core (cost model, packers, shard layouts, simulator, CLI) needs no torch.
     install_requires=[
         "numpy>=1.24",
