@@ -1,0 +1,228 @@
+"""The ``--wlb-*`` flags: an extra_args_provider that composes with Megatron's, and start-up checks.
+
+Megatron's ``parse_args(extra_args_provider)`` has one provider slot (pretrain_gpt.py fills it with
+ModelOpt's when that is installed), so ``compose_providers`` chains ours after whichever one is
+passed. ``validate_wlb_args`` runs after Megatron's own ``validate_args``: it resolves the
+settings (``--wlb-config`` supplies defaults, explicit flags win), rejects combinations that cannot
+work with a message saying what to change, and turns on ``args.variable_seq_lengths`` (Megatron's
+validate_args forces it off) so that pipeline stages exchange per-micro-batch shapes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+from collections.abc import Callable
+from typing import Any
+
+from megatron_wlb.megatron.settings import PACKING_NAMES, WlbSettings, cp_sharding_names
+from megatron_wlb.packing.types import PackingConfig
+
+ArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
+
+# settings field -> flag; every flag defaults to None so that "not given" is distinguishable from a
+# value equal to the default (needed to let --wlb-config fill in what the command line leaves out).
+FLAGS: dict[str, str] = {
+    "packing": "--wlb-packing", "queue_thresholds": "--wlb-queue-thresholds", "num_queues": "--wlb-num-queues",
+    "max_seq_len": "--wlb-max-seq-len", "max_delay": "--wlb-max-delay", "window": "--wlb-window",
+    "cp_sharding": "--wlb-cp-sharding", "cost_profile": "--wlb-cost-profile", "config": "--wlb-config",
+    "log_interval": "--wlb-log-interval",
+}
+
+
+def add_wlb_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the ``--wlb-*`` flags to Megatron's parser (a no-op if they are already there)."""
+    if "--wlb-packing" in parser._option_string_actions:  # composed twice: keep the first
+        return parser
+    d = WlbSettings()
+    g = parser.add_argument_group(title="WLB-LLM", description="workload-balanced packing and CP sharding "
+                                  "(megatron_wlb; see docs/megatron.md)")
+    g.add_argument("--wlb-packing", choices=PACKING_NAMES, default=None,
+                   help=f"PP-level packer (default {d.packing}; 'original' is Megatron's concat-and-cut)")
+    g.add_argument("--wlb-queue-thresholds", type=str, default=None, metavar="auto|L1,L2,...",
+                   help="outlier queue thresholds in tokens, increasing, or 'auto' (default)")
+    g.add_argument("--wlb-num-queues", type=int, default=None, help=f"queues 'auto' builds (default {d.num_queues})")
+    g.add_argument("--wlb-max-seq-len", type=int, default=None,
+                   help="S_max: largest packed micro-batch in tokens (default --seq-length)")
+    g.add_argument("--wlb-max-delay", type=int, default=None,
+                   help=f"iterations a document may wait in a queue (default {d.max_delay})")
+    g.add_argument("--wlb-window", type=int, default=None,
+                   help=f"global batches the fixed-* packers balance together (default {d.window})")
+    g.add_argument("--wlb-cp-sharding", choices=cp_sharding_names(), default=None,
+                   help=f"CP layout of each micro-batch (default {d.cp_sharding})")
+    g.add_argument("--wlb-cost-profile", type=str, default=None, metavar="PATH",
+                   help="calibrated cost-model profile JSON (default: analytic model from the model flags)")
+    g.add_argument("--wlb-config", type=str, default=None, metavar="NAME|YAML",
+                   help="a configs/ name (e.g. 7b_128k) or YAML path supplying packing defaults")
+    g.add_argument("--wlb-log-interval", type=int, default=None,
+                   help=f"log packing metrics every N iterations (default {d.log_interval})")
+    return parser
+
+
+def compose_providers(*providers: ArgsProvider | None) -> ArgsProvider:
+    """One provider that applies each given one in order (``None`` entries are skipped)."""
+    chain = [p for p in providers if p is not None]
+
+    def provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        for p in chain:
+            out = p(parser)
+            parser = parser if out is None else out
+        return parser
+
+    provider.wlb_chain = tuple(chain)  # type: ignore[attr-defined]
+    return provider
+
+
+def wlb_extra_args_provider(existing: ArgsProvider | None = None) -> ArgsProvider:
+    """Megatron's provider slot filled with ``existing`` (if any) followed by ours."""
+    return compose_providers(existing, add_wlb_args)
+
+
+# -- resolving and validating ------------------------------------------------------------------------
+def explicit_flags(args: Any) -> dict[str, Any]:
+    """The settings given on the command line (``wlb_*`` attributes that are not None)."""
+    return {k: getattr(args, f"wlb_{k}") for k in FLAGS if getattr(args, f"wlb_{k}", None) is not None}
+
+
+def settings_from_args(args: Any) -> WlbSettings:
+    """``WlbSettings`` from Megatron's args: ``--wlb-config`` values first, explicit flags over them."""
+    given = explicit_flags(args)
+    base: dict[str, Any] = {}
+    if given.get("config"):
+        cfg = load_run_config(given["config"])
+        p = cfg.packing
+        base = {"packing": cfg.packer, "queue_thresholds": p.queue_thresholds, "num_queues": p.num_queues,
+                "max_seq_len": p.max_seq_len, "max_delay": p.max_delay, "window": p.window,
+                "cp_sharding": cfg.cp_sharding}
+    return WlbSettings(**{**base, **given})
+
+
+def load_run_config(name_or_path: str):
+    """``megatron_wlb.config.load_config`` with errors that name the flag and the valid configs."""
+    from megatron_wlb.config import list_configs, load_config
+
+    try:
+        return load_config(name_or_path)
+    except FileNotFoundError:
+        raise ValueError(f"--wlb-config {name_or_path!r} is neither a YAML file nor one of the shipped configs "
+                         f"({', '.join(list_configs())}); pass one of those names or a path to a .yaml file") from None
+
+
+def module_available(name: str) -> bool:
+    """Whether ``name`` can be imported (without importing it)."""
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def num_microbatches_from_args(args: Any) -> int:
+    """Micro-batches per DP rank per iteration: global_batch / (micro_batch x DP), as Megatron computes."""
+    mbs, dp, gbs = int(args.micro_batch_size), int(args.data_parallel_size), int(args.global_batch_size)
+    if gbs % (mbs * dp):
+        raise ValueError(f"--global-batch-size {gbs} is not divisible by --micro-batch-size x DP = {mbs * dp}")
+    return gbs // (mbs * dp)
+
+
+def validate_wlb_args(args: Any, *, te_available: bool | None = None,
+                      highspy_available: bool | None = None) -> WlbSettings:
+    """Check Megatron's validated ``args`` against the WLB settings; raise a ValueError saying what to change.
+
+    Sets ``args.variable_seq_lengths = True`` (micro-batches differ in length) and returns the
+    resolved settings. ``te_available`` / ``highspy_available`` default to import probes.
+    """
+    settings = settings_from_args(args)
+    problems: list[str] = []
+    seq_length = int(args.seq_length)
+    tp = int(getattr(args, "tensor_model_parallel_size", 1))
+    cp = int(getattr(args, "context_parallel_size", 1))
+    pp = int(getattr(args, "pipeline_model_parallel_size", 1))
+    dp = int(getattr(args, "data_parallel_size", 1))
+
+    if int(getattr(args, "micro_batch_size", 1)) != 1:
+        problems.append(f"--micro-batch-size {args.micro_batch_size}: WLB packs variable-length THD micro-batches; "
+                        "set --micro-batch-size 1 and put the batch size into --global-batch-size")
+    if getattr(args, "rampup_batch_size", None):
+        problems.append("--rampup-batch-size changes the number of micro-batches per iteration, which the packer "
+                        "fixes at start-up; remove --rampup-batch-size")
+    if settings.max_seq_len is not None and settings.max_seq_len < seq_length:
+        problems.append(f"--wlb-max-seq-len {settings.max_seq_len} is below --seq-length {seq_length}; raise "
+                        f"--wlb-max-seq-len to at least {seq_length} or leave it unset")
+    capacity = settings.max_seq_len or seq_length
+    if settings.queue_thresholds != "auto" and settings.queue_thresholds[-1] > capacity:
+        problems.append(f"--wlb-queue-thresholds {','.join(map(str, settings.queue_thresholds))}: the largest "
+                        f"threshold exceeds the micro-batch capacity {capacity}; use thresholds <= {capacity}")
+    if seq_length % (2 * cp):
+        problems.append(f"--seq-length {seq_length} must be divisible by 2 x --context-parallel-size = {2 * cp}")
+    if settings.cp_sharding == "per-document-te":
+        if te_available is None:
+            te_available = module_available("transformer_engine")
+        if not te_available:
+            problems.append("--wlb-cp-sharding per-document-te keeps TransformerEngine's THD attention, but "
+                            "transformer_engine is not installed; install TransformerEngine or choose "
+                            "--wlb-cp-sharding per-document / adaptive (our all-gather CP attention)")
+    if settings.packing == "fixed-solver":
+        if highspy_available is None:
+            highspy_available = module_available("highspy")
+        if not highspy_available:
+            problems.append("--wlb-packing fixed-solver needs the HiGHS MILP solver: pip install highspy, "
+                            "or use --wlb-packing fixed-greedy / wlb")
+    if settings.cost_profile is not None and not os.path.isfile(settings.cost_profile):
+        problems.append(f"--wlb-cost-profile {settings.cost_profile}: no such file (make one with `wlb bench "
+                        "--profile` on a GPU, or leave the flag out for the analytic model)")
+    if getattr(args, "mock_data", False):
+        problems.append("--mock-data has no documents to pack; give --data-path PREFIX (Megatron .bin/.idx)")
+    elif not (getattr(args, "data_path", None) or getattr(args, "train_data_path", None)):
+        problems.append("no --data-path: WLB reads documents from Megatron indexed datasets (PREFIX.bin/.idx); "
+                        "give --data-path [WEIGHT] PREFIX ... or --train-data-path")
+    for flag, attr in (("--hybrid-context-parallel", "hybrid_context_parallel"), ("--sft", "sft"),
+                       ("--fim-data", "fim_data")):
+        if getattr(args, attr, False):
+            problems.append(f"{flag} replaces the data path WLB installs; remove {flag} or do not call "
+                            "megatron_wlb.megatron.apply()")
+    if getattr(args, "dataloader_type", "single") == "external":
+        problems.append("--dataloader-type external: WLB supplies the training iterator itself; use single or cyclic")
+    if settings.config:
+        cfg = load_run_config(settings.config)
+        lay = cfg.layout
+        if (lay.tp, lay.cp, lay.pp, lay.dp) != (tp, cp, pp, dp) or cfg.seq_len != seq_length:
+            problems.append(f"--wlb-config {settings.config} describes TP{lay.tp} CP{lay.cp} PP{lay.pp} DP{lay.dp} "
+                            f"with --seq-length {cfg.seq_len}, but this run is TP{tp} CP{cp} PP{pp} DP{dp} with "
+                            f"--seq-length {seq_length}; pick the config of this layout or pass --wlb-* flags instead")
+        elif getattr(args, "global_batch_size", None) and int(args.global_batch_size) != cfg.packing.n * dp:
+            problems.append(f"--wlb-config {settings.config} packs {cfg.packing.n} micro-batches per DP rank; "
+                            f"set --global-batch-size {cfg.packing.n * dp} (= micro_batches x DP) "
+                            "with --micro-batch-size 1")
+    if problems:
+        raise ValueError("megatron_wlb: invalid WLB-LLM configuration:\n  - " + "\n  - ".join(problems))
+    args.variable_seq_lengths = True
+    return settings
+
+
+def packing_config_from_args(args: Any, settings: WlbSettings) -> PackingConfig:
+    """The packer's config for this run: Megatron's seq_length, micro-batch count, DP size and seed."""
+    return PackingConfig(
+        seq_len=int(args.seq_length), n=num_microbatches_from_args(args), dp=int(args.data_parallel_size),
+        max_seq_len=settings.max_seq_len, oversize="split", window=settings.window,
+        queue_thresholds=settings.queue_thresholds, num_queues=settings.num_queues, max_delay=settings.max_delay,
+        seed=int(getattr(args, "seed", 0)))
+
+
+def cost_model_from_args(args: Any, settings: WlbSettings):
+    """The cost model W(d) for this run's model flags and layout (calibrated if --wlb-cost-profile)."""
+    from megatron_wlb.costmodel import ModelShape, ParallelLayout, build_cost_model
+
+    heads = int(args.num_attention_heads)
+    kv = int(args.num_query_groups) if getattr(args, "group_query_attention", False) and \
+        getattr(args, "num_query_groups", None) else heads
+    ffn = getattr(args, "ffn_hidden_size", None) or 4 * int(args.hidden_size)
+    vocab = getattr(args, "padded_vocab_size", None) or getattr(args, "vocab_size", None) or 32000
+    shape = ModelShape(name="megatron", hidden=int(args.hidden_size), num_layers=int(args.num_layers),
+                       num_heads=heads, num_kv_heads=kv, ffn_hidden=int(ffn), vocab=int(vocab),
+                       swiglu=bool(getattr(args, "swiglu", False)))
+    layout = ParallelLayout(tp=int(getattr(args, "tensor_model_parallel_size", 1)),
+                            cp=int(getattr(args, "context_parallel_size", 1)),
+                            pp=int(getattr(args, "pipeline_model_parallel_size", 1)),
+                            dp=int(getattr(args, "data_parallel_size", 1)))
+    return build_cost_model(shape, layout, profile=settings.cost_profile)
