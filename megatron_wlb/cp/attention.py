@@ -1,0 +1,276 @@
+"""All-gather context-parallel attention that accepts any shard layout (Llama-3 style CP).
+
+Each CP rank holds q, k, v of its own tokens, in its layout order (``RankShard.token_index``),
+shaped ``[tokens, heads, head_dim]`` (GQA: fewer k/v heads than q heads). Forward:
+
+1. K and V (stacked, one collective) are all-gathered over the CP group: rank 0's tokens, then
+   rank 1's, ... (each rank's block padded to the largest count, so unequal counts are fine);
+2. ``kv_index`` (micro-batch positions) mapped through ``gather_position`` picks, for every query
+   run, its document's keys ``[doc_start, run_end)`` out of the gathered buffer: a materialised
+   copy, because the key segments of one document's runs overlap;
+3. one varlen kernel call with ``cu_seqlens_q`` / ``cu_seqlens_k`` and a bottom-right-aligned causal
+   mask (query ``i`` of a run of ``n`` queries over ``m`` keys sees keys ``j <= i + m - n``).
+
+Backward: dq comes straight from the kernel; dK/dV of the segments are scatter-added into the
+gathered layout and reduce-scattered, so each rank receives the gradient of its own k and v summed
+over every rank that attended to them. :class:`AllGatherKV` is that collective pair as an autograd
+function; the kernel's own autograd does the rest, so any differentiable kernel plugs in.
+
+Kernel backends: ``torch-varlen`` (``torch.nn.attention.varlen.varlen_attn``; CUDA only),
+``flash-attn`` (``flash_attn.flash_attn_varlen_func``; CUDA only) and ``reference`` (plain torch,
+one matmul per query run; runs anywhere, the ground truth for tests). ``auto`` picks the first that
+can run on the tensors' device.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import math
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron_wlb.cp.layouts import RankShard
+
+BACKENDS = ("auto", "torch-varlen", "flash-attn", "reference")
+
+
+# ------------------------------------------------------------------------------------------------
+# kernels
+# ------------------------------------------------------------------------------------------------
+
+def _expand_kv_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
+    return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
+
+
+def reference_varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: Sequence[int],
+                               cu_seqlens_k: Sequence[int], softmax_scale: float | None = None) -> torch.Tensor:
+    """Varlen causal attention, bottom-right aligned, one matmul per query run (differentiable).
+
+    ``q`` [Tq, H, D]; ``k``, ``v`` [Tk, Hkv, D]; run ``i`` is queries ``cu_q[i]:cu_q[i+1]`` against
+    keys ``cu_k[i]:cu_k[i+1]``; query ``a`` of an ``n``-query run over ``m`` keys sees keys
+    ``b <= a + m - n``. Computes in float32 (or float64 if given) and returns ``q``'s dtype.
+    """
+    heads, dim = q.shape[1], q.shape[2]
+    scale = 1.0 / math.sqrt(dim) if softmax_scale is None else softmax_scale
+    work_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    cq = [int(x) for x in cu_seqlens_q]
+    ck = [int(x) for x in cu_seqlens_k]
+    outs = []
+    for i in range(len(cq) - 1):
+        qs = q[cq[i]:cq[i + 1]].to(work_dtype).transpose(0, 1)                       # [H, n, D]
+        ks = _expand_kv_heads(k[ck[i]:ck[i + 1]], heads).to(work_dtype).transpose(0, 1)  # [H, m, D]
+        vs = _expand_kv_heads(v[ck[i]:ck[i + 1]], heads).to(work_dtype).transpose(0, 1)
+        n, m = qs.shape[1], ks.shape[1]
+        scores = torch.matmul(qs, ks.transpose(1, 2)) * scale
+        allowed = (torch.arange(m, device=q.device)[None, :]
+                   <= torch.arange(n, device=q.device)[:, None] + (m - n))
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        outs.append(torch.matmul(torch.softmax(scores, dim=-1), vs).transpose(0, 1))
+    if not outs:
+        return q * 0.0
+    return torch.cat(outs, dim=0).to(q.dtype)
+
+
+def reference_document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                 cu_seqlens: Sequence[int] | np.ndarray | torch.Tensor,
+                                 softmax_scale: float | None = None) -> torch.Tensor:
+    """Single-process ground truth: document-causal attention over a packed [T, H, D] sequence."""
+    cu = [int(x) for x in (cu_seqlens.tolist() if hasattr(cu_seqlens, "tolist") else cu_seqlens)]
+    if cu[0] != 0 or cu[-1] != q.shape[0] or any(b < a for a, b in zip(cu, cu[1:])):
+        raise ValueError(f"cu_seqlens must rise from 0 to the {q.shape[0]} tokens of q, got {cu[:4]}...{cu[-2:]}")
+    return reference_varlen_attention(q, k, v, cu, cu, softmax_scale)
+
+
+def _torch_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale):
+    from torch.nn.attention.varlen import varlen_attn
+
+    params = inspect.signature(varlen_attn).parameters
+    kwargs = {"scale": scale}
+    if "window_size" in params:
+        kwargs["window_size"] = (-1, 0)          # causal, bottom-right aligned (flash semantics)
+    else:
+        kwargs["is_causal"] = True               # torch <= 2.10 spelling
+    if k.shape[1] != q.shape[1]:
+        if "enable_gqa" in params:
+            kwargs["enable_gqa"] = True
+        else:
+            k, v = _expand_kv_heads(k, q.shape[1]), _expand_kv_heads(v, q.shape[1])
+    return varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs)
+
+
+def _flash_attn(q, k, v, cu_q, cu_k, max_q, max_k, scale):
+    from flash_attn import flash_attn_varlen_func
+
+    return flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p=0.0, softmax_scale=scale,
+                                  causal=True)
+
+
+def _torch_varlen_available() -> bool:
+    return importlib.util.find_spec("torch.nn.attention.varlen") is not None
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """The kernel that ``backend`` means on ``device`` (``auto``: torch-varlen, flash-attn, reference)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r}; valid: {', '.join(BACKENDS)}")
+    cuda = device.type == "cuda"
+    if backend == "auto":
+        if cuda and _torch_varlen_available():
+            return "torch-varlen"
+        if cuda and importlib.util.find_spec("flash_attn") is not None:
+            return "flash-attn"
+        return "reference"
+    if backend in ("torch-varlen", "flash-attn") and not cuda:
+        raise ValueError(f"attention backend {backend!r} needs CUDA tensors, got device {device}; "
+                         "use 'reference' (or 'auto') on CPU")
+    if backend == "flash-attn" and importlib.util.find_spec("flash_attn") is None:
+        raise ValueError("attention backend 'flash-attn' requested but flash_attn is not installed")
+    if backend == "torch-varlen" and not _torch_varlen_available():
+        raise ValueError("attention backend 'torch-varlen' needs torch.nn.attention.varlen (torch >= 2.9)")
+    return backend
+
+
+def varlen_attention(q, k, v, cu_seqlens_q: np.ndarray, cu_seqlens_k: np.ndarray, max_seqlen_q: int,
+                     max_seqlen_k: int, backend: str = "auto", softmax_scale: float | None = None) -> torch.Tensor:
+    """Bottom-right causal varlen attention with the chosen kernel (differentiable)."""
+    name = resolve_backend(backend, q.device)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
+    if name == "reference" or len(cu_seqlens_q) <= 1:
+        return reference_varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, scale)
+    cu_q = torch.as_tensor(np.asarray(cu_seqlens_q, dtype=np.int32), device=q.device)
+    cu_k = torch.as_tensor(np.asarray(cu_seqlens_k, dtype=np.int32), device=q.device)
+    fn = _torch_varlen if name == "torch-varlen" else _flash_attn
+    return fn(q, k, v, cu_q, cu_k, int(max_seqlen_q), int(max_seqlen_k), scale)
+
+
+# ------------------------------------------------------------------------------------------------
+# communication
+# ------------------------------------------------------------------------------------------------
+
+def _all_gather(out: torch.Tensor, inp: torch.Tensor, group) -> None:
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn(out, inp, group=group)
+
+
+def _reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group) -> None:
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    fn(out, inp, op=dist.ReduceOp.SUM, group=group)
+
+
+class AllGatherKV(torch.autograd.Function):
+    """Forward: all-gather the ranks' stacked K/V and pick the key segments ``seg_index``.
+    Backward: scatter-add the segments' gradients and reduce-scatter them to their owners."""
+
+    @staticmethod
+    def forward(ctx, kv_local: torch.Tensor, seg_index: torch.Tensor, counts: tuple[int, ...], rank: int, group):
+        cp = len(counts)
+        width = max(counts) if counts else 0
+        ctx.meta = (counts, rank, group, width, kv_local.shape[0])
+        ctx.save_for_backward(seg_index)
+        if cp == 1:
+            return kv_local.index_select(0, seg_index)
+        padded = kv_local.new_zeros((width,) + tuple(kv_local.shape[1:]))
+        padded[: kv_local.shape[0]] = kv_local
+        gathered = kv_local.new_empty((cp * width,) + tuple(kv_local.shape[1:]))
+        _all_gather(gathered, padded.contiguous(), group)
+        return gathered.index_select(0, seg_index)
+
+    @staticmethod
+    def backward(ctx, grad_seg: torch.Tensor):
+        (seg_index,) = ctx.saved_tensors
+        counts, rank, group, width, local = ctx.meta
+        cp = len(counts)
+        rows = local if cp == 1 else cp * width
+        buf = grad_seg.new_zeros((rows,) + tuple(grad_seg.shape[1:]))
+        buf.index_add_(0, seg_index, grad_seg.contiguous())
+        if cp == 1:
+            return buf, None, None, None, None
+        mine = grad_seg.new_empty((width,) + tuple(grad_seg.shape[1:]))
+        _reduce_scatter(mine, buf, group)
+        return mine[:local], None, None, None, None
+
+
+def segment_index(shard: RankShard) -> np.ndarray:
+    """Rows of the padded all-gather buffer that hold each query run's keys, in kv_index order."""
+    counts = np.asarray(shard.rank_counts, dtype=np.int64)
+    pos = shard.gather_position[shard.kv_index]                 # position in the unpadded gathered order
+    offsets = np.concatenate([[0], np.cumsum(counts)])
+    owner = np.searchsorted(offsets, pos, side="right") - 1
+    return owner * (int(counts.max()) if counts.size else 0) + (pos - offsets[owner])
+
+
+def _check(q, k, v, shard: RankShard, group) -> tuple[int, int]:
+    if not isinstance(shard, RankShard):
+        raise ValueError(f"shard must be a RankShard (from build_layout), got {type(shard).__name__}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 3:
+            raise ValueError(f"{name} must be [tokens, heads, head_dim], got shape {tuple(t.shape)}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    n = shard.num_tokens
+    if q.shape[0] != n or k.shape[0] != n:
+        raise ValueError(f"rank {shard.rank} owns {n} tokens in its layout but q has {q.shape[0]} and k "
+                         f"{k.shape[0]}; pass this rank's tokens in RankShard.token_index order")
+    if q.shape[2] != k.shape[2]:
+        raise ValueError(f"q and k head_dim differ: {q.shape[2]} vs {k.shape[2]}")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"q heads ({q.shape[1]}) must be a multiple of k/v heads ({k.shape[1]}) for GQA")
+    if not shard.rank_counts or shard.gather_position is None:
+        raise ValueError("shard lacks rank_counts / gather_position; build it with build_layout")
+    cp = len(shard.rank_counts)
+    if shard.rank_counts[shard.rank] != n or sum(shard.rank_counts) != shard.gather_position.size:
+        raise ValueError(f"shard metadata is inconsistent: rank_counts {shard.rank_counts} vs {n} tokens on rank "
+                         f"{shard.rank} and {shard.gather_position.size} micro-batch positions")
+    if int(shard.cu_seqlens_q[-1]) != n:
+        raise ValueError(f"cu_seqlens_q ends at {int(shard.cu_seqlens_q[-1])}, expected the rank's {n} tokens")
+    if np.any(shard.query_lengths < 1) or np.any(shard.query_lengths > shard.key_lengths):
+        raise ValueError("every query run needs >= 1 query and at most as many queries as keys")
+    if cp > 1 or (group is not None):
+        if not dist.is_initialized():
+            raise ValueError(f"the layout has cp={cp} ranks but torch.distributed is not initialised")
+        size, rank = dist.get_world_size(group), dist.get_rank(group)
+        if size != cp or rank != shard.rank:
+            raise ValueError(f"process group has size {size} and this process is rank {rank}, but the shard is rank "
+                             f"{shard.rank} of a cp={cp} layout; pass the CP group and this rank's shard")
+    return cp, n
+
+
+def all_gather_cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shard: RankShard, group=None,
+                            backend: str = "auto", softmax_scale: float | None = None) -> torch.Tensor:
+    """Document-causal attention of this rank's queries over the whole micro-batch's keys.
+
+    ``q`` [T_r, H, D], ``k``/``v`` [T_r, Hkv, D] in ``shard.token_index`` order; ``group`` is the CP
+    process group (``None``: the default group; single-process when the layout has cp=1).
+    Returns [T_r, H, D]. Differentiable w.r.t. q, k, v (dk/dv reduce-scattered to their owners).
+    """
+    _check(q, k, v, shard, group)
+    seg = torch.as_tensor(segment_index(shard), dtype=torch.long, device=k.device)
+    kv = torch.stack([k, v], dim=1)                                   # [T_r, 2, Hkv, D]: one collective
+    kv_seg = AllGatherKV.apply(kv, seg, tuple(shard.rank_counts), shard.rank, group)
+    if shard.cu_seqlens_q.size <= 1:
+        # No queries here; keep the (empty) K/V segments in the graph so this rank still joins the
+        # backward reduce-scatter that the other ranks start.
+        return q * 0.0 + kv_seg.sum() * 0.0
+    return varlen_attention(q, kv_seg[:, 0], kv_seg[:, 1], shard.cu_seqlens_q, shard.cu_seqlens_k,
+                            shard.max_seqlen_q, shard.max_seqlen_k, backend, softmax_scale)
+
+
+class AllGatherCPAttention(torch.nn.Module):
+    """:func:`all_gather_cp_attention` as a module (no parameters): ``forward(q, k, v, shard, group)``."""
+
+    def __init__(self, backend: str = "auto", softmax_scale: float | None = None):
+        super().__init__()
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown attention backend {backend!r}; valid: {', '.join(BACKENDS)}")
+        self.backend = backend
+        self.softmax_scale = softmax_scale
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shard: RankShard, group=None):
+        return all_gather_cp_attention(q, k, v, shard, group, self.backend, self.softmax_scale)
+
+    def extra_repr(self) -> str:
+        return f"backend={self.backend!r}, softmax_scale={self.softmax_scale}"

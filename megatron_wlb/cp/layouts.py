@@ -1,0 +1,402 @@
+"""Context-parallel shard layouts: which token positions of a packed micro-batch each CP rank owns.
+
+Pure numpy, vectorised over runs of tokens (never a Python loop per token). A micro-batch is its
+document lengths in order; a layout assigns every token position to exactly one of ``cp`` ranks.
+All-gather CP (Llama-3 style, WLB-LLM Sec. 5) then gathers K/V, and each rank runs varlen attention
+for its own *query runs*: maximal stretches of its tokens that are consecutive inside one document.
+A query run ``[s, e)`` of a document starting at ``ds`` attends keys ``[ds, e)`` with a
+bottom-right-aligned causal mask (``seqlen_k = e - ds``, as flash-attention varlen does).
+
+Layouts (``LAYOUT_NAMES``):
+
+``per-sequence``
+    Megatron's default: the whole micro-batch of ``T`` tokens is cut into ``2*cp`` chunks, rank
+    ``r`` takes chunks ``r`` and ``2cp-1-r``. When ``T % (2cp) == 0`` this is exactly Megatron's
+    split; otherwise the ``T % (2cp)`` leftover tokens grow the chunks by one token each, dealt
+    round-robin over ranks (head chunk first), so nothing is padded.
+``per-document``
+    Every document ``d = e + r`` (``e`` divisible by ``2cp``) is cut into ``2cp`` chunks of ``e/2cp``
+    tokens and rank ``r`` takes chunks ``r`` and ``2cp-1-r`` (WLB-LLM Sec. 5.2). The ``r`` leftover
+    tokens grow chunks by one token each, dealt round-robin over ranks by ONE counter that runs on
+    across the documents of the micro-batch (the head chunk of a rank grows first, its tail chunk
+    only when ``r > cp``). Chunks stay contiguous, so no single-token runs appear unless a document
+    is shorter than ``2cp``.
+``per-document-te``
+    TransformerEngine's ``thd_get_partitioned_indices``: every document padded to a multiple of
+    ``2cp`` (padding at its end), then the head-tail split per padded document. Positions are in
+    the padded micro-batch (``padded_lengths``). For users who keep TE's ring attention.
+``adaptive``
+    Per micro-batch, whichever of ``per-sequence`` / ``per-document`` has the lower estimated CP
+    attention time (max over ranks of the estimated work); ``ShardLayout.name`` is the choice.
+``hybrid`` (per-document choice; beyond the paper, whose Sec. 8 leaves it open)
+    Documents shorter than ``2*cp*tile`` (whose per-document chunks would be smaller than one
+    kernel tile) are kept whole and placed by longest-processing-time-first on the rank with the
+    least estimated attention work, subject to a token cap of ``ceil(T/cp * (1 + token_slack))``;
+    longer documents (and any short one that fits under no rank's cap) are split as in
+    ``per-document``. Trades exact token balance for no tiny shards.
+
+Equal-count guarantee (tested): for ``per-sequence`` and ``per-document`` the token counts of the
+ranks differ by at most one; rank ``k`` holds ``floor(T/cp) + (k < T % cp)`` tokens, so all counts
+are equal exactly when ``cp`` divides ``T``. (The round-robin deals ``R = T mod 2cp`` resp.
+``R = sum_d (d mod 2cp)`` tokens starting at rank 0, and ``R = T (mod cp)`` in both cases.)
+``per-document-te`` gives every rank exactly ``sum(padded_lengths) / cp``. ``hybrid`` promises only
+the cap above for whole documents (documents it must split add at most ``ceil(d/cp)`` each).
+
+Work estimate (``RankShard.work``): for each query run of ``q`` queries ending at key ``kv``,
+``cost.attention_run(q_pad, kv_pad) / efficiency.relative(q_pad, kv_pad)`` with ``q_pad``,
+``kv_pad`` rounded up to the kernel tile: tile-padded FLOPs over achieved TFLOP/s from the table,
+in the cost model's units (forward seconds, one layer, one GPU). Large shapes have relative
+efficiency ~1, so a whole document costs what ``cost.attention_run(d, d)`` says.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import numpy as np
+
+from megatron_wlb.costmodel import AnalyticCostModel, CostModel, ParallelLayout, get_model
+from megatron_wlb.cp.efficiency import KernelEfficiency
+
+LAYOUT_NAMES: tuple[str, ...] = ("per-sequence", "per-document", "per-document-te", "adaptive", "hybrid")
+LAYOUT_ALIASES: dict[str, str] = {"per-document-choice": "hybrid"}
+SHARD_FORMAT_KEYS = ("layout", "padded_lengths", "ranks")
+
+
+@dataclass(frozen=True, eq=False)
+class RankShard:
+    """What one CP rank owns and the varlen metadata for its attention (see the module docstring).
+
+    ``kv_index`` (indices into the all-gathered K/V in micro-batch order, concatenated per query
+    run: ``[doc_start, run_end)``) is materialised on first access: it is O(tokens) per rank and
+    only the rank itself needs it. ``gather_position[p]`` is where micro-batch position ``p`` lands
+    in the all-gathered buffer (rank 0's tokens, then rank 1's, ...); it is one array shared by all
+    ranks of a layout. ``rank_counts`` are the token counts of all ranks, in rank order.
+    """
+
+    token_index: np.ndarray
+    position_ids: np.ndarray
+    runs: np.ndarray
+    cu_seqlens_q: np.ndarray
+    cu_seqlens_k: np.ndarray
+    max_seqlen_q: int
+    max_seqlen_k: int
+    work: float
+    rank: int = 0
+    rank_counts: tuple[int, ...] = ()
+    gather_position: np.ndarray | None = field(default=None, repr=False)
+    run_key_start: np.ndarray | None = field(default=None, repr=False)  # int64 [Q]: doc_start of each query run
+
+    @cached_property
+    def kv_index(self) -> np.ndarray:
+        """int64: each query run's key segment ``[doc_start, run_end)``, concatenated in run order."""
+        kv_len = np.diff(self.cu_seqlens_k.astype(np.int64))
+        if kv_len.size == 0:
+            return np.zeros(0, dtype=np.int64)
+        if self.run_key_start is None or self.run_key_start.size != kv_len.size:
+            raise ValueError("RankShard.kv_index needs run_key_start with one entry per query run "
+                             "(build shards with build_layout)")
+        return _expand(self.run_key_start, kv_len)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_index.size)
+
+    @property
+    def query_lengths(self) -> np.ndarray:
+        return np.diff(self.cu_seqlens_q.astype(np.int64))
+
+    @property
+    def key_lengths(self) -> np.ndarray:
+        return np.diff(self.cu_seqlens_k.astype(np.int64))
+
+
+@dataclass(frozen=True, eq=False)
+class ShardLayout:
+    """A micro-batch's assignment of tokens to CP ranks; ``name`` is the layout used."""
+
+    name: str
+    requested: str
+    cp: int
+    lengths: np.ndarray
+    padded_lengths: np.ndarray
+    ranks: tuple[RankShard, ...]
+    estimates: dict = field(default_factory=dict)  # adaptive: candidate -> estimated max rank work
+
+    @property
+    def rank_work(self) -> np.ndarray:
+        return np.array([r.work for r in self.ranks], dtype=np.float64)
+
+    @property
+    def rank_tokens(self) -> np.ndarray:
+        return np.array([r.num_tokens for r in self.ranks], dtype=np.int64)
+
+    @property
+    def imbalance(self) -> float:
+        """max / mean of the ranks' estimated attention work (1.0 for an empty micro-batch)."""
+        w = self.rank_work
+        mean = w.mean() if w.size else 0.0
+        return float(w.max() / mean) if mean > 0 else 1.0
+
+    @property
+    def max_work(self) -> float:
+        """Estimated CP attention time of the micro-batch: the slowest rank's work."""
+        return float(self.rank_work.max()) if self.ranks else 0.0
+
+    def to_json(self) -> dict:
+        """The ``wlb shard`` contract line: layout used, padded lengths, per-rank [start, end) runs."""
+        return {"layout": self.name,
+                "padded_lengths": [int(x) for x in self.padded_lengths],
+                "ranks": [r.runs.tolist() for r in self.ranks]}
+
+
+# ------------------------------------------------------------------------------------------------
+# vectorised helpers
+# ------------------------------------------------------------------------------------------------
+
+def _exclusive_cumsum(x: np.ndarray) -> np.ndarray:
+    out = np.zeros(x.size, dtype=np.int64)
+    if x.size > 1:
+        np.cumsum(x[:-1], out=out[1:])
+    return out
+
+
+def _expand(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Concatenate ``arange(s, s + n)`` for each (s, n), without a Python loop."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    total = int(lengths.sum())
+    if total == 0:
+        return np.zeros(0, dtype=np.int64)
+    return np.repeat(np.asarray(starts, dtype=np.int64) - _exclusive_cumsum(lengths), lengths) + np.arange(total)
+
+
+def _head_tail_chunks(unit_start: np.ndarray, unit_len: np.ndarray, cp: int, rr_start: int = 0):
+    """Cut each unit into 2cp contiguous chunks; rank r takes chunks r and 2cp-1-r.
+
+    Each unit of length L = e + rem gets chunks of e/2cp tokens; its ``rem`` leftover tokens grow
+    chunks by one, dealt round-robin over ranks by one counter that starts at ``rr_start`` and runs
+    on across units (a rank's head chunk grows first, its tail chunk if it is dealt a second token).
+    Returns (rank, start, end, unit) of the non-empty chunks, unit-major, and the counter's end.
+    """
+    n = unit_len.size
+    two = 2 * cp
+    base = unit_len // two
+    rem = unit_len % two
+    first = (rr_start + _exclusive_cumsum(rem)) % cp                  # rank dealt the unit's first token
+    k = np.arange(cp)
+    dealt = (rem // cp)[:, None] + (((k[None, :] - first[:, None]) % cp) < (rem % cp)[:, None])  # [n, cp]
+    head_extra = np.minimum(dealt, 1)
+    sizes = np.empty((n, two), dtype=np.int64)
+    sizes[:, :cp] = base[:, None] + head_extra
+    sizes[:, cp:] = (base[:, None] + (dealt - head_extra))[:, ::-1]     # chunk 2cp-1-r belongs to rank r
+    ends = np.cumsum(sizes, axis=1) + unit_start[:, None]
+    starts = ends - sizes
+    rank = np.broadcast_to(np.concatenate([k, k[::-1]]), (n, two))
+    unit = np.broadcast_to(np.arange(n)[:, None], (n, two))
+    keep = sizes.ravel() > 0
+    rr_end = int((rr_start + rem.sum()) % cp)
+    return rank.ravel()[keep], starts.ravel()[keep], ends.ravel()[keep], unit.ravel()[keep], rr_end
+
+
+def _split_at_documents(rank, start, end, cu):
+    """Split [start, end) ranges that cross document boundaries ``cu`` into per-document pieces."""
+    d_lo = np.searchsorted(cu, start, side="right") - 1
+    d_hi = np.searchsorted(cu, end - 1, side="right") - 1
+    count = d_hi - d_lo + 1
+    idx = np.repeat(np.arange(start.size), count)
+    doc = np.repeat(d_lo, count) + (np.arange(idx.size) - np.repeat(_exclusive_cumsum(count), count))
+    s = np.maximum(start[idx], cu[doc])
+    e = np.minimum(end[idx], cu[doc + 1])
+    return rank[idx], s, e, doc
+
+
+def attention_work(q_len: np.ndarray, kv_len: np.ndarray, cost: CostModel, efficiency: KernelEfficiency,
+                   tile: int) -> np.ndarray:
+    """Estimated forward seconds of query runs: tile-padded cost over the kernel's relative efficiency."""
+    q = np.asarray(q_len, dtype=np.int64)
+    kv = np.asarray(kv_len, dtype=np.int64)
+    if tile > 1:
+        q = -(-q // tile) * tile
+        kv = -(-kv // tile) * tile
+    return cost.attention_run(q, kv) / efficiency.relative(q, kv)
+
+
+# ------------------------------------------------------------------------------------------------
+# layout construction
+# ------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Runs:
+    """Query runs of all ranks (unsorted): rank, [start, end) in the (padded) micro-batch, document."""
+
+    rank: np.ndarray
+    start: np.ndarray
+    end: np.ndarray
+    doc: np.ndarray
+
+
+def _runs_per_sequence(cu: np.ndarray, cp: int) -> _Runs:
+    total = int(cu[-1])
+    rank, s, e, _, _ = _head_tail_chunks(np.zeros(1, np.int64), np.array([total], np.int64), cp)
+    return _Runs(*_split_at_documents(rank, s, e, cu))
+
+
+def _runs_per_document(cu: np.ndarray, lengths: np.ndarray, cp: int) -> _Runs:
+    rank, s, e, doc, _ = _head_tail_chunks(cu[:-1], lengths, cp)
+    return _Runs(rank, s, e, doc)
+
+
+def _runs_hybrid(cu: np.ndarray, lengths: np.ndarray, cp: int, cost: CostModel, eff: KernelEfficiency,
+                 tile: int, threshold: int | None, token_slack: float) -> _Runs:
+    limit = 2 * cp * tile if threshold is None else int(threshold)
+    short = lengths < limit
+    long_ids = np.flatnonzero(~short)
+    rank, s, e, unit, rr = _head_tail_chunks(cu[long_ids], lengths[long_ids], cp)
+    doc = long_ids[unit]
+    load = np.bincount(rank, weights=attention_work(e - s, e - cu[doc], cost, eff, tile), minlength=cp).tolist()
+    tokens = np.bincount(rank, weights=e - s, minlength=cp).tolist()
+    cap = int(np.ceil(cu[-1] / cp * (1.0 + token_slack)))
+    short_ids = np.flatnonzero(short)
+    whole_work = attention_work(lengths[short_ids], lengths[short_ids], cost, eff, tile)
+    order = np.argsort(-whole_work, kind="stable")
+    placed_rank, placed_doc, overflow = [], [], []
+    for i in order.tolist():                       # one step per short document (tens to hundreds)
+        d = int(short_ids[i])
+        length = int(lengths[d])
+        best, best_load = -1, np.inf
+        for r in range(cp):
+            if tokens[r] + length <= cap and load[r] < best_load:
+                best, best_load = r, load[r]
+        if best < 0:
+            overflow.append(d)
+            continue
+        load[best] += float(whole_work[i])
+        tokens[best] += length
+        placed_rank.append(best)
+        placed_doc.append(d)
+    parts = [(rank, s, e, doc)]
+    if placed_doc:
+        pd = np.asarray(placed_doc, dtype=np.int64)
+        parts.append((np.asarray(placed_rank, dtype=np.int64), cu[pd], cu[pd + 1], pd))
+    if overflow:
+        od = np.sort(np.asarray(overflow, dtype=np.int64))
+        r2, s2, e2, u2, _ = _head_tail_chunks(cu[od], lengths[od], cp, rr_start=rr)
+        parts.append((r2, s2, e2, od[u2]))
+    return _Runs(*(np.concatenate([p[i] for p in parts]).astype(np.int64) for i in range(4)))
+
+
+def _assemble(name: str, requested: str, cp: int, lengths: np.ndarray, padded: np.ndarray, cu: np.ndarray,
+              runs: _Runs, work: np.ndarray, estimates: dict) -> ShardLayout:
+    """Sort runs into rank order and derive every rank's token indices and varlen metadata."""
+    order = np.lexsort((runs.start, runs.rank))
+    rank, start, end, doc, work = runs.rank[order], runs.start[order], runs.end[order], runs.doc[order], work[order]
+    doc_start = cu[doc]
+    q = end - start
+    kv = end - doc_start
+    bounds = np.searchsorted(rank, np.arange(cp + 1))                 # run offsets per rank
+    tok_bounds = np.concatenate([[0], np.cumsum(q)])[bounds]          # token offsets per rank
+    token_index = _expand(start, q)
+    position_ids = token_index - np.repeat(doc_start, q)
+    gather_position = np.empty(token_index.size, dtype=np.int64)
+    gather_position[token_index] = np.arange(token_index.size)
+    # Maximal contiguous runs (the `wlb shard` contract): merge a run into the previous one of the
+    # same rank when it starts where that one ended.
+    new = np.ones(rank.size, dtype=bool)
+    if rank.size > 1:
+        new[1:] = (rank[1:] != rank[:-1]) | (start[1:] != end[:-1])
+    merged_id = np.cumsum(new) - 1
+    m_start = start[new]
+    m_end = np.zeros(m_start.size, dtype=np.int64)
+    m_end[merged_id] = end                                           # last write per group wins (in order)
+    m_bounds = np.concatenate([[0], np.cumsum(new)])[bounds]
+    cq = np.concatenate([[0], np.cumsum(q)])
+    ck = np.concatenate([[0], np.cumsum(kv)])
+    rank_work = np.bincount(rank, weights=work, minlength=cp)
+    counts = tuple(int(x) for x in np.diff(tok_bounds))
+    shards = []
+    for r in range(cp):
+        a, b = bounds[r], bounds[r + 1]
+        shards.append(RankShard(
+            token_index=token_index[tok_bounds[r]:tok_bounds[r + 1]],
+            position_ids=position_ids[tok_bounds[r]:tok_bounds[r + 1]],
+            runs=np.stack([m_start[m_bounds[r]:m_bounds[r + 1]], m_end[m_bounds[r]:m_bounds[r + 1]]], axis=1),
+            cu_seqlens_q=(cq[a:b + 1] - cq[a]).astype(np.int32),
+            cu_seqlens_k=(ck[a:b + 1] - ck[a]).astype(np.int32),
+            max_seqlen_q=int(q[a:b].max()) if b > a else 0,
+            max_seqlen_k=int(kv[a:b].max()) if b > a else 0,
+            work=float(rank_work[r]),
+            rank=r,
+            rank_counts=counts,
+            gather_position=gather_position,
+            run_key_start=doc_start[a:b],
+        ))
+    return ShardLayout(name=name, requested=requested, cp=cp, lengths=lengths, padded_lengths=padded,
+                       ranks=tuple(shards), estimates=estimates)
+
+
+def _validate(name: str, lengths, cp, tile) -> tuple[str, np.ndarray]:
+    from megatron_wlb.packing.base import validate_lengths
+
+    canonical = LAYOUT_ALIASES.get(name, name)
+    if canonical not in LAYOUT_NAMES:
+        raise ValueError(f"unknown CP layout {name!r}; valid layouts: {', '.join(LAYOUT_NAMES)} "
+                         f"(aliases: {', '.join(f'{a}={b}' for a, b in LAYOUT_ALIASES.items())})")
+    if isinstance(cp, bool) or not isinstance(cp, int | np.integer) or cp < 1:
+        raise ValueError(f"cp must be a positive integer, got {cp!r}")
+    if isinstance(tile, bool) or not isinstance(tile, int | np.integer) or tile < 1:
+        raise ValueError(f"tile must be a positive integer (1 = no tile rounding), got {tile!r}")
+    return canonical, validate_lengths(lengths, what="micro-batch document lengths")
+
+
+def default_cost_model() -> CostModel:
+    """The 7B analytic model at TP=1 (used when ``cost`` is None)."""
+    return AnalyticCostModel(get_model("7b"), ParallelLayout())
+
+
+def build_layout(name: str, lengths, cp: int, *, cost: CostModel | None = None,
+                 efficiency: KernelEfficiency | None = None, tile: int = 128,
+                 hybrid_threshold: int | None = None, token_slack: float = 0.05) -> ShardLayout:
+    """Shard one micro-batch (document ``lengths`` in order) over ``cp`` ranks with layout ``name``.
+
+    ``cost`` prices attention (default: 7B analytic at TP=1), ``efficiency`` is the kernel table
+    (default: the shipped placeholder), ``tile`` the kernel tile for rounding. ``hybrid_threshold``
+    (default ``2*cp*tile``) and ``token_slack`` only affect ``hybrid``.
+    """
+    canonical, lengths = _validate(name, lengths, cp, tile)
+    cp = int(cp)
+    tile = int(tile)
+    if not 0.0 <= token_slack:
+        raise ValueError(f"token_slack must be >= 0, got {token_slack!r}")
+    cost = default_cost_model() if cost is None else cost
+    eff = KernelEfficiency.default() if efficiency is None else efficiency
+    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+
+    def priced(runs: _Runs) -> tuple[_Runs, np.ndarray]:
+        return runs, attention_work(runs.end - runs.start, runs.end - cu[runs.doc], cost, eff, tile)
+
+    if canonical == "per-document-te":
+        two = 2 * cp
+        padded = -(-lengths // two) * two
+        pcu = np.concatenate([[0], np.cumsum(padded)]).astype(np.int64)
+        rank, s, e, doc, _ = _head_tail_chunks(pcu[:-1], padded, cp)
+        runs = _Runs(rank, s, e, doc)
+        work = attention_work(e - s, e - pcu[doc], cost, eff, tile)
+        return _assemble(canonical, name, cp, lengths, padded, pcu, runs, work, {})
+    if canonical == "per-sequence":
+        runs, work = priced(_runs_per_sequence(cu, cp))
+        return _assemble(canonical, name, cp, lengths, lengths, cu, runs, work, {})
+    if canonical == "per-document":
+        runs, work = priced(_runs_per_document(cu, lengths, cp))
+        return _assemble(canonical, name, cp, lengths, lengths, cu, runs, work, {})
+    if canonical == "hybrid":
+        runs, work = priced(_runs_hybrid(cu, lengths, cp, cost, eff, tile, hybrid_threshold, token_slack))
+        return _assemble(canonical, name, cp, lengths, lengths, cu, runs, work, {})
+    # adaptive: price both static layouts, keep the one whose slowest rank is faster.
+    candidates = {"per-sequence": priced(_runs_per_sequence(cu, cp)),
+                  "per-document": priced(_runs_per_document(cu, lengths, cp))}
+    estimates = {k: float(np.bincount(r.rank, weights=w, minlength=cp).max()) if w.size else 0.0
+                 for k, (r, w) in candidates.items()}
+    chosen = min(estimates, key=lambda k: (estimates[k], k != "per-sequence"))
+    runs, work = candidates[chosen]
+    return _assemble(chosen, name, cp, lengths, lengths, cu, runs, work, estimates)

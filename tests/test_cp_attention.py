@@ -1,0 +1,176 @@
+"""All-gather CP attention on real multi-process gloo groups (CP = 2 and 4) against single-process
+document-causal attention: forward output and dq, dk, dv, for every layout and mixed document lengths
+(documents shorter than 2CP, length-1 documents, single-token runs, ranks with no tokens)."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+import traceback
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from megatron_wlb.cp.attention import (
+    AllGatherCPAttention,
+    all_gather_cp_attention,
+    reference_document_attention,
+    reference_varlen_attention,
+    resolve_backend,
+)
+from megatron_wlb.cp.layouts import LAYOUT_NAMES, build_layout
+
+HEADS, KV_HEADS, DIM = 4, 2, 8
+TIMEOUT_S = 120
+
+
+def _length_mixes(cp: int, seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    mixes = [
+        [1],                                       # fewer tokens than ranks: some ranks own nothing
+        [1, 1, 2 * cp - 1, 1],                     # only documents shorter than 2CP
+        [3 * cp + 1],                              # one document, remainder tokens
+        [2 * cp, 1, 5, 4 * cp + 3, 2],
+    ]
+    for _ in range(3):
+        n = int(rng.integers(2, 7))
+        mixes.append(rng.choice([1, 2, 3, 7, 16, 29, 40, 57], size=n).tolist())
+    return mixes
+
+
+def _check_case(lengths: list[int], cp: int, rank: int, layout: str, tile: int, seed: int, group) -> None:
+    lay = build_layout(layout, lengths, cp, tile=tile)
+    padded = lay.padded_lengths
+    total = int(padded.sum())
+    cu = np.concatenate([[0], np.cumsum(padded)])
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(total, HEADS, DIM, generator=gen, requires_grad=True)
+    k = torch.randn(total, KV_HEADS, DIM, generator=gen, requires_grad=True)
+    v = torch.randn(total, KV_HEADS, DIM, generator=gen, requires_grad=True)
+    g = torch.randn(total, HEADS, DIM, generator=gen)
+    ref = reference_document_attention(q, k, v, cu)
+    (ref * g).sum().backward()
+
+    shard = lay.ranks[rank]
+    idx = torch.as_tensor(shard.token_index)
+    ql = q.detach()[idx].clone().requires_grad_(True)
+    kl = k.detach()[idx].clone().requires_grad_(True)
+    vl = v.detach()[idx].clone().requires_grad_(True)
+    out = AllGatherCPAttention(backend="auto")(ql, kl, vl, shard, group)
+    (out * g[idx]).sum().backward()
+    what = f"layout={layout} (used {lay.name}) lengths={lengths} cp={cp} rank={rank} tile={tile}"
+    torch.testing.assert_close(out, ref.detach()[idx], rtol=1e-4, atol=1e-5, msg=lambda m: f"out {what}: {m}")
+    torch.testing.assert_close(ql.grad, q.grad[idx], rtol=1e-4, atol=1e-5, msg=lambda m: f"dq {what}: {m}")
+    torch.testing.assert_close(kl.grad, k.grad[idx], rtol=1e-4, atol=1e-5, msg=lambda m: f"dk {what}: {m}")
+    torch.testing.assert_close(vl.grad, v.grad[idx], rtol=1e-4, atol=1e-5, msg=lambda m: f"dv {what}: {m}")
+
+
+def _worker(rank: int, cp: int, store: str, errdir: str) -> None:
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=cp,
+                                timeout=__import__("datetime").timedelta(seconds=60))
+        torch.set_num_threads(1)
+        group = dist.new_group(list(range(cp)))
+        case = 0
+        for mix_id, lengths in enumerate(_length_mixes(cp, seed=cp)):
+            for layout in LAYOUT_NAMES:
+                for tile in (1, 4) if layout in ("hybrid", "adaptive") else (1,):
+                    _check_case(lengths, cp, rank, layout, tile, seed=1000 * mix_id + case, group=group)
+                    case += 1
+        # Metadata that does not match the process group fails before any collective (no hang).
+        lay = build_layout("per-document", [5, 9], cp)
+        wrong = lay.ranks[(rank + 1) % cp]
+        n = wrong.num_tokens
+        try:
+            all_gather_cp_attention(torch.zeros(n, HEADS, DIM), torch.zeros(n, KV_HEADS, DIM),
+                                    torch.zeros(n, KV_HEADS, DIM), wrong, group)
+        except ValueError as exc:
+            assert "rank" in str(exc), exc
+        else:
+            raise AssertionError("a shard of another rank was accepted")
+        dist.barrier(group)
+        dist.destroy_process_group()
+    except BaseException:
+        with open(os.path.join(errdir, f"rank{rank}.err"), "w") as f:
+            f.write(traceback.format_exc())
+        raise
+
+
+def _run_group(cp: int) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        store = os.path.join(tmp, "store")
+        ctx = mp.start_processes(_worker, args=(cp, store, tmp), nprocs=cp, join=False, start_method="spawn")
+        deadline = time.monotonic() + TIMEOUT_S
+        try:
+            while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"CP={cp} workers did not finish within {TIMEOUT_S}s (hang?)")
+        except Exception as exc:
+            errors = [open(os.path.join(tmp, f)).read() for f in sorted(os.listdir(tmp)) if f.endswith(".err")]
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.terminate()
+            raise AssertionError(f"CP={cp} failed: {exc}\n" + "\n".join(errors)) from None
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_all_gather_cp_attention_matches_reference(cp):
+    _run_group(cp)
+
+
+def test_single_process_cp1_and_errors():
+    lay = build_layout("per-document", [3, 1, 6], 1)
+    shard = lay.ranks[0]
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(10, h, DIM, generator=gen) for h in (HEADS, KV_HEADS, KV_HEADS))
+    out = all_gather_cp_attention(q, k, v, shard, None)
+    torch.testing.assert_close(out, reference_document_attention(q, k, v, [0, 3, 4, 10]))
+    with pytest.raises(ValueError, match="owns 10 tokens"):
+        all_gather_cp_attention(q[:9], k[:9], v[:9], shard, None)
+    with pytest.raises(ValueError, match="multiple of k/v heads"):
+        all_gather_cp_attention(torch.randn(10, 3, DIM), k, v, shard, None)
+    with pytest.raises(ValueError, match="tokens, heads, head_dim"):
+        all_gather_cp_attention(q.reshape(10, -1), k, v, shard, None)
+    with pytest.raises(ValueError, match="not initialised"):
+        two = build_layout("per-sequence", [3, 1, 6], 2).ranks[0]
+        all_gather_cp_attention(q[:5], k[:5], v[:5], two, None)
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        AllGatherCPAttention(backend="ring")
+    with pytest.raises(ValueError, match="needs CUDA"):
+        resolve_backend("torch-varlen", torch.device("cpu"))
+    assert resolve_backend("auto", torch.device("cpu")) == "reference"
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        reference_document_attention(q, k, v, [0, 3, 9])
+
+
+def test_reference_is_bottom_right_causal():
+    """A query run of n queries over m keys: query i sees keys 0..i+m-n (checked against a dense mask)."""
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = torch.randn(3, 1, 4, generator=gen), torch.randn(7, 1, 4, generator=gen), torch.randn(7, 1, 4,
+                                                                                                     generator=gen)
+    out = reference_varlen_attention(q, k, v, [0, 3], [0, 7])
+    scores = (q[:, 0] @ k[:, 0].T) / 2.0
+    mask = torch.arange(7)[None, :] <= torch.arange(3)[:, None] + 4
+    dense = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1) @ v[:, 0]
+    torch.testing.assert_close(out[:, 0], dense)
+    # the last query sees every key, the first one all but the last two
+    assert mask[2].all() and mask[0].sum() == 5
+
+
+def test_per_document_te_padding_leaves_real_tokens_unchanged():
+    """TE's padding sits at each document's end, so real tokens' outputs equal the unpadded ones."""
+    lengths = [5, 1, 6]
+    lay = build_layout("per-document-te", lengths, 2)
+    gen = torch.Generator().manual_seed(2)
+    total = int(lay.padded_lengths.sum())
+    q, k, v = (torch.randn(total, h, DIM, generator=gen) for h in (HEADS, KV_HEADS, KV_HEADS))
+    pcu = np.concatenate([[0], np.cumsum(lay.padded_lengths)])
+    padded_out = reference_document_attention(q, k, v, pcu)
+    real = np.concatenate([np.arange(s, s + n) for s, n in zip(pcu[:-1], lengths)])
+    r = torch.as_tensor(real)
+    plain = reference_document_attention(q[r], k[r], v[r], np.concatenate([[0], np.cumsum(lengths)]))
+    torch.testing.assert_close(padded_out[r], plain)
