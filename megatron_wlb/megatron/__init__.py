@@ -1,10 +1,277 @@
 """The Megatron-LM adapter: ``apply()`` hooks WLB-LLM into a Megatron-LM training process.
 
+Call ``megatron_wlb.megatron.apply()`` in ``pretrain_gpt.py`` before ``pretrain(...)`` (the patch in
+``patches/`` does this), then launch with ``--wlb-*`` flags. ``apply()`` checks the megatron-core
+version and replaces, in Megatron's training code (pinned: ``version.PINNED_MEGATRON_TAG``):
+
+- ``parse_args``: our ``--wlb-*`` flags are composed into whichever extra_args_provider is passed;
+- ``validate_args``: after Megatron's checks, ``args.validate_wlb_args`` (fail fast, what to change),
+  ``variable_seq_lengths`` on, then ``cp_hooks.install(settings)`` (CP sharding + attention);
+- ``build_train_valid_test_data_iterators``: the training iterator becomes a ``WlbDataIterator``
+  (document reader -> packer -> this DP rank's THD micro-batches) on every rank, middle pipeline
+  stages and TP ranks > 0 included; validation/test keep Megatron's loaders;
+- ``get_batch_on_this_tp_rank``: for our iterator every rank reads its own (identical) micro-batch
+  instead of receiving a fixed-shape broadcast from TP rank 0, which cannot carry variable lengths;
+- ``save_checkpoint`` / ``load_checkpoint``: the packer + stream state sidecar (``checkpoint.py``);
+- ``training_log``: the per-iteration packing metrics (``wlb_logging.py``).
+
 Importing this package needs neither torch nor Megatron; ``apply()`` imports them.
 """
 
 from __future__ import annotations
 
+import importlib
+import inspect
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
 from megatron_wlb.megatron.settings import WlbSettings
 
-__all__ = ["WlbSettings"]
+__all__ = ["WlbSettings", "apply", "build_train_iterator", "reader_from_args", "runtime", "stream_tokens_for"]
+
+#: Megatron training-code modules apply() hooks (all present at the pinned commit)
+TRAINING_MODULES = ("arguments", "initialize", "training", "checkpointing", "utils", "global_vars")
+
+
+@dataclass
+class Runtime:
+    """What apply() installed in this process, and the state its hooks share."""
+
+    installed: bool = False
+    settings: WlbSettings | None = None
+    registry: Any = None
+    logger: Any = None
+    originals: dict[str, Callable] = field(default_factory=dict)
+
+
+_RUNTIME = Runtime()
+
+
+def runtime() -> Runtime:
+    """This process's hook state (settings once args are validated, iterators, metrics logger)."""
+    return _RUNTIME
+
+
+def _rebind(name: str, original: Callable, replacement: Callable) -> list[str]:
+    """Point ``name`` at ``replacement`` in every loaded module that bound ``original`` (from-imports)."""
+    patched = []
+    for mod_name, module in list(sys.modules.items()):
+        if module is not None and getattr(module, name, None) is original:
+            setattr(module, name, replacement)
+            patched.append(mod_name)
+    return patched
+
+
+# -- building the data path from Megatron's args --------------------------------------------------------
+def reader_from_args(args: Any):
+    """A ``DocumentReader`` over ``--train-data-path`` (all of it) or ``--data-path`` with ``--split``."""
+    from megatron_wlb.megatron.data import DocumentReader, parse_data_path
+
+    mmap = bool(getattr(args, "mmap_bin_files", True))
+    seed = int(getattr(args, "seed", 1234))
+    if getattr(args, "train_data_path", None):
+        return DocumentReader(parse_data_path(args.train_data_path), split="1,0,0", split_name="train",
+                              seed=seed, mmap=mmap)
+    if not getattr(args, "data_path", None):
+        raise ValueError("WLB-LLM reads Megatron indexed datasets: give --data-path [WEIGHT] PREFIX ...")
+    split = getattr(args, "split", None) or "969,30,1"
+    return DocumentReader(parse_data_path(args.data_path), split=split, split_name="train", seed=seed, mmap=mmap)
+
+
+def stream_tokens_for(args: Any, config: Any) -> int:
+    """Tokens the stream must cover: every training iteration plus slack for queues and windows."""
+    gbs = int(args.global_batch_size)
+    iters = int(args.train_iters) if getattr(args, "train_iters", None) else \
+        -(-int(getattr(args, "train_samples", 0) or 0) // gbs)
+    if iters < 1:
+        raise ValueError("set --train-iters (or --train-samples): the document stream is sized from it")
+    slack = config.max_delay + config.window + 2
+    return (iters + slack) * config.tokens_per_iteration
+
+
+def build_train_iterator(args: Any, settings: WlbSettings, dp_rank: int, *, on_batch: Callable | None = None,
+                         reader: Any = None, as_torch: bool = True):
+    """This rank's ``WlbDataIterator`` for Megatron's ``args`` (pure: same inputs, same plans, any rank)."""
+    from megatron_wlb.megatron.args import cost_model_from_args, packing_config_from_args
+    from megatron_wlb.megatron.data import WlbDataIterator
+    from megatron_wlb.packing import make_packer
+
+    reader = reader if reader is not None else reader_from_args(args)
+    config = packing_config_from_args(args, settings)
+    packer = make_packer(settings.packing, config, cost_model_from_args(args, settings))
+    stream = reader.stream(stream_tokens_for(args, config))
+    tp = int(getattr(args, "tensor_model_parallel_size", 1))
+    pad = tp if getattr(args, "sequence_parallel", False) and tp > 1 else 1
+    return WlbDataIterator(reader, stream, packer, dp_rank, pad_to_multiple=pad, as_torch=as_torch,
+                           on_batch=on_batch)
+
+
+# -- the hooks ---------------------------------------------------------------------------------------------
+def _wrap_parse_args(original: Callable) -> Callable:
+    from megatron_wlb.megatron.args import wlb_extra_args_provider
+
+    def parse_args(extra_args_provider=None, ignore_unknown_args=False):
+        return original(wlb_extra_args_provider(extra_args_provider), ignore_unknown_args)
+
+    parse_args.__wlb_original__ = original
+    return parse_args
+
+
+def _wrap_validate_args(original: Callable) -> Callable:
+    from megatron_wlb.megatron.args import validate_wlb_args
+
+    def validate_args(args, defaults={}):  # noqa: B006 - Megatron's signature
+        out = original(args, defaults)
+        settings = validate_wlb_args(args)
+        _RUNTIME.settings = settings
+        _install_cp_hooks(settings, args)
+        return out
+
+    validate_args.__wlb_original__ = original
+    return validate_args
+
+
+def _install_cp_hooks(settings: WlbSettings, args: Any) -> None:
+    from megatron_wlb.megatron import cp_hooks
+
+    if "args" in inspect.signature(cp_hooks.install).parameters:
+        cp_hooks.install(settings, args)
+    else:
+        cp_hooks.install(settings)
+
+
+def _wrap_build_iterators(original: Callable, mods: dict[str, Any]) -> Callable:
+    def build_train_valid_test_data_iterators(build_train_valid_test_datasets_provider):
+        train, valid, test = original(build_train_valid_test_datasets_provider)
+        args = mods["global_vars"].get_args()
+        if getattr(args, "skip_train", False) or _RUNTIME.settings is None:
+            return train, valid, test
+        from megatron.core import parallel_state
+        from megatron.core.rerun_state_machine import RerunDataIterator
+
+        from megatron_wlb.megatron.args import cost_model_from_args
+        from megatron_wlb.megatron.wlb_logging import WlbMetricsLogger
+
+        settings = _RUNTIME.settings
+        if _RUNTIME.logger is None:
+            gv = mods["global_vars"]
+            _RUNTIME.logger = WlbMetricsLogger(cost_model_from_args(args, settings), int(args.seq_length),
+                                               settings.log_interval, print_fn=mods["utils"].print_rank_0,
+                                               tb_writer=gv.get_tensorboard_writer, wandb_writer=gv.get_wandb_writer)
+        first = not _RUNTIME.registry.iterators
+        iterator = build_train_iterator(args, settings, parallel_state.get_data_parallel_rank(),
+                                        on_batch=_RUNTIME.logger.on_batch if first else None)
+        _RUNTIME.registry.register(iterator)
+        mods["utils"].print_rank_0(f"> megatron_wlb: {settings.packing} packing of {len(iterator.stream)} documents "
+                                   f"({iterator.stream.tokens} tokens), {iterator.n} micro-batches per DP rank "
+                                   f"per iteration, CP sharding {settings.cp_sharding}")
+        return RerunDataIterator(iterator), valid, test
+
+    build_train_valid_test_data_iterators.__wlb_original__ = original
+    return build_train_valid_test_data_iterators
+
+
+def _unwrap_iterator(data_iterator: Any) -> Any:
+    return getattr(data_iterator, "iterable", data_iterator)
+
+
+def _wrap_get_batch_on_this_tp_rank(original: Callable) -> Callable:
+    from megatron_wlb.megatron.data import WlbDataIterator
+
+    def get_batch_on_this_tp_rank(data_iterator, mtp_on_this_rank: bool = False, *args, **kwargs):
+        if not isinstance(_unwrap_iterator(data_iterator), WlbDataIterator):
+            return original(data_iterator, mtp_on_this_rank, *args, **kwargs)
+        import torch
+
+        data = next(data_iterator)
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+
+        def dev(t):
+            return t if device is None else t.to(device, non_blocking=True)
+
+        # Megatron's key order: pretrain_gpt.get_batch returns (*batch.values(), packed_seq_params)
+        # after popping the metadata keys, i.e. tokens, labels, loss_mask, attention_mask, position_ids.
+        return {
+            "tokens": dev(data["tokens"]), "labels": dev(data["labels"]), "loss_mask": dev(data["loss_mask"]),
+            "attention_mask": None, "position_ids": dev(data["position_ids"]),
+            "cu_seqlens": dev(data["cu_seqlens"]),
+            "max_seqlen": dev(torch.tensor([int(data["max_seqlen"])], dtype=torch.int32)),
+        }
+
+    get_batch_on_this_tp_rank.__wlb_original__ = original
+    return get_batch_on_this_tp_rank
+
+
+def _is_rank0() -> bool:
+    import torch.distributed as dist
+
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _import_training_modules() -> dict[str, Any]:
+    from megatron_wlb.megatron.version import PINNED_MEGATRON_COMMIT, PINNED_MEGATRON_TAG
+
+    mods = {}
+    for name in TRAINING_MODULES:
+        try:
+            mods[name] = importlib.import_module(f"megatron.training.{name}")
+        except ImportError as exc:
+            raise RuntimeError(
+                f"megatron_wlb.megatron.apply() hooks Megatron-LM's training code (megatron.training.{name}), "
+                "which the megatron-core wheel does not ship: run from a Megatron-LM checkout at "
+                f"{PINNED_MEGATRON_TAG} ({PINNED_MEGATRON_COMMIT}) or put it on PYTHONPATH "
+                f"(import error: {exc})") from exc
+    return mods
+
+
+def apply(*, check_version: bool = True) -> Runtime:
+    """Install the WLB-LLM hooks into this Megatron-LM process (idempotent); returns the runtime state.
+
+    Raises RuntimeError when megatron-core is outside ``version.SUPPORTED_CORE`` or Megatron's
+    training code is not importable.
+    """
+    from megatron_wlb.megatron.version import check_core_version
+
+    if check_version:
+        check_core_version()
+    if _RUNTIME.installed:
+        return _RUNTIME
+    from megatron_wlb.megatron.checkpoint import DataStateRegistry, wrap_load_checkpoint, wrap_save_checkpoint
+    from megatron_wlb.megatron.wlb_logging import wrap_training_log
+
+    mods = _import_training_modules()
+    _RUNTIME.registry = DataStateRegistry()
+    get_args = mods["global_vars"].get_args
+
+    def settings_dict():
+        return _RUNTIME.settings.to_dict() if _RUNTIME.settings is not None else None
+
+    replacements = {
+        "parse_args": (mods["arguments"].parse_args, _wrap_parse_args),
+        "validate_args": (mods["arguments"].validate_args, _wrap_validate_args),
+        "build_train_valid_test_data_iterators": (mods["training"].build_train_valid_test_data_iterators,
+                                                  lambda f: _wrap_build_iterators(f, mods)),
+        "get_batch_on_this_tp_rank": (mods["utils"].get_batch_on_this_tp_rank, _wrap_get_batch_on_this_tp_rank),
+        "save_checkpoint": (mods["checkpointing"].save_checkpoint,
+                            lambda f: wrap_save_checkpoint(f, _RUNTIME.registry, get_args, _is_rank0, settings_dict)),
+        "load_checkpoint": (mods["checkpointing"].load_checkpoint,
+                            lambda f: wrap_load_checkpoint(f, _RUNTIME.registry, get_args)),
+        "training_log": (mods["training"].training_log, lambda f: wrap_training_log(f, lambda: _RUNTIME.logger)),
+    }
+    for name, (original, wrap) in replacements.items():
+        _RUNTIME.originals[name] = original
+        _rebind(name, original, wrap(original))
+    _RUNTIME.installed = True
+    return _RUNTIME
+
+
+def _restore() -> None:
+    """Undo apply() (tests only: a training process keeps its hooks)."""
+    for name, original in _RUNTIME.originals.items():
+        for module in list(sys.modules.values()):
+            current = getattr(module, name, None) if module is not None else None
+            if current is not None and getattr(current, "__wlb_original__", None) is original:
+                setattr(module, name, original)
+    _RUNTIME.__init__()

@@ -258,18 +258,21 @@ class DocumentReader:
 
 # -- THD micro-batches ---------------------------------------------------------------------------------
 def build_micro_batch(read: Callable[[int, int, int], np.ndarray], micro_batch: MicroBatch,
-                      pad_to_multiple: int = 1, as_torch: bool = True) -> dict[str, Any]:
+                      pad_to_multiple: int = 1, as_torch: bool = True, empty_tokens: int = 1) -> dict[str, Any]:
     """One packed micro-batch in THD form from its pieces (see the module docstring for the convention).
 
     ``read(doc_id, offset, length)`` returns a piece's tokens. ``pad_to_multiple`` appends one
     padding segment (token 0, loss_mask 0, its own cu_seqlens entry) so that T is a multiple of it
-    (sequence parallelism needs T % TP == 0). ``as_torch=False`` returns numpy arrays.
+    (sequence parallelism needs T % TP == 0). A micro-batch without pieces (a packer may leave one
+    empty, e.g. wlb while its queues fill) becomes one padding segment of ``empty_tokens`` (rounded
+    up to ``pad_to_multiple``) with loss_mask 0: every stage still runs exactly N micro-batches and
+    the loss is unchanged. ``as_torch=False`` returns numpy arrays.
     """
-    if pad_to_multiple < 1:
-        raise ValueError(f"pad_to_multiple must be >= 1, got {pad_to_multiple}")
+    if pad_to_multiple < 1 or empty_tokens < 1:
+        raise ValueError(f"pad_to_multiple and empty_tokens must be >= 1, got {pad_to_multiple}, {empty_tokens}")
     pieces = micro_batch.pieces
     total = sum(p.length for p in pieces)
-    pad = (-total) % pad_to_multiple
+    pad = (-total) % pad_to_multiple if total else -(-empty_tokens // pad_to_multiple) * pad_to_multiple
     size = total + pad
     tokens = np.zeros(size, dtype=np.int64)
     labels = np.zeros(size, dtype=np.int64)
@@ -326,7 +329,7 @@ class WlbDataIterator(Iterator[dict]):
     def __init__(self, reader: DocumentReader | None, stream: DocumentStream, packer: Any, dp_rank: int,
                  pad_to_multiple: int = 1, as_torch: bool = True,
                  on_batch: Callable[[GlobalBatch], None] | None = None,
-                 read: Callable[[int, int, int], np.ndarray] | None = None):
+                 read: Callable[[int, int, int], np.ndarray] | None = None, empty_tokens: int = 1):
         if read is None and reader is None:
             raise ValueError("WlbDataIterator needs a DocumentReader or a read(doc_id, offset, length) function")
         self.reader = reader
@@ -337,6 +340,7 @@ class WlbDataIterator(Iterator[dict]):
         if not 0 <= self.dp_rank < packer.config.dp:
             raise ValueError(f"dp_rank {dp_rank} is outside [0, {packer.config.dp}) of the packer's config")
         self.pad_to_multiple = pad_to_multiple
+        self.empty_tokens = empty_tokens
         self.as_torch = as_torch
         self.on_batch = on_batch
         self.current: GlobalBatch | None = None
@@ -373,7 +377,7 @@ class WlbDataIterator(Iterator[dict]):
             self._next_batch()
         mb = self._mine[self._cursor]
         self._cursor += 1
-        return build_micro_batch(self.read, mb, self.pad_to_multiple, self.as_torch)
+        return build_micro_batch(self.read, mb, self.pad_to_multiple, self.as_torch, self.empty_tokens)
 
     # -- checkpointing ----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -414,3 +418,47 @@ class WlbDataIterator(Iterator[dict]):
 def dumps_state(state: dict[str, Any]) -> str:
     """Canonical JSON of a data state (identical bytes on every rank holding the same state)."""
     return json.dumps(state, sort_keys=True, separators=(",", ":"))
+
+
+# -- writing indexed datasets (tests, the GPU smoke run, quick experiments) ----------------------------
+BYTE_EOD = 256  # byte-level tokens are 0..255; 256 ends a document (vocabulary of 257)
+
+
+def byte_documents(paths: Sequence[str], separator: str | None = "\n\n\n", eod: int | None = BYTE_EOD,
+                   max_bytes: int | None = None) -> list[np.ndarray]:
+    """Byte-level token documents from text files: each file cut at ``separator`` (None: whole files),
+    each document followed by ``eod``. Empty chunks are skipped; ``max_bytes`` caps the total read."""
+    docs: list[np.ndarray] = []
+    budget = max_bytes
+    for path in paths:
+        with open(path, "rb") as f:
+            data = f.read()
+        chunks = data.split(separator.encode()) if separator else [data]
+        for chunk in chunks:
+            if not chunk.strip():
+                continue
+            if budget is not None:
+                if budget <= 0:
+                    return docs
+                chunk = chunk[:budget]
+                budget -= len(chunk)
+            arr = np.frombuffer(chunk, dtype=np.uint8).astype(np.int64)
+            docs.append(np.append(arr, eod) if eod is not None else arr)
+    return docs
+
+
+def write_indexed_dataset(prefix: str, documents: Sequence[np.ndarray | Sequence[int]],
+                          dtype: type = np.uint16) -> str:
+    """Write ``prefix.bin/.idx`` with megatron-core's ``IndexedDatasetBuilder``, one sequence per document."""
+    import torch
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder, get_bin_path, get_idx_path
+
+    builder = IndexedDatasetBuilder(get_bin_path(prefix), dtype=dtype)
+    for doc in documents:
+        arr = np.asarray(doc, dtype=np.int64)
+        if arr.size == 0:
+            raise ValueError("write_indexed_dataset: empty document; every document needs at least 1 token")
+        builder.add_item(torch.from_numpy(arr))
+        builder.end_document()
+    builder.finalize(get_idx_path(prefix))
+    return prefix

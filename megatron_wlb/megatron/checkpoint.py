@@ -1,0 +1,162 @@
+"""Packer + stream state in Megatron checkpoints: a JSON sidecar in the iteration directory.
+
+Megatron writes ``<save>/iter_0000100/...`` (``get_checkpoint_name(..., return_base_dir=True)``) and
+records the iteration in ``latest_checkpointed_iteration.txt``. We add
+``<save>/iter_0000100/wlb_packer_state.json``: the data iterator's state (the packer's waiting
+queues and carried pieces, its position in the document stream, a digest of the stream consumed
+so far and the reader's settings). Every rank holds the same state (identical packers); global
+rank 0 writes it, every rank reads it. ``load_checkpoint`` returns the iteration it resumed from; the
+wrapper reads that iteration's sidecar and hands it to the training iterator when it is built
+(Megatron loads checkpoints before it builds data iterators). A resumed run then yields exactly the
+micro-batches an uninterrupted run would have: no document is lost or repeated.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from megatron_wlb.megatron.data import WlbDataIterator, dumps_state
+
+SIDECAR_NAME = "wlb_packer_state.json"
+SIDECAR_VERSION = 1
+
+
+def iteration_dir(checkpoints_path: str, iteration: int, release: bool = False) -> str:
+    """``<path>/iter_{iteration:07d}`` (or ``<path>/release``), as Megatron names it."""
+    return os.path.join(checkpoints_path, "release" if release else f"iter_{int(iteration):07d}")
+
+
+def save_data_state(directory: str, iteration: int, data_state: dict[str, Any],
+                    settings: dict[str, Any] | None = None) -> str:
+    """Write the sidecar atomically (temp file + rename) into ``directory``; returns its path."""
+    os.makedirs(directory, exist_ok=True)
+    payload = {"version": SIDECAR_VERSION, "iteration": int(iteration), "settings": settings, "data": data_state}
+    path = os.path.join(directory, SIDECAR_NAME)
+    fd, tmp = tempfile.mkstemp(prefix=".wlb_state.", dir=directory)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(dumps_state(payload))
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+def load_data_state(directory: str, iteration: int | None = None) -> dict[str, Any] | None:
+    """Read the sidecar of ``directory`` (None if there is none); checks version and iteration."""
+    path = os.path.join(directory, SIDECAR_NAME)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        payload = json.load(f)
+    if payload.get("version") != SIDECAR_VERSION:
+        raise ValueError(f"{path}: sidecar version {payload.get('version')!r}; this build reads {SIDECAR_VERSION}")
+    if iteration is not None and int(payload["iteration"]) != int(iteration):
+        raise ValueError(f"{path} was written at iteration {payload['iteration']}, but the checkpoint "
+                         f"resumes at iteration {iteration}")
+    return payload
+
+
+@dataclass
+class DataStateRegistry:
+    """The process's training iterators (one per virtual pipeline chunk) and a state waiting for them."""
+
+    iterators: list[WlbDataIterator] = field(default_factory=list)
+    pending: dict[str, Any] | None = None
+    pending_iteration: int | None = None
+
+    def register(self, iterator: WlbDataIterator) -> None:
+        """Track ``iterator``; restore a state loaded earlier into it."""
+        if self.pending is not None:
+            iterator.load_state_dict(self.pending)
+        self.iterators.append(iterator)
+
+    def state(self) -> dict[str, Any] | None:
+        """The data state to save (all chunks' iterators hold the same one; checked)."""
+        if not self.iterators:
+            return None
+        states = [it.state_dict() for it in self.iterators]
+        first = dumps_state(states[0])
+        if any(dumps_state(s) != first for s in states[1:]):
+            raise RuntimeError("the training iterators of this rank's pipeline chunks disagree on the data state; "
+                               "each chunk must read every micro-batch of the iteration")
+        return states[0]
+
+    def set_pending(self, state: dict[str, Any], iteration: int) -> None:
+        self.pending = state
+        self.pending_iteration = iteration
+        for it in self.iterators:
+            it.load_state_dict(state)
+
+
+def wrap_save_checkpoint(original: Callable, registry: DataStateRegistry, get_args: Callable[[], Any],
+                         is_writer: Callable[[], bool], settings: Callable[[], dict | None] = lambda: None
+                         ) -> Callable:
+    """Megatron's ``save_checkpoint(iteration, model, optimizer, ...)``, then our sidecar."""
+
+    def save_checkpoint(iteration, *args, **kwargs):
+        out = original(iteration, *args, **kwargs)
+        state = registry.state()
+        if state is not None and is_writer():
+            margs = get_args()
+            save_dir = margs.save
+            if kwargs.get("non_persistent_ckpt"):
+                kind = getattr(margs, "non_persistent_ckpt_type", None)
+                if kind == "global":
+                    save_dir = getattr(margs, "non_persistent_global_ckpt_dir", None) or \
+                        os.path.join(margs.save, "non_persistent")
+                else:  # local (per-node) checkpoints: keep the sidecar beside the persistent ones
+                    save_dir = os.path.join(margs.save, "wlb_non_persistent_local")
+            save_data_state(iteration_dir(save_dir, iteration, kwargs.get("release", False)), iteration, state,
+                            settings())
+        return out
+
+    save_checkpoint.__wlb_original__ = original
+    return save_checkpoint
+
+
+def candidate_dirs(margs: Any, load_arg: str, iteration: int) -> list[str]:
+    """Where the checkpoint of ``iteration`` may live (persistent, non-persistent global/local, release)."""
+    load_dir = getattr(margs, load_arg, None)
+    if not load_dir:
+        return []
+    global_dir = getattr(margs, "non_persistent_global_ckpt_dir", None) or os.path.join(load_dir, "non_persistent")
+    roots = [load_dir, global_dir, os.path.join(getattr(margs, "save", None) or load_dir, "wlb_non_persistent_local")]
+    dirs = [iteration_dir(r, iteration) for r in roots if r]
+    dirs.append(iteration_dir(load_dir, iteration, release=True))
+    return dirs
+
+
+def wrap_load_checkpoint(original: Callable, registry: DataStateRegistry, get_args: Callable[[], Any]) -> Callable:
+    """Megatron's ``load_checkpoint(model, optimizer, scheduler, load_arg='load', ...)``, then our sidecar.
+
+    Resuming at iteration > 0 without a sidecar is an error (the data position would be lost),
+    unless ``--finetune`` (Megatron then restarts at iteration 0 and so does the stream).
+    """
+
+    def load_checkpoint(*args, **kwargs):
+        out = original(*args, **kwargs)
+        iteration = int(out[0] if isinstance(out, tuple) else out)
+        margs = get_args()
+        load_arg = kwargs.get("load_arg", args[3] if len(args) > 3 else "load")
+        if iteration <= 0 or load_arg != "load":
+            return out
+        for directory in candidate_dirs(margs, load_arg, iteration):
+            payload = load_data_state(directory, iteration)
+            if payload is not None:
+                registry.set_pending(payload["data"], iteration)
+                return out
+        raise RuntimeError(f"megatron_wlb: the checkpoint in {getattr(margs, load_arg)} resumes at iteration "
+                           f"{iteration} but holds no {SIDECAR_NAME}, so the packer's queues and stream position "
+                           "are unknown; resume from a checkpoint saved with megatron_wlb applied, or pass "
+                           "--finetune to restart the data stream at iteration 0")
+
+    load_checkpoint.__wlb_original__ = original
+    return load_checkpoint

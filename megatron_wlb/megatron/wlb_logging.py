@@ -1,0 +1,131 @@
+"""Per-iteration packing metrics, written through Megatron's logger and its tensorboard/wandb writers.
+
+``iteration_metrics`` scores one global batch with ``megatron_wlb.packing.metrics`` (the same
+definitions as ``wlb simulate``/``wlb analyze``): the paper's imbalance degree (max micro-batch
+latency x N / sum, per DP rank, averaged; and the worst rank), the imbalance across all DP x N
+micro-batches, tokens, unused capacity and the token-weighted delay. ``WlbMetricsLogger`` keeps the
+latest iteration's metrics (the data iterator reports every new global batch to it) and writes them
+every ``log_interval`` iterations. Named ``wlb_logging`` so it never shadows the stdlib ``logging``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from megatron_wlb.packing.types import GlobalBatch
+
+PREFIX = "wlb"
+
+
+@dataclass(frozen=True)
+class IterationMetrics:
+    """Packing quality of one iteration's global plan (latencies are forward + backward per layer)."""
+
+    iteration: int
+    imbalance: float          # paper Table 2 degree, mean over DP ranks (1.0 = perfect)
+    imbalance_max: float      # the worst DP rank's degree
+    imbalance_global: float   # max / mean over all DP x N micro-batches
+    tokens: int               # tokens in the global batch
+    unused_capacity: float    # 1 - tokens / sum of micro-batch capacities
+    mean_delay: float         # iterations per token between arrival and training
+    max_delay: int
+    plan_ms: float            # time the packer took for this plan
+
+    def to_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+    def scalars(self) -> dict[str, float]:
+        """``wlb/<name>`` -> value for the writers (NaN imbalances of an empty batch are left out)."""
+        out = {}
+        for k, v in asdict(self).items():
+            if k == "iteration" or (isinstance(v, float) and math.isnan(v)):
+                continue
+            out[f"{PREFIX}/{k}"] = float(v)
+        return out
+
+
+def iteration_metrics(batch: GlobalBatch, cost: Any = None, seq_len: int | None = None) -> IterationMetrics:
+    """Score ``batch`` with ``megatron_wlb.packing.metrics.summarize`` (``d**2`` weights without a cost model)."""
+    from megatron_wlb.packing.metrics import summarize
+
+    m = summarize([batch], cost, seq_len)
+    return IterationMetrics(iteration=batch.iteration, imbalance=m.imbalance, imbalance_max=m.imbalance_max,
+                            imbalance_global=m.imbalance_global, tokens=m.tokens,
+                            unused_capacity=m.unused_capacity, mean_delay=m.mean_delay, max_delay=m.max_delay,
+                            plan_ms=m.plan_ms_mean)
+
+
+def format_metrics(m: IterationMetrics) -> str:
+    """One log line, in the style of Megatron's ``training_log``."""
+    return (f" [wlb] iteration {m.iteration + 1:8d} | imbalance {m.imbalance:.3f} (max {m.imbalance_max:.3f}, "
+            f"global {m.imbalance_global:.3f}) | tokens {m.tokens} | unused capacity {m.unused_capacity:.3f} | "
+            f"delay {m.mean_delay:.2f} (max {m.max_delay}) | plan {m.plan_ms:.1f} ms")
+
+
+class WlbMetricsLogger:
+    """Collects the latest plan's metrics and writes them every ``log_interval`` iterations.
+
+    ``print_fn`` is Megatron's ``print_rank_0``; ``tb_writer`` / ``wandb_writer`` are callables that
+    return Megatron's writers (``global_vars.get_tensorboard_writer`` / ``get_wandb_writer``), which
+    are None on the ranks that do not write.
+    """
+
+    def __init__(self, cost: Any = None, seq_len: int | None = None, log_interval: int = 1,
+                 print_fn: Callable[[str], None] | None = None,
+                 tb_writer: Callable[[], Any] | None = None, wandb_writer: Callable[[], Any] | None = None):
+        if log_interval < 1:
+            raise ValueError(f"log_interval must be >= 1, got {log_interval}")
+        self.cost = cost
+        self.seq_len = seq_len
+        self.log_interval = log_interval
+        self.print_fn = print_fn
+        self.tb_writer = tb_writer
+        self.wandb_writer = wandb_writer
+        self.latest: IterationMetrics | None = None
+        self._batch: GlobalBatch | None = None
+
+    def on_batch(self, batch: GlobalBatch) -> None:
+        """Called by the data iterator with each new plan (scored lazily, only when logged)."""
+        self._batch = batch
+        self.latest = None
+
+    def metrics(self) -> IterationMetrics | None:
+        if self.latest is None and self._batch is not None:
+            self.latest = iteration_metrics(self._batch, self.cost, self.seq_len)
+        return self.latest
+
+    def log(self, iteration: int) -> IterationMetrics | None:
+        """Write the latest plan's metrics if ``iteration`` (Megatron's, 1-based) is on the interval."""
+        if iteration % self.log_interval:
+            return None
+        m = self.metrics()
+        if m is None:
+            return None
+        if self.print_fn is not None:
+            self.print_fn(format_metrics(m))
+        tb = self.tb_writer() if self.tb_writer is not None else None
+        if tb is not None:
+            for key, value in m.scalars().items():
+                tb.add_scalar(key, value, iteration)
+        wb = self.wandb_writer() if self.wandb_writer is not None else None
+        if wb is not None:
+            wb.log(m.scalars(), iteration)
+        return m
+
+
+def wrap_training_log(original: Callable, logger_of: Callable[[], WlbMetricsLogger | None]) -> Callable:
+    """Megatron's ``training_log(loss_dict, total_loss_dict, learning_rate, iteration, ...)``, then ours."""
+
+    def training_log(*args, **kwargs):
+        out = original(*args, **kwargs)
+        iteration = kwargs.get("iteration", args[3] if len(args) > 3 else None)
+        logger = logger_of()
+        if logger is not None and iteration is not None:
+            logger.log(int(iteration))
+        return out
+
+    training_log.__wlb_original__ = original
+    return training_log

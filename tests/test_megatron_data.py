@@ -1,0 +1,202 @@
+"""The document-level data path over real .bin/.idx files written with megatron-core from stdlib text."""
+
+from __future__ import annotations
+
+import os
+import sysconfig
+from collections import defaultdict
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_wlb.megatron.data import (
+    BYTE_EOD,
+    DocumentReader,
+    IndexedSource,
+    WlbDataIterator,
+    build_micro_batch,
+    byte_documents,
+    parse_data_path,
+    parse_split,
+    plan_digest,
+    split_ranges,
+    write_indexed_dataset,
+)
+from megatron_wlb.packing import make_packer
+from megatron_wlb.packing.types import DocPiece, MicroBatch, PackingConfig
+
+
+def stdlib_files(start: int, stop: int) -> list[str]:
+    root = sysconfig.get_paths()["stdlib"]
+    names = sorted(n for n in os.listdir(root) if n.endswith(".py"))
+    return [os.path.join(root, n) for n in names[start:stop]]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """Two datasets of byte-level documents (stdlib files cut at blank-line pairs) and their documents."""
+    d = tmp_path_factory.mktemp("idx")
+    docs_a = byte_documents(stdlib_files(0, 16))
+    docs_b = byte_documents(stdlib_files(16, 30))
+    a = write_indexed_dataset(str(d / "a_text_document"), docs_a)
+    b = write_indexed_dataset(str(d / "b_text_document"), docs_b)
+    return {"a": a, "b": b, "docs_a": docs_a, "docs_b": docs_b}
+
+
+def test_flag_parsers():
+    assert parse_data_path(["/x/a", "/x/b"]) == [("/x/a", 1.0), ("/x/b", 1.0)]
+    assert parse_data_path("0.7 /x/a 0.3 /x/b") == [("/x/a", 0.7), ("/x/b", 0.3)]
+    with pytest.raises(ValueError, match="WEIGHT PREFIX pairs"):
+        parse_data_path(["0.7", "/x/a", "0.3"])
+    with pytest.raises(ValueError, match="mixes weights and prefixes"):
+        parse_data_path(["/x/a", "0.3"])
+    assert parse_split("969,30,1") == pytest.approx((0.969, 0.030, 0.001))
+    assert parse_split("98/2") == pytest.approx((0.98, 0.02, 0.0))
+    with pytest.raises(ValueError, match="--split"):
+        parse_split("a,b")
+    ranges = split_ranges(1000, "969,30,1")
+    assert ranges == [(0, 969), (969, 999), (999, 1000)]
+    assert split_ranges(7, "1,1,1")[-1][1] == 7
+
+
+def test_documents_read_back_exactly(corpus, tmp_path):
+    src = IndexedSource.open(corpus["a"])
+    assert src.num_documents == len(corpus["docs_a"])
+    assert np.array_equal(src.lengths, [len(x) for x in corpus["docs_a"]])
+    for k in (0, 3, src.num_documents - 1):
+        doc = corpus["docs_a"][k]
+        assert np.array_equal(src.read(k, 0, len(doc)), doc)
+        assert np.array_equal(src.read(k, 5, 7), doc[5:12])
+        assert src.read(k, 0, len(doc))[-1] == BYTE_EOD
+    text = bytes(src.read(0, 0, int(src.lengths[0]) - 1).astype(np.uint8)).decode()
+    with open(stdlib_files(0, 1)[0]) as f:
+        assert f.read().startswith(text)
+    with pytest.raises(ValueError, match="outside document"):
+        src.read(0, int(src.lengths[0]) - 2, 5)
+    # a document of several sequences (document_indices groups them) reads as one contiguous document
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    prefix = str(tmp_path / "multi")
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.uint16)
+    builder.add_item(torch.tensor([1, 2, 3]))
+    builder.add_item(torch.tensor([4, 5]))
+    builder.end_document()
+    builder.add_item(torch.tensor([9]))
+    builder.end_document()
+    builder.finalize(prefix + ".idx")
+    multi = IndexedSource.open(prefix)
+    assert multi.lengths.tolist() == [5, 1]
+    assert multi.read(0, 1, 4).tolist() == [2, 3, 4, 5]
+
+
+def test_split_shuffle_and_epochs(corpus):
+    reader = DocumentReader([(corpus["a"], 1.0)], split="8,1,1", seed=7)
+    (b, e), = reader.ranges
+    n_train = e - b
+    epoch_tokens = int(reader.sources[0].lengths[b:e].sum())
+    stream = reader.stream(int(2.5 * epoch_tokens))
+    ids = stream.doc_ids
+    # stream ids are unique, and each full epoch is a permutation of the train documents
+    assert len(set(ids.tolist())) == ids.size
+    for epoch in (0, 1):
+        chunk = ids[epoch * n_train:(epoch + 1) * n_train]
+        locs = [reader.locate(i) for i in chunk]
+        assert {ep for ep, _, _ in locs} == {epoch}
+        assert sorted(doc for _, _, doc in locs) == list(range(b, e))
+    assert not np.array_equal(ids[:n_train] % reader.num_documents, ids[n_train:2 * n_train] % reader.num_documents)
+    assert np.array_equal(stream.lengths, [reader.sources[0].lengths[reader.locate(i)[2]] for i in ids])
+    # the same seed gives the same order; another seed another one
+    assert np.array_equal(DocumentReader([(corpus["a"], 1.0)], split="8,1,1", seed=7).stream(10_000).doc_ids,
+                          reader.stream(10_000).doc_ids)
+    assert not np.array_equal(DocumentReader([(corpus["a"], 1.0)], split="8,1,1", seed=8).stream(10_000).doc_ids,
+                              reader.stream(10_000).doc_ids)
+    # the valid split holds other documents than train
+    valid = DocumentReader([(corpus["a"], 1.0)], split="8,1,1", split_name="valid", seed=7)
+    valid_docs = {valid.locate(i)[2] for i in valid.stream(1000).doc_ids}
+    assert valid_docs and not valid_docs & set(range(b, e))
+    with pytest.raises(ValueError, match="holds no documents"):
+        DocumentReader([(corpus["a"], 1.0)], split="1,0,0", split_name="test")
+
+
+def test_blend_follows_weights_and_streams_are_prefix_stable(corpus):
+    reader = DocumentReader([(corpus["a"], 0.75), (corpus["b"], 0.25)], split="1,0,0", seed=3)
+    short, long = reader.stream(60_000), reader.stream(240_000)
+    assert np.array_equal(long.doc_ids[:len(short)], short.doc_ids)
+    assert np.array_equal(long.lengths[:len(short)], short.lengths)
+    which = np.array([reader.locate(i)[1] for i in long.doc_ids])
+    tokens_a = int(long.lengths[which == 0].sum())
+    tokens_b = int(long.lengths[which == 1].sum())
+    biggest = int(max(reader.sources[0].lengths.max(), reader.sources[1].lengths.max()))
+    assert abs(tokens_a - 0.75 * (tokens_a + tokens_b)) <= 2 * biggest
+    # stream ids are global: dataset b's ids start after dataset a's documents
+    assert all(i % reader.num_documents >= reader.sources[0].num_documents for i in long.doc_ids[which == 1])
+    assert np.array_equal(reader.read(int(long.doc_ids[0]), 0, int(long.lengths[0])),
+                          (corpus["docs_a"] + corpus["docs_b"])[reader.locate(int(long.doc_ids[0]))[2]
+                                                                 + (which[0] == 1) * len(corpus["docs_a"])])
+
+
+def test_thd_micro_batch_convention():
+    docs = {10: np.arange(100, 110), 11: np.arange(200, 205), 12: np.arange(300, 320)}
+
+    def read(doc_id, offset, length):
+        return docs[doc_id][offset:offset + length]
+
+    mb = MicroBatch((DocPiece(10, 0, 10, 0), DocPiece(11, 0, 5, 0), DocPiece(12, 8, 6, 0)), capacity=32)
+    out = build_micro_batch(read, mb)
+    assert out["tokens"].shape == (1, 21) and out["tokens"].dtype == torch.int64
+    assert out["cu_seqlens"].dtype == torch.int32 and out["cu_seqlens"].tolist() == [0, 10, 15, 21]
+    assert out["max_seqlen"] == 10
+    tok, lab, mask, pos = (out[k][0].numpy() for k in ("tokens", "labels", "loss_mask", "position_ids"))
+    assert tok.tolist() == list(range(100, 110)) + list(range(200, 205)) + list(range(308, 314))
+    # labels: next token of the same piece; the last token of every piece is not trained
+    assert lab[:9].tolist() == list(range(101, 110)) and lab[10:14].tolist() == list(range(201, 205))
+    assert mask.tolist() == [1.0] * 9 + [0.0] + [1.0] * 4 + [0.0] + [1.0] * 5 + [0.0]
+    assert pos.tolist() == list(range(10)) + list(range(5)) + list(range(6))  # restart per piece
+    padded = build_micro_batch(read, mb, pad_to_multiple=8, as_torch=False)
+    assert padded["tokens"].shape == (1, 24) and padded["cu_seqlens"].tolist() == [0, 10, 15, 21, 24]
+    assert padded["loss_mask"][0, 21:].sum() == 0 and padded["tokens"][0, 21:].tolist() == [0, 0, 0]
+    empty = build_micro_batch(read, MicroBatch((), capacity=32), pad_to_multiple=4, empty_tokens=6)
+    assert empty["tokens"].shape == (1, 8) and empty["cu_seqlens"].tolist() == [0, 8]
+    assert empty["loss_mask"].sum() == 0 and empty["max_seqlen"] == 8
+
+
+@pytest.mark.parametrize("packer_name", ["original", "fixed-greedy", "wlb"])
+def test_iterator_slices_cover_every_token_once(corpus, packer_name):
+    reader = DocumentReader([(corpus["a"], 0.5), (corpus["b"], 0.5)], split="1,0,0", seed=11)
+    cfg = PackingConfig(seq_len=2048, n=4, dp=2, max_seq_len=4096 if packer_name == "wlb" else None, max_delay=2)
+    stream = reader.stream(12 * cfg.tokens_per_iteration)
+    its = [WlbDataIterator(reader, stream, make_packer(packer_name, cfg), r) for r in range(cfg.dp)]
+    # first iteration with tensors: each rank gets n micro-batches = its slice of the same global plan
+    per_rank = [[next(it) for _ in range(cfg.n)] for it in its]
+    assert plan_digest(its[0].current) == plan_digest(its[1].current)
+    for r, it in enumerate(its):
+        for mb, got in zip(it.current.for_dp_rank(r), per_rank[r]):
+            if not mb.pieces:  # an empty micro-batch runs as one untrained padding token
+                assert got["cu_seqlens"].tolist() == [0, 1] and got["loss_mask"].sum() == 0
+                continue
+            assert got["cu_seqlens"].tolist() == mb.cu_seqlens().tolist()
+            expect = np.concatenate([reader.read(p.doc_id, p.offset, p.length) for p in mb.pieces])
+            assert np.array_equal(got["tokens"][0].numpy(), expect)
+            assert got["tokens"].shape[1] <= mb.capacity
+    # the rest of the stream by plan only: every token of every document exactly once, in DP order
+    covered: dict[int, list[tuple[int, int]]] = defaultdict(list)
+    first = its[0].current
+    batches = [first]
+    while True:
+        try:
+            plans = [it.next_plan() for it in its]
+        except StopIteration:
+            break
+        assert len({plan_digest(p) for p in plans}) == 1
+        batches.append(plans[0])
+    for b in batches:
+        union = [mb for r in range(b.dp) for mb in b.for_dp_rank(r)]
+        assert union == list(b.micro_batches)
+        for p in b.pieces():
+            covered[p.doc_id].append((p.offset, p.length))
+    assert set(covered) == set(stream.doc_ids.tolist())
+    for doc_id, length in zip(stream.doc_ids.tolist(), stream.lengths.tolist()):
+        spans = sorted(covered[doc_id])
+        assert spans[0][0] == 0 and sum(n for _, n in spans) == length
+        assert all(o1 + n1 == o2 for (o1, n1), (o2, _) in zip(spans, spans[1:]))
