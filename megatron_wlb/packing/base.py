@@ -89,6 +89,15 @@ class Packer(ABC):
     def pending(self) -> int:
         """Tokens read but not yet emitted."""
 
+    def _budgets_to_read(self) -> int:
+        """How many iteration budgets to read before planning this iteration (lookahead).
+
+        The default reads one budget per iteration. A packer that balances a window of ``k``
+        global batches returns ``k`` at a window start and 0 inside the window; the pieces of the
+        j-th budget get ``arrival = iteration + j``, so delay (emitted - arrival) stays honest.
+        """
+        return 1
+
     def _extra_state(self) -> dict[str, Any]:
         return {}
 
@@ -113,7 +122,9 @@ class Packer(ABC):
             raise ValueError(f"packer state is at document {self.position} but the stream has only "
                              f"{lengths.size}; restore it on the stream it was saved from")
         while True:
-            new = self._intake(lengths, ids)
+            new: list[DocPiece] = []
+            for j in range(self._budgets_to_read()):
+                new.extend(self._intake(lengths, ids, arrival=self.iteration + j))
             final = self.position >= lengths.size
             if final and not new and self.pending() == 0:
                 return
@@ -128,8 +139,8 @@ class Packer(ABC):
             self.iteration += 1
             yield batch
 
-    def _intake(self, lengths: np.ndarray, ids: np.ndarray) -> list[DocPiece]:
-        """Read this iteration's documents and apply the oversize policy."""
+    def _intake(self, lengths: np.ndarray, ids: np.ndarray, arrival: int | None = None) -> list[DocPiece]:
+        """Read one iteration budget of documents and apply the oversize policy."""
         budget = self.config.tokens_per_iteration - self._credit
         start = self.position
         if start >= lengths.size:
@@ -147,14 +158,15 @@ class Packer(ABC):
         read = int(csum[k - 1])
         self._credit = max(0, read - budget)
         self.position = start + k
-        return self._apply_oversize(lengths[start:start + k], ids[start:start + k])
+        return self._apply_oversize(lengths[start:start + k], ids[start:start + k],
+                                    self.iteration if arrival is None else arrival)
 
-    def _apply_oversize(self, lengths: np.ndarray, ids: np.ndarray) -> list[DocPiece]:
+    def _apply_oversize(self, lengths: np.ndarray, ids: np.ndarray, arrival: int) -> list[DocPiece]:
         cap = self.capacity
-        arrival = self.iteration
-        if self.cuts_documents or lengths.size == 0 or int(lengths.max()) <= cap:
-            return [DocPiece(int(i), 0, int(n), arrival) for i, n in zip(ids, lengths)]
         policy = self.config.oversize
+        if lengths.size == 0 or int(lengths.max()) <= cap or (self.cuts_documents and policy == "split"):
+            # A cutting packer (concat-and-cut) splits long documents itself at micro-batch edges.
+            return [DocPiece(i, 0, n, arrival) for i, n in zip(ids.tolist(), lengths.tolist())]
         pieces: list[DocPiece] = []
         for doc_id, n in zip(ids.tolist(), lengths.tolist()):
             if n <= cap:

@@ -9,6 +9,8 @@ import numpy as np
 
 OversizePolicy = Literal["split", "drop", "error"]
 OVERSIZE_POLICIES: tuple[str, ...] = ("split", "drop", "error")
+#: S_max / seq_len when ``max_seq_len`` is None (docs/packing.md explains the choice).
+DEFAULT_MAX_SEQ_LEN_FACTOR = 1.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,13 +83,17 @@ class PackingConfig:
       token budget: every iteration reads ``dp * n * seq_len`` tokens of new documents (on
       average), so all packers consume the stream at the same rate.
     - ``n``: micro-batches per DP rank per iteration (the paper uses n = PP).
-    - ``max_seq_len``: the variable-length packer's capacity (paper S_max); defaults to seq_len.
+    - ``max_seq_len``: the variable-length packer's capacity (paper S_max); ``None`` means
+      ``DEFAULT_MAX_SEQ_LEN_FACTOR`` (1.5) x seq_len: with exactly seq_len there is no slack to
+      balance (the token budget fills every micro-batch), see docs/packing.md.
     - ``oversize``: documents longer than a packer's capacity are ``split`` into pieces of at most
       the capacity, ``drop``-ped (counted in ``Packer.dropped``), or rejected with an ``error``.
     - ``window``: the fixed packers balance ``window`` global batches at a time (paper: 1/2/4/8).
     - ``queue_thresholds``: wlb's outlier queue thresholds L_1 < ... < L_n, or ``"auto"``.
     - ``num_queues``: how many queues ``"auto"`` builds.
     - ``max_delay``: no document waits more than this many iterations beyond its arrival.
+    - ``extra``: packer-specific knobs: ``outlier_fraction`` (wlb auto thresholds, default 0.7),
+      ``solver_nodes`` (fixed-solver node limit, default 0).
     - ``solver_time_limit``: seconds the MILP solver may spend per window.
     """
 
@@ -99,7 +105,7 @@ class PackingConfig:
     window: int = 1
     queue_thresholds: tuple[int, ...] | Literal["auto"] = "auto"
     num_queues: int = 2
-    max_delay: int = 4
+    max_delay: int = 8
     solver_time_limit: float = 1.0
     seed: int = 0
     extra: dict = field(default_factory=dict)
@@ -135,8 +141,10 @@ class PackingConfig:
 
     @property
     def capacity_var(self) -> int:
-        """The variable-length capacity (max_seq_len, defaulting to seq_len)."""
-        return self.max_seq_len or self.seq_len
+        """The variable-length capacity (max_seq_len, defaulting to 1.5 x seq_len)."""
+        if self.max_seq_len is not None:
+            return self.max_seq_len
+        return int(self.seq_len * DEFAULT_MAX_SEQ_LEN_FACTOR)
 
     @property
     def micro_batches_per_iteration(self) -> int:

@@ -1,0 +1,128 @@
+"""``fixed-greedy``: fixed-capacity micro-batches balanced greedily over a window of global batches.
+
+The paper's "Fixed-Len Greedy" (Table 2): the documents of ``window`` global batches are read
+ahead, then assigned largest workload first to the micro-batch of least workload that still has
+room under ``seq_len`` (LPT with a capacity). Documents stay whole (unless the oversize policy split
+them), so a window cannot always place every token it read: with the token budget equal to the
+capacity there is no slack. What does not fit is carried to the next window and placed *first*
+there (it then goes to the emptiest micro-batches), so a carried document waits one window at most
+in practice, and the smallest documents cannot starve behind ever-new large ones.
+
+``place_greedy`` is the shared placement loop (also used by ``wlb`` and as the solver's warm start).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from megatron_wlb.packing.base import Packer, pieces_from_state, pieces_to_state, register_packer
+from megatron_wlb.packing.metrics import piece_latency
+from megatron_wlb.packing.types import DocPiece, MicroBatch
+
+
+def place_greedy(lengths: Sequence[int], weights: Sequence[float], work: list[float], toks: list[int],
+                 cap: int) -> list[int]:
+    """Place items in the given order, each into the bin of least ``work`` that has room for it.
+
+    ``work`` and ``toks`` (one entry per bin) are updated in place. Returns the bin of every item,
+    or -1 for an item that fits nowhere. Bins too full for the current item are parked in a
+    max-heap of free room and come back once the items get small enough, so a whole pass costs
+    O((items + bins) log bins): no per-token work and no scan of full bins.
+    """
+    heap = [(w, j) for j, w in enumerate(work)]
+    heapq.heapify(heap)
+    parked: list[tuple[int, int]] = []  # (-room, bin)
+    out = [-1] * len(lengths)
+    push, pop, replace = heapq.heappush, heapq.heappop, heapq.heapreplace
+    for i, d in enumerate(lengths):
+        while parked and -parked[0][0] >= d:
+            _, j = pop(parked)
+            push(heap, (work[j], j))
+        while heap:
+            w, j = heap[0]
+            if toks[j] + d <= cap:
+                w += weights[i]
+                work[j] = w
+                toks[j] += d
+                replace(heap, (w, j))
+                out[i] = j
+                break
+            pop(heap)
+            push(parked, (toks[j] - cap, j))
+    return out
+
+
+class FixedWindowPacker(Packer):
+    """Shared engine of the fixed-length packers: read ``window`` budgets, plan that many
+    iterations of ``dp * n`` micro-batches of capacity ``seq_len``, emit them one by one."""
+
+    def __init__(self, config, cost=None):
+        super().__init__(config, cost)
+        self._planned: list[list[list[DocPiece]]] = []  # iterations left in the window -> bins -> pieces
+        self._carried: list[DocPiece] = []
+
+    def pending(self) -> int:
+        return sum(p.length for it in self._planned for b in it for p in b) + sum(p.length for p in self._carried)
+
+    def _budgets_to_read(self) -> int:
+        return 0 if self._planned else self.config.window
+
+    def _assign(self, carried: list[DocPiece], new: list[DocPiece], bins: int) -> tuple[list[list[DocPiece]],
+                                                                                       list[DocPiece]]:
+        """Greedy plan: carried pieces first (oldest first), then new ones by workload, descending."""
+        order = sorted(new, key=lambda p: (-p.length, p.arrival, p.doc_id, p.offset))
+        pieces = sorted(carried, key=lambda p: (p.arrival, p.doc_id, p.offset)) + order
+        lengths = [p.length for p in pieces]
+        weights = piece_latency(self.cost, lengths).tolist() if pieces else []
+        where = place_greedy(lengths, weights, [0.0] * bins, [0] * bins, self.config.seq_len)
+        out: list[list[DocPiece]] = [[] for _ in range(bins)]
+        left: list[DocPiece] = []
+        for p, j in zip(pieces, where):
+            (out[j] if j >= 0 else left).append(p)
+        return out, left
+
+    def _plan(self, new: list[DocPiece], final: bool) -> list[MicroBatch]:
+        m = self.config.micro_batches_per_iteration
+        if not self._planned:
+            self._start_window(new, self.config.window)
+        bins = self._planned.pop(0)
+        if final and not any(bins) and self._carried:
+            # The stream ended inside a window: the rest of it is empty, so start over at once.
+            self._planned = []
+            self._start_window([], 1)
+            bins = self._planned.pop(0)
+        cap = self.config.seq_len
+        return [MicroBatch(tuple(b), cap) for b in bins[:m]]
+
+    def _start_window(self, new: list[DocPiece], window: int) -> None:
+        m = self.config.micro_batches_per_iteration
+        bins, left = self._assign(self._carried, new, window * m)
+        self._carried = left
+        if window > 1:
+            # Bins are interchangeable; an iteration lasts as long as its slowest micro-batch, so
+            # the window's bins go to iterations in order of workload (similar bins run together).
+            loads = bin_loads(bins, self.cost)
+            bins = [bins[j] for j in sorted(range(len(bins)), key=lambda j: (-loads[j], j))]
+        self._planned = [bins[k * m:(k + 1) * m] for k in range(window)]
+
+    def _extra_state(self) -> dict[str, Any]:
+        return {"planned": [[pieces_to_state(b) for b in it] for it in self._planned],
+                "carried": pieces_to_state(self._carried)}
+
+    def _load_extra_state(self, state: dict[str, Any]) -> None:
+        self._planned = [[pieces_from_state(b) for b in it] for it in state["planned"]]
+        self._carried = pieces_from_state(state["carried"])
+
+
+@register_packer
+class FixedGreedyPacker(FixedWindowPacker):
+    name = "fixed-greedy"
+
+
+def bin_loads(bins: Sequence[Sequence[DocPiece]], cost) -> np.ndarray:
+    """Latency of each bin (sum of its pieces' latencies)."""
+    return np.array([float(piece_latency(cost, [p.length for p in b]).sum()) if b else 0.0 for b in bins])

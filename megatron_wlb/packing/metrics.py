@@ -1,0 +1,146 @@
+"""Packing quality: imbalance, unused capacity, delay and packing time, as pure functions.
+
+Latency of a micro-batch is its *forward + backward* time per layer per GPU from the cost model:
+``W_a * (1 + bwd_attention) + W_l * (1 + bwd_linear)`` summed over its pieces, plus the fixed
+per-micro-batch overhead times ``(1 + bwd_linear)``. We use forward + backward rather than the bare
+workload W = W_a + W_l because a training step runs both and the backward of attention costs
+relatively more (2.5x vs 2x for GEMMs on H100), which makes long documents weigh more than the
+forward alone suggests; the paper's Table 2 uses forward latency, and the two ratios differ by a
+few thousandths on the embedded data (both are reported by ``summarize``).
+
+Without a cost model the weight of a piece of ``d`` tokens is ``d**2``: the attention-only
+objective of the paper's fixed-length ILP (Eq. 1).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from megatron_wlb.costmodel import CostModel
+from megatron_wlb.packing.types import GlobalBatch, MicroBatch
+
+
+def piece_latency(cost: CostModel | None, lengths: np.ndarray | Sequence[int]) -> np.ndarray:
+    """Forward + backward seconds per layer per GPU of each piece (``d**2`` without a cost model)."""
+    d = np.asarray(lengths, dtype=np.int64)
+    if cost is None:
+        return d.astype(np.float64) ** 2
+    hw = cost.hardware
+    return cost.attention(d) * (1.0 + hw.bwd_attention) + cost.linear(d) * (1.0 + hw.bwd_linear)
+
+
+def piece_forward(cost: CostModel | None, lengths: np.ndarray | Sequence[int]) -> np.ndarray:
+    """Forward seconds per layer per GPU of each piece, W = W_a + W_l (``d**2`` without a cost model)."""
+    d = np.asarray(lengths, dtype=np.int64)
+    if cost is None:
+        return d.astype(np.float64) ** 2
+    return cost.workload(d)
+
+
+def microbatch_latency(cost: CostModel | None, mb: MicroBatch, backward: bool = True) -> float:
+    """Latency of one micro-batch (0 when empty); forward + backward unless ``backward`` is False."""
+    if not mb.pieces:
+        return 0.0
+    lat = piece_latency(cost, mb.lengths) if backward else piece_forward(cost, mb.lengths)
+    over = 0.0
+    if cost is not None:
+        over = cost.microbatch_overhead * ((1.0 + cost.hardware.bwd_linear) if backward else 1.0)
+    return float(lat.sum() + over)
+
+
+def batch_latencies(cost: CostModel | None, batch: GlobalBatch, backward: bool = True) -> np.ndarray:
+    """Latency of every micro-batch of ``batch``, shape ``(dp, n)``."""
+    lat = np.array([microbatch_latency(cost, mb, backward) for mb in batch.micro_batches], dtype=np.float64)
+    return lat.reshape(batch.dp, batch.n)
+
+
+def imbalance_per_rank(latencies: np.ndarray) -> np.ndarray:
+    """Paper Table 2 per DP rank: max micro-batch latency x N / sum (1.0 = perfect); NaN if idle."""
+    lat = np.atleast_2d(latencies)
+    total = lat.sum(axis=1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(total > 0, lat.max(axis=1) * lat.shape[1] / total, np.nan)
+
+
+def imbalance_global(latencies: np.ndarray) -> float:
+    """Beyond the paper: max / mean over all DP x N micro-batches (DP ranks wait at the grad sync)."""
+    lat = np.asarray(latencies, dtype=np.float64).ravel()
+    mean = lat.mean() if lat.size else 0.0
+    return float(lat.max() / mean) if mean > 0 else float("nan")
+
+
+def token_delays(batches: Sequence[GlobalBatch]) -> tuple[np.ndarray, np.ndarray]:
+    """(delay in iterations, token count) of every emitted piece; delay = emitted - arrival.
+
+    A window packer emits some pieces before their arrival iteration (negative delay: it read
+    them ahead); ``summarize`` reports the positive part as delay and the magnitude as reordering.
+    """
+    delays: list[int] = []
+    tokens: list[int] = []
+    for b in batches:
+        for p in b.pieces():
+            delays.append(b.iteration - p.arrival)
+            tokens.append(p.length)
+    return np.asarray(delays, dtype=np.int64), np.asarray(tokens, dtype=np.int64)
+
+
+@dataclass(frozen=True)
+class PackingMetrics:
+    """Summary of a run of global batches (see ``summarize`` for the definitions)."""
+
+    iterations: int
+    imbalance: float            # paper Table 2: per DP rank per iteration, mean (fwd + bwd latency)
+    imbalance_fwd: float        # the same with forward latency only, as in the paper
+    imbalance_max: float        # worst iteration
+    imbalance_global: float     # max / mean over all dp x n micro-batches, mean over iterations
+    unused_capacity: float      # 1 - tokens / sum of micro-batch capacities
+    fill_vs_seq_len: float      # tokens / (dp * n * seq_len * iterations): stream rate kept
+    mean_delay: float           # iterations per token, positive part of emitted - arrival
+    max_delay: int
+    mean_reorder: float         # iterations per token, |emitted - arrival|
+    plan_ms_mean: float         # packing time per global batch (window packers: amortised)
+    plan_ms_max: float
+    tokens: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def summarize(batches: Sequence[GlobalBatch], cost: CostModel | None, seq_len: int | None = None) -> PackingMetrics:
+    """Metrics over ``batches``. Iterations with no tokens at all are left out of the imbalance means."""
+    if not batches:
+        raise ValueError("summarize needs at least one global batch")
+    per_rank, per_rank_fwd, glob = [], [], []
+    cap = tokens = 0
+    for b in batches:
+        lat = batch_latencies(cost, b)
+        if lat.sum() > 0:
+            per_rank.extend(imbalance_per_rank(lat).tolist())
+            per_rank_fwd.extend(imbalance_per_rank(batch_latencies(cost, b, backward=False)).tolist())
+            glob.append(imbalance_global(lat))
+        cap += sum(mb.capacity for mb in b.micro_batches)
+        tokens += b.tokens
+    pr = np.asarray(per_rank, dtype=np.float64)
+    delays, toks = token_delays(batches)
+    wsum = max(1, int(toks.sum()))
+    plan = np.array([b.plan_seconds for b in batches]) * 1e3
+    first = batches[0]
+    fill = float("nan") if seq_len is None else tokens / (first.dp * first.n * seq_len * len(batches))
+    return PackingMetrics(
+        iterations=len(batches),
+        imbalance=float(np.nanmean(pr)) if pr.size else float("nan"),
+        imbalance_fwd=float(np.nanmean(per_rank_fwd)) if per_rank_fwd else float("nan"),
+        imbalance_max=float(np.nanmax(pr)) if pr.size else float("nan"),
+        imbalance_global=float(np.mean(glob)) if glob else float("nan"),
+        unused_capacity=1.0 - tokens / cap if cap else 0.0,
+        fill_vs_seq_len=fill,
+        mean_delay=float((np.maximum(delays, 0) * toks).sum() / wsum),
+        max_delay=int(delays.max()) if delays.size else 0,
+        mean_reorder=float((np.abs(delays) * toks).sum() / wsum),
+        plan_ms_mean=float(plan.mean()),
+        plan_ms_max=float(plan.max()),
+        tokens=int(tokens),
+    )

@@ -1,0 +1,210 @@
+"""``wlb``: variable-length packing with outlier delay (paper Algorithm 1), plus three extensions.
+
+Per iteration, over all ``dp * n`` micro-batches of capacity ``max_seq_len`` (paper S_max):
+
+1. New pieces join the waiting pool. A piece is an *outlier* if its length is at least L_1; the
+   outliers wait in ``n_q`` queues by level (L_k <= d < L_{k+1}).
+2. A queue holding at least R pieces releases its R oldest (one per micro-batch: they are the
+   largest items of the iteration, so the placement below puts them into distinct, empty
+   micro-batches). R = dp * n, see extension (c).
+3. Pieces that have waited ``max_delay`` iterations are *forced*: placed before everything else.
+4. The released outliers and the other pieces, by length descending, each go to the micro-batch of
+   least workload among those with room for it (the paper: least workload if it fits, else least
+   length if it fits; ours picks the least-loaded of all that fit, a superset of both choices);
+   what fits nowhere waits for the next iteration.
+
+Extensions beyond the paper:
+
+(a) ``queue_thresholds="auto"`` (default): L_1 is the shortest length whose latency reaches
+    ``outlier_fraction`` (``PackingConfig.extra``, default 0.5) of the mean per-micro-batch latency
+    of the stream read so far, i.e. a document that alone would take half of a micro-batch's fair
+    share of the iteration; L_2 < ... < L_n split the outlier lengths seen so far into equal-count
+    quantiles (so every queue fills at the same rate and none starves). The statistics (a
+    log-spaced length histogram, the latency sum, the budget count) live in ``state_dict``, so a
+    restored packer derives the same thresholds.
+(b) ``max_delay``: a hard bound on waiting. A forced piece that fits in no micro-batch whole is
+    cut into pieces that fill the micro-batches with most room (counted in ``forced_splits``), so
+    the bound holds whenever the iteration has room for the forced tokens at all (always, unless
+    one document is longer than the whole iteration's capacity).
+(c) Global balance: the placement balances all ``dp * n`` micro-batches of the global batch
+    together (DP ranks wait for each other at the gradient sync), and a queue releases ``dp * n``
+    outliers at a time, one per micro-batch of the global batch: an outlier in one DP rank's
+    micro-batch would otherwise set the pace for every rank.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from megatron_wlb.packing.base import Packer, pieces_from_state, pieces_to_state, register_packer
+from megatron_wlb.packing.greedy import place_greedy
+from megatron_wlb.packing.metrics import piece_latency
+from megatron_wlb.packing.types import DocPiece, MicroBatch
+
+HIST_PER_OCTAVE = 16
+HIST_BINS = 48 * HIST_PER_OCTAVE  # lengths up to 2**48 tokens
+DEFAULT_OUTLIER_FRACTION = 0.7
+
+
+def _hist_bin(lengths: np.ndarray) -> np.ndarray:
+    return np.minimum((np.log2(lengths) * HIST_PER_OCTAVE).astype(np.int64), HIST_BINS - 1)
+
+
+def _sort_key(p: DocPiece) -> tuple[int, int, int, int]:
+    return (-p.length, p.arrival, p.doc_id, p.offset)
+
+
+def _age_key(p: DocPiece) -> tuple[int, int, int]:
+    return (p.arrival, p.doc_id, p.offset)
+
+
+@register_packer
+class WlbPacker(Packer):
+    name = "wlb"
+
+    def __init__(self, config, cost=None):
+        super().__init__(config, cost)
+        self._waiting: list[DocPiece] = []
+        self._hist = np.zeros(HIST_BINS, dtype=np.int64)
+        self._weight_sum = 0.0
+        self._budgets = 0
+        self.forced_splits = 0
+        self.outlier_fraction = float(config.extra.get("outlier_fraction", DEFAULT_OUTLIER_FRACTION))
+        if not 0 < self.outlier_fraction:
+            raise ValueError(f"outlier_fraction must be positive, got {self.outlier_fraction!r}")
+        cap = self.capacity
+        self._grid = np.unique(np.geomspace(1, cap, 1024).astype(np.int64))
+        self._grid_w = piece_latency(cost, self._grid)
+
+    @property
+    def capacity(self) -> int:
+        return self.config.capacity_var
+
+    def pending(self) -> int:
+        return sum(p.length for p in self._waiting)
+
+    @property
+    def waiting(self) -> tuple[DocPiece, ...]:
+        """Pieces read but not yet emitted (carried pieces and queued outliers)."""
+        return tuple(self._waiting)
+
+    # -- thresholds ------------------------------------------------------------------------------
+    def thresholds(self) -> tuple[int, ...]:
+        """The current L_1 < ... < L_n (the configured ones, or derived from the stream so far)."""
+        th = self.config.queue_thresholds
+        if th != "auto":
+            return tuple(th)
+        cap = self.capacity
+        if self._budgets == 0:
+            return (cap + 1,)
+        target = self._weight_sum / (self._budgets * self.config.micro_batches_per_iteration)
+        k = int(np.searchsorted(self._grid_w, self.outlier_fraction * target, side="left"))
+        if k >= self._grid.size:
+            return (cap + 1,)  # no document can be an outlier: one queue nobody enters
+        l1 = int(self._grid[k])
+        levels = [l1]
+        counts = self._hist.copy()
+        counts[:_hist_bin(np.array([l1]))[0]] = 0
+        total = int(counts.sum())
+        # Each queue must gather dp*n outliers well within max_delay, or it would only ever release
+        # forced singles: use no more queues than the outlier rate can fill in max_delay / 2.
+        rate = total / self._budgets
+        m = self.config.micro_batches_per_iteration
+        nq = max(1, min(self.config.num_queues, int(rate * self.config.max_delay / (2 * m))))
+        if nq > 1:
+            if total > 0:
+                csum = np.cumsum(counts)
+                for q in range(1, nq):
+                    b = int(np.searchsorted(csum, total * q / nq, side="left")) + 1
+                    edge = int(np.ceil(2.0 ** (b / HIST_PER_OCTAVE)))
+                    if levels[-1] < edge <= cap:
+                        levels.append(edge)
+        return tuple(levels)
+
+    # -- planning --------------------------------------------------------------------------------
+    def _plan(self, new: list[DocPiece], final: bool) -> list[MicroBatch]:
+        cfg = self.config
+        m = cfg.micro_batches_per_iteration
+        cap = self.capacity
+        it = self.iteration
+        if new:
+            lens = np.fromiter((p.length for p in new), dtype=np.int64, count=len(new))
+            self._hist += np.bincount(_hist_bin(lens), minlength=HIST_BINS)
+            self._weight_sum += float(piece_latency(self.cost, lens).sum())
+            self._budgets += 1
+        th = self.thresholds()
+        pool = self._waiting + new
+        forced = [p for p in pool if it - p.arrival >= cfg.max_delay]
+        rest = [p for p in pool if it - p.arrival < cfg.max_delay]
+        l1 = th[0]
+        if final:
+            candidates, waiting = rest, []
+        else:
+            candidates = [p for p in rest if p.length < l1]
+            outliers = [p for p in rest if p.length >= l1]
+            waiting = []
+            if outliers:
+                levels = np.searchsorted(np.asarray(th), [p.length for p in outliers], side="right") - 1
+                for q in range(len(th)):
+                    queue = sorted((p for p, lv in zip(outliers, levels.tolist()) if lv == q), key=_age_key)
+                    if len(queue) >= m:
+                        candidates.extend(queue[:m])
+                        waiting.extend(queue[m:])
+                    else:
+                        waiting.extend(queue)
+        forced.sort(key=_sort_key)
+        candidates.sort(key=_sort_key)
+        order = forced + candidates
+        lengths = [p.length for p in order]
+        weights = piece_latency(self.cost, lengths).tolist() if order else []
+        work = [0.0] * m
+        toks = [0] * m
+        where = place_greedy(lengths, weights, work, toks, cap)
+        bins: list[list[DocPiece]] = [[] for _ in range(m)]
+        nf = len(forced)
+        for i, (p, j) in enumerate(zip(order, where)):
+            if j >= 0:
+                bins[j].append(p)
+            elif i < nf:
+                self._split_forced(p, bins, work, toks, cap, waiting)
+            else:
+                waiting.append(p)
+        waiting.sort(key=_age_key)
+        self._waiting = waiting
+        return [MicroBatch(tuple(b), cap) for b in bins]
+
+    def _split_forced(self, p: DocPiece, bins: list[list[DocPiece]], work: list[float], toks: list[int],
+                      cap: int, waiting: list[DocPiece]) -> None:
+        """Last resort for a piece at its delay bound that fits nowhere whole: fill the emptiest bins."""
+        off, left = p.offset, p.length
+        for j in sorted(range(len(bins)), key=lambda j: (toks[j], j)):
+            room = cap - toks[j]
+            if room <= 0 or left == 0:
+                break
+            take = min(room, left)
+            bins[j].append(DocPiece(p.doc_id, off, take, p.arrival))
+            toks[j] += take
+            work[j] += float(piece_latency(self.cost, [take])[0])
+            off += take
+            left -= take
+        self.forced_splits += 1
+        if left:
+            waiting.append(DocPiece(p.doc_id, off, left, p.arrival))
+
+    # -- state -----------------------------------------------------------------------------------
+    def _extra_state(self) -> dict[str, Any]:
+        nz = np.flatnonzero(self._hist)
+        return {"waiting": pieces_to_state(self._waiting),
+                "hist": [[int(b), int(self._hist[b])] for b in nz],
+                "weight_sum": self._weight_sum, "budgets": self._budgets, "forced_splits": self.forced_splits}
+
+    def _load_extra_state(self, state: dict[str, Any]) -> None:
+        self._waiting = pieces_from_state(state["waiting"])
+        self._hist = np.zeros(HIST_BINS, dtype=np.int64)
+        for b, c in state["hist"]:
+            self._hist[int(b)] = int(c)
+        self._weight_sum = float(state["weight_sum"])
+        self._budgets = int(state["budgets"])
+        self.forced_splits = int(state["forced_splits"])
