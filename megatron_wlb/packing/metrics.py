@@ -138,7 +138,7 @@ def summarize(batches: Sequence[GlobalBatch], cost: CostModel | None, seq_len: i
         unused_capacity=1.0 - tokens / cap if cap else 0.0,
         fill_vs_seq_len=fill,
         mean_delay=float((np.maximum(delays, 0) * toks).sum() / wsum),
-        max_delay=int(delays.max()) if delays.size else 0,
+        max_delay=max(0, int(delays.max())) if delays.size else 0,
         mean_reorder=float((np.abs(delays) * toks).sum() / wsum),
         plan_ms_mean=float(plan.mean()),
         plan_ms_max=float(plan.max()),

@@ -1,0 +1,178 @@
+"""``wlb bench``: the packing benchmark table (the paper's Table 2 and our extensions).
+
+    wlb bench [--config 7b_128k] [--iterations 200] [--lengths wlbllm,stdlib] [--scale-config 405b_128k_8k]
+              [--out DIR]
+
+For every length stream it runs original, fixed-greedy (windows 1/2/4/8), fixed-solver (windows
+1/2/4, iterations capped by ``--solver-iterations``), wlb with hand-picked thresholds (1/2/3
+queues), wlb with auto thresholds (1/2/3 queues), wlb at S_max = 1, 1.25, 1.5 x seq_len and
+with max_delay 4; then wlb and the baselines at ``--scale-config`` (the 8K-GPU layout). Writes
+``DIR/packing_bench.md`` and ``.json`` (machine named). Streams shorter than the iterations need
+are repeated, each extra pass in a seeded random order (said in the table).
+
+``stdlib`` is a second, real distribution: the token lengths (bytes / 4) of the ``.py`` files of
+the running interpreter's standard library, collected at benchmark time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import numpy as np
+
+from megatron_wlb.config import load_config
+from megatron_wlb.costmodel import build_cost_model
+from megatron_wlb.packing import make_packer, summarize
+
+
+def stdlib_lengths() -> np.ndarray:
+    """Token lengths (ceil(bytes / 4)) of the standard library's .py files, in sorted path order."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts and p.is_file())
+    sizes = np.array([p.stat().st_size for p in files], dtype=np.int64)
+    return np.maximum(1, (sizes + 3) // 4)
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("bench", help="benchmark the packers (imbalance, delay, packing time)",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default="7b_128k", help="config for the main table (default 7b_128k)")
+    p.add_argument("--iterations", type=int, default=200, help="global batches per row (default 200)")
+    p.add_argument("--solver-iterations", type=int, default=50, help="cap for the fixed-solver rows (default 50)")
+    p.add_argument("--lengths", default="wlbllm", help="comma-separated streams: wlbllm, stdlib or files")
+    p.add_argument("--scale-config", default=None, help="also time wlb on this layout (e.g. 405b_128k_8k)")
+    p.add_argument("--scale-iterations", type=int, default=100, help="global batches at --scale-config")
+    p.add_argument("--profile", default=None, help="calibrated cost-model profile JSON (default: analytic)")
+    p.add_argument("--out", default=None, help="directory for packing_bench.md / .json (default: print only)")
+    p.add_argument("--quick", action="store_true", help="fewer rows (for smoke tests)")
+    p.set_defaults(func=run)
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{cpu}, {os.cpu_count()} cores visible, Python {platform.python_version()}, {platform.system()}"
+
+
+def rows_for(seq_len: int, quick: bool) -> list[tuple[str, str, dict]]:
+    """(label, packer, packing overrides) of the main table."""
+    rows: list[tuple[str, str, dict]] = [("Original", "original", {})]
+    for k in ((1, 4) if quick else (1, 2, 4, 8)):
+        rows.append((f"Fixed-Len Greedy, window {k}", "fixed-greedy", {"window": k}))
+    for k in ((1,) if quick else (1, 2, 4)):
+        rows.append((f"Fixed-Len Solver, window {k}", "fixed-solver", {"window": k}))
+    hand = {1: (seq_len // 2,), 2: (3 * seq_len // 8, 3 * seq_len // 4),
+            3: (seq_len // 4, seq_len // 2, 3 * seq_len // 4)}
+    for q in ((1,) if quick else (1, 2, 3)):
+        rows.append((f"WLB, hand-picked {q} queue(s) {list(hand[q])}", "wlb",
+                     {"queue_thresholds": hand[q], "num_queues": q}))
+    for q in ((2,) if quick else (1, 2, 3)):
+        rows.append((f"WLB, auto thresholds, num_queues {q}", "wlb", {"num_queues": q}))
+    if not quick:
+        for f in (1.0, 1.25):
+            rows.append((f"WLB, auto, S_max = {f} x seq_len", "wlb", {"max_seq_len": int(seq_len * f)}))
+        rows.append(("WLB, auto, max_delay 4", "wlb", {"max_delay": 4}))
+    return rows
+
+
+def bench_one(config_name: str, stream: str, rows, iterations: int, solver_iterations: int, profile) -> dict:
+    from megatron_wlb.cli.pack import resolve_lengths, run_packer
+
+    config = load_config(config_name)
+    cost = build_cost_model(config.model, config.layout, profile=profile)
+    need = (iterations + 8) * config.packing.tokens_per_iteration
+    lengths = resolve_lengths(stream, min_tokens=need)
+    base_docs = resolve_lengths(stream).size
+    out = {"config": config.name, "layout": str(config.layout), "n": config.packing.n, "dp": config.packing.dp,
+           "seq_len": config.seq_len, "stream": stream, "documents": int(base_docs),
+           "stream_repeats": int(round(lengths.size / base_docs)), "cost_model": cost.describe(), "rows": []}
+    for label, packer_name, over in rows:
+        packing = dataclasses.replace(config.packing, **over)
+        packer = make_packer(packer_name, packing, cost)
+        its = min(iterations, solver_iterations) if packer_name == "fixed-solver" else iterations
+        t0 = time.perf_counter()
+        batches = run_packer(packer, lengths, its, progress=f"{stream} {label}")
+        wall = time.perf_counter() - t0
+        m = summarize(batches, cost, packing.seq_len)
+        row = {"label": label, "packer": packer_name, "overrides": {k: list(v) if isinstance(v, tuple) else v
+                                                                      for k, v in over.items()},
+               "capacity": packer.capacity, "wall_s": wall, **m.to_dict()}
+        if hasattr(packer, "thresholds"):
+            row["final_thresholds"] = list(packer.thresholds())
+            row["forced_splits"] = packer.forced_splits
+        if hasattr(packer, "solver_status"):
+            row["solver_status"] = dict(packer.solver_status)
+            row["time_limit_hits"] = packer.time_limit_hits
+        out["rows"].append(row)
+    return out
+
+
+def to_markdown(result: dict) -> str:
+    lines = ["# Packing benchmark", "", f"Machine: {result['machine']}. Generated by `{result['command']}`.", ""]
+    for table in result["tables"]:
+        lines += [f"## {table['stream']} on {table['config']} ({table['layout']}, N = {table['n']} per DP rank, "
+                  f"seq_len {table['seq_len']})", "",
+                  f"{table['documents']} documents in the stream"
+                  + (f", repeated {table['stream_repeats']}x (extra passes shuffled, seed 0)"
+                     if table['stream_repeats'] > 1 else "") + f"; cost model {table['cost_model']}.", "",
+                  "| method | iters | imbalance (fwd+bwd) | imbalance (fwd) | worst iter | global DPxN | "
+                  "mean delay | max delay | unused cap. | stream rate | ms / batch (mean) | ms (max) |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in table["rows"]:
+            lines.append(f"| {r['label']} | {r['iterations']} | {r['imbalance']:.3f} | {r['imbalance_fwd']:.3f} | "
+                         f"{r['imbalance_max']:.2f} | {r['imbalance_global']:.3f} | {r['mean_delay']:.3f} | "
+                         f"{r['max_delay']} | {r['unused_capacity']:.3f} | {r['fill_vs_seq_len']:.3f} | "
+                         f"{r['plan_ms_mean']:.2f} | {r['plan_ms_max']:.1f} |")
+        lines.append("")
+        notes = [f"- {r['label']}: final auto thresholds {r['final_thresholds']}"
+                 for r in table["rows"] if "final_thresholds" in r and "queue_thresholds" not in r["overrides"]]
+        notes += [f"- {r['label']}: HiGHS status per window {r['solver_status']}"
+                  for r in table["rows"] if "solver_status" in r]
+        lines += notes + [""]
+    lines += ["Columns: imbalance = paper Table 2 (max micro-batch latency x N / sum, per DP rank per iteration, "
+              "mean); worst iter = its maximum; global = max / mean over all DP x N micro-batches; delay in "
+              "iterations per token (emitted - arrival, positive part); unused cap. = 1 - tokens / sum of "
+              "micro-batch capacities (wlb's capacity is S_max); stream rate = tokens emitted / (DP x N x seq_len "
+              "x iterations); ms / batch = packing time per global batch (window packers: amortised over the "
+              "window). Fixed-solver rows are capped at the solver iteration count shown.", ""]
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.iterations < 1 or args.solver_iterations < 1:
+        raise ValueError("--iterations and --solver-iterations must be positive")
+    config = load_config(args.config)
+    tables = []
+    for stream in [s.strip() for s in args.lengths.split(",") if s.strip()]:
+        tables.append(bench_one(args.config, stream, rows_for(config.seq_len, args.quick), args.iterations,
+                                args.solver_iterations, args.profile))
+    if args.scale_config:
+        rows = [("Original", "original", {}), ("Fixed-Len Greedy, window 1", "fixed-greedy", {"window": 1}),
+                ("WLB, auto thresholds (default)", "wlb", {})]
+        tables.append(bench_one(args.scale_config, "wlbllm", rows, args.scale_iterations, args.solver_iterations,
+                                args.profile))
+    result = {"machine": machine(), "command": "wlb " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["bench"]
+              else "wlb bench", "tables": tables}
+    md = to_markdown(result)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "packing_bench.json").write_text(json.dumps(result, indent=1))
+        (out / "packing_bench.md").write_text(md)
+        print(f"wrote {out / 'packing_bench.md'} and {out / 'packing_bench.json'}", file=sys.stderr)
+    print(md)
+    return 0

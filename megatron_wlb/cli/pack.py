@@ -1,0 +1,134 @@
+"""``wlb pack``: run one packer over a length stream, print its metrics, optionally write the plan.
+
+    wlb pack --lengths FILE|wlbllm --config NAME|YAML [--packer P] [--iterations K] [--out plan.jsonl]
+
+``--out`` writes one JSON line per global batch: ``{"iteration": i, "micro_batches": [[[doc_id,
+offset, length], ...], ...]}`` (micro-batch ``r * n + k`` is DP rank r's k-th).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from megatron_wlb.config import PACKER_NAMES, RunConfig, load_config
+from megatron_wlb.costmodel import CostModel, build_cost_model
+from megatron_wlb.data import load_lengths
+from megatron_wlb.packing import GlobalBatch, make_packer, summarize
+from megatron_wlb.packing.base import Packer
+
+
+def add_packing_options(p: argparse.ArgumentParser) -> None:
+    """Options shared by ``pack`` and ``bench`` that override the config's packing settings."""
+    p.add_argument("--config", default="7b_128k", help="config name in configs/ or a YAML path (default 7b_128k)")
+    p.add_argument("--profile", default=None, help="calibrated cost-model profile JSON (default: analytic)")
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("pack", help="pack a length stream into global batches and print packing metrics",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--lengths", default="wlbllm",
+                   help="length file (.json/.npy/.txt), 'wlbllm' (embedded) or 'stdlib' (default wlbllm)")
+    add_packing_options(p)
+    p.add_argument("--packer", choices=PACKER_NAMES, default=None, help="packer (default: the config's)")
+    p.add_argument("--iterations", type=int, default=None, help="stop after K global batches (default: all)")
+    p.add_argument("--out", default=None, help="write the plan as JSON lines")
+    p.add_argument("--window", type=int, default=None, help="fixed-* packers: global batches per window")
+    p.add_argument("--max-seq-len", type=int, default=None, help="wlb: micro-batch capacity S_max")
+    p.add_argument("--max-delay", type=int, default=None, help="wlb: iterations a document may wait")
+    p.add_argument("--num-queues", type=int, default=None, help="wlb: outlier queues for auto thresholds")
+    p.add_argument("--thresholds", default=None, help="wlb: 'auto' or comma-separated L_1,...,L_n")
+    p.add_argument("--oversize", choices=("split", "drop", "error"), default=None)
+    p.add_argument("--json", action="store_true", help="print the metrics as JSON")
+    p.set_defaults(func=run)
+
+
+def resolve_lengths(source: str, min_tokens: int = 0, seed: int = 0) -> np.ndarray:
+    """Lengths from a file, 'wlbllm' or 'stdlib'; repeated (a seeded shuffle per extra pass) until
+    they hold at least ``min_tokens`` tokens, so short streams can fill long benchmarks."""
+    from megatron_wlb.cli.bench import stdlib_lengths
+
+    base = stdlib_lengths() if source == "stdlib" else load_lengths(source)
+    if base.size == 0:
+        raise ValueError(f"length stream {source!r} is empty")
+    parts, total = [base], int(base.sum())
+    rng = np.random.default_rng(seed)
+    while total < min_tokens:
+        parts.append(base[rng.permutation(base.size)])
+        total += int(base.sum())
+    return np.concatenate(parts)
+
+
+def overrides(args: argparse.Namespace) -> dict:
+    out = {}
+    for key in ("window", "max_seq_len", "max_delay", "num_queues", "oversize"):
+        value = getattr(args, key, None)
+        if value is not None:
+            out[key] = value
+    th = getattr(args, "thresholds", None)
+    if th is not None:
+        if th == "auto":
+            out["queue_thresholds"] = "auto"
+        else:
+            try:
+                out["queue_thresholds"] = tuple(int(x) for x in th.split(","))
+            except ValueError:
+                raise ValueError(f"--thresholds={th!r}: give 'auto' or comma-separated integers") from None
+    return out
+
+
+def run_packer(packer: Packer, lengths: np.ndarray, iterations: int | None, progress: str | None = None,
+               out=None) -> list[GlobalBatch]:
+    """Pack ``lengths`` (up to ``iterations`` global batches), with a tqdm bar on stderr."""
+    from tqdm import tqdm
+
+    batches: list[GlobalBatch] = []
+    bar = tqdm(total=iterations, desc=progress, file=sys.stderr, disable=progress is None, leave=False)
+    for batch in packer.pack(lengths):
+        batches.append(batch)
+        if out is not None:
+            out.write(json.dumps({"iteration": batch.iteration, "micro_batches": [
+                [[p.doc_id, p.offset, p.length] for p in mb.pieces] for mb in batch.micro_batches]}) + "\n")
+        bar.update(1)
+        if iterations is not None and len(batches) >= iterations:
+            break
+    bar.close()
+    return batches
+
+
+def build(args: argparse.Namespace) -> tuple[RunConfig, CostModel]:
+    config = load_config(args.config)
+    cost = build_cost_model(config.model, config.layout, profile=getattr(args, "profile", None))
+    return config, cost
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.iterations is not None and args.iterations < 1:
+        raise ValueError(f"--iterations={args.iterations}: must be a positive number of global batches")
+    config, cost = build(args)
+    packing = dataclasses.replace(config.packing, **overrides(args))
+    name = args.packer or config.packer
+    packer = make_packer(name, packing, cost)
+    lengths = resolve_lengths(args.lengths)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        with open(args.out, "w") as f:
+            batches = run_packer(packer, lengths, args.iterations, progress=name, out=f)
+    else:
+        batches = run_packer(packer, lengths, args.iterations, progress=name)
+    metrics = summarize(batches, cost, packing.seq_len)
+    report = {"packer": name, "config": config.name, "lengths": args.lengths, "documents_read": packer.position,
+              "dropped": len(packer.dropped), **metrics.to_dict()}
+    if hasattr(packer, "thresholds"):
+        report["thresholds"] = list(packer.thresholds())
+    if args.json:
+        print(json.dumps(report, indent=1))
+    else:
+        for key, value in report.items():
+            print(f"{key:>18}: {round(value, 4) if isinstance(value, float) else value}")
+    return 0
