@@ -1,0 +1,271 @@
+"""Unit tests of the packers, the HiGHS model, the metrics and the two CLI commands."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+from itertools import islice
+
+import numpy as np
+import pytest
+
+from megatron_wlb.cli.main import main
+from megatron_wlb.config import load_config
+from megatron_wlb.costmodel import build_cost_model
+from megatron_wlb.data import load_lengths
+from megatron_wlb.packing import (
+    PackingConfig,
+    imbalance_global,
+    imbalance_per_rank,
+    make_packer,
+    place_greedy,
+    solve_assignment,
+    summarize,
+    validate_lengths,
+)
+from megatron_wlb.packing.metrics import piece_latency
+
+
+@pytest.fixture(scope="module")
+def run7b():
+    config = load_config("7b_128k")
+    return config, build_cost_model(config.model, config.layout), load_lengths()
+
+
+def first(packer, lengths, k):
+    return list(islice(packer.pack(lengths), k))
+
+
+# -- original -----------------------------------------------------------------------------------
+def test_original_is_concat_and_cut():
+    rng = np.random.default_rng(3)
+    lengths = rng.integers(1, 300, size=400)
+    cfg = PackingConfig(seq_len=256, n=3, dp=2)
+    batches = list(make_packer("original", cfg).pack(lengths))
+    # Independent reconstruction: micro-batch k holds tokens [k*S, (k+1)*S) of the concatenation.
+    starts = np.concatenate([[0], np.cumsum(lengths)])
+    mbs = [mb for b in batches for mb in b.micro_batches]
+    total = int(lengths.sum())
+    assert len(mbs) >= -(-total // 256)
+    for k, mb in enumerate(mbs):
+        lo, hi = min(k * 256, total), min((k + 1) * 256, total)
+        got = [(int(starts[p.doc_id]) + p.offset, p.length) for p in mb.pieces]
+        pos = lo
+        for g0, gl in got:
+            assert g0 == pos
+            pos += gl
+        assert pos == hi
+        assert mb.capacity == 256
+
+
+def test_original_drop_and_error_policies():
+    lengths = [10, 700, 20]
+    drop = make_packer("original", PackingConfig(seq_len=256, n=1, oversize="drop"))
+    assert sum(b.tokens for b in drop.pack(lengths)) == 30 and drop.dropped == [(1, 700)]
+    with pytest.raises(ValueError, match="document 1 has 700 tokens"):
+        list(make_packer("original", PackingConfig(seq_len=256, n=1, oversize="error")).pack(lengths))
+
+
+# -- fixed packers ------------------------------------------------------------------------------
+def test_place_greedy_least_loaded_that_fits():
+    work, toks = [0.0, 0.0], [0, 0]
+    where = place_greedy([6, 5, 4, 3], [36.0, 25.0, 16.0, 9.0], work, toks, cap=10)
+    assert where == [0, 1, 1, 0]  # 4 goes to bin 1 (least work); 3 to bin 0 (bin 1 full at 9+... no room)
+    assert toks == [9, 9] and work == [45.0, 41.0]
+    assert place_greedy([11], [1.0], [0.0], [0], cap=10) == [-1]
+
+
+def test_fixed_packers_beat_original_on_embedded(run7b):
+    config, cost, lengths = run7b
+    orig = summarize(first(make_packer("original", config.packing, cost), lengths, 24), cost).imbalance
+    greedy = summarize(first(make_packer("fixed-greedy", dataclasses.replace(config.packing, window=4), cost),
+                             lengths, 24), cost).imbalance
+    solver = summarize(first(make_packer("fixed-solver", dataclasses.replace(config.packing, window=2), cost),
+                             lengths, 12), cost).imbalance
+    assert greedy < orig and solver < orig
+    wlb = summarize(first(make_packer("wlb", config.packing, cost), lengths, 24), cost).imbalance
+    assert wlb < greedy
+
+
+def brute_force_max(lengths, weights, bins, cap):
+    best = np.inf
+    for assign in itertools.product(range(bins), repeat=len(lengths)):
+        a = np.asarray(assign)
+        if np.bincount(a, weights=lengths, minlength=bins).max() <= cap:
+            best = min(best, np.bincount(a, weights=weights, minlength=bins).max())
+    return best
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_solver_optimal_on_small_instances(seed):
+    rng = np.random.default_rng(seed)
+    lengths = np.sort(rng.integers(5, 60, size=8))[::-1].copy()
+    weights = lengths.astype(float) ** 2
+    bins, cap = 3, int(lengths.sum() / 3 * 1.3)
+    greedy = place_greedy(lengths.tolist(), weights.tolist(), [0.0] * bins, [0] * bins, cap)
+    assert min(greedy) >= 0
+    relabel = {}
+    start = np.array([relabel.setdefault(j, len(relabel)) for j in greedy])
+    choice, status, bound = solve_assignment(lengths, weights, bins, cap, start=start, time_limit=30,
+                                             node_limit=100000, rel_gap=0.0)
+    assert status == "Optimal"
+    assert choice is not None and choice.min() >= 0 and choice.max() < bins
+    assert np.bincount(choice, weights=lengths, minlength=bins).max() <= cap
+    got = np.bincount(choice, weights=weights, minlength=bins).max()
+    assert got <= np.bincount(start, weights=weights, minlength=bins).max() + 1e-9
+    assert got == pytest.approx(brute_force_max(lengths, weights, bins, cap), rel=1e-6)
+
+
+def test_solver_packer_reports_highs_status(run7b):
+    config, cost, lengths = run7b
+    packer = make_packer("fixed-solver", dataclasses.replace(config.packing, window=2), cost)
+    first(packer, lengths, 4)
+    assert sum(packer.solver_status.values()) >= 1
+    assert set(packer.solver_status) <= {"Optimal", "Solution limit reached", "Time limit reached"}
+
+
+# -- wlb ----------------------------------------------------------------------------------------
+def test_wlb_outlier_queue_releases_n_at_a_time():
+    # seq_len 100, 4 micro-batches; one outlier (90 tokens >= L_1 = 80) per iteration among short docs.
+    lengths = []
+    for _ in range(12):
+        lengths += [90] + [10] * 31
+    cfg = PackingConfig(seq_len=100, n=4, dp=1, max_seq_len=160, queue_thresholds=(80,), max_delay=10)
+    packer = make_packer("wlb", cfg)
+    batches = list(packer.pack(lengths))
+    outliers_per_iter = [sum(p.length == 90 for p in b.pieces()) for b in batches]
+    released = [c for c in outliers_per_iter[:11] if c]
+    assert released and all(c == 4 for c in released), outliers_per_iter
+    for b in batches[:11]:
+        assert all(sum(p.length == 90 for p in mb.pieces) <= 1 for mb in b.micro_batches)
+    assert sum(outliers_per_iter) == 12
+
+
+@pytest.mark.parametrize("max_delay", [0, 1, 3])
+def test_wlb_max_delay_never_exceeded(run7b, max_delay):
+    config, cost, lengths = run7b
+    cfg = dataclasses.replace(config.packing, max_delay=max_delay)
+    batches = first(make_packer("wlb", cfg, cost), lengths, 60)
+    assert max(b.iteration - p.arrival for b in batches for p in b.pieces()) <= max_delay
+    assert summarize(batches, cost).max_delay <= max_delay
+
+
+def auto_thresholds(lengths, seq_len=4096, n=4, **kw):
+    cfg = PackingConfig(seq_len=seq_len, n=n, **kw)
+    packer = make_packer("wlb", cfg)
+    batches = list(packer.pack(lengths))
+    return packer, batches
+
+
+def test_auto_thresholds_shapes():
+    rng = np.random.default_rng(0)
+    # uniform short: nothing is an outlier, nothing waits
+    packer, batches = auto_thresholds(rng.integers(50, 150, size=2000))
+    assert packer.thresholds()[0] > 150
+    assert summarize(batches, None).max_delay == 0
+    # heavy tail: L_1 sits in the tail, above the median and within the capacity
+    heavy = np.minimum(6000, (20 / (1 - rng.random(3000)) ** 1.3).astype(int))
+    packer, batches = auto_thresholds(heavy, num_queues=3)
+    th = packer.thresholds()
+    assert np.median(heavy) < th[0] <= packer.capacity and list(th) == sorted(set(th))
+    assert summarize(batches, None).imbalance < summarize(
+        list(make_packer("original", PackingConfig(seq_len=4096, n=4)).pack(heavy)), None).imbalance
+    # all long: every document is an outlier, queued and released in groups
+    packer, batches = auto_thresholds(np.full(200, 3500))
+    assert packer.thresholds()[0] <= 3500
+    assert sum(b.tokens for b in batches) == 200 * 3500
+
+
+def test_auto_thresholds_survive_resume(run7b):
+    config, cost, lengths = run7b
+    a = make_packer("wlb", config.packing, cost)
+    first(a, lengths, 10)
+    b = make_packer("wlb", config.packing, cost)
+    b.load_state_dict(json.loads(json.dumps(a.state_dict())))
+    assert b.thresholds() == a.thresholds() and len(a.thresholds()) >= 1
+
+
+# -- errors and oversize ------------------------------------------------------------------------
+@pytest.mark.parametrize("bad, needle", [([3, 0, 2], "= 0"), ([4, -7], "-7"), ([1.0, 2.5], "2.5"),
+                                         (["a"], "dtype")])
+def test_bad_lengths_named(bad, needle):
+    with pytest.raises(ValueError, match=needle):
+        validate_lengths(bad)
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    ({"seq_len": 128, "n": 0}, "n must be a positive integer, got 0"),
+    ({"seq_len": 128, "n": 2, "max_seq_len": 64}, "max_seq_len=64 is below seq_len=128"),
+    ({"seq_len": 128, "n": 2, "oversize": "trim"}, "oversize='trim'"),
+    ({"seq_len": 128, "n": 2, "queue_thresholds": (50, 20)}, r"\(50, 20\)"),
+    ({"seq_len": -5, "n": 2}, "seq_len must be a positive integer, got -5"),
+])
+def test_bad_config_named(kwargs, needle):
+    with pytest.raises(ValueError, match=needle):
+        PackingConfig(**kwargs)
+
+
+def test_unknown_packer_and_foreign_state():
+    with pytest.raises(ValueError, match="unknown packer 'best'"):
+        make_packer("best", PackingConfig(seq_len=8, n=1))
+    state = make_packer("wlb", PackingConfig(seq_len=8, n=1)).state_dict()
+    with pytest.raises(ValueError, match="'wlb' packer, not 'fixed-greedy'"):
+        make_packer("fixed-greedy", PackingConfig(seq_len=8, n=1)).load_state_dict(state)
+
+
+@pytest.mark.parametrize("name", ["fixed-greedy", "fixed-solver", "wlb"])
+def test_oversize_policies(name):
+    lengths = [30, 500, 40]
+    cfg = PackingConfig(seq_len=100, n=2, max_seq_len=150)
+    split = make_packer(name, cfg)
+    pieces = [p for b in split.pack(lengths) for p in b.pieces() if p.doc_id == 1]
+    assert sorted((p.offset, p.length) for p in pieces)[0] == (0, split.capacity)
+    assert sum(p.length for p in pieces) == 500 and all(p.length <= split.capacity for p in pieces)
+    drop = make_packer(name, dataclasses.replace(cfg, oversize="drop"))
+    batches = list(drop.pack(lengths))
+    assert drop.dropped == [(1, 500)] and sum(b.tokens for b in batches) == 70
+    with pytest.raises(ValueError, match=f"document 1 has 500 tokens, more than the {name} packer's capacity"):
+        list(make_packer(name, dataclasses.replace(cfg, oversize="error")).pack(lengths))
+
+
+# -- metrics ------------------------------------------------------------------------------------
+def test_imbalance_definitions():
+    lat = np.array([[1.0, 1.0, 2.0, 0.0], [1.0, 1.0, 1.0, 1.0]])
+    assert imbalance_per_rank(lat).tolist() == [2.0, 1.0]  # 2 * 4 / 4 and 1 * 4 / 4
+    assert imbalance_global(lat) == pytest.approx(2.0 / (8 / 8))
+    assert piece_latency(None, [3])[0] == 9.0
+
+
+def test_summarize_delay_and_capacity():
+    cfg = PackingConfig(seq_len=100, n=2, max_seq_len=150, queue_thresholds=(60,), max_delay=2)
+    batches = list(make_packer("wlb", cfg).pack(([70] + [10] * 19) * 3))
+    m = summarize(batches, None, cfg.seq_len)
+    toks = sum(b.tokens for b in batches)
+    assert toks == 780 and m.tokens == 780
+    assert m.unused_capacity == pytest.approx(1 - 780 / (150 * 2 * len(batches)))
+    assert 0 < m.mean_delay <= 2 and m.max_delay <= 2
+
+
+# -- CLI ----------------------------------------------------------------------------------------
+def test_cli_pack_writes_plan(tmp_path, capsys):
+    lengths = tmp_path / "lengths.txt"
+    lengths.write_text("\n".join(str(x) for x in [5000, 70000, 3000, 120000] * 30))
+    out = tmp_path / "plan.jsonl"
+    assert main(["pack", "--lengths", str(lengths), "--config", "7b_128k", "--packer", "fixed-greedy",
+                 "--iterations", "5", "--out", str(out), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == report["iterations"] == 5
+    assert rows[0]["iteration"] == 0 and len(rows[0]["micro_batches"]) == 4
+    assert all(sum(p[2] for p in mb) <= 131072 for r in rows for mb in r["micro_batches"])
+    assert main(["pack", "--lengths", str(lengths), "--iterations", "0"]) == 2
+
+
+def test_cli_bench_quick(tmp_path, capsys):
+    assert main(["bench", "--quick", "--iterations", "3", "--solver-iterations", "2", "--lengths", "stdlib",
+                 "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "packing_bench.json").read_text())
+    assert data["tables"][0]["stream"] == "stdlib" and data["tables"][0]["documents"] > 100
+    assert "| Original |" in (tmp_path / "packing_bench.md").read_text()
+    assert "Machine:" in capsys.readouterr().out
