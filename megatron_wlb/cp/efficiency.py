@@ -79,6 +79,29 @@ class KernelEfficiency:
         object.__setattr__(self, "table", t)
         object.__setattr__(self, "_lq", np.log2(q))
         object.__setattr__(self, "_lkv", np.log2(kv))
+        object.__setattr__(self, "_dense", {})
+
+    def _tile_grid(self, tile: int) -> np.ndarray | None:
+        """Relative efficiency at every (i*tile, j*tile), i, j >= 1, up to the grid's end (cached;
+        None when that would exceed 2048 x 2048 cells)."""
+        if tile not in self._dense:
+            n = int(-(-max(self.q_lens[-1], self.kv_lens[-1]) // tile))
+            if n > 2048:
+                self._dense[tile] = None
+            else:
+                axis = np.arange(1, n + 1, dtype=np.float64) * tile
+                self._dense[tile] = self.relative(axis[:, None], axis[None, :])
+        return self._dense[tile]
+
+    def relative_padded(self, q_pad: np.ndarray, kv_pad: np.ndarray, tile: int) -> np.ndarray:
+        """:meth:`relative` for shapes that are multiples of ``tile`` (a table lookup, no interpolation)."""
+        dense = self._tile_grid(tile)
+        if dense is None:
+            return self.relative(q_pad, kv_pad)
+        last = dense.shape[0] - 1
+        qi = np.minimum(q_pad // tile - 1, last)
+        ki = np.minimum(kv_pad // tile - 1, last)
+        return dense[qi, ki]
 
     @property
     def peak(self) -> float:
@@ -89,8 +112,8 @@ class KernelEfficiency:
     def _axis(grid: np.ndarray, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         if grid.size == 1:
             return np.zeros(x.shape, dtype=np.int64), np.zeros(x.shape)
-        i = np.clip(np.searchsorted(grid, x, side="right") - 1, 0, grid.size - 2)
-        t = np.clip((x - grid[i]) / (grid[i + 1] - grid[i]), 0.0, 1.0)
+        i = np.minimum(np.maximum(np.searchsorted(grid, x, side="right") - 1, 0), grid.size - 2)
+        t = np.minimum(np.maximum((x - grid[i]) / (grid[i + 1] - grid[i]), 0.0), 1.0)
         return i, t
 
     def tflops(self, q_len: np.ndarray | int, kv_len: np.ndarray | int) -> np.ndarray:

@@ -64,44 +64,77 @@ LAYOUT_ALIASES: dict[str, str] = {"per-document-choice": "hybrid"}
 SHARD_FORMAT_KEYS = ("layout", "padded_lengths", "ranks")
 
 
+class GatherMap:
+    """Where each micro-batch position lands in the all-gathered K/V buffer (rank 0's tokens, then
+    rank 1's, ...). Shared by all ranks of a layout; the O(tokens) array is built on first use."""
+
+    def __init__(self, run_start: np.ndarray, run_len: np.ndarray):
+        self.run_start = run_start   # all ranks' runs, rank-major, each rank's in its order
+        self.run_len = run_len
+
+    @cached_property
+    def position(self) -> np.ndarray:
+        tokens = _expand(self.run_start, self.run_len)
+        out = np.empty(tokens.size, dtype=np.int64)
+        out[tokens] = np.arange(tokens.size)
+        return out
+
+
 @dataclass(frozen=True, eq=False)
 class RankShard:
     """What one CP rank owns and the varlen metadata for its attention (see the module docstring).
 
-    ``kv_index`` (indices into the all-gathered K/V in micro-batch order, concatenated per query
-    run: ``[doc_start, run_end)``) is materialised on first access: it is O(tokens) per rank and
-    only the rank itself needs it. ``gather_position[p]`` is where micro-batch position ``p`` lands
-    in the all-gathered buffer (rank 0's tokens, then rank 1's, ...); it is one array shared by all
-    ranks of a layout. ``rank_counts`` are the token counts of all ranks, in rank order.
+    Run-level metadata (``runs``, ``cu_seqlens_*``, ``max_seqlen_*``, ``work``) is computed with
+    the layout. The token-level arrays ``token_index``, ``position_ids``, ``kv_index`` (indices into
+    the all-gathered K/V in micro-batch order, concatenated per query run: ``[doc_start, run_end)``)
+    and ``gather_position`` are materialised on first access, because each is O(tokens) and a
+    training rank needs only its own. ``gather_position[p]`` is where micro-batch position ``p``
+    lands in the all-gathered buffer; ``rank_counts`` are all ranks' token counts, in rank order.
+    ``run_start`` / ``run_key_start`` are each query run's first position and its document's start.
     """
 
-    token_index: np.ndarray
-    position_ids: np.ndarray
     runs: np.ndarray
     cu_seqlens_q: np.ndarray
     cu_seqlens_k: np.ndarray
     max_seqlen_q: int
     max_seqlen_k: int
     work: float
-    rank: int = 0
-    rank_counts: tuple[int, ...] = ()
-    gather_position: np.ndarray | None = field(default=None, repr=False)
-    run_key_start: np.ndarray | None = field(default=None, repr=False)  # int64 [Q]: doc_start of each query run
+    rank: int
+    rank_counts: tuple[int, ...]
+    run_start: np.ndarray = field(repr=False)
+    run_key_start: np.ndarray = field(repr=False)
+    gather: GatherMap | None = field(default=None, repr=False)
+
+    @classmethod
+    def _fast(cls, **fields) -> RankShard:
+        """Construct without the frozen dataclass's per-field ``object.__setattr__`` (build_layout
+        makes cp of these every step); the fields are exactly those of ``__init__``."""
+        obj = object.__new__(cls)
+        obj.__dict__.update(fields)
+        return obj
+
+    @cached_property
+    def token_index(self) -> np.ndarray:
+        """int64 [T_r]: positions in the (padded) micro-batch, in this rank's order."""
+        return _expand(self.runs[:, 0], self.runs[:, 1] - self.runs[:, 0])
+
+    @cached_property
+    def position_ids(self) -> np.ndarray:
+        """int64 [T_r]: each token's position within its document."""
+        return _expand(self.run_start - self.run_key_start, self.query_lengths)
 
     @cached_property
     def kv_index(self) -> np.ndarray:
         """int64: each query run's key segment ``[doc_start, run_end)``, concatenated in run order."""
-        kv_len = np.diff(self.cu_seqlens_k.astype(np.int64))
-        if kv_len.size == 0:
-            return np.zeros(0, dtype=np.int64)
-        if self.run_key_start is None or self.run_key_start.size != kv_len.size:
-            raise ValueError("RankShard.kv_index needs run_key_start with one entry per query run "
-                             "(build shards with build_layout)")
-        return _expand(self.run_key_start, kv_len)
+        return _expand(self.run_key_start, self.key_lengths)
+
+    @property
+    def gather_position(self) -> np.ndarray | None:
+        return None if self.gather is None else self.gather.position
 
     @property
     def num_tokens(self) -> int:
-        return int(self.token_index.size)
+        return int(self.cu_seqlens_q[-1]) if self.cu_seqlens_q.size else 0
 
     @property
     def query_lengths(self) -> np.ndarray:
@@ -219,6 +252,7 @@ def attention_work(q_len: np.ndarray, kv_len: np.ndarray, cost: CostModel, effic
     if tile > 1:
         q = -(-q // tile) * tile
         kv = -(-kv // tile) * tile
+        return cost.attention_run(q, kv) / efficiency.relative_padded(q, kv, tile)
     return cost.attention_run(q, kv) / efficiency.relative(q, kv)
 
 
@@ -247,89 +281,129 @@ def _runs_per_document(cu: np.ndarray, lengths: np.ndarray, cp: int) -> _Runs:
     return _Runs(rank, s, e, doc)
 
 
-def _runs_hybrid(cu: np.ndarray, lengths: np.ndarray, cp: int, cost: CostModel, eff: KernelEfficiency,
-                 tile: int, threshold: int | None, token_slack: float) -> _Runs:
-    limit = 2 * cp * tile if threshold is None else int(threshold)
-    short = lengths < limit
-    long_ids = np.flatnonzero(~short)
-    rank, s, e, unit, rr = _head_tail_chunks(cu[long_ids], lengths[long_ids], cp)
-    doc = long_ids[unit]
-    load = np.bincount(rank, weights=attention_work(e - s, e - cu[doc], cost, eff, tile), minlength=cp).tolist()
-    tokens = np.bincount(rank, weights=e - s, minlength=cp).tolist()
-    cap = int(np.ceil(cu[-1] / cp * (1.0 + token_slack)))
-    short_ids = np.flatnonzero(short)
-    whole_work = attention_work(lengths[short_ids], lengths[short_ids], cost, eff, tile)
-    order = np.argsort(-whole_work, kind="stable")
-    placed_rank, placed_doc, overflow = [], [], []
-    for i in order.tolist():                       # one step per short document (tens to hundreds)
-        d = int(short_ids[i])
-        length = int(lengths[d])
-        best, best_load = -1, np.inf
-        for r in range(cp):
-            if tokens[r] + length <= cap and load[r] < best_load:
+def _runs_hybrid(cu: np.ndarray, lengths: np.ndarray, cp: int, price, per_doc: tuple[_Runs, np.ndarray],
+                 threshold: int | None, token_slack: float) -> tuple[_Runs, np.ndarray]:
+    """Per-document choice: keep documents whole where their shards would run inefficiently.
+
+    1. Candidates: documents of at most ``threshold`` tokens (default ``T // cp``) whose whole-document
+       cost is below the summed cost of their per-document shards.
+    2. Longest-processing-time first: each candidate, largest cost first, goes whole to the least
+       loaded rank whose token count stays under ``ceil(T/cp * (1 + token_slack))`` (none: it stays
+       split); the other documents add their balanced per-document shards to every rank.
+    3. Repair: while re-splitting a whole document of the most loaded rank lowers the maximum, do so.
+    The split documents are then re-cut with a fresh round-robin and everything is re-priced; if
+    that is slower than per-document, per-document itself is returned, so the estimated CP
+    attention time of ``hybrid`` never exceeds that of ``per-document``.
+    """
+    runs, work = per_doc
+    n, total = lengths.size, int(cu[-1])
+    limit = total // cp if threshold is None else int(threshold)
+    key = runs.doc * cp + runs.rank
+    split_w = np.bincount(key, weights=work, minlength=n * cp).reshape(n, cp)
+    split_t = np.bincount(key, weights=runs.end - runs.start, minlength=n * cp).reshape(n, cp)
+    whole = price(lengths, lengths)
+    is_cand = (lengths <= limit) & (whole < split_w.sum(axis=1))
+    if not is_cand.any():
+        return per_doc
+    cand = np.flatnonzero(is_cand)
+    cand = cand[np.argsort(-whole[cand], kind="stable")]
+    load = split_w[~is_cand].sum(axis=0).tolist()
+    tokens = split_t[~is_cand].sum(axis=0).tolist()
+    cap = float(np.ceil(total / cp * (1.0 + token_slack)))
+    owner = np.full(n, -1, dtype=np.int64)
+    ranks = range(cp)
+    whole_l, len_l = whole.tolist(), lengths.tolist()
+    for d in cand.tolist():                        # one step per candidate document (tens); cp-long lists
+        size = len_l[d]
+        best, best_load = -1, float("inf")
+        for r in ranks:
+            if load[r] < best_load and tokens[r] + size <= cap:
                 best, best_load = r, load[r]
-        if best < 0:
-            overflow.append(d)
+        if best < 0:                               # fits under no rank's cap: stays split
+            load = [a + b for a, b in zip(load, split_w[d].tolist())]
+            tokens = [a + b for a, b in zip(tokens, split_t[d].tolist())]
             continue
-        load[best] += float(whole_work[i])
-        tokens[best] += length
-        placed_rank.append(best)
-        placed_doc.append(d)
-    parts = [(rank, s, e, doc)]
-    if placed_doc:
-        pd = np.asarray(placed_doc, dtype=np.int64)
-        parts.append((np.asarray(placed_rank, dtype=np.int64), cu[pd], cu[pd + 1], pd))
-    if overflow:
-        od = np.sort(np.asarray(overflow, dtype=np.int64))
-        r2, s2, e2, u2, _ = _head_tail_chunks(cu[od], lengths[od], cp, rr_start=rr)
-        parts.append((r2, s2, e2, od[u2]))
-    return _Runs(*(np.concatenate([p[i] for p in parts]).astype(np.int64) for i in range(4)))
+        load[best] += whole_l[d]
+        tokens[best] += size
+        owner[d] = best
+    load = np.asarray(load)
+    for _ in range(int((owner >= 0).sum())):       # repair: re-split whole documents of the top rank
+        r = int(np.argmax(load))
+        mine = np.flatnonzero(owner == r)
+        if mine.size == 0:
+            break
+        trial = load[None, :] + split_w[mine]
+        trial[:, r] -= whole[mine]
+        best = int(np.argmin(trial.max(axis=1)))
+        if trial[best].max() >= load[r]:
+            break
+        d = int(mine[best])
+        load = trial[best]
+        owner[d] = -1
+    kept = np.flatnonzero(owner >= 0)
+    if kept.size == 0:
+        return per_doc
+    split_ids = np.flatnonzero(owner < 0)
+    rank, s, e, unit, _ = _head_tail_chunks(cu[split_ids], lengths[split_ids], cp)
+    out = _Runs(np.concatenate([rank, owner[kept]]), np.concatenate([s, cu[kept]]),
+                np.concatenate([e, cu[kept + 1]]), np.concatenate([split_ids[unit], kept]))
+    out_work = price(out.end - out.start, out.end - cu[out.doc])
+    if np.bincount(out.rank, weights=out_work, minlength=cp).max() > np.bincount(
+            runs.rank, weights=work, minlength=cp).max():
+        return per_doc
+    return out, out_work
 
 
 def _assemble(name: str, requested: str, cp: int, lengths: np.ndarray, padded: np.ndarray, cu: np.ndarray,
               runs: _Runs, work: np.ndarray, estimates: dict) -> ShardLayout:
     """Sort runs into rank order and derive every rank's token indices and varlen metadata."""
-    order = np.lexsort((runs.start, runs.rank))
+    order = np.argsort(runs.rank * (int(cu[-1]) + 1) + runs.start)   # (rank, start); keys are unique
     rank, start, end, doc, work = runs.rank[order], runs.start[order], runs.end[order], runs.doc[order], work[order]
     doc_start = cu[doc]
     q = end - start
     kv = end - doc_start
     bounds = np.searchsorted(rank, np.arange(cp + 1))                 # run offsets per rank
-    tok_bounds = np.concatenate([[0], np.cumsum(q)])[bounds]          # token offsets per rank
-    token_index = _expand(start, q)
-    position_ids = token_index - np.repeat(doc_start, q)
-    gather_position = np.empty(token_index.size, dtype=np.int64)
-    gather_position[token_index] = np.arange(token_index.size)
+    cq = np.concatenate([[0], np.cumsum(q)])
+    ck = np.concatenate([[0], np.cumsum(kv)])
     # Maximal contiguous runs (the `wlb shard` contract): merge a run into the previous one of the
     # same rank when it starts where that one ended.
     new = np.ones(rank.size, dtype=bool)
     if rank.size > 1:
         new[1:] = (rank[1:] != rank[:-1]) | (start[1:] != end[:-1])
-    merged_id = np.cumsum(new) - 1
     m_start = start[new]
-    m_end = np.zeros(m_start.size, dtype=np.int64)
-    m_end[merged_id] = end                                           # last write per group wins (in order)
+    m_end = np.empty(m_start.size, dtype=np.int64)
+    m_end[np.cumsum(new) - 1] = end                                  # the last run of each group wins
+    merged = np.stack([m_start, m_end], axis=1)
     m_bounds = np.concatenate([[0], np.cumsum(new)])[bounds]
-    cq = np.concatenate([[0], np.cumsum(q)])
-    ck = np.concatenate([[0], np.cumsum(kv)])
+    gather = GatherMap(m_start, m_end - m_start)
     rank_work = np.bincount(rank, weights=work, minlength=cp)
-    counts = tuple(int(x) for x in np.diff(tok_bounds))
+    counts = tuple(int(x) for x in np.diff(cq[bounds]))
+    # Each rank's cu_seqlens start at 0: gather [a, b] per rank in one go, then take views.
+    per_rank = np.diff(bounds) + 1
+    idx = _expand(bounds[:-1], per_rank)
+    base = np.repeat(bounds[:-1], per_rank)
+    cq_all = (cq[idx] - cq[base]).astype(np.int32)
+    ck_all = (ck[idx] - ck[base]).astype(np.int32)
+    off = np.concatenate([[0], np.cumsum(per_rank)]).tolist()
+    first = np.minimum(bounds[:-1], max(q.size - 1, 0))           # reduceat needs valid indices
+    qmax = np.maximum.reduceat(q, first).tolist() if q.size else [0] * cp
+    kmax = np.maximum.reduceat(kv, first).tolist() if kv.size else [0] * cp
+    b_list, mb_list, work_list = bounds.tolist(), m_bounds.tolist(), rank_work.tolist()
     shards = []
     for r in range(cp):
-        a, b = bounds[r], bounds[r + 1]
-        shards.append(RankShard(
-            token_index=token_index[tok_bounds[r]:tok_bounds[r + 1]],
-            position_ids=position_ids[tok_bounds[r]:tok_bounds[r + 1]],
-            runs=np.stack([m_start[m_bounds[r]:m_bounds[r + 1]], m_end[m_bounds[r]:m_bounds[r + 1]]], axis=1),
-            cu_seqlens_q=(cq[a:b + 1] - cq[a]).astype(np.int32),
-            cu_seqlens_k=(ck[a:b + 1] - ck[a]).astype(np.int32),
-            max_seqlen_q=int(q[a:b].max()) if b > a else 0,
-            max_seqlen_k=int(kv[a:b].max()) if b > a else 0,
-            work=float(rank_work[r]),
+        a, b = b_list[r], b_list[r + 1]
+        shards.append(RankShard._fast(
+            runs=merged[mb_list[r]:mb_list[r + 1]],
+            cu_seqlens_q=cq_all[off[r]:off[r + 1]],
+            cu_seqlens_k=ck_all[off[r]:off[r + 1]],
+            max_seqlen_q=qmax[r] if b > a else 0,
+            max_seqlen_k=kmax[r] if b > a else 0,
+            work=work_list[r],
             rank=r,
             rank_counts=counts,
-            gather_position=gather_position,
+            run_start=start[a:b],
             run_key_start=doc_start[a:b],
+            gather=gather,
         ))
     return ShardLayout(name=name, requested=requested, cp=cp, lengths=lengths, padded_lengths=padded,
                        ranks=tuple(shards), estimates=estimates)
@@ -390,7 +464,8 @@ def build_layout(name: str, lengths, cp: int, *, cost: CostModel | None = None,
         runs, work = priced(_runs_per_document(cu, lengths, cp))
         return _assemble(canonical, name, cp, lengths, lengths, cu, runs, work, {})
     if canonical == "hybrid":
-        runs, work = priced(_runs_hybrid(cu, lengths, cp, cost, eff, tile, hybrid_threshold, token_slack))
+        runs, work = _runs_hybrid(cu, lengths, cp, lambda q, kv: attention_work(q, kv, cost, eff, tile),
+                                  priced(_runs_per_document(cu, lengths, cp)), hybrid_threshold, token_slack)
         return _assemble(canonical, name, cp, lengths, lengths, cu, runs, work, {})
     # adaptive: price both static layouts, keep the one whose slowest rank is faster.
     candidates = {"per-sequence": priced(_runs_per_sequence(cu, cp)),
