@@ -327,6 +327,7 @@ def _runs_hybrid(cu: np.ndarray, lengths: np.ndarray, cp: int, price, per_doc: t
         tokens[best] += size
         owner[d] = best
     load = np.asarray(load)
+    tokens = np.asarray(tokens)
     for _ in range(int((owner >= 0).sum())):       # repair: re-split whole documents of the top rank
         r = int(np.argmax(load))
         mine = np.flatnonzero(owner == r)
@@ -334,12 +335,14 @@ def _runs_hybrid(cu: np.ndarray, lengths: np.ndarray, cp: int, price, per_doc: t
             break
         trial = load[None, :] + split_w[mine]
         trial[:, r] -= whole[mine]
-        best = int(np.argmin(trial.max(axis=1)))
-        if trial[best].max() >= load[r]:
+        trial_t = tokens[None, :] + split_t[mine]
+        trial_t[:, r] -= lengths[mine]
+        peak = np.where((trial_t <= cap).all(axis=1), trial.max(axis=1), np.inf)
+        best = int(np.argmin(peak))
+        if peak[best] >= load[r]:
             break
-        d = int(mine[best])
-        load = trial[best]
-        owner[d] = -1
+        load, tokens = trial[best], trial_t[best]
+        owner[int(mine[best])] = -1
     kept = np.flatnonzero(owner >= 0)
     if kept.size == 0:
         return per_doc
