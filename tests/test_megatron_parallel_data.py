@@ -1,0 +1,152 @@
+"""8 gloo processes under megatron-core's parallel_state (TP2/PP2/DP2, CP2/DP4, TP2/CP2/DP2): every rank
+builds the reader + packer alone; all ranks' global plans are identical, each DP rank gets exactly its
+slice, the union over DP ranks is the global batch, and TP/CP/PP peers read identical micro-batches."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import socket
+import sysconfig
+import time
+import traceback
+from argparse import Namespace
+
+import pytest
+import torch.multiprocessing as mp
+
+from megatron_wlb.megatron.data import byte_documents, write_indexed_dataset
+
+WORLD = 8
+LAYOUTS = [  # (tp, cp, pp) -> dp = 8 / (tp * cp * pp)
+    (2, 1, 2),
+    (1, 2, 1),
+    (2, 2, 1),
+]
+ITERATIONS = 4
+TIMEOUT_S = 240
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def megatron_args(data_prefix: str, tp: int, cp: int, pp: int, packing_n: int = 2) -> Namespace:
+    dp = WORLD // (tp * cp * pp)
+    return Namespace(seq_length=1024, micro_batch_size=1, global_batch_size=packing_n * dp, data_parallel_size=dp,
+                     tensor_model_parallel_size=tp, context_parallel_size=cp, pipeline_model_parallel_size=pp,
+                     train_iters=ITERATIONS, seed=1234, hidden_size=256, num_layers=4, num_attention_heads=8,
+                     ffn_hidden_size=1024, data_path=[data_prefix], split="98,2,0", sequence_parallel=tp > 1)
+
+
+def worker(rank: int, port: int, data_prefix: str, out_dir: str) -> None:
+    try:
+        import torch.distributed as dist
+        from megatron.core import parallel_state
+
+        from megatron_wlb.megatron import build_train_iterator
+        from megatron_wlb.megatron.args import settings_from_args
+        from megatron_wlb.megatron.data import plan_digest
+
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+        for tp, cp, pp in LAYOUTS:
+            parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                                     context_parallel_size=cp)
+            args = megatron_args(data_prefix, tp, cp, pp)
+            args.wlb_packing, args.wlb_max_seq_len = "wlb", 2048
+            settings = settings_from_args(args)
+            dp_rank = parallel_state.get_data_parallel_rank()
+            assert parallel_state.get_data_parallel_world_size() == args.data_parallel_size
+            it = build_train_iterator(args, settings, dp_rank)
+            for _ in range(ITERATIONS):
+                mbs = [next(it) for _ in range(it.n)]  # exactly n micro-batches per step on every rank
+                plan = it.current
+                mine = [[(p.doc_id, p.offset, p.length) for p in mb.pieces] for mb in plan.for_dp_rank(dp_rank)]
+                data_hash = hashlib.sha256(b"".join(m["tokens"].numpy().tobytes() + m["cu_seqlens"].numpy().tobytes()
+                                                    for m in mbs)).hexdigest()
+                pad_ok = all(m["tokens"].shape[1] % (tp if tp > 1 else 1) == 0 for m in mbs)
+                record = {"rank": rank, "dp_rank": dp_rank, "digest": plan_digest(plan), "mine": mine,
+                          "all": [[(p.doc_id, p.offset, p.length) for p in mb.pieces] for mb in plan.micro_batches],
+                          "hash": data_hash, "pad_ok": pad_ok, "n": len(mbs)}
+                gathered = [None] * WORLD
+                dist.all_gather_object(gathered, record)
+                if rank == 0:
+                    check(gathered, (tp, cp, pp), args.data_parallel_size, it.n)
+            parallel_state.destroy_model_parallel()
+        dist.barrier()
+        dist.destroy_process_group()
+        with open(os.path.join(out_dir, f"ok.{rank}"), "w") as f:
+            f.write("ok")
+    except BaseException:
+        with open(os.path.join(out_dir, f"error.{rank}"), "w") as f:
+            f.write(traceback.format_exc())
+        raise
+
+
+def check(records: list[dict], layout: tuple[int, int, int], dp: int, n: int) -> None:
+    """Rank 0's assertions over every rank's record of one iteration."""
+    assert len({r["digest"] for r in records}) == 1, f"{layout}: ranks disagree on the global plan"
+    full = records[0]["all"]
+    assert len(full) == dp * n
+    by_dp: dict[int, list[dict]] = {}
+    for r in records:
+        assert r["n"] == n and r["pad_ok"], f"{layout}: rank {r['rank']} read {r['n']} micro-batches or bad padding"
+        assert r["mine"] == full[r["dp_rank"] * n:(r["dp_rank"] + 1) * n], f"{layout}: rank {r['rank']} slice"
+        by_dp.setdefault(r["dp_rank"], []).append(r)
+    assert sorted(by_dp) == list(range(dp)), f"{layout}: DP ranks {sorted(by_dp)}"
+    union = [mb for d in range(dp) for mb in by_dp[d][0]["mine"]]
+    assert union == full, f"{layout}: the DP slices do not make up the global batch"
+    for d, peers in by_dp.items():  # TP/CP/PP peers of one DP rank: the same tensors
+        assert len(peers) == len(records) // dp and len({p["hash"] for p in peers}) == 1, f"{layout}: DP {d} peers"
+
+
+def test_all_ranks_compute_the_same_plan_and_take_their_slice(tmp_path):
+    root = sysconfig.get_paths()["stdlib"]
+    names = sorted(n for n in os.listdir(root) if n.endswith(".py"))[50:70]
+    prefix = write_indexed_dataset(str(tmp_path / "text_document"),
+                                   byte_documents([os.path.join(root, n) for n in names]))
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    # fork: the workers inherit this process's torch + megatron.core imports (spawn would pay ~9 s of
+    # imports per process on a 2-core runner); nothing CUDA or distributed is initialised before it.
+    from megatron.core import parallel_state  # noqa: F401
+
+    ctx = mp.start_processes(worker, args=(free_port(), prefix, str(out_dir)), nprocs=WORLD, join=False,
+                             start_method="fork")
+    deadline = time.monotonic() + TIMEOUT_S
+    try:
+        while not ctx.join(timeout=5):
+            if time.monotonic() > deadline:
+                pytest.fail(f"gloo workers still running after {TIMEOUT_S}s (hang)")
+    except mp.ProcessRaisedException:
+        pass  # the traceback is in the error files, reported below
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.terminate()
+    errors = sorted(out_dir.glob("error.*"))
+    assert not errors, "\n".join(e.read_text() for e in errors)
+    assert len(list(out_dir.glob("ok.*"))) == WORLD
+
+
+def test_the_cross_rank_check_catches_a_wrong_slice():
+    """The assertions above can fail: a rank holding another rank's slice, or another plan, is caught."""
+    full = [[(1, 0, 5)], [(2, 0, 3)], [(3, 0, 4)], [(4, 0, 6)]]
+    good = [{"rank": r, "dp_rank": r // 2, "digest": "x", "all": full, "mine": full[(r // 2) * 2:(r // 2) * 2 + 2],
+             "hash": f"h{r // 2}", "pad_ok": True, "n": 2} for r in range(4)]
+    check(good, (2, 1, 1), dp=2, n=2)
+    wrong_slice = [dict(r) for r in good]
+    wrong_slice[3]["mine"] = full[:2]
+    with pytest.raises(AssertionError, match="slice"):
+        check(wrong_slice, (2, 1, 1), dp=2, n=2)
+    other_plan = [dict(r) for r in good]
+    other_plan[1]["digest"] = "y"
+    with pytest.raises(AssertionError, match="disagree"):
+        check(other_plan, (2, 1, 1), dp=2, n=2)
+    peer_differs = [dict(r) for r in good]
+    peer_differs[1]["hash"] = "other"
+    with pytest.raises(AssertionError, match="peers"):
+        check(peer_differs, (2, 1, 1), dp=2, n=2)
