@@ -1,0 +1,128 @@
+"""``wlb shard``: shard micro-batches over context-parallel ranks and write who owns which tokens.
+
+    wlb shard --micro-batches FILE --cp C --layout NAME [--profile JSON] --out OUT.jsonl
+
+FILE holds one micro-batch per line, a JSON list of its document lengths in order (blank lines are
+skipped). OUT gets one JSON object per micro-batch (a contract other tools read)::
+
+    {"layout": <layout used; for adaptive the one chosen>,
+     "padded_lengths": <document lengths after padding; the input unless per-document-te>,
+     "ranks": [[[start, end], ...], ...]}     # per CP rank: its runs of token positions, in the
+                                               # (padded) micro-batch's coordinates, in rank order
+
+``--profile`` is either a kernel-efficiency table (``megatron-wlb-attn-efficiency/1``, written by
+scripts/gpu_profile_attention.py) or a cost-model profile (``megatron-wlb-profile/1``, written by
+scripts/gpu_calibrate.py); the format field decides. A summary table (per-rank tokens, estimated
+attention work, imbalance = max / mean) goes to stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from megatron_wlb.costmodel import PROFILE_FORMAT, ParallelLayout, build_cost_model, get_model
+from megatron_wlb.cp.efficiency import EFFICIENCY_FORMAT, KernelEfficiency
+from megatron_wlb.cp.layouts import LAYOUT_ALIASES, LAYOUT_NAMES, ShardLayout, build_layout
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("shard", help="shard micro-batches over CP ranks (per-sequence, per-document, ...)",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--micro-batches", required=True, help="file with one JSON list of document lengths per line")
+    p.add_argument("--cp", type=int, required=True, help="context-parallel size")
+    p.add_argument("--layout", required=True, choices=list(LAYOUT_NAMES) + list(LAYOUT_ALIASES),
+                   help="shard layout")
+    p.add_argument("--out", required=True, help="output JSON-lines file (one line per micro-batch)")
+    p.add_argument("--profile", default=None,
+                   help="kernel-efficiency table or cost-model profile JSON (default: shipped placeholder "
+                        "table and the analytic cost model)")
+    p.add_argument("--model", default="7b", help="model shape that prices attention (default 7b)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size that prices attention (default 1)")
+    p.add_argument("--tile", type=int, default=128, help="attention kernel tile for rounding (default 128)")
+    p.add_argument("--show", type=int, default=20, help="micro-batches listed in the summary (default 20)")
+    p.set_defaults(func=run)
+
+
+def read_micro_batches(path: str | Path) -> list[list[int]]:
+    """One JSON list of positive integer lengths per non-blank line; errors name the line."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"micro-batch file {path} does not exist")
+    out = []
+    for lineno, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
+        if not isinstance(row, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in row):
+            raise ValueError(f"{path}:{lineno}: expected a JSON list of integer document lengths, got {line[:60]!r}")
+        if any(x < 1 for x in row):
+            raise ValueError(f"{path}:{lineno}: document lengths must be >= 1, got {min(row)}")
+        out.append(row)
+    return out
+
+
+def _load_profile(path: str | None, model: str, tp: int):
+    """(cost model or None, efficiency table or None) from a --profile file of either format."""
+    if path is None:
+        return build_cost_model(get_model(model), ParallelLayout(tp=tp)), None
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"profile {p} does not exist")
+    fmt = json.loads(p.read_text()).get("format")
+    if fmt == EFFICIENCY_FORMAT:
+        return build_cost_model(get_model(model), ParallelLayout(tp=tp)), KernelEfficiency.from_json(p)
+    if fmt == PROFILE_FORMAT:
+        return build_cost_model(get_model(model), ParallelLayout(tp=tp), profile=p), None
+    raise ValueError(f"{p}: format {fmt!r} is neither {EFFICIENCY_FORMAT!r} (kernel-efficiency table) "
+                     f"nor {PROFILE_FORMAT!r} (cost-model profile)")
+
+
+def _fmt_list(values, fmt: str, limit: int = 8) -> str:
+    vals = [format(v, fmt) for v in values]
+    if len(vals) > limit:
+        return " ".join(vals[:limit // 2]) + " ... " + " ".join(vals[-limit // 2:])
+    return " ".join(vals)
+
+
+def summarize(layouts: list[ShardLayout], show: int) -> str:
+    lines = [f"{'mb':>4}  {'layout':<16} {'tokens per rank':<40} {'est. attention us per rank':<48} imbalance"]
+    for i, lay in enumerate(layouts[:show]):
+        lines.append(f"{i:>4}  {lay.name:<16} {_fmt_list(lay.rank_tokens, 'd'):<40} "
+                     f"{_fmt_list(lay.rank_work * 1e6, '.0f'):<48} {lay.imbalance:.3f}")
+    if len(layouts) > show:
+        lines.append(f"  ... {len(layouts) - show} more")
+    if layouts:
+        imb = np.array([lay.imbalance for lay in layouts])
+        step = sum(lay.max_work for lay in layouts)
+        used = {}
+        for lay in layouts:
+            used[lay.name] = used.get(lay.name, 0) + 1
+        lines.append(f"{len(layouts)} micro-batches: imbalance mean {imb.mean():.3f} max {imb.max():.3f}; "
+                     f"sum of max-rank attention {step * 1e3:.3f} ms/layer; layouts used "
+                     + ", ".join(f"{k} x{v}" for k, v in sorted(used.items())))
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.cp < 1:
+        raise ValueError(f"--cp must be >= 1, got {args.cp}")
+    micro_batches = read_micro_batches(args.micro_batches)
+    cost, efficiency = _load_profile(args.profile, args.model, args.tp)
+    layouts = [build_layout(args.layout, mb, args.cp, cost=cost, efficiency=efficiency, tile=args.tile)
+               for mb in micro_batches]
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("w") as f:
+        for lay in layouts:
+            f.write(json.dumps(lay.to_json(), separators=(",", ":")) + "\n")
+    print(summarize(layouts, args.show))
+    print(f"wrote {len(layouts)} lines to {out}", file=sys.stderr)
+    return 0
