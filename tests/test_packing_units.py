@@ -71,9 +71,10 @@ def test_original_drop_and_error_policies():
 def test_place_greedy_least_loaded_that_fits():
     work, toks = [0.0, 0.0], [0, 0]
     where = place_greedy([6, 5, 4, 3], [36.0, 25.0, 16.0, 9.0], work, toks, cap=10)
-    assert where == [0, 1, 1, 0]  # 4 goes to bin 1 (least work); 3 to bin 0 (bin 1 full at 9+... no room)
+    assert where == [0, 1, 1, 0]  # 4 -> bin 1 (least work); 3 -> bin 0 (bin 1 has 9 of 10 tokens)
     assert toks == [9, 9] and work == [45.0, 41.0]
     assert place_greedy([11], [1.0], [0.0], [0], cap=10) == [-1]
+    assert place_greedy([10, 1], [100.0, 1.0], [0.0], [0], cap=10) == [0, -1]  # exactly full, then no room
 
 
 def test_fixed_packers_beat_original_on_embedded(run7b):

@@ -74,6 +74,7 @@ class WlbPacker(Packer):
         self.outlier_fraction = float(config.extra.get("outlier_fraction", DEFAULT_OUTLIER_FRACTION))
         if not 0 < self.outlier_fraction:
             raise ValueError(f"outlier_fraction must be positive, got {self.outlier_fraction!r}")
+        self.flush_on_force = bool(config.extra.get("flush_on_force", True))
         cap = self.capacity
         self._grid = np.unique(np.geomspace(1, cap, 1024).astype(np.int64))
         self._grid_w = piece_latency(cost, self._grid)
@@ -147,13 +148,17 @@ class WlbPacker(Packer):
             waiting = []
             if outliers:
                 levels = np.searchsorted(np.asarray(th), [p.length for p in outliers], side="right") - 1
+                forced_levels = np.searchsorted(np.asarray(th), [p.length for p in forced if p.length >= l1],
+                                                side="right") - 1
                 for q in range(len(th)):
                     queue = sorted((p for p, lv in zip(outliers, levels.tolist()) if lv == q), key=_age_key)
-                    if len(queue) >= m:
-                        candidates.extend(queue[:m])
-                        waiting.extend(queue[m:])
-                    else:
-                        waiting.extend(queue)
+                    # A queue whose oldest member hit the delay bound goes out with it, so the
+                    # forced outlier does not run alone against short micro-batches.
+                    take = m if len(queue) >= m else 0
+                    if self.flush_on_force and q in forced_levels.tolist():
+                        take = max(take, min(len(queue), m - int((forced_levels == q).sum())))
+                    candidates.extend(queue[:take])
+                    waiting.extend(queue[take:])
         forced.sort(key=_sort_key)
         candidates.sort(key=_sort_key)
         order = forced + candidates
