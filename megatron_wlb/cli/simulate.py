@@ -1,0 +1,110 @@
+"""``wlb simulate``: time iterations of one config with one packer and CP layout, print metrics.
+
+Also home of the helpers ``wlb analyze`` and ``wlb reproduce`` share: the length-stream options
+(``--lengths`` / ``--data-prefix``) and the tqdm progress bar on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Iterable
+
+import numpy as np
+
+
+def add_stream_args(parser: argparse.ArgumentParser, required: bool = False) -> None:
+    group = parser.add_mutually_exclusive_group(required=required)
+    group.add_argument("--lengths", metavar="FILE",
+                       help="document lengths: .json / .npy / text, one per line ('wlbllm' = the embedded "
+                            "stand-in distribution, published by the DistCA authors)")
+    group.add_argument("--data-prefix", metavar="PREFIX",
+                       help="a Megatron indexed dataset PREFIX (lengths read from PREFIX.idx)")
+
+
+def load_stream(args: argparse.Namespace) -> tuple[np.ndarray, str]:
+    """(lengths, description) from --lengths / --data-prefix, the embedded stream by default."""
+    from megatron_wlb.data import load_lengths
+
+    if getattr(args, "data_prefix", None):
+        from megatron_wlb.packing.base import validate_lengths
+        from megatron_wlb.sim.idx import read_idx_lengths
+
+        lengths = validate_lengths(read_idx_lengths(args.data_prefix), what=f"lengths in {args.data_prefix}.idx")
+        return lengths, f"{args.data_prefix}.idx ({lengths.size:,} documents)"
+    if getattr(args, "lengths", None):
+        lengths = load_lengths(args.lengths)
+        name = "embedded dist_wlbllm.json (DistCA authors' stand-in)" if args.lengths == "wlbllm" else args.lengths
+        return lengths, f"{name} ({lengths.size:,} documents)"
+    lengths = load_lengths()
+    return lengths, (f"embedded dist_wlbllm.json ({lengths.size:,} documents; a stand-in for the paper's "
+                     "data published by the DistCA authors, github hao-ai-lab/DistCA)")
+
+
+def tqdm_progress(it: Iterable, desc: str, total: int) -> Iterable:
+    """A progress bar on stderr (hidden when stderr is not a terminal)."""
+    from tqdm import tqdm
+
+    return tqdm(it, desc=desc, total=total, file=sys.stderr, leave=False, disable=None)
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("simulate", help="simulate 4D-parallel iterations of one config",
+                              description="Pack a length stream with one packer, shard every micro-batch with "
+                                          "one CP layout, and play each iteration through the pipeline "
+                                          "schedule; prints per-iteration time, bubble and imbalance.")
+    p.add_argument("--config", required=True, help="config name (configs/*.yaml stem) or YAML path")
+    p.add_argument("--packer", help="original | fixed-greedy | fixed-solver | wlb (default: the config's)")
+    p.add_argument("--cp-layout", help="per-sequence | per-document | per-document-te | adaptive | hybrid | "
+                                       "dynamic-cp (default: the config's cp_sharding)")
+    p.add_argument("--iterations", type=int, default=20, help="iterations to simulate (default 20)")
+    p.add_argument("--virtual-stages", type=int, help="interleaved 1F1B with this many virtual stages")
+    p.add_argument("--profile", metavar="JSON", help="calibrated cost-model profile (wlb calibrate)")
+    p.add_argument("--no-split", action="store_true",
+                   help="keep documents longer than seq_len whole (default: cut them to the window)")
+    p.add_argument("--json", metavar="FILE", help="also write the per-iteration metrics as JSON")
+    add_stream_args(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
+    from megatron_wlb.config import load_config
+    from megatron_wlb.costmodel import build_cost_model
+    from megatron_wlb.sim.iteration import simulate_stream
+
+    cfg = load_config(args.config)
+    if args.virtual_stages is not None:
+        if args.virtual_stages < 1 or cfg.micro_batches % cfg.layout.pp:
+            raise ValueError(f"--virtual-stages {args.virtual_stages}: needs >= 1 and micro_batches "
+                             f"({cfg.micro_batches}) divisible by pp ({cfg.layout.pp})")
+        cfg = replace(cfg, virtual_stages=args.virtual_stages)
+    packer = args.packer or cfg.packer
+    layout = args.cp_layout or cfg.cp_sharding
+    lengths, source = load_stream(args)
+    cost = build_cost_model(cfg.model, cfg.layout, args.profile)
+    run_ = simulate_stream(cfg, cost, packer, layout, lengths, args.iterations,
+                           split_at=None if args.no_split else cfg.seq_len,
+                           progress=lambda it: tqdm_progress(it, f"{cfg.name} {packer}+{layout}", args.iterations))
+    print(f"# {cfg.name} {cfg.layout} v={cfg.virtual_stages}: packer={packer}, cp layout={layout}; "
+          f"{cost.describe()}; stream: {source}")
+    print(f"{'iter':>4} {'time ms':>10} {'bubble %':>8} {'PP imb':>7} {'GPU imb':>7} {'tokens':>10}  layouts")
+    rows = []
+    for r in run_.iterations:
+        print(f"{r.iteration:>4} {1e3 * r.time:>10.1f} {100 * r.bubble_fraction:>8.1f} {r.pp_imbalance:>7.3f} "
+              f"{r.gpu_compute_imbalance:>7.3f} {r.tokens:>10}  {r.layouts}")
+        rows.append({"iteration": r.iteration, "time_s": r.time, "bubble_fraction": r.bubble_fraction,
+                     "pp_imbalance": r.pp_imbalance, "gpu_compute_imbalance": r.gpu_compute_imbalance,
+                     "tokens": r.tokens, "dp_sync_s": r.dp_sync, "layouts": r.layouts,
+                     "micro_batch_latency_s": r.mb_latency.tolist(), "micro_batch_tokens": r.mb_tokens.tolist(),
+                     "pp_rank_busy_s": r.gpu_busy.tolist()})
+    print(f"mean {1e3 * run_.mean_time:.1f} ms/iteration, bubble {100 * run_.bubble_fraction:.1f}%, "
+          f"{run_.throughput:,.0f} tokens/s, PP imbalance {run_.pp_imbalance:.3f}, "
+          f"GPU compute max/mean {run_.gpu_compute_imbalance:.3f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"config": cfg.name, "packer": packer, "cp_layout": layout, "cost_model": cost.describe(),
+                       "stream": source, "packing_metrics": run_.packing_metrics, "iterations": rows}, f, indent=1)
+    return 0

@@ -1,0 +1,90 @@
+"""Megatron-LM's dynamic (hybrid) context parallelism, as far as this simulator can express it.
+
+Megatron's ``--hybrid-context-parallel`` / ``--dynamic-context-parallel`` gives every sample its
+own CP size, the next power of two of ``L / max_seqlen_per_rank`` (capped at the CP group), and its
+``BalancedCPScheduler`` places samples on ranks so that the workload ``L^2 / cp`` is balanced. We
+model it inside one micro-batch's CP group:
+
+- every document ``d`` gets ``cp_d = min(cp, 2^ceil(log2(ceil(d / max_seqlen_per_rank))))`` ranks,
+  an aligned block of the group (ranks ``[k cp_d, (k+1) cp_d)``);
+- documents go in decreasing ``d^2 / cp_d`` to the block whose busiest rank has the least such
+  load (longest-processing-time first), as the scheduler's greedy does;
+- the block shards the document per-document head-tail (``cp.layouts`` ``per-document`` over
+  ``cp_d`` ranks) and each rank gets that layout's attention estimate and tokens; a document on one
+  rank costs ``cp.layouts.attention_work(d, d)`` (tile-padded, kernel-efficiency-corrected, the
+  same estimate every other layout uses).
+
+Approximations, stated in the report: the pool is one micro-batch's CP group, not DP x CP; the K/V
+all-gather is still charged for the whole micro-batch (documents on one rank need none); token
+counts per rank are not capped by memory; Megatron's feature has no PP support, we run it under PP.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from megatron_wlb.costmodel import CostModel
+
+
+@dataclass(frozen=True)
+class DynamicCPLayout:
+    """Per-rank attention seconds and tokens of one micro-batch under dynamic CP sizes."""
+
+    name: str
+    rank_work: np.ndarray
+    rank_tokens: np.ndarray
+    doc_cp: np.ndarray
+
+    @property
+    def imbalance(self) -> float:
+        mean = self.rank_work.mean()
+        return float(self.rank_work.max() / mean) if mean > 0 else 1.0
+
+
+def doc_cp_sizes(lengths: np.ndarray, cp: int, max_seqlen_per_rank: int) -> np.ndarray:
+    """CP size per document: next power of two of ceil(d / max_seqlen_per_rank), at most ``cp``."""
+    if max_seqlen_per_rank < 1:
+        raise ValueError(f"max_seqlen_per_rank must be a positive token count, got {max_seqlen_per_rank}")
+    if cp < 1 or cp & (cp - 1):
+        raise ValueError(f"dynamic CP needs a power-of-two CP group, got cp={cp}")
+    need = np.ceil(np.asarray(lengths, dtype=np.float64) / max_seqlen_per_rank)
+    size = 2 ** np.ceil(np.log2(np.maximum(need, 1.0)))
+    return np.minimum(size, cp).astype(np.int64)
+
+
+def dynamic_cp_layout(lengths: np.ndarray, cp: int, cost: CostModel,
+                      max_seqlen_per_rank: int | None = None, tile: int = 128) -> DynamicCPLayout:
+    """Place the documents of one micro-batch on ``cp`` ranks with a CP size each (see module doc).
+
+    ``max_seqlen_per_rank`` defaults to ``ceil(sum(lengths) / cp)``, one rank's even share.
+    """
+    d = np.asarray(lengths, dtype=np.int64)
+    if d.ndim != 1 or (d.size and d.min() < 1):
+        raise ValueError("lengths must be a 1-D array of positive token counts")
+    if max_seqlen_per_rank is None:
+        max_seqlen_per_rank = max(1, -(-int(d.sum()) // cp))
+    from megatron_wlb.cp.efficiency import KernelEfficiency
+    from megatron_wlb.cp.layouts import attention_work, build_layout
+
+    sizes = doc_cp_sizes(d, cp, max_seqlen_per_rank)
+    whole = attention_work(d, d, cost, KernelEfficiency.default(), tile)
+    score = d.astype(np.float64) ** 2 / sizes
+    load = np.zeros(cp)
+    work = np.zeros(cp)
+    tokens = np.zeros(cp)
+    for i in np.argsort(-score, kind="stable"):
+        k = int(sizes[i])
+        blocks = load.reshape(-1, k).max(axis=1)
+        b = int(np.argmin(blocks))
+        sl = slice(b * k, (b + 1) * k)
+        load[sl] += score[i]
+        if k == 1:
+            work[sl] += whole[i]
+            tokens[sl] += d[i]
+        else:
+            shard = build_layout("per-document", d[i:i + 1], k, cost=cost, tile=tile)
+            work[sl] += shard.rank_work
+            tokens[sl] += shard.rank_tokens
+    return DynamicCPLayout("dynamic-cp", work, tokens, sizes)

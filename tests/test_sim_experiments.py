@@ -1,0 +1,199 @@
+"""Experiments, reports and CLIs: structure and sanity (not the packers' exact numbers)."""
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from megatron_wlb.cli.main import main
+from megatron_wlb.config import load_config
+from megatron_wlb.costmodel import ParallelLayout
+from megatron_wlb.sim.experiments import (
+    DYNCP,
+    FIXED,
+    MAIN_METHODS,
+    PLAIN,
+    WLB,
+    Method,
+    Table,
+    breakdown_table,
+    case_study_table,
+    compare,
+    table1,
+    with_window,
+)
+from megatron_wlb.sim.report import ReproduceSettings, analyze, reproduce
+
+
+def tiny(seq_len=16384, pp=4, dp=1, cp=2, tp=2):
+    cfg = load_config("7b_64k")
+    lay = ParallelLayout(tp=tp, cp=cp, pp=pp, dp=dp)
+    return replace(cfg, name=f"tiny_{seq_len // 1024}k", seq_len=seq_len, layout=lay,
+                   packing=replace(cfg.packing, seq_len=seq_len, n=pp, dp=dp, max_seq_len=None))
+
+
+def bursty_stream(seq_len, n, iterations, long_first=False):
+    """Per iteration: short documents, then n documents of seq_len/2 (or the other way round).
+    Concat-and-cut puts two long documents into each of the last n/2 micro-batches and only short
+    ones into the rest; spreading one long document per micro-batch is obviously better."""
+    out = []
+    for _ in range(iterations):
+        longs = [seq_len // 2] * n
+        shorts = [256] * (n * seq_len // 2 // 256)
+        out += longs + shorts if long_first else shorts + longs
+    return np.array(out, dtype=np.int64)
+
+
+def test_wlb_beats_plain_where_it_obviously_should():
+    cfg = tiny(seq_len=65536)
+    lengths = bursty_stream(cfg.seq_len, cfg.micro_batches, 12)
+    comp = compare(cfg, lengths, 8, (PLAIN, WLB))
+    assert comp.speedup(PLAIN.name) == pytest.approx(1.0)
+    assert comp.speedup(WLB.name) > 1.05
+    assert comp.runs[WLB.name].pp_imbalance < comp.runs[PLAIN.name].pp_imbalance
+
+
+def test_heavy_micro_batches_first_shorten_1f1b():
+    # The same imbalanced micro-batches cost less when the heavy ones run first: under 1F1B the
+    # first micro-batch's forward and the last one's backward are on the critical path.
+    cfg = tiny(seq_len=65536)
+    late = bursty_stream(cfg.seq_len, cfg.micro_batches, 6)
+    heavy_first = Method("hf", "original", "per-sequence", order="heavy-first")
+    comp = compare(cfg, late, 4, (PLAIN, heavy_first))
+    assert comp.speedup("hf") > 1.01
+    for a, b in zip(comp.runs["hf"].iterations, comp.runs[PLAIN.name].iterations):
+        assert a.time <= b.time * (1 + 1e-9)
+    assert comp.runs["hf"].pp_imbalance == pytest.approx(comp.runs[PLAIN.name].pp_imbalance)
+
+
+def test_compare_tables_have_every_config_and_method():
+    lengths = np.random.default_rng(1).integers(100, 12000, size=3000)
+    comps = [compare(tiny(16384), lengths, 3), compare(tiny(32768), lengths, 3)]
+    t = table1(comps)
+    assert isinstance(t, Table)
+    assert t.columns[3:] == tuple(f"{m.name} speedup" for m in MAIN_METHODS[1:])
+    names = t.column("config")
+    assert names[:2] == ["tiny_16k", "tiny_32k"]
+    speedups = [v for row in t.rows[:2] for v in row[3:]]
+    assert all(np.isfinite(v) and 0.3 < v < 3.0 for v in speedups)
+    md = t.to_markdown()
+    assert md.count("\n") == len(t.rows) + 1 and "paper avg all" in md and "1.23" in md
+    b = breakdown_table(comps[0])
+    assert b.column("method") == [m.name for m in MAIN_METHODS]
+    for run in comps[0].runs.values():
+        assert len(run.iterations) == 3 and run.tokens > 0
+        assert run.packing_metrics["iterations"] == 3
+
+
+def test_methods_use_their_layouts():
+    lengths = np.random.default_rng(2).integers(100, 9000, size=2000)
+    comp = compare(tiny(), lengths, 2, (PLAIN, FIXED, DYNCP))
+    assert set(comp.runs[PLAIN.name].layouts) == {"per-sequence"}
+    assert set(comp.runs[FIXED.name].layouts) == {"per-document"}
+    assert set(comp.runs[DYNCP.name].layouts) == {"dynamic-cp"}
+
+
+def test_s_max_factor_and_window():
+    cfg = tiny()
+    m = Method("w", "wlb", "adaptive", s_max_factor=1.3)
+    assert m.packing_overrides(cfg)["max_seq_len"] % (2 * cfg.layout.cp) == 0
+    assert m.packing_overrides(cfg)["max_seq_len"] >= 1.3 * cfg.seq_len
+    w = with_window(load_config("7b_128k"), 163840)
+    assert w.seq_len == w.packing.seq_len == 163840 and w.layout == load_config("7b_128k").layout
+    with pytest.raises(ValueError, match="divisible"):
+        with_window(load_config("7b_128k"), 1001)
+
+
+def test_case_study_table_on_a_small_dp_layout():
+    lengths = np.random.default_rng(3).integers(100, 12000, size=3000)
+    comp = compare(tiny(pp=2, dp=2, cp=4, tp=1), lengths, 2, (PLAIN, WLB))
+    t = case_study_table(comp)
+    slowest = t.column("slowest GPU / mean (avg over iters)")
+    assert all(s >= 1.0 for s in slowest)
+    assert t.column("paper slowest")[0] == 1.44
+
+
+def test_analyze_writes_report_and_figures(tmp_path):
+    lengths = np.random.default_rng(4).integers(100, 12000, size=2000)
+    path, table = analyze(tmp_path / "a", tiny(), lengths, 3, methods=(PLAIN, WLB), source="random")
+    text = path.read_text()
+    assert "| Plain-4D | 1.00 |" in text
+    for png in ("speedups.png", "latency_distribution.png", "gantt.png"):
+        assert (tmp_path / "a" / png).stat().st_size > 2000
+        assert f"({png})" in text
+
+
+def test_reproduce_small_writes_all_sections(tmp_path):
+    settings = ReproduceSettings(iterations=2, breakdown_iterations=2, sweep_iterations=1, case_iterations=1,
+                                 s_max_sensitivity=(1.0, 1.5))
+    lengths = np.random.default_rng(5).integers(100, 30000, size=6000)
+    path = reproduce(tmp_path / "r", lengths, settings, configs=("7b_128k",), source="random")
+    text = path.read_text()
+    for heading in ("Speedup per Table 1 config", "Breakdown on 7b_128k", "Sensitivity to S_max",
+                    "Speedup vs context window", "8K-GPU case study", "Why ours differ"):
+        assert heading in text
+    assert "1.33" in text and "1.40" in text and "1.44" in text  # paper numbers beside ours
+    assert len(list((tmp_path / "r").glob("*.png"))) == 5
+
+
+def _write_indexed_dataset(prefix, docs):
+    torch = pytest.importorskip("torch")
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=np.int32)
+    for doc in docs:
+        if len(doc) == 1:
+            builder.add_item(torch.arange(doc[0], dtype=torch.int32))
+            builder.end_document()
+        else:  # a document of several sequences
+            builder.add_document(torch.arange(sum(doc), dtype=torch.int32), list(doc))
+    builder.finalize(f"{prefix}.idx")
+
+
+def test_idx_lengths_from_a_real_megatron_dataset(tmp_path):
+    from megatron_wlb.sim.idx import parse_idx, read_idx_lengths
+
+    prefix = tmp_path / "corpus"
+    docs = [(5,), (3, 4), (1,), (130,), (2, 2, 2)]
+    _write_indexed_dataset(prefix, docs)
+    expect = [sum(d) for d in docs]
+    assert read_idx_lengths(prefix, backend="megatron").tolist() == expect
+    assert read_idx_lengths(prefix, backend="parse").tolist() == expect
+    assert read_idx_lengths(f"{prefix}.idx").tolist() == expect
+    seq, doc_idx = parse_idx(prefix)
+    assert seq.tolist() == [5, 3, 4, 1, 130, 2, 2, 2] and doc_idx.tolist() == [0, 1, 3, 4, 5, 8]
+    # the .idx alone suffices
+    lone = tmp_path / "lone"
+    lone.with_suffix(".idx").write_bytes(prefix.with_suffix(".idx").read_bytes())
+    assert read_idx_lengths(lone).tolist() == expect
+    bad = tmp_path / "bad"
+    bad.with_suffix(".idx").write_bytes(b"NOTANIDX" + bytes(40))
+    with pytest.raises(ValueError, match="magic"):
+        read_idx_lengths(bad)
+    trunc = tmp_path / "trunc"
+    trunc.with_suffix(".idx").write_bytes(prefix.with_suffix(".idx").read_bytes()[:40])
+    with pytest.raises(ValueError, match="truncated"):
+        read_idx_lengths(trunc)
+
+
+def test_cli_simulate_analyze_reproduce(tmp_path, capsys):
+    lengths_file = tmp_path / "lengths.txt"
+    lengths_file.write_text("\n".join(str(x) for x in np.random.default_rng(6).integers(100, 20000, size=800)))
+    assert main(["simulate", "--config", "7b_64k", "--iterations", "2", "--lengths", str(lengths_file),
+                 "--json", str(tmp_path / "s.json")]) == 0
+    out = capsys.readouterr().out
+    assert "ms/iteration" in out and (tmp_path / "s.json").exists()
+    assert main(["simulate", "--config", "7b_64k", "--iterations", "2", "--cp-layout", "dynamic-cp",
+                 "--packer", "original", "--lengths", str(lengths_file)]) == 0
+    assert main(["analyze", "--lengths", str(lengths_file), "--config", "7b_64k", "--iterations", "2",
+                 "--out", str(tmp_path / "an")]) == 0
+    assert "WLB-LLM" in capsys.readouterr().out and (tmp_path / "an" / "report.md").exists()
+    prefix = tmp_path / "ds"
+    _write_indexed_dataset(prefix, [(int(x),) for x in np.random.default_rng(7).integers(100, 20000, size=400)])
+    assert main(["analyze", "--data-prefix", str(prefix), "--config", "7b_64k", "--iterations", "2",
+                 "--out", str(tmp_path / "an2")]) == 0
+    assert main(["simulate", "--config", "7b_64k", "--iterations", "0", "--lengths", str(lengths_file)]) == 2
+    assert "iterations must be at least 1" in capsys.readouterr().err
+    assert main(["reproduce", "--out", str(tmp_path / "rep"), "--iterations", "1", "--configs", "550m_64k",
+                 "--lengths", str(lengths_file)]) == 0
+    assert (tmp_path / "rep" / "report.md").exists()
