@@ -20,7 +20,7 @@ from megatron_wlb.cli.main import main  # noqa: E402
 
 DEFAULT = ["bench", "--config", "7b_128k", "--iterations", "200", "--solver-iterations", "50",
            "--lengths", "wlbllm,stdlib", "--scale-config", "405b_128k_8k", "--scale-iterations", "200",
-           "--out", str(ROOT / "docs" / "results")]
+           "--out", str(ROOT / "docs" / "results"), "--label", "python scripts/bench_packing.py"]
 
 if __name__ == "__main__":
     sys.exit(main(DEFAULT + sys.argv[1:]))

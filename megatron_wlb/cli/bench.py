@@ -53,6 +53,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--profile", default=None, help="calibrated cost-model profile JSON (default: analytic)")
     p.add_argument("--out", default=None, help="directory for packing_bench.md / .json (default: print only)")
     p.add_argument("--quick", action="store_true", help="fewer rows (for smoke tests)")
+    p.add_argument("--label", default=None, help="command line to record in the output (default: wlb bench ...)")
     p.set_defaults(func=run)
 
 
@@ -65,7 +66,10 @@ def machine() -> str:
                 break
     except OSError:
         pass
-    return f"{cpu}, {os.cpu_count()} cores visible, Python {platform.python_version()}, {platform.system()}"
+    load = ""
+    if hasattr(os, "getloadavg"):
+        load = f", load average {os.getloadavg()[0]:.1f} at start (shared machine)"
+    return f"{cpu}, {os.cpu_count()} cores visible, Python {platform.python_version()}, {platform.system()}{load}"
 
 
 def rows_for(seq_len: int, quick: bool) -> list[tuple[str, str, dict]]:
@@ -130,13 +134,15 @@ def to_markdown(result: dict) -> str:
                   + (f", repeated {table['stream_repeats']}x (extra passes shuffled, seed 0)"
                      if table['stream_repeats'] > 1 else "") + f"; cost model {table['cost_model']}.", "",
                   "| method | iters | imbalance (fwd+bwd) | imbalance (fwd) | worst iter | global DPxN | "
-                  "mean delay | max delay | unused cap. | stream rate | ms / batch (mean) | ms (max) |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "mean delay | max delay | unused cap. | stream rate | ms / batch (mean) | ms (max) | "
+                  "CPU ms (mean) | CPU ms (max) |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in table["rows"]:
             lines.append(f"| {r['label']} | {r['iterations']} | {r['imbalance']:.3f} | {r['imbalance_fwd']:.3f} | "
                          f"{r['imbalance_max']:.2f} | {r['imbalance_global']:.3f} | {r['mean_delay']:.3f} | "
                          f"{r['max_delay']} | {r['unused_capacity']:.3f} | {r['fill_vs_seq_len']:.3f} | "
-                         f"{r['plan_ms_mean']:.2f} | {r['plan_ms_max']:.1f} |")
+                         f"{r['plan_ms_mean']:.2f} | {r['plan_ms_max']:.1f} | {r['plan_cpu_ms_mean']:.2f} | "
+                         f"{r['plan_cpu_ms_max']:.1f} |")
         lines.append("")
         notes = [f"- {r['label']}: final auto thresholds {r['final_thresholds']}"
                  for r in table["rows"] if "final_thresholds" in r and "queue_thresholds" not in r["overrides"]]
@@ -147,8 +153,10 @@ def to_markdown(result: dict) -> str:
               "mean); worst iter = its maximum; global = max / mean over all DP x N micro-batches; delay in "
               "iterations per token (emitted - arrival, positive part); unused cap. = 1 - tokens / sum of "
               "micro-batch capacities (wlb's capacity is S_max); stream rate = tokens emitted / (DP x N x seq_len "
-              "x iterations); ms / batch = packing time per global batch (window packers: amortised over the "
-              "window). Fixed-solver rows are capped at the solver iteration count shown.", ""]
+              "x iterations); ms / batch = wall-clock packing time per global batch (window packers: amortised over "
+              "the window; max = the window start), CPU ms = CPU time of the packing thread (the machine is "
+              "shared, so wall time includes waiting for a core). Fixed-solver rows are capped at the solver "
+              "iteration count shown.", ""]
     return "\n".join(lines)
 
 
@@ -156,17 +164,18 @@ def run(args: argparse.Namespace) -> int:
     if args.iterations < 1 or args.solver_iterations < 1:
         raise ValueError("--iterations and --solver-iterations must be positive")
     config = load_config(args.config)
+    host = machine()
     tables = []
     for stream in [s.strip() for s in args.lengths.split(",") if s.strip()]:
         tables.append(bench_one(args.config, stream, rows_for(config.seq_len, args.quick), args.iterations,
                                 args.solver_iterations, args.profile))
     if args.scale_config:
         rows = [("Original", "original", {}), ("Fixed-Len Greedy, window 1", "fixed-greedy", {"window": 1}),
-                ("WLB, auto thresholds (default)", "wlb", {})]
+                ("WLB, auto thresholds (default)", "wlb", {}),
+                ("WLB, auto, queue releases N (one DP rank) at a time", "wlb", {"extra": {"release": "rank"}})]
         tables.append(bench_one(args.scale_config, "wlbllm", rows, args.scale_iterations, args.solver_iterations,
                                 args.profile))
-    result = {"machine": machine(), "command": "wlb " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["bench"]
-              else "wlb bench", "tables": tables}
+    result = {"machine": host, "command": args.label or "wlb " + " ".join(sys.argv[1:]), "tables": tables}
     md = to_markdown(result)
     if args.out:
         out = Path(args.out)

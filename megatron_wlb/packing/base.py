@@ -128,11 +128,11 @@ class Packer(ABC):
             final = self.position >= lengths.size
             if final and not new and self.pending() == 0:
                 return
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.thread_time()
             micro_batches = self._plan(new, final)
-            elapsed = time.perf_counter() - start
+            elapsed, cpu = time.perf_counter() - start, time.thread_time() - cpu_start
             batch = GlobalBatch(self.iteration, tuple(micro_batches), self.config.dp, self.config.n,
-                                plan_seconds=elapsed)
+                                plan_seconds=elapsed, plan_cpu_seconds=cpu)
             if final and batch.tokens == 0 and self.pending() > 0:
                 raise RuntimeError(f"{self.name} packer made no progress while flushing "
                                    f"{self.pending()} pending tokens")

@@ -103,6 +103,8 @@ class PackingMetrics:
     mean_reorder: float         # iterations per token, |emitted - arrival|
     plan_ms_mean: float         # packing time per global batch (window packers: amortised)
     plan_ms_max: float
+    plan_cpu_ms_mean: float     # the same in CPU time of the planning thread
+    plan_cpu_ms_max: float
     tokens: int
 
     def to_dict(self) -> dict:
@@ -127,6 +129,7 @@ def summarize(batches: Sequence[GlobalBatch], cost: CostModel | None, seq_len: i
     delays, toks = token_delays(batches)
     wsum = max(1, int(toks.sum()))
     plan = np.array([b.plan_seconds for b in batches]) * 1e3
+    plan_cpu = np.array([b.plan_cpu_seconds for b in batches]) * 1e3
     first = batches[0]
     fill = float("nan") if seq_len is None else tokens / (first.dp * first.n * seq_len * len(batches))
     return PackingMetrics(
@@ -142,5 +145,7 @@ def summarize(batches: Sequence[GlobalBatch], cost: CostModel | None, seq_len: i
         mean_reorder=float((np.abs(delays) * toks).sum() / wsum),
         plan_ms_mean=float(plan.mean()),
         plan_ms_max=float(plan.max()),
+        plan_cpu_ms_mean=float(plan_cpu.mean()),
+        plan_cpu_ms_max=float(plan_cpu.max()),
         tokens=int(tokens),
     )

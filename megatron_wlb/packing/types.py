@@ -56,6 +56,8 @@ class GlobalBatch:
     dp: int
     n: int
     plan_seconds: float = 0.0
+    #: CPU seconds of this thread spent planning (wall time suffers when the machine is shared)
+    plan_cpu_seconds: float = 0.0
 
     def __post_init__(self) -> None:
         if len(self.micro_batches) != self.dp * self.n:

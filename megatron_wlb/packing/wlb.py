@@ -75,6 +75,10 @@ class WlbPacker(Packer):
         if not 0 < self.outlier_fraction:
             raise ValueError(f"outlier_fraction must be positive, got {self.outlier_fraction!r}")
         self.flush_on_force = bool(config.extra.get("flush_on_force", True))
+        release = config.extra.get("release", "global")
+        if release not in ("global", "rank"):
+            raise ValueError(f"release={release!r}: 'global' (dp * n outliers at a time) or 'rank' (n at a time)")
+        self.release_size = config.micro_batches_per_iteration if release == "global" else config.n
         cap = self.capacity
         self._grid = np.unique(np.geomspace(1, cap, 1024).astype(np.int64))
         self._grid_w = piece_latency(cost, self._grid)
@@ -128,6 +132,7 @@ class WlbPacker(Packer):
     def _plan(self, new: list[DocPiece], final: bool) -> list[MicroBatch]:
         cfg = self.config
         m = cfg.micro_batches_per_iteration
+        r = self.release_size
         cap = self.capacity
         it = self.iteration
         if new:
@@ -154,9 +159,9 @@ class WlbPacker(Packer):
                     queue = sorted((p for p, lv in zip(outliers, levels.tolist()) if lv == q), key=_age_key)
                     # A queue whose oldest member hit the delay bound goes out with it, so the
                     # forced outlier does not run alone against short micro-batches.
-                    take = m if len(queue) >= m else 0
+                    take = r if len(queue) >= r else 0
                     if self.flush_on_force and q in forced_levels.tolist():
-                        take = max(take, min(len(queue), m - int((forced_levels == q).sum())))
+                        take = max(take, min(len(queue), r - int((forced_levels == q).sum())))
                     candidates.extend(queue[:take])
                     waiting.extend(queue[take:])
         forced.sort(key=_sort_key)
