@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 import pytest
 
@@ -43,6 +44,8 @@ def megatron_like_parser(extra_args_provider=None) -> argparse.ArgumentParser:
     g.add_argument("--swiglu", action="store_true")
     g.add_argument("--hybrid-context-parallel", action="store_true")
     g.add_argument("--dataloader-type", default=None, choices=["single", "cyclic", "external"])
+    g.add_argument("--num-experts", type=int, default=None)
+    g.add_argument("--moe-token-dispatcher-type", default="allgather", choices=["allgather", "alltoall", "flex"])
     if extra_args_provider is not None:
         parser = extra_args_provider(parser)
     return parser
@@ -88,7 +91,14 @@ def test_defaults_and_full_flag_list():
     args = parse(BASE)
     s = validate_wlb_args(args, te_available=False, highspy_available=True)
     assert s == WlbSettings()
-    assert args.variable_seq_lengths is True
+    assert args.variable_seq_lengths is True  # PP2: stages exchange per-micro-batch shapes
+    assert args.moe_token_dispatcher_type == "alltoall"  # dense model: TransformerConfig needs it
+    args = parse(BASE[:9] + ["1"] + BASE[10:], world_size=2)  # PP1: no shape exchange needed
+    validate_wlb_args(args, te_available=False, highspy_available=True)
+    assert args.variable_seq_lengths is False and args.moe_token_dispatcher_type == "allgather"
+    moe = parse(BASE + ["--num-experts", "4"])
+    with pytest.raises(ValueError, match="--moe-token-dispatcher-type alltoall"):
+        validate_wlb_args(moe, te_available=False, highspy_available=True)
     args = parse(BASE + ["--wlb-packing", "wlb", "--wlb-queue-thresholds", "2048,4096", "--wlb-num-queues", "3",
                          "--wlb-max-seq-len", "8192", "--wlb-max-delay", "3", "--wlb-window", "2",
                          "--wlb-cp-sharding", "per-sequence", "--wlb-log-interval", "10"])
@@ -165,3 +175,106 @@ def test_version_check_names_the_supported_range():
     assert not is_supported("0.15.3") and not is_supported("0.20.0") and not is_supported("1.0")
     with pytest.raises(RuntimeError, match=r">=0.16 <0.20"):
         check_core_version("0.14.0")
+
+
+# -- apply() inside the pinned Megatron-LM training code (when a checkout or the mirror is present) --------
+MIRROR = os.environ.get("WLB_MEGATRON_MIRROR", "/work/.mirror/NVIDIA+Megatron-LM/repo")
+TRAINING_PATHS = ["megatron/training", "megatron/legacy", "megatron/post_training", "megatron/rl", "pretrain_gpt.py",
+                  "gpt_builders.py", "model_provider.py"]  # the installed wheel provides megatron/core
+
+APPLY_SCRIPT = r'''
+import json, os, sys, sysconfig
+import megatron_wlb.megatron as W
+rt = W.apply()
+assert W.apply() is rt  # idempotent
+import megatron.training.arguments as A, megatron.training.global_vars as GV
+import megatron.training.training as T, megatron.training.checkpointing as C, megatron.training.utils as U
+hooked = {name: hasattr(getattr(mod, name), "__wlb_original__") for mod, name in [
+    (A, "parse_args"), (A, "validate_args"), (T, "build_train_valid_test_data_iterators"), (T, "save_checkpoint"),
+    (T, "load_checkpoint"), (T, "training_log"), (U, "get_batch_on_this_tp_rank")]}
+from megatron_wlb.megatron.data import byte_documents, write_indexed_dataset
+root = sysconfig.get_paths()["stdlib"]
+names = sorted(n for n in os.listdir(root) if n.endswith(".py"))[:10]
+prefix = write_indexed_dataset(os.path.join(sys.argv[1], "text_document"),
+                               byte_documents([os.path.join(root, n) for n in names]))
+os.environ.update(WORLD_SIZE="1", RANK="0", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2])
+base = ["pretrain_gpt.py", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+        "--seq-length", "256", "--max-position-embeddings", "1024", "--micro-batch-size", "1",
+        "--global-batch-size", "4", "--train-iters", "10", "--lr", "1e-4", "--data-path", prefix,
+        "--tokenizer-type", "NullTokenizer", "--vocab-size", "257"]
+sys.argv = base + ["--wlb-max-seq-len", "128"]
+bad = A.parse_args(None)
+try:
+    A.validate_args(bad, {})
+    bad_msg = ""
+except ValueError as e:
+    bad_msg = str(e)
+sys.argv = base + ["--my-extra", "5", "--wlb-max-seq-len", "512", "--wlb-cp-sharding", "per-document"]
+args = A.parse_args(lambda p: (p.add_argument("--my-extra", type=int, default=3), p)[1])
+A.validate_args(args, {})
+import torch.distributed as dist
+from megatron.core import parallel_state
+dist.init_process_group("gloo", rank=0, world_size=1)
+parallel_state.initialize_model_parallel(1, 1)
+GV.set_args(args)
+import pretrain_gpt  # the pinned, unpatched script: apply() already rebound what it imported
+from megatron.core.rerun_state_machine import RerunDataIterator
+it = W.build_train_iterator(args, rt.settings, parallel_state.get_data_parallel_rank())
+tokens, labels, loss_mask, attention_mask, position_ids, params = pretrain_gpt.get_batch(RerunDataIterator(it))
+mb = it.current.for_dp_rank(0)[0]
+print(json.dumps({"hooked": hooked, "bad": bad_msg, "my_extra": args.my_extra, "packing": rt.settings.packing,
+                  "max_seq_len": rt.settings.max_seq_len, "T": tokens.shape[1], "expect_T": mb.tokens,
+                  "labels_shift": bool((labels[0, :-1][loss_mask[0, :-1] > 0]
+                                        == tokens[0, 1:][loss_mask[0, :-1] > 0]).all()),
+                  "cu": params.cu_seqlens_q.tolist(), "shard_tokens": int(params.wlb_shard.token_index.size),
+                  "qkv_format": params.qkv_format, "attention_mask": attention_mask is None}))
+'''
+
+
+def _training_code(tmp_path) -> str | None:
+    """A directory holding the pinned commit's training code: $WLB_MEGATRON_DIR, else extracted from the mirror."""
+    if os.environ.get("WLB_MEGATRON_DIR"):
+        return os.environ["WLB_MEGATRON_DIR"]
+    import shutil
+    import subprocess
+
+    from megatron_wlb.megatron.version import PINNED_MEGATRON_COMMIT
+
+    if shutil.which("git") is None or not os.path.isdir(MIRROR):
+        return None
+    dest = tmp_path / "megatron-lm"
+    dest.mkdir()
+    archive = subprocess.run(["git", "-C", MIRROR, "archive", PINNED_MEGATRON_COMMIT, *TRAINING_PATHS],
+                             capture_output=True, check=False)
+    if archive.returncode:
+        return None
+    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive.stdout, check=True)
+    return str(dest)
+
+
+def test_apply_inside_the_pinned_training_code(tmp_path):
+    """apply() on Megatron's real parse_args/validate_args/get_batch (training code of the pinned commit)."""
+    import json
+    import socket
+    import subprocess
+    import sys
+
+    code = _training_code(tmp_path)
+    if code is None:
+        pytest.skip("no Megatron-LM training code: set WLB_MEGATRON_DIR to a checkout of the pinned commit")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([code, root]), "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run([sys.executable, "-c", APPLY_SCRIPT, str(tmp_path), str(port)], capture_output=True,
+                          text=True, env=env, timeout=240, cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert all(out["hooked"].values()), out["hooked"]
+    assert "--wlb-max-seq-len 128 is below --seq-length 256" in out["bad"]
+    assert out["my_extra"] == 5 and out["packing"] == "wlb" and out["max_seq_len"] == 512
+    assert out["T"] == out["expect_T"] and out["labels_shift"]
+    # CP size 1: this rank's shard (cp_hooks' query runs) holds every token of the micro-batch
+    assert out["cu"][-1] == out["T"] and out["shard_tokens"] == out["T"]
+    assert out["qkv_format"] == "thd" and out["attention_mask"]

@@ -4,8 +4,9 @@ Megatron's ``parse_args(extra_args_provider)`` has one provider slot (pretrain_g
 ModelOpt's when that is installed), so ``compose_providers`` chains ours after whichever one is
 passed. ``validate_wlb_args`` runs after Megatron's own ``validate_args``: it resolves the
 settings (``--wlb-config`` supplies defaults, explicit flags win), rejects combinations that cannot
-work with a message saying what to change, and turns on ``args.variable_seq_lengths`` (Megatron's
-validate_args forces it off) so that pipeline stages exchange per-micro-batch shapes.
+work with a message saying what to change, and with pipeline parallelism turns on
+``args.variable_seq_lengths`` (Megatron's validate_args forces it off) so that stages exchange
+per-micro-batch shapes.
 """
 
 from __future__ import annotations
@@ -129,8 +130,10 @@ def validate_wlb_args(args: Any, *, te_available: bool | None = None,
                       highspy_available: bool | None = None) -> WlbSettings:
     """Check Megatron's validated ``args`` against the WLB settings; raise a ValueError saying what to change.
 
-    Sets ``args.variable_seq_lengths = True`` (micro-batches differ in length) and returns the
-    resolved settings. ``te_available`` / ``highspy_available`` default to import probes.
+    With pipeline parallelism sets ``args.variable_seq_lengths = True`` (micro-batches differ in
+    length, so stages exchange shapes; dense models also get the unused MoE dispatcher switched
+    to ``alltoall``, which TransformerConfig requires) and returns the resolved settings.
+    ``te_available`` / ``highspy_available`` default to import probes.
     """
     settings = settings_from_args(args)
     problems: list[str] = []
@@ -194,9 +197,21 @@ def validate_wlb_args(args: Any, *, te_available: bool | None = None,
             problems.append(f"--wlb-config {settings.config} packs {cfg.packing.n} micro-batches per DP rank; "
                             f"set --global-batch-size {cfg.packing.n * dp} (= micro_batches x DP) "
                             "with --micro-batch-size 1")
+    moe = bool(getattr(args, "num_experts", None))
+    dispatcher = getattr(args, "moe_token_dispatcher_type", None)
+    if pp > 1 and moe and dispatcher == "allgather":
+        problems.append("pipeline stages exchange variable-length activations (variable_seq_lengths), which "
+                        "Megatron's allgather MoE token dispatcher does not support; set "
+                        "--moe-token-dispatcher-type alltoall")
     if problems:
         raise ValueError("megatron_wlb: invalid WLB-LLM configuration:\n  - " + "\n  - ".join(problems))
-    args.variable_seq_lengths = True
+    if pp > 1:
+        # p2p must exchange each micro-batch's shape; Megatron's validate_args forces this off.
+        args.variable_seq_lengths = True
+        if not moe and dispatcher == "allgather":
+            # TransformerConfig rejects variable_seq_lengths with the (default) allgather dispatcher
+            # even for dense models, where the dispatcher is never used.
+            args.moe_token_dispatcher_type = "alltoall"
     return settings
 
 
