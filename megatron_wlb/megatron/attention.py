@@ -1,0 +1,189 @@
+"""``WlbCoreAttention``: a Megatron core-attention module that runs WLB-LLM's all-gather CP attention.
+
+Megatron's ``SelfAttention`` calls its core attention as
+``core_attention(query, key, value, attention_mask, attn_mask_type=..., attention_bias=...,
+packed_seq_params=...)``. With a packed (THD) micro-batch Megatron has already squeezed q/k/v to
+``[T, heads, head_dim]`` and expects ``[T, heads * head_dim]`` back; otherwise they are
+``[s, b, heads, head_dim]`` and it expects ``[s, b, heads * head_dim]``. This module:
+
+- with ``WlbPackedSeqParams`` carrying a shard (``cp_hooks``' non-TE layouts): calls
+  ``megatron_wlb.cp.attention.all_gather_cp_attention(q, k, v, shard, group)`` over the CP group
+  (``pg_collection.cp``, else ``parallel_state``'s); GQA passes through (k/v keep their
+  ``num_query_groups`` heads and are all-gathered un-repeated);
+- otherwise (no WLB metadata: Megatron's own batches, e.g. a non-WLB eval loader, or TE's THD params)
+  delegates to the core attention the layer spec asked for (TE's or the local one), built alongside.
+
+It is installed by wrapping ``SelfAttention.__init__`` so that every self-attention built afterwards
+gets it whatever layer spec the model uses (``install_core_attention``); ``swap_core_attention(spec)``
+does the same on an explicit ``ModuleSpec`` tree. The all-gather attention has no attention dropout,
+no sliding window and no softmax variants: those configurations are refused when the module is built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+
+_CAUSAL = {AttnMaskType.causal, AttnMaskType.padding_causal}
+
+
+def _unsupported(config: Any, attention_dropout: float | None) -> list[str]:
+    problems = []
+    dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+    if dropout:
+        problems.append(f"attention dropout {dropout} (pass --attention-dropout 0.0)")
+    if getattr(config, "window_size", None) is not None:
+        problems.append(f"sliding-window attention window_size={config.window_size}")
+    if getattr(config, "softmax_type", "vanilla") != "vanilla":
+        problems.append(f"softmax_type={config.softmax_type!r} (only 'vanilla')")
+    if getattr(config, "multi_latent_attention", False):
+        problems.append("multi-latent attention")
+    return problems
+
+
+class WlbCoreAttention(MegatronModule):
+    """Core attention for WLB-LLM layouts; ``inner`` is the spec's own core attention class (or None).
+
+    Constructor arguments are Megatron's core-attention builder keywords (``CoreAttentionBuilder``).
+    """
+
+    def __init__(self, config: Any, layer_number: int, attn_mask_type: AttnMaskType, attention_type: str,
+                 attention_dropout: float | None = None, softmax_scale: float | None = None,
+                 cp_comm_type: str | None = None, pg_collection: Any = None, inner: Any = None) -> None:
+        super().__init__(config=config)
+        problems = _unsupported(config, attention_dropout)
+        if problems:
+            raise ValueError("WLB-LLM all-gather CP attention does not support " + "; ".join(problems)
+                             + ". Change these settings, or use --wlb-cp-sharding per-document-te with "
+                             "TransformerEngine to keep TE's attention.")
+        self.attn_mask_type = attn_mask_type
+        self.layer_number = layer_number
+        head_dim = config.kv_channels
+        self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+        self.pg_collection = pg_collection
+        self.inner = None
+        self.inner_error: str | None = None
+        if inner is not None:
+            kwargs = dict(config=config, layer_number=layer_number, attn_mask_type=attn_mask_type,
+                          attention_type=attention_type, cp_comm_type=cp_comm_type, softmax_scale=softmax_scale,
+                          pg_collection=pg_collection)
+            if attention_dropout is not None:
+                kwargs["attention_dropout"] = attention_dropout
+            try:
+                self.inner = inner(**kwargs)
+            except AssertionError as exc:  # the local DotProductAttention refuses CP > 1
+                self.inner_error = f"{getattr(inner, '__name__', inner)}: {exc}"
+
+    def cp_group(self) -> Any:
+        """The CP process group: the layer's ``pg_collection.cp``, else parallel_state's (None: no CP)."""
+        group = getattr(self.pg_collection, "cp", None) if self.pg_collection is not None else None
+        if group is None and parallel_state.model_parallel_is_initialized():
+            group = parallel_state.get_context_parallel_group()
+        return group
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any = None,
+                attn_mask_type: AttnMaskType | None = None, attention_bias: Any = None,
+                packed_seq_params: Any = None) -> torch.Tensor:
+        """q [T, Hq, D] / k, v [T, Hkv, D] (THD) or [s, b=1, H, D]; returns [T, Hq*D] or [s, 1, Hq*D]."""
+        shard = getattr(packed_seq_params, "wlb_shard", None)
+        if shard is None:
+            if self.inner is None:
+                raise RuntimeError("WlbCoreAttention got a batch without WLB-LLM shard metadata and has no "
+                                   "fallback core attention"
+                                   + (f" ({self.inner_error})" if self.inner_error else "")
+                                   + "; feed packed (cu_seqlens) micro-batches through megatron_wlb's data hook")
+            return self.inner(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
+                              attention_bias=attention_bias, packed_seq_params=packed_seq_params)
+        mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+        if mask_type not in _CAUSAL:
+            raise ValueError(f"WLB-LLM attention is document-causal; got attn_mask_type={mask_type}")
+        if attention_bias is not None:
+            raise ValueError("WLB-LLM attention takes no attention_bias")
+        return wlb_attention_forward(query, key, value, shard, self.cp_group(), self.softmax_scale)
+
+
+def wlb_attention_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, shard: Any, group: Any,
+                          softmax_scale: float | None = None) -> torch.Tensor:
+    """The tensor plumbing of ``WlbCoreAttention`` (separate so tests can drive it without a layer).
+
+    Accepts THD ``[T, H, D]`` or ``[s, b, H, D]`` with b == 1 (a packed micro-batch), runs the
+    all-gather CP attention on ``[T, H, D]`` and returns ``[T, H*D]`` or ``[s, b, H*D]``.
+    """
+    from megatron_wlb.cp.attention import all_gather_cp_attention
+
+    sbhd = query.dim() == 4
+    if sbhd:
+        if query.shape[1] != 1 or key.shape[1] != 1 or value.shape[1] != 1:
+            raise ValueError(f"packed micro-batches have batch size 1; got q {tuple(query.shape)}, "
+                             f"k {tuple(key.shape)}, v {tuple(value.shape)} ([s, b, heads, head_dim])")
+        q, k, v = query[:, 0], key[:, 0], value[:, 0]
+    elif query.dim() == 3:
+        q, k, v = query, key, value
+    else:
+        raise ValueError(f"query must be [T, heads, head_dim] or [s, b, heads, head_dim], got {tuple(query.shape)}")
+    if k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2] or q.shape[1] % k.shape[1]:
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: k and v must match, share "
+                         "q's tokens and head_dim, and q's heads must be a multiple of k's (GQA)")
+    n_local = len(shard.token_index)
+    if q.shape[0] != n_local:
+        raise ValueError(f"{q.shape[0]} local tokens but this rank's shard holds {n_local}")
+    out = all_gather_cp_attention(q, k, v, shard, group, softmax_scale=softmax_scale)
+    out = out.reshape(q.shape[0], -1)
+    return out.unsqueeze(1) if sbhd else out
+
+
+def _builder(inner: Any) -> Any:
+    """A core-attention builder (Megatron's ``CoreAttentionBuilder``) making ``WlbCoreAttention(inner=...)``."""
+    if isinstance(inner, functools.partial) and inner.func is WlbCoreAttention:
+        return inner
+    return functools.partial(WlbCoreAttention, inner=inner)
+
+
+def swap_core_attention(spec: Any) -> Any:
+    """Return ``spec`` (a ``ModuleSpec`` tree) with every self-attention's ``core_attention`` wrapped in
+    ``WlbCoreAttention``; the input is not modified."""
+    from megatron.core.transformer.attention import SelfAttentionSubmodules
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    if isinstance(spec, SelfAttentionSubmodules):
+        return dataclasses.replace(spec, core_attention=_builder(spec.core_attention))
+    if isinstance(spec, ModuleSpec):
+        return dataclasses.replace(spec, submodules=swap_core_attention(spec.submodules))
+    if isinstance(spec, list | tuple):
+        return type(spec)(swap_core_attention(s) for s in spec)
+    if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
+        changes = {f.name: swap_core_attention(getattr(spec, f.name)) for f in dataclasses.fields(spec)
+                   if isinstance(getattr(spec, f.name), ModuleSpec | SelfAttentionSubmodules | list | tuple)}
+        return dataclasses.replace(spec, **changes) if changes else spec
+    return spec
+
+
+def install_core_attention(enabled: bool = True) -> None:
+    """Make every ``SelfAttention`` built from now on use ``WlbCoreAttention`` (``enabled=False`` undoes it)."""
+    from megatron.core.transformer.attention import SelfAttention
+
+    current = SelfAttention.__init__
+    original = getattr(current, "__wlb_original__", current)
+    if not enabled:
+        SelfAttention.__init__ = original
+        return
+    if current is not original:
+        return
+
+    @functools.wraps(original)
+    def __init__(self, config, submodules, *args, **kwargs):
+        submodules = dataclasses.replace(submodules, core_attention=_builder(submodules.core_attention))
+        original(self, config, submodules, *args, **kwargs)
+
+    __init__.__wlb_original__ = original
+    SelfAttention.__init__ = __init__
+
+
+__all__ = ["WlbCoreAttention", "install_core_attention", "swap_core_attention", "wlb_attention_forward"]
