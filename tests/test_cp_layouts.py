@@ -83,6 +83,10 @@ def test_layout_invariants(lengths, cp, layout, tile):
     if layout == "adaptive":
         assert lay.name in ("per-sequence", "per-document")
         assert lay.max_work == pytest.approx(min(lay.estimates.values()))
+    elif layout == "hybrid":
+        assert lay.name in ("hybrid", "per-sequence")
+        assert set(lay.estimates) == {"hybrid", "per-sequence"}
+        assert lay.estimates["hybrid" if lay.name == "hybrid" else "per-sequence"] == min(lay.estimates.values())
     else:
         assert lay.name == layout
     if layout != "per-document-te":
@@ -183,15 +187,18 @@ def test_tile_rounding_and_efficiency_change_the_adaptive_choice():
     assert build_layout("adaptive", skewed, 4, tile=1, efficiency=FLAT).name == "per-document"
 
 
-def test_hybrid_never_slower_than_per_document_and_respects_the_token_cap():
+def test_hybrid_never_slower_than_static_layouts_and_respects_the_token_cap():
     from megatron_wlb.data import load_lengths
 
     lengths = load_lengths()[:4000]
     cut = np.searchsorted(np.cumsum(lengths), 131072)
     for cp, mb in ((4, lengths[:cut]), (16, lengths[:cut]), (8, lengths[200:260])):
         hyb = build_layout("hybrid", mb, cp)
-        per_doc = build_layout("per-document", mb, cp)
-        assert hyb.max_work <= per_doc.max_work * (1 + 1e-12)
+        per_token = float(default_cost_model().linear_compute(1.0))
+        for static in ("per-document", "per-sequence"):
+            other = build_layout(static, mb, cp)
+            step = (other.rank_work + per_token * other.rank_tokens).max()
+            assert (hyb.rank_work + per_token * hyb.rank_tokens).max() <= step * (1 + 1e-12)
         cap = np.ceil(mb.sum() / cp * 1.05)
         assert hyb.rank_tokens.max() <= cap + 2
         _check_invariants(hyb, cp)
@@ -247,7 +254,8 @@ def test_bad_inputs_raise_clear_errors():
         build_layout("per-document", [[4]], 2)
     with pytest.raises(ValueError, match="token_slack"):
         build_layout("hybrid", [4], 2, token_slack=-1)
-    assert build_layout("per-document-choice", [4, 4], 2).name == "hybrid"
+    alias = build_layout("per-document-choice", [4, 4], 2)
+    assert alias.requested == "per-document-choice" and alias.name in ("hybrid", "per-sequence")
 
 
 def test_to_json_contract_is_serialisable():

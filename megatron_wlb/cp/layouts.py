@@ -29,18 +29,19 @@ Layouts (``LAYOUT_NAMES``):
     Per micro-batch, whichever of ``per-sequence`` / ``per-document`` has the lower estimated CP
     attention time (max over ranks of the estimated work); ``ShardLayout.name`` is the choice.
 ``hybrid`` (per-document choice; beyond the paper, whose Sec. 8 leaves it open)
-    Documents shorter than ``2*cp*tile`` (whose per-document chunks would be smaller than one
-    kernel tile) are kept whole and placed by longest-processing-time-first on the rank with the
-    least estimated attention work, subject to a token cap of ``ceil(T/cp * (1 + token_slack))``;
-    longer documents (and any short one that fits under no rank's cap) are split as in
-    ``per-document``. Trades exact token balance for no tiny shards.
+    Starts from ``per-document`` and keeps documents whole where their shards would run the kernel
+    inefficiently (whole cost < summed shard cost), placed longest-processing-time first on the
+    least loaded rank under a token cap ``ceil(T/cp * (1 + token_slack))``, then repaired; the load
+    balanced is attention work plus the linear-layer time of a rank's tokens (see ``_runs_hybrid``).
+    Like ``adaptive`` it falls back to ``per-sequence`` when that is estimated faster (then
+    ``name == "per-sequence"``). Never slower (estimated) than per-document or per-sequence.
 
 Equal-count guarantee (tested): for ``per-sequence`` and ``per-document`` the token counts of the
 ranks differ by at most one; rank ``k`` holds ``floor(T/cp) + (k < T % cp)`` tokens, so all counts
 are equal exactly when ``cp`` divides ``T``. (The round-robin deals ``R = T mod 2cp`` resp.
 ``R = sum_d (d mod 2cp)`` tokens starting at rank 0, and ``R = T (mod cp)`` in both cases.)
 ``per-document-te`` gives every rank exactly ``sum(padded_lengths) / cp``. ``hybrid`` promises only
-the cap above for whole documents (documents it must split add at most ``ceil(d/cp)`` each).
+the token cap (up to a few tokens of round-robin).
 
 Work estimate (``RankShard.work``): for each query run of ``q`` queries ending at key ``kv``,
 ``cost.attention_run(q_pad, kv_pad) / efficiency.relative(q_pad, kv_pad)`` with ``q_pad``,
@@ -155,7 +156,8 @@ class ShardLayout:
     lengths: np.ndarray
     padded_lengths: np.ndarray
     ranks: tuple[RankShard, ...]
-    estimates: dict = field(default_factory=dict)  # adaptive: candidate -> estimated max rank work
+    # adaptive: candidate -> max rank attention work; hybrid: candidate -> max rank attention + linear
+    estimates: dict = field(default_factory=dict)
 
     @property
     def rank_work(self) -> np.ndarray:
@@ -281,48 +283,63 @@ def _runs_per_document(cu: np.ndarray, lengths: np.ndarray, cp: int) -> _Runs:
     return _Runs(rank, s, e, doc)
 
 
+def _step(runs: _Runs, work: np.ndarray, cp: int, per_token: float) -> float:
+    """Slowest rank's estimated attention work plus linear time of its tokens."""
+    if runs.rank.size == 0:
+        return 0.0
+    return float(np.bincount(runs.rank, weights=work + per_token * (runs.end - runs.start), minlength=cp).max())
+
+
 def _runs_hybrid(cu: np.ndarray, lengths: np.ndarray, cp: int, price, per_doc: tuple[_Runs, np.ndarray],
-                 threshold: int | None, token_slack: float) -> tuple[_Runs, np.ndarray]:
+                 threshold: int | None, token_slack: float, per_token: float) -> tuple[_Runs, np.ndarray]:
     """Per-document choice: keep documents whole where their shards would run inefficiently.
+
+    Balanced quantity: a rank's estimated attention work plus ``per_token`` seconds for each token it
+    holds (its linear layers run on its own tokens), so trading token balance for attention balance
+    is priced, and ``token_slack`` is only a memory guard.
 
     1. Candidates: documents of at most ``threshold`` tokens (default ``T // cp``) whose whole-document
        cost is below the summed cost of their per-document shards.
-    2. Longest-processing-time first: each candidate, largest cost first, goes whole to the least
-       loaded rank whose token count stays under ``ceil(T/cp * (1 + token_slack))`` (none: it stays
-       split); the other documents add their balanced per-document shards to every rank.
+    2. Longest-processing-time first, starting from all documents split: each candidate, largest
+       cost first, goes whole to the least loaded rank (without its own shards) whose token count
+       stays under ``ceil(T/cp * (1 + token_slack))``; if there is none it stays split.
     3. Repair: while re-splitting a whole document of the most loaded rank lowers the maximum, do so.
     The split documents are then re-cut with a fresh round-robin and everything is re-priced; if
-    that is slower than per-document, per-document itself is returned, so the estimated CP
-    attention time of ``hybrid`` never exceeds that of ``per-document``.
+    that is slower than per-document, per-document itself is returned, so the estimated
+    attention + linear time of the slowest ``hybrid`` rank never exceeds that of ``per-document``.
     """
     runs, work = per_doc
     n, total = lengths.size, int(cu[-1])
     limit = total // cp if threshold is None else int(threshold)
     key = runs.doc * cp + runs.rank
-    split_w = np.bincount(key, weights=work, minlength=n * cp).reshape(n, cp)
     split_t = np.bincount(key, weights=runs.end - runs.start, minlength=n * cp).reshape(n, cp)
-    whole = price(lengths, lengths)
+    split_w = np.bincount(key, weights=work, minlength=n * cp).reshape(n, cp) + per_token * split_t
+    whole = price(lengths, lengths) + per_token * lengths
     is_cand = (lengths <= limit) & (whole < split_w.sum(axis=1))
     if not is_cand.any():
         return per_doc
     cand = np.flatnonzero(is_cand)
     cand = cand[np.argsort(-whole[cand], kind="stable")]
-    load = split_w[~is_cand].sum(axis=0).tolist()
-    tokens = split_t[~is_cand].sum(axis=0).tolist()
+    # The state is always exact for "every document not yet placed whole is split": start from all
+    # split, and placing d whole on r removes its shards everywhere and adds it to r. So a cap that
+    # holds when d is placed keeps holding (the other ranks only shed tokens).
+    load = split_w.sum(axis=0).tolist()
+    tokens = split_t.sum(axis=0).tolist()
     cap = float(np.ceil(total / cp * (1.0 + token_slack)))
     owner = np.full(n, -1, dtype=np.int64)
     ranks = range(cp)
     whole_l, len_l = whole.tolist(), lengths.tolist()
     for d in cand.tolist():                        # one step per candidate document (tens); cp-long lists
         size = len_l[d]
+        sw, st = split_w[d].tolist(), split_t[d].tolist()
         best, best_load = -1, float("inf")
         for r in ranks:
-            if load[r] < best_load and tokens[r] + size <= cap:
-                best, best_load = r, load[r]
+            if load[r] - sw[r] < best_load and tokens[r] - st[r] + size <= cap:
+                best, best_load = r, load[r] - sw[r]
         if best < 0:                               # fits under no rank's cap: stays split
-            load = [a + b for a, b in zip(load, split_w[d].tolist())]
-            tokens = [a + b for a, b in zip(tokens, split_t[d].tolist())]
             continue
+        load = [a - b for a, b in zip(load, sw)]
+        tokens = [a - b for a, b in zip(tokens, st)]
         load[best] += whole_l[d]
         tokens[best] += size
         owner[d] = best
@@ -351,8 +368,7 @@ def _runs_hybrid(cu: np.ndarray, lengths: np.ndarray, cp: int, price, per_doc: t
     out = _Runs(np.concatenate([rank, owner[kept]]), np.concatenate([s, cu[kept]]),
                 np.concatenate([e, cu[kept + 1]]), np.concatenate([split_ids[unit], kept]))
     out_work = price(out.end - out.start, out.end - cu[out.doc])
-    if np.bincount(out.rank, weights=out_work, minlength=cp).max() > np.bincount(
-            runs.rank, weights=work, minlength=cp).max():
+    if _step(out, out_work, cp, per_token) > _step(runs, work, cp, per_token):
         return per_doc
     return out, out_work
 
@@ -467,9 +483,17 @@ def build_layout(name: str, lengths, cp: int, *, cost: CostModel | None = None,
         runs, work = priced(_runs_per_document(cu, lengths, cp))
         return _assemble(canonical, name, cp, lengths, lengths, cu, runs, work, {})
     if canonical == "hybrid":
+        fair = max(float(cu[-1]) / cp, 1.0)
+        per_token = float(cost.linear_compute(fair)) / fair
         runs, work = _runs_hybrid(cu, lengths, cp, lambda q, kv: attention_work(q, kv, cost, eff, tile),
-                                  priced(_runs_per_document(cu, lengths, cp)), hybrid_threshold, token_slack)
-        return _assemble(canonical, name, cp, lengths, lengths, cu, runs, work, {})
+                                  priced(_runs_per_document(cu, lengths, cp)), hybrid_threshold, token_slack,
+                                  per_token)
+        seq_runs, seq_work = priced(_runs_per_sequence(cu, cp))
+        estimates = {"hybrid": _step(runs, work, cp, per_token), "per-sequence": _step(seq_runs, seq_work, cp,
+                                                                                       per_token)}
+        if estimates["per-sequence"] < estimates["hybrid"]:
+            return _assemble("per-sequence", name, cp, lengths, lengths, cu, seq_runs, seq_work, estimates)
+        return _assemble(canonical, name, cp, lengths, lengths, cu, runs, work, estimates)
     # adaptive: price both static layouts, keep the one whose slowest rank is faster.
     candidates = {"per-sequence": priced(_runs_per_sequence(cu, cp)),
                   "per-document": priced(_runs_per_document(cu, lengths, cp))}
