@@ -200,3 +200,45 @@ def test_iterator_slices_cover_every_token_once(corpus, packer_name):
         spans = sorted(covered[doc_id])
         assert spans[0][0] == 0 and sum(n for _, n in spans) == length
         assert all(o1 + n1 == o2 for (o1, n1), (o2, _) in zip(spans, spans[1:]))
+
+
+def test_iteration_metrics_values():
+    from megatron_wlb.megatron.wlb_logging import WlbMetricsLogger, iteration_metrics, wrap_training_log
+    from megatron_wlb.packing.types import GlobalBatch
+
+    def mb(*lens, arrival=0):
+        return MicroBatch(tuple(DocPiece(i, 0, n, arrival) for i, n in enumerate(lens)), capacity=100)
+
+    # DP 2 x N 2; without a cost model a piece of d tokens weighs d**2 (the paper's Eq. 1 objective)
+    batch = GlobalBatch(iteration=3, micro_batches=(mb(60, 20), mb(40), mb(30, 30, arrival=1), mb(50, 10)),
+                        dp=2, n=2, plan_seconds=0.002)
+    m = iteration_metrics(batch, cost=None, seq_len=100)
+    lat = np.array([[60**2 + 20**2, 40**2], [2 * 30**2, 50**2 + 10**2]], dtype=float)
+    per_rank = lat.max(axis=1) * 2 / lat.sum(axis=1)
+    assert m.imbalance == pytest.approx(per_rank.mean()) and m.imbalance_max == pytest.approx(per_rank.max())
+    assert m.imbalance_global == pytest.approx(lat.max() / lat.mean())
+    assert m.tokens == 240 and m.unused_capacity == pytest.approx(1 - 240 / 400)
+    assert m.mean_delay == pytest.approx((3 * 180 + 2 * 60) / 240) and m.max_delay == 3
+    assert m.plan_ms == pytest.approx(2.0)
+
+    class Recorder:  # stands for Megatron's tensorboard writer: records what it is given
+        def __init__(self):
+            self.scalars = {}
+
+        def add_scalar(self, key, value, step):
+            self.scalars[(key, step)] = value
+
+    tb, lines = Recorder(), []
+    logger = WlbMetricsLogger(None, 100, log_interval=2, print_fn=lines.append, tb_writer=lambda: tb,
+                              wandb_writer=lambda: None)
+    logger.on_batch(batch)
+
+    def training_log(loss_dict, total_loss_dict, learning_rate, iteration, *rest):
+        return "megatron-result"
+
+    hooked = wrap_training_log(training_log, lambda: logger)
+    assert hooked({}, {}, 1e-4, 3, 1.0) == "megatron-result" and not lines  # off the interval
+    assert hooked({}, {}, 1e-4, 4, 1.0) == "megatron-result"
+    assert len(lines) == 1 and "imbalance" in lines[0] and "tokens 240" in lines[0]
+    assert tb.scalars[("wlb/imbalance", 4)] == pytest.approx(m.imbalance)
+    assert tb.scalars[("wlb/unused_capacity", 4)] == pytest.approx(0.4)

@@ -9,7 +9,7 @@ version and replaces, in Megatron's training code (pinned: ``version.PINNED_MEGA
   ``variable_seq_lengths`` on, then ``cp_hooks.install(settings)`` (CP sharding + attention);
 - ``build_train_valid_test_data_iterators``: the training iterator becomes a ``WlbDataIterator``
   (document reader -> packer -> this DP rank's THD micro-batches) on every rank, middle pipeline
-  stages and TP ranks > 0 included; validation/test keep Megatron's loaders;
+  stages and TP ranks > 0 included; validation/test get the same over their splits;
 - ``get_batch_on_this_tp_rank``: for our iterator every rank reads its own (identical) micro-batch
   instead of receiving a fixed-shape broadcast from TP rank 0, which cannot carry variable lengths;
 - ``save_checkpoint`` / ``load_checkpoint``: the packer + stream state sidecar (``checkpoint.py``);
@@ -29,7 +29,8 @@ from typing import Any
 
 from megatron_wlb.megatron.settings import WlbSettings
 
-__all__ = ["WlbSettings", "apply", "build_train_iterator", "reader_from_args", "runtime", "stream_tokens_for"]
+__all__ = ["WlbSettings", "apply", "build_train_iterator", "iterations_for", "reader_from_args", "runtime",
+           "stream_tokens_for"]
 
 #: Megatron training-code modules apply() hooks (all present at the pinned commit)
 TRAINING_MODULES = ("arguments", "initialize", "training", "checkpointing", "utils", "global_vars")
@@ -65,47 +66,65 @@ def _rebind(name: str, original: Callable, replacement: Callable) -> list[str]:
 
 
 # -- building the data path from Megatron's args --------------------------------------------------------
-def reader_from_args(args: Any):
-    """A ``DocumentReader`` over ``--train-data-path`` (all of it) or ``--data-path`` with ``--split``."""
+def reader_from_args(args: Any, split_name: str = "train"):
+    """A ``DocumentReader`` for one split: ``--{train,valid,test}-data-path`` (all of it) if given, else
+    ``--data-path`` with ``--split``."""
     from megatron_wlb.megatron.data import DocumentReader, parse_data_path
 
     mmap = bool(getattr(args, "mmap_bin_files", True))
     seed = int(getattr(args, "seed", 1234))
-    if getattr(args, "train_data_path", None):
-        return DocumentReader(parse_data_path(args.train_data_path), split="1,0,0", split_name="train",
-                              seed=seed, mmap=mmap)
+    own = getattr(args, f"{split_name}_data_path", None)
+    if own:
+        return DocumentReader(parse_data_path(own), split="1,0,0", split_name="train", seed=seed, mmap=mmap)
     if not getattr(args, "data_path", None):
         raise ValueError("WLB-LLM reads Megatron indexed datasets: give --data-path [WEIGHT] PREFIX ...")
     split = getattr(args, "split", None) or "969,30,1"
-    return DocumentReader(parse_data_path(args.data_path), split=split, split_name="train", seed=seed, mmap=mmap)
+    return DocumentReader(parse_data_path(args.data_path), split=split, split_name=split_name, seed=seed, mmap=mmap)
 
 
-def stream_tokens_for(args: Any, config: Any) -> int:
-    """Tokens the stream must cover: every training iteration plus slack for queues and windows."""
+def iterations_for(args: Any, split_name: str) -> int:
+    """Iterations Megatron runs on a split: train_iters, all evaluations' eval_iters, or one test pass."""
     gbs = int(args.global_batch_size)
-    iters = int(args.train_iters) if getattr(args, "train_iters", None) else \
+    train = int(args.train_iters) if getattr(args, "train_iters", None) else \
         -(-int(getattr(args, "train_samples", 0) or 0) // gbs)
+    if split_name == "train":
+        return train
+    eval_iters = int(getattr(args, "eval_iters", 0) or 0)
+    if split_name == "valid":
+        interval = int(getattr(args, "eval_interval", 0) or 0) or max(train, 1)
+        return (train // interval + 1) * eval_iters
+    return eval_iters
+
+
+def stream_tokens_for(args: Any, config: Any, split_name: str = "train") -> int:
+    """Tokens the stream must cover: every iteration on the split plus slack for queues and windows."""
+    iters = iterations_for(args, split_name)
     if iters < 1:
-        raise ValueError("set --train-iters (or --train-samples): the document stream is sized from it")
+        raise ValueError(f"no {split_name} iterations: set --train-iters (or --train-samples) and, for "
+                         "evaluation, --eval-iters; the document stream is sized from them")
     slack = config.max_delay + config.window + 2
     return (iters + slack) * config.tokens_per_iteration
 
 
 def build_train_iterator(args: Any, settings: WlbSettings, dp_rank: int, *, on_batch: Callable | None = None,
-                         reader: Any = None, as_torch: bool = True):
-    """This rank's ``WlbDataIterator`` for Megatron's ``args`` (pure: same inputs, same plans, any rank)."""
+                         reader: Any = None, as_torch: bool = True, split_name: str = "train"):
+    """This rank's ``WlbDataIterator`` for Megatron's ``args`` (pure: same inputs, same plans, any rank).
+
+    ``split_name`` "valid"/"test" builds the evaluation iterators the same way over those splits.
+    """
     from megatron_wlb.megatron.args import cost_model_from_args, packing_config_from_args
     from megatron_wlb.megatron.data import WlbDataIterator
     from megatron_wlb.packing import make_packer
 
-    reader = reader if reader is not None else reader_from_args(args)
+    reader = reader if reader is not None else reader_from_args(args, split_name)
     config = packing_config_from_args(args, settings)
     packer = make_packer(settings.packing, config, cost_model_from_args(args, settings))
-    stream = reader.stream(stream_tokens_for(args, config))
+    stream = reader.stream(stream_tokens_for(args, config, split_name))
     tp = int(getattr(args, "tensor_model_parallel_size", 1))
+    cp = int(getattr(args, "context_parallel_size", 1))
     pad = tp if getattr(args, "sequence_parallel", False) and tp > 1 else 1
     return WlbDataIterator(reader, stream, packer, dp_rank, pad_to_multiple=pad, as_torch=as_torch,
-                           on_batch=on_batch)
+                           on_batch=on_batch, empty_tokens=2 * cp * pad)
 
 
 # -- the hooks ---------------------------------------------------------------------------------------------
@@ -167,10 +186,35 @@ def _wrap_build_iterators(original: Callable, mods: dict[str, Any]) -> Callable:
         mods["utils"].print_rank_0(f"> megatron_wlb: {settings.packing} packing of {len(iterator.stream)} documents "
                                    f"({iterator.stream.tokens} tokens), {iterator.n} micro-batches per DP rank "
                                    f"per iteration, CP sharding {settings.cp_sharding}")
-        return RerunDataIterator(iterator), valid, test
+        evals = []
+        for split_name, megatron_it in (("valid", valid), ("test", test)):
+            evals.append(_eval_iterator(args, settings, split_name, megatron_it, mods))
+        return RerunDataIterator(iterator), evals[0], evals[1]
 
     build_train_valid_test_data_iterators.__wlb_original__ = original
     return build_train_valid_test_data_iterators
+
+
+def _eval_iterator(args: Any, settings: WlbSettings, split_name: str, megatron_it: Any, mods: dict) -> Any:
+    """Our packed iterator over the valid/test split (every rank, like training), or Megatron's own one
+    when the split is empty, evaluation is off, or several validation sets are configured."""
+    from megatron.core import parallel_state
+    from megatron.core.rerun_state_machine import RerunDataIterator
+
+    if getattr(args, "multiple_validation_sets", False) or getattr(args, "full_validation", False):
+        return megatron_it
+    if iterations_for(args, split_name) < 1:
+        return megatron_it
+    try:
+        it = build_train_iterator(args, settings, parallel_state.get_data_parallel_rank(), split_name=split_name)
+    except ValueError as exc:  # e.g. --split 100,0,0: no documents in this split
+        if int(getattr(args, "pipeline_model_parallel_size", 1)) > 1:
+            raise ValueError(f"megatron_wlb: no {split_name} iterator ({exc}); with pipeline parallelism every "
+                             "stage needs packed evaluation batches: give the split documents or set "
+                             "--eval-iters 0") from exc
+        mods["utils"].print_rank_0(f"> megatron_wlb: {split_name} keeps Megatron's loader ({exc})")
+        return megatron_it
+    return RerunDataIterator(it)
 
 
 def _unwrap_iterator(data_iterator: Any) -> Any:
@@ -265,13 +309,3 @@ def apply(*, check_version: bool = True) -> Runtime:
         _rebind(name, original, wrap(original))
     _RUNTIME.installed = True
     return _RUNTIME
-
-
-def _restore() -> None:
-    """Undo apply() (tests only: a training process keeps its hooks)."""
-    for name, original in _RUNTIME.originals.items():
-        for module in list(sys.modules.values()):
-            current = getattr(module, name, None) if module is not None else None
-            if current is not None and getattr(current, "__wlb_original__", None) is original:
-                setattr(module, name, original)
-    _RUNTIME.__init__()
