@@ -45,6 +45,8 @@ def megatron_like_parser(extra_args_provider=None) -> argparse.ArgumentParser:
     g.add_argument("--hybrid-context-parallel", action="store_true")
     g.add_argument("--dataloader-type", default=None, choices=["single", "cyclic", "external"])
     g.add_argument("--num-experts", type=int, default=None)
+    g.add_argument("--position-embedding-type", default="learned_absolute", choices=["learned_absolute", "rope"])
+    g.add_argument("--max-position-embeddings", type=int, default=None)
     g.add_argument("--moe-token-dispatcher-type", default="allgather", choices=["allgather", "alltoall", "flex"])
     if extra_args_provider is not None:
         parser = extra_args_provider(parser)
@@ -131,7 +133,9 @@ def test_config_supplies_defaults_and_flags_override_it():
     (["--wlb-max-seq-len", "2048"], r"--wlb-max-seq-len 2048 is below --seq-length 4096; raise"),
     (["--wlb-cp-sharding", "per-document-te"], r"transformer_engine is not installed"),
     (["--wlb-config", "no_such_config"], r"--wlb-config 'no_such_config' is neither a YAML file nor one of"),
-    (["--wlb-queue-thresholds", "100000"], r"exceeds the micro-batch capacity 4096"),
+    (["--wlb-queue-thresholds", "100000"], r"exceeds the micro-batch capacity 6144"),  # 1.5 x seq_length
+    (["--position-embedding-type", "learned_absolute", "--max-position-embeddings", "4096"],
+     r"raise --max-position-embeddings to 6144"),
     (["--wlb-cost-profile", "/nonexistent/profile.json"], r"no such file"),
     (["--mock-data"], r"--mock-data has no documents"),
     (["--hybrid-context-parallel"], r"remove --hybrid-context-parallel"),

@@ -18,7 +18,11 @@ from collections.abc import Callable
 from typing import Any
 
 from megatron_wlb.megatron.settings import PACKING_NAMES, WlbSettings, cp_sharding_names
+from megatron_wlb.packing import types as _packing_types
 from megatron_wlb.packing.types import PackingConfig
+
+#: S_max / seq_len when --wlb-max-seq-len is not given (the packers' default)
+DEFAULT_MAX_SEQ_LEN_FACTOR: float = getattr(_packing_types, "DEFAULT_MAX_SEQ_LEN_FACTOR", 1.0)
 
 ArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
 
@@ -45,7 +49,8 @@ def add_wlb_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="outlier queue thresholds in tokens, increasing, or 'auto' (default)")
     g.add_argument("--wlb-num-queues", type=int, default=None, help=f"queues 'auto' builds (default {d.num_queues})")
     g.add_argument("--wlb-max-seq-len", type=int, default=None,
-                   help="S_max: largest packed micro-batch in tokens (default --seq-length)")
+                   help=f"S_max: largest packed micro-batch of the wlb packer in tokens "
+                        f"(default {DEFAULT_MAX_SEQ_LEN_FACTOR:g} x --seq-length)")
     g.add_argument("--wlb-max-delay", type=int, default=None,
                    help=f"iterations a document may wait in a queue (default {d.max_delay})")
     g.add_argument("--wlb-window", type=int, default=None,
@@ -152,7 +157,15 @@ def validate_wlb_args(args: Any, *, te_available: bool | None = None,
     if settings.max_seq_len is not None and settings.max_seq_len < seq_length:
         problems.append(f"--wlb-max-seq-len {settings.max_seq_len} is below --seq-length {seq_length}; raise "
                         f"--wlb-max-seq-len to at least {seq_length} or leave it unset")
-    capacity = settings.max_seq_len or seq_length
+    # the largest micro-batch: wlb packs up to S_max (default DEFAULT_MAX_SEQ_LEN_FACTOR x seq_length),
+    # the fixed packers up to seq_length
+    capacity = settings.max_seq_len or int(seq_length * DEFAULT_MAX_SEQ_LEN_FACTOR)
+    largest = capacity if settings.packing == "wlb" else seq_length
+    max_pos = getattr(args, "max_position_embeddings", None)
+    if getattr(args, "position_embedding_type", None) == "learned_absolute" and max_pos and largest > max_pos:
+        problems.append(f"--max-position-embeddings {max_pos} is below the largest packed micro-batch ({largest} "
+                        f"tokens; position ids restart per document but a document may fill it); raise "
+                        f"--max-position-embeddings to {largest} or lower --wlb-max-seq-len")
     if settings.queue_thresholds != "auto" and settings.queue_thresholds[-1] > capacity:
         problems.append(f"--wlb-queue-thresholds {','.join(map(str, settings.queue_thresholds))}: the largest "
                         f"threshold exceeds the micro-batch capacity {capacity}; use thresholds <= {capacity}")
