@@ -226,12 +226,20 @@ from megatron.core.rerun_state_machine import RerunDataIterator
 it = W.build_train_iterator(args, rt.settings, parallel_state.get_data_parallel_rank())
 tokens, labels, loss_mask, attention_mask, position_ids, params = pretrain_gpt.get_batch(RerunDataIterator(it))
 mb = it.current.for_dp_rank(0)[0]
+# the data hook (its Megatron original needs CUDA for a flags broadcast; a loader-less one stands in)
+mods = {name: sys.modules["megatron.training." + name] for name in W.TRAINING_MODULES}
+build = W._wrap_build_iterators(lambda provider: (None, "megatron-valid", "megatron-test"), mods)
+train_it, valid_it, test_it = build(None)
+first = next(train_it)
+hook = {"train": type(train_it.iterable).__name__, "valid": type(getattr(valid_it, "iterable", valid_it)).__name__,
+        "test": test_it, "same_as_direct": first["tokens"].tolist() == tokens.tolist(),
+        "registered": len(rt.registry.iterators), "logged": rt.logger.metrics().tokens > 0}
 print(json.dumps({"hooked": hooked, "bad": bad_msg, "my_extra": args.my_extra, "packing": rt.settings.packing,
                   "max_seq_len": rt.settings.max_seq_len, "T": tokens.shape[1], "expect_T": mb.tokens,
                   "labels_shift": bool((labels[0, :-1][loss_mask[0, :-1] > 0]
                                         == tokens[0, 1:][loss_mask[0, :-1] > 0]).all()),
                   "cu": params.cu_seqlens_q.tolist(), "shard_tokens": int(params.wlb_shard.token_index.size),
-                  "qkv_format": params.qkv_format, "attention_mask": attention_mask is None}))
+                  "qkv_format": params.qkv_format, "attention_mask": attention_mask is None, "hook": hook}))
 '''
 
 
@@ -282,3 +290,9 @@ def test_apply_inside_the_pinned_training_code(tmp_path):
     # CP size 1: this rank's shard (cp_hooks' query runs) holds every token of the micro-batch
     assert out["cu"][-1] == out["T"] and out["shard_tokens"] == out["T"]
     assert out["qkv_format"] == "thd" and out["attention_mask"]
+    # the data hook: our iterator for training (same first micro-batch as built directly), our valid
+    # iterator over the valid split, Megatron's test loader where --split leaves no test documents
+    hook = out["hook"]
+    assert hook["train"] == "WlbDataIterator" and hook["valid"] == "WlbDataIterator"
+    assert hook["test"] == "megatron-test" and hook["same_as_direct"] and hook["registered"] == 1
+    assert hook["logged"]
