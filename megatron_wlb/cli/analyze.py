@@ -15,7 +15,8 @@ def add_parser(subparsers) -> None:
 
     add_stream_args(p, required=True)
     p.add_argument("--config", required=True, help="config name (configs/*.yaml stem) or YAML path")
-    p.add_argument("--profile", metavar="JSON", help="calibrated cost-model profile (wlb calibrate)")
+    p.add_argument("--profile", metavar="JSON",
+                   help="cost-model profile measured on a GPU (format megatron-wlb-profile/1)")
     p.add_argument("--out", default="wlb-analyze", metavar="DIR", help="output folder (default ./wlb-analyze)")
     p.add_argument("--iterations", type=int, default=40, help="iterations per method (default 40)")
     p.set_defaults(func=run)

@@ -60,7 +60,8 @@ def add_parser(subparsers) -> None:
                                        "dynamic-cp (default: the config's cp_sharding)")
     p.add_argument("--iterations", type=int, default=20, help="iterations to simulate (default 20)")
     p.add_argument("--virtual-stages", type=int, help="interleaved 1F1B with this many virtual stages")
-    p.add_argument("--profile", metavar="JSON", help="calibrated cost-model profile (wlb calibrate)")
+    p.add_argument("--profile", metavar="JSON",
+                   help="cost-model profile measured on a GPU (format megatron-wlb-profile/1)")
     p.add_argument("--no-split", action="store_true",
                    help="keep documents longer than seq_len whole (default: cut them to the window)")
     p.add_argument("--json", metavar="FILE", help="also write the per-iteration metrics as JSON")
