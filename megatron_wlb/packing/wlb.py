@@ -56,6 +56,15 @@ def _sort_key(p: DocPiece) -> tuple[int, int, int, int]:
     return (-p.length, p.arrival, p.doc_id, p.offset)
 
 
+def _sorted_desc(pieces: list[DocPiece]) -> list[DocPiece]:
+    """``sorted(pieces, key=_sort_key)`` with a numpy lexsort (the hot path at 64 micro-batches)."""
+    if len(pieces) < 64:
+        return sorted(pieces, key=_sort_key)
+    cols = np.array([(p.length, p.arrival, p.doc_id, p.offset) for p in pieces], dtype=np.int64)
+    order = np.lexsort((cols[:, 3], cols[:, 2], cols[:, 1], -cols[:, 0]))
+    return [pieces[i] for i in order.tolist()]
+
+
 def _age_key(p: DocPiece) -> tuple[int, int, int]:
     return (p.arrival, p.doc_id, p.offset)
 
@@ -164,8 +173,8 @@ class WlbPacker(Packer):
                         take = max(take, min(len(queue), r - int((forced_levels == q).sum())))
                     candidates.extend(queue[:take])
                     waiting.extend(queue[take:])
-        forced.sort(key=_sort_key)
-        candidates.sort(key=_sort_key)
+        forced = _sorted_desc(forced)
+        candidates = _sorted_desc(candidates)
         order = forced + candidates
         lengths = [p.length for p in order]
         weights = piece_latency(self.cost, lengths).tolist() if order else []
