@@ -27,27 +27,11 @@ if __package__ in (None, ""):  # run as a script from a checkout without `pip in
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_wlb.cp import KernelEfficiency, build_layout
+from megatron_wlb.cp.sampling import concat_and_cut
 from megatron_wlb.data import load_lengths
 
 LAYOUTS = ("per-sequence", "per-document", "per-document-te", "adaptive", "hybrid")
 FLAT = KernelEfficiency(np.array([1.0, 2.0]), np.array([1.0, 2.0]), np.full((2, 2), 1.0), tile=1)
-
-
-def concat_and_cut(lengths: np.ndarray, seq_len: int, count: int) -> list[np.ndarray]:
-    """Megatron GPTDataset-style samples: documents back to back, cut every ``seq_len`` tokens."""
-    ends = np.cumsum(lengths)
-    total = int(ends[-1])
-    if total < seq_len * count:
-        raise ValueError(f"the stream holds {total} tokens, fewer than {count} x {seq_len}")
-    out = []
-    starts = np.concatenate([[0], ends[:-1]])
-    for i in range(count):
-        lo, hi = i * seq_len, (i + 1) * seq_len
-        first = int(np.searchsorted(ends, lo, side="right"))
-        last = int(np.searchsorted(ends, hi, side="left"))
-        piece = np.minimum(ends[first:last + 1], hi) - np.maximum(starts[first:last + 1], lo)
-        out.append(piece[piece > 0].astype(np.int64))
-    return out
 
 
 def _timeit(fn, repeat: int) -> np.ndarray:
@@ -103,7 +87,7 @@ def run(args) -> dict:
 
         def one_rank(m, name=name):
             shard = build_layout(name, m, cp, efficiency=eff).ranks[cp // 2]
-            shard.token_index, shard.position_ids, shard.kv_index, shard.gather_position  # noqa: B018
+            shard.token_index, shard.position_ids, shard.gather_rows()  # noqa: B018
 
         full = np.concatenate([_timeit(lambda m=m: one_rank(m), 3) for m in sample])
         timing[name] = {"build_ms_median": float(np.median(build) * 1e3), "build_ms_p90": float(np.quantile(
@@ -143,8 +127,8 @@ def to_markdown(r: dict) -> str:
     out.append(f"\n## Build time, CP = {t['cp']}, {r['seq_len']}-token micro-batches ({t['micro_batches']} "
                "micro-batches x 5 repeats)\n")
     out.append("`build` = `build_layout` for all ranks (runs, cu_seqlens, max lengths, work); `+ rank tokens` "
-               "additionally materialises one rank's token_index, position_ids, kv_index and gather_position "
-               "(what a training rank needs each step).\n")
+               "additionally materialises one rank's token_index, position_ids and gather_rows() (the rows of "
+               "the all-gathered K/V its attention reads: what a training rank needs each step).\n")
     out.append("| layout | build median ms | p90 | min | + rank tokens median ms | p90 |")
     out.append("|---|---|---|---|---|---|")
     for name, x in t["layouts"].items():

@@ -72,6 +72,12 @@ def _check_invariants(lay, cp: int) -> None:
     if total:
         gp = lay.ranks[0].gather_position
         assert np.array_equal(gp[all_tokens], np.arange(total))
+        offsets = np.concatenate([[0], np.cumsum(lay.rank_tokens)])
+        width = int(lay.rank_tokens.max()) + 3
+        for r in lay.ranks:   # rows of a padded gather buffer, built from runs, agree with the positions
+            pos = gp[r.kv_index]
+            owner = np.searchsorted(offsets, pos, side="right") - 1
+            assert np.array_equal(r.gather_rows(width), owner * width + pos - offsets[owner])
 
 
 @settings(max_examples=60, deadline=None)

@@ -195,12 +195,9 @@ class AllGatherKV(torch.autograd.Function):
 
 
 def segment_index(shard: RankShard) -> np.ndarray:
-    """Rows of the padded all-gather buffer that hold each query run's keys, in kv_index order."""
-    counts = np.asarray(shard.rank_counts, dtype=np.int64)
-    pos = shard.gather_position[shard.kv_index]                 # position in the unpadded gathered order
-    offsets = np.concatenate([[0], np.cumsum(counts)])
-    owner = np.searchsorted(offsets, pos, side="right") - 1
-    return owner * (int(counts.max()) if counts.size else 0) + (pos - offsets[owner])
+    """Rows of the padded all-gather buffer (blocks of ``max(rank_counts)`` rows per rank) that hold
+    each query run's keys, in ``kv_index`` order."""
+    return shard.gather_rows(max(shard.rank_counts))
 
 
 def _check(q, k, v, shard: RankShard, group) -> tuple[int, int]:
@@ -219,12 +216,12 @@ def _check(q, k, v, shard: RankShard, group) -> tuple[int, int]:
         raise ValueError(f"q and k head_dim differ: {q.shape[2]} vs {k.shape[2]}")
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"q heads ({q.shape[1]}) must be a multiple of k/v heads ({k.shape[1]}) for GQA")
-    if not shard.rank_counts or shard.gather_position is None:
-        raise ValueError("shard lacks rank_counts / gather_position; build it with build_layout")
+    if not shard.rank_counts or shard.gather is None:
+        raise ValueError("shard lacks rank_counts / its GatherMap; build it with build_layout")
     cp = len(shard.rank_counts)
-    if shard.rank_counts[shard.rank] != n or sum(shard.rank_counts) != shard.gather_position.size:
-        raise ValueError(f"shard metadata is inconsistent: rank_counts {shard.rank_counts} vs {n} tokens on rank "
-                         f"{shard.rank} and {shard.gather_position.size} micro-batch positions")
+    if not 0 <= shard.rank < cp or shard.rank_counts[shard.rank] != n:
+        raise ValueError(f"shard metadata is inconsistent: rank {shard.rank} of rank_counts {shard.rank_counts} "
+                         f"vs {n} tokens in cu_seqlens_q")
     if int(shard.cu_seqlens_q[-1]) != n:
         raise ValueError(f"cu_seqlens_q ends at {int(shard.cu_seqlens_q[-1])}, expected the rank's {n} tokens")
     if np.any(shard.query_lengths < 1) or np.any(shard.query_lengths > shard.key_lengths):

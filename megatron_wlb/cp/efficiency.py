@@ -141,7 +141,7 @@ class KernelEfficiency:
     def to_dict(self) -> dict:
         return {"format": EFFICIENCY_FORMAT, "device": self.device, "source": self.source, "tile": int(self.tile),
                 "q_lens": [int(v) for v in self.q_lens], "kv_lens": [int(v) for v in self.kv_lens],
-                "tflops": [[round(float(v), 3) for v in row] for row in self.table]}
+                "tflops": [[float(f"{v:.6g}") for v in row] for row in self.table]}
 
     def to_json(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")

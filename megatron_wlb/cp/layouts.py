@@ -66,19 +66,35 @@ SHARD_FORMAT_KEYS = ("layout", "padded_lengths", "ranks")
 
 
 class GatherMap:
-    """Where each micro-batch position lands in the all-gathered K/V buffer (rank 0's tokens, then
-    rank 1's, ...). Shared by all ranks of a layout; the O(tokens) array is built on first use."""
+    """How the all-gathered K/V buffer (rank 0's tokens, then rank 1's, ...) maps to micro-batch
+    positions. Shared by all ranks of a layout. Holds every rank's query runs sorted by position,
+    with their owner and their offset in the owner's token order (O(runs)); the O(tokens)
+    ``position`` array is built only on first use."""
 
-    def __init__(self, run_start: np.ndarray, run_len: np.ndarray):
-        self.run_start = run_start   # all ranks' runs, rank-major, each rank's in its order
-        self.run_len = run_len
+    def __init__(self, start: np.ndarray, end: np.ndarray, owner: np.ndarray, local: np.ndarray,
+                 counts: tuple[int, ...]):
+        self.start, self.end, self.owner, self.local = start, end, owner, local
+        self.counts = counts
 
     @cached_property
     def position(self) -> np.ndarray:
-        tokens = _expand(self.run_start, self.run_len)
-        out = np.empty(tokens.size, dtype=np.int64)
-        out[tokens] = np.arange(tokens.size)
-        return out
+        """position[p] = index of micro-batch position p in the (unpadded) gathered order."""
+        offsets = np.concatenate([[0], np.cumsum(self.counts)])[:-1].astype(np.int64)
+        return _expand(offsets[self.owner] + self.local, self.end - self.start)  # runs tile 0..T in order
+
+    def rows(self, seg_start: np.ndarray, seg_end: np.ndarray, width: int) -> np.ndarray:
+        """Rows of a gather buffer whose rank blocks are ``width`` rows apart holding positions
+        ``[seg_start[i], seg_end[i])``, concatenated over i (O(pieces + rows), no per-token search)."""
+        if seg_start.size == 0:
+            return np.zeros(0, dtype=np.int64)
+        j_lo = np.searchsorted(self.start, seg_start, side="right") - 1
+        j_hi = np.searchsorted(self.start, seg_end - 1, side="right") - 1
+        count = j_hi - j_lo + 1
+        j = _expand(j_lo, count)
+        seg = np.repeat(np.arange(seg_start.size), count)
+        ps = np.maximum(self.start[j], seg_start[seg])
+        pe = np.minimum(self.end[j], seg_end[seg])
+        return _expand(self.owner[j] * width + self.local[j] + (ps - self.start[j]), pe - ps)
 
 
 @dataclass(frozen=True, eq=False)
@@ -132,6 +148,15 @@ class RankShard:
     @property
     def gather_position(self) -> np.ndarray | None:
         return None if self.gather is None else self.gather.position
+
+    def gather_rows(self, width: int | None = None) -> np.ndarray:
+        """int64, aligned with ``kv_index``: the row of each key in an all-gather buffer whose rank
+        blocks are ``width`` rows apart (default ``max(rank_counts)``: every rank padded to the
+        largest). What the attention indexes; built from runs without touching every position."""
+        if self.gather is None:
+            raise ValueError("RankShard.gather_rows needs the layout's GatherMap (build shards with build_layout)")
+        width = max(self.rank_counts) if width is None else int(width)
+        return self.gather.rows(self.run_key_start, self.run_start + self.query_lengths, width)
 
     @property
     def num_tokens(self) -> int:
@@ -394,9 +419,11 @@ def _assemble(name: str, requested: str, cp: int, lengths: np.ndarray, padded: n
     m_end[np.cumsum(new) - 1] = end                                  # the last run of each group wins
     merged = np.stack([m_start, m_end], axis=1)
     m_bounds = np.concatenate([[0], np.cumsum(new)])[bounds]
-    gather = GatherMap(m_start, m_end - m_start)
-    rank_work = np.bincount(rank, weights=work, minlength=cp)
     counts = tuple(int(x) for x in np.diff(cq[bounds]))
+    by_pos = np.argsort(start)
+    local = cq[:-1] - cq[bounds[rank]]                                # offset within the owner's tokens
+    gather = GatherMap(start[by_pos], end[by_pos], rank[by_pos], local[by_pos], counts)
+    rank_work = np.bincount(rank, weights=work, minlength=cp)
     # Each rank's cu_seqlens start at 0: gather [a, b] per rank in one go, then take views.
     per_rank = np.diff(bounds) + 1
     idx = _expand(bounds[:-1], per_rank)

@@ -1,0 +1,195 @@
+#!/usr/bin/env python
+"""Per-rank CP attention latency of each shard layout on real kernels, one GPU.
+
+    python scripts/gpu_cp_latency.py [--efficiency TABLE.json] [--bwd] --out docs/results/cp_gpu_latency
+    python scripts/gpu_cp_latency.py --smoke --out /tmp/cp_latency          # CPU, seconds
+
+Micro-batches: the embedded length stream (megatron_wlb/data/dist_wlbllm.json, published by the
+DistCA authors as a stand-in for WLB-LLM's data), cut Megatron-style (concat-and-cut) at each
+``--seq-lens`` value, evenly spaced through the stream. For every micro-batch, CP size and layout,
+each rank's attention (its queries in layout order against its key segments ``kv_index``, one
+varlen kernel call with the rank's cu_seqlens, bottom-right causal) runs in turn on the one GPU;
+the max over ranks is the CP step's attention time (K/V all-gather and dK/dV reduce-scatter are
+not included: they move the same bytes under every layout). Writes OUT.json and OUT.md with the
+measured max-over-ranks time per layout (relative to per-sequence), the measured imbalance, and how
+well ``RankShard.work`` predicted each rank (Spearman rank correlation).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script from a checkout without `pip install -e .`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import numpy as np
+import torch
+from gpu_profile_attention import DTYPES, time_call
+
+from megatron_wlb.costmodel import AnalyticCostModel, ParallelLayout, get_model
+from megatron_wlb.cp import LAYOUT_NAMES, KernelEfficiency, build_layout
+from megatron_wlb.cp.attention import resolve_backend, varlen_attention
+from megatron_wlb.cp.sampling import available, concat_and_cut
+from megatron_wlb.data import load_lengths
+
+
+def pick_micro_batches(seq_len: int, count: int) -> list[np.ndarray]:
+    """``count`` concat-and-cut micro-batches evenly spaced through the embedded stream."""
+    lengths = load_lengths()
+    n = available(lengths, seq_len)
+    if n < count:
+        raise SystemExit(f"the embedded stream holds only {n} micro-batches of {seq_len} tokens")
+    return concat_and_cut(lengths, seq_len, indices=np.linspace(0, n - 1, count).round().astype(int))
+
+
+def spearman(a: np.ndarray, b: np.ndarray) -> float:
+    if a.size < 2 or np.all(a == a[0]) or np.all(b == b[0]):
+        return float("nan")
+    ra = np.argsort(np.argsort(a)).astype(np.float64)
+    rb = np.argsort(np.argsort(b)).astype(np.float64)
+    return float(np.corrcoef(ra, rb)[0, 1])
+
+
+def rank_latency(shard, args, device, dtype, backend) -> float:
+    """Seconds of one rank's attention (forward, or forward + backward with --bwd)."""
+    n, kv = shard.num_tokens, int(shard.key_lengths.sum())
+    if n == 0:
+        return 0.0
+    q = torch.randn(n, args.heads, args.head_dim, device=device, dtype=dtype, requires_grad=args.bwd)
+    k = torch.randn(kv, args.kv_heads, args.head_dim, device=device, dtype=dtype, requires_grad=args.bwd)
+    v = torch.randn(kv, args.kv_heads, args.head_dim, device=device, dtype=dtype, requires_grad=args.bwd)
+    cu_q = np.asarray(shard.cu_seqlens_q)
+    cu_k = np.asarray(shard.cu_seqlens_k)
+
+    def fwd():
+        with torch.no_grad():
+            varlen_attention(q, k, v, cu_q, cu_k, shard.max_seqlen_q, shard.max_seqlen_k, backend=backend)
+
+    def fwd_bwd():
+        out = varlen_attention(q, k, v, cu_q, cu_k, shard.max_seqlen_q, shard.max_seqlen_k, backend=backend)
+        out.backward(torch.ones_like(out))
+        q.grad = k.grad = v.grad = None
+
+    return time_call(fwd_bwd if args.bwd else fwd, args.warmup, args.iters, device)
+
+
+def measure(args) -> dict:
+    device = torch.device(args.device)
+    dtype = DTYPES[args.dtype]
+    backend = resolve_backend(args.backend, device)
+    eff = KernelEfficiency.from_json(args.efficiency) if args.efficiency else None
+    shape = get_model(args.model)
+    cost = AnalyticCostModel(shape, ParallelLayout(tp=args.tp))
+    layouts = args.layouts.split(",")
+    for name in layouts:
+        if name not in LAYOUT_NAMES:
+            raise SystemExit(f"unknown layout {name!r}; valid: {', '.join(LAYOUT_NAMES)}")
+    cases = []
+    t_start = time.monotonic()
+    for seq_len in [int(x) for x in args.seq_lens.split(",")]:
+        mbs = pick_micro_batches(seq_len, args.micro_batches)
+        for cp in [int(x) for x in args.cps.split(",")]:
+            for i, mb in enumerate(mbs):
+                for name in layouts:
+                    lay = build_layout(name, mb, cp, cost=cost, efficiency=eff, tile=args.tile)
+                    lat = [rank_latency(s, args, device, dtype, backend) for s in lay.ranks]
+                    cases.append({"seq_len": seq_len, "cp": cp, "micro_batch": i, "layout": name, "used": lay.name,
+                                  "docs": int(mb.size), "rank_seconds": lat, "rank_estimate": lay.rank_work.tolist(),
+                                  "rank_tokens": lay.rank_tokens.tolist()})
+                    if time.monotonic() - t_start > args.max_seconds:
+                        raise SystemExit(f"--max-seconds {args.max_seconds} exceeded; use fewer micro-batches")
+                print(f"seq {seq_len} cp {cp} mb {i}: " + ", ".join(
+                    f"{c['layout']} {max(c['rank_seconds']) * 1e3:.2f} ms" for c in cases[-len(layouts):]),
+                    flush=True)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({platform.processor() or 'cpu'})"
+    return {"device": name, "backend": backend, "torch": torch.__version__, "dtype": args.dtype,
+            "heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim, "bwd": args.bwd,
+            "efficiency_table": args.efficiency or "shipped placeholder", "cases": cases,
+            "summary": summarize(cases, layouts)}
+
+
+def summarize(cases: list[dict], layouts: list[str]) -> list[dict]:
+    rows = []
+    keys = sorted({(c["seq_len"], c["cp"]) for c in cases})
+    for seq_len, cp in keys:
+        sel = [c for c in cases if c["seq_len"] == seq_len and c["cp"] == cp]
+        base = sum(max(c["rank_seconds"]) for c in sel if c["layout"] == "per-sequence") or float("nan")
+        for name in layouts:
+            mine = [c for c in sel if c["layout"] == name]
+            step = np.array([max(c["rank_seconds"]) for c in mine])
+            imb = np.array([max(c["rank_seconds"]) / np.mean(c["rank_seconds"]) if np.mean(c["rank_seconds"]) > 0
+                            else 1.0 for c in mine])
+            est = np.concatenate([c["rank_estimate"] for c in mine])
+            got = np.concatenate([c["rank_seconds"] for c in mine])
+            rows.append({"seq_len": seq_len, "cp": cp, "layout": name, "micro_batches": len(mine),
+                         "step_ms_mean": float(step.mean() * 1e3), "vs_per_sequence": float(step.sum() / base),
+                         "measured_imbalance_mean": float(imb.mean()), "estimate_spearman": spearman(est, got),
+                         "used": {u: sum(c["used"] == u for c in mine) for u in sorted({c["used"] for c in mine})}})
+    return rows
+
+
+def to_markdown(r: dict) -> str:
+    out = ["# CP attention latency per layout (one GPU, each rank in turn)\n",
+           f"Device: {r['device']}, backend {r['backend']}, torch {r['torch']}, {r['dtype']}, "
+           f"{r['heads']} q heads / {r['kv_heads']} kv heads x {r['head_dim']}, "
+           f"{'forward + backward' if r['bwd'] else 'forward'}; efficiency table: {r['efficiency_table']}. "
+           "Micro-batches: concat-and-cut of the embedded (DistCA-published) length stream. Step = max over "
+           "ranks; all-gather / reduce-scatter not included.\n",
+           "| seq | CP | layout | step ms (mean) | vs per-sequence | measured imbalance | estimate vs measured "
+           "(Spearman) | layouts used |", "|---|---|---|---|---|---|---|---|"]
+    for x in r["summary"]:
+        used = ", ".join(f"{k} {v}" for k, v in x["used"].items())
+        out.append(f"| {x['seq_len']} | {x['cp']} | {x['layout']} | {x['step_ms_mean']:.3f} | "
+                   f"{x['vs_per_sequence']:.3f} | {x['measured_imbalance_mean']:.3f} | "
+                   f"{x['estimate_spearman']:.3f} | {used} |")
+    return "\n".join(out) + "\n"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, help="output path without suffix (writes .json and .md)")
+    p.add_argument("--seq-lens", default="65536,131072")
+    p.add_argument("--cps", default="2,4,8")
+    p.add_argument("--micro-batches", type=int, default=10, help="per sequence length")
+    p.add_argument("--layouts", default=",".join(LAYOUT_NAMES))
+    p.add_argument("--efficiency", default=None, help="measured kernel-efficiency table for adaptive/hybrid")
+    p.add_argument("--model", default="7b", help="model whose attention FLOPs price the estimate")
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--heads", type=int, default=32, help="query heads on one GPU (7B at TP=1: 32)")
+    p.add_argument("--kv-heads", type=int, default=32)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--tile", type=int, default=128)
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    p.add_argument("--backend", default="auto")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--bwd", action="store_true", help="time forward + backward instead of forward")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--max-seconds", type=float, default=3000.0)
+    p.add_argument("--smoke", action="store_true", help="tiny CPU-sized run (tests)")
+    args = p.parse_args(argv)
+    if args.smoke:
+        torch.set_num_threads(1)
+        args.seq_lens, args.cps, args.micro_batches = "256", "2", 2
+        args.heads, args.kv_heads, args.head_dim, args.dtype = 2, 1, 8, "fp32"
+        args.warmup, args.iters, args.tile = 0, 1, 16
+    if args.heads % args.kv_heads:
+        raise SystemExit(f"--heads {args.heads} must be a multiple of --kv-heads {args.kv_heads}")
+    result = measure(args)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+    md = to_markdown(result)
+    out.with_suffix(".md").write_text(md)
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

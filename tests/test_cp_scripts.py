@@ -1,0 +1,69 @@
+"""The CP scripts run end to end on CPU: GPU scripts in --smoke mode, the layout benchmark tiny."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from megatron_wlb.cp import KernelEfficiency, build_layout
+from megatron_wlb.cp.sampling import available, concat_and_cut
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(script: str, *args: str) -> str:
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / script), *args], capture_output=True, text=True,
+                          timeout=240, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+def test_profile_attention_smoke_writes_a_loadable_table(tmp_path):
+    out = tmp_path / "eff.json"
+    _run("gpu_profile_attention.py", "--smoke", "--out", str(out))
+    table = KernelEfficiency.from_json(out)
+    data = json.loads(out.read_text())
+    assert data["q_lens"] == [4, 8, 16] and data["kv_lens"] == [8, 16]
+    assert data["tflops"][2][0] is None                    # q=16 > kv=8 is impossible
+    assert np.all(table.table > 0) and "bottom_right_check_err" in data["source"]
+    lay = build_layout("adaptive", [5, 9, 30], 2, efficiency=table, tile=table.tile)
+    assert lay.name in ("per-sequence", "per-document")
+
+
+def test_cp_latency_smoke_measures_every_rank(tmp_path):
+    out = tmp_path / "lat"
+    _run("gpu_cp_latency.py", "--smoke", "--out", str(out))
+    result = json.loads(out.with_suffix(".json").read_text())
+    assert result["backend"] == "reference"
+    layouts = {c["layout"] for c in result["cases"]}
+    assert layouts == {"per-sequence", "per-document", "per-document-te", "adaptive", "hybrid"}
+    for case in result["cases"]:
+        assert len(case["rank_seconds"]) == case["cp"] == 2
+        assert all(s > 0 for s, t in zip(case["rank_seconds"], case["rank_tokens"]) if t)
+    assert {(r["seq_len"], r["cp"]) for r in result["summary"]} == {(256, 2)}
+    assert "| per-document |" in out.with_suffix(".md").read_text()
+
+
+def test_bench_layouts_tiny(tmp_path):
+    out = tmp_path / "bench"
+    _run("bench_layouts.py", "--micro-batches", "6", "--cps", "2,4", "--seq-len", "16384",
+         "--timing-micro-batches", "1", "--out", str(out))
+    result = json.loads(out.with_suffix(".json").read_text())
+    assert set(result["cp"]) == {"2", "4"}
+    for rows in result["cp"].values():
+        assert rows["per-sequence"]["attention_time_vs_per_sequence"] == 1.0
+        assert rows["per-document"]["pure_flops_imbalance_mean"] < 1.01
+        assert rows["per-document-te"]["padded_tokens"] > 0 and rows["per-document"]["padded_tokens"] == 0
+    assert set(result["timing"]["layouts"]) == set(result["cp"]["2"])
+
+
+def test_concat_and_cut_keeps_every_token():
+    lengths = np.array([5, 3, 10, 2, 7])
+    mbs = concat_and_cut(lengths, 4, count=available(lengths, 4))
+    assert [m.tolist() for m in mbs] == [[4], [1, 3], [4], [4], [2, 2], [4]]   # 27 tokens: 6 full ones
+    assert [m.tolist() for m in concat_and_cut(lengths, 4, indices=[4, 1])] == [[2, 2], [1, 3]]
+    assert sum(int(m.sum()) for m in mbs) == 4 * 6
