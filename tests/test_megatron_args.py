@@ -193,8 +193,10 @@ rt = W.apply()
 assert W.apply() is rt  # idempotent
 import megatron.training.arguments as A, megatron.training.global_vars as GV
 import megatron.training.training as T, megatron.training.checkpointing as C, megatron.training.utils as U
-hooked = {name: hasattr(getattr(mod, name), "__wlb_original__") for mod, name in [
-    (A, "parse_args"), (A, "validate_args"), (T, "build_train_valid_test_data_iterators"), (T, "save_checkpoint"),
+import megatron.training.initialize as I
+hooked = {mod.__name__ + "." + name: hasattr(getattr(mod, name), "__wlb_original__") for mod, name in [
+    (A, "parse_args"), (A, "validate_args"), (I, "parse_args"), (I, "validate_args"), (C, "save_checkpoint"),
+    (T, "build_train_valid_test_data_iterators"), (T, "save_checkpoint"),
     (T, "load_checkpoint"), (T, "training_log"), (U, "get_batch_on_this_tp_rank")]}
 from megatron_wlb.megatron.data import byte_documents, write_indexed_dataset
 root = sysconfig.get_paths()["stdlib"]

@@ -119,6 +119,10 @@ def test_virtual_pipeline_chunks_share_one_state(prefix, tmp_path):
         reg.register(it)
     run([its[0]], 2)
     assert reg.state() == its[0][0].state_dict()
+    # a chunk iterator that is never read (unpatched middle-stage chunk) does not hold the state back
+    idle = new_iterators(prefix)[0][0]
+    reg.register(idle)
+    assert reg.state() == its[0][0].state_dict() and idle.packer.iteration == 0
     next(its[0][0])  # one chunk reads ahead: mid-iteration, and the chunks now disagree
     with pytest.raises(RuntimeError, match="mid-iteration"):
         reg.state()

@@ -79,10 +79,15 @@ class DataStateRegistry:
         self.iterators.append(iterator)
 
     def state(self) -> dict[str, Any] | None:
-        """The data state to save (all chunks' iterators hold the same one; checked)."""
+        """The data state to save: the one every chunk iterator that has been read holds (checked).
+
+        A chunk iterator nobody reads (a middle-stage chunk of an unpatched ``get_batch``) stays at its
+        start and is left out; the chunks that read must agree.
+        """
         if not self.iterators:
             return None
-        states = [it.state_dict() for it in self.iterators]
+        used = [it for it in self.iterators if it.packer.iteration > 0] or self.iterators[:1]
+        states = [it.state_dict() for it in used]
         first = dumps_state(states[0])
         if any(dumps_state(s) != first for s in states[1:]):
             raise RuntimeError("the training iterators of this rank's pipeline chunks disagree on the data state; "
