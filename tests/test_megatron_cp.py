@@ -1,15 +1,15 @@
 """CP hooks inside real megatron-core 0.16.1 process groups (gloo, CPU): sharding, metadata, attention.
 
-Multi-process runs (torch.multiprocessing spawn, gloo, a free port, a hard timeout so a hang fails
-the test) with ``parallel_state.initialize_model_parallel``:
-- world 4, TP1/CP2/DP2 and world 4, TP1/CP4: for every layout, the patched
-  ``megatron.core.utils.get_batch_on_this_cp_rank`` gives each CP rank exactly its layout's tokens; the
-  CP ranks' tokens together tile the (padded) micro-batch, each position once; the stashed
-  ``WlbPackedSeqParams`` matches the layout; the THD entry point and the middle-stage entry point agree;
-  batches without cu_seqlens go through Megatron's own head-tail split; ``WlbCoreAttention`` (THD and
-  [s, b, h, d] inputs, GQA) over the CP group equals single-process document-causal attention; and a
-  whole Megatron ``SelfAttention`` (local spec, RoPE) run under CP=2 equals the same layer run without CP.
-- world 8, TP2/CP2/PP2: TP peers hold identical shards, CP peers tile, through parallel_state's groups.
+One multi-process run (torch.multiprocessing spawn, 8 gloo processes, a free port, a hard timeout so
+a hang fails the test) initialises ``parallel_state`` three times in turn, TP2/CP2/PP2, TP1/CP4/DP2 and
+TP1/CP2/DP4, and checks for every layout that: the patched ``megatron.core.utils.get_batch_on_this_cp_rank``
+gives each CP rank exactly its layout's tokens; the CP ranks' tokens together tile the (padded)
+micro-batch, each position once; the stashed ``WlbPackedSeqParams`` matches the layout; the THD entry
+point and the middle-stage entry point agree; batches without cu_seqlens go through Megatron's own
+head-tail split; TP peers hold identical shards. With CP = 2 (under TP2) and CP = 4: ``WlbCoreAttention``
+(THD and [s, b, h, d] inputs, GQA) over the CP group equals single-process document-causal attention,
+and a whole Megatron ``SelfAttention`` (local spec, RoPE, GQA) under CP equals the same layer without CP.
+Single-process tests cover the cu_seqlens parsing, errors, the TE path's params and the RoPE hook.
 """
 
 from __future__ import annotations
@@ -302,47 +302,42 @@ def _check_self_attention(cp_size: int, cp_rank: int) -> None:
 # workers
 # ---------------------------------------------------------------------------------------------------
 
-def _worker_cp(rank, world, tp, cp, pp, attention):
+def _worker_cp(rank, world, configs):
+    """For each (tp, cp, pp, attention) in turn: initialise parallel_state, check, destroy."""
+    import torch.distributed as dist
     from megatron.core import parallel_state
 
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                             context_parallel_size=cp)
-    try:
-        group = parallel_state.get_context_parallel_group()
-        cp_size = parallel_state.get_context_parallel_world_size()
-        cp_rank = parallel_state.get_context_parallel_rank()
-        assert cp_size == cp and group.size() == cp
-        seed = parallel_state.get_data_parallel_rank() + 10 * parallel_state.get_pipeline_model_parallel_rank()
-        _check_layouts(group, cp_size, cp_rank, seed)
-        if tp > 1:  # TP peers hold identical shards
-            import torch.distributed as dist
+    for tp, cp, pp, attention in configs:
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                                 context_parallel_size=cp)
+        try:
+            group = parallel_state.get_context_parallel_group()
+            cp_size = parallel_state.get_context_parallel_world_size()
+            cp_rank = parallel_state.get_context_parallel_rank()
+            assert cp_size == cp and group.size() == cp
+            assert parallel_state.get_data_parallel_world_size() == world // (tp * cp * pp)
+            seed = parallel_state.get_data_parallel_rank() + 10 * parallel_state.get_pipeline_model_parallel_rank()
+            _check_layouts(group, cp_size, cp_rank, seed)
+            if tp > 1:  # TP peers hold identical shards
+                from megatron_wlb.cp.layouts import build_layout
 
-            from megatron_wlb.cp.layouts import build_layout
-            batch, segs = _micro_batch(seed)
-            mine = build_layout("adaptive", segs, cp_size).ranks[cp_rank].token_index.tolist()
-            peers = [None] * tp
-            dist.all_gather_object(peers, mine, group=parallel_state.get_tensor_model_parallel_group())
-            assert all(p == mine for p in peers)
-        if attention:
-            _check_core_attention(group, cp_size, cp_rank)
-            _check_self_attention(cp_size, cp_rank)
-    finally:
-        parallel_state.destroy_model_parallel()
-
-
-@pytest.mark.slow
-def test_cp2_dp2_world4():
-    run_world(_worker_cp, 4, tp=1, cp=2, pp=1, attention=True)
+                _, segs = _micro_batch(seed)
+                mine = build_layout("adaptive", segs, cp_size).ranks[cp_rank].token_index.tolist()
+                peers = [None] * tp
+                dist.all_gather_object(peers, mine, group=parallel_state.get_tensor_model_parallel_group())
+                assert all(p == mine for p in peers)
+            if attention:
+                _check_core_attention(group, cp_size, cp_rank)
+                _check_self_attention(cp_size, cp_rank)
+        finally:
+            parallel_state.destroy_model_parallel()
+        dist.barrier()
 
 
 @pytest.mark.slow
-def test_cp4_world4():
-    run_world(_worker_cp, 4, tp=1, cp=4, pp=1, attention=True)
-
-
-@pytest.mark.slow
-def test_tp2_cp2_pp2_world8():
-    run_world(_worker_cp, 8, tp=2, cp=2, pp=2, attention=False)
+def test_world8_tp2_cp2_pp2_then_cp4_dp2_then_cp2_dp4():
+    """One spawn (process start-up and the megatron.core import dominate), three 4D layouts in turn."""
+    run_world(_worker_cp, 8, configs=[(2, 2, 2, True), (1, 4, 1, True), (1, 2, 1, False)])
 
 
 # ---------------------------------------------------------------------------------------------------
