@@ -132,7 +132,12 @@ def _wrap_parse_args(original: Callable) -> Callable:
     from megatron_wlb.megatron.args import wlb_extra_args_provider
 
     def parse_args(extra_args_provider=None, ignore_unknown_args=False):
-        return original(wlb_extra_args_provider(extra_args_provider), ignore_unknown_args)
+        args = original(wlb_extra_args_provider(extra_args_provider), ignore_unknown_args)
+        if getattr(args, "yaml_cfg", None) is not None:
+            # Megatron's YAML path replaces the parsed args and skips validate_args (and our checks)
+            raise ValueError("megatron_wlb: --yaml-cfg is not supported with WLB-LLM (Megatron's YAML path skips "
+                             "validate_args, where the --wlb-* flags are checked); pass the settings as flags")
+        return args
 
     parse_args.__wlb_original__ = original
     return parse_args
