@@ -442,3 +442,26 @@ def test_unsupported_attention_configs_are_refused():
                             use_cpu_initialization=True)
     with pytest.raises(ValueError, match="--attention-dropout 0.0"):
         WlbCoreAttention(cfg, 1, AttnMaskType.causal, "self")
+
+
+def test_install_builds_the_run_cost_model():
+    """install(settings, args) weighs adaptive layouts with the run's model; --wlb-config's otherwise."""
+    from types import SimpleNamespace
+
+    from megatron_wlb.megatron import cp_hooks
+    from megatron_wlb.megatron.settings import WlbSettings
+
+    args = SimpleNamespace(hidden_size=64, num_layers=2, num_attention_heads=4, num_query_groups=2,
+                           group_query_attention=True, ffn_hidden_size=128, padded_vocab_size=256, swiglu=True,
+                           tensor_model_parallel_size=1, context_parallel_size=2, pipeline_model_parallel_size=1,
+                           data_parallel_size=1)
+    try:
+        cp_hooks.install(WlbSettings(cp_sharding="adaptive"), args)
+        cost = cp_hooks._installed().cost
+        assert cost is not None and cost.model.hidden == 64 and cost.model.num_kv_heads == 2
+        cp_hooks.install(WlbSettings(cp_sharding="adaptive", config="7b_64k"))
+        assert cp_hooks._installed().cost.model.name == "7b"
+        cp_hooks.install(WlbSettings(cp_sharding="adaptive"))
+        assert cp_hooks._installed().cost is None
+    finally:
+        cp_hooks.uninstall()

@@ -134,7 +134,7 @@ def test_shipped_pin_and_patch_are_consistent():
     assert f'PINNED_MEGATRON_COMMIT = "{PINNED}"' in version
     patch = (PATCHES / "pretrain_gpt_wlb.patch").read_text()
     assert "+++ b/pretrain_gpt.py" in patch
-    for hook in ("_wlb.apply()", "packed_seq_params_from_iterator", "wlb_extra_args_provider"):
+    for hook in ("_wlb.apply()", "packed_seq_params_from_iterator"):
         assert hook in patch
     # the functions the patch calls exist in megatron_wlb under those names (read, not imported: fast)
     defined = {n.name for n in ast.walk(ast.parse((ROOT / "megatron_wlb/megatron/cp_hooks.py").read_text()))

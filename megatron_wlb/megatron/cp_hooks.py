@@ -311,26 +311,20 @@ def _replace_everywhere(name: str, original: Callable, replacement: Callable) ->
 
 
 def _cost_model(settings: WlbSettings, args: Any = None) -> Any:
-    """The cost model ``adaptive`` layouts weigh work with: from --wlb-config's model/layout, else
-    Megatron's args, else None (the layouts' default)."""
-    from megatron_wlb.costmodel import ModelShape, ParallelLayout, build_cost_model
+    """The cost model ``adaptive``/``hybrid`` layouts weigh work with: the run's own model flags (Megatron's
+    ``args``), else --wlb-config's model and layout, else None (the layouts' default, 7B at TP=1)."""
+    from megatron_wlb.costmodel import build_cost_model
 
+    if args is not None:
+        from megatron_wlb.megatron.args import cost_model_from_args
+
+        return cost_model_from_args(args, settings)
     if settings.config is not None:
         from megatron_wlb.config import load_config
 
         run = load_config(settings.config)
         return build_cost_model(run.model, run.layout, settings.cost_profile)
-    if args is None:
-        return None
-    shape = ModelShape(name="megatron-args", hidden=args.hidden_size, num_layers=args.num_layers,
-                       num_heads=args.num_attention_heads,
-                       num_kv_heads=(args.num_query_groups if getattr(args, "group_query_attention", False)
-                                     else args.num_attention_heads),
-                       ffn_hidden=args.ffn_hidden_size, vocab=getattr(args, "padded_vocab_size", None) or 32000,
-                       swiglu=bool(getattr(args, "swiglu", False)))
-    layout = ParallelLayout(tp=args.tensor_model_parallel_size, cp=args.context_parallel_size,
-                            pp=args.pipeline_model_parallel_size, dp=getattr(args, "data_parallel_size", 1) or 1)
-    return build_cost_model(shape, layout, settings.cost_profile)
+    return None
 
 
 def install(settings: WlbSettings, args: Any = None) -> None:
