@@ -43,7 +43,10 @@ def megatron_args(data_prefix: str, tp: int, cp: int, pp: int, packing_n: int = 
 
 def worker(rank: int, port: int, data_prefix: str, out_dir: str) -> None:
     try:
+        import torch
         import torch.distributed as dist
+
+        torch.set_num_threads(1)  # forked child: keep ATen out of the parent's OpenMP pool
         from megatron.core import parallel_state
 
         from megatron_wlb.megatron import build_train_iterator
