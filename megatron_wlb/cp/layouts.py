@@ -239,7 +239,6 @@ def _head_tail_chunks(unit_start: np.ndarray, unit_len: np.ndarray, cp: int, rr_
     on across units (a rank's head chunk grows first, its tail chunk if it is dealt a second token).
     Returns (rank, start, end, unit) of the non-empty chunks, unit-major, and the counter's end.
     """
-    n = unit_len.size
     two = 2 * cp
     base = unit_len // two
     rem = unit_len % two
@@ -247,16 +246,26 @@ def _head_tail_chunks(unit_start: np.ndarray, unit_len: np.ndarray, cp: int, rr_
     k = np.arange(cp)
     dealt = (rem // cp)[:, None] + (((k[None, :] - first[:, None]) % cp) < (rem % cp)[:, None])  # [n, cp]
     head_extra = np.minimum(dealt, 1)
-    sizes = np.empty((n, two), dtype=np.int64)
-    sizes[:, :cp] = base[:, None] + head_extra
-    sizes[:, cp:] = (base[:, None] + (dealt - head_extra))[:, ::-1]     # chunk 2cp-1-r belongs to rank r
+    head = base[:, None] + head_extra
+    tail = base[:, None] + (dealt - head_extra)
+    rank, start, end, unit = _chunks_from_sizes(unit_start, head, tail)
+    return rank, start, end, unit, int((rr_start + rem.sum()) % cp)
+
+
+def _chunks_from_sizes(unit_start: np.ndarray, head: np.ndarray, tail: np.ndarray):
+    """Lay out 2cp chunks per unit: chunk r (r < cp) of ``head[u, r]`` tokens and chunk 2cp-1-r of
+    ``tail[u, r]`` tokens belong to rank r. Returns (rank, start, end, unit) of non-empty chunks."""
+    n, cp = head.shape
+    sizes = np.empty((n, 2 * cp), dtype=np.int64)
+    sizes[:, :cp] = head
+    sizes[:, cp:] = tail[:, ::-1]                                       # chunk 2cp-1-r belongs to rank r
     ends = np.cumsum(sizes, axis=1) + unit_start[:, None]
     starts = ends - sizes
-    rank = np.broadcast_to(np.concatenate([k, k[::-1]]), (n, two))
-    unit = np.broadcast_to(np.arange(n)[:, None], (n, two))
+    k = np.arange(cp)
+    rank = np.broadcast_to(np.concatenate([k, k[::-1]]), (n, 2 * cp))
+    unit = np.broadcast_to(np.arange(n)[:, None], (n, 2 * cp))
     keep = sizes.ravel() > 0
-    rr_end = int((rr_start + rem.sum()) % cp)
-    return rank.ravel()[keep], starts.ravel()[keep], ends.ravel()[keep], unit.ravel()[keep], rr_end
+    return rank.ravel()[keep], starts.ravel()[keep], ends.ravel()[keep], unit.ravel()[keep]
 
 
 def _split_at_documents(rank, start, end, cu):
@@ -315,83 +324,101 @@ def _step(runs: _Runs, work: np.ndarray, cp: int, per_token: float) -> float:
     return float(np.bincount(runs.rank, weights=work + per_token * (runs.end - runs.start), minlength=cp).max())
 
 
+def _water_fill(loads: list[float], pool: float) -> tuple[np.ndarray, float]:
+    """Split ``pool`` over ranks with ``loads`` so the lowest ranks rise to a common level.
+    Returns (fraction of the pool per rank, level); ranks above the level get nothing."""
+    cp = len(loads)
+    if pool <= 0:
+        return np.zeros(cp), max(loads) if loads else 0.0
+    ordered = sorted(loads)
+    acc, level = 0.0, 0.0
+    for k in range(1, cp + 1):
+        acc += ordered[k - 1]
+        level = (pool + acc) / k
+        if k == cp or level <= ordered[k]:
+            break
+    frac = np.maximum(level - np.asarray(loads), 0.0)
+    return frac / frac.sum(), level
+
+
+def _shares(frac: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Integer per-rank token shares of each document, proportional to ``frac`` (largest remainder)."""
+    raw = lengths[:, None] * frac[None, :]
+    shares = np.floor(raw).astype(np.int64)
+    missing = lengths - shares.sum(axis=1)
+    order = np.argsort(shares - raw, axis=1, kind="stable")           # largest remainder first
+    place = np.empty_like(order)
+    np.put_along_axis(place, order, np.broadcast_to(np.arange(frac.size), order.shape), axis=1)
+    return shares + (place < missing[:, None])
+
+
 def _runs_hybrid(cu: np.ndarray, lengths: np.ndarray, cp: int, price, per_doc: tuple[_Runs, np.ndarray],
                  threshold: int | None, token_slack: float, per_token: float) -> tuple[_Runs, np.ndarray]:
-    """Per-document choice: keep documents whole where their shards would run inefficiently.
+    """Per-document choice: short documents whole, long ones head-tail split with per-rank sizes.
 
     Balanced quantity: a rank's estimated attention work plus ``per_token`` seconds for each token it
-    holds (its linear layers run on its own tokens), so trading token balance for attention balance
-    is priced, and ``token_slack`` is only a memory guard.
+    holds (its linear layers run on its own tokens), so token balance is traded against attention
+    balance explicitly; ``token_slack`` caps tokens per rank at ``ceil(T/cp * (1 + token_slack))``
+    as a memory guard.
 
-    1. Candidates: documents of at most ``threshold`` tokens (default ``T // cp``) whose whole-document
-       cost is below the summed cost of their per-document shards.
-    2. Longest-processing-time first, starting from all documents split: each candidate, largest
-       cost first, goes whole to the least loaded rank (without its own shards) whose token count
-       stays under ``ceil(T/cp * (1 + token_slack))``; if there is none it stays split.
-    3. Repair: while re-splitting a whole document of the most loaded rank lowers the maximum, do so.
-    The split documents are then re-cut with a fresh round-robin and everything is re-priced; if
-    that is slower than per-document, per-document itself is returned, so the estimated
-    attention + linear time of the slowest ``hybrid`` rank never exceeds that of ``per-document``.
+    1. Whole candidates: documents of at most ``threshold`` tokens (default ``T // cp``) whose
+       whole cost is below the summed cost of their per-document shards (tile waste, slow shapes).
+    2. Longest-processing-time first: candidates, largest first, go whole to the least loaded rank.
+    3. The split documents are a fluid: a head-tail pair of f_r * d tokens of a document of d tokens
+       costs f_r of the document's attention wherever it sits (the head and tail chunks' key
+       ranges add up to d), so fractions f_r water-fill the ranks up to a common level.
+    4. Repair: while the most loaded rank sits above that level and re-splitting its largest whole
+       document lowers the planned maximum, re-split it.
+    The plan is cut into integer chunk sizes (largest remainder), priced exactly, and kept only if
+    it beats per-document on the balanced quantity and honours the token cap; otherwise
+    per-document is returned. So ``hybrid`` is never estimated slower than ``per-document``.
     """
     runs, work = per_doc
     n, total = lengths.size, int(cu[-1])
     limit = total // cp if threshold is None else int(threshold)
     key = runs.doc * cp + runs.rank
     split_t = np.bincount(key, weights=runs.end - runs.start, minlength=n * cp).reshape(n, cp)
-    split_w = np.bincount(key, weights=work, minlength=n * cp).reshape(n, cp) + per_token * split_t
+    split_cost = (np.bincount(key, weights=work, minlength=n * cp).reshape(n, cp) + per_token * split_t).sum(axis=1)
     whole = price(lengths, lengths) + per_token * lengths
-    is_cand = (lengths <= limit) & (whole < split_w.sum(axis=1))
+    is_cand = (lengths <= limit) & (whole < split_cost)
     if not is_cand.any():
         return per_doc
     cand = np.flatnonzero(is_cand)
     cand = cand[np.argsort(-whole[cand], kind="stable")]
-    # The state is always exact for "every document not yet placed whole is split": start from all
-    # split, and placing d whole on r removes its shards everywhere and adds it to r. So a cap that
-    # holds when d is placed keeps holding (the other ranks only shed tokens).
-    load = split_w.sum(axis=0).tolist()
-    tokens = split_t.sum(axis=0).tolist()
-    cap = float(np.ceil(total / cp * (1.0 + token_slack)))
     owner = np.full(n, -1, dtype=np.int64)
-    ranks = range(cp)
-    whole_l, len_l = whole.tolist(), lengths.tolist()
-    for d in cand.tolist():                        # one step per candidate document (tens); cp-long lists
-        size = len_l[d]
-        sw, st = split_w[d].tolist(), split_t[d].tolist()
-        best, best_load = -1, float("inf")
-        for r in ranks:
-            if load[r] - sw[r] < best_load and tokens[r] - st[r] + size <= cap:
-                best, best_load = r, load[r] - sw[r]
-        if best < 0:                               # fits under no rank's cap: stays split
-            continue
-        load = [a - b for a, b in zip(load, sw)]
-        tokens = [a - b for a, b in zip(tokens, st)]
-        load[best] += whole_l[d]
-        tokens[best] += size
-        owner[d] = best
-    load = np.asarray(load)
-    tokens = np.asarray(tokens)
-    for _ in range(int((owner >= 0).sum())):       # repair: re-split whole documents of the top rank
-        r = int(np.argmax(load))
+    loads = [0.0] * cp
+    whole_l = whole.tolist()
+    for d in cand.tolist():                        # one step per candidate document (tens)
+        r = loads.index(min(loads))
+        loads[r] += whole_l[d]
+        owner[d] = r
+    pool = float(split_cost[owner < 0].sum())
+    frac, level = _water_fill(loads, pool)
+    for _ in range(int(cand.size)):                # repair an overloaded rank
+        top = max(loads)
+        if top <= level * (1 + 1e-9):
+            break
+        r = loads.index(top)
         mine = np.flatnonzero(owner == r)
-        if mine.size == 0:
+        d = int(mine[np.argmax(whole[mine])])
+        trial = list(loads)
+        trial[r] -= whole_l[d]
+        t_frac, t_level = _water_fill(trial, pool + float(split_cost[d]))
+        if max(max(trial), t_level) >= max(top, level):
             break
-        trial = load[None, :] + split_w[mine]
-        trial[:, r] -= whole[mine]
-        trial_t = tokens[None, :] + split_t[mine]
-        trial_t[:, r] -= lengths[mine]
-        peak = np.where((trial_t <= cap).all(axis=1), trial.max(axis=1), np.inf)
-        best = int(np.argmin(peak))
-        if peak[best] >= load[r]:
-            break
-        load, tokens = trial[best], trial_t[best]
-        owner[int(mine[best])] = -1
+        loads, pool, frac, level = trial, pool + float(split_cost[d]), t_frac, t_level
+        owner[d] = -1
     kept = np.flatnonzero(owner >= 0)
     if kept.size == 0:
         return per_doc
     split_ids = np.flatnonzero(owner < 0)
-    rank, s, e, unit, _ = _head_tail_chunks(cu[split_ids], lengths[split_ids], cp)
+    share = _shares(frac, lengths[split_ids])
+    rank, s, e, unit = _chunks_from_sizes(cu[split_ids], (share + 1) // 2, share // 2)
     out = _Runs(np.concatenate([rank, owner[kept]]), np.concatenate([s, cu[kept]]),
                 np.concatenate([e, cu[kept + 1]]), np.concatenate([split_ids[unit], kept]))
+    tokens = np.bincount(out.rank, weights=out.end - out.start, minlength=cp)
+    if tokens.max() > np.ceil(total / cp * (1.0 + token_slack)):
+        return per_doc
     out_work = price(out.end - out.start, out.end - cu[out.doc])
     if _step(out, out_work, cp, per_token) > _step(runs, work, cp, per_token):
         return per_doc
