@@ -183,6 +183,11 @@ def test_cli_simulate_analyze_reproduce(tmp_path, capsys):
                  "--json", str(tmp_path / "s.json")]) == 0
     out = capsys.readouterr().out
     assert "ms/iteration" in out and (tmp_path / "s.json").exists()
+    import json
+
+    rows = json.loads((tmp_path / "s.json").read_text())["iterations"]
+    assert len(rows) == 2 and {"time_s", "bubble_fraction", "packing_imbalance", "micro_batch_latency_s",
+                               "pp_rank_busy_s"} <= set(rows[0])
     assert main(["simulate", "--config", "7b_64k", "--iterations", "2", "--cp-layout", "dynamic-cp",
                  "--packer", "original", "--lengths", str(lengths_file)]) == 0
     assert main(["analyze", "--lengths", str(lengths_file), "--config", "7b_64k", "--iterations", "2",

@@ -110,6 +110,10 @@ def test_dp_ranks_wait_for_the_slowest_and_the_gradient_sync():
     assert res.time == pytest.approx(res.pipeline_time.max() + sim.dp_sync_seconds)
     assert res.time >= res.gpu_busy.max()
     assert res.gpu_compute.shape == (2, 2, 2) and res.mb_latency.shape == (2, 2)
+    # packing metrics of the batch: rank 0 holds two equal micro-batches, rank 1 two equal ones,
+    # so per rank the degree is 1; over all four micro-batches the heavy ones stand out
+    assert res.packing_imbalance == pytest.approx(1.0)
+    assert res.packing_imbalance_global > 1.05
 
 
 def test_never_shorter_than_busiest_gpu_and_monotone_in_work():

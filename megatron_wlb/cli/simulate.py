@@ -91,16 +91,21 @@ def run(args: argparse.Namespace) -> int:
                            progress=lambda it: tqdm_progress(it, f"{cfg.name} {packer}+{layout}", args.iterations))
     print(f"# {cfg.name} {cfg.layout} v={cfg.virtual_stages}: packer={packer}, cp layout={layout}; "
           f"{cost.describe()}; stream: {source}")
-    print(f"{'iter':>4} {'time ms':>10} {'bubble %':>8} {'PP imb':>7} {'GPU imb':>7} {'tokens':>10}  layouts")
+    print(f"{'iter':>4} {'time ms':>10} {'bubble %':>8} {'PP imb':>7} {'pack imb':>8} {'GPU imb':>7} "
+          f"{'tokens':>10}  layouts")
     rows = []
     for r in run_.iterations:
         print(f"{r.iteration:>4} {1e3 * r.time:>10.1f} {100 * r.bubble_fraction:>8.1f} {r.pp_imbalance:>7.3f} "
-              f"{r.gpu_compute_imbalance:>7.3f} {r.tokens:>10}  {r.layouts}")
+              f"{r.packing_imbalance:>8.3f} {r.gpu_compute_imbalance:>7.3f} {r.tokens:>10}  {r.layouts}")
         rows.append({"iteration": r.iteration, "time_s": r.time, "bubble_fraction": r.bubble_fraction,
                      "pp_imbalance": r.pp_imbalance, "gpu_compute_imbalance": r.gpu_compute_imbalance,
+                     "packing_imbalance": r.packing_imbalance,
+                     "packing_imbalance_global": r.packing_imbalance_global,
                      "tokens": r.tokens, "dp_sync_s": r.dp_sync, "layouts": r.layouts,
                      "micro_batch_latency_s": r.mb_latency.tolist(), "micro_batch_tokens": r.mb_tokens.tolist(),
                      "pp_rank_busy_s": r.gpu_busy.tolist()})
+    print("PP imb: max micro-batch forward (simulated, CP max) x n / total; pack imb: the same from the "
+          "packing metrics (cost model, CP shared evenly); GPU imb: slowest GPU's compute / mean")
     print(f"mean {1e3 * run_.mean_time:.1f} ms/iteration, bubble {100 * run_.bubble_fraction:.1f}%, "
           f"{run_.throughput:,.0f} tokens/s, PP imbalance {run_.pp_imbalance:.3f}, "
           f"GPU compute max/mean {run_.gpu_compute_imbalance:.3f}")

@@ -82,7 +82,9 @@ class IterationResult:
     ``gpu_compute[d, s, r]``: attention + GEMM seconds of the GPU at (DP d, PP s, CP r), the same
     for its TP peers. ``mb_rank_compute[d, j, r]``: attention + GEMM seconds per layer of
     micro-batch ``j`` on CP rank ``r`` (forward + backward). ``layouts``: how many micro-batches
-    each CP layout was chosen for.
+    each CP layout was chosen for. ``packing_imbalance`` / ``packing_imbalance_global``: the packing
+    metrics of ``megatron_wlb.packing.metrics`` for this batch (paper Table 2's degree on the cost
+    model's forward latency, worst DP rank; max / mean over all micro-batches).
     """
 
     iteration: int
@@ -99,6 +101,8 @@ class IterationResult:
     tokens: int
     layouts: dict[str, int]
     plan_seconds: float
+    packing_imbalance: float = float("nan")
+    packing_imbalance_global: float = float("nan")
     pipelines: tuple[PipelineResult, ...] = field(default=(), repr=False)
 
     @property
@@ -264,13 +268,19 @@ class IterationSimulator:
             layouts.update(c.layout for c in costs if c.tokens)
             if self.keep_events:
                 pipes.append(res)
+        from megatron_wlb.packing.metrics import batch_latencies, imbalance_global, imbalance_per_rank
+
+        lat = batch_latencies(self.cost, batch, backward=False)
+        per_rank = imbalance_per_rank(lat)
+        pack_imb = float(np.nanmax(per_rank)) if np.any(np.isfinite(per_rank)) else float("nan")
         time = float(pipe_time.max() + self.dp_sync_seconds)
         bubble = 1.0 - busy.sum() / (lay.dp * p * time) if time > 0 else 0.0
         return IterationResult(
             iteration=batch.iteration, time=time, pipeline_time=pipe_time, dp_sync=self.dp_sync_seconds,
             bubble_fraction=float(bubble), mb_fwd=mb_fwd, mb_latency=mb_lat, mb_tokens=mb_tok,
             gpu_busy=busy, gpu_compute=compute, mb_rank_compute=mb_rank, tokens=batch.tokens, layouts=dict(layouts),
-            plan_seconds=batch.plan_seconds, pipelines=tuple(pipes))
+            plan_seconds=batch.plan_seconds, packing_imbalance=pack_imb,
+            packing_imbalance_global=imbalance_global(lat), pipelines=tuple(pipes))
 
 
 @dataclass(frozen=True)
