@@ -136,6 +136,10 @@ def test_resume_refuses_what_it_cannot_restore(prefix, tmp_path):
     other = new_iterators(prefix, seed=6)[0][0]
     with pytest.raises(ValueError, match="other data settings"):
         other.load_state_dict(state)
+    # the same dataset at another path (moved to another mount) resumes
+    moved = dict(state, reader=dict(state["reader"], prefixes=["/elsewhere/" + os.path.basename(prefix)]))
+    its[1][0].load_state_dict(moved)
+    assert its[1][0].packer.position == state["stream_position"]
     # a shorter stream than the checkpoint consumed
     short = DocumentReader([(prefix, 1.0)], split="1,0,0", seed=5)
     tiny = WlbDataIterator(short, short.stream(1000), make_packer("wlb", CFG), 0)

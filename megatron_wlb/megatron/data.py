@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -399,7 +400,8 @@ class WlbDataIterator(Iterator[dict]):
         """Restore the packer and check that this run's stream starts with the saved run's documents."""
         if state.get("version") != STREAM_STATE_VERSION:
             raise ValueError(f"data state version {state.get('version')!r}; this build reads {STREAM_STATE_VERSION}")
-        if self.reader is not None and state.get("reader") is not None and state["reader"] != self.reader.describe():
+        if self.reader is not None and state.get("reader") is not None and \
+                _reader_key(state["reader"]) != _reader_key(self.reader.describe()):
             raise ValueError("the checkpoint's data state was saved with other data settings: saved "
                              f"{state['reader']}, now {self.reader.describe()}; resume with the same --data-path, "
                              "--split and --seed")
@@ -413,6 +415,14 @@ class WlbDataIterator(Iterator[dict]):
         self.current = None
         self._mine = ()
         self._cursor = 0
+
+
+def _reader_key(described: dict[str, Any]) -> dict[str, Any]:
+    """What must match on resume: the reader's settings, with file names but not their directories
+    (a dataset moved to another mount is the same data; its document counts are compared too)."""
+    key = dict(described)
+    key["prefixes"] = [os.path.basename(str(p)) for p in described.get("prefixes", [])]
+    return key
 
 
 def dumps_state(state: dict[str, Any]) -> str:
