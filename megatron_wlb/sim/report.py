@@ -319,7 +319,11 @@ def _report_text(main: Table, detail: Table, breakdown: Table, imbalance: Table,
         "Per-GPU computation latency = attention + GEMM seconds (forward + backward) of one GPU summed "
         "over its micro-batches, per layer: every PP stage of a DP rank runs the same micro-batches, so "
         "the spread is over DP x CP ranks (TP peers are identical); the uneven split of 126 layers over "
-        "16 stages and the LM head are taken out so that only workload imbalance remains.",
+        "16 stages and the LM head are taken out so that only workload imbalance remains. Summed over "
+        "16 micro-batches, much of the per-micro-batch imbalance averages out on each GPU, which is why "
+        "our slowest GPU sits well below the paper's 1.44 while single (micro-batch, CP rank) pairs "
+        "reach far more (the *slowest micro-batch x CP rank* column); the paper does not say over what "
+        "span it measured its 1.44.",
         "",
         _md_img(figs["case"].name, "case study"),
         "",
