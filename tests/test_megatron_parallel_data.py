@@ -70,7 +70,9 @@ def worker(rank: int, port: int, data_prefix: str, out_dir: str) -> None:
                 mine = [[(p.doc_id, p.offset, p.length) for p in mb.pieces] for mb in plan.for_dp_rank(dp_rank)]
                 data_hash = hashlib.sha256(b"".join(m["tokens"].numpy().tobytes() + m["cu_seqlens"].numpy().tobytes()
                                                     for m in mbs)).hexdigest()
-                pad_ok = all(m["tokens"].shape[1] % (tp if tp > 1 else 1) == 0 for m in mbs)
+                # T is a multiple of CP x TP (sequence parallel): equal CP shards that split over TP
+                pad_ok = all(m["tokens"].shape[1] % (cp * tp) == 0 and m["tokens"].shape[1] >= m["cu_seqlens"][-1]
+                             for m in mbs)
                 record = {"rank": rank, "dp_rank": dp_rank, "digest": plan_digest(plan), "mine": mine,
                           "all": [[(p.doc_id, p.offset, p.length) for p in mb.pieces] for mb in plan.micro_batches],
                           "hash": data_hash, "pad_ok": pad_ok, "n": len(mbs)}

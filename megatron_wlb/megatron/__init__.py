@@ -122,9 +122,11 @@ def build_train_iterator(args: Any, settings: WlbSettings, dp_rank: int, *, on_b
     stream = reader.stream(stream_tokens_for(args, config, split_name))
     tp = int(getattr(args, "tensor_model_parallel_size", 1))
     cp = int(getattr(args, "context_parallel_size", 1))
-    pad = tp if getattr(args, "sequence_parallel", False) and tp > 1 else 1
+    # T a multiple of CP: the per-sequence / per-document layouts then give every CP rank exactly T/CP
+    # tokens; with sequence parallelism also of TP, so each rank's T/CP splits over the TP ranks.
+    pad = cp * (tp if getattr(args, "sequence_parallel", False) and tp > 1 else 1)
     return WlbDataIterator(reader, stream, packer, dp_rank, pad_to_multiple=pad, as_torch=as_torch,
-                           on_batch=on_batch, empty_tokens=2 * cp * pad)
+                           on_batch=on_batch, empty_tokens=2 * pad)
 
 
 # -- the hooks ---------------------------------------------------------------------------------------------
