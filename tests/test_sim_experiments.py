@@ -202,3 +202,35 @@ def test_cli_simulate_analyze_reproduce(tmp_path, capsys):
     assert main(["reproduce", "--out", str(tmp_path / "rep"), "--iterations", "1", "--configs", "550m_64k",
                  "--lengths", str(lengths_file)]) == 0
     assert (tmp_path / "rep" / "report.md").exists()
+
+
+def test_calibrated_profile_drives_the_simulator(tmp_path, capsys):
+    """A measured profile replaces the analytic kernels: doubling every measured latency slows the
+    simulated iteration down, and the calibrated backward factors are used."""
+    import json
+
+    from megatron_wlb.costmodel import PROFILE_FORMAT, causal_pairs, get_model
+
+    def profile(scale):
+        lengths = np.array([128, 512, 2048, 8192, 32768, 131072])
+        tokens = np.array([1024, 4096, 16384, 65536])
+        attn = scale * (3.4e-11 * causal_pairs(lengths, lengths) + 2e-9 * lengths + 2e-5)  # ~H100, 7B
+        lin = scale * (6.3e-7 * tokens + 2e-5)
+        return {"format": PROFILE_FORMAT, "device": "synthetic", "model": get_model("7b").to_dict(), "tp": 1,
+                "attention": {"lengths": lengths.tolist(), "fwd_s": attn.tolist(), "bwd_s": (2.4 * attn).tolist()},
+                "linear": {"tokens": tokens.tolist(), "fwd_s": lin.tolist(), "bwd_s": (2.1 * lin).tolist()}}
+
+    lengths_file = tmp_path / "l.txt"
+    lengths_file.write_text("\n".join(str(x) for x in np.random.default_rng(8).integers(100, 20000, size=600)))
+    times = []
+    for scale in (1.0, 2.0):
+        path = tmp_path / f"p{scale}.json"
+        path.write_text(json.dumps(profile(scale)))
+        out = tmp_path / f"s{scale}.json"
+        assert main(["simulate", "--config", "7b_64k", "--iterations", "2", "--lengths", str(lengths_file),
+                     "--profile", str(path), "--json", str(out)]) == 0
+        data = json.loads(out.read_text())
+        assert "calibrated" in data["cost_model"]
+        times.append(sum(r["time_s"] for r in data["iterations"]))
+    capsys.readouterr()
+    assert times[1] > 1.5 * times[0]

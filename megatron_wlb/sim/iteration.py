@@ -27,6 +27,7 @@ import numpy as np
 
 from megatron_wlb.config import RunConfig
 from megatron_wlb.costmodel import CostModel
+from megatron_wlb.packing.metrics import batch_latencies, imbalance_global, imbalance_per_rank, summarize
 from megatron_wlb.packing.types import GlobalBatch, MicroBatch
 from megatron_wlb.sim.schedule import PipelineResult, simulate_pipeline
 
@@ -268,8 +269,6 @@ class IterationSimulator:
             layouts.update(c.layout for c in costs if c.tokens)
             if self.keep_events:
                 pipes.append(res)
-        from megatron_wlb.packing.metrics import batch_latencies, imbalance_global, imbalance_per_rank
-
         lat = batch_latencies(self.cost, batch, backward=False)
         per_rank = imbalance_per_rank(lat)
         pack_imb = float(np.nanmax(per_rank)) if np.any(np.isfinite(per_rank)) else float("nan")
@@ -401,6 +400,4 @@ def _take(it: Iterator[GlobalBatch], k: int) -> Iterator[GlobalBatch]:
 
 def packing_summary(batches: list[GlobalBatch], cost: CostModel, seq_len: int | None = None) -> dict:
     """``megatron_wlb.packing.metrics.summarize`` of the batches (imbalance, delay, packing time)."""
-    from megatron_wlb.packing.metrics import summarize
-
     return summarize(batches, cost, seq_len=seq_len).to_dict()
