@@ -143,6 +143,29 @@ def test_wlb_outlier_queue_releases_n_at_a_time():
     assert sum(outliers_per_iter) == 12
 
 
+@pytest.mark.parametrize("release, group", [("global", 6), ("rank", 3)])
+def test_wlb_release_group_size_across_dp(release, group):
+    # dp 2 x n 3: the global release hands one outlier to each of the 6 micro-batches at once;
+    # release="rank" hands out n = 3 at a time.
+    lengths = []
+    for _ in range(18):
+        lengths += [90] + [10] * 51
+    cfg = PackingConfig(seq_len=100, n=3, dp=2, max_seq_len=160, queue_thresholds=(80,), max_delay=20,
+                        extra={"release": release})
+    batches = list(make_packer("wlb", cfg).pack(lengths))
+    counts = [sum(p.length == 90 for p in b.pieces()) for b in batches[:16]]
+    assert {c for c in counts if c} == {group}, counts
+    with pytest.raises(ValueError, match="release='dp'"):
+        make_packer("wlb", dataclasses.replace(cfg, extra={"release": "dp"}))
+
+
+def test_state_rejects_other_knobs():
+    cfg = PackingConfig(seq_len=100, n=2, extra={"outlier_fraction": 0.7})
+    state = make_packer("wlb", cfg).state_dict()
+    with pytest.raises(ValueError, match="different configuration"):
+        make_packer("wlb", dataclasses.replace(cfg, extra={"outlier_fraction": 0.5})).load_state_dict(state)
+
+
 @pytest.mark.parametrize("max_delay", [0, 1, 3])
 def test_wlb_max_delay_never_exceeded(run7b, max_delay):
     config, cost, lengths = run7b

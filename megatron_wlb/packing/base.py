@@ -217,6 +217,7 @@ def _config_key(config: PackingConfig) -> dict[str, Any]:
         "oversize": config.oversize, "window": config.window,
         "queue_thresholds": th if th == "auto" else list(th), "num_queues": config.num_queues,
         "max_delay": config.max_delay, "seed": config.seed,
+        "extra": {str(k): config.extra[k] for k in sorted(config.extra)},
     }
 
 
