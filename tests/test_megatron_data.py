@@ -72,6 +72,10 @@ def test_documents_read_back_exactly(corpus, tmp_path):
     text = bytes(src.read(0, 0, int(src.lengths[0]) - 1).astype(np.uint8)).decode()
     with open(stdlib_files(0, 1)[0]) as f:
         assert f.read().startswith(text)
+    with pytest.raises(ValueError, match=r"drop the extension"):
+        IndexedSource.open(corpus["a"] + ".bin")
+    with pytest.raises(ValueError, match=r"no .*nowhere\.idx"):
+        IndexedSource.open(str(tmp_path / "nowhere"))
     with pytest.raises(ValueError, match="outside document"):
         src.read(0, int(src.lengths[0]) - 2, 5)
     # a document of several sequences (document_indices groups them) reads as one contiguous document

@@ -123,6 +123,11 @@ class IndexedSource:
         """Open ``prefix.bin/.idx`` with megatron-core's ``IndexedDataset``."""
         from megatron.core.datasets.indexed_dataset import IndexedDataset
 
+        missing = [ext for ext in (".idx", ".bin") if not os.path.isfile(prefix + ext)]
+        if missing:
+            hint = f" (drop the extension: {prefix[:-4]})" if prefix.endswith((".bin", ".idx")) else ""
+            raise ValueError(f"--data-path {prefix}: no {' / '.join(prefix + m for m in missing)}; give the "
+                             f"prefix of a Megatron indexed dataset (PREFIX.bin + PREFIX.idx){hint}")
         return cls(IndexedDataset(prefix, mmap=mmap), prefix)
 
     @property
@@ -212,7 +217,7 @@ class DocumentReader:
     def describe(self) -> dict[str, Any]:
         """What determines the stream (saved with checkpoints, compared on resume)."""
         return {"prefixes": [s.prefix for s in self.sources], "weights": [float(w) for w in self.weights],
-                "documents": [s.num_documents for s in self.sources], "split": str(self.split),
+                "documents": [s.num_documents for s in self.sources], "split": list(parse_split(self.split)),
                 "split_name": self.split_name, "seed": self.seed, "shuffle": self.shuffle}
 
     def _epoch_order(self, i: int, epoch: int) -> np.ndarray:
