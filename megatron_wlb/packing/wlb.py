@@ -60,9 +60,11 @@ def _sorted_desc(pieces: list[DocPiece]) -> list[DocPiece]:
     """``sorted(pieces, key=_sort_key)`` with a numpy lexsort (the hot path at 64 micro-batches)."""
     if len(pieces) < 64:
         return sorted(pieces, key=_sort_key)
-    cols = np.array([(p.length, p.arrival, p.doc_id, p.offset) for p in pieces], dtype=np.int64)
-    order = np.lexsort((cols[:, 3], cols[:, 2], cols[:, 1], -cols[:, 0]))
-    return [pieces[i] for i in order.tolist()]
+    n = len(pieces)
+    cols = [np.fromiter((getattr(p, f) for p in pieces), dtype=np.int64, count=n)
+            for f in ("offset", "doc_id", "arrival", "length")]
+    cols[3] = -cols[3]
+    return [pieces[i] for i in np.lexsort(cols).tolist()]
 
 
 def _age_key(p: DocPiece) -> tuple[int, int, int]:
@@ -151,14 +153,16 @@ class WlbPacker(Packer):
             self._budgets += 1
         th = self.thresholds()
         pool = self._waiting + new
-        forced = [p for p in pool if it - p.arrival >= cfg.max_delay]
-        rest = [p for p in pool if it - p.arrival < cfg.max_delay]
+        oldest = it - cfg.max_delay  # arrival at or before this: forced
+        forced = [p for p in pool if p.arrival <= oldest]
+        rest = [p for p in pool if p.arrival > oldest] if forced else pool
         l1 = th[0]
         if final:
             candidates, waiting = rest, []
         else:
-            candidates = [p for p in rest if p.length < l1]
-            outliers = [p for p in rest if p.length >= l1]
+            candidates, outliers = [], []
+            for p in rest:
+                (candidates if p.length < l1 else outliers).append(p)
             waiting = []
             if outliers:
                 levels = np.searchsorted(np.asarray(th), [p.length for p in outliers], side="right") - 1
