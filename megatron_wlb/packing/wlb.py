@@ -6,8 +6,10 @@ Per iteration, over all ``dp * n`` micro-batches of capacity ``max_seq_len`` (pa
    outliers wait in ``n_q`` queues by level (L_k <= d < L_{k+1}).
 2. A queue holding at least R pieces releases its R oldest (one per micro-batch: they are the
    largest items of the iteration, so the placement below puts them into distinct, empty
-   micro-batches). R = dp * n, see extension (c).
+   micro-batches). R = dp * n, see extension (c); ``extra["release"] = "rank"`` makes it n.
 3. Pieces that have waited ``max_delay`` iterations are *forced*: placed before everything else.
+   A queue whose oldest member is forced releases the rest of its members with it (up to R in
+   all; ``extra["flush_on_force"]``, default True), so a forced outlier does not run alone.
 4. The released outliers and the other pieces, by length descending, each go to the micro-batch of
    least workload among those with room for it (the paper: least workload if it fits, else least
    length if it fits; ours picks the least-loaded of all that fit, a superset of both choices);
@@ -16,16 +18,18 @@ Per iteration, over all ``dp * n`` micro-batches of capacity ``max_seq_len`` (pa
 Extensions beyond the paper:
 
 (a) ``queue_thresholds="auto"`` (default): L_1 is the shortest length whose latency reaches
-    ``outlier_fraction`` (``PackingConfig.extra``, default 0.5) of the mean per-micro-batch latency
-    of the stream read so far, i.e. a document that alone would take half of a micro-batch's fair
+    ``outlier_fraction`` (``PackingConfig.extra``, default 0.7) of the mean per-micro-batch latency
+    of the stream read so far, i.e. a document that alone would take most of a micro-batch's fair
     share of the iteration; L_2 < ... < L_n split the outlier lengths seen so far into equal-count
-    quantiles (so every queue fills at the same rate and none starves). The statistics (a
+    quantiles (so every queue fills at the same rate), using no more queues than the outlier rate
+    can fill with R members each within max_delay / 2 iterations. The statistics (a
     log-spaced length histogram, the latency sum, the budget count) live in ``state_dict``, so a
     restored packer derives the same thresholds.
 (b) ``max_delay``: a hard bound on waiting. A forced piece that fits in no micro-batch whole is
     cut into pieces that fill the micro-batches with most room (counted in ``forced_splits``), so
-    the bound holds whenever the iteration has room for the forced tokens at all (always, unless
-    one document is longer than the whole iteration's capacity).
+    the bound holds whenever an iteration can absorb one iteration's intake,
+    ``dp * n * (max_seq_len - seq_len) >= max_seq_len`` (every config in configs/); otherwise it
+    is best effort.
 (c) Global balance: the placement balances all ``dp * n`` micro-batches of the global batch
     together (DP ranks wait for each other at the gradient sync), and a queue releases ``dp * n``
     outliers at a time, one per micro-batch of the global batch: an outlier in one DP rank's
@@ -124,11 +128,10 @@ class WlbPacker(Packer):
         counts = self._hist.copy()
         counts[:_hist_bin(np.array([l1]))[0]] = 0
         total = int(counts.sum())
-        # Each queue must gather dp*n outliers well within max_delay, or it would only ever release
+        # Each queue must gather R outliers well within max_delay, or it would only ever release
         # forced singles: use no more queues than the outlier rate can fill in max_delay / 2.
         rate = total / self._budgets
-        m = self.config.micro_batches_per_iteration
-        nq = max(1, min(self.config.num_queues, int(rate * self.config.max_delay / (2 * m))))
+        nq = max(1, min(self.config.num_queues, int(rate * self.config.max_delay / (2 * self.release_size))))
         if nq > 1:
             if total > 0:
                 csum = np.cumsum(counts)
