@@ -91,20 +91,20 @@ def test_provider_composes_with_an_existing_one():
 
 def test_defaults_and_full_flag_list():
     args = parse(BASE)
-    s = validate_wlb_args(args, te_available=False, highspy_available=True)
+    s = validate_wlb_args(args, te_available=False, highspy_available=True, check_files=False)
     assert s == WlbSettings()
     assert args.variable_seq_lengths is True  # PP2: stages exchange per-micro-batch shapes
     assert args.moe_token_dispatcher_type == "alltoall"  # dense model: TransformerConfig needs it
     args = parse(BASE[:9] + ["1"] + BASE[10:], world_size=2)  # PP1: no shape exchange needed
-    validate_wlb_args(args, te_available=False, highspy_available=True)
+    validate_wlb_args(args, te_available=False, highspy_available=True, check_files=False)
     assert args.variable_seq_lengths is False and args.moe_token_dispatcher_type == "allgather"
     moe = parse(BASE + ["--num-experts", "4"])
     with pytest.raises(ValueError, match="--moe-token-dispatcher-type alltoall"):
-        validate_wlb_args(moe, te_available=False, highspy_available=True)
+        validate_wlb_args(moe, te_available=False, highspy_available=True, check_files=False)
     args = parse(BASE + ["--wlb-packing", "wlb", "--wlb-queue-thresholds", "2048,4096", "--wlb-num-queues", "3",
                          "--wlb-max-seq-len", "8192", "--wlb-max-delay", "3", "--wlb-window", "2",
                          "--wlb-cp-sharding", "per-sequence", "--wlb-log-interval", "10"])
-    s = validate_wlb_args(args, te_available=False, highspy_available=True)
+    s = validate_wlb_args(args, te_available=False, highspy_available=True, check_files=False)
     assert s.queue_thresholds == (2048, 4096) and s.num_queues == 3 and s.max_seq_len == 8192
     assert (s.max_delay, s.window, s.cp_sharding, s.log_interval) == (3, 2, "per-sequence", 10)
     cfg = packing_config_from_args(args, s)
@@ -119,14 +119,14 @@ def test_config_supplies_defaults_and_flags_override_it():
              "--pipeline-model-parallel-size", "4", "--data-path", "/d/x", "--num-layers", "32",
              "--hidden-size", "4096", "--num-attention-heads", "32"]
     args = parse(flags + ["--wlb-config", "7b_128k", "--wlb-max-delay", "1"], world_size=64)
-    s = validate_wlb_args(args, te_available=False, highspy_available=True)
+    s = validate_wlb_args(args, te_available=False, highspy_available=True, check_files=False)
     assert s.config == "7b_128k" and s.packing == "wlb" and s.max_delay == 1 and s.num_queues == 2
     cost = cost_model_from_args(args, s)
     assert cost.layout.tp == 8 and cost.layout.cp == 2 and cost.model.hidden == 4096
     # the same config on a different layout is refused with what to change
     args = parse(flags[:7] + ["2"] + flags[8:] + ["--wlb-config", "7b_128k"], world_size=64)
     with pytest.raises(ValueError, match="pick the config of this layout"):
-        validate_wlb_args(args, te_available=False, highspy_available=True)
+        validate_wlb_args(args, te_available=False, highspy_available=True, check_files=False)
 
 
 @pytest.mark.parametrize("extra, match", [
@@ -144,25 +144,37 @@ def test_config_supplies_defaults_and_flags_override_it():
 def test_misconfigurations_fail_with_what_to_change(extra, match):
     args = parse(BASE + extra)
     with pytest.raises(ValueError, match=match):
+        validate_wlb_args(args, te_available=False, highspy_available=True, check_files=False)
+
+
+def test_data_path_files_are_checked_at_start_up(tmp_path):
+    from megatron_wlb.megatron.data import write_indexed_dataset
+
+    real = write_indexed_dataset(str(tmp_path / "real_text_document"), [[1, 2, 3], [4, 5]])
+    args = parse(BASE[:10] + ["--data-path", "0.5", real, "0.5", str(tmp_path / "missing")] + BASE[15:])
+    with pytest.raises(ValueError, match=r"--data-path: no .*missing\.bin/\.idx") as err:
         validate_wlb_args(args, te_available=False, highspy_available=True)
+    assert "real_text_document" not in str(err.value)
+    args = parse(BASE[:10] + ["--data-path", real] + BASE[15:])
+    assert validate_wlb_args(args, te_available=False, highspy_available=True).packing == "wlb"
 
 
 def test_more_misconfigurations():
     args = parse([*BASE[:2], "--micro-batch-size", "2", *BASE[4:]])
     with pytest.raises(ValueError, match="set --micro-batch-size 1"):
-        validate_wlb_args(args, te_available=False, highspy_available=True)
+        validate_wlb_args(args, te_available=False, highspy_available=True, check_files=False)
     args = parse(BASE + ["--wlb-packing", "fixed-solver"])
     with pytest.raises(ValueError, match="pip install highspy"):
-        validate_wlb_args(args, te_available=False, highspy_available=False)
+        validate_wlb_args(args, te_available=False, highspy_available=False, check_files=False)
     assert validate_wlb_args(parse(BASE + ["--wlb-packing", "fixed-solver"]), te_available=False,
-                             highspy_available=True).packing == "fixed-solver"
+                             highspy_available=True, check_files=False).packing == "fixed-solver"
     s = validate_wlb_args(parse(BASE + ["--wlb-cp-sharding", "per-document-te"]), te_available=True,
-                          highspy_available=True)
+                          highspy_available=True, check_files=False)
     assert s.cp_sharding == "per-document-te"
     # several problems are reported together
     args = parse([*BASE[:2], "--micro-batch-size", "4", *BASE[4:], "--wlb-max-seq-len", "100", "--mock-data"])
     with pytest.raises(ValueError) as err:
-        validate_wlb_args(args, te_available=False, highspy_available=True)
+        validate_wlb_args(args, te_available=False, highspy_available=True, check_files=False)
     assert str(err.value).count("\n  - ") == 3
     # argparse itself rejects unknown choices and bad thresholds reach WlbSettings' check
     with pytest.raises(SystemExit):

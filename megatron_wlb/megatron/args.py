@@ -131,14 +131,15 @@ def num_microbatches_from_args(args: Any) -> int:
     return gbs // (mbs * dp)
 
 
-def validate_wlb_args(args: Any, *, te_available: bool | None = None,
-                      highspy_available: bool | None = None) -> WlbSettings:
+def validate_wlb_args(args: Any, *, te_available: bool | None = None, highspy_available: bool | None = None,
+                      check_files: bool = True) -> WlbSettings:
     """Check Megatron's validated ``args`` against the WLB settings; raise a ValueError saying what to change.
 
     With pipeline parallelism sets ``args.variable_seq_lengths = True`` (micro-batches differ in
     length, so stages exchange shapes; dense models also get the unused MoE dispatcher switched
     to ``alltoall``, which TransformerConfig requires) and returns the resolved settings.
-    ``te_available`` / ``highspy_available`` default to import probes.
+    ``te_available`` / ``highspy_available`` default to import probes; ``check_files=False`` skips
+    the check that every ``--data-path`` prefix has its .bin/.idx (flag-parsing tests).
     """
     settings = settings_from_args(args)
     problems: list[str] = []
@@ -192,6 +193,21 @@ def validate_wlb_args(args: Any, *, te_available: bool | None = None,
     elif not (getattr(args, "data_path", None) or getattr(args, "train_data_path", None)):
         problems.append("no --data-path: WLB reads documents from Megatron indexed datasets (PREFIX.bin/.idx); "
                         "give --data-path [WEIGHT] PREFIX ... or --train-data-path")
+    for flag in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
+        value = getattr(args, flag, None)
+        if not value or not check_files:
+            continue
+        from megatron_wlb.megatron.data import parse_data_path
+
+        try:
+            prefixes = [p for p, _ in parse_data_path(value)]
+        except ValueError as exc:
+            problems.append(str(exc))
+            continue
+        for prefix in prefixes:
+            if not (os.path.isfile(prefix + ".bin") and os.path.isfile(prefix + ".idx")):
+                problems.append(f"--{flag.replace('_', '-')}: no {prefix}.bin/.idx; give the prefix of a Megatron "
+                                "indexed dataset (made with tools/preprocess_data.py), without the extension")
     for flag, attr in (("--hybrid-context-parallel", "hybrid_context_parallel"), ("--sft", "sft"),
                        ("--fim-data", "fim_data")):
         if getattr(args, attr, False):
