@@ -223,6 +223,20 @@ def _check_core_attention(cp_group, cp_size: int, cp_rank: int) -> None:
                       attn_mask_type=AttnMaskType.causal, packed_seq_params=params)
         assert got4.shape == (len(idx), 1, heads * dim)
         torch.testing.assert_close(got4[:, 0], want, rtol=1e-5, atol=1e-5)
+    # sequence-parallel padding rows (local_multiple): the real rows are unchanged, the padding rows are 0
+    _, params = cp_hooks.shard_packed_batch(dict(batch), batch["cu_seqlens"], batch["max_seqlen"], sharding="hybrid",
+                                            cp_size=cp_size, cp_rank=cp_rank, cp_group=cp_group, local_multiple=8)
+    padded = _padded_lengths("hybrid", segs, cp_size)
+    ref = reference_document_attention(q[:int(padded.sum())], k[:int(padded.sum())], v[:int(padded.sum())],
+                                       np.concatenate([[0], np.cumsum(padded)]))
+    idx = torch.as_tensor(params.wlb_shard.token_index)
+    n, pad = len(idx), params.wlb_local_pad
+    assert (n + pad) % 8 == 0 and pad < 8
+    rows = [t[idx] for t in (q, k, v)]
+    rows = [torch.cat([r, torch.randn(pad, *r.shape[1:])]) for r in rows]
+    got = module(*rows, None, attn_mask_type=AttnMaskType.causal, packed_seq_params=params)
+    torch.testing.assert_close(got[:n], ref[idx].reshape(n, -1), rtol=1e-5, atol=1e-5)
+    assert torch.all(got[n:] == 0)
     with pytest.raises(RuntimeError, match="without WLB-LLM shard metadata"):
         module(q[:4], k[:4], v[:4], None, packed_seq_params=None)
 
@@ -392,6 +406,38 @@ def test_te_params_describe_te_layout():
     assert params.cu_seqlens_q.tolist() == [0, 3, 6] and params.cu_seqlens_q_padded.tolist() == [0, 4, 8]
     assert out["tokens"][0].tolist() == [2, 3, 5, 6]  # rank 1 owns padded positions [1, 2, 5, 6]
     assert not hasattr(params.cu_seqlens_q, cp_hooks.ROPE_POSITIONS_ATTR)  # Megatron's THD RoPE is right here
+
+
+def test_sequence_parallel_padding():
+    """local_multiple (TP under --sequence-parallel): every rank's row count becomes a multiple of it."""
+    from megatron_wlb.megatron import cp_hooks
+
+    batch, segs = _micro_batch(6)
+    for name in ("hybrid", "per-document", "per-sequence"):
+        seen = []
+        for rank in range(4):
+            out, params = cp_hooks.shard_packed_batch(dict(batch), batch["cu_seqlens"], batch["max_seqlen"],
+                                                      sharding=name, cp_size=4, cp_rank=rank, local_multiple=4)
+            n, pad = len(params.wlb_shard.token_index), params.wlb_local_pad
+            assert out["tokens"].shape[1] == n + pad and (n + pad) % 4 == 0 and 0 <= pad < 4
+            assert torch.all(out["loss_mask"][0, n:] == 0) and torch.all(out["tokens"][0, n:] == 0)
+            assert params.wlb_position_ids.numel() == n + pad
+            seen += out["tokens"][0, :n].tolist()
+        assert sorted(seen) == sorted(batch["tokens"][0].tolist())  # padding rows add no tokens, lose none
+    # TE path: one trailing padding document (identical on every rank) instead of local rows
+    tokens = torch.arange(1, 7).view(1, -1)
+    counts = []
+    for rank in range(2):
+        out, params = cp_hooks.shard_packed_batch({"tokens": tokens, "loss_mask": torch.ones(1, 6)},
+                                                  torch.tensor([0, 3, 6]), 3, sharding="per-document-te", cp_size=2,
+                                                  cp_rank=rank, te_attention=True, local_multiple=8)
+        assert params.cu_seqlens_q.tolist() == [0, 3, 6, 14] and params.cu_seqlens_q_padded.tolist() == [0, 4, 8, 16]
+        counts.append(out["tokens"].shape[1])
+        assert out["loss_mask"].sum() == (out["tokens"] > 0).sum()
+    assert counts == [8, 8]
+    with pytest.raises(ValueError, match="local_multiple"):
+        cp_hooks.shard_packed_batch(dict(batch), batch["cu_seqlens"], None, sharding="per-document", cp_size=2,
+                                    cp_rank=0, local_multiple=0)
 
 
 def test_rope_hook_rotates_by_true_positions():

@@ -106,15 +106,18 @@ class WlbCoreAttention(MegatronModule):
             raise ValueError(f"WLB-LLM attention is document-causal; got attn_mask_type={mask_type}")
         if attention_bias is not None:
             raise ValueError("WLB-LLM attention takes no attention_bias")
-        return wlb_attention_forward(query, key, value, shard, self.cp_group(), self.softmax_scale)
+        return wlb_attention_forward(query, key, value, shard, self.cp_group(), self.softmax_scale,
+                                     local_pad=getattr(packed_seq_params, "wlb_local_pad", 0))
 
 
 def wlb_attention_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, shard: Any, group: Any,
-                          softmax_scale: float | None = None) -> torch.Tensor:
+                          softmax_scale: float | None = None, local_pad: int = 0) -> torch.Tensor:
     """The tensor plumbing of ``WlbCoreAttention`` (separate so tests can drive it without a layer).
 
     Accepts THD ``[T, H, D]`` or ``[s, b, H, D]`` with b == 1 (a packed micro-batch), runs the
-    all-gather CP attention on ``[T, H, D]`` and returns ``[T, H*D]`` or ``[s, b, H*D]``.
+    all-gather CP attention on ``[T, H, D]`` and returns ``[T, H*D]`` or ``[s, b, H*D]``. The last
+    ``local_pad`` rows (sequence-parallel padding, see ``WlbPackedSeqParams``) attend to nothing: their
+    output is zero.
     """
     from megatron_wlb.cp.attention import all_gather_cp_attention
 
@@ -132,10 +135,15 @@ def wlb_attention_forward(query: torch.Tensor, key: torch.Tensor, value: torch.T
         raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: k and v must match, share "
                          "q's tokens and head_dim, and q's heads must be a multiple of k's (GQA)")
     n_local = len(shard.token_index)
-    if q.shape[0] != n_local:
-        raise ValueError(f"{q.shape[0]} local tokens but this rank's shard holds {n_local}")
+    if q.shape[0] != n_local + local_pad:
+        raise ValueError(f"{q.shape[0]} local tokens but this rank's shard holds {n_local}"
+                         + (f" plus {local_pad} padding rows" if local_pad else ""))
+    if local_pad:
+        q, k, v = q[:n_local], k[:n_local], v[:n_local]
     out = all_gather_cp_attention(q, k, v, shard, group, softmax_scale=softmax_scale)
-    out = out.reshape(q.shape[0], -1)
+    out = out.reshape(n_local, -1)
+    if local_pad:
+        out = torch.cat([out, out.new_zeros(local_pad, out.shape[1])])
     return out.unsqueeze(1) if sbhd else out
 
 

@@ -55,12 +55,16 @@ class WlbPackedSeqParams(PackedSeqParams):
 
     ``wlb_shard`` is the ``megatron_wlb.cp.layouts.RankShard`` of this rank (None on the TE path, where
     TE's own fields describe the layout); ``wlb_layout`` the layout actually used (for ``adaptive`` the
-    chosen one); ``wlb_position_ids`` int64 [T_r] the RoPE positions of this rank's tokens.
+    chosen one); ``wlb_position_ids`` int64 [T_r] the RoPE positions of this rank's tokens;
+    ``wlb_local_pad`` the padding rows appended after the shard's tokens on this rank (sequence
+    parallelism needs every rank's token count to be a multiple of TP; they attend to nothing and
+    carry loss_mask 0).
     """
 
     wlb_shard: Any = None
     wlb_layout: str | None = None
     wlb_position_ids: torch.Tensor | None = None
+    wlb_local_pad: int = 0
 
 
 def te_available() -> bool:
@@ -120,8 +124,8 @@ def _source_index(lengths: np.ndarray, padded: np.ndarray, token_index: np.ndarr
 
 
 def shard_packed_batch(batch: dict[str, Any], cu_seqlens: Any, max_seqlen: Any, *, sharding: str, cp_size: int,
-                       cp_rank: int, cp_group: Any = None, te_attention: bool = False,
-                       cost: Any = None) -> tuple[dict[str, Any], WlbPackedSeqParams]:
+                       cp_rank: int, cp_group: Any = None, te_attention: bool = False, cost: Any = None,
+                       local_multiple: int = 1) -> tuple[dict[str, Any], WlbPackedSeqParams]:
     """This CP rank's part of one packed micro-batch, and the params its attention needs.
 
     ``batch`` maps names to ``[1, T]`` tensors (tokens, labels, loss_mask, position_ids, ...; None
@@ -129,6 +133,9 @@ def shard_packed_batch(batch: dict[str, Any], cu_seqlens: Any, max_seqlen: Any, 
     none). Every CP rank calls this with the same ``cu_seqlens`` and gets the same layout; rank r keeps
     ``layout.ranks[r].token_index``. Layouts that pad documents (``per-document-te``) pad every tensor
     with zeros (loss_mask 0). ``te_attention`` makes the params TE's (cu_seqlens + padded offsets).
+    ``local_multiple`` (TP under sequence parallelism) rounds every rank's token count up to a
+    multiple: TE's layout gets one trailing padding document (the same on every rank); ours get
+    ``wlb_local_pad`` padding rows after the shard's tokens, which ``WlbCoreAttention`` leaves out.
     """
     from megatron_wlb.cp.layouts import build_layout
 
@@ -146,10 +153,17 @@ def shard_packed_batch(batch: dict[str, Any], cu_seqlens: Any, max_seqlen: Any, 
             raise ValueError(f"packed micro-batches are [1, T] (micro-batch-size 1); got shapes {sizes}")
     if not 0 <= cp_rank < cp_size:
         raise ValueError(f"cp_rank={cp_rank} is outside the CP group of size {cp_size}")
+    if local_multiple < 1:
+        raise ValueError(f"local_multiple must be >= 1, got {local_multiple}")
     lengths = lengths_from_cu_seqlens(cu_seqlens, total)
+    if te_attention and local_multiple > 1:
+        lengths = _te_padding_document(lengths, cp_size, local_multiple)
     layout = build_layout(sharding, lengths, cp_size, cost=cost)
     shard = layout.ranks[cp_rank]
     padded = np.asarray(layout.padded_lengths, dtype=np.int64)
+    if te_attention and local_multiple > 1 and lengths.sum() > total:  # the padding document holds no tokens
+        lengths = lengths.copy()
+        lengths[-1] = 0
     device = next(iter(tensors.values())).device
     source = _source_index(lengths, padded, np.asarray(shard.token_index, dtype=np.int64))
     src = torch.as_tensor(np.maximum(source, 0), dtype=torch.long, device=device)
@@ -173,7 +187,8 @@ def shard_packed_batch(batch: dict[str, Any], cu_seqlens: Any, max_seqlen: Any, 
     for key in ("cu_seqlens", "cu_seqlens_padded", "max_seqlen"):
         out.pop(key, None)
     if te_attention:
-        cu_real = torch.as_tensor(_cu(lengths), dtype=torch.int32, device=device)
+        real = np.where(lengths > 0, lengths, padded)  # TE sees the padding document as a (masked) document
+        cu_real = torch.as_tensor(_cu(real), dtype=torch.int32, device=device)
         cu_pad = torch.as_tensor(_cu(padded), dtype=torch.int32, device=device)
         params = WlbPackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_real, cu_seqlens_kv=cu_real,
                                     cu_seqlens_q_padded=cu_pad, cu_seqlens_kv_padded=cu_pad,
@@ -181,14 +196,31 @@ def shard_packed_batch(batch: dict[str, Any], cu_seqlens: Any, max_seqlen: Any, 
                                     cp_group=cp_group, wlb_shard=None, wlb_layout=layout.name,
                                     wlb_position_ids=rope_pos)
         return out, params
+    local_pad = (-len(source)) % local_multiple
+    if local_pad:
+        for key in tensors:
+            val = out[key]
+            out[key] = torch.cat([val, val.new_zeros((1, local_pad, *val.shape[2:]))], dim=1)
+        rope_pos = torch.cat([rope_pos, rope_pos.new_zeros(local_pad)])
     cu_q = torch.as_tensor(np.asarray(shard.cu_seqlens_q), dtype=torch.int32, device=device)
     cu_k = torch.as_tensor(np.asarray(shard.cu_seqlens_k), dtype=torch.int32, device=device)
     for t in (cu_q, cu_k):  # what our apply_rotary_pos_emb wrapper looks for (see module docstring)
         setattr(t, ROPE_POSITIONS_ATTR, rope_pos)
     params = WlbPackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_q, cu_seqlens_kv=cu_k,
                                 max_seqlen_q=longest, max_seqlen_kv=longest, cp_group=cp_group,
-                                wlb_shard=shard, wlb_layout=layout.name, wlb_position_ids=rope_pos)
+                                wlb_shard=shard, wlb_layout=layout.name, wlb_position_ids=rope_pos,
+                                wlb_local_pad=local_pad)
     return out, params
+
+
+def _te_padding_document(lengths: np.ndarray, cp: int, multiple: int) -> np.ndarray:
+    """``lengths`` plus, if needed, one trailing document of 2*cp*j tokens so that TE's per-document layout
+    (each document padded to a multiple of 2*cp) gives every rank a multiple of ``multiple`` tokens."""
+    per_rank = int(np.sum(-(-lengths // (2 * cp)) * 2))  # each padded document puts 2 * ceil(d / 2cp) on a rank
+    for j in range(multiple + 1):
+        if (per_rank + 2 * j) % multiple == 0:
+            return lengths if j == 0 else np.append(lengths, 2 * cp * j)
+    raise ValueError(f"no TE padding gives a multiple of {multiple} tokens per CP rank")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -202,6 +234,7 @@ class _Installed:
     te_attention: bool
     cost: Any
     originals: dict[str, Callable]
+    local_multiple: int = 1
 
 
 _STATE: dict[str, _Installed] = {}
@@ -235,7 +268,8 @@ def get_batch_on_this_cp_rank(batch: dict[str, Any], cp_group: Any = None) -> di
     group, size, rank = _cp_topology(cp_group)
     out, params = shard_packed_batch(batch, batch["cu_seqlens"], batch.get("max_seqlen"),
                                      sharding=state.settings.cp_sharding, cp_size=size, cp_rank=rank,
-                                     cp_group=group, te_attention=state.te_attention, cost=state.cost)
+                                     cp_group=group, te_attention=state.te_attention, cost=state.cost,
+                                     local_multiple=state.local_multiple)
     out["packed_seq_params"] = params
     return out
 
@@ -247,7 +281,8 @@ def get_thd_batch_on_this_cp_rank(batch: dict[str, Any], cu_seqlens: Any, cu_seq
     state = _installed()
     group, size, rank = _cp_topology(None, cp_size, cp_rank)
     return shard_packed_batch(batch, cu_seqlens, max_seqlen, sharding=state.settings.cp_sharding, cp_size=size,
-                              cp_rank=rank, cp_group=group, te_attention=state.te_attention, cost=state.cost)
+                              cp_rank=rank, cp_group=group, te_attention=state.te_attention, cost=state.cost,
+                              local_multiple=state.local_multiple)
 
 
 def packed_seq_params_from_iterator(data_iterator: Any) -> WlbPackedSeqParams:
@@ -273,7 +308,7 @@ def packed_seq_params_from_iterator(data_iterator: Any) -> WlbPackedSeqParams:
     stand_in = {k: v.to(device) for k, v in stand_in.items()}
     _, params = shard_packed_batch(stand_in, cu, batch.get("max_seqlen"), sharding=state.settings.cp_sharding,
                                    cp_size=size, cp_rank=rank, cp_group=group, te_attention=state.te_attention,
-                                   cost=state.cost)
+                                   cost=state.cost, local_multiple=state.local_multiple)
     return params
 
 
@@ -330,7 +365,8 @@ def _cost_model(settings: WlbSettings, args: Any = None) -> Any:
 def install(settings: WlbSettings, args: Any = None) -> None:
     """Install the CP hooks for ``settings`` (idempotent: a second call replaces the settings only).
 
-    ``args`` (Megatron's parsed args, optional) shapes the cost model when no ``--wlb-config`` is given.
+    ``args`` (Megatron's parsed args, optional) gives the cost model its model shape, and with
+    ``--sequence-parallel`` makes every CP rank's token count a multiple of TP.
     Raises ValueError for ``per-document-te`` without TransformerEngine (use ``per-document``: same
     balance, no padding, our all-gather attention).
     """
@@ -348,8 +384,11 @@ def install(settings: WlbSettings, args: Any = None) -> None:
         "get_batch_on_this_cp_rank": utils.get_batch_on_this_cp_rank,
         "get_thd_batch_on_this_cp_rank": utils.get_thd_batch_on_this_cp_rank,
     }
+    multiple = 1
+    if args is not None and getattr(args, "sequence_parallel", False):
+        multiple = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
     _STATE["cp"] = _Installed(settings=settings, te_attention=te_attention, cost=_cost_model(settings, args),
-                              originals=originals)
+                              originals=originals, local_multiple=multiple)
     if previous is None:
         try:  # bind the training utils first so the scan below rebinds its copy too
             importlib.import_module("megatron.training.utils")
