@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import time
 from pathlib import Path
@@ -26,7 +27,7 @@ if __package__ in (None, ""):  # run as a script from a checkout without `pip in
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_wlb.cp import KernelEfficiency, build_layout
+from megatron_wlb.cp import KernelEfficiency, build_layout, default_cost_model
 from megatron_wlb.cp.sampling import concat_and_cut
 from megatron_wlb.data import load_lengths
 
@@ -35,12 +36,14 @@ FLAT = KernelEfficiency(np.array([1.0, 2.0]), np.array([1.0, 2.0]), np.full((2, 
 
 
 def _timeit(fn, repeat: int) -> np.ndarray:
+    """[repeat, 2]: wall seconds and CPU seconds of this process (the latter excludes time the
+    scheduler gave to other processes on a shared machine)."""
     fn()
-    out = np.empty(repeat)
+    out = np.empty((repeat, 2))
     for i in range(repeat):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         fn()
-        out[i] = time.perf_counter() - t0
+        out[i] = time.perf_counter() - t0, time.process_time() - c0
     return out
 
 
@@ -51,14 +54,18 @@ def run(args) -> dict:
     result = {"machine": args.machine, "python": platform.python_version(), "seq_len": args.seq_len,
               "micro_batches": len(mbs), "docs_per_micro_batch": {"mean": float(docs.mean()), "max": int(docs.max())},
               "efficiency_table": args.profile or "shipped placeholder (not measured)", "cp": {}}
+    per_token = float(default_cost_model().linear_compute(1.0))   # linear-layer seconds per token (7B, TP=1)
+    result["linear_seconds_per_token"] = per_token
     for cp in args.cps:
         rows = {}
         max_work = {}
+        max_step = {}
         for name in LAYOUTS:
             lays = [build_layout(name, m, cp, efficiency=eff) for m in mbs]
             imb = np.array([x.imbalance for x in lays])
             tok = np.array([x.rank_tokens.max() / x.rank_tokens.mean() for x in lays])
             max_work[name] = np.array([x.max_work for x in lays])
+            max_step[name] = np.array([(x.rank_work + per_token * x.rank_tokens).max() for x in lays])
             used = {}
             for x in lays:
                 used[x.name] = used.get(x.name, 0) + 1
@@ -67,11 +74,13 @@ def run(args) -> dict:
                           "token_imbalance_max": float(tok.max()), "layouts_used": used,
                           "padded_tokens": int(sum(int(x.padded_lengths.sum() - x.lengths.sum()) for x in lays))}
         base = max_work["per-sequence"].sum()
+        base_step = max_step["per-sequence"].sum()
         for name in LAYOUTS:
             rows[name]["attention_time_vs_per_sequence"] = float(max_work[name].sum() / base)
-            rows[name]["beats_adaptive_fraction"] = float(np.mean(max_work[name] < max_work["adaptive"] * (1 - 1e-9)))
+            rows[name]["step_time_vs_per_sequence"] = float(max_step[name].sum() / base_step)
+            rows[name]["beats_adaptive_fraction"] = float(np.mean(max_step[name] < max_step["adaptive"] * (1 - 1e-9)))
             rows[name]["beats_both_static_fraction"] = float(np.mean(
-                max_work[name] < np.minimum(max_work["per-sequence"], max_work["per-document"]) * (1 - 1e-9)))
+                max_step[name] < np.minimum(max_step["per-sequence"], max_step["per-document"]) * (1 - 1e-9)))
         flops = np.array([build_layout("per-document", m, cp, tile=1, efficiency=FLAT).imbalance for m in mbs])
         rows["per-document"]["pure_flops_imbalance_mean"] = float(flops.mean())
         rows["per-document"]["pure_flops_imbalance_max"] = float(flops.max())
@@ -90,11 +99,15 @@ def run(args) -> dict:
             shard.token_index, shard.position_ids, shard.gather_rows()  # noqa: B018
 
         full = np.concatenate([_timeit(lambda m=m: one_rank(m), 3) for m in sample])
-        timing[name] = {"build_ms_median": float(np.median(build) * 1e3), "build_ms_p90": float(np.quantile(
-            build, 0.9) * 1e3), "build_ms_min": float(build.min() * 1e3),
-            "with_rank_tokens_ms_median": float(np.median(full) * 1e3),
-            "with_rank_tokens_ms_p90": float(np.quantile(full, 0.9) * 1e3)}
-    result["timing"] = {"cp": cp, "micro_batches": len(sample), "layouts": timing}
+        timing[name] = {"build_ms_median": float(np.median(build[:, 0]) * 1e3),
+                        "build_ms_p90": float(np.quantile(build[:, 0], 0.9) * 1e3),
+                        "build_ms_min": float(build[:, 0].min() * 1e3),
+                        "build_cpu_ms_median": float(np.median(build[:, 1]) * 1e3),
+                        "with_rank_tokens_ms_median": float(np.median(full[:, 0]) * 1e3),
+                        "with_rank_tokens_ms_p90": float(np.quantile(full[:, 0], 0.9) * 1e3),
+                        "with_rank_tokens_cpu_ms_median": float(np.median(full[:, 1]) * 1e3)}
+    result["timing"] = {"cp": cp, "micro_batches": len(sample), "layouts": timing,
+                        "load_average": float(os.getloadavg()[0])}
     return result
 
 
@@ -107,18 +120,22 @@ def to_markdown(r: dict) -> str:
            f"(max {r['docs_per_micro_batch']['max']}).\n",
            f"Work = estimated forward attention seconds per rank (7B, TP=1, analytic cost model, tile 128, "
            f"kernel-efficiency table: {r['efficiency_table']}). Imbalance = max / mean over the CP ranks. "
-           "'attn time' = sum over micro-batches of the slowest rank's work, relative to per-sequence.\n",
+           "'attn time' = sum over micro-batches of the slowest rank's attention work, relative to "
+           "per-sequence; 'attn+linear' adds each rank's linear-layer time for its own tokens "
+           f"({r['linear_seconds_per_token'] * 1e6:.3f} us per token, 7B analytic) before taking the slowest "
+           "rank: the CP step time that hybrid balances. 'beats' columns compare attn+linear per micro-batch.\n",
            "Regenerate: `python scripts/bench_layouts.py`.\n"]
     for cp, rows in r["cp"].items():
         out.append(f"\n## CP = {cp}\n")
         out.append("| layout | imbalance mean | p50 | p99 | max | token max/mean | attn time vs per-seq "
-                   "| beats adaptive | beats both static | padded tokens | layouts used |")
-        out.append("|---|---|---|---|---|---|---|---|---|---|---|")
+                   "| attn+linear vs per-seq | beats adaptive | beats both static | padded tokens | layouts used |")
+        out.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
         for name, x in rows.items():
             used = ", ".join(f"{k} {v}" for k, v in sorted(x["layouts_used"].items()))
             out.append(f"| {name} | {x['imbalance_mean']:.4f} | {x['imbalance_p50']:.4f} | {x['imbalance_p99']:.4f} "
                        f"| {x['imbalance_max']:.4f} | {x['token_imbalance_max']:.4f} "
-                       f"| {x['attention_time_vs_per_sequence']:.3f} | {100 * x['beats_adaptive_fraction']:.0f}% "
+                       f"| {x['attention_time_vs_per_sequence']:.3f} | {x['step_time_vs_per_sequence']:.3f} "
+                       f"| {100 * x['beats_adaptive_fraction']:.0f}% "
                        f"| {100 * x['beats_both_static_fraction']:.0f}% | {x['padded_tokens']} | {used} |")
         pd = rows["per-document"]
         out.append(f"\nper-document with pure FLOPs (tile 1, flat efficiency): imbalance mean "
@@ -129,11 +146,15 @@ def to_markdown(r: dict) -> str:
     out.append("`build` = `build_layout` for all ranks (runs, cu_seqlens, max lengths, work); `+ rank tokens` "
                "additionally materialises one rank's token_index, position_ids and gather_rows() (the rows of "
                "the all-gathered K/V its attention reads: what a training rank needs each step).\n")
-    out.append("| layout | build median ms | p90 | min | + rank tokens median ms | p90 |")
-    out.append("|---|---|---|---|---|---|")
+    out.append("Wall-clock medians/p90 include time the shared machine gave to other processes (its load "
+               f"average was {t['load_average']:.1f} on 2 cores during the run); the CPU columns are this "
+               "process's CPU time.\n")
+    out.append("| layout | build median ms | p90 | min | CPU median | + rank tokens median ms | p90 | CPU median |")
+    out.append("|---|---|---|---|---|---|---|---|")
     for name, x in t["layouts"].items():
         out.append(f"| {name} | {x['build_ms_median']:.3f} | {x['build_ms_p90']:.3f} | {x['build_ms_min']:.3f} "
-                   f"| {x['with_rank_tokens_ms_median']:.3f} | {x['with_rank_tokens_ms_p90']:.3f} |")
+                   f"| {x['build_cpu_ms_median']:.3f} | {x['with_rank_tokens_ms_median']:.3f} "
+                   f"| {x['with_rank_tokens_ms_p90']:.3f} | {x['with_rank_tokens_cpu_ms_median']:.3f} |")
     return "\n".join(out) + "\n"
 
 

@@ -29,19 +29,21 @@ Layouts (``LAYOUT_NAMES``):
     Per micro-batch, whichever of ``per-sequence`` / ``per-document`` has the lower estimated CP
     attention time (max over ranks of the estimated work); ``ShardLayout.name`` is the choice.
 ``hybrid`` (per-document choice; beyond the paper, whose Sec. 8 leaves it open)
-    Starts from ``per-document`` and keeps documents whole where their shards would run the kernel
-    inefficiently (whole cost < summed shard cost), placed longest-processing-time first on the
-    least loaded rank under a token cap ``ceil(T/cp * (1 + token_slack))``, then repaired; the load
-    balanced is attention work plus the linear-layer time of a rank's tokens (see ``_runs_hybrid``).
-    Like ``adaptive`` it falls back to ``per-sequence`` when that is estimated faster (then
-    ``name == "per-sequence"``). Never slower (estimated) than per-document or per-sequence.
+    Short documents whose per-document shards would run the kernel inefficiently (whole cost <
+    summed shard cost) are kept whole and placed longest-processing-time first; the long documents
+    are split head-tail with per-rank pair sizes that water-fill the ranks to a common level (a
+    pair of f*d tokens costs f of the document's attention wherever it sits). The balanced load is
+    attention work plus the linear-layer time of a rank's tokens, and tokens per rank are capped at
+    ``ceil(T/cp * (1 + token_slack))`` (see ``_runs_hybrid``). Falls back to ``per-document`` when
+    that is estimated faster, and, like ``adaptive``, to ``per-sequence`` (then
+    ``name == "per-sequence"``).
 
 Equal-count guarantee (tested): for ``per-sequence`` and ``per-document`` the token counts of the
 ranks differ by at most one; rank ``k`` holds ``floor(T/cp) + (k < T % cp)`` tokens, so all counts
 are equal exactly when ``cp`` divides ``T``. (The round-robin deals ``R = T mod 2cp`` resp.
 ``R = sum_d (d mod 2cp)`` tokens starting at rank 0, and ``R = T (mod cp)`` in both cases.)
 ``per-document-te`` gives every rank exactly ``sum(padded_lengths) / cp``. ``hybrid`` promises only
-the token cap (up to a few tokens of round-robin).
+the token cap.
 
 Work estimate (``RankShard.work``): for each query run of ``q`` queries ending at key ``kv``,
 ``cost.attention_run(q_pad, kv_pad) / efficiency.relative(q_pad, kv_pad)`` with ``q_pad``,
@@ -73,28 +75,36 @@ class GatherMap:
 
     def __init__(self, start: np.ndarray, end: np.ndarray, owner: np.ndarray, local: np.ndarray,
                  counts: tuple[int, ...]):
-        self.start, self.end, self.owner, self.local = start, end, owner, local
+        self._runs = (start, end, owner, local)     # in rank order; sorted by position on first use
         self.counts = counts
+
+    @cached_property
+    def _sorted(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        start, end, owner, local = self._runs
+        order = np.argsort(start)
+        return start[order], end[order], owner[order], local[order]
 
     @cached_property
     def position(self) -> np.ndarray:
         """position[p] = index of micro-batch position p in the (unpadded) gathered order."""
+        start, end, owner, local = self._sorted
         offsets = np.concatenate([[0], np.cumsum(self.counts)])[:-1].astype(np.int64)
-        return _expand(offsets[self.owner] + self.local, self.end - self.start)  # runs tile 0..T in order
+        return _expand(offsets[owner] + local, end - start)                # runs tile 0..T in order
 
     def rows(self, seg_start: np.ndarray, seg_end: np.ndarray, width: int) -> np.ndarray:
         """Rows of a gather buffer whose rank blocks are ``width`` rows apart holding positions
         ``[seg_start[i], seg_end[i])``, concatenated over i (O(pieces + rows), no per-token search)."""
         if seg_start.size == 0:
             return np.zeros(0, dtype=np.int64)
-        j_lo = np.searchsorted(self.start, seg_start, side="right") - 1
-        j_hi = np.searchsorted(self.start, seg_end - 1, side="right") - 1
+        start, end, owner, local = self._sorted
+        j_lo = np.searchsorted(start, seg_start, side="right") - 1
+        j_hi = np.searchsorted(start, seg_end - 1, side="right") - 1
         count = j_hi - j_lo + 1
         j = _expand(j_lo, count)
         seg = np.repeat(np.arange(seg_start.size), count)
-        ps = np.maximum(self.start[j], seg_start[seg])
-        pe = np.minimum(self.end[j], seg_end[seg])
-        return _expand(self.owner[j] * width + self.local[j] + (ps - self.start[j]), pe - ps)
+        ps = np.maximum(start[j], seg_start[seg])
+        pe = np.minimum(end[j], seg_end[seg])
+        return _expand(owner[j] * width + local[j] + (ps - start[j]), pe - ps)
 
 
 @dataclass(frozen=True, eq=False)
@@ -308,8 +318,14 @@ class _Runs:
 
 def _runs_per_sequence(cu: np.ndarray, cp: int) -> _Runs:
     total = int(cu[-1])
-    rank, s, e, _, _ = _head_tail_chunks(np.zeros(1, np.int64), np.array([total], np.int64), cp)
-    return _Runs(*_split_at_documents(rank, s, e, cu))
+    base, rem = divmod(total, 2 * cp)
+    # the same chunk sizes as _head_tail_chunks for one unit, in plain ints (2cp values)
+    dealt = [rem // cp + (k < rem % cp) for k in range(cp)]
+    sizes = [base + min(x, 1) for x in dealt] + [base + x - min(x, 1) for x in reversed(dealt)]
+    ends = np.cumsum(sizes)
+    rank = np.concatenate([np.arange(cp), np.arange(cp)[::-1]])
+    keep = ends > ends - sizes
+    return _Runs(*_split_at_documents(rank[keep], (ends - sizes)[keep], ends[keep], cu))
 
 
 def _runs_per_document(cu: np.ndarray, lengths: np.ndarray, cp: int) -> _Runs:
@@ -347,8 +363,7 @@ def _shares(frac: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     shares = np.floor(raw).astype(np.int64)
     missing = lengths - shares.sum(axis=1)
     order = np.argsort(shares - raw, axis=1, kind="stable")           # largest remainder first
-    place = np.empty_like(order)
-    np.put_along_axis(place, order, np.broadcast_to(np.arange(frac.size), order.shape), axis=1)
+    place = np.argsort(order, axis=1, kind="stable")                   # each rank's place in that order
     return shares + (place < missing[:, None])
 
 
@@ -447,9 +462,8 @@ def _assemble(name: str, requested: str, cp: int, lengths: np.ndarray, padded: n
     merged = np.stack([m_start, m_end], axis=1)
     m_bounds = np.concatenate([[0], np.cumsum(new)])[bounds]
     counts = tuple(int(x) for x in np.diff(cq[bounds]))
-    by_pos = np.argsort(start)
     local = cq[:-1] - cq[bounds[rank]]                                # offset within the owner's tokens
-    gather = GatherMap(start[by_pos], end[by_pos], rank[by_pos], local[by_pos], counts)
+    gather = GatherMap(start, end, rank, local, counts)
     rank_work = np.bincount(rank, weights=work, minlength=cp)
     # Each rank's cu_seqlens start at 0: gather [a, b] per rank in one go, then take views.
     per_rank = np.diff(bounds) + 1
