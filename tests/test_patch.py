@@ -1,5 +1,7 @@
-"""scripts/apply_patches.sh: its checks on a tiny synthetic git repo (always), and the real patch on a
-checkout of the pinned Megatron-LM commit materialised from a local mirror (when one is present).
+"""The launch side: scripts/apply_patches.sh on a tiny synthetic git repo (always) and with the real
+patch on a checkout of the pinned Megatron-LM commit materialised from a local mirror (when one is
+present); the generated SLURM scripts (one per config, current, `bash -n` clean, and run under stub
+srun/scontrol to check the torchrun command's layout); scripts/launch_local.sh in DRY_RUN mode.
 
 The mirror is looked up at $WLB_MEGATRON_MIRROR, else /work/.mirror/NVIDIA+Megatron-LM/repo (where this
 project's tooling fetches it); CI has none, so that test skips there and the synthetic ones carry the
@@ -10,8 +12,10 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -172,3 +176,121 @@ def test_real_patch_on_pinned_checkout(tmp_path: Path):
     tree = ast.parse(patched)
     guards = [n for n in ast.walk(tree) if isinstance(n, ast.If) and "WLB_ENABLE" in ast.unparse(n.test)]
     assert len(guards) == 1 and "--wlb-" in ast.unparse(guards[0].test)
+
+
+# ---------------------------------------------------------------------------------------------------
+# launchers: the generated SLURM scripts and the single-node launcher
+# ---------------------------------------------------------------------------------------------------
+
+SLURM = ROOT / "scripts" / "slurm"
+
+
+def _flag(argv: list[str], name: str) -> str:
+    assert argv.count(name) == 1, f"{name} appears {argv.count(name)} times in {argv}"
+    return argv[argv.index(name) + 1]
+
+
+def _fake_cluster(tmp_path: Path) -> tuple[dict, Path]:
+    """PATH with stub srun/scontrol/torchrun that record their argv, and a patched-looking checkout."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    record = tmp_path / "argv.txt"
+    (bindir / "srun").write_text('#!/bin/bash\nprintf "%s\\n" "srun" "$@" > "$WLB_RECORD"\n')
+    (bindir / "scontrol").write_text('#!/bin/bash\necho node-a; echo node-b\n')
+    for stub in ("srun", "scontrol"):
+        (bindir / stub).chmod(0o755)
+    mlm = tmp_path / "mlm"
+    mlm.mkdir()
+    (mlm / "pretrain_gpt.py").write_text("_wlb.apply()\n")
+    env = {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}", "WLB_RECORD": str(record),
+           "MEGATRON_LM": str(mlm), "DATA_PATH": "0.3 /data/a_text_document 0.7 /data/b_text_document",
+           "TOKENIZER_MODEL": "meta-llama/Llama-2-7b-hf", "SLURM_JOB_NODELIST": "node-[a-b]", "SLURM_JOB_ID": "4242",
+           "CKPT_DIR": str(tmp_path / "ckpt"), "LOG_DIR": str(tmp_path / "logs")}
+    return env, record
+
+
+def test_generated_sbatch_scripts_are_current_and_parse():
+    from megatron_wlb.config import list_configs
+
+    res = subprocess.run([sys.executable, str(SLURM / "make_sbatch.py"), "--check"], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    scripts = sorted(p.stem for p in SLURM.glob("*.sbatch"))
+    assert scripts == list_configs()  # one script per configs/*.yaml, none extra
+    for name in scripts:
+        res = subprocess.run(["bash", "-n", str(SLURM / f"{name}.sbatch")], capture_output=True, text=True)
+        assert res.returncode == 0, f"{name}: {res.stderr}"
+
+
+@pytest.mark.parametrize("name", ["550m_64k", "7b_128k", "70b_64k", "405b_128k_8k"])
+def test_sbatch_runs_torchrun_with_the_config_layout(tmp_path: Path, name: str):
+    """Run the generated script under a fake SLURM: srun gets torchrun with the config's layout."""
+    from megatron_wlb.config import load_config
+
+    run = load_config(name)
+    lay = run.layout
+    text = (SLURM / f"{name}.sbatch").read_text()
+    nodes = int(re.search(r"^#SBATCH --nodes=(\d+)$", text, re.M).group(1))
+    gpn = int(re.search(r"^#SBATCH --gpus-per-node=(\d+)$", text, re.M).group(1))
+    assert nodes * gpn == lay.world_size == lay.tp * lay.cp * lay.pp * lay.dp
+    env, record = _fake_cluster(tmp_path)
+    env["SLURM_NNODES"] = str(nodes)
+    res = subprocess.run(["bash", str(SLURM / f"{name}.sbatch")], env=env, capture_output=True, text=True,
+                         timeout=60, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    argv = record.read_text().splitlines()
+    assert argv[0] == "srun" and "torchrun" in argv
+    assert _flag(argv, "--nnodes") == str(nodes) and _flag(argv, "--nproc-per-node") == str(gpn)
+    assert _flag(argv, "--rdzv-endpoint").startswith("node-a:")
+    assert _flag(argv, "--tensor-model-parallel-size") == str(lay.tp)
+    assert _flag(argv, "--context-parallel-size") == str(lay.cp)
+    assert _flag(argv, "--pipeline-model-parallel-size") == str(lay.pp)
+    assert _flag(argv, "--global-batch-size") == str(run.micro_batches * lay.dp)  # DP = world / (TP*CP*PP)
+    assert _flag(argv, "--micro-batch-size") == "1"
+    assert _flag(argv, "--num-layers") == str(run.model.num_layers)
+    assert _flag(argv, "--hidden-size") == str(run.model.hidden)
+    assert _flag(argv, "--seq-length") == str(run.seq_len)
+    assert _flag(argv, "--wlb-config") == name
+    assert ("--num-query-groups" in argv) == (run.model.num_kv_heads != run.model.num_heads)
+    data = argv[argv.index("--data-path") + 1: argv.index("--data-path") + 5]
+    assert data == ["0.3", "/data/a_text_document", "0.7", "/data/b_text_document"]  # blends split into words
+    assert argv[argv.index("torchrun") + 1:].count(str(Path(env["MEGATRON_LM"]) / "pretrain_gpt.py")) == 1
+
+
+def test_sbatch_refuses_wrong_node_count_and_unpatched_checkout(tmp_path: Path):
+    env, record = _fake_cluster(tmp_path)
+    script = str(SLURM / "7b_64k.sbatch")  # 32 GPUs = 4 nodes x 8
+    res = subprocess.run(["bash", script], env={**env, "SLURM_NNODES": "2"}, capture_output=True, text=True,
+                         cwd=tmp_path)
+    assert res.returncode == 1 and "32 GPUs" in res.stderr and "2 node(s)" in res.stderr
+    (Path(env["MEGATRON_LM"]) / "pretrain_gpt.py").write_text("# unpatched\n")
+    res = subprocess.run(["bash", script], env={**env, "SLURM_NNODES": "4"}, capture_output=True, text=True,
+                         cwd=tmp_path)
+    assert res.returncode == 1 and "apply_patches.sh" in res.stderr
+    unset = {k: v for k, v in env.items() if k != "DATA_PATH"}
+    res = subprocess.run(["bash", script], env={**unset, "SLURM_NNODES": "4"}, capture_output=True, text=True,
+                         cwd=tmp_path)
+    assert res.returncode != 0 and "DATA_PATH" in res.stderr
+    assert not record.exists()  # srun never ran
+
+
+def test_launch_local_scales_the_layout_to_one_node(tmp_path: Path):
+    env, _ = _fake_cluster(tmp_path)
+    env.update(NPROC="8", TP="2", CP="2", PP="1", DRY_RUN="1")
+    res = subprocess.run(["bash", str(ROOT / "scripts" / "launch_local.sh"), "7b_64k", "--wlb-cp-sharding",
+                          "hybrid"], env=env, capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    argv = res.stdout.split()
+    assert argv[0] == "torchrun" and _flag(argv, "--nproc-per-node") == "8"
+    assert _flag(argv, "--tensor-model-parallel-size") == "2" and _flag(argv, "--context-parallel-size") == "2"
+    assert _flag(argv, "--pipeline-model-parallel-size") == "1"
+    assert _flag(argv, "--global-batch-size") == "8"  # 4 micro-batches x DP 2
+    assert _flag(argv, "--wlb-config") == "7b_64k" and argv[-2:] == ["--wlb-cp-sharding", "hybrid"]
+    env.update(NPROC="6", TP="4", CP="", PP="")
+    res = subprocess.run(["bash", str(ROOT / "scripts" / "launch_local.sh"), "7b_64k"], env=env,
+                         capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert res.returncode == 1 and "not a multiple of TP*CP*PP" in res.stderr
+
+
+def test_gpu_smoke_script_parses():
+    res = subprocess.run(["bash", "-n", str(ROOT / "scripts" / "gpu_smoke_train.sh")], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr

@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# Launch a WLB-LLM Megatron-LM job on ONE node with torchrun (no SLURM).
+#
+#   MEGATRON_LM=/path/to/Megatron-LM DATA_PATH=/data/corpus_text_document TOKENIZER_MODEL=<hf name|path> \
+#       scripts/launch_local.sh CONFIG [extra Megatron / --wlb-* flags...]
+#
+# CONFIG is a configs/ name (7b_64k, ...) or YAML path. The model, batch and --wlb-config flags are the
+# ones the SLURM scripts pass (scripts/slurm/make_sbatch.py --print-args); the 4D layout is scaled to
+# this node: NPROC GPUs (default: all visible), TP/CP/PP from the environment or the config, and
+# DP = NPROC / (TP*CP*PP). MEGATRON_LM must be the pinned commit, patched (scripts/apply_patches.sh).
+# Other knobs: TRAIN_ITERS, LR, MIN_LR, WARMUP_ITERS, SEED, SPLIT, CKPT_DIR, LOG_DIR, TRANSFORMER_IMPL
+# (transformer_engine | local), MASTER_PORT; DRY_RUN=1 prints the command instead of running it.
+set -euo pipefail
+
+die() { echo "launch_local.sh: error: $*" >&2; exit 1; }
+[[ $# -ge 1 ]] || die "usage: $0 CONFIG [extra flags...]   (CONFIG: a configs/ name or YAML path)"
+config=$1; shift
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+
+: "${MEGATRON_LM:?set MEGATRON_LM to a Megatron-LM checkout at core_v0.16.1 patched with scripts/apply_patches.sh}"
+: "${DATA_PATH:?set DATA_PATH to a Megatron indexed dataset prefix (PREFIX.bin/.idx), or a blend: W1 P1 W2 P2}"
+: "${TOKENIZER_MODEL:?set TOKENIZER_MODEL to a HuggingFace tokenizer name or path}"
+if [[ -z ${NPROC:-} ]]; then
+    NPROC=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+    [[ $NPROC -ge 1 ]] || die "no GPU visible (nvidia-smi -L); set NPROC"
+fi
+[[ -f $MEGATRON_LM/pretrain_gpt.py ]] || die "$MEGATRON_LM/pretrain_gpt.py not found"
+grep -q "_wlb.apply()" "$MEGATRON_LM/pretrain_gpt.py" \
+    || die "$MEGATRON_LM is not patched for WLB-LLM: run $here/apply_patches.sh $MEGATRON_LM"
+
+layout_flags=(--nproc "$NPROC")
+[[ -n ${TP:-} ]] && layout_flags+=(--tp "$TP")
+[[ -n ${CP:-} ]] && layout_flags+=(--cp "$CP")
+[[ -n ${PP:-} ]] && layout_flags+=(--pp "$PP")
+flags_line=$(python "$here/slurm/make_sbatch.py" --print-args "$config" "${layout_flags[@]}") \
+    || die "cannot derive the flags of $config (see above)"
+read -r -a CONFIG_ARGS <<< "$flags_line"
+
+name=$(basename "${config%.yaml}")
+CKPT_DIR=${CKPT_DIR:-$PWD/checkpoints/$name-local}
+LOG_DIR=${LOG_DIR:-$PWD/logs/$name-local}
+
+export CUDA_DEVICE_MAX_CONNECTIONS=1          # TP/SP communication overlap needs in-order kernel queues
+export TORCH_NCCL_ASYNC_ERROR_HANDLING=1
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}
+export PYTHONPATH=$MEGATRON_LM${PYTHONPATH:+:$PYTHONPATH}
+
+cmd=(torchrun --standalone --nnodes 1 --nproc-per-node "$NPROC" --master-port "${MASTER_PORT:-29500}"
+     "$MEGATRON_LM/pretrain_gpt.py" "${CONFIG_ARGS[@]}"
+     --data-path $DATA_PATH --split "${SPLIT:-969,30,1}"
+     --tokenizer-type HuggingFaceTokenizer --tokenizer-model "$TOKENIZER_MODEL"
+     --train-iters "${TRAIN_ITERS:-1000}" --lr "${LR:-3e-4}" --min-lr "${MIN_LR:-3e-5}" --lr-decay-style cosine
+     --lr-warmup-iters "${WARMUP_ITERS:-100}" --weight-decay 0.1 --clip-grad 1.0 --seed "${SEED:-1234}"
+     --transformer-impl "${TRANSFORMER_IMPL:-transformer_engine}"
+     --save "$CKPT_DIR" --load "$CKPT_DIR" --save-interval "${SAVE_INTERVAL:-500}"
+     --eval-interval "${EVAL_INTERVAL:-500}" --eval-iters "${EVAL_ITERS:-10}" --log-interval "${LOG_INTERVAL:-1}"
+     --tensorboard-dir "$LOG_DIR/tensorboard"
+     "$@")
+
+if [[ ${DRY_RUN:-0} != 0 ]]; then
+    printf '%q ' "${cmd[@]}"; echo
+    exit 0
+fi
+mkdir -p "$CKPT_DIR" "$LOG_DIR"
+exec "${cmd[@]}"
