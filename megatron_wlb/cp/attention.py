@@ -162,8 +162,9 @@ def _reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group) -> None:
 
 
 class AllGatherKV(torch.autograd.Function):
-    """Forward: all-gather the ranks' stacked K/V and pick the key segments ``seg_index``.
-    Backward: scatter-add the segments' gradients and reduce-scatter them to their owners."""
+    """Forward: all-gather the ranks' stacked K/V ``[T_r, 2, Hkv, D]`` and pick the key segments
+    ``seg_index`` as two contiguous tensors (K, V). Backward: scatter-add the segments' gradients
+    into the gathered layout and reduce-scatter them to their owners."""
 
     @staticmethod
     def forward(ctx, kv_local: torch.Tensor, seg_index: torch.Tensor, counts: tuple[int, ...], rank: int, group):
@@ -172,24 +173,28 @@ class AllGatherKV(torch.autograd.Function):
         ctx.meta = (counts, rank, group, width, kv_local.shape[0])
         ctx.save_for_backward(seg_index)
         if cp == 1:
-            return kv_local.index_select(0, seg_index)
-        padded = kv_local.new_zeros((width,) + tuple(kv_local.shape[1:]))
-        padded[: kv_local.shape[0]] = kv_local
-        gathered = kv_local.new_empty((cp * width,) + tuple(kv_local.shape[1:]))
-        _all_gather(gathered, padded.contiguous(), group)
-        return gathered.index_select(0, seg_index)
+            gathered = kv_local
+        else:
+            padded = kv_local.new_zeros((width,) + tuple(kv_local.shape[1:]))
+            padded[: kv_local.shape[0]] = kv_local
+            gathered = kv_local.new_empty((cp * width,) + tuple(kv_local.shape[1:]))
+            _all_gather(gathered, padded, group)
+        return gathered[:, 0].index_select(0, seg_index), gathered[:, 1].index_select(0, seg_index)
 
     @staticmethod
-    def backward(ctx, grad_seg: torch.Tensor):
+    def backward(ctx, grad_k: torch.Tensor | None, grad_v: torch.Tensor | None):
         (seg_index,) = ctx.saved_tensors
         counts, rank, group, width, local = ctx.meta
         cp = len(counts)
+        like = grad_k if grad_k is not None else grad_v
         rows = local if cp == 1 else cp * width
-        buf = grad_seg.new_zeros((rows,) + tuple(grad_seg.shape[1:]))
-        buf.index_add_(0, seg_index, grad_seg.contiguous())
+        buf = like.new_zeros((rows, 2) + tuple(like.shape[1:]))
+        for i, grad in enumerate((grad_k, grad_v)):
+            if grad is not None:
+                buf[:, i].index_add_(0, seg_index, grad)
         if cp == 1:
             return buf, None, None, None, None
-        mine = grad_seg.new_empty((width,) + tuple(grad_seg.shape[1:]))
+        mine = like.new_empty((width, 2) + tuple(like.shape[1:]))
         _reduce_scatter(mine, buf, group)
         return mine[:local], None, None, None, None
 
@@ -247,12 +252,12 @@ def all_gather_cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
     _check(q, k, v, shard, group)
     seg = torch.as_tensor(segment_index(shard), dtype=torch.long, device=k.device)
     kv = torch.stack([k, v], dim=1)                                   # [T_r, 2, Hkv, D]: one collective
-    kv_seg = AllGatherKV.apply(kv, seg, tuple(shard.rank_counts), shard.rank, group)
+    k_seg, v_seg = AllGatherKV.apply(kv, seg, tuple(shard.rank_counts), shard.rank, group)
     if shard.cu_seqlens_q.size <= 1:
         # No queries here; keep the (empty) K/V segments in the graph so this rank still joins the
         # backward reduce-scatter that the other ranks start.
-        return q * 0.0 + kv_seg.sum() * 0.0
-    return varlen_attention(q, kv_seg[:, 0], kv_seg[:, 1], shard.cu_seqlens_q, shard.cu_seqlens_k,
+        return q * 0.0 + (k_seg.sum() + v_seg.sum()) * 0.0
+    return varlen_attention(q, k_seg, v_seg, shard.cu_seqlens_q, shard.cu_seqlens_k,
                             shard.max_seqlen_q, shard.max_seqlen_k, backend, softmax_scale)
 
 
