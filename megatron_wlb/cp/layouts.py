@@ -64,7 +64,6 @@ from megatron_wlb.cp.efficiency import KernelEfficiency
 
 LAYOUT_NAMES: tuple[str, ...] = ("per-sequence", "per-document", "per-document-te", "adaptive", "hybrid")
 LAYOUT_ALIASES: dict[str, str] = {"per-document-choice": "hybrid"}
-SHARD_FORMAT_KEYS = ("layout", "padded_lengths", "ranks")
 
 
 class GatherMap:
@@ -521,8 +520,9 @@ def build_layout(name: str, lengths, cp: int, *, cost: CostModel | None = None,
     """Shard one micro-batch (document ``lengths`` in order) over ``cp`` ranks with layout ``name``.
 
     ``cost`` prices attention (default: 7B analytic at TP=1), ``efficiency`` is the kernel table
-    (default: the shipped placeholder), ``tile`` the kernel tile for rounding. ``hybrid_threshold``
-    (default ``2*cp*tile``) and ``token_slack`` only affect ``hybrid``.
+    (default: the shipped placeholder), ``tile`` the kernel tile for rounding (1: none).
+    ``hybrid_threshold`` (longest document ``hybrid`` may keep whole; default ``T // cp``) and
+    ``token_slack`` (``hybrid``'s token cap, ``ceil(T/cp * (1 + token_slack))``) only affect ``hybrid``.
     """
     canonical, lengths = _validate(name, lengths, cp, tile)
     cp = int(cp)
