@@ -176,6 +176,55 @@ def test_real_patch_on_pinned_checkout(tmp_path: Path):
     tree = ast.parse(patched)
     guards = [n for n in ast.walk(tree) if isinstance(n, ast.If) and "WLB_ENABLE" in ast.unparse(n.test)]
     assert len(guards) == 1 and "--wlb-" in ast.unparse(guards[0].test)
+    # and it runs: import the patched pretrain_gpt with a --wlb-* flag, then drive its own get_batch
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(mlm), str(ROOT)])}
+    res = subprocess.run([sys.executable, "-W", "ignore", "-c", _DRIVE_GET_BATCH], cwd=mlm, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "get_batch OK" in res.stdout
+    # without megatron_wlb importable (blocked via sys.modules), asking for WLB-LLM fails with a clear message
+    block = "import sys; sys.modules['megatron_wlb'] = None; sys.argv = ['pretrain_gpt.py'{}]; import pretrain_gpt"
+    res = subprocess.run([sys.executable, "-W", "ignore", "-c", block.format(", '--wlb-packing', 'wlb'")], cwd=mlm,
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode != 0 and "megatron_wlb is not importable" in res.stderr and "pip install -e" in res.stderr
+    stock = block.format("") + "; assert pretrain_gpt._wlb is None"
+    res = subprocess.run([sys.executable, "-W", "ignore", "-c", stock], cwd=mlm, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 0, res.stderr  # no --wlb-* flag: stock Megatron behaviour, megatron_wlb not needed
+
+
+# Runs inside the patched checkout: the first/last-stage THD path and the middle-stage path of the pinned
+# pretrain_gpt.get_batch, with Megatron's arg/config/stage helpers stubbed (no GPU, no parsed args).
+_DRIVE_GET_BATCH = """
+import sys
+sys.argv = ["pretrain_gpt.py", "--wlb-cp-sharding", "per-document"]
+import numpy as np, torch
+import pretrain_gpt as pg
+assert pg._wlb is not None, "the --wlb-* flag did not turn the hook on"
+from megatron_wlb.megatron import cp_hooks
+from megatron_wlb.megatron.settings import WlbSettings
+cp_hooks.install(WlbSettings(cp_sharding="per-document"))
+assert pg.get_thd_batch_on_this_cp_rank is cp_hooks.get_thd_batch_on_this_cp_rank
+pg.get_args = lambda: None
+pg.core_transformer_config_from_args = lambda args: None
+pg.mtp_on_this_rank = lambda *a, **k: False
+lengths = [5, 1, 9]
+T = sum(lengths)
+batch = {"tokens": torch.arange(T).view(1, -1), "labels": torch.arange(T).view(1, -1) + 1,
+         "loss_mask": torch.ones(1, T), "attention_mask": None,
+         "position_ids": torch.cat([torch.arange(n) for n in lengths]).view(1, -1),
+         "cu_seqlens": torch.tensor([0, 5, 6, 15], dtype=torch.int32), "max_seqlen": torch.tensor([9]),
+         "local_cp_size": None}
+pg.get_batch_on_this_tp_rank = lambda it, mtp_on_this_rank=False: dict(next(it))
+pg.is_first_or_last_pipeline_stage = lambda vp_stage=None: True
+tokens, labels, loss_mask, attention_mask, position_ids, params = pg.get_batch(iter([batch]))
+assert isinstance(params, cp_hooks.WlbPackedSeqParams) and params.wlb_layout == "per-document"
+assert tokens.tolist() == batch["tokens"].tolist() and position_ids.tolist() == batch["position_ids"].tolist()
+pg.is_first_or_last_pipeline_stage = lambda vp_stage=None: False
+out = pg.get_batch(iter([batch]))
+assert out[:5] == (None,) * 5 and np.array_equal(out[5].wlb_shard.token_index, params.wlb_shard.token_index)
+print("get_batch OK")
+"""
 
 
 # ---------------------------------------------------------------------------------------------------
