@@ -4,6 +4,7 @@ document-causal attention: forward output and dq, dk, dv, for every layout and m
 
 from __future__ import annotations
 
+import datetime
 import os
 import tempfile
 import time
@@ -25,7 +26,7 @@ from megatron_wlb.cp.attention import (
 from megatron_wlb.cp.layouts import LAYOUT_NAMES, build_layout
 
 HEADS, KV_HEADS, DIM = 4, 2, 8
-TIMEOUT_S = 120
+TIMEOUT_S = 300
 
 
 def _length_mixes(cp: int, seed: int) -> list[list[int]]:
@@ -72,7 +73,7 @@ def _check_case(lengths: list[int], cp: int, rank: int, layout: str, tile: int, 
 def _worker(rank: int, cp: int, store: str, errdir: str) -> None:
     try:
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=cp,
-                                timeout=__import__("datetime").timedelta(seconds=60))
+                                timeout=datetime.timedelta(seconds=180))
         torch.set_num_threads(1)
         group = dist.new_group(list(range(cp)))
         case = 0
