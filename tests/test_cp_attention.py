@@ -175,3 +175,15 @@ def test_per_document_te_padding_leaves_real_tokens_unchanged():
     r = torch.as_tensor(real)
     plain = reference_document_attention(q[r], k[r], v[r], np.concatenate([[0], np.cumsum(lengths)]))
     torch.testing.assert_close(padded_out[r], plain)
+
+
+def test_segment_index_expands_gather_pieces_on_the_device():
+    from megatron_wlb.cp.attention import segment_index
+
+    for name in LAYOUT_NAMES:
+        lay = build_layout(name, [7, 1, 30, 2, 16], 4, tile=4)
+        for shard in lay.ranks:
+            rows = segment_index(shard, "cpu")
+            assert rows.dtype == torch.long
+            assert rows.tolist() == shard.gather_rows().tolist()
+            assert rows.numel() == shard.kv_index.size

@@ -199,10 +199,19 @@ class AllGatherKV(torch.autograd.Function):
         return mine[:local], None, None, None, None
 
 
-def segment_index(shard: RankShard) -> np.ndarray:
+def segment_index(shard: RankShard, device: torch.device | str = "cpu") -> torch.Tensor:
     """Rows of the padded all-gather buffer (blocks of ``max(rank_counts)`` rows per rank) that hold
-    each query run's keys, in ``kv_index`` order."""
-    return shard.gather_rows(max(shard.rank_counts))
+    each query run's keys, in ``kv_index`` order, as a long tensor on ``device``. Only the O(runs)
+    pieces are computed on the host; the O(keys) expansion runs on ``device``."""
+    base, length = shard.gather_pieces(max(shard.rank_counts))
+    base_t = torch.as_tensor(base, dtype=torch.long).to(device, non_blocking=True)
+    length_t = torch.as_tensor(length, dtype=torch.long).to(device, non_blocking=True)
+    if base.size == 0:
+        return base_t
+    offsets = torch.cumsum(length_t, 0) - length_t                 # first output index of each piece
+    total = int(length.sum())
+    return torch.repeat_interleave(base_t - offsets, length_t, output_size=total) + torch.arange(
+        total, device=device)
 
 
 def _check(q, k, v, shard: RankShard, group) -> tuple[int, int]:
@@ -250,7 +259,7 @@ def all_gather_cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
     Returns [T_r, H, D]. Differentiable w.r.t. q, k, v (dk/dv reduce-scattered to their owners).
     """
     _check(q, k, v, shard, group)
-    seg = torch.as_tensor(segment_index(shard), dtype=torch.long, device=k.device)
+    seg = segment_index(shard, k.device)
     kv = torch.stack([k, v], dim=1)                                   # [T_r, 2, Hkv, D]: one collective
     k_seg, v_seg = AllGatherKV.apply(kv, seg, tuple(shard.rank_counts), shard.rank, group)
     if shard.cu_seqlens_q.size <= 1:

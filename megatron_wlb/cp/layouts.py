@@ -90,11 +90,12 @@ class GatherMap:
         offsets = np.concatenate([[0], np.cumsum(self.counts)])[:-1].astype(np.int64)
         return _expand(offsets[owner] + local, end - start)                # runs tile 0..T in order
 
-    def rows(self, seg_start: np.ndarray, seg_end: np.ndarray, width: int) -> np.ndarray:
-        """Rows of a gather buffer whose rank blocks are ``width`` rows apart holding positions
-        ``[seg_start[i], seg_end[i])``, concatenated over i (O(pieces + rows), no per-token search)."""
+    def pieces(self, seg_start: np.ndarray, seg_end: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
+        """(first row, length) of the contiguous pieces of a gather buffer whose rank blocks are
+        ``width`` rows apart that hold positions ``[seg_start[i], seg_end[i])``, in order over i.
+        O(pieces): a piece is the overlap of a segment with one query run of one rank."""
         if seg_start.size == 0:
-            return np.zeros(0, dtype=np.int64)
+            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
         start, end, owner, local = self._sorted
         j_lo = np.searchsorted(start, seg_start, side="right") - 1
         j_hi = np.searchsorted(start, seg_end - 1, side="right") - 1
@@ -103,7 +104,11 @@ class GatherMap:
         seg = np.repeat(np.arange(seg_start.size), count)
         ps = np.maximum(start[j], seg_start[seg])
         pe = np.minimum(end[j], seg_end[seg])
-        return _expand(owner[j] * width + local[j] + (ps - start[j]), pe - ps)
+        return owner[j] * width + local[j] + (ps - start[j]), pe - ps
+
+    def rows(self, seg_start: np.ndarray, seg_end: np.ndarray, width: int) -> np.ndarray:
+        """The rows of :meth:`pieces`, expanded (O(rows))."""
+        return _expand(*self.pieces(seg_start, seg_end, width))
 
 
 @dataclass(frozen=True, eq=False)
@@ -158,14 +163,19 @@ class RankShard:
     def gather_position(self) -> np.ndarray | None:
         return None if self.gather is None else self.gather.position
 
-    def gather_rows(self, width: int | None = None) -> np.ndarray:
-        """int64, aligned with ``kv_index``: the row of each key in an all-gather buffer whose rank
-        blocks are ``width`` rows apart (default ``max(rank_counts)``: every rank padded to the
-        largest). What the attention indexes; built from runs without touching every position."""
+    def gather_pieces(self, width: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """(first row, length) runs whose expansion is :meth:`gather_rows`; O(runs), so the O(keys)
+        expansion can happen on the accelerator (the attention does that)."""
         if self.gather is None:
             raise ValueError("RankShard.gather_rows needs the layout's GatherMap (build shards with build_layout)")
         width = max(self.rank_counts) if width is None else int(width)
-        return self.gather.rows(self.run_key_start, self.run_start + self.query_lengths, width)
+        return self.gather.pieces(self.run_key_start, self.run_start + self.query_lengths, width)
+
+    def gather_rows(self, width: int | None = None) -> np.ndarray:
+        """int64, aligned with ``kv_index``: the row of each key in an all-gather buffer whose rank
+        blocks are ``width`` rows apart (default ``max(rank_counts)``: every rank padded to the
+        largest). Built from runs without searching per position."""
+        return _expand(*self.gather_pieces(width))
 
     @property
     def num_tokens(self) -> int:
