@@ -23,7 +23,7 @@ def scenarios(draw):
     n = draw(st.integers(1, 3))
     dp = draw(st.integers(1, 2))
     shape = draw(st.sampled_from(["mixed", "equal", "heavy", "extremes"]))
-    count = draw(st.integers(1, 50))
+    count = draw(st.integers(1, 80))
     if shape == "equal":
         lengths = [draw(st.integers(1, 2 * max_seq_len))] * count
     elif shape == "extremes":
@@ -69,7 +69,7 @@ def check_coverage(lengths, batches, dropped):
         assert pos == length, f"doc {doc}: emitted {pos} of {length} tokens"
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenarios(), st.sampled_from(PACKERS))
 def test_invariants(scenario, name):
     lengths, config, cost = scenario
@@ -90,14 +90,15 @@ def test_invariants(scenario, name):
     if name == "wlb":
         m = config.dp * config.n
         # the delay bound is guaranteed when an iteration can always absorb one iteration's intake
-        if m * (config.capacity_var - config.seq_len) >= config.capacity_var:
+        # (the budget plus the overshoot of the document that crosses it)
+        if int(lengths.max()) <= m * (config.capacity_var - config.seq_len):
             assert all(b.iteration - p.arrival <= config.max_delay for b in batches for p in b.pieces())
     # same input and config -> the same plan (every rank computes it independently)
     again = list(make_packer(name, config, cost).pack(lengths))
     assert plan_rows(again) == plan_rows(batches)
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenarios(), st.sampled_from(PACKERS), st.integers(0, 12))
 def test_resume_from_state(scenario, name, stop):
     lengths, config, cost = scenario

@@ -230,6 +230,17 @@ def test_bad_config_named(kwargs, needle):
         PackingConfig(**kwargs)
 
 
+@pytest.mark.parametrize("name, kwargs, needle", [
+    ("wlb", {"queue_thresholds": (100, 400)}, "400 exceeds the wlb capacity max_seq_len=150"),
+    ("wlb", {"extra": {"outlier_fraction": -1}}, "outlier_fraction=-1"),
+    ("wlb", {"extra": {"release": "all"}}, "release='all'"),
+    ("fixed-solver", {"extra": {"solver_nodes": 2.5}}, "solver_nodes=2.5"),
+])
+def test_bad_packer_knobs_named(name, kwargs, needle):
+    with pytest.raises(ValueError, match=needle):
+        make_packer(name, PackingConfig(seq_len=100, n=2, max_seq_len=150, **kwargs))
+
+
 def test_unknown_packer_and_foreign_state():
     with pytest.raises(ValueError, match="unknown packer 'best'"):
         make_packer("best", PackingConfig(seq_len=8, n=1))

@@ -118,6 +118,11 @@ class FixedSolverPacker(FixedWindowPacker):
         super().__init__(config, cost)
         self.solver_status: dict[str, int] = {}   # diagnostics: HiGHS status per window
         self.time_limit_hits = 0
+        nodes = config.extra.get("solver_nodes", DEFAULT_NODE_LIMIT)
+        if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 0:
+            raise ValueError(f"solver_nodes={nodes!r}: must be a non-negative integer (HiGHS branch-and-bound "
+                             "nodes per window; 0 = root node only)")
+        self.node_limit = nodes
 
     def _assign(self, carried: list[DocPiece], new: list[DocPiece], bins: int):
         greedy_bins, left = super()._assign(carried, new, bins)
@@ -142,7 +147,7 @@ class FixedSolverPacker(FixedWindowPacker):
         choice, status, _ = solve_assignment(
             lengths, weights, bins, self.config.seq_len, start=start,
             time_limit=self.config.solver_time_limit,
-            node_limit=int(self.config.extra.get("solver_nodes", DEFAULT_NODE_LIMIT)), seed=self.config.seed)
+            node_limit=self.node_limit, seed=self.config.seed)
         self.solver_status[status] = self.solver_status.get(status, 0) + 1
         if status == "Time limit reached":
             self.time_limit_hits += 1

@@ -27,9 +27,9 @@ Extensions beyond the paper:
     restored packer derives the same thresholds.
 (b) ``max_delay``: a hard bound on waiting. A forced piece that fits in no micro-batch whole is
     cut into pieces that fill the micro-batches with most room (counted in ``forced_splits``), so
-    the bound holds whenever an iteration can absorb one iteration's intake,
-    ``dp * n * (max_seq_len - seq_len) >= max_seq_len`` (every config in configs/); otherwise it
-    is best effort.
+    the bound holds whenever an iteration can absorb one iteration's intake (the budget plus the
+    overshoot of the document crossing it), i.e. whenever no document is longer than
+    ``dp * n * (max_seq_len - seq_len)`` (256K tokens at 7b_128k); otherwise it is best effort.
 (c) Global balance: the placement balances all ``dp * n`` micro-batches of the global batch
     together (DP ranks wait for each other at the gradient sync), and a queue releases ``dp * n``
     outliers at a time, one per micro-batch of the global batch: an outlier in one DP rank's
@@ -86,9 +86,16 @@ class WlbPacker(Packer):
         self._weight_sum = 0.0
         self._budgets = 0
         self.forced_splits = 0
-        self.outlier_fraction = float(config.extra.get("outlier_fraction", DEFAULT_OUTLIER_FRACTION))
-        if not 0 < self.outlier_fraction:
-            raise ValueError(f"outlier_fraction must be positive, got {self.outlier_fraction!r}")
+        frac = config.extra.get("outlier_fraction", DEFAULT_OUTLIER_FRACTION)
+        if isinstance(frac, bool) or not isinstance(frac, (int, float)) or not frac > 0:
+            raise ValueError(f"outlier_fraction={frac!r}: must be a positive number (fraction of the mean "
+                             "per-micro-batch latency that makes a document an outlier)")
+        self.outlier_fraction = float(frac)
+        if config.queue_thresholds != "auto" and config.queue_thresholds[-1] > self.capacity:
+            raise ValueError(f"queue_thresholds={list(config.queue_thresholds)}: "
+                             f"{config.queue_thresholds[-1]} exceeds the wlb capacity max_seq_len="
+                             f"{self.capacity}, so no piece can ever reach that queue; use thresholds <= "
+                             f"{self.capacity} or 'auto'")
         self.flush_on_force = bool(config.extra.get("flush_on_force", True))
         release = config.extra.get("release", "global")
         if release not in ("global", "rank"):
