@@ -11,7 +11,7 @@ no cost model we do too). Bins are identical, so we add the standard symmetry cu
 placement order) only uses bins 0..i"; the greedy solution, with its bins relabelled by first use,
 satisfies it and is handed to HiGHS as the incumbent. The result is never worse than greedy: a
 solver answer is taken only if HiGHS reports a feasible solution that re-checks as a valid
-assignment with a smaller maximum; otherwise (error, no solution) the greedy plan stands.
+assignment with a maximum no larger than greedy's; otherwise (error, no solution) the greedy plan stands.
 
 Why HiGHS (``highspy``): MIT-licensed, on PyPI with wheels, already a dependency of SciPy's
 ``milp``; unlike ``scipy.optimize.milp`` its Python API takes a warm start (``setSolution``) and
