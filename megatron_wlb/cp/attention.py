@@ -93,7 +93,7 @@ def _torch_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale):
     if "window_size" in params:
         kwargs["window_size"] = (-1, 0)          # causal, bottom-right aligned (flash semantics)
     else:
-        kwargs["is_causal"] = True               # torch <= 2.10 spelling
+        kwargs["is_causal"] = True               # the older signature's spelling
     if k.shape[1] != q.shape[1]:
         if "enable_gqa" in params:
             kwargs["enable_gqa"] = True
@@ -139,8 +139,14 @@ def varlen_attention(q, k, v, cu_seqlens_q: np.ndarray, cu_seqlens_k: np.ndarray
     """Bottom-right causal varlen attention with the chosen kernel (differentiable)."""
     name = resolve_backend(backend, q.device)
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
+    half = q.dtype in (torch.float16, torch.bfloat16)
+    if name != "reference" and not half:
+        if backend != "auto":
+            raise ValueError(f"attention backend {name!r} runs fp16/bf16 only, got {q.dtype}; use 'reference'")
+        name = "reference"                       # auto: full precision goes to the reference path
     if name == "reference" or len(cu_seqlens_q) <= 1:
         return reference_varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, scale)
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     cu_q = torch.as_tensor(np.asarray(cu_seqlens_q, dtype=np.int32), device=q.device)
     cu_k = torch.as_tensor(np.asarray(cu_seqlens_k, dtype=np.int32), device=q.device)
     fn = _torch_varlen if name == "torch-varlen" else _flash_attn
