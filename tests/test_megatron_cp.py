@@ -511,3 +511,38 @@ def test_install_builds_the_run_cost_model():
         assert cp_hooks._installed().cost is None
     finally:
         cp_hooks.uninstall()
+
+
+def test_core_attention_keeps_stock_checkpoint_keys():
+    """The wrapped core attention's state appears under stock Megatron's keys and loads back (strict)."""
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_wlb.megatron.attention import WlbCoreAttention
+
+    class Inner(torch.nn.Module):  # stands in for TE's attention and its _extra_state-like state
+        def __init__(self, **kwargs):
+            super().__init__()
+            self.register_buffer("scale", torch.ones(2))
+            self.child = torch.nn.Linear(1, 1, bias=False)
+
+    cfg = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2, attention_dropout=0.0,
+                            use_cpu_initialization=True)
+
+    def layer():
+        parent = torch.nn.Module()
+        parent.core_attention = WlbCoreAttention(cfg, 1, AttnMaskType.causal, "self", inner=Inner)
+        return parent
+
+    a, b = layer(), layer()
+    with torch.no_grad():
+        a.core_attention.inner.scale.fill_(3.0)
+        a.core_attention.inner.child.weight.fill_(5.0)
+    state = a.state_dict()
+    assert set(state) == {"core_attention.scale", "core_attention.child.weight"}
+    b.load_state_dict(state, strict=True)
+    assert torch.all(b.core_attention.inner.scale == 3.0) and float(b.core_attention.inner.child.weight) == 5.0
+    with pytest.raises(RuntimeError, match="Unexpected key"):
+        b.load_state_dict({**state, "core_attention.inner.scale": torch.ones(2)}, strict=True)
+    b.eval()
+    assert not b.core_attention.inner.training

@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -68,7 +69,10 @@ class WlbCoreAttention(MegatronModule):
         head_dim = config.kv_channels
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
         self.pg_collection = pg_collection
-        self.inner = None
+        # The fallback lives outside the module tree (a plain attribute) and its state is presented
+        # under our own prefix, so checkpoints keep stock Megatron's keys (…core_attention._extra_state
+        # for TE), loadable both ways. It has no parameters (vanilla softmax is enforced above).
+        object.__setattr__(self, "inner", None)
         self.inner_error: str | None = None
         if inner is not None:
             kwargs = dict(config=config, layer_number=layer_number, attn_mask_type=attn_mask_type,
@@ -77,9 +81,46 @@ class WlbCoreAttention(MegatronModule):
             if attention_dropout is not None:
                 kwargs["attention_dropout"] = attention_dropout
             try:
-                self.inner = inner(**kwargs)
+                object.__setattr__(self, "inner", inner(**kwargs))
             except AssertionError as exc:  # the local DotProductAttention refuses CP > 1
                 self.inner_error = f"{getattr(inner, '__name__', inner)}: {exc}"
+
+    # -- the fallback's state, under this module's prefix ------------------------------------------------
+    def train(self, mode: bool = True):
+        super().train(mode)
+        if self.inner is not None:
+            self.inner.train(mode)
+        return self
+
+    def _apply(self, fn, *args, **kwargs):
+        super()._apply(fn, *args, **kwargs)
+        if self.inner is not None:
+            self.inner._apply(fn, *args, **kwargs)
+        return self
+
+    def state_dict(self, *args, destination=None, prefix="", keep_vars=False):
+        if destination is None:
+            destination = OrderedDict()
+        if self.inner is not None:
+            self.inner.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+        return destination
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        def load(module, module_prefix):
+            module._load_from_state_dict(state_dict, module_prefix, local_metadata, strict, missing_keys,
+                                         unexpected_keys, error_msgs)
+            for name, child in module._modules.items():
+                if child is not None:
+                    load(child, module_prefix + name + ".")
+
+        if self.inner is not None:
+            load(self.inner, prefix)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
+        if self.inner is None or not hasattr(self.inner, "sharded_state_dict"):
+            return {}
+        return self.inner.sharded_state_dict(prefix=prefix, sharded_offsets=sharded_offsets, metadata=metadata)
 
     def cp_group(self) -> Any:
         """The CP process group: the layer's ``pg_collection.cp``, else parallel_state's (None: no CP)."""
