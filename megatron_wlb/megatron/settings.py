@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
+from megatron_wlb.packing.types import PackingConfig
+
 PACKING_NAMES: tuple[str, ...] = ("original", "fixed-greedy", "fixed-solver", "wlb")
 
 # The CP layouts megatron_wlb.cp.layouts provides; that module's LAYOUT_NAMES is authoritative when
@@ -55,7 +57,8 @@ class WlbSettings:
     - ``packing``: PP-level packer (original = Megatron's concat-and-cut, fixed-greedy,
       fixed-solver, wlb = variable-length packing with outlier delay).
     - ``queue_thresholds`` / ``num_queues``: wlb's outlier queues (``"auto"`` derives them).
-    - ``max_seq_len``: S_max, the variable-length micro-batch capacity (None = ``--seq-length``).
+    - ``max_seq_len``: S_max, the variable-length micro-batch capacity (None = the packers' default,
+      ``DEFAULT_MAX_SEQ_LEN_FACTOR`` x ``--seq-length``).
     - ``max_delay``: iterations a document may wait beyond its arrival.
     - ``window``: global batches the fixed packers balance together.
     - ``cp_sharding``: CP layout name (``cp_sharding_names()``).
@@ -68,7 +71,7 @@ class WlbSettings:
     queue_thresholds: str | tuple[int, ...] = "auto"
     num_queues: int = 2
     max_seq_len: int | None = None
-    max_delay: int = 4
+    max_delay: int = PackingConfig.__dataclass_fields__["max_delay"].default
     window: int = 1
     cp_sharding: str = "adaptive"
     cost_profile: str | None = None
