@@ -8,7 +8,8 @@ micro-batch, each position once; the stashed ``WlbPackedSeqParams`` matches the 
 point and the middle-stage entry point agree; batches without cu_seqlens go through Megatron's own
 head-tail split; TP peers hold identical shards. With CP = 2 (under TP2) and CP = 4: ``WlbCoreAttention``
 (THD and [s, b, h, d] inputs, GQA) over the CP group equals single-process document-causal attention,
-and a whole Megatron ``SelfAttention`` (local spec, RoPE, GQA) under CP equals the same layer without CP.
+and a whole Megatron ``SelfAttention`` (local spec, RoPE, GQA) under CP equals the same layer without CP,
+forward and (CP-summed) weight gradients.
 Single-process tests cover the cu_seqlens parsing, errors, the TE path's params and the RoPE hook.
 """
 
@@ -298,6 +299,15 @@ def _check_self_attention(cp_size: int, cp_rank: int) -> None:
     out, _ = layer(x[idx], None, rotary_pos_emb=freqs, packed_seq_params=params)
     ref, _ = ref_layer(x, None, rotary_pos_emb=freqs, packed_seq_params=params1)
     torch.testing.assert_close(out, ref[idx], rtol=1e-4, atol=1e-5)
+    # backward: the CP ranks' weight gradients, summed over the CP group (as Megatron's DP x CP grad
+    # reduction does), equal the gradients of the layer run without CP
+    grad_out = torch.randn(total, 1, hidden, generator=torch.Generator().manual_seed(13))
+    (out * grad_out[idx]).sum().backward()
+    (ref * grad_out).sum().backward()
+    for (name, p), (_, p1) in zip(layer.named_parameters(), ref_layer.named_parameters(), strict=True):
+        g = p.grad.clone()
+        dist.all_reduce(g, group=parallel_state.get_context_parallel_group())
+        torch.testing.assert_close(g, p1.grad, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
     # without the RoPE hook Megatron's THD RoPE would rotate by the wrong positions: the hook matters
     cp_hooks.uninstall()
     wrong = cp_hooks.shard_packed_batch(dict(batch), batch["cu_seqlens"], batch["max_seqlen"], sharding="per-document",

@@ -206,6 +206,7 @@ def shard_packed_batch(batch: dict[str, Any], cu_seqlens: Any, max_seqlen: Any, 
     cu_k = torch.as_tensor(np.asarray(shard.cu_seqlens_k), dtype=torch.int32, device=device)
     for t in (cu_q, cu_k):  # what our apply_rotary_pos_emb wrapper looks for (see module docstring)
         setattr(t, ROPE_POSITIONS_ATTR, rope_pos)
+        setattr(t, ROPE_POSITIONS_ATTR + "_end", max_pos)  # 1 + largest position: checked without a sync
     params = WlbPackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_q, cu_seqlens_kv=cu_k,
                                 max_seqlen_q=longest, max_seqlen_kv=longest, cp_group=cp_group,
                                 wlb_shard=shard, wlb_layout=layout.name, wlb_position_ids=rope_pos,
@@ -323,8 +324,9 @@ def wlb_apply_rotary_pos_emb(original: Callable) -> Callable:
             return original(t, freqs, config, cu_seqlens=cu_seqlens, mscale=mscale, cp_group=cp_group)
         if positions.numel() != t.shape[0]:
             raise ValueError(f"RoPE: {positions.numel()} position ids for {t.shape[0]} local tokens")
-        if int(positions.max().item()) >= freqs.shape[0]:
-            raise ValueError(f"RoPE: position {int(positions.max().item())} beyond the {freqs.shape[0]} "
+        end = getattr(cu_seqlens, ROPE_POSITIONS_ATTR + "_end", None)
+        if end is None or end > freqs.shape[0]:
+            raise ValueError(f"RoPE: position {None if end is None else end - 1} beyond the {freqs.shape[0]} "
                              "rotary positions computed (max_seqlen too small)")
         local = freqs.index_select(0, positions.to(freqs.device))
         return _apply_rotary_pos_emb_bshd(t.unsqueeze(1), local, rotary_interleaved=config.rotary_interleaved,
