@@ -411,6 +411,8 @@ def test_te_params_describe_te_layout():
                                               cp_size=2, cp_rank=0, te_attention=True)
     assert out["tokens"][0].tolist() == [1, 2, 7, 8, 9, 10, 15, 16]  # rank 0 owns [0,1,6,7,8,9,14,15]
     assert params.wlb_shard is None and params.cu_seqlens_q_padded.tolist() == [0, 8, 16]
+    assert params.cp_group is None  # as Megatron's own THD path: TE keeps the CP group it was built with
+    assert params.max_seqlen_q == 8 and params.qkv_format == "thd"
     out, params = cp_hooks.shard_packed_batch({"tokens": torch.arange(1, 7).view(1, -1)}, torch.tensor([0, 3, 6]),
                                               3, sharding="per-document-te", cp_size=2, cp_rank=1, te_attention=True)
     assert params.cu_seqlens_q.tolist() == [0, 3, 6] and params.cu_seqlens_q_padded.tolist() == [0, 4, 8]

@@ -193,7 +193,9 @@ def shard_packed_batch(batch: dict[str, Any], cu_seqlens: Any, max_seqlen: Any, 
         params = WlbPackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_real, cu_seqlens_kv=cu_real,
                                     cu_seqlens_q_padded=cu_pad, cu_seqlens_kv_padded=cu_pad,
                                     max_seqlen_q=int(padded.max()), max_seqlen_kv=int(padded.max()),
-                                    cp_group=cp_group, wlb_shard=None, wlb_layout=layout.name,
+                                    # None, as in Megatron's own THD path: a cp_group here would make
+                                    # TEDotProductAttention re-set its CP group every call (dynamic CP)
+                                    cp_group=None, wlb_shard=None, wlb_layout=layout.name,
                                     wlb_position_ids=rope_pos)
         return out, params
     local_pad = (-len(source)) % local_multiple
