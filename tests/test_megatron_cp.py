@@ -536,7 +536,13 @@ def test_core_attention_keeps_stock_checkpoint_keys():
         def __init__(self, **kwargs):
             super().__init__()
             self.register_buffer("scale", torch.ones(2))
-            self.child = torch.nn.Linear(1, 1, bias=False)
+            self.child = torch.nn.Module()
+            self.child.register_buffer("weight", torch.zeros(1))
+
+    class WithParams(torch.nn.Module):
+        def __init__(self, **kwargs):
+            super().__init__()
+            self.offset = torch.nn.Parameter(torch.zeros(2))
 
     cfg = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2, attention_dropout=0.0,
                             use_cpu_initialization=True)
@@ -554,6 +560,8 @@ def test_core_attention_keeps_stock_checkpoint_keys():
     assert set(state) == {"core_attention.scale", "core_attention.child.weight"}
     b.load_state_dict(state, strict=True)
     assert torch.all(b.core_attention.inner.scale == 3.0) and float(b.core_attention.inner.child.weight) == 5.0
+    with pytest.raises(ValueError, match="parameter-free"):
+        WlbCoreAttention(cfg, 1, AttnMaskType.causal, "self", inner=WithParams)
     with pytest.raises(RuntimeError, match="Unexpected key"):
         b.load_state_dict({**state, "core_attention.inner.scale": torch.ones(2)}, strict=True)
     b.eval()

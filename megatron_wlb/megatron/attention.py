@@ -81,9 +81,14 @@ class WlbCoreAttention(MegatronModule):
             if attention_dropout is not None:
                 kwargs["attention_dropout"] = attention_dropout
             try:
-                object.__setattr__(self, "inner", inner(**kwargs))
+                built = inner(**kwargs)
             except AssertionError as exc:  # the local DotProductAttention refuses CP > 1
                 self.inner_error = f"{getattr(inner, '__name__', inner)}: {exc}"
+            else:
+                if any(True for _ in built.parameters()):  # they would silently miss the optimizer
+                    raise ValueError(f"{type(built).__name__} has parameters; WlbCoreAttention only wraps "
+                                     "parameter-free core attentions")
+                object.__setattr__(self, "inner", built)
 
     # -- the fallback's state, under this module's prefix ------------------------------------------------
     def train(self, mode: bool = True):
