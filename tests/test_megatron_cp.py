@@ -566,3 +566,36 @@ def test_core_attention_keeps_stock_checkpoint_keys():
         b.load_state_dict({**state, "core_attention.inner.scale": torch.ones(2)}, strict=True)
     b.eval()
     assert not b.core_attention.inner.training
+
+
+def test_install_rebinds_every_importer_and_survives_lazy_modules():
+    """A module that imported Megatron's function (as pretrain_gpt does) is rebound; lazy modules whose
+    __getattr__ raises are left alone; uninstall restores the originals."""
+    import sys
+    import types
+
+    from megatron.core import utils as mcore_utils
+
+    from megatron_wlb.megatron import cp_hooks
+    from megatron_wlb.megatron.settings import WlbSettings
+
+    original = mcore_utils.get_thd_batch_on_this_cp_rank
+    importer = types.ModuleType("fake_pretrain_gpt")
+    importer.get_thd_batch_on_this_cp_rank = original
+    importer.get_batch_on_this_cp_rank = mcore_utils.get_batch_on_this_cp_rank
+
+    class Lazy(types.ModuleType):
+        def __getattr__(self, name):
+            raise ImportError(f"lazy module: {name}")
+
+    sys.modules["fake_pretrain_gpt"], sys.modules["fake_lazy"] = importer, Lazy("fake_lazy")
+    try:
+        cp_hooks.install(WlbSettings(cp_sharding="per-document"))
+        assert importer.get_thd_batch_on_this_cp_rank is cp_hooks.get_thd_batch_on_this_cp_rank
+        assert importer.get_batch_on_this_cp_rank is cp_hooks.get_batch_on_this_cp_rank
+        cp_hooks.uninstall()
+        assert importer.get_thd_batch_on_this_cp_rank is original
+        assert mcore_utils.get_thd_batch_on_this_cp_rank is original
+    finally:
+        cp_hooks.uninstall()
+        del sys.modules["fake_pretrain_gpt"], sys.modules["fake_lazy"]

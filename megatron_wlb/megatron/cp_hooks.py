@@ -343,7 +343,13 @@ def _replace_everywhere(name: str, original: Callable, replacement: Callable) ->
     """Rebind ``name`` to ``replacement`` in every loaded module that bound ``original``."""
     patched = []
     for mod_name, module in list(sys.modules.items()):
-        if mod_name != __name__ and module is not None and getattr(module, name, None) is original:
+        if mod_name == __name__ or module is None:
+            continue
+        try:  # lazy modules (transformers, six.moves, ...) may raise anything from __getattr__
+            bound = module.__dict__.get(name) if hasattr(module, "__dict__") else None
+        except Exception:  # noqa: BLE001
+            continue
+        if bound is original:
             setattr(module, name, replacement)
             patched.append(mod_name)
     return patched
