@@ -24,6 +24,31 @@ ITERS=${ITERS:-300}
 SEQ=${SEQ:-2048}
 SMAX=${SMAX:-3072}
 
+# The training flags (PRINT_ARGS=1 prints them and exits: the CPU test parses them with Megatron's parser).
+# 4 layers, hidden 256, GQA 8/4 heads, RoPE, SwiGLU; WLB packing and CP sharding hooks on.
+DATA=$OUT/data/stdlib_text_document
+SMOKE_ARGS=(
+    --num-layers 4 --hidden-size 256 --num-attention-heads 8 --group-query-attention --num-query-groups 4
+    --ffn-hidden-size 1024 --swiglu --normalization RMSNorm --position-embedding-type rope
+    --disable-bias-linear --untie-embeddings-and-output-weights
+    --attention-dropout 0.0 --hidden-dropout 0.0
+    --seq-length "$SEQ" --max-position-embeddings "$SMAX" --micro-batch-size 1 --global-batch-size 8
+    --train-iters "$ITERS" --lr 1e-3 --min-lr 1e-4 --lr-warmup-iters 30 --lr-decay-style cosine
+    --weight-decay 0.1 --clip-grad 1.0 --bf16 --seed 1234
+    --no-gradient-accumulation-fusion --no-masked-softmax-fusion --no-rope-fusion
+    --transformer-impl "${TRANSFORMER_IMPL:-local}"
+    --tokenizer-type NullTokenizer --vocab-size 256
+    --data-path "$DATA" --split 98,2,0
+    --log-interval 10 --eval-interval 100 --eval-iters 5
+    --save "$OUT/ckpt" --save-interval $(( ITERS / 2 )) --tensorboard-dir "$OUT/tensorboard"
+    --wlb-packing "${PACKING:-wlb}" --wlb-cp-sharding "${CP_SHARDING:-per-document}"
+    --wlb-max-seq-len "$SMAX" --wlb-log-interval 10
+)
+if [[ ${PRINT_ARGS:-0} != 0 ]]; then
+    printf '%s\n' "${SMOKE_ARGS[@]}"
+    exit 0
+fi
+
 python - <<'EOF' || die "no CUDA GPU visible to torch"
 import torch
 assert torch.cuda.is_available()
@@ -43,7 +68,6 @@ fi
 "$repo/scripts/apply_patches.sh" "$MLM"
 
 # 2. Real text: the standard library's .py files, one document per file, byte-level tokens.
-DATA=$OUT/data/stdlib_text_document
 if [[ ! -f $DATA.idx ]]; then
     mkdir -p "$OUT/data"
     DATA_PREFIX=$DATA MAX_BYTES=${MAX_BYTES:-60000000} python - <<'EOF'
@@ -60,28 +84,12 @@ print(f"wrote {os.environ['DATA_PREFIX']}.bin/.idx: {len(docs)} documents, {sum(
 EOF
 fi
 
-# 3. Train: 4 layers, hidden 256, GQA 8/4 heads, RoPE, SwiGLU; WLB packing and CP sharding hooks on.
+# 3. Train through Megatron's own loop, one GPU.
 export CUDA_DEVICE_MAX_CONNECTIONS=1
 export PYTHONPATH=$MLM${PYTHONPATH:+:$PYTHONPATH}
 LOG=$OUT/train.log
 rm -rf "$OUT/ckpt"
-torchrun --standalone --nnodes 1 --nproc-per-node 1 "$MLM/pretrain_gpt.py" \
-    --num-layers 4 --hidden-size 256 --num-attention-heads 8 --group-query-attention --num-query-groups 4 \
-    --ffn-hidden-size 1024 --swiglu --normalization RMSNorm --position-embedding-type rope \
-    --disable-bias-linear --untie-embeddings-and-output-weights \
-    --attention-dropout 0.0 --hidden-dropout 0.0 \
-    --seq-length "$SEQ" --max-position-embeddings "$SMAX" --micro-batch-size 1 --global-batch-size 8 \
-    --train-iters "$ITERS" --lr 1e-3 --min-lr 1e-4 --lr-warmup-iters 30 --lr-decay-style cosine \
-    --weight-decay 0.1 --clip-grad 1.0 --bf16 --seed 1234 \
-    --no-gradient-accumulation-fusion --no-masked-softmax-fusion --no-rope-fusion \
-    --transformer-impl "${TRANSFORMER_IMPL:-local}" \
-    --tokenizer-type NullTokenizer --vocab-size 256 \
-    --data-path "$DATA" --split 98,2,0 \
-    --log-interval 10 --eval-interval 100 --eval-iters 5 \
-    --save "$OUT/ckpt" --save-interval $(( ITERS / 2 )) --tensorboard-dir "$OUT/tensorboard" \
-    --wlb-packing "${PACKING:-wlb}" --wlb-cp-sharding "${CP_SHARDING:-per-document}" \
-    --wlb-max-seq-len "$SMAX" --wlb-log-interval 10 \
-    2>&1 | tee "$LOG"
+torchrun --standalone --nnodes 1 --nproc-per-node 1 "$MLM/pretrain_gpt.py" "${SMOKE_ARGS[@]}" 2>&1 | tee "$LOG"
 
 # 4. Verdict from the log.
 python - "$LOG" <<'EOF'

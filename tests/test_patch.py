@@ -154,14 +154,24 @@ def _mirror_has_pin() -> bool:
     return res.returncode == 0
 
 
-@pytest.mark.skipif(not _mirror_has_pin(), reason=f"no Megatron-LM mirror holding {PINNED[:12]} at {MIRROR} "
-                    "(set WLB_MEGATRON_MIRROR); the synthetic-repo tests cover the script's logic")
-def test_real_patch_on_pinned_checkout(tmp_path: Path):
-    """Materialise the pinned commit from the mirror (shared clone, nothing copied into this repo)."""
-    mlm = tmp_path / "Megatron-LM"
+needs_mirror = pytest.mark.skipif(not _mirror_has_pin(), reason=f"no Megatron-LM mirror holding {PINNED[:12]} at "
+                                  f"{MIRROR} (set WLB_MEGATRON_MIRROR); the synthetic-repo tests cover the script")
+
+
+@pytest.fixture(scope="module")
+def pinned_checkout(tmp_path_factory) -> Path:
+    """The pinned commit materialised from the mirror (a shared clone outside this repo)."""
+    mlm = tmp_path_factory.mktemp("mlm") / "Megatron-LM"
     subprocess.run(["git", "clone", "-q", "--shared", "--no-checkout", str(MIRROR), str(mlm)], check=True,
                    timeout=300)
     git(mlm, "checkout", "-q", "--detach", PINNED)
+    return mlm
+
+
+@needs_mirror
+def test_real_patch_on_pinned_checkout(pinned_checkout: Path, tmp_path: Path):
+    """Apply the real patch to the pinned commit, re-apply (no-op), import and drive the patched code."""
+    mlm = pinned_checkout
     original = (mlm / "pretrain_gpt.py").read_text()
     res = run_script(mlm)
     assert res.returncode == 0, res.stderr
@@ -343,3 +353,52 @@ def test_launch_local_scales_the_layout_to_one_node(tmp_path: Path):
 def test_gpu_smoke_script_parses():
     res = subprocess.run(["bash", "-n", str(ROOT / "scripts" / "gpu_smoke_train.sh")], capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
+
+
+_PARSE_WITH_MEGATRON = """
+import json, sys
+from megatron.training.arguments import parse_args
+from megatron_wlb.megatron.args import wlb_extra_args_provider
+argvs = json.load(open(sys.argv[1]))
+for argv in argvs:
+    sys.argv = ["pretrain_gpt.py", *argv]
+    args = parse_args(extra_args_provider=wlb_extra_args_provider(None))
+    assert args.wlb_config or args.wlb_packing, argv
+print("parsed", len(argvs))
+"""
+
+
+@needs_mirror
+def test_launcher_flags_parse_with_megatrons_parser(pinned_checkout: Path, tmp_path: Path):
+    """Every flag the launchers pass exists in the pinned Megatron-LM's parser (or ours): the sbatch
+    scripts of all configs, the single-node launcher and the GPU smoke recipe."""
+    import json
+
+    from megatron_wlb.config import list_configs, load_config
+
+    argvs = []
+    env, record = _fake_cluster(tmp_path)
+    script_arg = str(Path(env["MEGATRON_LM"]) / "pretrain_gpt.py")
+    for name in list_configs():
+        nodes = load_config(name).layout.world_size // 8
+        res = subprocess.run(["bash", str(SLURM / f"{name}.sbatch")], env={**env, "SLURM_NNODES": str(nodes)},
+                             capture_output=True, text=True, timeout=60, cwd=tmp_path)
+        assert res.returncode == 0, res.stderr
+        argv = record.read_text().splitlines()
+        argvs.append(argv[argv.index(script_arg) + 1:])
+    res = subprocess.run(["bash", str(ROOT / "scripts" / "launch_local.sh"), "7b_64k"], capture_output=True,
+                         text=True, timeout=60, cwd=tmp_path, env={**env, "NPROC": "8", "TP": "2", "CP": "2",
+                                                                  "PP": "2", "DRY_RUN": "1"})
+    assert res.returncode == 0, res.stderr
+    words = res.stdout.split()
+    argvs.append(words[words.index(script_arg) + 1:])
+    res = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_smoke_train.sh"), str(tmp_path / "smoke")],
+                         env={**env, "PRINT_ARGS": "1"}, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    argvs.append(res.stdout.splitlines())
+    (tmp_path / "argvs.json").write_text(json.dumps(argvs))
+    res = subprocess.run([sys.executable, "-W", "ignore", "-c", _PARSE_WITH_MEGATRON, str(tmp_path / "argvs.json")],
+                         cwd=pinned_checkout, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join([str(pinned_checkout), str(ROOT)])})
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert f"parsed {len(list_configs()) + 2}" in res.stdout
