@@ -365,6 +365,24 @@ for argv in argvs:
     args = parse_args(extra_args_provider=wlb_extra_args_provider(None))
     assert args.wlb_config or args.wlb_packing, argv
 print("parsed", len(argvs))
+# the one-GPU smoke recipe (TP = CP = PP = 1) also passes Megatron's validate_args and ours, which
+# installs the CP hooks; it needs its dataset, so write a small one from the standard library
+import sysconfig
+from pathlib import Path
+import megatron_wlb.megatron as wlb
+from megatron_wlb.megatron import cp_hooks
+from megatron_wlb.megatron.data import byte_documents, write_indexed_dataset
+smoke = argvs[-1]
+prefix = smoke[smoke.index("--data-path") + 1]
+Path(prefix).parent.mkdir(parents=True, exist_ok=True)
+files = sorted(str(p) for p in Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[:40]
+write_indexed_dataset(prefix, byte_documents(files, separator=None))
+wlb.apply()
+from megatron.training import arguments
+sys.argv = ["pretrain_gpt.py", *smoke]
+args = arguments.validate_args(arguments.parse_args(), {})
+assert cp_hooks._installed().settings.cp_sharding == "per-document"
+print("validated smoke")
 """
 
 
@@ -401,4 +419,4 @@ def test_launcher_flags_parse_with_megatrons_parser(pinned_checkout: Path, tmp_p
                          cwd=pinned_checkout, capture_output=True, text=True, timeout=300,
                          env={**os.environ, "PYTHONPATH": os.pathsep.join([str(pinned_checkout), str(ROOT)])})
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    assert f"parsed {len(list_configs()) + 2}" in res.stdout
+    assert f"parsed {len(list_configs()) + 2}" in res.stdout and "validated smoke" in res.stdout
