@@ -14,7 +14,6 @@ the shipped placeholder unless ``--profile``). Writes OUT.json and OUT.md.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import time
@@ -26,6 +25,9 @@ if __package__ in (None, ""):  # run as a script from a checkout without `pip in
     import sys
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _results import write_result
 
 from megatron_wlb.cp import KernelEfficiency, build_layout, default_cost_model
 from megatron_wlb.cp.sampling import concat_and_cut
@@ -178,13 +180,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="docs/results/cp_layouts", help="output path without suffix")
     args = p.parse_args(argv)
     args.cps = [int(x) for x in args.cps.split(",")]
-    result = run(args)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
-    md = to_markdown(result)
-    out.with_suffix(".md").write_text(md)
-    print(md)
+    write_result(args.out, run(args), to_markdown)
     return 0
 
 

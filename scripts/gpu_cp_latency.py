@@ -18,7 +18,6 @@ well ``RankShard.work`` predicted each rank (Spearman rank correlation).
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import sys
 import time
@@ -30,6 +29,7 @@ if __package__ in (None, ""):  # run as a script from a checkout without `pip in
 
 import numpy as np
 import torch
+from _results import write_result
 from gpu_profile_attention import DTYPES, time_call
 
 from megatron_wlb.costmodel import AnalyticCostModel, ParallelLayout, get_model
@@ -181,13 +181,7 @@ def main(argv=None) -> int:
         args.warmup, args.iters, args.tile = 0, 1, 16
     if args.heads % args.kv_heads:
         raise SystemExit(f"--heads {args.heads} must be a multiple of --kv-heads {args.kv_heads}")
-    result = measure(args)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
-    md = to_markdown(result)
-    out.with_suffix(".md").write_text(md)
-    print(md)
+    write_result(args.out, measure(args), to_markdown)
     return 0
 
 
