@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from megatron_wlb.megatron.rebind import rebind
 from megatron_wlb.megatron.settings import WlbSettings
 
 __all__ = ["WlbSettings", "apply", "build_train_iterator", "iterations_for", "reader_from_args", "runtime",
@@ -53,16 +53,6 @@ _RUNTIME = Runtime()
 def runtime() -> Runtime:
     """This process's hook state (settings once args are validated, iterators, metrics logger)."""
     return _RUNTIME
-
-
-def _rebind(name: str, original: Callable, replacement: Callable) -> list[str]:
-    """Point ``name`` at ``replacement`` in every loaded module that bound ``original`` (from-imports)."""
-    patched = []
-    for mod_name, module in list(sys.modules.items()):
-        if module is not None and getattr(module, name, None) is original:
-            setattr(module, name, replacement)
-            patched.append(mod_name)
-    return patched
 
 
 # -- building the data path from Megatron's args --------------------------------------------------------
@@ -196,6 +186,11 @@ def _wrap_build_iterators(original: Callable, mods: dict[str, Any]) -> Callable:
         evals = []
         for split_name, megatron_it in (("valid", valid), ("test", test)):
             evals.append(_eval_iterator(args, settings, split_name, megatron_it, mods))
+        # Megatron decides whether to train / evaluate from its own loaders, which our launcher does not
+        # build (its datasets provider returns none): our iterators exist on every rank.
+        args.do_train = True
+        args.do_valid = bool(getattr(args, "do_valid", False)) or evals[0] is not None
+        args.do_test = bool(getattr(args, "do_test", False)) or evals[1] is not None
         return RerunDataIterator(iterator), evals[0], evals[1]
 
     build_train_valid_test_data_iterators.__wlb_original__ = original
@@ -304,15 +299,21 @@ def apply(*, check_version: bool = True) -> Runtime:
         "validate_args": (mods["arguments"].validate_args, _wrap_validate_args),
         "build_train_valid_test_data_iterators": (mods["training"].build_train_valid_test_data_iterators,
                                                   lambda f: _wrap_build_iterators(f, mods)),
-        "get_batch_on_this_tp_rank": (mods["utils"].get_batch_on_this_tp_rank, _wrap_get_batch_on_this_tp_rank),
         "save_checkpoint": (mods["checkpointing"].save_checkpoint,
                             lambda f: wrap_save_checkpoint(f, _RUNTIME.registry, get_args, _is_rank0, settings_dict)),
         "load_checkpoint": (mods["checkpointing"].load_checkpoint,
                             lambda f: wrap_load_checkpoint(f, _RUNTIME.registry, get_args)),
         "training_log": (mods["training"].training_log, lambda f: wrap_training_log(f, lambda: _RUNTIME.logger)),
     }
+    # core < 0.18 (pinned core_v0.16.1): pretrain_gpt.get_batch reads the batch on TP rank 0 and broadcasts
+    # it through megatron.training.utils.get_batch_on_this_tp_rank; our iterator is read on every rank.
+    # From core_v0.18 that function moved to megatron.core.utils with another signature, and our
+    # launcher (megatron_wlb.megatron.launcher) reads the iterator on every rank itself.
+    legacy_tp = getattr(mods["utils"], "get_batch_on_this_tp_rank", None)
+    if legacy_tp is not None:
+        replacements["get_batch_on_this_tp_rank"] = (legacy_tp, _wrap_get_batch_on_this_tp_rank)
     for name, (original, wrap) in replacements.items():
         _RUNTIME.originals[name] = original
-        _rebind(name, original, wrap(original))
+        rebind(name, original, wrap(original))
     _RUNTIME.installed = True
     return _RUNTIME

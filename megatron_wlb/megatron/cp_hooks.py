@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import sys
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +41,7 @@ import numpy as np
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
+from megatron_wlb.megatron.rebind import rebind
 from megatron_wlb.megatron.settings import WlbSettings
 
 #: attribute set on the cu_seqlens tensors of our params; holds the local RoPE position ids
@@ -238,6 +239,7 @@ class _Installed:
     cost: Any
     originals: dict[str, Callable]
     local_multiple: int = 1
+    original_parameters: tuple[str, ...] = ()
 
 
 _STATE: dict[str, _Installed] = {}
@@ -262,12 +264,22 @@ def _cp_topology(cp_group: Any = None, cp_size: int | None = None, cp_rank: int 
     return cp_group, int(cp_size), int(cp_rank)
 
 
-def get_batch_on_this_cp_rank(batch: dict[str, Any], cp_group: Any = None) -> dict[str, Any]:
-    """Megatron's signature. Packed batch (has ``cu_seqlens``): shard with our layout and put the
-    ``WlbPackedSeqParams`` under ``batch["packed_seq_params"]``; otherwise Megatron's own function."""
+def get_batch_on_this_cp_rank(batch: dict[str, Any], *args: Any, **kwargs: Any) -> dict[str, Any]:
+    """Megatron's ``get_batch_on_this_cp_rank`` for both signatures: ``(batch, cp_group=None)`` (core <
+    0.18) and ``(batch, is_hybrid_cp, cp_group=None, hybrid_cp_group_func=None,
+    use_per_sequence_balancing=False)`` (core >= 0.18). A packed batch (has ``cu_seqlens``) is sharded
+    with our layout and gets its ``WlbPackedSeqParams`` under ``batch["packed_seq_params"]``; any other
+    batch goes to Megatron's own function unchanged."""
     state = _installed()
     if batch.get("cu_seqlens") is None:
-        return state.originals["get_batch_on_this_cp_rank"](batch, cp_group)
+        return state.originals["get_batch_on_this_cp_rank"](batch, *args, **kwargs)
+    legacy = "is_hybrid_cp" not in state.original_parameters
+    if kwargs.get("is_hybrid_cp") or (not legacy and args and args[0]):
+        raise ValueError("WLB-LLM layouts replace Megatron's hybrid context parallelism: "
+                         "drop --hybrid-context-parallel")
+    cp_group = kwargs.get("cp_group")
+    if cp_group is None and args:
+        cp_group = args[0] if legacy else (args[1] if len(args) > 1 else None)
     group, size, rank = _cp_topology(cp_group)
     out, params = shard_packed_batch(batch, batch["cu_seqlens"], batch.get("max_seqlen"),
                                      sharding=state.settings.cp_sharding, cp_size=size, cp_rank=rank,
@@ -339,20 +351,10 @@ def wlb_apply_rotary_pos_emb(original: Callable) -> Callable:
     return apply_rotary_pos_emb
 
 
-def _replace_everywhere(name: str, original: Callable, replacement: Callable) -> list[str]:
-    """Rebind ``name`` to ``replacement`` in every loaded module that bound ``original``."""
-    patched = []
-    for mod_name, module in list(sys.modules.items()):
-        if mod_name == __name__ or module is None:
-            continue
-        try:  # lazy modules (transformers, six.moves, ...) may raise anything from __getattr__
-            bound = module.__dict__.get(name) if hasattr(module, "__dict__") else None
-        except Exception:  # noqa: BLE001
-            continue
-        if bound is original:
-            setattr(module, name, replacement)
-            patched.append(mod_name)
-    return patched
+def _rebind(name: str, original: Callable | None, replacement: Callable | None) -> list[str]:
+    if original is None or replacement is None:  # the function does not exist in this Megatron release
+        return []
+    return rebind(name, original, replacement, skip=(__name__,))
 
 
 def _cost_model(settings: WlbSettings, args: Any = None) -> Any:
@@ -392,21 +394,24 @@ def install(settings: WlbSettings, args: Any = None) -> None:
     previous = _STATE.get("cp")
     originals = dict(previous.originals) if previous else {
         "get_batch_on_this_cp_rank": utils.get_batch_on_this_cp_rank,
-        "get_thd_batch_on_this_cp_rank": utils.get_thd_batch_on_this_cp_rank,
+        # gone from core_v0.18 on (the THD path of pretrain_gpt.get_batch was rewritten)
+        "get_thd_batch_on_this_cp_rank": getattr(utils, "get_thd_batch_on_this_cp_rank", None),
     }
     multiple = 1
     if args is not None and getattr(args, "sequence_parallel", False):
         multiple = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
     _STATE["cp"] = _Installed(settings=settings, te_attention=te_attention, cost=_cost_model(settings, args),
-                              originals=originals, local_multiple=multiple)
+                              originals=originals, local_multiple=multiple,
+                              original_parameters=tuple(
+                                  inspect.signature(originals["get_batch_on_this_cp_rank"]).parameters))
     if previous is None:
         try:  # bind the training utils first so the scan below rebinds its copy too
             importlib.import_module("megatron.training.utils")
         except Exception:  # noqa: BLE001 - megatron.training is absent from the wheel; core alone is fine
             pass
-        _replace_everywhere("get_batch_on_this_cp_rank", originals["get_batch_on_this_cp_rank"],
+        _rebind("get_batch_on_this_cp_rank", originals["get_batch_on_this_cp_rank"],
                             get_batch_on_this_cp_rank)
-        _replace_everywhere("get_thd_batch_on_this_cp_rank", originals["get_thd_batch_on_this_cp_rank"],
+        _rebind("get_thd_batch_on_this_cp_rank", originals["get_thd_batch_on_this_cp_rank"],
                             get_thd_batch_on_this_cp_rank)
         attn_mod = importlib.import_module("megatron.core.transformer.attention")
         if not hasattr(attn_mod.apply_rotary_pos_emb, "__wlb_original__"):
@@ -421,9 +426,9 @@ def uninstall() -> None:
     state = _STATE.pop("cp", None)
     if state is None:
         return
-    _replace_everywhere("get_batch_on_this_cp_rank", get_batch_on_this_cp_rank,
+    _rebind("get_batch_on_this_cp_rank", get_batch_on_this_cp_rank,
                         state.originals["get_batch_on_this_cp_rank"])
-    _replace_everywhere("get_thd_batch_on_this_cp_rank", get_thd_batch_on_this_cp_rank,
+    _rebind("get_thd_batch_on_this_cp_rank", get_thd_batch_on_this_cp_rank,
                         state.originals["get_thd_batch_on_this_cp_rank"])
     attn_mod = importlib.import_module("megatron.core.transformer.attention")
     original = getattr(attn_mod.apply_rotary_pos_emb, "__wlb_original__", None)

@@ -1,0 +1,157 @@
+"""A thin ``pretrain_gpt`` for WLB-LLM: Megatron's own ``pretrain`` loop, our data, sharding and loss.
+
+For installs that have Megatron's training code (``megatron/training``, shipped in the megatron-core
+wheel from 0.19) but no Megatron-LM checkout:
+
+    torchrun --nproc-per-node 8 -m megatron_wlb.megatron.launcher <Megatron flags> --wlb-packing wlb ...
+
+Every rank (every TP rank and every pipeline stage) reads its own copy of the packed micro-batch from
+the ``WlbDataIterator`` that ``apply()`` builds on every rank, so there is no TP broadcast of
+variable-length tensors and no middle-stage special case: each stage shards the same micro-batch
+with the same CP layout and builds the same ``WlbPackedSeqParams``; stages that do not embed or
+compute the loss simply ignore the tokens or labels. The loss is per token
+(``--calculate-per-token-loss`` is required): Megatron then divides the summed loss by the tokens of
+the whole global batch, so every token weighs the same whatever micro-batch it was packed into.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+from functools import partial
+from typing import Any
+
+import torch
+
+
+def _core_version() -> tuple[int, int]:
+    from megatron.core import package_info
+
+    major, minor = (int(x) for x in str(package_info.__version__).split(".")[:2])
+    return major, minor
+
+
+def get_batch(data_iterator: Any, model: Any = None) -> tuple[Any, ...]:
+    """(tokens, labels, loss_mask, position_ids, packed_seq_params) of this rank's next micro-batch."""
+    from megatron.training import get_args
+
+    from megatron_wlb.megatron.cp_hooks import get_batch_on_this_cp_rank
+
+    args = get_args()
+    data = next(data_iterator)
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    batch = {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v) for k, v in data.items()}
+    batch["attention_mask"] = None
+    batch = get_batch_on_this_cp_rank(batch)
+    del args
+    return batch["tokens"], batch["labels"], batch["loss_mask"], batch["position_ids"], batch["packed_seq_params"]
+
+
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor, model: Any = None):
+    """Per-token loss: (summed loss, tokens, report); Megatron divides by the global batch's tokens."""
+    losses = output_tensor.view(-1).float()
+    mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * mask)
+    num_tokens = mask.sum().clone().detach().to(torch.int)
+    report = {"lm loss": torch.cat([loss.clone().detach().view(1), num_tokens.view(1).to(loss.dtype)])}
+    return loss, num_tokens, report
+
+
+def forward_step(data_iterator: Any, model: Any, return_schedule_plan: bool = False):
+    """Megatron's forward-step contract: (output tensor, loss function of it)."""
+    from megatron.training import get_timers
+
+    timers = get_timers()
+    timers("batch-generator", log_level=2).start()
+    tokens, labels, loss_mask, position_ids, params = get_batch(data_iterator)
+    timers("batch-generator").stop()
+    output = model(tokens, position_ids, None, labels=labels, packed_seq_params=params)
+    return output, partial(loss_func, loss_mask, model=model)
+
+
+def datasets_provider(train_val_test_num_samples: Any, vp_stage: int | None = None):
+    """No Megatron datasets: ``apply()``'s iterator hook builds our packed iterators on every rank."""
+    return None, None, None
+
+
+datasets_provider.is_distributed = True  # type: ignore[attr-defined]  # called on every rank
+
+
+def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage: int | None = None,
+                   config: Any = None, pg_collection: Any = None):
+    """A GPTModel with Megatron's local (non-TE) or TE layer spec from the run's args (core < 0.19 API)."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_layer_with_transformer_engine_spec,
+    )
+    from megatron.training import get_args
+    from megatron.training.arguments import core_transformer_config_from_args
+
+    args = get_args()
+    config = config if config is not None else core_transformer_config_from_args(args)
+    if args.transformer_impl == "transformer_engine":
+        spec = get_gpt_layer_with_transformer_engine_spec(args.num_experts, args.moe_grouped_gemm,
+                                                          args.qk_layernorm)
+    else:
+        spec = get_gpt_layer_local_spec(args.num_experts, args.moe_grouped_gemm, args.qk_layernorm,
+                                        normalization=args.normalization)
+    kwargs: dict[str, Any] = {}
+    if "vp_stage" in inspect.signature(GPTModel.__init__).parameters:
+        kwargs["vp_stage"] = vp_stage
+    return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
+                    max_sequence_length=args.max_position_embeddings, pre_process=pre_process,
+                    post_process=post_process, fp16_lm_cross_entropy=args.fp16_lm_cross_entropy,
+                    parallel_output=True,
+                    share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+                    position_embedding_type=args.position_embedding_type, rotary_percent=args.rotary_percent,
+                    rotary_base=args.rotary_base, **kwargs)
+
+
+ARGS_DEFAULTS = {"tokenizer_type": "NullTokenizer"}
+
+
+def use_shipped_dataset_helpers() -> bool:
+    """Skip ``initialize_megatron``'s ``make`` of the dataset helpers when the wheel ships them compiled.
+
+    The megatron-core wheel ships ``megatron/core/datasets/helpers_cpp`` built, but not the Makefile
+    that ``compile_helpers()`` runs on rank 0, so every wheel-only launch would exit at start-up.
+    Returns whether the compiled helpers were found (else Megatron compiles as usual).
+    """
+    import importlib.util
+
+    from megatron.core.datasets import utils
+
+    if importlib.util.find_spec("megatron.core.datasets.helpers_cpp") is None:
+        return False
+    utils.compile_helpers = lambda: None
+    return True
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Apply the WLB-LLM hooks and run Megatron's ``pretrain`` with this module's providers."""
+    import sys
+
+    if argv is not None:
+        sys.argv = [sys.argv[0], *argv]
+    import megatron_wlb.megatron as wlb
+
+    wlb.apply()
+    use_shipped_dataset_helpers()
+    from megatron.core.enums import ModelType
+    from megatron.training import pretrain
+
+    if "cfg_container" in inspect.signature(pretrain).parameters:  # megatron-core >= 0.19
+        from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_container_from_args
+        from megatron.training.arguments import parse_and_validate_args
+
+        args = parse_and_validate_args(args_defaults=ARGS_DEFAULTS)
+        container = pretrain_cfg_container_from_args(args, gpt_config_from_args(args))
+        pretrain(container, datasets_provider, ModelType.encoder_or_decoder, forward_step)
+    else:
+        pretrain(datasets_provider, model_provider, ModelType.encoder_or_decoder, forward_step,
+                 args_defaults=ARGS_DEFAULTS)
+
+
+if __name__ == "__main__":
+    main()
