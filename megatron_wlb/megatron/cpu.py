@@ -19,6 +19,7 @@ import os
 import runpy
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 #: What is redirected and why (Megatron calls each unconditionally; none hides a bug of ours).
@@ -27,9 +28,11 @@ REDIRECTS: tuple[tuple[str, str], ...] = (
      "Megatron allocates with device=torch.cuda.current_device() (p2p buffers, broadcasts, RoPE, "
      "the loss and grad-norm reductions); a torch function mode maps CUDA devices to the CPU"),
     ("Tensor.cuda / Module.cuda", "model build and batch code move tensors with .cuda(): identity"),
-    ("torch.cuda.current_device / set_device / synchronize / memory queries / Stream / Event",
-     "initialization, timers and memory reporting query the CUDA runtime: answered as for one "
-     "idle device 0"),
+    ("torch.cuda.current_device / device_count / set_device / synchronize / get_device_properties / "
+     "memory queries / Stream / Event",
+     "initialization (it builds the model-parallel groups only when device_count() > 0), argument "
+     "validation (device arch), timers and memory reporting query the CUDA runtime: answered as for "
+     "one idle device 0 of arch 0.0"),
     ("torch.cuda RNG state (get_rng_state, set_rng_state, manual_seed)",
      "the tensor-parallel RNG tracker forks the CUDA generator: the CPU generator stands in"),
     ("initialize_megatron(allow_no_cuda=True)",
@@ -69,6 +72,20 @@ def _device_mode():
             return func(*args, **kwargs)
 
     return CudaToCpu()
+
+
+@dataclass(frozen=True)
+class _DeviceProperties:
+    """What ``torch.cuda.get_device_properties`` answers for the stand-in device (arch 0.0: pre-Volta)."""
+
+    name: str = "cpu"
+    major: int = 0
+    minor: int = 0
+    total_memory: int = 0
+    multi_processor_count: int = 1
+
+
+_DEVICE_PROPERTIES = _DeviceProperties()
 
 
 class _Stream:
@@ -129,10 +146,11 @@ def install_cpu_redirects() -> None:
     cuda = torch.cuda
     cuda.current_device = lambda: 0
     cuda.set_device = lambda *a, **k: None
+    cuda.device_count = lambda: 1  # initialize_megatron builds the model-parallel groups only if > 0
     cuda.synchronize = lambda *a, **k: None
-    cuda.device_count = lambda: 1
     cuda.get_device_name = lambda *a, **k: "cpu"
     cuda.get_device_capability = lambda *a, **k: (0, 0)
+    cuda.get_device_properties = lambda *a, **k: _DEVICE_PROPERTIES
     for name in ("memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved"):
         setattr(cuda, name, lambda *a, **k: 0)
     cuda.reset_peak_memory_stats = lambda *a, **k: None
@@ -169,10 +187,86 @@ def install_megatron_redirects() -> None:
                 module.initialize_megatron = patched
 
 
+#: A tiny GPT (2 layers, hidden 64, RoPE, RMSNorm, SwiGLU, GQA-free) with Megatron's local layer spec and
+#: what the CPU needs: no fused CUDA kernels, CPU initialization, fp32, no gradient clipping (CUDA-only
+#: multi-tensor kernels). Later flags override these (argparse keeps the last occurrence).
+TINY_GPT_ARGS: tuple[str, ...] = (
+    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--ffn-hidden-size", "128",
+    "--seq-length", "256", "--max-position-embeddings", "1024", "--micro-batch-size", "1",
+    "--global-batch-size", "4", "--train-iters", "4", "--lr", "3e-3", "--min-lr", "3e-4",
+    "--lr-decay-style", "constant", "--seed", "1234", "--normalization", "RMSNorm",
+    "--position-embedding-type", "rope", "--disable-bias-linear", "--swiglu",
+    "--attention-dropout", "0.0", "--hidden-dropout", "0.0", "--no-persist-layer-norm",
+    "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion", "--no-bias-dropout-fusion",
+    "--no-bias-swiglu-fusion", "--no-rope-fusion", "--transformer-impl", "local", "--use-cpu-initialization",
+    "--tokenizer-type", "NullTokenizer", "--vocab-size", "300", "--split", "98,2,0", "--eval-iters", "0",
+    "--eval-interval", "1000", "--clip-grad", "0", "--log-interval", "1", "--calculate-per-token-loss",
+    "--distributed-backend", "gloo",
+)
+
+#: Environment variables that give the layout, and their defaults.
+LAYOUT_VARIABLES = {"TP": 1, "CP": 1, "PP": 1, "VPP": 1, "DP": 1}
+
+
+def layout_from_env(environ: Any = None) -> tuple[dict[str, int], list[str]]:
+    """The layout in ``TP``/``CP``/``PP``/``VPP``/``DP`` (positive integers) and its Megatron flags.
+
+    ``VPP`` is the number of virtual stages per pipeline rank (Megatron's
+    ``--num-virtual-stages-per-pipeline-rank``); the world size is TP*CP*PP*DP.
+    """
+    environ = os.environ if environ is None else environ
+    layout = {}
+    for name, default in LAYOUT_VARIABLES.items():
+        raw = environ.get(name, "") or str(default)
+        if not raw.isdigit() or int(raw) < 1:
+            raise ValueError(f"{name}={raw!r}: give a positive integer (the {name} size of the layout)")
+        layout[name] = int(raw)
+    flags = ["--tensor-model-parallel-size", str(layout["TP"]), "--context-parallel-size", str(layout["CP"]),
+             "--pipeline-model-parallel-size", str(layout["PP"])]
+    if layout["VPP"] > 1:
+        if layout["PP"] < 2:
+            raise ValueError(f"VPP={layout['VPP']} needs PP >= 2 (virtual stages interleave pipeline stages)")
+        flags += ["--num-virtual-stages-per-pipeline-rank", str(layout["VPP"])]
+    return layout, flags
+
+
+def world_size(layout: dict[str, int]) -> int:
+    return layout["TP"] * layout["CP"] * layout["PP"] * layout["DP"]
+
+
+def write_text_corpus(prefix: str, max_bytes: int = 600_000, separator: str = "\n\n") -> tuple[int, int]:
+    """Write ``prefix.bin/.idx``: the Python standard library's ``.py`` files as byte-level documents
+    (cut at blank lines: functions and paragraphs, each followed by EOD 256); returns (documents, tokens). Real text whose
+    document lengths span two orders of magnitude, available on every machine with Python."""
+    import sysconfig
+    from pathlib import Path
+
+    from megatron_wlb.megatron.data import byte_documents, write_indexed_dataset
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    paths = sorted(str(p) for p in stdlib.glob("*.py"))
+    docs = byte_documents(paths, separator=separator, max_bytes=max_bytes)
+    os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
+    write_indexed_dataset(prefix, docs)
+    return len(docs), int(sum(len(d) for d in docs))
+
+
 def main(argv: Sequence[str] | None = None) -> None:
-    """Entry point: redirects, then the thin launcher or ``--pretrain-gpt PATH`` as ``__main__``."""
+    """Entry point: ``--write-corpus PREFIX``, or train: redirects, then the thin launcher or
+    ``--pretrain-gpt PATH`` as ``__main__``. ``--tiny-gpt`` puts ``TINY_GPT_ARGS`` and the layout of
+    the environment (``layout_from_env``) before the given flags."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--write-corpus"]:
+        if len(argv) != 2:
+            raise SystemExit("usage: python -m megatron_wlb.megatron.cpu --write-corpus PREFIX")
+        docs, tokens = write_text_corpus(argv[1])
+        print(f"wrote {argv[1]}.bin/.idx: {docs} documents, {tokens} tokens")
+        return
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    # Not a CUDA redirect: Megatron's jit_fuser wraps small fusions in torch.compile, which on the CPU
+    # compiles C++ with inductor in every process at start-up (minutes on 2 cores); eager mode computes
+    # the same values. Set TORCHDYNAMO_DISABLE=0 to compile anyway.
+    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
     script = None
     if argv[:1] == ["--pretrain-gpt"]:
         if len(argv) < 2:
@@ -180,9 +274,15 @@ def main(argv: Sequence[str] | None = None) -> None:
         script, argv = argv[1], argv[2:]
         if not os.path.isfile(script):
             raise SystemExit(f"--pretrain-gpt {script}: no such file (give a Megatron-LM checkout's pretrain_gpt.py)")
-    install_cpu_redirects()
-    if "--distributed-backend" not in argv:
+    if argv[:1] == ["--tiny-gpt"]:
+        try:
+            _, layout_flags = layout_from_env()
+        except ValueError as exc:
+            raise SystemExit(f"megatron_wlb.megatron.cpu: {exc}") from None
+        argv = [*TINY_GPT_ARGS, *layout_flags, *argv[1:]]
+    elif "--distributed-backend" not in argv:
         argv = [*argv, "--distributed-backend", "gloo"]
+    install_cpu_redirects()
     if script is not None:
         sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
         install_megatron_redirects()
