@@ -139,6 +139,13 @@ def install_cpu_redirects() -> None:
 
         typing.override = typing_extensions.override  # type: ignore[attr-defined]
 
+    # Not a CUDA redirect: Megatron's jit_fuser wraps small fusions in torch.compile, which on the CPU
+    # compiles C++ with inductor in every process at start-up (minutes on 2 cores); eager mode computes
+    # the same values. TORCHDYNAMO_DISABLE=0 compiles anyway.
+    if os.environ.get("TORCHDYNAMO_DISABLE", "1") != "0":
+        import torch._dynamo
+
+        torch._dynamo.config.disable = True
     mode = _device_mode()
     mode.__enter__()  # for the life of the process
     torch.Tensor.cuda = lambda self, *a, **k: self  # type: ignore[method-assign]
@@ -263,10 +270,6 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"wrote {argv[1]}.bin/.idx: {docs} documents, {tokens} tokens")
         return
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-    # Not a CUDA redirect: Megatron's jit_fuser wraps small fusions in torch.compile, which on the CPU
-    # compiles C++ with inductor in every process at start-up (minutes on 2 cores); eager mode computes
-    # the same values. Set TORCHDYNAMO_DISABLE=0 to compile anyway.
-    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
     script = None
     if argv[:1] == ["--pretrain-gpt"]:
         if len(argv) < 2:

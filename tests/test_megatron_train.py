@@ -1,0 +1,230 @@
+"""Megatron-LM's own training loop, end to end on CPU (gloo), with the WLB-LLM hooks.
+
+Each test launches ``tests/megatron_train_probe.py`` under torchrun (``megatron_wlb.megatron.cpu``
+plus records: losses, iteration-1 gradients, tokens of every document that reached the model) on a
+tiny GPT and real text (the standard library as a byte-level .bin/.idx).
+
+Two ways in: ``megatron_wlb.megatron.launcher`` over the installed megatron-core's
+``megatron.training`` (0.19.x ships it; CI installs 0.19.2), and the pinned Megatron-LM checkout's
+patched ``pretrain_gpt.py`` (core_v0.16.1), run wherever a checkout is given: ``MEGATRON_LM`` (a
+checkout at the pinned commit, patched or not: the test patches a copy) or ``WLB_MEGATRON_MIRROR``
+(a git mirror from which the pinned commit is exported).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from megatron_wlb.megatron.version import PINNED_MEGATRON_COMMIT  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+PROBE = REPO / "tests" / "megatron_train_probe.py"
+TIMEOUT = 420
+
+
+def _training_code_installed() -> bool:
+    try:
+        return importlib.util.find_spec("megatron.training") is not None
+    except ModuleNotFoundError:
+        return False
+
+
+if not _training_code_installed():
+    reason = ("megatron.training is not installed: pip install --no-deps --ignore-requires-python "
+              "megatron-core==0.19.2 (see the README's test command)")
+    if os.environ.get("CI"):
+        pytest.fail(reason, pytrace=False)
+    pytest.skip(reason, allow_module_level=True)
+
+
+@dataclass
+class Run:
+    """What one training run left behind (per rank records, merged)."""
+
+    log: str
+    ranks: dict[int, dict]
+    out: Path
+
+    @property
+    def losses(self) -> dict[int, float]:
+        """lm loss per iteration (from a last-stage rank; all of them agree)."""
+        for record in self.ranks.values():
+            if record["losses"] and all(v is not None for v in record["losses"].values()):
+                return {int(k): v for k, v in record["losses"].items()}
+        raise AssertionError(f"no rank recorded losses; log tail:\n{self.log[-3000:]}")
+
+    def grads(self, rank: int = 0) -> dict[str, torch.Tensor]:
+        return torch.load(self.out / f"rank{rank}_grads.pt")
+
+    def doc_tokens(self) -> list[dict[int, int]]:
+        """Tokens per document that reached the model, per data iterator (model chunk), summed over the
+        ranks that count (TP rank 0 of the last stage, every CP and DP rank)."""
+        merged: list[dict[int, int]] = []
+        for record in self.ranks.values():
+            for which, counts in enumerate(record["doc_tokens"]):
+                while len(merged) <= which:
+                    merged.append({})
+                for doc, n in counts.items():
+                    merged[which][int(doc)] = merged[which].get(int(doc), 0) + n
+        return merged
+
+    def planned_tokens(self) -> dict[int, int]:
+        """Tokens per document in the plans of the iterations trained (every DP rank's micro-batches)."""
+        plans = next(r["plans"] for r in self.ranks.values() if r["plans"])
+        planned: dict[int, int] = {}
+        for plan in plans:
+            for doc, length in plan:
+                planned[doc] = planned.get(doc, 0) + length
+        return planned
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> str:
+    from megatron_wlb.megatron.cpu import write_text_corpus
+
+    prefix = str(tmp_path_factory.mktemp("corpus") / "stdlib_text_document")
+    docs, tokens = write_text_corpus(prefix)
+    assert docs > 1000 and tokens > 500_000
+    return prefix
+
+
+def train(tmp_path: Path, name: str, corpus: str, *flags: str, env: dict | None = None,
+          pretrain_gpt: str | None = None, expect_ok: bool = True) -> Run:
+    """Run the probe under torchrun with the layout in ``env`` (TP/CP/PP/VPP/DP) and ``flags``."""
+    from megatron_wlb.megatron.cpu import layout_from_env, world_size
+
+    env = {**os.environ, **(env or {})}
+    layout, _ = layout_from_env(env)
+    out = tmp_path / name
+    out.mkdir()
+    env["WLB_PROBE_OUT"] = str(out)
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    entry = ["--pretrain-gpt", pretrain_gpt] if pretrain_gpt else []
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
+           "--nproc-per-node", str(world_size(layout)), str(PROBE), *entry, "--tiny-gpt",
+           "--data-path", corpus, *flags]
+    proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=TIMEOUT)
+    log = proc.stdout + proc.stderr
+    (out / "train.log").write_text(log)
+    if expect_ok:
+        assert proc.returncode == 0, f"training failed (rc {proc.returncode}); log tail:\n{log[-6000:]}"
+    ranks = {}
+    for path in out.glob("rank*.json"):
+        ranks[int(path.stem[4:])] = json.loads(path.read_text())
+    run = Run(log=log, ranks=ranks, out=out)
+    if not expect_ok:
+        run.returncode = proc.returncode  # type: ignore[attr-defined]
+    return run
+
+
+def assert_trains(run: Run, iterations: int = 4) -> None:
+    losses = run.losses
+    assert sorted(losses) == list(range(1, iterations + 1)), losses
+    assert all(v == v and abs(v) < 1e3 for v in losses.values()), losses
+    assert losses[iterations] < losses[1], f"the loss did not fall: {losses}"
+    assert run.log.count(" iteration ") >= iterations  # Megatron's own iteration lines
+
+
+def assert_documents_once(run: Run) -> None:
+    """Every planned document's tokens reached the model exactly once (per model chunk)."""
+    planned = run.planned_tokens()
+    seen = run.doc_tokens()
+    assert planned and seen, "nothing recorded"
+    for chunk, counts in enumerate(seen):
+        assert counts == planned, (f"model chunk {chunk}: documents reaching the model differ from the plan: "
+                                   f"{ {d: (planned.get(d), counts.get(d)) for d in set(planned) | set(counts) if planned.get(d) != counts.get(d)} }")
+
+
+# --- the launcher over the installed megatron.training -------------------------------------------------------
+def test_tp2_pp2_trains_and_every_document_reaches_the_model_once(tmp_path, corpus):
+    run = train(tmp_path, "tp2pp2", corpus, "--wlb-packing", "wlb", "--wlb-cp-sharding", "per-document",
+                env={"TP": "2", "PP": "2"})
+    assert_trains(run)
+    assert_documents_once(run)
+    assert "[wlb] iteration" in run.log
+
+
+@pytest.fixture(scope="module")
+def cp_runs(tmp_path_factory, corpus):
+    """CP=1 and CP=2 with every layout, on the same plan (concat-and-cut: independent of the layout)."""
+    tmp = tmp_path_factory.mktemp("cp")
+    runs = {"cp1": train(tmp, "cp1", corpus, "--wlb-packing", "wlb", "--wlb-cp-sharding", "per-document")}
+    for layout in ("per-sequence", "per-document", "adaptive", "hybrid"):
+        runs[layout] = train(tmp, layout, corpus, "--wlb-packing", "wlb", "--wlb-cp-sharding", layout,
+                             env={"CP": "2"})
+    return runs
+
+
+def test_cp_layouts_train_the_same_plan(cp_runs):
+    plans = {name: next(r["plans"] for r in run.ranks.values() if r["plans"]) for name, run in cp_runs.items()}
+    reference = plans["cp1"]
+    for name, plan in plans.items():
+        assert plan == reference, f"{name} planned other micro-batches than CP=1"
+
+
+def test_cp_layouts_give_the_same_loss_and_gradients_as_cp1(cp_runs):
+    base = cp_runs["cp1"]
+    base_grads = base.grads(0)
+    for name in ("per-sequence", "per-document", "adaptive", "hybrid"):
+        run = cp_runs[name]
+        assert_trains(run)
+        assert run.losses[1] == pytest.approx(base.losses[1], rel=1e-5, abs=1e-6), name
+        grads = run.grads(0)
+        assert grads.keys() == base_grads.keys()
+        for key, ref in base_grads.items():
+            torch.testing.assert_close(grads[key], ref, rtol=1e-4, atol=1e-6, msg=lambda m, k=key: f"{name} {k}: {m}")
+
+
+def test_cp_layouts_deliver_every_document_once(cp_runs):
+    for name, run in cp_runs.items():
+        assert_documents_once(run)
+
+
+def test_pp4_variable_length_micro_batches(tmp_path, corpus):
+    """Four stages, micro-batches of different lengths every step (shapes exchanged per micro-batch)."""
+    run = train(tmp_path, "pp4", corpus, "--num-layers", "4", "--wlb-packing", "wlb",
+                env={"PP": "4"})
+    assert_trains(run)
+    assert_documents_once(run)
+
+
+def test_interleaved_pipeline_vpp2(tmp_path, corpus):
+    run = train(tmp_path, "vpp2", corpus, "--num-layers", "4", "--wlb-packing", "wlb",
+                env={"PP": "2", "VPP": "2"})
+    assert_trains(run)
+    assert_documents_once(run)  # each model chunk's iterator saw every planned document once
+
+
+def test_dp2_with_overlapped_grad_reduce(tmp_path, corpus):
+    run = train(tmp_path, "dp2", corpus, "--wlb-packing", "wlb", "--overlap-grad-reduce", env={"DP": "2"})
+    assert_trains(run)
+    assert_documents_once(run)
+
+
+def test_recomputation_leaves_the_losses_unchanged(tmp_path, corpus, cp_runs):
+    run = train(tmp_path, "recompute", corpus, "--wlb-packing", "wlb", "--wlb-cp-sharding", "per-document",
+                "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1")
+    base = cp_runs["cp1"].losses
+    assert run.losses == pytest.approx(base, rel=1e-5)
+
+
+def test_checkpoint_resume_equals_an_uninterrupted_run(tmp_path, corpus):
+    ckpt = tmp_path / "ckpt"
+    common = ("--wlb-packing", "wlb", "--save", str(ckpt), "--save-interval", "2", "--ckpt-format", "torch")
+    full = train(tmp_path, "full", corpus, *common, env={"DP": "2"})
+    shutil.rmtree(ckpt / "iter_0000004", ignore_errors=True)
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("2")
+    resumed = train(tmp_path, "resumed", corpus, *common, "--load", str(ckpt), env={"DP": "2"})
+    assert sorted(resumed.losses) == [1, 2], resumed.losses  # the probe counts steps from the restart
+    assert [resumed.losses[1], resumed.losses[2]] == pytest.approx([full.losses[3], full.losses[4]], rel=1e-5)
