@@ -25,7 +25,7 @@ if [[ -z ${NPROC:-} ]]; then
     [[ $NPROC -ge 1 ]] || die "no GPU visible (nvidia-smi -L); set NPROC"
 fi
 [[ -f $MEGATRON_LM/pretrain_gpt.py ]] || die "$MEGATRON_LM/pretrain_gpt.py not found"
-grep -q "_wlb.apply()" "$MEGATRON_LM/pretrain_gpt.py" \
+grep -q "_wlb.apply(" "$MEGATRON_LM/pretrain_gpt.py" \
     || die "$MEGATRON_LM is not patched for WLB-LLM: run $here/apply_patches.sh $MEGATRON_LM"
 
 layout_flags=(--nproc "$NPROC")

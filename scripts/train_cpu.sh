@@ -27,7 +27,7 @@ fi
 entry=()
 if [[ -n ${MEGATRON_LM:-} ]]; then
     [[ -f $MEGATRON_LM/pretrain_gpt.py ]] || die "MEGATRON_LM=$MEGATRON_LM has no pretrain_gpt.py"
-    grep -q "_wlb.apply()" "$MEGATRON_LM/pretrain_gpt.py" \
+    grep -q "_wlb.apply(" "$MEGATRON_LM/pretrain_gpt.py" \
         || die "$MEGATRON_LM is not patched for WLB-LLM: run $repo/scripts/apply_patches.sh $MEGATRON_LM"
     entry=(--pretrain-gpt "$MEGATRON_LM/pretrain_gpt.py")
 fi

@@ -187,3 +187,57 @@ def test_segment_index_expands_gather_pieces_on_the_device():
             assert rows.dtype == torch.long
             assert rows.tolist() == shard.gather_rows().tolist()
             assert rows.numel() == shard.kv_index.size
+
+
+# --- kernel plumbing, tested on CPU with stand-in kernels (the GPU kernels themselves run only on GPUs) -------
+def _install_fake_varlen(monkeypatch, signature_has_scale: bool):
+    """Replace torch.nn.attention.varlen.varlen_attn with a recorder of the given signature."""
+    import torch.nn.attention.varlen as varlen_mod
+
+    calls = []
+    if signature_has_scale:
+        def fake(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False):
+            calls.append({"q": q, "k": k, "scale": scale, "window_size": window_size, "enable_gqa": enable_gqa})
+            return q
+    else:
+        def fake(q, k, v, cu_q, cu_k, max_q, max_k, *, is_causal=False):  # the first public signature
+            calls.append({"q": q, "k": k, "is_causal": is_causal})
+            return q
+    monkeypatch.setattr(varlen_mod, "varlen_attn", fake)
+    return calls
+
+
+def test_torch_varlen_passes_scale_only_where_the_signature_has_it(monkeypatch):
+    from megatron_wlb.cp.attention import _torch_varlen
+
+    q, k = torch.ones(4, 4, 16), torch.ones(4, 2, 16)
+    calls = _install_fake_varlen(monkeypatch, signature_has_scale=False)
+    _torch_varlen(q, k, k, None, None, 4, 4, 0.5)            # non-default scale, no scale= in the signature
+    assert "scale" not in calls[0] and calls[0]["is_causal"] is True
+    torch.testing.assert_close(calls[0]["q"], q * (0.5 * 4.0))  # folded into q: softmax(q k^T / sqrt(d))
+    assert calls[0]["k"].shape[1] == 4                          # GQA expanded: no enable_gqa in this signature
+    _torch_varlen(q, k, k, None, None, 4, 4, 0.25)           # the default 1/sqrt(16): q untouched
+    assert calls[1]["q"] is q
+    calls = _install_fake_varlen(monkeypatch, signature_has_scale=True)
+    _torch_varlen(q, k, k, None, None, 4, 4, 0.5)
+    assert calls[0]["scale"] == 0.5 and calls[0]["window_size"] == (-1, 0) and calls[0]["enable_gqa"] is True
+    assert calls[0]["q"] is q and calls[0]["k"].shape[1] == 2
+
+
+def test_cuda_never_falls_back_to_the_reference_path(monkeypatch):
+    import megatron_wlb.cp.attention as attention
+
+    cuda = torch.device("cuda", 0)  # a device object only: nothing runs on it
+    monkeypatch.setattr(attention, "_torch_varlen_available", lambda: True)
+    assert resolve_backend("auto", cuda, torch.bfloat16) == "torch-varlen"
+    with pytest.raises(ValueError, match="fp16/bf16"):
+        resolve_backend("auto", cuda, torch.float32)
+    with pytest.raises(ValueError, match="CPU test path"):
+        resolve_backend("reference", cuda, torch.bfloat16)
+    monkeypatch.setattr(attention, "_torch_varlen_available", lambda: False)
+    real_find_spec = attention.importlib.util.find_spec
+    monkeypatch.setattr(attention.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "flash_attn" else real_find_spec(name, *a))
+    with pytest.raises(ValueError, match="no varlen attention kernel"):
+        resolve_backend("auto", cuda, torch.bfloat16)
+    assert resolve_backend("auto", torch.device("cpu"), torch.float32) == "reference"

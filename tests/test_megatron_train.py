@@ -26,8 +26,6 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from megatron_wlb.megatron.version import PINNED_MEGATRON_COMMIT  # noqa: E402
-
 REPO = Path(__file__).resolve().parents[1]
 PROBE = REPO / "tests" / "megatron_train_probe.py"
 TIMEOUT = 420
@@ -142,8 +140,9 @@ def assert_documents_once(run: Run) -> None:
     seen = run.doc_tokens()
     assert planned and seen, "nothing recorded"
     for chunk, counts in enumerate(seen):
-        assert counts == planned, (f"model chunk {chunk}: documents reaching the model differ from the plan: "
-                                   f"{ {d: (planned.get(d), counts.get(d)) for d in set(planned) | set(counts) if planned.get(d) != counts.get(d)} }")
+        differ = {d: (planned.get(d), counts.get(d)) for d in set(planned) | set(counts)
+                  if planned.get(d) != counts.get(d)}
+        assert not differ, f"model chunk {chunk}: (planned, seen) tokens of the documents that differ: {differ}"
 
 
 # --- the launcher over the installed megatron.training -------------------------------------------------------

@@ -138,7 +138,7 @@ def test_shipped_pin_and_patch_are_consistent():
     assert f'PINNED_MEGATRON_COMMIT = "{PINNED}"' in version
     patch = (PATCHES / "pretrain_gpt_wlb.patch").read_text()
     assert "+++ b/pretrain_gpt.py" in patch
-    for hook in ("_wlb.apply()", "packed_seq_params_from_iterator"):
+    for hook in ("_wlb.apply(middle_stage_batches=True)", "packed_seq_params_from_iterator"):
         assert hook in patch
     # the functions the patch calls exist in megatron_wlb under those names (read, not imported: fast)
     defined = {n.name for n in ast.walk(ast.parse((ROOT / "megatron_wlb/megatron/cp_hooks.py").read_text()))
@@ -177,7 +177,7 @@ def test_real_patch_on_pinned_checkout(pinned_checkout: Path, tmp_path: Path):
     assert res.returncode == 0, res.stderr
     patched = (mlm / "pretrain_gpt.py").read_text()
     ast.parse(patched)  # still valid Python
-    assert patched != original and "_wlb.apply()" in patched
+    assert patched != original and "_wlb.apply(middle_stage_batches=True)" in patched
     assert git(mlm, "status", "--porcelain", "--untracked-files=no") == "M pretrain_gpt.py"
     again = run_script(mlm)
     assert again.returncode == 0 and "already applied" in again.stdout
@@ -260,7 +260,7 @@ def _fake_cluster(tmp_path: Path) -> tuple[dict, Path]:
         (bindir / stub).chmod(0o755)
     mlm = tmp_path / "mlm"
     mlm.mkdir()
-    (mlm / "pretrain_gpt.py").write_text("_wlb.apply()\n")
+    (mlm / "pretrain_gpt.py").write_text("_wlb.apply(middle_stage_batches=True)\n")
     env = {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}", "WLB_RECORD": str(record),
            "MEGATRON_LM": str(mlm), "DATA_PATH": "0.3 /data/a_text_document 0.7 /data/b_text_document",
            "TOKENIZER_MODEL": "meta-llama/Llama-2-7b-hf", "SLURM_JOB_NODELIST": "node-[a-b]", "SLURM_JOB_ID": "4242",

@@ -18,14 +18,16 @@ function; the kernel's own autograd does the rest, so any differentiable kernel 
 
 Kernel backends: ``torch-varlen`` (``torch.nn.attention.varlen.varlen_attn``; CUDA only),
 ``flash-attn`` (``flash_attn.flash_attn_varlen_func``; CUDA only) and ``reference`` (plain torch,
-one matmul per query run; runs anywhere, the ground truth for tests). ``auto`` picks the first that
-can run on the tensors' device.
+one matmul per query run; CPU only, the ground truth for tests). ``auto`` picks torch-varlen, then
+flash-attn on CUDA (refusing when neither imports) and the reference path on the CPU.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import inspect
+import logging
 import math
 from collections.abc import Sequence
 
@@ -86,10 +88,15 @@ def reference_document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
 
 
 def _torch_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale):
+    """``varlen_attn`` with the arguments its signature has (feature-detected, not version-guessed)."""
     from torch.nn.attention.varlen import varlen_attn
 
     params = inspect.signature(varlen_attn).parameters
-    kwargs = {"scale": scale}
+    kwargs = {}
+    if "scale" in params:
+        kwargs["scale"] = scale
+    elif not math.isclose(scale, 1.0 / math.sqrt(q.shape[-1]), rel_tol=1e-12):
+        q = q * (scale * math.sqrt(q.shape[-1]))  # the first public signature has no scale: fold it into q
     if "window_size" in params:
         kwargs["window_size"] = (-1, 0)          # causal, bottom-right aligned (flash semantics)
     else:
@@ -113,20 +120,43 @@ def _torch_varlen_available() -> bool:
     return importlib.util.find_spec("torch.nn.attention.varlen") is not None
 
 
-def resolve_backend(backend: str, device: torch.device) -> str:
-    """The kernel that ``backend`` means on ``device`` (``auto``: torch-varlen, flash-attn, reference)."""
+@functools.lru_cache(maxsize=None)
+def _log_backend(name: str, device_type: str) -> None:
+    """Say once per process which kernel the CP attention runs (and on what)."""
+    logging.getLogger(__name__).info("megatron_wlb CP attention kernel: %s on %s", name, device_type)
+
+
+def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype | None = None) -> str:
+    """The kernel that ``backend`` means on ``device`` for ``dtype`` (``auto``: torch-varlen, then
+    flash-attn on CUDA; the reference path on the CPU).
+
+    The reference path (a Python loop of matmuls) is refused on CUDA: it would crawl or run out of
+    memory at long context. ``auto`` on CUDA therefore needs a varlen kernel and fp16/bf16 inputs.
+    """
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; valid: {', '.join(BACKENDS)}")
     cuda = device.type == "cuda"
+    half = dtype in (torch.float16, torch.bfloat16) if dtype is not None else True
     if backend == "auto":
-        if cuda and _torch_varlen_available():
+        if not cuda:
+            return "reference"
+        if not half:
+            raise ValueError(f"CP attention on CUDA runs fp16/bf16 kernels, got {dtype}; train with --bf16 or --fp16")
+        if _torch_varlen_available():
             return "torch-varlen"
-        if cuda and importlib.util.find_spec("flash_attn") is not None:
+        if importlib.util.find_spec("flash_attn") is not None:
             return "flash-attn"
-        return "reference"
+        raise ValueError("no varlen attention kernel on this GPU: torch.nn.attention.varlen (torch >= 2.9) and "
+                         "flash_attn are both missing; upgrade torch or pip install flash-attn (the reference "
+                         "path is CPU-only)")
+    if backend == "reference" and cuda:
+        raise ValueError("attention backend 'reference' is a CPU test path (one matmul per query run); on CUDA use "
+                         "'auto', 'torch-varlen' or 'flash-attn'")
     if backend in ("torch-varlen", "flash-attn") and not cuda:
         raise ValueError(f"attention backend {backend!r} needs CUDA tensors, got device {device}; "
                          "use 'reference' (or 'auto') on CPU")
+    if backend in ("torch-varlen", "flash-attn") and not half:
+        raise ValueError(f"attention backend {backend!r} runs fp16/bf16 only, got {dtype}")
     if backend == "flash-attn" and importlib.util.find_spec("flash_attn") is None:
         raise ValueError("attention backend 'flash-attn' requested but flash_attn is not installed")
     if backend == "torch-varlen" and not _torch_varlen_available():
@@ -137,13 +167,9 @@ def resolve_backend(backend: str, device: torch.device) -> str:
 def varlen_attention(q, k, v, cu_seqlens_q: np.ndarray, cu_seqlens_k: np.ndarray, max_seqlen_q: int,
                      max_seqlen_k: int, backend: str = "auto", softmax_scale: float | None = None) -> torch.Tensor:
     """Bottom-right causal varlen attention with the chosen kernel (differentiable)."""
-    name = resolve_backend(backend, q.device)
+    name = resolve_backend(backend, q.device, q.dtype)
+    _log_backend(name, q.device.type)
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
-    half = q.dtype in (torch.float16, torch.bfloat16)
-    if name != "reference" and not half:
-        if backend != "auto":
-            raise ValueError(f"attention backend {name!r} runs fp16/bf16 only, got {q.dtype}; use 'reference'")
-        name = "reference"                       # auto: full precision goes to the reference path
     if name == "reference" or len(cu_seqlens_q) <= 1:
         return reference_varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, scale)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()

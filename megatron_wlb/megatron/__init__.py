@@ -41,6 +41,8 @@ class Runtime:
     """What apply() installed in this process, and the state its hooks share."""
 
     installed: bool = False
+    #: the entry point gives middle pipeline stages packed-sequence params (launcher, patched pretrain_gpt)
+    middle_stage_batches: bool = False
     settings: WlbSettings | None = None
     registry: Any = None
     logger: Any = None
@@ -139,8 +141,13 @@ def _wrap_validate_args(original: Callable) -> Callable:
     from megatron_wlb.megatron.args import validate_wlb_args
 
     def validate_args(args, defaults={}):  # noqa: B006 - Megatron's signature
+        from megatron_wlb.megatron.preflight import check_training_args
+
         out = original(args, defaults)
         settings = validate_wlb_args(args)
+        for note in check_training_args(args, middle_stage_batches=_RUNTIME.middle_stage_batches):
+            if _is_rank0():
+                print(f"> megatron_wlb: {note}", flush=True)
         _RUNTIME.settings = settings
         _install_cp_hooks(settings, args)
         return out
@@ -272,8 +279,12 @@ def _import_training_modules() -> dict[str, Any]:
     return mods
 
 
-def apply(*, check_version: bool = True) -> Runtime:
+def apply(*, check_version: bool = True, middle_stage_batches: bool = False) -> Runtime:
     """Install the WLB-LLM hooks into this Megatron-LM process (idempotent); returns the runtime state.
+
+    ``middle_stage_batches``: say True only if the caller's ``get_batch`` gives middle pipeline stages
+    (and virtual stages) the micro-batch's packed-sequence params, as ``megatron_wlb.megatron.launcher``
+    and the patched ``pretrain_gpt.py`` do; otherwise runs with middle stages are refused at start-up.
 
     Raises RuntimeError when megatron-core is outside ``version.SUPPORTED_CORE`` or Megatron's
     training code is not importable.
@@ -282,6 +293,7 @@ def apply(*, check_version: bool = True) -> Runtime:
 
     if check_version:
         check_core_version()
+    _RUNTIME.middle_stage_batches = middle_stage_batches
     if _RUNTIME.installed:
         return _RUNTIME
     from megatron_wlb.megatron.checkpoint import DataStateRegistry, wrap_load_checkpoint, wrap_save_checkpoint

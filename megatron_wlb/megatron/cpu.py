@@ -243,8 +243,9 @@ def world_size(layout: dict[str, int]) -> int:
 
 def write_text_corpus(prefix: str, max_bytes: int = 600_000, separator: str = "\n\n") -> tuple[int, int]:
     """Write ``prefix.bin/.idx``: the Python standard library's ``.py`` files as byte-level documents
-    (cut at blank lines: functions and paragraphs, each followed by EOD 256); returns (documents, tokens). Real text whose
-    document lengths span two orders of magnitude, available on every machine with Python."""
+    (cut at blank lines: functions and paragraphs, each followed by EOD 256); returns (documents,
+    tokens). Real text whose document lengths span three orders of magnitude, on every machine with
+    Python."""
     import sysconfig
     from pathlib import Path
 

@@ -136,7 +136,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.argv = [sys.argv[0], *argv]
     import megatron_wlb.megatron as wlb
 
-    wlb.apply()
+    wlb.apply(middle_stage_batches=True)
     use_shipped_dataset_helpers()
     from megatron.core.enums import ModelType
     from megatron.training import pretrain
