@@ -120,7 +120,7 @@ def _torch_varlen_available() -> bool:
     return importlib.util.find_spec("torch.nn.attention.varlen") is not None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _log_backend(name: str, device_type: str) -> None:
     """Say once per process which kernel the CP attention runs (and on what)."""
     logging.getLogger(__name__).info("megatron_wlb CP attention kernel: %s on %s", name, device_type)
