@@ -185,12 +185,17 @@ def test_more_misconfigurations():
         settings_from_args(parse(BASE + ["--wlb-queue-thresholds", "big"]))
 
 
-def test_version_check_names_the_supported_range():
-    assert check_core_version() == "0.16.1"  # the installed wheel CI tests against
-    assert is_supported("0.16.0") and is_supported("0.19.2") and is_supported("0.17.0rc1")
+def test_version_check_admits_the_releases_ci_trains_with():
+    from megatron_wlb.megatron.version import TESTED_RELEASES
+
+    assert check_core_version() in TESTED_RELEASES  # whichever CI installed
+    assert is_supported("0.16.1") and is_supported("0.19.2") and is_supported("0.19.3rc0")
+    assert not is_supported("0.17.1") and not is_supported("0.18.2")  # nothing trains with them in CI
     assert not is_supported("0.15.3") and not is_supported("0.20.0") and not is_supported("1.0")
-    with pytest.raises(RuntimeError, match=r">=0.16 <0.20"):
-        check_core_version("0.14.0")
+    with pytest.raises(RuntimeError, match=r"0.16.x: .*0.19.x: .*CI trains with 0.16.1 and 0.19.2"):
+        check_core_version("0.18.0")
+    with pytest.raises(ValueError, match="cannot read megatron-core version 'banana'"):
+        is_supported("banana")
 
 
 # -- apply() inside the pinned Megatron-LM training code (when a checkout or the mirror is present) --------

@@ -156,11 +156,13 @@ def test_tp2_pp2_trains_and_every_document_reaches_the_model_once(tmp_path, corp
 
 @pytest.fixture(scope="module")
 def cp_runs(tmp_path_factory, corpus):
-    """CP=1 and CP=2 with every layout, on the same plan (concat-and-cut: independent of the layout)."""
+    """CP=1 and CP=2 with every layout on the same plan. The plan comes from concat-and-cut packing, which
+    does not depend on the layout (wlb weighs work with a cost model of the layout, so its plans may
+    differ between CP=1 and CP=2); several documents share every micro-batch either way."""
     tmp = tmp_path_factory.mktemp("cp")
-    runs = {"cp1": train(tmp, "cp1", corpus, "--wlb-packing", "wlb", "--wlb-cp-sharding", "per-document")}
+    runs = {"cp1": train(tmp, "cp1", corpus, "--wlb-packing", "original", "--wlb-cp-sharding", "per-document")}
     for layout in ("per-sequence", "per-document", "adaptive", "hybrid"):
-        runs[layout] = train(tmp, layout, corpus, "--wlb-packing", "wlb", "--wlb-cp-sharding", layout,
+        runs[layout] = train(tmp, layout, corpus, "--wlb-packing", "original", "--wlb-cp-sharding", layout,
                              env={"CP": "2"})
     return runs
 
@@ -213,7 +215,7 @@ def test_dp2_with_overlapped_grad_reduce(tmp_path, corpus):
 
 
 def test_recomputation_leaves_the_losses_unchanged(tmp_path, corpus, cp_runs):
-    run = train(tmp_path, "recompute", corpus, "--wlb-packing", "wlb", "--wlb-cp-sharding", "per-document",
+    run = train(tmp_path, "recompute", corpus, "--wlb-packing", "original", "--wlb-cp-sharding", "per-document",
                 "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1")
     base = cp_runs["cp1"].losses
     assert run.losses == pytest.approx(base, rel=1e-5)
@@ -228,3 +230,53 @@ def test_checkpoint_resume_equals_an_uninterrupted_run(tmp_path, corpus):
     resumed = train(tmp_path, "resumed", corpus, *common, "--load", str(ckpt), env={"DP": "2"})
     assert sorted(resumed.losses) == [1, 2], resumed.losses  # the probe counts steps from the restart
     assert [resumed.losses[1], resumed.losses[2]] == pytest.approx([full.losses[3], full.losses[4]], rel=1e-5)
+
+
+# --- the pinned Megatron-LM checkout (core_v0.16.1): its patched pretrain_gpt.py, and our launcher over it ----
+def _pinned_checkout(tmp_path_factory) -> Path:
+    """A patched copy of the pinned checkout: from $MEGATRON_LM (a checkout at the pinned commit) or cloned
+    from the git mirror $WLB_MEGATRON_MIRROR; skipped when neither is present."""
+    from megatron_wlb.megatron.version import PINNED_MEGATRON_COMMIT
+
+    source = os.environ.get("MEGATRON_LM") or os.environ.get("WLB_MEGATRON_MIRROR",
+                                                              "/work/.mirror/NVIDIA+Megatron-LM/repo")
+    if shutil.which("git") is None or not os.path.isdir(source):
+        pytest.skip("no Megatron-LM checkout: set MEGATRON_LM to a checkout at the pinned commit "
+                    f"{PINNED_MEGATRON_COMMIT[:12]} (or WLB_MEGATRON_MIRROR to a git mirror of Megatron-LM)")
+    has_commit = subprocess.run(["git", "-C", source, "cat-file", "-e", f"{PINNED_MEGATRON_COMMIT}^{{commit}}"],
+                                capture_output=True).returncode == 0
+    if not has_commit:
+        pytest.skip(f"{source} does not contain the pinned commit {PINNED_MEGATRON_COMMIT[:12]}")
+    dest = tmp_path_factory.mktemp("pinned") / "Megatron-LM"
+    subprocess.run(["git", "clone", "-q", "--shared", "--no-checkout", source, str(dest)], check=True)
+    subprocess.run(["git", "-C", str(dest), "checkout", "-q", "--detach", PINNED_MEGATRON_COMMIT], check=True)
+    subprocess.run([str(REPO / "scripts" / "apply_patches.sh"), str(dest)], check=True, capture_output=True)
+    return dest
+
+
+@pytest.fixture(scope="module")
+def pinned(tmp_path_factory) -> Path:
+    return _pinned_checkout(tmp_path_factory)
+
+
+def _pinned_env(checkout: Path, **layout: str) -> dict:
+    # Megatron compiles its dataset helpers with `make` (python3 -m pybind11): this interpreter's python3 first
+    bin_dir = os.path.dirname(sys.executable)
+    return {**layout, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
+            "PYTHONPATH": f"{checkout}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+
+
+def test_patched_pretrain_gpt_of_the_pinned_checkout_trains_pp4(tmp_path, corpus, pinned):
+    """The pinned pretrain_gpt.py, patched: middle stages (PP=4) get their packed-sequence params."""
+    run = train(tmp_path, "pinned_pp4", corpus, "--num-layers", "4", "--wlb-packing", "wlb",
+                env=_pinned_env(pinned, PP="4"), pretrain_gpt=str(pinned / "pretrain_gpt.py"))
+    assert_trains(run)
+    assert "Megatron-Core version .......... 0.16.1" in run.log or "0.16.1" in run.log
+
+
+def test_launcher_over_the_pinned_checkout_cp2_pp2(tmp_path, corpus, pinned):
+    """apply() from our launcher (no patch) on core_v0.16.1's training code."""
+    run = train(tmp_path, "pinned_launcher", corpus, "--wlb-packing", "wlb", "--wlb-cp-sharding", "adaptive",
+                env=_pinned_env(pinned, CP="2", PP="2"))
+    assert_trains(run)
+    assert_documents_once(run)

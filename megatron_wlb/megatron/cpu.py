@@ -26,15 +26,21 @@ from typing import Any
 REDIRECTS: tuple[tuple[str, str], ...] = (
     ("device= arguments of tensor factories and Tensor.to",
      "Megatron allocates with device=torch.cuda.current_device() (p2p buffers, broadcasts, RoPE, "
-     "the loss and grad-norm reductions); a torch function mode maps CUDA devices to the CPU"),
+     "the loss and grad-norm reductions); a torch function mode maps CUDA devices to the CPU, and "
+     "random tensors asked for on the device draw from a generator of their own, as on a GPU"),
     ("Tensor.cuda / Module.cuda", "model build and batch code move tensors with .cuda(): identity"),
     ("torch.cuda.current_device / device_count / set_device / synchronize / get_device_properties / "
      "memory queries / Stream / Event",
      "initialization (it builds the model-parallel groups only when device_count() > 0), argument "
      "validation (device arch), timers and memory reporting query the CUDA runtime: answered as for "
      "one idle device 0 of arch 0.0"),
-    ("torch.cuda RNG state (get_rng_state, set_rng_state, manual_seed)",
-     "the tensor-parallel RNG tracker forks the CUDA generator: the CPU generator stands in"),
+    ("torch.cuda RNG (get_rng_state, set_rng_state, manual_seed) and Megatron's _get/_set_cuda_rng_state",
+     "the tensor-parallel RNG tracker seeds and forks the CUDA generator (weight init, recomputation): "
+     "the CPU generator stands in, so the states are the same functions of --seed as on a GPU"),
+    ("the CPU generator's state around initialize's _warmup_jit_function",
+     "the JIT warm-up runs dropout on seq_length/CP-sized random device tensors after seeding; on a GPU "
+     "that draws from the device generator, here it would move the CPU generator that "
+     "--use-cpu-initialization initializes the weights from (and differently for each CP size)"),
     ("initialize_megatron(allow_no_cuda=True)",
      "initialize asserts torch.cuda.is_available() unless asked not to, and pretrain() does not ask"),
     ("Python 3.11: typing.override", "megatron-core >= 0.19 imports typing.override (3.12); "
@@ -171,8 +177,9 @@ def install_cpu_redirects() -> None:
     cuda.stream = lambda *a, **k: _Stream()
     cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
     cuda.set_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
-    cuda.manual_seed = lambda seed: None  # the CPU generator is seeded by torch.manual_seed
-    cuda.manual_seed_all = lambda seed: None
+    # the tracker seeds "the device generator": the CPU one stands in (not torch.manual_seed, which calls these)
+    cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
+    cuda.manual_seed_all = lambda seed: torch.default_generator.manual_seed(int(seed))
     _INSTALLED = True
 
 
@@ -185,6 +192,19 @@ def install_megatron_redirects() -> None:
     from megatron.training import initialize, training
 
     tp_random._set_cuda_rng_state = lambda new_state, *a, **k: torch.set_rng_state(new_state)
+    if hasattr(tp_random, "_get_cuda_rng_state"):  # activation recomputation saves and restores the state
+        tp_random._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
+    warmup = getattr(initialize, "_warmup_jit_function", None)
+    if warmup is not None and not getattr(warmup, "__wlb_cpu__", False):
+        def warmup_keeping_the_cpu_generator(*args: Any, **kwargs: Any) -> Any:
+            state = torch.get_rng_state()
+            try:
+                return warmup(*args, **kwargs)
+            finally:
+                torch.set_rng_state(state)
+
+        warmup_keeping_the_cpu_generator.__wlb_cpu__ = True  # type: ignore[attr-defined]
+        initialize._warmup_jit_function = warmup_keeping_the_cpu_generator
     original = initialize.initialize_megatron
     if not getattr(original, "__wlb_cpu__", False):
         patched = functools.wraps(original)(lambda *a, **k: original(*a, **{**k, "allow_no_cuda": True}))

@@ -1,76 +1,65 @@
-"""The Megatron-LM release this adapter is written and tested against, and the version check.
+"""The Megatron-LM releases this adapter supports (those CI trains with), and the version check.
 
-``PINNED_MEGATRON_COMMIT`` is the Megatron-LM commit of the megatron-core 0.16.1 release (tag
-``core_v0.16.1``): CI tests the installed megatron-core 0.16.1 wheel, and ``patches/`` patches the
-training code (``pretrain_gpt.py``, ``megatron/training``) of that same commit.
+Two ways in, each tested by running Megatron's own training loop (tests/test_megatron_train.py):
+
+- megatron-core **0.19.x** (0.19.2 on the package index ships ``megatron/training``): our launcher
+  ``python -m megatron_wlb.megatron.launcher`` over ``megatron.training.pretrain``;
+- Megatron-LM **core_v0.16.1** (``PINNED_MEGATRON_COMMIT``), a checkout patched with ``patches/``:
+  its own ``pretrain_gpt.py`` (the megatron-core 0.16.1 wheel has no ``megatron/training``).
+
+Releases 0.17 and 0.18 are not admitted: nothing trains with them in CI (0.18 changed the CP and
+batch functions the patch hooks, and the launcher is tested on 0.19 only).
 """
 
 from __future__ import annotations
 
+from packaging.version import InvalidVersion, Version
+
 PINNED_MEGATRON_COMMIT = "55ac7082517c3878ae653c07c09c534b8aed49f6"
 PINNED_MEGATRON_TAG = "core_v0.16.1"
-SUPPORTED_CORE = (">=0.16", "<0.20")
+#: (major, minor) release series admitted, and how each is run
+SUPPORTED_SERIES = {(0, 16): f"a Megatron-LM checkout at {PINNED_MEGATRON_TAG}, patched (scripts/apply_patches.sh)",
+                    (0, 19): "the megatron-core 0.19 wheel with megatron_wlb.megatron.launcher"}
+#: the release of each series that CI trains with
+TESTED_RELEASES = ("0.16.1", "0.19.2")
 
 
-def _release(version: str) -> tuple[int, ...]:
-    """Leading numeric release of a version string: ``"0.16.1rc0"`` -> (0, 16, 1)."""
-    parts: list[int] = []
-    for chunk in version.split("+")[0].split("."):
-        digits = ""
-        for ch in chunk:
-            if not ch.isdigit():
-                break
-            digits += ch
-        if not digits:
-            break
-        parts.append(int(digits))
-        if digits != chunk:
-            break
-    if not parts:
-        raise ValueError(f"cannot read a release number from megatron-core version {version!r}")
-    return tuple(parts)
+def _parse(version: str) -> Version:
+    try:
+        return Version(version)
+    except InvalidVersion as exc:
+        raise ValueError(f"cannot read megatron-core version {version!r} (expected e.g. 0.19.2)") from exc
 
 
-def _bound(spec: str) -> tuple[str, tuple[int, ...]]:
-    op = spec[:2] if spec[:2] in (">=", "<=", "==") else spec[:1]
-    return op, _release(spec[len(op):])
-
-
-def is_supported(version: str, supported: tuple[str, ...] = SUPPORTED_CORE) -> bool:
-    """Whether ``version`` satisfies every bound in ``supported`` (release numbers compared padded)."""
-    have = _release(version)
-    for spec in supported:
-        op, want = _bound(spec)
-        width = max(len(have), len(want))
-        a, b = have + (0,) * (width - len(have)), want + (0,) * (width - len(want))
-        ok = {">=": a >= b, "<=": a <= b, "==": a == b, ">": a > b, "<": a < b}[op]
-        if not ok:
-            return False
-    return True
+def is_supported(version: str) -> bool:
+    """Whether ``version``'s release series is one that CI trains with (pre-releases of it included)."""
+    return tuple(_parse(version).release[:2]) in SUPPORTED_SERIES
 
 
 def installed_core_version() -> str:
-    """The installed megatron-core version, or a RuntimeError saying how to install it."""
+    """The megatron-core version Python imports (a checkout on ``sys.path`` wins over an installed wheel,
+    as it does for the import itself), or a RuntimeError saying how to install one."""
+    try:
+        from megatron.core import package_info
+
+        return str(package_info.__version__)
+    except ImportError:
+        pass
     try:
         from importlib.metadata import PackageNotFoundError, version
-        try:
-            return version("megatron-core")
-        except PackageNotFoundError:
-            pass
-        import megatron.core
-        return str(megatron.core.__version__)
-    except ImportError as exc:
-        raise RuntimeError("megatron_wlb.megatron needs Megatron-LM's megatron-core "
-                           f"({', '.join(SUPPORTED_CORE)}): pip install 'megatron-core==0.16.1' "
-                           f"or run from a Megatron-LM checkout at {PINNED_MEGATRON_TAG}") from exc
+
+        return version("megatron-core")
+    except PackageNotFoundError as exc:
+        raise RuntimeError("megatron_wlb.megatron needs Megatron-LM's megatron-core: pip install "
+                           f"'megatron-core=={TESTED_RELEASES[-1]}' (see the README), or run from a Megatron-LM "
+                           f"checkout at {PINNED_MEGATRON_TAG}") from exc
 
 
 def check_core_version(version: str | None = None) -> str:
-    """Return the megatron-core version, or raise naming the supported range if it is outside it."""
+    """Return the megatron-core version, or raise naming the supported releases if it is outside them."""
     version = installed_core_version() if version is None else version
     if not is_supported(version):
-        raise RuntimeError(f"megatron-core {version} is not supported by megatron_wlb.megatron; supported: "
-                           f"{' '.join(SUPPORTED_CORE)} (tested: 0.16.1, Megatron-LM {PINNED_MEGATRON_TAG} "
-                           f"{PINNED_MEGATRON_COMMIT[:12]}). Install a supported megatron-core or pin your "
-                           "checkout to that tag.")
+        ways = "; ".join(f"{major}.{minor}.x: {how}" for (major, minor), how in SUPPORTED_SERIES.items())
+        raise RuntimeError(f"megatron-core {version} is not supported by megatron_wlb.megatron; supported: {ways} "
+                           f"(CI trains with {' and '.join(TESTED_RELEASES)})")
     return version
