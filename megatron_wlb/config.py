@@ -1,12 +1,14 @@
 """Run configurations: a model, a 4D layout, a window and packing/sharding choices, from YAML.
 
-The files live in the repository's ``configs/`` (the paper's Table 1 layouts); ``load_config``
-takes a path or the stem of one of those files (``"7b_128k"``).
+The shipped files live in the package (``megatron_wlb/configs/*.yaml``, the paper's Table 1
+layouts), read through ``importlib.resources`` so they work from a wheel and stay editable in a
+checkout; ``load_config`` takes a path or the stem of one of those files (``"7b_128k"``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from importlib import resources
 from pathlib import Path
 
 import yaml
@@ -14,7 +16,8 @@ import yaml
 from megatron_wlb.costmodel import ModelShape, ParallelLayout, get_model
 from megatron_wlb.packing.types import PackingConfig
 
-CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
+#: the shipped configs (a Traversable: a plain folder in a checkout or an installed wheel)
+CONFIG_DIR = resources.files("megatron_wlb") / "configs"
 PACKER_NAMES = ("original", "fixed-greedy", "fixed-solver", "wlb")
 _TOP_KEYS = {"name", "model", "seq_len", "layout", "micro_batches", "virtual_stages", "packing",
              "cp_sharding", "description"}
@@ -47,15 +50,19 @@ class RunConfig:
 
 
 def list_configs() -> list[str]:
-    return sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
+    """Names of the shipped configs (``7b_128k``, ...)."""
+    return sorted(p.name[:-5] for p in CONFIG_DIR.iterdir() if p.name.endswith(".yaml"))
 
 
-def resolve_config_path(name_or_path: str | Path) -> Path:
+def resolve_config_path(name_or_path: str | Path):
+    """A user's YAML file, or the shipped config of that name (a Traversable with ``read_text``)."""
     path = Path(name_or_path)
     if path.suffix in (".yaml", ".yml") and path.exists():
+        if not path.is_file():
+            raise ValueError(f"config {str(path)!r} is a directory, not a YAML file")
         return path
     candidate = CONFIG_DIR / f"{name_or_path}.yaml"
-    if candidate.exists():
+    if "/" not in str(name_or_path) and candidate.is_file():
         return candidate
     raise FileNotFoundError(f"no config {str(name_or_path)!r}: not a YAML file, and not one of "
                             f"{', '.join(list_configs()) or '(none found in ' + str(CONFIG_DIR) + ')'}")
@@ -101,10 +108,20 @@ def config_from_dict(raw: dict, source: str = "<dict>") -> RunConfig:
 
 
 def load_config(name_or_path: str | Path) -> RunConfig:
+    """The config of a shipped name or a YAML path; every error is one line naming the file."""
     path = resolve_config_path(name_or_path)
-    with open(path) as f:
-        raw = yaml.safe_load(f) or {}
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"config {path}: cannot read it ({exc.__class__.__name__}: {exc})") from None
+    try:
+        raw = yaml.safe_load(text) or {}
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ValueError(f"config {path}: not valid YAML{where} ({problem})") from None
     if not isinstance(raw, dict):
         raise ValueError(f"{path}: expected a mapping at the top level, got {type(raw).__name__}")
-    raw.setdefault("name", path.stem)
+    raw.setdefault("name", path.name.rsplit(".", 1)[0])
     return config_from_dict(raw, source=str(path))
