@@ -63,3 +63,20 @@ def positive(value: int, flag: str, maximum: int | None = None) -> int:
 def show_progress() -> bool:
     """Progress bars only on a terminal: in a log file they are noise."""
     return sys.stderr.isatty()
+
+
+def cost_profile(path: str | Path | None, flag: str = "--profile") -> str | None:
+    """``path`` after checking it is a ``megatron-wlb-profile/1`` file the cost model can read."""
+    if path is None:
+        return None
+    from megatron_wlb.costmodel import PROFILE_FORMAT, load_profile
+
+    fmt = read_json_object(path, flag).get("format")
+    if fmt != PROFILE_FORMAT:
+        raise ValueError(f"{flag} {path}: format {fmt!r}, expected {PROFILE_FORMAT!r} (a cost-model profile "
+                         "written by `wlb calibrate`)")
+    try:
+        load_profile(path)
+    except (KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(f"{flag} {path}: malformed profile ({type(exc).__name__}: {exc})") from None
+    return str(path)

@@ -1,6 +1,7 @@
 """``wlb pack``: run one packer over a length stream, print its metrics, optionally write the plan.
 
-    wlb pack --lengths FILE|wlbllm --config NAME|YAML [--packer P] [--iterations K] [--out plan.jsonl]
+    wlb pack --lengths FILE|wlbllm|stdlib | --data-prefix PREFIX  --config NAME|YAML [--packer P]
+             [--iterations K] [--out plan.jsonl] [--wlb-* knob overrides]
 
 ``--out`` writes one JSON line per global batch: ``{"iteration": i, "micro_batches": [[[doc_id,
 offset, length], ...], ...]}`` (micro-batch ``r * n + k`` is DP rank r's k-th).
@@ -12,10 +13,10 @@ import argparse
 import dataclasses
 import json
 import sys
-from pathlib import Path
 
 import numpy as np
 
+from megatron_wlb.cli.common import cost_profile, output_file, show_progress
 from megatron_wlb.config import PACKER_NAMES, RunConfig, load_config
 from megatron_wlb.costmodel import CostModel, build_cost_model
 from megatron_wlb.data import load_lengths
@@ -29,11 +30,18 @@ def add_packing_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", default=None, help="calibrated cost-model profile JSON (default: analytic)")
 
 
+#: a length-stream name that stands for an indexed dataset (``--data-prefix``)
+DATA_PREFIX_SCHEME = "prefix:"
+
+
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser("pack", help="pack a length stream into global batches and print packing metrics",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--lengths", default="wlbllm",
-                   help="length file (.json/.npy/.txt), 'wlbllm' (embedded) or 'stdlib' (default wlbllm)")
+    stream = p.add_mutually_exclusive_group()
+    stream.add_argument("--lengths", default="wlbllm",
+                        help="length file (.json/.npy/.txt), 'wlbllm' (embedded) or 'stdlib' (default wlbllm)")
+    stream.add_argument("--data-prefix", metavar="PREFIX", default=None,
+                        help="a Megatron indexed dataset: document lengths read from PREFIX.idx")
     add_packing_options(p)
     p.add_argument("--packer", choices=PACKER_NAMES, default=None, help="packer (default: the config's)")
     p.add_argument("--iterations", type=int, default=None, help="stop after K global batches (default: all)")
@@ -49,11 +57,19 @@ def add_parser(subparsers) -> None:
 
 
 def resolve_lengths(source: str, min_tokens: int = 0, seed: int = 0) -> np.ndarray:
-    """Lengths from a file, 'wlbllm' or 'stdlib'; repeated (a seeded shuffle per extra pass) until
-    they hold at least ``min_tokens`` tokens, so short streams can fill long benchmarks."""
+    """Lengths from a file, 'wlbllm', 'stdlib' or ``prefix:PREFIX`` (an indexed dataset); repeated
+    (a seeded shuffle per extra pass) until they hold at least ``min_tokens`` tokens, so short
+    streams can fill long benchmarks."""
     from megatron_wlb.cli.bench import stdlib_lengths
 
-    base = stdlib_lengths() if source == "stdlib" else load_lengths(source)
+    if source == "stdlib":
+        base = stdlib_lengths()
+    elif source.startswith(DATA_PREFIX_SCHEME):
+        from megatron_wlb.data.indexed import read_idx_lengths
+
+        base = read_idx_lengths(source[len(DATA_PREFIX_SCHEME):])
+    else:
+        base = load_lengths(source)
     if base.size == 0:
         raise ValueError(f"length stream {source!r} is empty")
     parts, total = [base], int(base.sum())
@@ -96,7 +112,8 @@ def run_packer(packer: Packer, lengths: np.ndarray, iterations: int | None, prog
     from tqdm import tqdm
 
     batches: list[GlobalBatch] = []
-    bar = tqdm(total=iterations, desc=progress, file=sys.stderr, disable=progress is None, leave=False)
+    bar = tqdm(total=iterations, desc=progress, file=sys.stderr, disable=progress is None or not show_progress(),
+               leave=False)
     was_enabled = gc.isenabled()
     gc.disable()
     try:
@@ -117,7 +134,7 @@ def run_packer(packer: Packer, lengths: np.ndarray, iterations: int | None, prog
 
 def build(args: argparse.Namespace) -> tuple[RunConfig, CostModel]:
     config = load_config(args.config)
-    cost = build_cost_model(config.model, config.layout, profile=getattr(args, "profile", None))
+    cost = build_cost_model(config.model, config.layout, profile=cost_profile(getattr(args, "profile", None)))
     return config, cost
 
 
@@ -128,15 +145,16 @@ def run(args: argparse.Namespace) -> int:
     packing = dataclasses.replace(config.packing, **overrides(args))
     name = args.packer or config.packer
     packer = make_packer(name, packing, cost)
-    lengths = resolve_lengths(args.lengths)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        with open(args.out, "w") as f:
+    source = DATA_PREFIX_SCHEME + args.data_prefix if args.data_prefix else args.lengths
+    out = output_file(args.out) if args.out else None
+    lengths = resolve_lengths(source)
+    if out is not None:
+        with open(out, "w") as f:
             batches = run_packer(packer, lengths, args.iterations, progress=name, out=f)
     else:
         batches = run_packer(packer, lengths, args.iterations, progress=name)
     metrics = summarize(batches, cost, packing.seq_len)
-    report = {"packer": name, "config": config.name, "lengths": args.lengths, "documents_read": packer.position,
+    report = {"packer": name, "config": config.name, "lengths": source, "documents_read": packer.position,
               "dropped": len(packer.dropped), **metrics.to_dict()}
     if hasattr(packer, "thresholds"):
         report["thresholds"] = list(packer.thresholds())
