@@ -46,12 +46,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--packer", choices=PACKER_NAMES, default=None, help="packer (default: the config's)")
     p.add_argument("--iterations", type=int, default=None, help="stop after K global batches (default: all)")
     p.add_argument("--out", default=None, help="write the plan as JSON lines")
-    p.add_argument("--window", type=int, default=None, help="fixed-* packers: global batches per window")
-    p.add_argument("--max-seq-len", type=int, default=None, help="wlb: micro-batch capacity S_max")
-    p.add_argument("--max-delay", type=int, default=None, help="wlb: iterations a document may wait")
-    p.add_argument("--num-queues", type=int, default=None, help="wlb: outlier queues for auto thresholds")
-    p.add_argument("--thresholds", default=None, help="wlb: 'auto' or comma-separated L_1,...,L_n")
-    p.add_argument("--oversize", choices=("split", "drop", "error"), default=None)
+    add_knob_options(p)
     p.add_argument("--json", action="store_true", help="print the metrics as JSON")
     p.set_defaults(func=run)
 
@@ -80,21 +75,29 @@ def resolve_lengths(source: str, min_tokens: int = 0, seed: int = 0) -> np.ndarr
     return np.concatenate(parts)
 
 
+def add_knob_options(p: argparse.ArgumentParser) -> None:
+    """One ``--<knob>`` option per PackingConfig knob (generated: a new field gets its option), each
+    overriding the config's ``packing.<knob>``."""
+    from megatron_wlb.config import PACKING_KNOBS
+
+    g = p.add_argument_group("packer settings (override the config's packing section)")
+    for name, knob in PACKING_KNOBS.items():
+        flags = [knob.flag("--")] + (["--thresholds"] if name == "queue_thresholds" else [])
+        g.add_argument(*flags, dest=f"knob_{name}", default=None, metavar=None if knob.choices else "V",
+                       choices=[str(c) for c in knob.choices] if knob.choices else None,
+                       help=(knob.help.replace("`", "") + ("" if knob.choices else f" ({knob.expects})"))
+                       .replace("%", "%%"))
+
+
 def overrides(args: argparse.Namespace) -> dict:
+    """The packer settings given on the command line, parsed and checked by their type."""
+    from megatron_wlb.config import PACKING_KNOBS
+
     out = {}
-    for key in ("window", "max_seq_len", "max_delay", "num_queues", "oversize"):
-        value = getattr(args, key, None)
+    for name, knob in PACKING_KNOBS.items():
+        value = getattr(args, f"knob_{name}", None)
         if value is not None:
-            out[key] = value
-    th = getattr(args, "thresholds", None)
-    if th is not None:
-        if th == "auto":
-            out["queue_thresholds"] = "auto"
-        else:
-            try:
-                out["queue_thresholds"] = tuple(int(x) for x in th.split(","))
-            except ValueError:
-                raise ValueError(f"--thresholds={th!r}: give 'auto' or comma-separated integers") from None
+            out[name] = knob.parse(value, knob.flag("--"))
     return out
 
 
