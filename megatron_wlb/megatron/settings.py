@@ -34,7 +34,7 @@ class WlbSettings:
 
     - ``packing``: PP-level packer (original = Megatron's concat-and-cut, fixed-greedy,
       fixed-solver, wlb = variable-length packing with outlier delay).
-    - ``cp_sharding``: CP layout of each micro-batch (``cp_sharding_names()``).
+    - ``cp_sharding``: CP layout of each micro-batch (docs/cp.md).
     - ``cost_profile``: a calibrated cost-model profile JSON written by ``wlb calibrate`` (None = analytic model).
     - ``config``: a shipped config name or YAML path whose packing section supplies the defaults.
     - ``log_interval``: log the packing metrics every this many iterations.
