@@ -188,7 +188,7 @@ def fit_profile(profile: dict) -> ProfileFit:
 
 
 def load_profile(path: str | Path) -> dict:
-    """Read and validate a profile JSON written by ``scripts/gpu_calibrate.py``.
+    """Read and validate a profile JSON written by ``wlb calibrate`` (``megatron_wlb/cli/calibrate.py``).
 
     Format: ``{"format": "megatron-wlb-profile/1", "device": str, "model": ModelShape fields,
     "tp": int, "attention": {"lengths": [...], "fwd_s": [...], "bwd_s": [...]},
