@@ -28,7 +28,6 @@ import platform
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
