@@ -210,3 +210,13 @@ def test_core_imports_without_highspy():
         pytest.xfail("megatron_wlb/packing/solver.py imports highspy at module level (its owner moves the import "
                      "into the solver)")
     assert res.stdout.strip() == "ok", res.stderr
+
+
+def test_the_docs_own_model_example_loads(tmp_path: Path):
+    text = (ROOT / "docs" / "megatron_launch.md").read_text()
+    section = text[text.index("### Your own model"):]
+    block = section[section.index("```yaml") + len("```yaml"):]
+    block = block[:block.index("```")]
+    (tmp_path / "mine.yaml").write_text(block)
+    run = load_config(tmp_path / "mine.yaml")
+    assert run.model.num_kv_heads == 8 and run.model.ffn_hidden == 14336 and run.packing.max_seq_len == 98304
