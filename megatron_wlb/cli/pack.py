@@ -26,7 +26,7 @@ from megatron_wlb.packing.base import Packer
 
 def add_packing_options(p: argparse.ArgumentParser) -> None:
     """Options shared by ``pack`` and ``bench`` that override the config's packing settings."""
-    p.add_argument("--config", default="7b_128k", help="shipped config name (7b_128k, ...) or a YAML path (default 7b_128k)")
+    p.add_argument("--config", default="7b_128k", help="shipped config name or a YAML path (default 7b_128k)")
     p.add_argument("--profile", default=None, help="calibrated cost-model profile JSON (default: analytic)")
 
 
