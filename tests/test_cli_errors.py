@@ -167,3 +167,12 @@ def test_shard_reads_a_pack_plan(capsys, tmp_path: Path):
     for row, lengths in zip(rows, expect):
         covered = sum(e - s for rank in row["ranks"] for s, e in rank)
         assert covered == sum(row["padded_lengths"]) >= sum(lengths)
+
+
+@pytest.mark.parametrize("command", [["analyze", "--lengths", "wlbllm", "--config", "550m_64k", "--iterations", "1"],
+                                     ["reproduce", "--iterations", "1", "--configs", "550m_64k"]])
+@pytest.mark.parametrize("profile, expect", [("list.json", "expected a JSON object"),
+                                             ("broken.json", "broken.json: not valid JSON")])
+def test_profile_errors_of_the_simulator_commands(capsys, files: Path, command, profile, expect):
+    rc, _, err = run_wlb(capsys, *command, "--profile", str(files / profile), "--out", str(files / "out"))
+    assert rc == 2 and len(err.strip().splitlines()) == 1 and expect in err, err
