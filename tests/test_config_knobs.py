@@ -31,20 +31,33 @@ BASE = {"name": "t", "model": "7b", "seq_len": 8192, "layout": {"tp": 1, "cp": 2
 
 
 def other_value(knob, seq_len: int = 8192):
-    """A valid value of ``knob`` different from its default, derived from its type alone."""
-    hint = knob.hint
-    if knob.choices:
-        return next(c for c in knob.choices if c != knob.default)
+    """A valid value of ``knob`` different from its default, derived from its type alone (the first
+    candidate that a config with ``seq_len`` accepts, so fields with range checks work too)."""
+    hint, d = knob.hint, knob.default
     args = typing.get_args(hint)
-    if any(typing.get_origin(a) is tuple for a in args):
-        return (1000, 3000)
-    if hint is bool:
-        return not knob.default
-    if hint is float:
-        return knob.default * 2 + 0.5
-    if hint is int or int in args:
-        return (knob.default or seq_len) * 2 + (0 if knob.default is None else 1)
-    raise AssertionError(f"no test value for {knob.name}: {hint}")
+    if knob.choices:
+        candidates = [c for c in knob.choices if c != d]
+    elif any(typing.get_origin(a) is tuple for a in args):
+        candidates = [(1000, 3000)]
+    elif hint is bool:
+        candidates = [not d]
+    elif hint is float or float in args:
+        base = d if isinstance(d, float) else 1.0
+        candidates = [base / 2, base * 2 + 0.5, 0.25, 0.9, 2.0, 10.0]
+    elif hint is int or int in args:
+        base = d if isinstance(d, int) else seq_len
+        candidates = [base + 1, base * 2, 2 * seq_len, 1, 2, 64]
+    else:
+        raise AssertionError(f"no test value for {knob.name}: {hint}")
+    for value in candidates:
+        if value == d:
+            continue
+        try:
+            config_from_dict({**BASE, "seq_len": seq_len, "packing": {knob.name: value}})
+        except ValueError:
+            continue
+        return value
+    raise AssertionError(f"no accepted test value for {knob.name} among {candidates}")
 
 
 def test_knobs_are_the_typed_fields_of_packing_config():
