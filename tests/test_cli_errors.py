@@ -48,6 +48,7 @@ def files(tmp_path: Path) -> Path:
     (tmp_path / "inf.json").write_text("[1, Infinity]")
     (tmp_path / "big.json").write_text(f"[1, {2**63}]")
     (tmp_path / "nan.txt").write_text("5\nnan\n")
+    (tmp_path / "frac.json").write_text("[1.5, 2]")
     (tmp_path / "row.csv").write_text("100,200,300\n")
     (tmp_path / "broken.json").write_text("[1, 2")
     (tmp_path / "bad.yaml").write_text("name: x\nlayout: {tp: 1, cp: 2\n")
@@ -64,6 +65,9 @@ CASES = [
     (["pack", "--lengths", "{d}/inf.json"], "inf"),
     (["pack", "--lengths", "{d}/big.json"], str(2**63)),
     (["pack", "--lengths", "{d}/nan.txt"], "'nan' is not an integer"),
+    (["pack", "--lengths", "{d}/frac.json"], "entry 0 is 1.5; lengths are whole token counts"),
+    (["shard", "--micro-batches", "{d}/mb.jsonl", "--cp", "2", "--layout", "adaptive", "--out", "{d}/o.jsonl",
+      "--tp", "3"], "--tp 3 does not divide the 32 attention heads"),
     (["pack", "--lengths", "{d}/row.csv"], "3 fields"),
     (["pack", "--lengths", "{d}/broken.json"], "broken.json: not valid JSON"),
     (["pack", "--lengths", "{d}/missing.json"], "does not exist"),

@@ -147,6 +147,9 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--show {args.show}: must be >= 0")
     out = output_file(args.out)
     micro_batches = read_micro_batches(args.micro_batches)
+    heads = get_model(args.model).num_heads
+    if heads % args.tp:
+        raise ValueError(f"--tp {args.tp} does not divide the {heads} attention heads of --model {args.model}")
     cost, efficiency = _load_profile(args.profile, args.model, args.tp)
     layouts = [build_layout(args.layout, mb, args.cp, cost=cost, efficiency=efficiency, tile=args.tile)
                for mb in micro_batches]

@@ -34,6 +34,9 @@ def _checked(arr: np.ndarray, path: Path) -> np.ndarray:
         bad = np.flatnonzero(~np.isfinite(arr))
         if bad.size:
             raise ValueError(f"{path}: entry {bad[0]} is {float(arr[bad[0]])}; lengths are finite token counts")
+        frac = np.flatnonzero(arr != np.floor(arr))
+        if frac.size:
+            raise ValueError(f"{path}: entry {frac[0]} is {float(arr[frac[0]])}; lengths are whole token counts")
     too_big = np.flatnonzero(arr > MAX_DOCUMENT_TOKENS)
     if too_big.size:
         raise ValueError(f"{path}: entry {too_big[0]} = {arr[too_big[0]]!r} tokens exceeds the largest document "
