@@ -180,3 +180,17 @@ def test_shard_reads_a_pack_plan(capsys, tmp_path: Path):
 def test_profile_errors_of_the_simulator_commands(capsys, files: Path, command, profile, expect):
     rc, _, err = run_wlb(capsys, *command, "--profile", str(files / profile), "--out", str(files / "out"))
     assert rc == 2 and len(err.strip().splitlines()) == 1 and expect in err, err
+
+
+def test_bin_check_accepts_a_dataset_megatron_core_wrote(tmp_path: Path):
+    pytest.importorskip("megatron.core")
+    from megatron_wlb.data.indexed import check_bin_matches_idx, read_idx_lengths
+    from megatron_wlb.megatron.data import write_indexed_dataset
+
+    prefix = write_indexed_dataset(str(tmp_path / "real_text_document"), [[1, 2, 3], [4, 5], list(range(70000))])
+    check_bin_matches_idx(prefix)
+    assert read_idx_lengths(prefix).tolist() == [3, 2, 70000]
+    with open(f"{prefix}.bin", "ab") as f:
+        f.write(b"\0")
+    with pytest.raises(ValueError, match="larger than its index"):
+        check_bin_matches_idx(prefix)
