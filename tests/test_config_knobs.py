@@ -233,3 +233,20 @@ def test_the_docs_own_model_example_loads(tmp_path: Path):
     (tmp_path / "mine.yaml").write_text(block)
     run = load_config(tmp_path / "mine.yaml")
     assert run.model.num_kv_heads == 8 and run.model.ffn_hidden == 14336 and run.packing.max_seq_len == 98304
+
+
+def test_settings_behave_like_a_frozen_dataclass():
+    import copy
+    import pickle
+    from dataclasses import replace
+
+    s = WlbSettings(max_delay=3, queue_thresholds="100,200")
+    assert (s.max_delay, s.queue_thresholds, s.window) == (3, (100, 200), 1)
+    r = replace(s, cp_sharding="per-document")
+    assert r.max_delay == 3 and r.cp_sharding == "per-document"
+    assert pickle.loads(pickle.dumps(r)) == r == copy.deepcopy(r) and hash(r) == hash(replace(r))
+    assert WlbSettings(max_delay=FLAG_KNOBS["max_delay"].default) == WlbSettings()  # defaults are not stored
+    with pytest.raises(ValueError, match="unknown WLB setting.*max_dealy"):
+        WlbSettings(max_dealy=3)
+    with pytest.raises(AttributeError):
+        _ = s.no_such_setting

@@ -52,10 +52,11 @@ class WlbSettings:
     packer_knobs: tuple[tuple[str, Any], ...] = ()
 
     def __init__(self, packing: str = "wlb", cp_sharding: str = "adaptive", cost_profile: str | None = None,
-                 config: str | None = None, log_interval: int = 1, **knobs: Any) -> None:
+                 config: str | None = None, log_interval: int = 1, packer_knobs: tuple = (), **knobs: Any) -> None:
         for name, value in (("packing", packing), ("cp_sharding", cp_sharding), ("cost_profile", cost_profile),
                             ("config", config), ("log_interval", log_interval)):
             object.__setattr__(self, name, value)
+        knobs = {**dict(packer_knobs), **knobs}  # packer_knobs: what dataclasses.replace passes back
         unknown = sorted(set(knobs) - set(FLAG_KNOBS))
         if unknown:
             raise ValueError(f"unknown WLB setting(s) {', '.join(unknown)}; valid: "
