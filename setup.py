@@ -1,17 +1,26 @@
 """megatron-wlb: workload-balanced 4D parallelism (WLB-LLM, OSDI'25) for Megatron-LM."""
 
+import re
+
 from setuptools import find_packages, setup
+
+# one place for the version: megatron_wlb/__init__.py (what `wlb --version` prints)
+VERSION = re.search(r'^__version__ = "([^"]+)"', open("megatron_wlb/__init__.py").read(), re.M).group(1)
 
 setup(
     name="megatron-wlb",
-    version="0.1.0",
+    version=VERSION,
     description="Workload-balanced document packing and context-parallel sharding for Megatron-LM "
                 "(an open implementation of WLB-LLM, OSDI'25)",
     long_description=open("README.md").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["megatron_wlb", "megatron_wlb.*"]),
-    package_data={"megatron_wlb": ["data/*.json", "data/*.md"]},
+    # Data files the package reads through importlib.resources / __file__ (tests/test_wheel.py checks
+    # that every non-Python file under megatron_wlb/ is listed here).
+    package_data={"megatron_wlb": ["data/*.json", "data/*.md", "configs/*.yaml", "cp/data/*.json"]},
+    license="Apache-2.0",
+    license_files=["LICENSE"],
     # The core (cost model, packers, shard layouts, simulator, CLI) needs no torch.
     install_requires=[
         "numpy>=1.24",
@@ -31,5 +40,5 @@ setup(
         "test": ["pytest>=7", "hypothesis>=6", "ruff>=0.5"],
     },
     entry_points={"console_scripts": ["wlb=megatron_wlb.cli.main:main"]},
-    classifiers=["Programming Language :: Python :: 3", "License :: OSI Approved :: Apache Software License"],
+    classifiers=["Programming Language :: Python :: 3"],
 )

@@ -1,25 +1,226 @@
 """Run configurations: a model, a 4D layout, a window and packing/sharding choices, from YAML.
 
-The files live in the repository's ``configs/`` (the paper's Table 1 layouts); ``load_config``
-takes a path or the stem of one of those files (``"7b_128k"``).
+The shipped files live in the package (``megatron_wlb/configs/*.yaml``, the paper's Table 1
+layouts), read through ``importlib.resources`` so they work from a wheel and stay editable in a
+checkout; ``load_config`` takes a path or the stem of one of those files (``"7b_128k"``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import math
+import re
+import types
+import typing
+from dataclasses import MISSING, dataclass, fields, replace
+from importlib import resources
 from pathlib import Path
+from typing import Any, Literal
 
 import yaml
 
-from megatron_wlb.costmodel import ModelShape, ParallelLayout, get_model
+from megatron_wlb.costmodel import MODELS, ModelShape, ParallelLayout, get_model
+from megatron_wlb.packing.base import PACKERS
 from megatron_wlb.packing.types import PackingConfig
 
-CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
-PACKER_NAMES = ("original", "fixed-greedy", "fixed-solver", "wlb")
-_TOP_KEYS = {"name", "model", "seq_len", "layout", "micro_batches", "virtual_stages", "packing",
-             "cp_sharding", "description"}
-_PACKING_KEYS = {"packer", "max_seq_len", "queue_thresholds", "num_queues", "max_delay", "window",
-                 "oversize", "solver_time_limit", "seed"}
+#: the shipped configs (a Traversable: a plain folder in a checkout or an installed wheel)
+CONFIG_DIR = resources.files("megatron_wlb") / "configs"
+#: the packers, from the registry (``packing.base.register_packer``)
+PACKER_NAMES: tuple[str, ...] = tuple(PACKERS)
+_TOP_KEYS = ("name", "description", "model", "seq_len", "layout", "micro_batches", "virtual_stages", "packing",
+             "cp_sharding")
+#: PackingConfig fields that describe the run, not a packing choice: set from the config's top level
+#: (seq_len, micro_batches, layout.dp) or, under Megatron, from its own flags (--seq-length,
+#: --global-batch-size, DP, --seed); never a ``--wlb-*`` flag
+RUN_FIELDS = {"seq_len": "--seq-length", "n": "--global-batch-size", "dp": "the data-parallel size",
+              "seed": "--seed"}
+
+
+# -- knobs: typed dataclass fields as YAML keys and command-line flags ------------------------------------
+def field_docs(cls: type) -> dict[str, str]:
+    """``name -> text`` of the ``- ``name``: text`` bullets of a dataclass docstring (the help text)."""
+    docs: dict[str, str] = {}
+    current = None
+    for line in (cls.__doc__ or "").splitlines():
+        m = re.match(r"\s*- ``([a-z_]+)``(?: / ``[a-z_]+``)*: (.*)", line)
+        if m:
+            current = m.group(1)
+            docs[current] = m.group(2).strip()
+            for other in re.findall(r"``([a-z_]+)``", line.split(":", 1)[0])[1:]:
+                docs.setdefault(other, docs[current])
+        elif current and line.strip() and not line.strip().startswith("-") and line.startswith("      "):
+            docs[current] += " " + line.strip()
+        else:
+            current = None
+    return {k: v.replace("``", "`") for k, v in docs.items()}
+
+
+def _describe(hint: Any) -> str:
+    origin = typing.get_origin(hint)
+    if hint is type(None):
+        return "none"
+    if origin in (typing.Union, types.UnionType):
+        alts = sorted(typing.get_args(hint), key=lambda a: typing.get_origin(a) is not Literal)
+        return " or ".join(_describe(a) for a in alts)
+    if origin is Literal:
+        return ", ".join(repr(a) for a in typing.get_args(hint))
+    if origin is tuple:
+        return "comma-separated integers (e.g. 8192,32768)"
+    return {bool: "true/false", int: "an integer", float: "a number", str: "a string"}.get(hint, str(hint))
+
+
+def _parse(hint: Any, value: Any) -> Any:
+    """``value`` (from YAML, or a command-line string) as ``hint``; ValueError if it is not one."""
+    origin = typing.get_origin(hint)
+    if hint is type(None):
+        if value is None or (isinstance(value, str) and value.strip().lower() in ("none", "null")):
+            return None
+        raise ValueError
+    if origin in (typing.Union, types.UnionType):
+        for alt in sorted(typing.get_args(hint), key=lambda a: typing.get_origin(a) is not Literal):
+            try:
+                return _parse(alt, value)
+            except ValueError:
+                continue
+        raise ValueError
+    if origin is Literal:
+        for option in typing.get_args(hint):
+            if value == option or (isinstance(value, str) and value.strip() == str(option)):
+                return option
+        raise ValueError
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.strip().lower() in ("true", "yes", "1", "false", "no", "0"):
+            return value.strip().lower() in ("true", "yes", "1")
+        raise ValueError
+    if hint is int:
+        if isinstance(value, bool):
+            raise ValueError
+        if isinstance(value, int):
+            return value
+        if isinstance(value, str) and re.fullmatch(r"\s*[+-]?\d+\s*", value):
+            return int(value)
+        raise ValueError
+    if hint is float:
+        if isinstance(value, bool):
+            raise ValueError
+        number = float(value) if isinstance(value, (int, float, str)) else math.nan
+        if not math.isfinite(number):
+            raise ValueError
+        return number
+    if hint is str:
+        if isinstance(value, str):
+            return value
+        raise ValueError
+    if origin is tuple:
+        items = value.replace(" ", "").split(",") if isinstance(value, str) else value
+        if not isinstance(items, (list, tuple)) or not items:
+            raise ValueError
+        (item_hint, *_) = typing.get_args(hint)
+        return tuple(_parse(item_hint, x) for x in items)
+    raise ValueError
+
+
+@dataclass(frozen=True)
+class Knob:
+    """One typed dataclass field as a YAML key (``name``) and a command-line flag (``--prefix-name``)."""
+
+    owner: type
+    name: str
+    hint: Any
+    default: Any
+    help: str
+
+    def flag(self, prefix: str = "--wlb-") -> str:
+        return prefix + self.name.replace("_", "-")
+
+    @property
+    def choices(self) -> tuple | None:
+        """The allowed values when the type is a plain ``Literal`` (argparse ``choices``)."""
+        return typing.get_args(self.hint) if typing.get_origin(self.hint) is Literal else None
+
+    @property
+    def expects(self) -> str:
+        return _describe(self.hint)
+
+    def convert(self, value: Any, where: str) -> Any:
+        """``value`` as the field's type, without range checks (argparse's ``type=``)."""
+        try:
+            return _parse(self.hint, value)
+        except (ValueError, TypeError, OverflowError):
+            raise ValueError(f"{where}={value!r}: give {self.expects}") from None
+
+    def parse(self, value: Any, where: str) -> Any:
+        """``value`` converted to the field's type, validated by the owner dataclass when it can be
+        alone (``PackingConfig`` ranges); the error names ``where`` (a flag or a YAML key)."""
+        parsed = self.convert(value, where)
+        if self.owner is PackingConfig:
+            try:
+                PackingConfig(seq_len=1, n=1, **{self.name: parsed})
+            except ValueError as exc:
+                raise ValueError(f"{where}={value!r}: {exc}") from None
+        return parsed
+
+
+def dataclass_knobs(cls: type, exclude=()) -> dict[str, Knob]:
+    """Every field of dataclass ``cls`` (but ``exclude`` and dict-typed ones) as a ``Knob``, in order.
+
+    Adding a typed field to the dataclass adds its YAML key and its flag: nothing else lists them.
+    """
+    hints = typing.get_type_hints(cls)
+    docs = field_docs(cls)
+    out = {}
+    for f in fields(cls):
+        hint = hints[f.name]
+        if f.name in exclude or hint is dict or typing.get_origin(hint) is dict:
+            continue
+        default = f.default if f.default is not MISSING else (
+            f.default_factory() if f.default_factory is not MISSING else None)
+        out[f.name] = Knob(cls, f.name, hint, default, docs.get(f.name, ""))
+    return out
+
+
+#: the packer settings a config's ``packing:`` section and the ``--wlb-*`` flags may set
+PACKING_KNOBS: dict[str, Knob] = dataclass_knobs(PackingConfig, exclude=set(RUN_FIELDS) - {"seed"})
+
+#: Megatron-LM's argument names for a model shape (``hidden_size`` ...) -> ``ModelShape`` fields
+MEGATRON_MODEL_KEYS = {"hidden_size": "hidden", "num_attention_heads": "num_heads",
+                       "num_query_groups": "num_kv_heads", "ffn_hidden_size": "ffn_hidden", "vocab_size": "vocab",
+                       "padded_vocab_size": "vocab"}
+
+
+def model_from_yaml(raw: Any, source: str) -> ModelShape:
+    """A shipped model name, or a mapping with ``ModelShape`` fields or Megatron-LM's argument names."""
+    if isinstance(raw, str):
+        if raw not in MODELS:
+            raise ValueError(f"{source}: model {raw!r} is not a shipped shape ({', '.join(MODELS)}); give one "
+                             "of those or a mapping of the model's sizes")
+        return get_model(raw)
+    if not isinstance(raw, dict):
+        raise ValueError(f"{source}: model must be a name ({', '.join(MODELS)}) or a mapping, got {raw!r}")
+    knobs = dataclass_knobs(ModelShape)
+    values: dict[str, Any] = {"name": "custom"}
+    for key, value in raw.items():
+        name = MEGATRON_MODEL_KEYS.get(key, key)
+        if name not in knobs:
+            raise ValueError(f"{source}: unknown model key {key!r}; valid: {', '.join(knobs)} (or Megatron's "
+                             f"{', '.join(MEGATRON_MODEL_KEYS)})")
+        if name in values and name != "name":
+            raise ValueError(f"{source}: model key {key!r} sets {name!r} twice")
+        values[name] = knobs[name].parse(value, f"model.{key}")
+    if "num_kv_heads" not in values and "num_heads" in values:
+        values["num_kv_heads"] = values["num_heads"]  # Megatron: no --num-query-groups = no GQA
+    if "vocab" not in values:
+        values["vocab"] = 32000
+    missing = [k for k, knob in knobs.items() if k not in values and knob.default is None]
+    if missing:
+        megatron = [m for m, f in MEGATRON_MODEL_KEYS.items() if f in missing and m != "padded_vocab_size"]
+        raise ValueError(f"{source}: model is missing {', '.join(missing)}"
+                         + (f" (Megatron names: {', '.join(megatron)})" if megatron else ""))
+    try:
+        return ModelShape(**values)
+    except ValueError as exc:
+        raise ValueError(f"{source}: model: {exc}") from None
 
 
 @dataclass(frozen=True)
@@ -41,70 +242,103 @@ class RunConfig:
 
     def with_packer(self, packer: str, **packing_overrides) -> RunConfig:
         """A copy with another packer and/or packing settings (for comparisons)."""
-        if packer not in PACKER_NAMES:
+        if packer not in PACKERS:
             raise ValueError(f"unknown packer {packer!r}; choose one of {', '.join(PACKER_NAMES)}")
         return replace(self, packer=packer, packing=replace(self.packing, **packing_overrides))
 
 
 def list_configs() -> list[str]:
-    return sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
+    """Names of the shipped configs (``7b_128k``, ...)."""
+    return sorted(p.name[:-5] for p in CONFIG_DIR.iterdir() if p.name.endswith(".yaml"))
 
 
-def resolve_config_path(name_or_path: str | Path) -> Path:
+def resolve_config_path(name_or_path: str | Path):
+    """A user's YAML file, or the shipped config of that name (a Traversable with ``read_text``)."""
     path = Path(name_or_path)
     if path.suffix in (".yaml", ".yml") and path.exists():
+        if not path.is_file():
+            raise ValueError(f"config {str(path)!r} is a directory, not a YAML file")
         return path
     candidate = CONFIG_DIR / f"{name_or_path}.yaml"
-    if candidate.exists():
+    if "/" not in str(name_or_path) and candidate.is_file():
         return candidate
     raise FileNotFoundError(f"no config {str(name_or_path)!r}: not a YAML file, and not one of "
                             f"{', '.join(list_configs()) or '(none found in ' + str(CONFIG_DIR) + ')'}")
 
 
+def cp_sharding_names() -> tuple[str, ...]:
+    """The CP layouts a config or ``--wlb-cp-sharding`` may name (``cp.layouts.LAYOUT_NAMES``)."""
+    from megatron_wlb.cp.layouts import LAYOUT_NAMES
+
+    return tuple(LAYOUT_NAMES) if "per-document-te" in LAYOUT_NAMES else (*LAYOUT_NAMES, "per-document-te")
+
+
+def _positive_int(value: Any, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{where}={value!r}: must be a positive integer")
+    return value
+
+
 def config_from_dict(raw: dict, source: str = "<dict>") -> RunConfig:
-    """Validate a parsed config; every error names the key, the value and what is valid."""
-    unknown = set(raw) - _TOP_KEYS
+    """Validate a parsed config; every error is one line naming the key, the value and what is valid."""
+    unknown = [k for k in raw if k not in _TOP_KEYS]
     if unknown:
-        raise ValueError(f"{source}: unknown keys {sorted(unknown)}; valid keys: {sorted(_TOP_KEYS)}")
+        raise ValueError(f"{source}: unknown key(s) {', '.join(map(repr, unknown))}; "
+                         f"valid keys: {', '.join(_TOP_KEYS)}")
     for key in ("model", "seq_len", "layout"):
         if key not in raw:
             raise ValueError(f"{source}: missing required key {key!r}")
     layout_raw = raw["layout"]
     if not isinstance(layout_raw, dict) or set(layout_raw) - {"tp", "cp", "pp", "dp"}:
-        raise ValueError(f"{source}: layout must map tp/cp/pp/dp to integers, got {layout_raw!r}")
-    layout = ParallelLayout(**layout_raw)
-    model = get_model(raw["model"]) if isinstance(raw["model"], str) else ModelShape(**raw["model"])
-    packing_raw = dict(raw.get("packing") or {})
-    unknown = set(packing_raw) - _PACKING_KEYS
+        raise ValueError(f"{source}: layout must map tp/cp/pp/dp to positive integers, got {layout_raw!r}")
+    layout = ParallelLayout(**{k: _positive_int(v, f"{source}: layout.{k}") for k, v in layout_raw.items()})
+    model = model_from_yaml(raw["model"], source)
+    packing_raw = raw.get("packing") or {}
+    if not isinstance(packing_raw, dict):
+        raise ValueError(f"{source}: packing must be a mapping of packer settings, got {packing_raw!r}")
+    valid = ("packer", *PACKING_KNOBS)
+    unknown = [k for k in packing_raw if k not in valid]
     if unknown:
-        raise ValueError(f"{source}: unknown packing keys {sorted(unknown)}; valid: {sorted(_PACKING_KEYS)}")
-    packer = packing_raw.pop("packer", "wlb")
-    if packer not in PACKER_NAMES:
+        raise ValueError(f"{source}: unknown packing key(s) {', '.join(map(repr, unknown))}; valid: {', '.join(valid)}")
+    packer = packing_raw.get("packer", "wlb")
+    if packer not in PACKERS:
         raise ValueError(f"{source}: packing.packer={packer!r}; choose one of {', '.join(PACKER_NAMES)}")
-    thresholds = packing_raw.pop("queue_thresholds", "auto")
-    if thresholds != "auto":
-        thresholds = tuple(thresholds)
-    seq_len = raw["seq_len"]
-    if isinstance(seq_len, int) and seq_len % (2 * layout.cp):
+    knobs = {k: PACKING_KNOBS[k].parse(v, f"{source}: packing.{k}") for k, v in packing_raw.items() if k != "packer"}
+    seq_len = _positive_int(raw["seq_len"], f"{source}: seq_len")
+    if seq_len % (2 * layout.cp):
         raise ValueError(f"{source}: seq_len={seq_len} must be divisible by 2 x cp = {2 * layout.cp} "
                          "(Megatron asserts it)")
-    packing = PackingConfig(seq_len=seq_len, n=raw.get("micro_batches", layout.pp), dp=layout.dp,
-                            queue_thresholds=thresholds, **packing_raw)
-    virtual = raw.get("virtual_stages", 1)
-    if not isinstance(virtual, int) or virtual < 1:
-        raise ValueError(f"{source}: virtual_stages must be a positive integer, got {virtual!r}")
+    micro_batches = _positive_int(raw.get("micro_batches", layout.pp), f"{source}: micro_batches")
+    try:
+        packing = PackingConfig(seq_len=seq_len, n=micro_batches, dp=layout.dp, **knobs)
+    except ValueError as exc:
+        raise ValueError(f"{source}: packing: {exc}") from None
+    virtual = _positive_int(raw.get("virtual_stages", 1), f"{source}: virtual_stages")
     if virtual > 1 and packing.n % layout.pp:
         raise ValueError(f"{source}: interleaved 1F1B needs micro_batches ({packing.n}) divisible by pp ({layout.pp})")
-    return RunConfig(name=raw.get("name", source), model=model, layout=layout, seq_len=seq_len,
-                     packer=packer, packing=packing, cp_sharding=raw.get("cp_sharding", "adaptive"),
-                     virtual_stages=virtual)
+    cp_sharding = raw.get("cp_sharding", "adaptive")
+    if cp_sharding not in cp_sharding_names():
+        raise ValueError(f"{source}: cp_sharding={cp_sharding!r} is not a CP layout; choose one of "
+                         f"{', '.join(cp_sharding_names())}")
+    return RunConfig(name=str(raw.get("name", source)), model=model, layout=layout, seq_len=seq_len,
+                     packer=packer, packing=packing, cp_sharding=cp_sharding, virtual_stages=virtual)
 
 
 def load_config(name_or_path: str | Path) -> RunConfig:
+    """The config of a shipped name or a YAML path; every error is one line naming the file."""
     path = resolve_config_path(name_or_path)
-    with open(path) as f:
-        raw = yaml.safe_load(f) or {}
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"config {path}: cannot read it ({exc.__class__.__name__}: {exc})") from None
+    try:
+        raw = yaml.safe_load(text) or {}
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ValueError(f"config {path}: not valid YAML{where} ({problem})") from None
     if not isinstance(raw, dict):
         raise ValueError(f"{path}: expected a mapping at the top level, got {type(raw).__name__}")
-    raw.setdefault("name", path.stem)
+    raw.setdefault("name", path.name.rsplit(".", 1)[0])
     return config_from_dict(raw, source=str(path))

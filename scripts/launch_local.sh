@@ -4,16 +4,21 @@
 #   MEGATRON_LM=/path/to/Megatron-LM DATA_PATH=/data/corpus_text_document TOKENIZER_MODEL=<hf name|path> \
 #       scripts/launch_local.sh CONFIG [extra Megatron / --wlb-* flags...]
 #
-# CONFIG is a configs/ name (7b_64k, ...) or YAML path. The model, batch and --wlb-config flags are the
-# ones the SLURM scripts pass (scripts/slurm/make_sbatch.py --print-args); the 4D layout is scaled to
-# this node: NPROC GPUs (default: all visible), TP/CP/PP from the environment or the config, and
-# DP = NPROC / (TP*CP*PP). MEGATRON_LM must be the pinned commit, patched (scripts/apply_patches.sh).
+# CONFIG is a shipped config name (7b_64k, ...; megatron_wlb/configs/) or YAML path. The model and
+# batch flags are the ones the SLURM scripts pass (scripts/slurm/make_sbatch.py --print-args); the 4D
+# layout is scaled to this node: NPROC GPUs (default: all visible), TP/CP/PP from the environment, or
+# else the config's with the largest degree halved until TP*CP*PP divides NPROC, and
+# DP = NPROC / (TP*CP*PP). When that layout is not the config's, the config's packing choices are
+# passed as --wlb-* flags instead of --wlb-config (the start-up check accepts a config only on its
+# own layout); tests/test_cli_launch.py runs that check on every shipped config.
+# MEGATRON_LM must be the pinned commit, patched (scripts/apply_patches.sh).
 # Other knobs: TRAIN_ITERS, LR, MIN_LR, WARMUP_ITERS, SEED, SPLIT, CKPT_DIR, LOG_DIR, TRANSFORMER_IMPL
-# (transformer_engine | local), MASTER_PORT; DRY_RUN=1 prints the command instead of running it.
+# (transformer_engine | local), MASTER_PORT, PYTHON (the interpreter with megatron_wlb; default python);
+# DRY_RUN=1 prints the command instead of running it.
 set -euo pipefail
 
 die() { echo "launch_local.sh: error: $*" >&2; exit 1; }
-[[ $# -ge 1 ]] || die "usage: $0 CONFIG [extra flags...]   (CONFIG: a configs/ name or YAML path)"
+[[ $# -ge 1 ]] || die "usage: $0 CONFIG [extra flags...]   (CONFIG: a shipped config name or YAML path)"
 config=$1; shift
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 
@@ -32,7 +37,7 @@ layout_flags=(--nproc "$NPROC")
 [[ -n ${TP:-} ]] && layout_flags+=(--tp "$TP")
 [[ -n ${CP:-} ]] && layout_flags+=(--cp "$CP")
 [[ -n ${PP:-} ]] && layout_flags+=(--pp "$PP")
-flags_line=$(python "$here/slurm/make_sbatch.py" --print-args "$config" "${layout_flags[@]}") \
+flags_line=$("${PYTHON:-python}" "$here/slurm/make_sbatch.py" --print-args "$config" "${layout_flags[@]}") \
     || die "cannot derive the flags of $config (see above)"
 read -r -a CONFIG_ARGS <<< "$flags_line"
 

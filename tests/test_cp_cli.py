@@ -72,5 +72,5 @@ def test_shard_input_errors(tmp_path, capsys):
     bad.write_text("[3]\n")
     assert main(["shard", "--micro-batches", str(bad), "--cp", "0", "--layout", "per-document",
                  "--out", str(out)]) == 2
-    assert "--cp must be >= 1" in capsys.readouterr().err
+    assert "--cp 0: must be 1 .. 65536" in capsys.readouterr().err
     assert np.array_equal(build_layout("per-document", [3], 1).rank_tokens, [3])

@@ -48,6 +48,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--iterations", type=int, default=200, help="global batches per row (default 200)")
     p.add_argument("--solver-iterations", type=int, default=50, help="cap for the fixed-solver rows (default 50)")
     p.add_argument("--lengths", default="wlbllm", help="comma-separated streams: wlbllm, stdlib or files")
+    p.add_argument("--data-prefix", metavar="PREFIX", action="append", default=[],
+                   help="also benchmark this Megatron indexed dataset (lengths from PREFIX.idx); repeatable")
     p.add_argument("--scale-config", default=None, help="also time wlb on this layout (e.g. 405b_128k_8k)")
     p.add_argument("--scale-iterations", type=int, default=100, help="global batches at --scale-config")
     p.add_argument("--profile", default=None, help="calibrated cost-model profile JSON (default: analytic)")
@@ -165,12 +167,22 @@ def to_markdown(result: dict) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.iterations < 1 or args.solver_iterations < 1:
-        raise ValueError("--iterations and --solver-iterations must be positive")
+    from megatron_wlb.cli.common import cost_profile, output_dir, positive
+    from megatron_wlb.cli.pack import DATA_PREFIX_SCHEME
+
+    positive(args.iterations, "--iterations")
+    positive(args.solver_iterations, "--solver-iterations")
+    positive(args.scale_iterations, "--scale-iterations")
+    cost_profile(args.profile)
+    out = output_dir(args.out) if args.out else None
     config = load_config(args.config)
+    if args.scale_config:
+        load_config(args.scale_config)  # a bad name fails now, not after the main table
     host = machine()
     tables = []
-    for stream in [s.strip() for s in args.lengths.split(",") if s.strip()]:
+    streams = [s.strip() for s in args.lengths.split(",") if s.strip()]
+    streams += [DATA_PREFIX_SCHEME + prefix for prefix in args.data_prefix]
+    for stream in streams:
         tables.append(bench_one(args.config, stream, rows_for(config.seq_len, args.quick), args.iterations,
                                 args.solver_iterations, args.profile))
     if args.scale_config:
@@ -181,9 +193,7 @@ def run(args: argparse.Namespace) -> int:
                                 args.profile))
     result = {"machine": host, "command": args.label or "wlb " + " ".join(sys.argv[1:]), "tables": tables}
     md = to_markdown(result)
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
+    if out is not None:
         (out / "packing_bench.json").write_text(json.dumps(result, indent=1))
         (out / "packing_bench.md").write_text(md)
         print(f"wrote {out / 'packing_bench.md'} and {out / 'packing_bench.json'}", file=sys.stderr)

@@ -1,6 +1,7 @@
 """``wlb pack``: run one packer over a length stream, print its metrics, optionally write the plan.
 
-    wlb pack --lengths FILE|wlbllm --config NAME|YAML [--packer P] [--iterations K] [--out plan.jsonl]
+    wlb pack --lengths FILE|wlbllm|stdlib | --data-prefix PREFIX  --config NAME|YAML [--packer P]
+             [--iterations K] [--out plan.jsonl] [--wlb-* knob overrides]
 
 ``--out`` writes one JSON line per global batch: ``{"iteration": i, "micro_batches": [[[doc_id,
 offset, length], ...], ...]}`` (micro-batch ``r * n + k`` is DP rank r's k-th).
@@ -12,10 +13,10 @@ import argparse
 import dataclasses
 import json
 import sys
-from pathlib import Path
 
 import numpy as np
 
+from megatron_wlb.cli.common import cost_profile, output_file, show_progress
 from megatron_wlb.config import PACKER_NAMES, RunConfig, load_config
 from megatron_wlb.costmodel import CostModel, build_cost_model
 from megatron_wlb.data import load_lengths
@@ -25,35 +26,45 @@ from megatron_wlb.packing.base import Packer
 
 def add_packing_options(p: argparse.ArgumentParser) -> None:
     """Options shared by ``pack`` and ``bench`` that override the config's packing settings."""
-    p.add_argument("--config", default="7b_128k", help="config name in configs/ or a YAML path (default 7b_128k)")
+    p.add_argument("--config", default="7b_128k", help="shipped config name or a YAML path (default 7b_128k)")
     p.add_argument("--profile", default=None, help="calibrated cost-model profile JSON (default: analytic)")
+
+
+#: a length-stream name that stands for an indexed dataset (``--data-prefix``)
+DATA_PREFIX_SCHEME = "prefix:"
 
 
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser("pack", help="pack a length stream into global batches and print packing metrics",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--lengths", default="wlbllm",
-                   help="length file (.json/.npy/.txt), 'wlbllm' (embedded) or 'stdlib' (default wlbllm)")
+    stream = p.add_mutually_exclusive_group()
+    stream.add_argument("--lengths", default="wlbllm",
+                        help="length file (.json/.npy/.txt), 'wlbllm' (embedded) or 'stdlib' (default wlbllm)")
+    stream.add_argument("--data-prefix", metavar="PREFIX", default=None,
+                        help="a Megatron indexed dataset: document lengths read from PREFIX.idx")
     add_packing_options(p)
     p.add_argument("--packer", choices=PACKER_NAMES, default=None, help="packer (default: the config's)")
     p.add_argument("--iterations", type=int, default=None, help="stop after K global batches (default: all)")
     p.add_argument("--out", default=None, help="write the plan as JSON lines")
-    p.add_argument("--window", type=int, default=None, help="fixed-* packers: global batches per window")
-    p.add_argument("--max-seq-len", type=int, default=None, help="wlb: micro-batch capacity S_max")
-    p.add_argument("--max-delay", type=int, default=None, help="wlb: iterations a document may wait")
-    p.add_argument("--num-queues", type=int, default=None, help="wlb: outlier queues for auto thresholds")
-    p.add_argument("--thresholds", default=None, help="wlb: 'auto' or comma-separated L_1,...,L_n")
-    p.add_argument("--oversize", choices=("split", "drop", "error"), default=None)
+    add_knob_options(p)
     p.add_argument("--json", action="store_true", help="print the metrics as JSON")
     p.set_defaults(func=run)
 
 
 def resolve_lengths(source: str, min_tokens: int = 0, seed: int = 0) -> np.ndarray:
-    """Lengths from a file, 'wlbllm' or 'stdlib'; repeated (a seeded shuffle per extra pass) until
-    they hold at least ``min_tokens`` tokens, so short streams can fill long benchmarks."""
+    """Lengths from a file, 'wlbllm', 'stdlib' or ``prefix:PREFIX`` (an indexed dataset); repeated
+    (a seeded shuffle per extra pass) until they hold at least ``min_tokens`` tokens, so short
+    streams can fill long benchmarks."""
     from megatron_wlb.cli.bench import stdlib_lengths
 
-    base = stdlib_lengths() if source == "stdlib" else load_lengths(source)
+    if source == "stdlib":
+        base = stdlib_lengths()
+    elif source.startswith(DATA_PREFIX_SCHEME):
+        from megatron_wlb.data.indexed import read_idx_lengths
+
+        base = read_idx_lengths(source[len(DATA_PREFIX_SCHEME):])
+    else:
+        base = load_lengths(source)
     if base.size == 0:
         raise ValueError(f"length stream {source!r} is empty")
     parts, total = [base], int(base.sum())
@@ -64,21 +75,29 @@ def resolve_lengths(source: str, min_tokens: int = 0, seed: int = 0) -> np.ndarr
     return np.concatenate(parts)
 
 
+def add_knob_options(p: argparse.ArgumentParser) -> None:
+    """One ``--<knob>`` option per PackingConfig knob (generated: a new field gets its option), each
+    overriding the config's ``packing.<knob>``."""
+    from megatron_wlb.config import PACKING_KNOBS
+
+    g = p.add_argument_group("packer settings (override the config's packing section)")
+    for name, knob in PACKING_KNOBS.items():
+        flags = [knob.flag("--")] + (["--thresholds"] if name == "queue_thresholds" else [])
+        g.add_argument(*flags, dest=f"knob_{name}", default=None, metavar=None if knob.choices else "V",
+                       choices=[str(c) for c in knob.choices] if knob.choices else None,
+                       help=(knob.help.replace("`", "") + ("" if knob.choices else f" ({knob.expects})"))
+                       .replace("%", "%%"))
+
+
 def overrides(args: argparse.Namespace) -> dict:
+    """The packer settings given on the command line, parsed and checked by their type."""
+    from megatron_wlb.config import PACKING_KNOBS
+
     out = {}
-    for key in ("window", "max_seq_len", "max_delay", "num_queues", "oversize"):
-        value = getattr(args, key, None)
+    for name, knob in PACKING_KNOBS.items():
+        value = getattr(args, f"knob_{name}", None)
         if value is not None:
-            out[key] = value
-    th = getattr(args, "thresholds", None)
-    if th is not None:
-        if th == "auto":
-            out["queue_thresholds"] = "auto"
-        else:
-            try:
-                out["queue_thresholds"] = tuple(int(x) for x in th.split(","))
-            except ValueError:
-                raise ValueError(f"--thresholds={th!r}: give 'auto' or comma-separated integers") from None
+            out[name] = knob.parse(value, knob.flag("--"))
     return out
 
 
@@ -96,7 +115,8 @@ def run_packer(packer: Packer, lengths: np.ndarray, iterations: int | None, prog
     from tqdm import tqdm
 
     batches: list[GlobalBatch] = []
-    bar = tqdm(total=iterations, desc=progress, file=sys.stderr, disable=progress is None, leave=False)
+    bar = tqdm(total=iterations, desc=progress, file=sys.stderr, disable=progress is None or not show_progress(),
+               leave=False)
     was_enabled = gc.isenabled()
     gc.disable()
     try:
@@ -117,7 +137,7 @@ def run_packer(packer: Packer, lengths: np.ndarray, iterations: int | None, prog
 
 def build(args: argparse.Namespace) -> tuple[RunConfig, CostModel]:
     config = load_config(args.config)
-    cost = build_cost_model(config.model, config.layout, profile=getattr(args, "profile", None))
+    cost = build_cost_model(config.model, config.layout, profile=cost_profile(getattr(args, "profile", None)))
     return config, cost
 
 
@@ -128,15 +148,16 @@ def run(args: argparse.Namespace) -> int:
     packing = dataclasses.replace(config.packing, **overrides(args))
     name = args.packer or config.packer
     packer = make_packer(name, packing, cost)
-    lengths = resolve_lengths(args.lengths)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        with open(args.out, "w") as f:
+    source = DATA_PREFIX_SCHEME + args.data_prefix if args.data_prefix else args.lengths
+    out = output_file(args.out) if args.out else None
+    lengths = resolve_lengths(source)
+    if out is not None:
+        with open(out, "w") as f:
             batches = run_packer(packer, lengths, args.iterations, progress=name, out=f)
     else:
         batches = run_packer(packer, lengths, args.iterations, progress=name)
     metrics = summarize(batches, cost, packing.seq_len)
-    report = {"packer": name, "config": config.name, "lengths": args.lengths, "documents_read": packer.position,
+    report = {"packer": name, "config": config.name, "lengths": source, "documents_read": packer.position,
               "dropped": len(packer.dropped), **metrics.to_dict()}
     if hasattr(packer, "thresholds"):
         report["thresholds"] = list(packer.thresholds())

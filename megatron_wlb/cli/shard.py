@@ -3,7 +3,9 @@
     wlb shard --micro-batches FILE --cp C --layout NAME [--profile JSON] --out OUT.jsonl
 
 FILE holds one micro-batch per line, a JSON list of its document lengths in order (blank lines are
-skipped). OUT gets one JSON object per micro-batch (a contract other tools read)::
+skipped), or is a plan written by ``wlb pack --out`` (one global batch per line, each micro-batch's
+pieces ``[doc_id, offset, length]``; every micro-batch of every line is sharded, in order).
+OUT gets one JSON object per micro-batch (a contract other tools read)::
 
     {"layout": <layout used; for adaptive the one chosen>,
      "padded_lengths": <document lengths after padding; the input unless per-document-te>,
@@ -11,9 +13,9 @@ skipped). OUT gets one JSON object per micro-batch (a contract other tools read)
                                                # (padded) micro-batch's coordinates, in rank order
 
 ``--profile`` is either a kernel-efficiency table (``megatron-wlb-attn-efficiency/1``, written by
-scripts/gpu_profile_attention.py) or a cost-model profile (``megatron-wlb-profile/1``, written by
-scripts/gpu_calibrate.py); the format field decides. A summary table (per-rank tokens, estimated
-attention work, imbalance = max / mean) goes to stdout.
+``wlb calibrate`` or scripts/gpu_profile_attention.py) or a cost-model profile
+(``megatron-wlb-profile/1``, written by ``wlb calibrate``); the format field decides. A summary
+table (per-rank tokens, estimated attention work, imbalance = max / mean) goes to stdout.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from megatron_wlb.cli.common import input_file, output_file, positive, read_json_object
 from megatron_wlb.costmodel import PROFILE_FORMAT, ParallelLayout, build_cost_model, get_model
 from megatron_wlb.cp.efficiency import EFFICIENCY_FORMAT, KernelEfficiency
 from megatron_wlb.cp.layouts import LAYOUT_ALIASES, LAYOUT_NAMES, ShardLayout, build_layout
@@ -48,24 +51,52 @@ def add_parser(subparsers) -> None:
     p.set_defaults(func=run)
 
 
+#: attention kernels index tokens with int32 (cu_seqlens); a micro-batch must stay below this
+MAX_MICRO_BATCH_TOKENS = 2**31 - 1
+#: more CP ranks than this is not a context-parallel group (and would allocate per-rank arrays for nothing)
+MAX_CP = 65536
+
+
+def _lengths_of(row, where: str) -> list[list[int]]:
+    """The micro-batches of one line: a list of lengths, or a ``wlb pack --out`` global batch."""
+    if isinstance(row, dict) and isinstance(row.get("micro_batches"), list):
+        out = []
+        for k, mb in enumerate(row["micro_batches"]):
+            if not isinstance(mb, list) or not all(isinstance(p, list) and len(p) == 3 for p in mb):
+                raise ValueError(f"{where}: micro-batch {k} of the plan is not a list of [doc_id, offset, length]")
+            out.append([p[2] for p in mb])
+        return out
+    if isinstance(row, list):
+        return [row]
+    raise ValueError(f"{where}: expected a JSON list of document lengths or a `wlb pack --out` plan line, "
+                     f"got a {type(row).__name__}")
+
+
 def read_micro_batches(path: str | Path) -> list[list[int]]:
-    """One JSON list of positive integer lengths per non-blank line; errors name the line."""
-    path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"micro-batch file {path} does not exist")
+    """Micro-batches (lists of positive integer lengths) from FILE; errors name the line."""
+    path = input_file(path, "--micro-batches")
     out = []
-    for lineno, line in enumerate(path.read_text().splitlines(), 1):
+    try:
+        text = path.read_text()
+    except UnicodeDecodeError:
+        raise ValueError(f"--micro-batches {path}: not a text file of JSON lines") from None
+    for lineno, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
+        where = f"{path}:{lineno}"
         try:
             row = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
-        if not isinstance(row, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in row):
-            raise ValueError(f"{path}:{lineno}: expected a JSON list of integer document lengths, got {line[:60]!r}")
-        if any(x < 1 for x in row):
-            raise ValueError(f"{path}:{lineno}: document lengths must be >= 1, got {min(row)}")
-        out.append(row)
+            raise ValueError(f"{where}: not valid JSON ({exc.msg})") from None
+        for mb in _lengths_of(row, where):
+            if not all(isinstance(x, int) and not isinstance(x, bool) for x in mb):
+                raise ValueError(f"{where}: expected a JSON list of integer document lengths, got {line[:60]!r}")
+            if any(x < 1 for x in mb):
+                raise ValueError(f"{where}: document lengths must be >= 1, got {min(mb)}")
+            if sum(mb) > MAX_MICRO_BATCH_TOKENS:
+                raise ValueError(f"{where}: the micro-batch holds {sum(mb)} tokens; attention kernels index tokens "
+                                 f"with int32, so a micro-batch holds at most {MAX_MICRO_BATCH_TOKENS} (2**31 - 1)")
+            out.append(mb)
     return out
 
 
@@ -73,15 +104,12 @@ def _load_profile(path: str | None, model: str, tp: int):
     """(cost model or None, efficiency table or None) from a --profile file of either format."""
     if path is None:
         return build_cost_model(get_model(model), ParallelLayout(tp=tp)), None
-    p = Path(path)
-    if not p.exists():
-        raise FileNotFoundError(f"profile {p} does not exist")
-    fmt = json.loads(p.read_text()).get("format")
+    fmt = read_json_object(path, "--profile").get("format")
     if fmt == EFFICIENCY_FORMAT:
-        return build_cost_model(get_model(model), ParallelLayout(tp=tp)), KernelEfficiency.from_json(p)
+        return build_cost_model(get_model(model), ParallelLayout(tp=tp)), KernelEfficiency.from_json(path)
     if fmt == PROFILE_FORMAT:
-        return build_cost_model(get_model(model), ParallelLayout(tp=tp), profile=p), None
-    raise ValueError(f"{p}: format {fmt!r} is neither {EFFICIENCY_FORMAT!r} (kernel-efficiency table) "
+        return build_cost_model(get_model(model), ParallelLayout(tp=tp), profile=path), None
+    raise ValueError(f"--profile {path}: format {fmt!r} is neither {EFFICIENCY_FORMAT!r} (kernel-efficiency table) "
                      f"nor {PROFILE_FORMAT!r} (cost-model profile)")
 
 
@@ -112,14 +140,19 @@ def summarize(layouts: list[ShardLayout], show: int) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.cp < 1:
-        raise ValueError(f"--cp must be >= 1, got {args.cp}")
+    positive(args.cp, "--cp", MAX_CP)
+    positive(args.tp, "--tp")
+    positive(args.tile, "--tile")
+    if args.show < 0:
+        raise ValueError(f"--show {args.show}: must be >= 0")
+    out = output_file(args.out)
     micro_batches = read_micro_batches(args.micro_batches)
+    heads = get_model(args.model).num_heads
+    if heads % args.tp:
+        raise ValueError(f"--tp {args.tp} does not divide the {heads} attention heads of --model {args.model}")
     cost, efficiency = _load_profile(args.profile, args.model, args.tp)
     layouts = [build_layout(args.layout, mb, args.cp, cost=cost, efficiency=efficiency, tile=args.tile)
                for mb in micro_batches]
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("w") as f:
         for lay in layouts:
             f.write(json.dumps(lay.to_json(), separators=(",", ":")) + "\n")

@@ -188,14 +188,19 @@ def fit_profile(profile: dict) -> ProfileFit:
 
 
 def load_profile(path: str | Path) -> dict:
-    """Read and validate a profile JSON written by ``scripts/gpu_calibrate.py``.
+    """Read and validate a profile JSON written by ``wlb calibrate`` (``megatron_wlb/cli/calibrate.py``).
 
     Format: ``{"format": "megatron-wlb-profile/1", "device": str, "model": ModelShape fields,
     "tp": int, "attention": {"lengths": [...], "fwd_s": [...], "bwd_s": [...]},
     "linear": {"tokens": [...], "fwd_s": [...], "bwd_s": [...]}}``, per layer, one GPU.
     """
-    with open(path) as f:
-        profile = json.load(f)
+    try:
+        with open(path) as f:
+            profile = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(profile, dict):
+        raise ValueError(f"{path}: expected a JSON object (format {PROFILE_FORMAT!r}), got a {type(profile).__name__}")
     if profile.get("format") != PROFILE_FORMAT:
         raise ValueError(f"{path}: format is {profile.get('format')!r}, expected {PROFILE_FORMAT!r}")
     for section, key in (("attention", "lengths"), ("linear", "tokens")):

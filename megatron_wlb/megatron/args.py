@@ -17,7 +17,8 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from megatron_wlb.megatron.settings import PACKING_NAMES, WlbSettings, cp_sharding_names
+from megatron_wlb.config import field_docs
+from megatron_wlb.megatron.settings import FLAG_KNOBS, PACKING_NAMES, WlbSettings, cp_sharding_names
 from megatron_wlb.packing import types as _packing_types
 from megatron_wlb.packing.types import PackingConfig
 
@@ -26,44 +27,82 @@ DEFAULT_MAX_SEQ_LEN_FACTOR: float = getattr(_packing_types, "DEFAULT_MAX_SEQ_LEN
 
 ArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
 
-# settings field -> flag; every flag defaults to None so that "not given" is distinguishable from a
-# value equal to the default (needed to let --wlb-config fill in what the command line leaves out).
-FLAGS: dict[str, str] = {
-    "packing": "--wlb-packing", "queue_thresholds": "--wlb-queue-thresholds", "num_queues": "--wlb-num-queues",
-    "max_seq_len": "--wlb-max-seq-len", "max_delay": "--wlb-max-delay", "window": "--wlb-window",
-    "cp_sharding": "--wlb-cp-sharding", "cost_profile": "--wlb-cost-profile", "config": "--wlb-config",
-    "log_interval": "--wlb-log-interval",
-}
+# setting -> flag, generated from WlbSettings' fields and PackingConfig's knobs. Every flag defaults
+# to None so that "not given" is distinguishable from a value equal to the default (needed to let
+# --wlb-config fill in what the command line leaves out).
+FLAGS: dict[str, str] = {name: "--wlb-" + name.replace("_", "-") for name in WlbSettings.names()}
+
+
+def flag_table() -> list[tuple[str, str, str, str]]:
+    """(flag, YAML key or "", default, help) of every ``--wlb-*`` flag, generated from the code
+    (docs/megatron.md's table is checked against it)."""
+    d = WlbSettings()
+    own_docs = field_docs(WlbSettings)
+    choices = {"packing": PACKING_NAMES, "cp_sharding": cp_sharding_names()}
+    yaml_keys = {"packing": "packing.packer", "cp_sharding": "cp_sharding"}
+    rows = []
+    for name in WlbSettings.names():
+        if name in FLAG_KNOBS:
+            knob = FLAG_KNOBS[name]
+            default = (f"{DEFAULT_MAX_SEQ_LEN_FACTOR:g} x --seq-length" if name == "max_seq_len"
+                       else _show(knob.default))
+            text = knob.help + (f" Values: {knob.expects}." if knob.choices is None else "")
+            rows.append((FLAGS[name], f"packing.{name}", default, text))
+        else:
+            text = own_docs.get(name, "")
+            if name in choices:
+                text += f" One of: {', '.join(choices[name])}."
+            rows.append((FLAGS[name], yaml_keys.get(name, ""), _show(getattr(d, name)), text))
+    return rows
+
+
+def _show(value: Any) -> str:
+    if value is None:
+        return "none"
+    if isinstance(value, tuple):
+        return ",".join(map(str, value))
+    return str(value)
 
 
 def add_wlb_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the ``--wlb-*`` flags to Megatron's parser (a no-op if they are already there)."""
     if "--wlb-packing" in parser._option_string_actions:  # composed twice: keep the first
         return parser
-    d = WlbSettings()
     g = parser.add_argument_group(title="WLB-LLM", description="workload-balanced packing and CP sharding "
                                   "(megatron_wlb; see docs/megatron.md)")
-    g.add_argument("--wlb-packing", choices=PACKING_NAMES, default=None,
-                   help=f"PP-level packer (default {d.packing}; 'original' is Megatron's concat-and-cut)")
-    g.add_argument("--wlb-queue-thresholds", type=str, default=None, metavar="auto|L1,L2,...",
-                   help="outlier queue thresholds in tokens, increasing, or 'auto' (default)")
-    g.add_argument("--wlb-num-queues", type=int, default=None, help=f"queues 'auto' builds (default {d.num_queues})")
-    g.add_argument("--wlb-max-seq-len", type=int, default=None,
-                   help=f"S_max: largest packed micro-batch of the wlb packer in tokens "
-                        f"(default {DEFAULT_MAX_SEQ_LEN_FACTOR:g} x --seq-length)")
-    g.add_argument("--wlb-max-delay", type=int, default=None,
-                   help=f"iterations a document may wait in a queue (default {d.max_delay})")
-    g.add_argument("--wlb-window", type=int, default=None,
-                   help=f"global batches the fixed-* packers balance together (default {d.window})")
-    g.add_argument("--wlb-cp-sharding", choices=cp_sharding_names(), default=None,
-                   help=f"CP layout of each micro-batch (default {d.cp_sharding})")
-    g.add_argument("--wlb-cost-profile", type=str, default=None, metavar="PATH",
-                   help="calibrated cost-model profile JSON (default: analytic model from the model flags)")
-    g.add_argument("--wlb-config", type=str, default=None, metavar="NAME|YAML",
-                   help="a configs/ name (e.g. 7b_128k) or YAML path supplying packing defaults")
-    g.add_argument("--wlb-log-interval", type=int, default=None,
-                   help=f"log packing metrics every N iterations (default {d.log_interval})")
+    choices = {"packing": PACKING_NAMES, "cp_sharding": cp_sharding_names()}
+    metavars = {"cost_profile": "PATH", "config": "NAME|YAML"}
+    for (flag, _, default, text), name in zip(flag_table(), WlbSettings.names()):
+        knob = FLAG_KNOBS.get(name)
+        kind = _flag_type(knob, flag) if knob else (int if name == "log_interval" else str)
+        options = choices.get(name) or (knob.choices if knob and knob.choices else None)
+        g.add_argument(flag, type=kind, choices=options, default=None, metavar=metavars.get(name),
+                       help=f"{text} (default {default})".replace("%", "%%"))
     return parser
+
+
+def _flag_type(knob, flag: str) -> Callable[[str], Any]:
+    """argparse ``type=``: the knob's type conversion; range checks happen in WlbSettings."""
+
+    def convert(text: str) -> Any:
+        try:
+            return knob.convert(text, flag)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    convert.__name__ = knob.name
+    return convert
+
+
+def config_flags(run) -> list[str]:
+    """The ``--wlb-*`` flags that reproduce a RunConfig's packing choices without ``--wlb-config``
+    (whose start-up check demands the config's exact layout): for launchers that rescale a layout."""
+    out = ["--wlb-packing", run.packer, "--wlb-cp-sharding", run.cp_sharding]
+    for name, knob in FLAG_KNOBS.items():
+        value = getattr(run.packing, name)
+        if value != knob.default:
+            out += [knob.flag(), _show(value)]
+    return out
 
 
 def compose_providers(*providers: ArgsProvider | None) -> ArgsProvider:
@@ -97,10 +136,8 @@ def settings_from_args(args: Any) -> WlbSettings:
     base: dict[str, Any] = {}
     if given.get("config"):
         cfg = load_run_config(given["config"])
-        p = cfg.packing
-        base = {"packing": cfg.packer, "queue_thresholds": p.queue_thresholds, "num_queues": p.num_queues,
-                "max_seq_len": p.max_seq_len, "max_delay": p.max_delay, "window": p.window,
-                "cp_sharding": cfg.cp_sharding}
+        base = {"packing": cfg.packer, "cp_sharding": cfg.cp_sharding,
+                **{name: getattr(cfg.packing, name) for name in FLAG_KNOBS}}
     return WlbSettings(**{**base, **given})
 
 
@@ -110,6 +147,8 @@ def load_run_config(name_or_path: str):
 
     try:
         return load_config(name_or_path)
+    except ValueError as exc:
+        raise ValueError(f"--wlb-config {name_or_path}: {exc}") from None
     except FileNotFoundError:
         raise ValueError(f"--wlb-config {name_or_path!r} is neither a YAML file nor one of the shipped configs "
                          f"({', '.join(list_configs())}); pass one of those names or a path to a .yaml file") from None
@@ -170,6 +209,13 @@ def validate_wlb_args(args: Any, *, te_available: bool | None = None, highspy_av
     if settings.queue_thresholds != "auto" and settings.queue_thresholds[-1] > capacity:
         problems.append(f"--wlb-queue-thresholds {','.join(map(str, settings.queue_thresholds))}: the largest "
                         f"threshold exceeds the micro-batch capacity {capacity}; use thresholds <= {capacity}")
+    knobs = settings.knob_values()
+    if knobs["max_seq_len"] is not None and knobs["max_seq_len"] < seq_length:
+        knobs["max_seq_len"] = None  # reported above
+    try:  # cross-field checks of the packer's own config (each knob alone was checked when parsed)
+        PackingConfig(seq_len=seq_length, n=1, **knobs)
+    except ValueError as exc:
+        problems.append(f"the --wlb-* packer settings do not fit --seq-length {seq_length}: {exc}")
     if seq_length % (2 * cp):
         problems.append(f"--seq-length {seq_length} must be divisible by 2 x --context-parallel-size = {2 * cp}")
     if settings.cp_sharding == "per-document-te":
@@ -186,8 +232,8 @@ def validate_wlb_args(args: Any, *, te_available: bool | None = None, highspy_av
             problems.append("--wlb-packing fixed-solver needs the HiGHS MILP solver: pip install highspy, "
                             "or use --wlb-packing fixed-greedy / wlb")
     if settings.cost_profile is not None and not os.path.isfile(settings.cost_profile):
-        problems.append(f"--wlb-cost-profile {settings.cost_profile}: no such file (make one with `wlb bench "
-                        "--profile` on a GPU, or leave the flag out for the analytic model)")
+        problems.append(f"--wlb-cost-profile {settings.cost_profile}: no such file (make one with `wlb calibrate "
+                        "--out PROFILE.json` on a GPU, or leave the flag out for the analytic model)")
     if getattr(args, "mock_data", False):
         problems.append("--mock-data has no documents to pack; give --data-path PREFIX (Megatron .bin/.idx)")
     elif not (getattr(args, "data_path", None) or getattr(args, "train_data_path", None)):
@@ -245,12 +291,11 @@ def validate_wlb_args(args: Any, *, te_available: bool | None = None, highspy_av
 
 
 def packing_config_from_args(args: Any, settings: WlbSettings) -> PackingConfig:
-    """The packer's config for this run: Megatron's seq_length, micro-batch count, DP size and seed."""
-    return PackingConfig(
-        seq_len=int(args.seq_length), n=num_microbatches_from_args(args), dp=int(args.data_parallel_size),
-        max_seq_len=settings.max_seq_len, oversize="split", window=settings.window,
-        queue_thresholds=settings.queue_thresholds, num_queues=settings.num_queues, max_delay=settings.max_delay,
-        seed=int(getattr(args, "seed", 0)))
+    """The packer's config for this run: Megatron's seq_length, micro-batch count, DP size and seed,
+    and every packer knob of the settings."""
+    return PackingConfig(seq_len=int(args.seq_length), n=num_microbatches_from_args(args),
+                         dp=int(args.data_parallel_size), seed=int(getattr(args, "seed", 0)),
+                         **settings.knob_values())
 
 
 def cost_model_from_args(args: Any, settings: WlbSettings):
@@ -270,3 +315,53 @@ def cost_model_from_args(args: Any, settings: WlbSettings):
                             pp=int(getattr(args, "pipeline_model_parallel_size", 1)),
                             dp=int(getattr(args, "data_parallel_size", 1)))
     return build_cost_model(shape, layout, profile=settings.cost_profile)
+
+
+# -- the docs' flag table, generated ------------------------------------------------------------------
+DOCS_BEGIN = "<!-- wlb-flags:begin (generated by `python -m megatron_wlb.megatron.args --write-docs`) -->"
+DOCS_END = "<!-- wlb-flags:end -->"
+
+
+def flag_table_markdown() -> str:
+    """docs/megatron.md's ``--wlb-*`` table: flag, YAML key of a config, default, meaning."""
+    lines = ["| flag | config YAML key | default | meaning |", "|---|---|---|---|"]
+    for flag, key, default, text in flag_table():
+        cells = [f"`{flag}`", f"`{key}`" if key else "", f"`{default}`", text]
+        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    return "\n".join(lines)
+
+
+def _docs_block(text: str) -> tuple[int, int]:
+    begin, end = text.find(DOCS_BEGIN), text.find(DOCS_END)
+    if begin < 0 or end < begin:
+        raise ValueError(f"no {DOCS_BEGIN!r} ... {DOCS_END!r} block")
+    return begin + len(DOCS_BEGIN), end
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``--write-docs [FILE]`` rewrites the flag table in docs/megatron.md, ``--check-docs`` fails if stale."""
+    import sys
+    from pathlib import Path
+
+    parser = argparse.ArgumentParser(prog="python -m megatron_wlb.megatron.args")
+    parser.add_argument("--write-docs", nargs="?", const="docs/megatron.md", default=None, metavar="FILE")
+    parser.add_argument("--check-docs", nargs="?", const="docs/megatron.md", default=None, metavar="FILE")
+    opts = parser.parse_args(argv)
+    target = Path(opts.write_docs or opts.check_docs or "docs/megatron.md")
+    text = target.read_text()
+    begin, end = _docs_block(text)
+    fresh = text[:begin] + "\n" + flag_table_markdown() + "\n" + text[end:]
+    if opts.write_docs:
+        target.write_text(fresh)
+        print(f"wrote the --wlb-* table of {target}")
+    elif fresh != text:
+        print(f"{target}: the --wlb-* table is stale; run python -m megatron_wlb.megatron.args --write-docs",
+              file=sys.stderr)
+        return 1
+    else:
+        print(flag_table_markdown() if not opts.check_docs else f"{target}: current")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -109,14 +109,11 @@ class IndexedSource:
     def __init__(self, dataset: Any, prefix: str = ""):
         self.dataset = dataset
         self.prefix = prefix or str(getattr(dataset, "path_prefix", ""))
-        seq_lengths = np.asarray(dataset.sequence_lengths, dtype=np.int64)
+        from megatron_wlb.data.indexed import document_lengths
+
         doc_idx = np.asarray(dataset.document_indices, dtype=np.int64)
-        if doc_idx.size < 1 or doc_idx[0] != 0 or doc_idx[-1] != seq_lengths.size or np.any(np.diff(doc_idx) < 0):
-            raise ValueError(f"{self.prefix}: document_indices {doc_idx[:5]}... do not partition the "
-                             f"{seq_lengths.size} sequences of the .idx")
-        csum = np.concatenate([[0], np.cumsum(seq_lengths)])
+        self.lengths = document_lengths(dataset.sequence_lengths, doc_idx, f"{self.prefix}.idx")
         self.first_sequence = doc_idx[:-1]
-        self.lengths = csum[doc_idx[1:]] - csum[doc_idx[:-1]]
 
     @classmethod
     def open(cls, prefix: str, mmap: bool = True) -> IndexedSource:

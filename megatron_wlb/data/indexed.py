@@ -1,0 +1,158 @@
+"""The one reader of Megatron indexed datasets (``PREFIX.idx`` / ``PREFIX.bin``) in megatron_wlb.
+
+The CLI (``--data-prefix``), the simulator and the Megatron adapter all read document lengths
+here: parsing the ``.idx`` takes milliseconds and needs neither torch nor megatron-core (whose
+import alone takes seconds). The format is megatron-core's ``_IndexWriter``
+(``megatron/core/datasets/indexed_dataset.py``, version 1):
+
+========  ======================  =============================================================
+bytes     type                    content
+========  ======================  =============================================================
+9         ``b"MMIDIDX\\x00\\x00"``    magic
+8         uint64 LE               version, must be 1
+1         uint8                   dtype code of the token ids in ``.bin`` (``DTYPE_CODES``)
+8         uint64 LE               S = number of sequences
+8         uint64 LE               D = number of entries of ``document_indices`` (documents + 1)
+4 S       int32                   ``sequence_lengths`` (tokens per sequence)
+8 S       int64                   ``sequence_pointers`` (byte offsets into ``.bin``)
+8 D       int64                   ``document_indices``: document i spans sequences
+                                  ``[document_indices[i], document_indices[i + 1])``
+========  ======================  =============================================================
+
+A document's length is the sum of its sequences' lengths (for GPT pre-training data each document
+is one sequence). Empty documents are reported, not dropped silently: ``read_idx_lengths`` raises
+on them unless ``skip_empty`` is set. Every error is one line naming the file.
+"""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+
+import numpy as np
+
+IDX_MAGIC = b"MMIDIDX\x00\x00"
+_HEADER_BYTES = 9 + 8 + 1 + 8 + 8
+#: megatron-core's ``DType`` codes -> the token dtype of ``.bin``
+DTYPE_CODES: dict[int, type] = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64,
+                                7: np.float32, 8: np.uint16}
+
+
+def dataset_prefix(path: str | Path) -> Path:
+    """``PREFIX`` of ``PREFIX``, ``PREFIX.idx`` or ``PREFIX.bin``."""
+    p = Path(path)
+    return p.with_suffix("") if p.suffix in (".idx", ".bin") else p
+
+
+def _with_ext(prefix: Path, ext: str) -> Path:
+    return prefix.with_name(prefix.name + ext)
+
+
+def read_index(prefix: str | Path) -> tuple[np.ndarray, np.ndarray, int, np.ndarray]:
+    """(sequence_lengths int64 [S], document_indices int64 [D], token itemsize, sequence_pointers int64 [S])."""
+    p = dataset_prefix(prefix)
+    idx = _with_ext(p, ".idx")
+    if not idx.exists():
+        other = " (only the .bin is there)" if _with_ext(p, ".bin").exists() else ""
+        raise FileNotFoundError(f"{idx} does not exist{other}; --data-prefix takes PREFIX of a Megatron indexed "
+                                "dataset PREFIX.idx/.bin, without the extension")
+    if not idx.is_file():
+        raise ValueError(f"{idx} is a directory, not a Megatron .idx file")
+    size = idx.stat().st_size
+    with open(idx, "rb") as f:
+        head = f.read(_HEADER_BYTES)
+    if len(head) < _HEADER_BYTES or head[:9] != IDX_MAGIC:
+        raise ValueError(f"{idx}: not a Megatron indexed-dataset index (magic {head[:9]!r}, expected {IDX_MAGIC!r})")
+    version, = struct.unpack("<Q", head[9:17])
+    if version != 1:
+        raise ValueError(f"{idx}: index version {version}; this reader knows version 1")
+    code = head[17]
+    if code not in DTYPE_CODES:
+        raise ValueError(f"{idx}: token dtype code {code} is not one of megatron-core's {sorted(DTYPE_CODES)}")
+    n_seq, n_doc = struct.unpack("<QQ", head[18:34])
+    need = _HEADER_BYTES + 4 * n_seq + 8 * n_seq + 8 * n_doc
+    if size < need:
+        raise ValueError(f"{idx}: truncated, {size} bytes but the header announces {n_seq} sequences and "
+                         f"{n_doc} document indices ({need} bytes)")
+    mm = np.memmap(idx, mode="r", dtype=np.uint8)
+    seq = np.frombuffer(mm, dtype=np.int32, count=n_seq, offset=_HEADER_BYTES).astype(np.int64)
+    pointers = np.frombuffer(mm, dtype=np.int64, count=n_seq, offset=_HEADER_BYTES + 4 * n_seq).copy()
+    docs = np.frombuffer(mm, dtype=np.int64, count=n_doc, offset=_HEADER_BYTES + 12 * n_seq).copy()
+    return seq, docs, np.dtype(DTYPE_CODES[code]).itemsize, pointers
+
+
+def parse_idx(prefix: str | Path) -> tuple[np.ndarray, np.ndarray]:
+    """(sequence_lengths int64 [S], document_indices int64 [D]) parsed from ``PREFIX.idx``."""
+    seq, docs, _, _ = read_index(prefix)
+    return seq, docs
+
+
+def document_lengths(sequence_lengths: np.ndarray, document_indices: np.ndarray, where: str) -> np.ndarray:
+    """Tokens per document from an index's arrays; ``where`` names the dataset in the error."""
+    seq = np.asarray(sequence_lengths, dtype=np.int64)
+    docs = np.asarray(document_indices, dtype=np.int64)
+    if docs.size < 1 or docs[0] != 0 or docs[-1] != seq.size or np.any(np.diff(docs) < 0):
+        raise ValueError(f"{where}: document_indices do not partition its {seq.size} sequences (not a valid .idx)")
+    if np.any(seq < 0):
+        raise ValueError(f"{where}: sequence {int(np.flatnonzero(seq < 0)[0])} has a negative length")
+    csum = np.concatenate([[0], np.cumsum(seq)])
+    return csum[docs[1:]] - csum[docs[:-1]]
+
+
+def read_idx_lengths(prefix: str | Path, backend: str = "parse", skip_empty: bool = False) -> np.ndarray:
+    """Document lengths (int64, dataset order) of the indexed dataset ``PREFIX``.
+
+    ``backend``: ``"parse"`` (this module, ``.idx`` only; the default, and what ``"auto"`` means)
+    or ``"megatron"`` (megatron-core's ``IndexedDataset``, needs ``PREFIX.bin``; a cross-check).
+    """
+    if backend not in ("auto", "megatron", "parse"):
+        raise ValueError(f"backend={backend!r}; choose parse (or auto) or megatron")
+    p = dataset_prefix(prefix)
+    if backend == "megatron":
+        seq, docs = _megatron_arrays(p)
+    else:
+        seq, docs = parse_idx(p)
+    lengths = document_lengths(seq, docs, f"{p}.idx")
+    empty = np.flatnonzero(lengths < 1)
+    if empty.size and not skip_empty:
+        raise ValueError(f"{p}.idx: document {empty[0]} (and {empty.size - 1} more) has no tokens; "
+                         "pass skip_empty=True to leave empty documents out")
+    return lengths[lengths >= 1] if empty.size else lengths
+
+
+def _megatron_arrays(prefix: Path) -> tuple[np.ndarray, np.ndarray]:
+    if not _with_ext(prefix, ".bin").exists():
+        raise FileNotFoundError(f"megatron backend needs {prefix}.bin")
+    try:
+        from megatron.core.datasets.indexed_dataset import IndexedDataset
+    except ImportError:
+        raise FileNotFoundError("megatron backend needs megatron-core (pip install megatron-core)") from None
+    ds = IndexedDataset(str(prefix))
+    # copies: the arrays are views of the dataset's memory map, which closes with the dataset
+    seq = np.array(ds.index.sequence_lengths, dtype=np.int64, copy=True)
+    docs = np.array(ds.index.document_indices, dtype=np.int64, copy=True)
+    del ds
+    return seq, docs
+
+
+def check_bin_matches_idx(prefix: str | Path) -> None:
+    """Raise a one-line ValueError when ``PREFIX.bin`` is not the size ``PREFIX.idx`` describes.
+
+    The ``.idx`` says where each sequence starts in the ``.bin`` and how many tokens of which dtype
+    it holds; a truncated ``.bin`` (an interrupted copy) would make training read past its end, a
+    padded or different one means the two files do not belong together.
+    """
+    p = dataset_prefix(prefix)
+    seq, _, itemsize, pointers = read_index(p)
+    bin_path = _with_ext(p, ".bin")
+    if not bin_path.is_file():
+        raise FileNotFoundError(f"{bin_path} does not exist (or is not a file); {p}.idx needs its .bin")
+    expected = int(pointers[-1] + seq[-1] * itemsize) if seq.size else 0
+    if seq.size and int((seq * itemsize).sum()) != expected:
+        raise ValueError(f"{p}.idx: sequence_pointers do not match sequence_lengths (not a valid .idx)")
+    actual = bin_path.stat().st_size
+    if actual != expected:
+        kind = "truncated" if actual < expected else "larger than its index"
+        raise ValueError(f"{bin_path}: {actual} bytes, but {p}.idx describes {expected} bytes ({seq.size} "
+                         f"sequences of {itemsize}-byte tokens): the .bin is {kind}; re-copy or rebuild "
+                         "PREFIX.bin/.idx together")

@@ -1,0 +1,196 @@
+"""Bad input to ``wlb`` ends in one line on stderr naming the bad value, exit status 2, no traceback.
+
+Each case is one of the adversarial inputs of issue 13 (directories as paths, an existing file as
+``--out``, a JSON list as ``--profile``, a YAML syntax error, a garbage ``.idx``, a huge ``--cp``,
+``inf`` / 2**63 lengths, a CSV row, negative counts, micro-batches past int32)."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from megatron_wlb.cli.main import main
+
+
+def write_indexed(prefix: Path, lengths: list[int], dtype=np.uint16, bin_bytes: int | None = None) -> Path:
+    """A Megatron indexed dataset (one sequence per document), written with the .idx layout of
+    megatron-core's _IndexWriter; ``bin_bytes`` overrides the .bin size (a truncated/padded file)."""
+    from megatron_wlb.data.indexed import DTYPE_CODES, IDX_MAGIC
+
+    code = next(c for c, t in DTYPE_CODES.items() if t is dtype)
+    itemsize = np.dtype(dtype).itemsize
+    seq = np.asarray(lengths, dtype=np.int32)
+    pointers = np.concatenate([[0], np.cumsum(seq.astype(np.int64) * itemsize)[:-1]]).astype(np.int64)
+    docs = np.arange(seq.size + 1, dtype=np.int64)
+    with open(f"{prefix}.idx", "wb") as f:
+        f.write(IDX_MAGIC + struct.pack("<Q", 1) + struct.pack("<B", code) + struct.pack("<QQ", seq.size, docs.size))
+        f.write(seq.tobytes() + pointers.tobytes() + docs.tobytes())
+    size = int(seq.sum()) * itemsize if bin_bytes is None else bin_bytes
+    Path(f"{prefix}.bin").write_bytes(b"\0" * size)
+    return prefix
+
+
+def run_wlb(capsys, *argv: str) -> tuple[int, str, str]:
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+@pytest.fixture
+def files(tmp_path: Path) -> Path:
+    (tmp_path / "adir").mkdir()
+    (tmp_path / "afile.txt").write_text("x\n")
+    (tmp_path / "list.json").write_text("[1, 2]")
+    (tmp_path / "inf.json").write_text("[1, Infinity]")
+    (tmp_path / "big.json").write_text(f"[1, {2**63}]")
+    (tmp_path / "nan.txt").write_text("5\nnan\n")
+    (tmp_path / "frac.json").write_text("[1.5, 2]")
+    (tmp_path / "row.csv").write_text("100,200,300\n")
+    (tmp_path / "broken.json").write_text("[1, 2")
+    (tmp_path / "bad.yaml").write_text("name: x\nlayout: {tp: 1, cp: 2\n")
+    (tmp_path / "mb.jsonl").write_text("[100, 200]\n")
+    (tmp_path / "huge.jsonl").write_text(f"[{2**31}, 5]\n")
+    (tmp_path / "garbage.idx").write_bytes(b"not an index at all, just bytes")
+    (tmp_path / "only_bin.bin").write_bytes(b"\0" * 8)
+    return tmp_path
+
+
+CASES = [
+    # (argv, substring the one-line error must contain)
+    (["pack", "--lengths", "{d}/adir"], "is a directory"),
+    (["pack", "--lengths", "{d}/inf.json"], "inf"),
+    (["pack", "--lengths", "{d}/big.json"], str(2**63)),
+    (["pack", "--lengths", "{d}/nan.txt"], "'nan' is not an integer"),
+    (["pack", "--lengths", "{d}/frac.json"], "entry 0 is 1.5; lengths are whole token counts"),
+    (["shard", "--micro-batches", "{d}/mb.jsonl", "--cp", "2", "--layout", "adaptive", "--out", "{d}/o.jsonl",
+      "--tp", "3"], "--tp 3 does not divide the 32 attention heads"),
+    (["pack", "--lengths", "{d}/row.csv"], "3 fields"),
+    (["pack", "--lengths", "{d}/broken.json"], "broken.json: not valid JSON"),
+    (["pack", "--lengths", "{d}/missing.json"], "does not exist"),
+    (["pack", "--config", "{d}/bad.yaml"], "not valid YAML at line"),
+    (["pack", "--config", "nonexistent_cfg"], "7b_128k"),
+    (["pack", "--profile", "{d}/list.json"], "got a list"),
+    (["pack", "--profile", "{d}/adir"], "is a directory"),
+    (["pack", "--out", "{d}/adir"], "is a directory"),
+    (["pack", "--iterations", "0"], "--iterations=0"),
+    (["pack", "--data-prefix", "{d}/garbage"], "not a Megatron indexed-dataset index"),
+    (["pack", "--data-prefix", "{d}/only_bin"], "only the .bin is there"),
+    (["bench", "--out", "{d}/afile.txt", "--quick"], "is an existing file"),
+    (["bench", "--scale-iterations", "-1"], "--scale-iterations -1"),
+    (["bench", "--iterations", "0"], "--iterations 0"),
+    (["shard", "--micro-batches", "{d}/mb.jsonl", "--cp", "2", "--layout", "adaptive", "--out", "{d}/adir"],
+     "is a directory"),
+    (["shard", "--micro-batches", "{d}/adir", "--cp", "2", "--layout", "adaptive", "--out", "{d}/o.jsonl"],
+     "is a directory"),
+    (["shard", "--micro-batches", "{d}/mb.jsonl", "--cp", str(2**40), "--layout", "adaptive", "--out",
+      "{d}/o.jsonl"], "1 .. 65536"),
+    (["shard", "--micro-batches", "{d}/mb.jsonl", "--cp", "2", "--layout", "adaptive", "--out", "{d}/o.jsonl",
+      "--profile", "{d}/list.json"], "got a list"),
+    (["shard", "--micro-batches", "{d}/huge.jsonl", "--cp", "2", "--layout", "per-document", "--out",
+      "{d}/o.jsonl"], "int32"),
+    (["shard", "--micro-batches", "{d}/broken.json", "--cp", "2", "--layout", "adaptive", "--out",
+      "{d}/o.jsonl"], "broken.json:1: not valid JSON"),
+]
+
+
+@pytest.mark.parametrize("argv, expect", CASES, ids=[" ".join(a[:3]) + f" [{i}]" for i, (a, _) in enumerate(CASES)])
+def test_bad_input_gives_one_line_error(capsys, files: Path, argv: list[str], expect: str):
+    rc, _, err = run_wlb(capsys, *[a.format(d=files) for a in argv])
+    lines = [line for line in err.splitlines() if line.strip() and "it/s]" not in line]
+    assert rc == 2, err
+    assert len(lines) == 1, err
+    assert lines[0].startswith(f"wlb {argv[0]}: error: "), err
+    assert "internal error" not in lines[0] and "Traceback" not in err
+    assert expect in lines[0], lines[0]
+
+
+def test_broken_pipe_is_quiet():
+    """`wlb pack | head -1` ends with status 0 and no traceback (stdout closed early)."""
+    import os
+    import subprocess
+    import sys
+
+    root = str(Path(__file__).resolve().parents[1])
+    proc = subprocess.run(f"{sys.executable} -m megatron_wlb pack --config 550m_64k --iterations 1 | head -1",
+                          shell=True, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": root})
+    assert "Traceback" not in proc.stderr and proc.stdout.strip().startswith("packer:"), proc.stderr
+
+
+def test_version_and_python_dash_m(capsys):
+    import megatron_wlb
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0
+    assert capsys.readouterr().out.strip() == f"megatron-wlb {megatron_wlb.__version__}"
+
+
+def test_indexed_reader_and_bin_check(tmp_path: Path):
+    from megatron_wlb.data.indexed import check_bin_matches_idx, read_idx_lengths
+
+    prefix = write_indexed(tmp_path / "ok", [5, 7, 1])
+    assert read_idx_lengths(prefix).tolist() == [5, 7, 1]
+    assert read_idx_lengths(f"{prefix}.idx").tolist() == [5, 7, 1]
+    check_bin_matches_idx(prefix)  # the right size: no error
+    short = write_indexed(tmp_path / "short", [5, 7, 1], bin_bytes=2 * 13 - 2)
+    with pytest.raises(ValueError, match=r"short\.bin: 24 bytes.*26 bytes.*truncated"):
+        check_bin_matches_idx(short)
+    padded = write_indexed(tmp_path / "padded", [5, 7, 1], dtype=np.int32, bin_bytes=4 * 13 + 4)
+    with pytest.raises(ValueError, match="larger than its index"):
+        check_bin_matches_idx(padded)
+    (tmp_path / "nobin.idx").write_bytes((tmp_path / "ok.idx").read_bytes())
+    with pytest.raises(FileNotFoundError, match=r"nobin\.bin"):
+        check_bin_matches_idx(tmp_path / "nobin")
+
+
+def test_pack_reads_a_data_prefix(capsys, tmp_path: Path):
+    prefix = write_indexed(tmp_path / "corpus", [3000, 60000, 200, 9000] * 50)
+    rc, out, err = run_wlb(capsys, "pack", "--config", "550m_64k", "--data-prefix", str(prefix), "--json",
+                           "--iterations", "2")
+    assert rc == 0, err
+    report = json.loads(out)
+    assert report["lengths"] == f"prefix:{prefix}" and report["iterations"] == 2
+
+
+def test_shard_reads_a_pack_plan(capsys, tmp_path: Path):
+    plan = tmp_path / "plan.jsonl"
+    rc, _, err = run_wlb(capsys, "pack", "--config", "550m_64k", "--iterations", "2", "--out", str(plan))
+    assert rc == 0, err
+    batches = [json.loads(line) for line in plan.read_text().splitlines()]
+    expect = [[p[2] for p in mb] for b in batches for mb in b["micro_batches"]]
+    out = tmp_path / "shard.jsonl"
+    rc, _, err = run_wlb(capsys, "shard", "--micro-batches", str(plan), "--cp", "2", "--layout", "per-document",
+                         "--out", str(out))
+    assert rc == 0, err
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == len(expect)
+    for row, lengths in zip(rows, expect):
+        covered = sum(e - s for rank in row["ranks"] for s, e in rank)
+        assert covered == sum(row["padded_lengths"]) >= sum(lengths)
+
+
+@pytest.mark.parametrize("command", [["analyze", "--lengths", "wlbllm", "--config", "550m_64k", "--iterations", "1"],
+                                     ["reproduce", "--iterations", "1", "--configs", "550m_64k"]])
+@pytest.mark.parametrize("profile, expect", [("list.json", "expected a JSON object"),
+                                             ("broken.json", "broken.json: not valid JSON")])
+def test_profile_errors_of_the_simulator_commands(capsys, files: Path, command, profile, expect):
+    rc, _, err = run_wlb(capsys, *command, "--profile", str(files / profile), "--out", str(files / "out"))
+    assert rc == 2 and len(err.strip().splitlines()) == 1 and expect in err, err
+
+
+def test_bin_check_accepts_a_dataset_megatron_core_wrote(tmp_path: Path):
+    pytest.importorskip("megatron.core")
+    from megatron_wlb.data.indexed import check_bin_matches_idx, read_idx_lengths
+    from megatron_wlb.megatron.data import write_indexed_dataset
+
+    prefix = write_indexed_dataset(str(tmp_path / "real_text_document"), [[1, 2, 3], [4, 5], list(range(70000))])
+    check_bin_matches_idx(prefix)
+    assert read_idx_lengths(prefix).tolist() == [3, 2, 70000]
+    with open(f"{prefix}.bin", "ab") as f:
+        f.write(b"\0")
+    with pytest.raises(ValueError, match="larger than its index"):
+        check_bin_matches_idx(prefix)
