@@ -13,6 +13,7 @@ from megatron_wlb.sim.experiments import (
     FIXED,
     MAIN_METHODS,
     PLAIN,
+    WHOLE,
     WLB,
     Method,
     Table,
@@ -71,15 +72,23 @@ def test_compare_tables_have_every_config_and_method():
     comps = [compare(tiny(16384), lengths, 3), compare(tiny(32768), lengths, 3)]
     t = table1(comps)
     assert isinstance(t, Table)
-    assert t.columns[3:] == tuple(f"{m.name} speedup" for m in MAIN_METHODS[1:])
+    others = [m.name for m in MAIN_METHODS if m not in (PLAIN, WHOLE)]
+    assert t.columns[3:] == (*[f"{m} / {b}" for m in others for b in ("concat-and-cut", "whole-document")],
+                             "whole-document / concat-and-cut")
     names = t.column("config")
     assert names[:2] == ["tiny_16k", "tiny_32k"]
     speedups = [v for row in t.rows[:2] for v in row[3:]]
     assert all(np.isfinite(v) and 0.3 < v < 3.0 for v in speedups)
+    # every cell is the throughput ratio of the two runs it names; the average row their geo-mean
+    col = t.column(f"{WLB.name} / whole-document")
+    for c, value in zip(comps, col):
+        assert value == pytest.approx(c.runs[WLB.name].throughput / c.runs[WHOLE.name].throughput)
+    assert col[t.column("config").index("**avg all** (geo-mean)")] == pytest.approx(np.sqrt(col[0] * col[1]))
     md = t.to_markdown()
-    assert md.count("\n") == len(t.rows) + 1 and "paper avg all" in md and "1.23" in md
+    assert md.count("\n") == len(t.rows) + 1 + 2 * len(t.notes)
     b = breakdown_table(comps[0])
     assert b.column("method") == [m.name for m in MAIN_METHODS]
+    assert b.column("speedup / whole-document")[1] == pytest.approx(1.0)
     for run in comps[0].runs.values():
         assert len(run.iterations) == 3 and run.tokens > 0
         assert run.packing_metrics["iterations"] == 3
