@@ -14,13 +14,15 @@ from collections.abc import Iterable
 import numpy as np
 
 
-def add_stream_args(parser: argparse.ArgumentParser, required: bool = False) -> None:
+def add_stream_args(parser: argparse.ArgumentParser, required: bool = False):
+    """Add ``--lengths`` / ``--data-prefix`` as a mutually exclusive group; return the group."""
     group = parser.add_mutually_exclusive_group(required=required)
     group.add_argument("--lengths", metavar="FILE",
                        help="document lengths: .json / .npy / text, one per line ('wlbllm' = the embedded "
                             "stand-in distribution, published by the DistCA authors)")
     group.add_argument("--data-prefix", metavar="PREFIX",
                        help="a Megatron indexed dataset PREFIX (lengths read from PREFIX.idx)")
+    return group
 
 
 def load_stream(args: argparse.Namespace) -> tuple[np.ndarray, str]:

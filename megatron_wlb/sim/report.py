@@ -588,53 +588,156 @@ def report_text(res: ReproduceResults, figs: dict, source: str, profile: str | N
 
 # -- analyze ---------------------------------------------------------------------------------------
 def analyze_table(comp: Comparison) -> Table:
-    """One config, every method: speedup over Plain-4D and what it comes from."""
+    """One config, every method: speedup over the baselines and what it comes from (one stream)."""
+    bases = comp.baselines or [comp.base]
     rows = []
     for name, run in comp.runs.items():
         pm = run.packing_metrics
-        rows.append((name, comp.speedup(name), 1e3 * run.mean_time, run.throughput, 100 * run.bubble_fraction,
-                     run.pp_imbalance, run.gpu_compute_imbalance, pm.get("mean_delay", float("nan")),
-                     pm.get("plan_ms_mean", float("nan")), layout_mix(run.layouts)))
+        rows.append((name, *[comp.speedup(name, b) for b in bases], 1e3 * run.mean_time, run.throughput,
+                     100 * run.bubble_fraction, run.pp_imbalance, run.gpu_compute_imbalance,
+                     pm.get("mean_delay", float("nan")), pm.get("plan_ms_mean", float("nan")),
+                     layout_mix(run.layouts)))
     return Table(f"{comp.config.name} {comp.config.layout}: methods compared over {comp.iterations} iterations",
-                 ("method", "speedup", "iter ms", "tokens/s", "bubble %", "PP imbalance", "GPU compute max/mean",
-                  "delay (iters/token)", "plan ms", "CP layouts chosen"), tuple(rows))
+                 ("method", *[f"speedup / {BASELINE_LABELS.get(b, b)}" for b in bases], "iter ms", "tokens/s",
+                  "bubble %", "PP imbalance", "GPU compute max/mean", "delay (iters/token)", "plan ms",
+                  "CP layouts chosen"), tuple(rows))
 
 
-def analyze(out: str | Path, config, lengths: np.ndarray, iterations: int, *, profile: str | None = None,
-            methods: Sequence[Method] = MAIN_METHODS, progress: Progress | None = None,
-            source: str = "") -> tuple[Path, Table]:
-    """``wlb analyze``: compare the methods on one config and stream; write ``out/report.md``."""
+@dataclass(frozen=True)
+class Verdict:
+    """Speedups of every method over each baseline across shuffles: ``speedups[baseline][method]``
+    holds one value per shuffle."""
+
+    speedups: dict[str, dict[str, list[float]]]
+    iterations: int
+    shuffles: int
+    methods: tuple[str, ...] = ()
+
+    def summary(self, baseline: str, method: str) -> dict[str, float]:
+        vals = self.speedups[baseline][method]
+        return {"mean": float(np.mean(vals)), "min": float(np.min(vals)), "max": float(np.max(vals))}
+
+    def to_json(self, baseline: str = PLAIN.name) -> dict:
+        """``{"speedup": {method: {mean, min, max}}, "iterations": n, "shuffles": k, ...}``: speedup
+        over ``baseline`` (concat-and-cut by default, Megatron's own data loader), the other
+        baselines under ``speedup_over``."""
+        label = BASELINE_LABELS.get(baseline, baseline)
+        return {
+            "speedup": {m: self.summary(baseline, m) for m in self.speedups[baseline]},
+            "baseline": f"{label} ({baseline})",
+            "speedup_over": {BASELINE_LABELS.get(b, b): {m: self.summary(b, m) for m in per}
+                             for b, per in self.speedups.items()},
+            "iterations": self.iterations,
+            "shuffles": self.shuffles,
+        }
+
+
+def verdict_of(comps: Sequence[Comparison]) -> Verdict:
+    """Collect every method's speedup over every baseline from one comparison per shuffle."""
+    c0 = comps[0]
+    bases = c0.baselines or [c0.base]
+    speedups = {b: {m: [c.speedup(m, b) for c in comps] for m in c0.runs if m != b} for b in bases}
+    iterations = min(len(run.iterations) for c in comps for run in c.runs.values())
+    return Verdict(speedups, iterations, len(comps), tuple(c0.runs))
+
+
+def verdict_table(verdict: Verdict) -> Table:
+    """Mean [min, max] of each method's speedup over each baseline across the shuffles."""
+    bases = list(verdict.speedups)
+    methods = list(verdict.methods or dict.fromkeys(m for b in bases for m in verdict.speedups[b]))
+    rows = []
+    for m in methods:
+        cells = []
+        for b in bases:
+            if m in verdict.speedups[b]:
+                s = verdict.summary(b, m)
+                cells.append(f"{s['mean']:.3f} [{s['min']:.3f}, {s['max']:.3f}]")
+            else:
+                cells.append("1 (baseline)")
+        rows.append((m, *cells))
+    return Table(f"Verdict: speedup, mean [min, max] over {verdict.shuffles} shuffles of {verdict.iterations} "
+                 "iterations", ("method", *[f"/ {BASELINE_LABELS.get(b, b)}" for b in bases]), tuple(rows))
+
+
+def fig_length_distribution(lengths: np.ndarray, reference: np.ndarray, path: Path, name: str = "your data",
+                            reference_name: str = "embedded stand-in") -> Path:
+    """The user's document-length distribution beside the embedded one: share of documents and
+    share of tokens per length bin (log scale)."""
+    plt = _plt()
+    hi = max(int(lengths.max()), int(reference.max()), 2)
+    bins = np.logspace(0, np.log10(hi) + 0.01, 40)
+    fig, axes = plt.subplots(1, 2, figsize=(8.5, 3.0))
+    for i, (arr, label) in enumerate(((lengths, name), (reference, reference_name))):
+        arr = np.asarray(arr, dtype=np.float64)
+        axes[0].hist(arr, bins=bins, weights=np.full(arr.size, 1.0 / arr.size), alpha=0.55, color=f"C{i}",
+                     label=f"{label}: {arr.size:,} docs, median {np.median(arr):,.0f}")
+        axes[1].hist(arr, bins=bins, weights=arr / arr.sum(), alpha=0.55, color=f"C{i}",
+                     label=f"{label}: {arr.sum():,.0f} tokens")
+    axes[0].set_title("share of documents", fontsize=9)
+    axes[1].set_title("share of tokens (where attention work lies)", fontsize=9)
+    for ax in axes:
+        ax.set_xscale("log")
+        ax.set_xlabel("document length (tokens)", fontsize=8)
+        ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
+    return path
+
+
+def analyze(out: str | Path, config, streams: Sequence[np.ndarray], iterations: int, *,
+            profile: str | None = None, methods: Sequence[Method] = MAIN_METHODS,
+            progress: Progress | None = None, source: str = "", virtual_stages: int | None = None,
+            reference: np.ndarray | None = None, notes: Sequence[str] = ()) -> tuple[Path, Table, Verdict]:
+    """``wlb analyze``: compare the methods on one config over several orderings of the same corpus
+    (``streams``, e.g. seeded shuffles), ``iterations`` each; write ``out/report.md`` and figures.
+
+    ``reference``: lengths to plot beside the user's (the embedded distribution); ``notes``:
+    sentences the caller wants in the report (how the streams were made, warnings)."""
+    if not streams:
+        raise ValueError("analyze needs at least one stream")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    comp = compare(config, lengths, iterations, methods, profile=profile, keep_events=True, progress=progress)
-    table = analyze_table(comp)
-    fig_speedups([comp], out / "speedups.png", f"{config.name}: speedup over Plain-4D")
-    fig_latency_distribution(comp, out / "latency_distribution.png")
-    fig_gantt(comp, out / "gantt.png")
+    comps = [compare(config, s, iterations, methods, profile=profile, keep_events=k == 0,
+                     virtual_stages=virtual_stages, progress=progress) for k, s in enumerate(streams)]
+    verdict = verdict_of(comps)
+    vt = verdict_table(verdict)
+    table = analyze_table(comps[0])
+    fig_speedups([comps[0]], out / "speedups.png", f"{config.name}: speedup, first shuffle")
+    fig_latency_distribution(comps[0], out / "latency_distribution.png")
+    fig_gantt(comps[0], out / "gantt.png")
+    figs = ["speedups.png", "latency_distribution.png", "gantt.png"]
+    if reference is not None:
+        fig_length_distribution(np.asarray(streams[0]), np.asarray(reference), out / "length_distribution.png")
+        figs.insert(0, "length_distribution.png")
     elapsed = time.perf_counter() - t0
     lay = config.layout
+    v = comps[0].virtual_stages
     text = "\n".join([
         f"# `wlb analyze`: {config.name}",
         "",
         f"Model {config.model.name}, (TP, CP, PP, DP) = ({lay.tp}, {lay.cp}, {lay.pp}, {lay.dp}), seq_len "
-        f"{config.seq_len}, {config.micro_batches} micro-batches per DP rank, virtual stages "
-        f"{config.virtual_stages}. Stream: {source}. Cost model: {comp.cost.describe()}. "
-        f"{iterations} iterations per method, simulated in {elapsed:.0f} s.",
+        f"{config.seq_len}, {config.micro_batches} micro-batches per DP rank, {schedule_label(v)}. "
+        f"Stream: {source}. Cost model: {comps[0].cost.describe()}. {len(streams)} orderings x "
+        f"{comps[0].iterations} iterations per method, simulated in {elapsed:.0f} s.",
         "",
-        "Speedup = simulated tokens per second over Plain-4D on the same first iterations of the stream. "
-        "A speedup near 1.0 means your data or layout leaves little imbalance to remove.",
+        *[f"{n}\n" for n in notes],
+        "Speedup = simulated tokens per second over a baseline on the same iterations of the same ordering "
+        "of the corpus: *concat-and-cut* is Megatron's GPTDataset (what `pretrain_gpt.py` does today), "
+        "*whole-document* keeps documents whole in arrival order. The range shows how much the verdict "
+        "depends on the order of the documents; a speedup near 1.0 means your data or layout leaves "
+        "little imbalance to remove.",
+        "",
+        vt.to_markdown(digits=3),
+        "",
+        "Detail of the first ordering:",
         "",
         table.to_markdown(),
         "",
-        _md_img("speedups.png", "speedups"),
-        "",
-        _md_img("latency_distribution.png", "latency distribution"),
-        "",
-        _md_img("gantt.png", "pipeline timeline"),
-        "",
+        *[f"{_md_img(f, f.removesuffix('.png').replace('_', ' '))}\n" for f in figs],
         "Methods and the simulator's model: see docs/simulator.md.",
     ]) + "\n"
     path = out / "report.md"
     path.write_text(text)
-    return path, table
+    return path, vt, verdict
