@@ -80,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config)
     if args.virtual_stages is not None:
-        if args.virtual_stages < 1 or cfg.micro_batches % cfg.layout.pp:
+        if args.virtual_stages < 1 or (args.virtual_stages > 1 and cfg.micro_batches % cfg.layout.pp):
             raise ValueError(f"--virtual-stages {args.virtual_stages}: needs >= 1 and micro_batches "
                              f"({cfg.micro_batches}) divisible by pp ({cfg.layout.pp})")
         cfg = replace(cfg, virtual_stages=args.virtual_stages)
