@@ -57,7 +57,8 @@ def add_parser(subparsers) -> None:
                                           "one CP layout, and play each iteration through the pipeline "
                                           "schedule; prints per-iteration time, bubble and imbalance.")
     p.add_argument("--config", required=True, help="config name (configs/*.yaml stem) or YAML path")
-    p.add_argument("--packer", help="original | fixed-greedy | fixed-solver | wlb (default: the config's)")
+    p.add_argument("--packer", help="original | fixed-greedy | fixed-solver | wlb | whole-document (the baseline "
+                                    "of sim/baselines.py) (default: the config's)")
     p.add_argument("--cp-layout", help="per-sequence | per-document | per-document-te | adaptive | hybrid | "
                                        "dynamic-cp (default: the config's cp_sharding)")
     p.add_argument("--iterations", type=int, default=20, help="iterations to simulate (default 20)")
