@@ -1,39 +1,197 @@
-"""``wlb analyze``: what WLB-LLM buys on your own data and layout, before spending a cluster on it."""
+"""``wlb analyze``: what WLB-LLM buys on your own data and layout, before spending a cluster on it.
+
+The corpus is read whole (``--lengths``, ``--data-prefix`` or a ``--data-path`` blend as Megatron
+takes it), shuffled as Megatron's GPTDataset shuffles documents (numpy ``RandomState`` seeded with
+``--seed`` + k for ordering k), and every method runs the same iterations of each ordering; the
+verdict is the mean and range over ``--shuffles`` orderings, so it does not hinge on the file order.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import sys
 import time
+
+import numpy as np
+
+#: Megatron-LM's default ``--seed``.
+DEFAULT_SEED = 1234
+#: Orderings per verdict. With k i.i.d. orderings each, two corpora of the same documents in
+#: different file orders give disjoint [min, max] ranges with probability 2 (k!)^2 / (2k)!:
+#: 10% for k = 3, under 1% for k = 5.
+DEFAULT_SHUFFLES = 5
 
 
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser("analyze", help="compare Plain-4D / Fixed-4D / WLB-LLM on your data and layout",
-                              description="Simulate Plain-4D, Fixed-4D, WLB-LLM and Megatron's dynamic CP on "
-                                          "your document lengths and run config; print the table and write "
-                                          "DIR/report.md with the same figures as wlb reproduce.")
+                              description="Simulate the two Plain-4D baselines, Fixed-4D, WLB-LLM and Megatron's "
+                                          "dynamic CP on your documents (shuffled as Megatron does, several "
+                                          "seeds) and run config; print the verdict (mean and range over the "
+                                          "shuffles) and write DIR/report.md with figures.")
     from megatron_wlb.cli.simulate import add_stream_args
 
-    add_stream_args(p, required=True)
+    group = add_stream_args(p)
+    group.add_argument("--data-path", nargs="+", metavar="W_OR_PREFIX",
+                       help="Megatron-style blend: 'PREFIX' or 'W1 PREFIX1 W2 PREFIX2 ...' (weights are "
+                            "normalised; without weights the datasets are concatenated)")
     p.add_argument("--config", required=True, help="config name (configs/*.yaml stem) or YAML path")
     p.add_argument("--profile", metavar="JSON",
                    help="cost-model profile measured on a GPU (format megatron-wlb-profile/1)")
     p.add_argument("--out", default="wlb-analyze", metavar="DIR", help="output folder (default ./wlb-analyze)")
-    p.add_argument("--iterations", type=int, default=40, help="iterations per method (default 40)")
+    p.add_argument("--iterations", type=int,
+                   help="iterations per ordering and method (default: every full iteration the corpus gives)")
+    p.add_argument("--shuffles", type=int, default=DEFAULT_SHUFFLES,
+                   help=f"seeded document orderings to average over (default {DEFAULT_SHUFFLES})")
+    p.add_argument("--seed", type=int, default=DEFAULT_SEED, help=f"first shuffle seed (default {DEFAULT_SEED})")
+    p.add_argument("--no-shuffle", action="store_true",
+                   help="keep the corpus in file order (one ordering; the verdict then depends on that order)")
+    p.add_argument("--virtual-stages", type=int, help="interleaved 1F1B with this many virtual stages "
+                                                      "(default: the config's)")
+    p.add_argument("--json", metavar="FILE", help="also write the verdict as JSON")
     p.set_defaults(func=run)
 
 
+def parse_blend(items: list[str]) -> list[tuple[float | None, str]]:
+    """``["0.7", "A", "0.3", "B"]`` -> ``[(0.7, "A"), (0.3, "B")]`` (normalised weights), or
+    ``["A", "B"]`` -> ``[(None, "A"), (None, "B")]``, as Megatron's ``--data-path`` reads them."""
+    if not items:
+        raise ValueError("--data-path needs at least one dataset prefix")
+
+    def number(x: str) -> float | None:
+        try:
+            return float(x)
+        except ValueError:
+            return None
+
+    if number(items[0]) is None:
+        bad = [x for x in items if number(x) is not None]
+        if bad:
+            raise ValueError(f"--data-path {' '.join(items)}: {bad[0]!r} looks like a weight; give a weight before "
+                             "every prefix ('0.7 A 0.3 B') or none at all ('A B')")
+        return [(None, x) for x in items]
+    if len(items) % 2:
+        raise ValueError(f"--data-path {' '.join(items)}: weights and prefixes must alternate "
+                         "('0.7 A 0.3 B'), got an odd count")
+    pairs = []
+    for i in range(0, len(items), 2):
+        w, prefix = number(items[i]), items[i + 1]
+        if w is None or not np.isfinite(w) or w <= 0:
+            raise ValueError(f"--data-path: weight of {prefix!r} must be a positive number, got {items[i]!r}")
+        pairs.append((w, prefix))
+        if number(prefix) is not None:
+            raise ValueError(f"--data-path: {prefix!r} sits where a dataset prefix belongs")
+    total = sum(w for w, _ in pairs)
+    return [(w / total, prefix) for w, prefix in pairs]
+
+
+def shuffle_documents(lengths: np.ndarray, seed: int) -> np.ndarray:
+    """The documents in the order Megatron's GPTDataset visits them in one epoch: a numpy
+    ``RandomState(seed)`` permutation of the document index."""
+    order = np.arange(lengths.size, dtype=np.int64)
+    np.random.RandomState(seed % 2**32).shuffle(order)
+    return lengths[order]
+
+
+def blend(datasets: list[np.ndarray], weights: list[float] | None) -> tuple[np.ndarray, list[int]]:
+    """Interleave datasets so that each holds its weight's share of the tokens read so far (the
+    document-level analogue of Megatron's BlendedDataset, which fills each sample from the dataset
+    furthest behind its weight). Returns (stream, documents used per dataset): the stream ends
+    when the first dataset runs out, so no document repeats; ``weights=None`` concatenates."""
+    if weights is None:
+        return np.concatenate(datasets), [d.size for d in datasets]
+    if len(weights) != len(datasets):
+        raise ValueError(f"{len(weights)} weights for {len(datasets)} datasets")
+    # a document's "time" is the tokens of its dataset up to its end over the dataset's weight
+    ends = [np.cumsum(d) / w for d, w in zip(datasets, weights)]
+    horizon = min(float(e[-1]) for e in ends)
+    used = [int(np.searchsorted(e, horizon, side="right")) for e in ends]
+    keys = np.concatenate([e[:u] for e, u in zip(ends, used)])
+    docs = np.concatenate([d[:u] for d, u in zip(datasets, used)])
+    return docs[np.argsort(keys, kind="stable")], used
+
+
+def _read_dataset(prefix: str) -> np.ndarray:
+    from megatron_wlb.packing.base import validate_lengths
+    from megatron_wlb.data.indexed import read_idx_lengths
+
+    return validate_lengths(read_idx_lengths(prefix), what=f"lengths in {prefix}.idx")
+
+
 def run(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
     from megatron_wlb.cli.simulate import load_stream, tqdm_progress
     from megatron_wlb.config import load_config
+    from megatron_wlb.data import load_lengths
+    from megatron_wlb.sim.iteration import split_documents
     from megatron_wlb.sim.report import analyze
 
-    if args.iterations < 1:
+    if args.iterations is not None and args.iterations < 1:
         raise ValueError(f"--iterations must be at least 1, got {args.iterations}")
+    if args.shuffles < 1:
+        raise ValueError(f"--shuffles must be at least 1, got {args.shuffles}")
     cfg = load_config(args.config)
-    lengths, source = load_stream(args)
+    if args.virtual_stages is not None:
+        if args.virtual_stages < 1 or (args.virtual_stages > 1 and cfg.micro_batches % cfg.layout.pp):
+            raise ValueError(f"--virtual-stages {args.virtual_stages}: needs >= 1 and micro_batches "
+                             f"({cfg.micro_batches}) divisible by pp ({cfg.layout.pp})")
+        cfg = replace(cfg, virtual_stages=args.virtual_stages)
+    notes: list[str] = []
+    seeds = [args.seed + k for k in range(1 if args.no_shuffle else args.shuffles)]
+    if args.data_path:
+        parts = parse_blend(args.data_path)
+        datasets = [_read_dataset(prefix) for _, prefix in parts]
+        weights = None if parts[0][0] is None else [w for w, _ in parts]
+        streams, used = [], []
+        for seed in seeds:
+            shuffled = datasets if args.no_shuffle else [shuffle_documents(d, seed + 7919 * i)
+                                                         for i, d in enumerate(datasets)]
+            stream, used = blend(shuffled, weights)
+            streams.append(stream)
+        desc = " + ".join(f"{'' if w is None else f'{w:.3g} x '}{prefix}.idx ({d.size:,} documents, {u:,} used)"
+                          for (w, prefix), d, u in zip(parts, datasets, used))
+        source = f"blend {desc}"
+        unused = sum(d.size - u for d, u in zip(datasets, used))
+        if unused:
+            notes.append(f"The blend ends when its first dataset runs out (no document repeats), so {unused:,} "
+                         "documents of the others are not read.")
+    else:
+        lengths, source = load_stream(args)
+        streams = [lengths] if args.no_shuffle else [shuffle_documents(lengths, seed) for seed in seeds]
+    order = ("file order (not shuffled)" if args.no_shuffle else
+             f"{len(seeds)} shuffles as Megatron's GPTDataset orders documents (numpy RandomState, seeds "
+             f"{seeds[0]}..{seeds[-1]})")
+    notes.append(f"Document order: {order}.")
+    longer = int((streams[0] > cfg.seq_len).sum())
+    if longer:
+        notes.append(f"{longer:,} documents longer than seq_len = {cfg.seq_len} are cut into windows of at most "
+                     "seq_len tokens for every method alike.")
+    tokens = int(split_documents(streams[0], cfg.seq_len).sum())
+    per_iteration = cfg.packing.tokens_per_iteration
+    available = tokens // per_iteration
+    if available < 1:
+        raise ValueError(f"the corpus holds {tokens:,} tokens, less than one iteration of {cfg.name} "
+                         f"({per_iteration:,} tokens); use a larger corpus or a smaller config")
+    iterations = available if args.iterations is None else min(args.iterations, available)
+    if args.iterations is None:
+        notes.append(f"The whole corpus: {iterations} full iterations of {per_iteration:,} tokens "
+                     f"({tokens:,} tokens).")
+    elif args.iterations > available:
+        warning = (f"--iterations {args.iterations} asked for more than the corpus holds: it gives "
+                   f"{available} full iterations of {per_iteration:,} tokens, so {available} were run.")
+        print(f"wlb analyze: warning: {warning}", file=sys.stderr)
+        notes.append(f"**Warning:** {warning}")
+    else:
+        notes.append(f"A sample: the first {iterations} of the {available} full iterations the corpus gives, "
+                     "in each ordering.")
     start = time.perf_counter()
-    path, table = analyze(args.out, cfg, lengths, args.iterations, profile=args.profile, progress=tqdm_progress,
-                          source=source)
-    print(table.to_markdown())
-    print(f"\nwrote {path} and its figures in {time.perf_counter() - start:.0f} s")
+    path, table, verdict = analyze(args.out, cfg, streams, iterations, profile=args.profile,
+                                   progress=tqdm_progress, source=source, reference=load_lengths(), notes=notes)
+    print(table.to_markdown(digits=3))
+    print(f"\n{verdict.iterations} iterations x {verdict.shuffles} orderings per method; "
+          f"wrote {path} and its figures in {time.perf_counter() - start:.0f} s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(verdict.to_json(), f, indent=1)
     return 0

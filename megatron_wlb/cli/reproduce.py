@@ -1,23 +1,47 @@
-"""``wlb reproduce``: every experiment of the paper in the simulator, as DIR/report.md + PNGs."""
+"""``wlb reproduce``: every experiment of the paper in the simulator, as DIR/report.md + PNGs.
+
+``--readme README.md`` also rewrites the README's block between ``<!-- reproduce-table -->`` and
+``<!-- /reproduce-table -->`` with the generated table and summary, and copies the speedup figure
+to ``docs/img/reproduce_speedups.png`` beside it, so the README's numbers come from this one command.
+"""
 
 from __future__ import annotations
 
 import argparse
+import shutil
 import time
+from pathlib import Path
+
+README_BEGIN = "<!-- reproduce-table -->"
+README_END = "<!-- /reproduce-table -->"
+README_FIGURE = "docs/img/reproduce_speedups.png"
 
 
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser("reproduce", help="reproduce the paper's experiments on CPU (report + figures)",
-                              description="Simulate Plain-4D, Fixed-4D, WLB-LLM and Megatron's dynamic CP on "
-                                          "every Table 1 config, the 7B-128K breakdown, the window sweep and "
-                                          "the 8K-GPU case study; write DIR/report.md with tables and figures. "
-                                          "About a minute on 2 CPU cores.")
+                              description="Simulate both Plain-4D baselines (concat-and-cut, whole-document), "
+                                          "Fixed-4D, WLB-LLM and Megatron's dynamic CP on every Table 1 config "
+                                          "under interleaved 1F1B, with a schedule sweep and an ablation, the "
+                                          "7B-128K breakdown, the window sweep and the 8K-GPU case study; write "
+                                          "DIR/report.md with tables and figures. About a minute on 2 CPU cores.")
     p.add_argument("--out", default="wlb-reproduce", metavar="DIR", help="output folder (default ./wlb-reproduce)")
-    p.add_argument("--iterations", type=int, help="iterations per config and method (default 40)")
+    p.add_argument("--iterations", type=int, help="iterations per config and method (default 100)")
+    p.add_argument("--virtual-stages", type=int, metavar="V",
+                   help="virtual stages of the main tables' interleaved 1F1B (default 2; 1 = plain 1F1B)")
     p.add_argument("--profile", metavar="JSON", help="calibrated cost-model profile instead of the analytic model")
     p.add_argument("--configs", nargs="+", metavar="CFG", help="Table 1 configs to run (default: all eight)")
     p.add_argument("--lengths", metavar="FILE", help="another length stream (default: the embedded one)")
+    p.add_argument("--readme", metavar="README",
+                   help=f"also rewrite README's block between {README_BEGIN} markers and {README_FIGURE}")
     p.set_defaults(func=run)
+
+
+def splice_readme(text: str, block: str) -> str:
+    """``text`` with everything between the reproduce-table markers replaced by ``block``."""
+    start, end = text.find(README_BEGIN), text.find(README_END)
+    if start < 0 or end < start:
+        raise ValueError(f"README has no {README_BEGIN} ... {README_END} block to rewrite")
+    return text[:start + len(README_BEGIN)] + "\n" + block.strip("\n") + "\n" + text[end:]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -34,9 +58,22 @@ def run(args: argparse.Namespace) -> int:
         settings = replace(settings, iterations=args.iterations, breakdown_iterations=args.iterations,
                            sweep_iterations=args.iterations,
                            case_iterations=max(1, min(settings.case_iterations, args.iterations)))
+    if args.virtual_stages is not None:
+        if args.virtual_stages < 1:
+            raise ValueError(f"--virtual-stages must be at least 1, got {args.virtual_stages}")
+        settings = replace(settings, virtual_stages=args.virtual_stages)
+    readme = Path(args.readme) if args.readme else None
+    if readme is not None and not readme.exists():
+        raise FileNotFoundError(f"--readme {readme} does not exist")
     lengths, source = load_stream(args)
     start = time.perf_counter()
     path = reproduce(args.out, lengths, settings, configs=tuple(args.configs or TABLE1_CONFIGS),
                      profile=args.profile, progress=tqdm_progress, source=source)
     print(f"wrote {path} and its figures in {time.perf_counter() - start:.0f} s")
+    if readme is not None:
+        readme.write_text(splice_readme(readme.read_text(), (path.parent / "readme.md").read_text()))
+        figure = readme.parent / README_FIGURE
+        figure.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(path.parent / "speedups.png", figure)
+        print(f"rewrote the reproduce block of {readme} and {figure}")
     return 0

@@ -14,13 +14,15 @@ from collections.abc import Iterable
 import numpy as np
 
 
-def add_stream_args(parser: argparse.ArgumentParser, required: bool = False) -> None:
+def add_stream_args(parser: argparse.ArgumentParser, required: bool = False):
+    """Add ``--lengths`` / ``--data-prefix`` as a mutually exclusive group; return the group."""
     group = parser.add_mutually_exclusive_group(required=required)
     group.add_argument("--lengths", metavar="FILE",
                        help="document lengths: .json / .npy / text, one per line ('wlbllm' = the embedded "
                             "stand-in distribution, published by the DistCA authors)")
     group.add_argument("--data-prefix", metavar="PREFIX",
                        help="a Megatron indexed dataset PREFIX (lengths read from PREFIX.idx)")
+    return group
 
 
 def load_stream(args: argparse.Namespace) -> tuple[np.ndarray, str]:
@@ -29,7 +31,7 @@ def load_stream(args: argparse.Namespace) -> tuple[np.ndarray, str]:
 
     if getattr(args, "data_prefix", None):
         from megatron_wlb.packing.base import validate_lengths
-        from megatron_wlb.sim.idx import read_idx_lengths
+        from megatron_wlb.data.indexed import read_idx_lengths
 
         lengths = validate_lengths(read_idx_lengths(args.data_prefix), what=f"lengths in {args.data_prefix}.idx")
         return lengths, f"{args.data_prefix}.idx ({lengths.size:,} documents)"
@@ -55,7 +57,8 @@ def add_parser(subparsers) -> None:
                                           "one CP layout, and play each iteration through the pipeline "
                                           "schedule; prints per-iteration time, bubble and imbalance.")
     p.add_argument("--config", required=True, help="config name (configs/*.yaml stem) or YAML path")
-    p.add_argument("--packer", help="original | fixed-greedy | fixed-solver | wlb (default: the config's)")
+    p.add_argument("--packer", help="original | fixed-greedy | fixed-solver | wlb | whole-document (the baseline "
+                                    "of sim/baselines.py) (default: the config's)")
     p.add_argument("--cp-layout", help="per-sequence | per-document | per-document-te | adaptive | hybrid | "
                                        "dynamic-cp (default: the config's cp_sharding)")
     p.add_argument("--iterations", type=int, default=20, help="iterations to simulate (default 20)")
@@ -78,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config)
     if args.virtual_stages is not None:
-        if args.virtual_stages < 1 or cfg.micro_batches % cfg.layout.pp:
+        if args.virtual_stages < 1 or (args.virtual_stages > 1 and cfg.micro_batches % cfg.layout.pp):
             raise ValueError(f"--virtual-stages {args.virtual_stages}: needs >= 1 and micro_batches "
                              f"({cfg.micro_batches}) divisible by pp ({cfg.layout.pp})")
         cfg = replace(cfg, virtual_stages=args.virtual_stages)

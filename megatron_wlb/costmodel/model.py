@@ -86,6 +86,18 @@ class CostModel(ABC):
         bytes_per_gpu = (t / cp) * 2.0 * kv_heads_per_gpu * self.model.head_dim * 2.0
         return _ring_seconds(bytes_per_gpu, cp, self.hardware.link_gbps(tp * cp))
 
+    def pp_send(self, tokens: np.ndarray | int, sequence_parallel: bool = True) -> np.ndarray:
+        """Seconds to send a micro-batch's activations (or their gradients) to the next PP rank.
+
+        Each GPU of a TP x CP group sends its share of ``tokens x hidden`` bf16 values over its own
+        link: ``tokens / cp`` rows without sequence parallelism, ``tokens / (cp * tp)`` with it
+        (Megatron's PP sends then carry the sequence-parallel shard), plus one call latency.
+        """
+        lay = self.layout
+        rows = np.asarray(tokens, dtype=np.float64) / (lay.cp * (lay.tp if sequence_parallel else 1))
+        gbps = self.hardware.link_gbps(2 * lay.tp * lay.cp)
+        return rows * self.model.hidden * 2.0 / (gbps * 1e9) + self.hardware.collective_latency_s
+
     # -- per-document workload W(d) = W_a(d) + W_l(d) -------------------------------------------
     def attention(self, lengths: np.ndarray) -> np.ndarray:
         """W_a per document: causal attention shared evenly by the CP group."""

@@ -1,10 +1,16 @@
 """The paper's experiments as pure functions: configs + a length stream in, tables out.
 
 Every method is a packer plus a CP shard layout; a method's speedup is its throughput (tokens
-trained per simulated second) over Plain-4D's on the same first K iterations of the same stream
+trained per simulated second) over a baseline's on the same first K iterations of the same stream
 (all packers read ``dp * n * seq_len`` new tokens per iteration; what a packer still holds back
 after K iterations is not counted for it). Paper numbers are printed beside ours where the paper
 gives one (``PAPER``); figure-only values are not invented.
+
+Two baselines, both "Plain-4D" (no balancing, per-sequence CP sharding): ``concat-and-cut``
+(Megatron GPTDataset, ``packing/original.py``; pieces of cut documents attend only within
+themselves) and ``whole-document`` (``sim/baselines.py``: documents kept whole in arrival order in
+fixed-length micro-batches). Every speedup is shown against both. The schedule is the paper's
+interleaved 1F1B (``DEFAULT_VIRTUAL_STAGES`` virtual stages) unless a caller asks otherwise.
 """
 
 from __future__ import annotations
@@ -25,6 +31,10 @@ Progress = Callable[[Iterable, str, int], Iterable]
 TABLE1_CONFIGS = ("550m_64k", "550m_128k", "7b_64k", "7b_128k", "30b_64k", "30b_128k", "70b_64k", "70b_128k")
 CASE_STUDY_CONFIG = "405b_128k_8k"
 SWEEP_WINDOWS = (32768, 65536, 98304, 131072, 163840)
+#: Virtual stages of the interleaved 1F1B schedule the paper trains with (Sec. 6; it does not give
+#: v). 2 is the smallest interleaving; the report sweeps 1 (plain 1F1B), 2 and 4.
+DEFAULT_VIRTUAL_STAGES = 2
+VIRTUAL_STAGE_SWEEP = (1, 2, 4)
 
 
 @dataclass(frozen=True)
@@ -55,15 +65,21 @@ class Method:
 
 
 PLAIN = Method("Plain-4D", "original", "per-sequence")
+#: The second baseline: documents kept whole (see ``megatron_wlb.sim.baselines``).
+WHOLE = Method("Plain-4D whole-doc", "whole-document", "per-sequence")
+BASELINES = (PLAIN, WHOLE)
+#: How the report names each baseline.
+BASELINE_LABELS = {PLAIN.name: "concat-and-cut", WHOLE.name: "whole-document"}
 FIXED = Method("Fixed-4D", "fixed-greedy", "per-document")
 #: WLB-LLM uses each config's ``max_seq_len`` (paper S_max, which the paper does not give); the
 #: shipped configs and ``PackingConfig``'s default use 1.5 x seq_len; the report shows the sensitivity.
 WLB = Method("WLB-LLM", "wlb", "adaptive")
 DYNCP = Method("Megatron dyn-CP", "fixed-greedy", "dynamic-cp")
-MAIN_METHODS = (PLAIN, FIXED, WLB, DYNCP)
+MAIN_METHODS = (PLAIN, WHOLE, FIXED, WLB, DYNCP)
 
 BREAKDOWN_METHODS = (
     PLAIN,
+    WHOLE,
     Method("+ per-document CP", "original", "per-document"),
     Method("+ adaptive CP", "original", "adaptive"),
     Method("var-len packing + outlier delay", "wlb", "per-sequence"),
@@ -71,8 +87,9 @@ BREAKDOWN_METHODS = (
     Method("WLB-LLM + hybrid CP (beyond paper)", "wlb", "hybrid"),
     Method("WLB-LLM + heavy-first order (beyond paper)", "wlb", "adaptive", order="heavy-first"),
     Method("Plain-4D + heavy-first order (beyond paper)", "original", "per-sequence", order="heavy-first"),
-    Method("Plain-4D, interleaved 1F1B v=2", "original", "per-sequence", virtual_stages=2),
-    Method("WLB-LLM, interleaved 1F1B v=2", "wlb", "adaptive", virtual_stages=2),
+    Method("Plain-4D, plain 1F1B (v=1)", "original", "per-sequence", virtual_stages=1),
+    Method("Plain-4D whole-doc, plain 1F1B (v=1)", "whole-document", "per-sequence", virtual_stages=1),
+    Method("WLB-LLM, plain 1F1B (v=1)", "wlb", "adaptive", virtual_stages=1),
     Method("Fixed-4D", "fixed-greedy", "per-document"),
     Method("Megatron dyn-CP", "fixed-greedy", "dynamic-cp"),
 )
@@ -85,7 +102,8 @@ PAPER: dict[tuple[str, str], float] = {
     ("fig13", "var-len packing + outlier delay"): 1.28, ("fig13", "WLB-LLM (all)"): 1.33,
     ("fig14", "163840"): 1.40,
     ("case", "max/mean"): 1.44,
-    ("table2", "original"): 1.44, ("table2", "fixed-greedy"): 1.41, ("table2", "wlb"): 1.05,
+    ("table2", "original"): 1.44, ("table2", "whole-document"): 1.44, ("table2", "fixed-greedy"): 1.41,
+    ("table2", "wlb"): 1.05,
 }
 
 
@@ -126,9 +144,17 @@ class Comparison:
     base: str = PLAIN.name
     iterations: int = 0
     extra: dict = field(default_factory=dict)
+    virtual_stages: int = 1
+    sequence_parallel: bool = True
 
-    def speedup(self, method: str) -> float:
-        return self.runs[method].speedup_over(self.runs[self.base])
+    def speedup(self, method: str, base: str | None = None) -> float:
+        """Throughput of ``method`` over ``base`` (default: the first method)."""
+        return self.runs[method].speedup_over(self.runs[base or self.base])
+
+    @property
+    def baselines(self) -> list[str]:
+        """The baseline methods this comparison ran, in ``BASELINES`` order."""
+        return [b.name for b in BASELINES if b.name in self.runs]
 
 
 def _wrap(progress: Progress | None, it: Iterable, desc: str, total: int) -> Iterable:
@@ -138,11 +164,14 @@ def _wrap(progress: Progress | None, it: Iterable, desc: str, total: int) -> Ite
 def compare(config: RunConfig, lengths: np.ndarray, iterations: int, methods: Sequence[Method] = MAIN_METHODS,
             *, cost: CostModel | None = None, profile: str | None = None, keep_events: bool = False,
             layout_builder: LayoutBuilder | None = None, split_at_window: bool = True,
+            virtual_stages: int | None = None, sequence_parallel: bool = True,
             progress: Progress | None = None) -> Comparison:
     """Simulate every method on ``config`` over the first ``iterations`` iterations of ``lengths``.
 
     With ``split_at_window`` documents longer than the window are cut into window-size pieces
     before packing, for every method alike (a 64K-context job attends at most 64K tokens back).
+    ``virtual_stages`` overrides the config's schedule (a method's own ``virtual_stages`` wins);
+    ``sequence_parallel`` sets the PP send size (``CostModel.pp_send``).
     """
     if not methods:
         raise ValueError("compare needs at least one method")
@@ -152,43 +181,79 @@ def compare(config: RunConfig, lengths: np.ndarray, iterations: int, methods: Se
         def bar(it: Iterator, _m: Method = m) -> Iterable:
             return _wrap(progress, it, f"{config.name} {_m.name}", iterations)
 
-        cfg = config if m.virtual_stages is None else replace(config, virtual_stages=m.virtual_stages)
+        v = m.virtual_stages if m.virtual_stages is not None else virtual_stages
+        cfg = config if v is None else replace(config, virtual_stages=v)
         if cfg.virtual_stages > 1 and cfg.micro_batches % cfg.layout.pp:
             raise ValueError(f"{m.name}: interleaved 1F1B needs micro_batches ({cfg.micro_batches}) divisible "
                              f"by pp ({cfg.layout.pp})")
         runs[m.name] = simulate_stream(cfg, cost, m.packer, m.cp_layout, lengths, iterations,
                                        packing_overrides=m.packing_overrides(config), layout_builder=layout_builder,
                                        keep_events=keep_events, progress=bar, order=m.order,
+                                       sequence_parallel=sequence_parallel,
                                        split_at=config.seq_len if split_at_window else None)
-    return Comparison(config, cost, runs, base=methods[0].name, iterations=iterations)
+    return Comparison(config, cost, runs, base=methods[0].name, iterations=iterations,
+                      virtual_stages=config.virtual_stages if virtual_stages is None else virtual_stages,
+                      sequence_parallel=sequence_parallel)
+
+
+def geo_mean(values: Iterable[float]) -> float:
+    """Geometric mean (the report's average of speedups); NaN for no values."""
+    vals = [float(v) for v in values]
+    return float(np.exp(np.mean(np.log(vals)))) if vals else float("nan")
+
+
+def speedup_columns(comparisons: Sequence[Comparison]) -> list[tuple[str, str, str]]:
+    """(column label, method, baseline) for every non-baseline method against every baseline run,
+    then whole-document over concat-and-cut when both ran."""
+    c0 = comparisons[0]
+    bases = c0.baselines or [c0.base]
+    methods = [m for m in c0.runs if m not in bases]
+    cols = [(f"{m} / {BASELINE_LABELS.get(b, b)}", m, b) for m in methods for b in bases]
+    if len(bases) == 2:
+        cols.append((f"{BASELINE_LABELS[bases[1]]} / {BASELINE_LABELS[bases[0]]}", bases[1], bases[0]))
+    return cols
 
 
 def _window(config: RunConfig) -> str:
     return f"{config.seq_len // 1024}k"
 
 
+AVERAGES = (("avg 64K", "64k"), ("avg 128K", "128k"), ("avg all", "avg"))
+
+
+def average_speedup(comparisons: Sequence[Comparison], method: str, base: str | None = None,
+                    window: str = "avg") -> float:
+    """Geometric mean of ``method``'s speedup over ``base`` across the configs of ``window``
+    ("64k", "128k" or "avg" for all)."""
+    return geo_mean(c.speedup(method, base) for c in comparisons
+                    if window == "avg" or _window(c.config) == window)
+
+
 def table1(comparisons: Sequence[Comparison]) -> Table:
-    """Fig. 12: speedup of every method over Plain-4D per config, with the paper's averages."""
-    methods = [m for m in comparisons[0].runs if m != comparisons[0].base]
+    """Fig. 12: speedup of every method over each baseline per config, with the paper's averages
+    (the paper's one Plain-4D number is shown under both baselines)."""
+    cols = speedup_columns(comparisons)
     rows = []
     for c in comparisons:
         lay = c.config.layout
         rows.append((c.config.name, f"({lay.tp},{lay.cp},{lay.pp},{lay.dp})", lay.world_size,
-                     *[c.speedup(m) for m in methods]))
+                     *[c.speedup(m, b) for _, m, b in cols]))
+    for label, key in AVERAGES:
+        rows.append((f"**{label}** (geo-mean)", "", "", *[average_speedup(comparisons, m, b, key) for _, m, b in cols]))
+    for label, key in AVERAGES:
+        rows.append((f"paper {label}", "", "", *[PAPER.get(("fig12", f"{m}:{key}")) if b in BASELINE_LABELS
+                                                 and m not in BASELINE_LABELS else None for _, m, b in cols]))
+    c0 = comparisons[0]
+    notes = (f"Schedule: {schedule_label(c0.virtual_stages)}; PP sends "
+             f"{'with' if c0.sequence_parallel else 'without'} sequence parallelism. Column `A / B`: "
+             "throughput of A over B.",)
+    return Table("Speedup per Table 1 config over both baselines (paper Fig. 12)",
+                 ("config", "(TP,CP,PP,DP)", "GPUs", *[label for label, _, _ in cols]), tuple(rows), notes)
 
-    def mean(select: Callable[[Comparison], bool], method: str) -> float:
-        vals = [c.speedup(method) for c in comparisons if select(c)]
-        return float(np.exp(np.mean(np.log(vals)))) if vals else float("nan")
 
-    for label, sel in (("avg 64K", lambda c: _window(c.config) == "64k"),
-                       ("avg 128K", lambda c: _window(c.config) == "128k"),
-                       ("avg all", lambda c: True)):
-        rows.append((f"**{label}** (geo-mean)", "", "", *[mean(sel, m) for m in methods]))
-    key = {"avg 64K": "64k", "avg 128K": "128k", "avg all": "avg"}
-    for label in key:
-        rows.append((f"paper {label}", "", "", *[PAPER.get(("fig12", f"{m}:{key[label]}")) for m in methods]))
-    cols = ("config", "(TP,CP,PP,DP)", "GPUs", *[f"{m} speedup" for m in methods])
-    return Table("Speedup over Plain-4D per Table 1 config (paper Fig. 12)", cols, tuple(rows))
+def schedule_label(virtual_stages: int) -> str:
+    """How the report names a schedule."""
+    return "plain 1F1B" if virtual_stages == 1 else f"interleaved 1F1B, v = {virtual_stages} virtual stages"
 
 
 def detail_table(comparisons: Sequence[Comparison]) -> Table:
@@ -214,17 +279,16 @@ def layout_mix(layouts: dict[str, int]) -> str:
 
 
 def breakdown_table(c: Comparison) -> Table:
-    """Fig. 13: each optimisation alone and together on one config."""
-    rows = [(name, c.speedup(name), PAPER.get(("fig13", name)), 1e3 * run.mean_time, run.pp_imbalance)
-            for name, run in c.runs.items()]
-    notes = ()
-    if any("interleaved" in name for name in c.runs):
-        notes = ("Every speedup is over the first row. The interleaved rows run Megatron's interleaved 1F1B "
-                 "with 2 virtual stages per PP rank (with N = PP = 4 it warms up every micro-batch first, "
-                 "which costs activation memory the simulator does not model); WLB-LLM over Plain-4D, both "
-                 "interleaved, is the ratio of those two rows.",)
+    """Fig. 13: each optimisation alone and together on one config, over each baseline."""
+    bases = c.baselines or [c.base]
+    rows = [(name, *[c.speedup(name, b) for b in bases], PAPER.get(("fig13", name)), 1e3 * run.mean_time,
+             run.pp_imbalance) for name, run in c.runs.items()]
+    notes = (f"Schedule: {schedule_label(c.virtual_stages)} unless the row says otherwise (with N = PP = 4 "
+             "interleaving warms up every micro-batch first, which costs activation memory the simulator "
+             "does not model).",)
     return Table(f"Breakdown on {c.config.name} (paper Fig. 13)",
-                 ("method", "speedup (ours)", "paper", "iter ms", "PP imbalance"), tuple(rows), notes)
+                 ("method", *[f"speedup / {BASELINE_LABELS.get(b, b)}" for b in bases], "paper", "iter ms",
+                  "PP imbalance"), tuple(rows), notes)
 
 
 def table2(c: Comparison) -> Table:
@@ -248,17 +312,20 @@ def with_window(config: RunConfig, seq_len: int) -> RunConfig:
 
 def window_sweep(lengths: np.ndarray, iterations: int, *, base: str = "7b_128k",
                  windows: Sequence[int] = SWEEP_WINDOWS, profile: str | None = None,
+                 virtual_stages: int | None = DEFAULT_VIRTUAL_STAGES,
                  progress: Progress | None = None) -> tuple[Table, list[Comparison]]:
-    """Fig. 14: WLB-LLM over Plain-4D for one model and layout as the window grows."""
+    """Fig. 14: WLB-LLM over both baselines for one model and layout as the window grows."""
     cfg = load_config(base)
-    comps = [compare(with_window(cfg, w), lengths, iterations, (PLAIN, WLB), profile=profile, progress=progress)
-             for w in windows]
-    rows = tuple((f"{w // 1024}K", c.speedup(WLB.name), PAPER.get(("fig14", str(w))),
-                  1e3 * c.runs[PLAIN.name].mean_time, 1e3 * c.runs[WLB.name].mean_time)
+    comps = [compare(with_window(cfg, w), lengths, iterations, (PLAIN, WHOLE, WLB), profile=profile,
+                     virtual_stages=virtual_stages, progress=progress) for w in windows]
+    rows = tuple((f"{w // 1024}K", c.speedup(WLB.name, PLAIN.name), c.speedup(WLB.name, WHOLE.name),
+                  PAPER.get(("fig14", str(w))), 1e3 * c.runs[PLAIN.name].mean_time,
+                  1e3 * c.runs[WHOLE.name].mean_time, 1e3 * c.runs[WLB.name].mean_time)
                  for w, c in zip(windows, comps))
     lay = cfg.layout
     return Table(f"WLB-LLM speedup vs context window, {cfg.model.name} on ({lay.tp},{lay.cp},{lay.pp},{lay.dp}) "
-                 "(paper Fig. 14)", ("window", "speedup (ours)", "paper", "Plain-4D iter ms", "WLB-LLM iter ms"),
+                 "(paper Fig. 14)", ("window", "speedup / concat-and-cut", "speedup / whole-document", "paper",
+                                     "concat-and-cut iter ms", "whole-document iter ms", "WLB-LLM iter ms"),
                  rows), comps
 
 
@@ -275,19 +342,115 @@ def mb_latency_ratios(run: RunSummary) -> np.ndarray:
     return np.concatenate(out) if out else np.zeros(0)
 
 
+def gpu_attention_ratios(run: RunSummary) -> np.ndarray:
+    """Like ``gpu_latency_ratios`` for attention seconds alone."""
+    out = [g.ravel() / g.mean() for g in (r.gpu_layer_attention for r in run.iterations) if g.mean() > 0]
+    return np.concatenate(out) if out else np.zeros(0)
+
+
+#: The two per-GPU spreads of the 8K-GPU case study, by the name the report gives them.
+CASE_METRICS = ("attention + GEMM", "attention only")
+
+
 def case_study_table(c: Comparison) -> Table:
-    """The 8K-GPU case study: per-GPU computation latency over the mean (and per micro-batch)."""
+    """The 8K-GPU case study: per-GPU latency over the iteration's mean, for both metrics (the
+    paper's 1.44 does not say which work it counts), and the speedups over each baseline."""
+    bases = c.baselines or [c.base]
     rows = []
     for name, run in c.runs.items():
-        ratios = gpu_latency_ratios(run)
-        per_iter = [r.gpu_compute_imbalance for r in run.iterations]
-        mb = mb_latency_ratios(run)
-        rows.append((name, float(np.mean(per_iter)), float(np.max(per_iter)), float(np.percentile(ratios, 99)),
-                     float(np.percentile(ratios, 50)), float(ratios.min()), float(mb.max()),
-                     PAPER.get(("case", "max/mean")) if name == PLAIN.name else None,
-                     c.speedup(name)))
+        for metric in CASE_METRICS:
+            if metric == CASE_METRICS[0]:
+                ratios, per_iter = gpu_latency_ratios(run), [r.gpu_compute_imbalance for r in run.iterations]
+            else:
+                ratios, per_iter = gpu_attention_ratios(run), [r.gpu_attention_imbalance for r in run.iterations]
+            rows.append((name, metric, float(np.mean(per_iter)), float(np.max(per_iter)),
+                         float(np.percentile(ratios, 99)), float(np.percentile(ratios, 50)), float(ratios.min()),
+                         PAPER.get(("case", "max/mean")) if name in BASELINE_LABELS else None,
+                         *[c.speedup(name, b) for b in bases]))
     lay = c.config.layout
-    return Table(f"{c.config.name}: per-GPU computation latency / mean, {lay.world_size} GPUs "
+    return Table(f"{c.config.name}: per-GPU latency / mean, {lay.world_size} GPUs "
                  f"(TP,CP,PP,DP)=({lay.tp},{lay.cp},{lay.pp},{lay.dp})",
-                 ("method", "slowest GPU / mean (avg over iters)", "worst iter", "p99", "median", "fastest",
-                  "slowest micro-batch x CP rank / mean", "paper slowest", "speedup"), tuple(rows))
+                 ("method", "per-GPU metric", "slowest GPU / mean (avg over iters)", "worst iter", "p99", "median",
+                  "fastest", "paper slowest", *[f"speedup / {BASELINE_LABELS.get(b, b)}" for b in bases]), tuple(rows))
+
+
+# -- schedule sweep and ablation ------------------------------------------------------------------
+#: ``(virtual_stages, sequence_parallel) -> one Comparison per config``: the grid of model choices.
+Grid = dict[tuple[int, bool], list[Comparison]]
+
+
+def run_grid(configs: Sequence[RunConfig], lengths: np.ndarray, iterations: int, methods: Sequence[Method], *,
+             virtual_stages: int, sequence_parallel: bool = True, profile: str | None = None,
+             progress: Progress | None = None) -> list[Comparison]:
+    """``compare`` on every config under one schedule and PP send size."""
+    return [compare(cfg, lengths, iterations, methods, profile=profile, virtual_stages=virtual_stages,
+                    sequence_parallel=sequence_parallel, progress=progress) for cfg in configs]
+
+
+def schedule_sweep_table(grid: Grid, vs: Sequence[int] = VIRTUAL_STAGE_SWEEP) -> Table:
+    """WLB-LLM over both baselines (geo-means over the configs) per number of virtual stages."""
+    rows = []
+    for v in vs:
+        comps = grid[(v, True)]
+        row: list = [schedule_label(v)]
+        for b in (PLAIN.name, WHOLE.name):
+            row += [average_speedup(comps, WLB.name, b, key) for _, key in AVERAGES]
+        rows.append(tuple(row))
+    rows.append(("paper (interleaved, v not given)", *[PAPER.get(("fig12", f"{WLB.name}:{k}")) for _, k in AVERAGES],
+                 *[PAPER.get(("fig12", f"{WLB.name}:{k}")) for _, k in AVERAGES]))
+    cols = ("schedule", *[f"/ {BASELINE_LABELS[b]}, {label}" for b in (PLAIN.name, WHOLE.name)
+                          for label, _ in AVERAGES])
+    return Table("WLB-LLM speedup by pipeline schedule (geo-mean over the Table 1 configs)", cols, tuple(rows))
+
+
+@dataclass(frozen=True)
+class AblationStep:
+    """One modelling choice: ``label``, and the grid cell + baseline before and after it."""
+
+    label: str
+    before: tuple[int, bool, str]
+    after: tuple[int, bool, str]
+
+
+def ablation_steps(v: int = DEFAULT_VIRTUAL_STAGES) -> tuple[list[AblationStep], list[AblationStep]]:
+    """(cumulative steps from the old model to the paper's setting, one-at-a-time toggles from it)."""
+    cut, whole = PLAIN.name, WHOLE.name
+    cumulative = [
+        AblationStep("PP sends carry the sequence-parallel shard, s/(cp tp) instead of s/cp",
+                     (1, False, cut), (1, True, cut)),
+        AblationStep(f"interleaved 1F1B with v = {v} instead of plain 1F1B", (1, True, cut), (v, True, cut)),
+        AblationStep("whole-document baseline instead of concat-and-cut", (v, True, cut), (v, True, whole)),
+    ]
+    alone = [
+        AblationStep("sequence-parallel PP send size", (v, False, whole), (v, True, whole)),
+        AblationStep(f"interleaved 1F1B (v = {v})", (1, True, whole), (v, True, whole)),
+        AblationStep("whole-document baseline", (v, True, cut), (v, True, whole)),
+    ]
+    return cumulative, alone
+
+
+def ablation_tables(grid: Grid, v: int = DEFAULT_VIRTUAL_STAGES) -> tuple[Table, Table]:
+    """How each modelling choice moves WLB-LLM's average speedup: cumulatively from the previous
+    model (plain 1F1B, s/cp sends, concat-and-cut) to the paper's setting, and one at a time."""
+    def avg(cell: tuple[int, bool, str], key: str = "avg") -> float:
+        vs, sp, base = cell
+        return average_speedup(grid[(vs, sp)], WLB.name, base, key)
+
+    paper = {k: PAPER.get(("fig12", f"{WLB.name}:{k}")) for _, k in AVERAGES}
+    cumulative, alone = ablation_steps(v)
+    first = cumulative[0].before
+    rows = [("previous model: plain 1F1B, s/cp sends, concat-and-cut", *[avg(first, k) for _, k in AVERAGES], None)]
+    for step in cumulative:
+        rows.append((f"+ {step.label}", *[avg(step.after, k) for _, k in AVERAGES],
+                     avg(step.after) / avg(step.before)))
+    last = cumulative[-1].after
+    rows.append(("paper", *[paper[k] for _, k in AVERAGES], None))
+    rows.append(("remaining gap (paper / ours)", *[paper[k] / avg(last, k) if paper[k] else None
+                                                     for _, k in AVERAGES], None))
+    cum = Table("Ablation, cumulative: WLB-LLM speedup (geo-mean over the Table 1 configs) as each modelling "
+                "choice is made the paper's way", ("model", *[label for label, _ in AVERAGES], "factor"),
+                tuple(rows))
+    rows = [(step.label, avg(step.before), avg(step.after), avg(step.after) / avg(step.before)) for step in alone]
+    one = Table("Ablation, one at a time: WLB-LLM speedup (avg all) with and without each choice, the others "
+                "as in the paper's setting", ("choice", "without it", "with it", "factor"), tuple(rows))
+    return cum, one

@@ -9,7 +9,11 @@ For every micro-batch and every PP stage the cost model gives forward and backwa
 - a stage runs its layers (``num_layers / pp``, spread as evenly as integers allow), the last
   stage also the LM head; backward is ``hardware.bwd_attention`` x attention plus
   ``hardware.bwd_linear`` x GEMMs plus the same communication;
-- PP point-to-point moves ``tokens / cp x hidden`` bf16 values between neighbouring stages.
+- PP point-to-point moves ``tokens / (cp x tp) x hidden`` bf16 values per GPU between
+  neighbouring stages under sequence parallelism (the paper's setting, the default), ``tokens /
+  cp x hidden`` without it (``CostModel.pp_send``);
+- under interleaved 1F1B (``config.virtual_stages`` = v > 1) each PP rank's layers are split over
+  its v model chunks as evenly as integers allow, the LM head on the last chunk of the last rank.
 
 Each DP rank plays its micro-batches through the pipeline schedule (``schedule.py``); the
 iteration ends with the gradient all-reduce over the DP x CP group and lasts as long as the
@@ -20,7 +24,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 
 import numpy as np
@@ -56,7 +60,8 @@ class MicroBatchCost:
     """Per-layer seconds of one micro-batch on its TP x CP group (forward and backward).
 
     ``rank_fwd``/``rank_bwd``: per CP rank, including communication; ``rank_compute``: per CP rank,
-    attention + GEMM seconds only (forward + backward), what a profiler would call computation.
+    attention + GEMM seconds only (forward + backward), what a profiler would call computation;
+    ``rank_attention``: the attention part of it alone.
     """
 
     tokens: int
@@ -69,6 +74,7 @@ class MicroBatchCost:
     head_fwd: float
     head_bwd: float
     p2p: float
+    rank_attention: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -83,7 +89,8 @@ class IterationResult:
     ``gpu_compute[d, s, r]``: attention + GEMM seconds of the GPU at (DP d, PP s, CP r), the same
     for its TP peers. ``mb_rank_compute[d, j, r]``: attention + GEMM seconds per layer of
     micro-batch ``j`` on CP rank ``r`` (forward + backward). ``layouts``: how many micro-batches
-    each CP layout was chosen for. ``packing_imbalance`` / ``packing_imbalance_global``: the packing
+    each CP layout was chosen for. ``mb_rank_attention[d, j, r]``: the attention part of
+    ``mb_rank_compute``. ``packing_imbalance`` / ``packing_imbalance_global``: the packing
     metrics of ``megatron_wlb.packing.metrics`` for this batch (paper Table 2's degree on the cost
     model's forward latency, worst DP rank; max / mean over all micro-batches).
     """
@@ -104,6 +111,7 @@ class IterationResult:
     plan_seconds: float
     packing_imbalance: float = float("nan")
     packing_imbalance_global: float = float("nan")
+    mb_rank_attention: np.ndarray | None = field(default=None, repr=False)
     pipelines: tuple[PipelineResult, ...] = field(default=(), repr=False)
 
     @property
@@ -129,6 +137,20 @@ class IterationResult:
         mean = g.mean()
         return float(g.max() / mean) if mean > 0 else 1.0
 
+    @property
+    def gpu_layer_attention(self) -> np.ndarray:
+        """Like ``gpu_layer_compute`` but attention seconds only, shape ``(dp, cp)``."""
+        if self.mb_rank_attention is None:
+            raise ValueError("this iteration was simulated without per-rank attention seconds")
+        return self.mb_rank_attention.sum(axis=1)
+
+    @property
+    def gpu_attention_imbalance(self) -> float:
+        """Slowest GPU's attention latency (per layer) over the mean over all GPUs."""
+        g = self.gpu_layer_attention
+        mean = g.mean()
+        return float(g.max() / mean) if mean > 0 else 1.0
+
 
 def stage_layers(num_layers: int, pp: int) -> np.ndarray:
     """Layers per PP stage, as even as integers allow (the first stages take the remainder)."""
@@ -148,11 +170,12 @@ class IterationSimulator:
     rank's micro-batches as the packer emitted them (``"packer"``) or heaviest first
     (``"heavy-first"``, beyond the paper: under 1F1B the first micro-batch's forward and the last
     one's backward lie on the critical path, so a heavy micro-batch costs least at the front).
+    ``sequence_parallel``: PP sends carry the sequence-parallel shard (``CostModel.pp_send``).
     """
 
     def __init__(self, config: RunConfig, cost: CostModel, cp_layout: str,
                  layout_builder: LayoutBuilder | None = None, keep_events: bool = False,
-                 dp_sync: bool = True, order: str = "packer"):
+                 dp_sync: bool = True, order: str = "packer", sequence_parallel: bool = True):
         if order not in ORDERS:
             raise ValueError(f"order={order!r}; choose one of {', '.join(ORDERS)}")
         self.order = order
@@ -166,9 +189,7 @@ class IterationSimulator:
         self.layers = stage_layers(config.model.num_layers, config.layout.pp)
         self._cache: dict[tuple[int, ...], MicroBatchCost] = {}
         self.dp_sync_seconds = self._dp_sync() if dp_sync else 0.0
-        hw = cost.hardware
-        lay = config.layout
-        self._p2p_gbps = hw.link_gbps(2 * lay.tp * lay.cp)
+        self.sequence_parallel = bool(sequence_parallel)
         model = config.model
         self._head_ratio = 2.0 * model.hidden * model.vocab / model.linear_flops_per_token()
 
@@ -189,7 +210,7 @@ class IterationSimulator:
         tokens = int(lengths.sum())
         if tokens == 0:
             zeros = np.zeros(cp)
-            return MicroBatchCost(0, "empty", 0.0, 0.0, zeros, zeros, zeros, 0.0, 0.0, 0.0)
+            return MicroBatchCost(0, "empty", 0.0, 0.0, zeros, zeros, zeros, 0.0, 0.0, 0.0, zeros)
         layout = self.layout_builder(self.cp_layout, lengths, cp, cost)
         attn = np.asarray(layout.rank_work, dtype=np.float64)
         rank_tokens = np.asarray(layout.rank_tokens, dtype=np.float64)
@@ -204,10 +225,10 @@ class IterationSimulator:
         rank_bwd = hw.bwd_attention * attn + hw.bwd_linear * gemm + comm + over
         compute = (1.0 + hw.bwd_attention) * attn + (1.0 + hw.bwd_linear) * gemm
         head = float(cost.linear_compute(tokens / cp)) * self._head_ratio
-        p2p = (tokens / cp) * self.config.model.hidden * 2.0 / (self._p2p_gbps * 1e9) + hw.collective_latency_s
+        p2p = float(cost.pp_send(tokens, self.sequence_parallel))
         return MicroBatchCost(tokens, str(getattr(layout, "name", self.cp_layout)), float(rank_fwd.max()),
                               float(rank_bwd.max()), rank_fwd, rank_bwd, compute, head,
-                              head * hw.bwd_linear, float(p2p))
+                              head * hw.bwd_linear, p2p, (1.0 + hw.bwd_attention) * attn)
 
     def _dp_sync(self) -> float:
         """Ring all-reduce of bf16 gradients over the DP x CP group, not overlapped with backward."""
@@ -220,6 +241,22 @@ class IterationSimulator:
         return 2.0 * (group - 1) / group * grad_bytes / (gbps * 1e9) + self.cost.hardware.collective_latency_s
 
     # -- per iteration ----------------------------------------------------------------------------
+    def chunk_tables(self, micro_batches: Iterable[MicroBatch], virtual_stages: int
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[MicroBatchCost]]:
+        """(fwd [v, p, m], bwd [v, p, m], p2p [m], costs): per model chunk of interleaved 1F1B, each
+        PP rank's layers split over its ``virtual_stages`` chunks, the LM head on the very last chunk."""
+        v = int(virtual_stages)
+        costs = [self.microbatch_cost(mb.lengths) for mb in micro_batches]
+        per_chunk = np.stack([stage_layers(int(n), v) if n >= v else np.bincount(np.arange(int(n)), minlength=v)
+                              for n in self.layers], axis=1).astype(np.float64)  # [v, p]
+        f = np.array([c.fwd for c in costs])
+        b = np.array([c.bwd for c in costs])
+        fwd = per_chunk[:, :, None] * f[None, None, :]
+        bwd = per_chunk[:, :, None] * b[None, None, :]
+        fwd[-1, -1] += np.array([c.head_fwd for c in costs])
+        bwd[-1, -1] += np.array([c.head_bwd for c in costs])
+        return fwd, bwd, np.array([c.p2p for c in costs]), costs
+
     def stage_tables(self, micro_batches: Iterable[MicroBatch]) -> tuple[np.ndarray, np.ndarray, np.ndarray,
                                                                         list[MicroBatchCost]]:
         """(fwd [p, m], bwd [p, m], p2p [m], costs) for one DP rank's micro-batches."""
@@ -243,6 +280,7 @@ class IterationSimulator:
         busy = np.zeros((lay.dp, p))
         compute = np.zeros((lay.dp, p, cp))
         mb_rank = np.zeros((lay.dp, n, cp))
+        mb_attn = np.zeros((lay.dp, n, cp))
         mb_fwd = np.zeros((lay.dp, n))
         mb_lat = np.zeros((lay.dp, n))
         mb_tok = np.zeros((lay.dp, n), dtype=np.int64)
@@ -254,13 +292,19 @@ class IterationSimulator:
                 work = [self.microbatch_cost(mb.lengths) for mb in mbs]
                 rank = sorted(range(len(mbs)), key=lambda j: -(work[j].fwd + work[j].bwd))
                 mbs = tuple(mbs[j] for j in rank)
-            fwd, bwd, p2p, costs = self.stage_tables(mbs)
-            res = simulate_pipeline(fwd, bwd, p2p, virtual_stages=self.config.virtual_stages,
-                                    keep_events=self.keep_events)
+            v = self.config.virtual_stages
+            if v > 1:
+                fwd, bwd, p2p, costs = self.chunk_tables(mbs, v)
+            else:
+                fwd, bwd, p2p, costs = self.stage_tables(mbs)
+            res = simulate_pipeline(fwd, bwd, p2p, virtual_stages=v, keep_events=self.keep_events)
+            if v > 1:
+                fwd, bwd = fwd.sum(axis=0), bwd.sum(axis=0)
             pipe_time[d] = res.makespan
             busy[d] = res.busy
             rc = np.stack([c.rank_compute for c in costs])  # [m, cp]
             mb_rank[d] = rc
+            mb_attn[d] = np.stack([c.rank_attention for c in costs])
             compute[d] = self.layers[:, None] * rc.sum(axis=0)[None, :]
             compute[d, -1] += sum(c.head_fwd + c.head_bwd for c in costs)
             mb_fwd[d] = fwd.sum(axis=0)
@@ -279,7 +323,7 @@ class IterationSimulator:
             bubble_fraction=float(bubble), mb_fwd=mb_fwd, mb_latency=mb_lat, mb_tokens=mb_tok,
             gpu_busy=busy, gpu_compute=compute, mb_rank_compute=mb_rank, tokens=batch.tokens, layouts=dict(layouts),
             plan_seconds=batch.plan_seconds, packing_imbalance=pack_imb,
-            packing_imbalance_global=imbalance_global(lat), pipelines=tuple(pipes))
+            packing_imbalance_global=imbalance_global(lat), mb_rank_attention=mb_attn, pipelines=tuple(pipes))
 
 
 @dataclass(frozen=True)
@@ -342,7 +386,7 @@ class RunSummary:
 def simulate_stream(config: RunConfig, cost: CostModel, packer: str, cp_layout: str, lengths: np.ndarray,
                     iterations: int, *, packing_overrides: dict | None = None,
                     layout_builder: LayoutBuilder | None = None, keep_events: bool = False,
-                    split_at: int | None = None, order: str = "packer",
+                    split_at: int | None = None, order: str = "packer", sequence_parallel: bool = True,
                     progress: Callable[[Iterator], Iterator] | None = None) -> RunSummary:
     """Pack ``lengths`` with ``packer`` and simulate its first ``iterations`` global batches.
 
@@ -351,16 +395,19 @@ def simulate_stream(config: RunConfig, cost: CostModel, packer: str, cp_layout: 
     cuts documents longer than that into pieces of at most that many tokens before packing (see
     ``split_documents``), so every method trains the same attention spans.
     """
+    import megatron_wlb.sim.baselines  # noqa: F401  (registers the whole-document baseline packer)
     from megatron_wlb.packing.base import make_packer
 
     if iterations < 1:
         raise ValueError(f"iterations must be at least 1, got {iterations}")
     if split_at is not None:
         lengths = split_documents(lengths, split_at)
-    cfg = config.with_packer(packer, **(packing_overrides or {}))
+    # Not ``config.with_packer``: it knows only the packers a config file may name, and the
+    # simulator also runs the whole-document baseline (``sim/baselines.py``).
+    cfg = replace(config, packing=replace(config.packing, **(packing_overrides or {})))
     pk = make_packer(packer, cfg.packing, cost)
     sim = IterationSimulator(cfg, cost, cp_layout, layout_builder=layout_builder, keep_events=keep_events,
-                             order=order)
+                             order=order, sequence_parallel=sequence_parallel)
     batches = _take(pk.pack(lengths), iterations)
     if progress is not None:
         batches = progress(batches)
