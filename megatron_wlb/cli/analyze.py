@@ -112,8 +112,8 @@ def blend(datasets: list[np.ndarray], weights: list[float] | None) -> tuple[np.n
 
 
 def _read_dataset(prefix: str) -> np.ndarray:
-    from megatron_wlb.packing.base import validate_lengths
     from megatron_wlb.data.indexed import read_idx_lengths
+    from megatron_wlb.packing.base import validate_lengths
 
     return validate_lengths(read_idx_lengths(prefix), what=f"lengths in {prefix}.idx")
 

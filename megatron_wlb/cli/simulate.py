@@ -30,8 +30,8 @@ def load_stream(args: argparse.Namespace) -> tuple[np.ndarray, str]:
     from megatron_wlb.data import load_lengths
 
     if getattr(args, "data_prefix", None):
-        from megatron_wlb.packing.base import validate_lengths
         from megatron_wlb.data.indexed import read_idx_lengths
+        from megatron_wlb.packing.base import validate_lengths
 
         lengths = validate_lengths(read_idx_lengths(args.data_prefix), what=f"lengths in {args.data_prefix}.idx")
         return lengths, f"{args.data_prefix}.idx ({lengths.size:,} documents)"
