@@ -246,3 +246,12 @@ def test_iteration_metrics_values():
     assert len(lines) == 1 and "imbalance" in lines[0] and "tokens 240" in lines[0]
     assert tb.scalars[("wlb/imbalance", 4)] == pytest.approx(m.imbalance)
     assert tb.scalars[("wlb/unused_capacity", 4)] == pytest.approx(0.4)
+
+
+def test_a_truncated_bin_is_refused_at_start_up_naming_the_file(tmp_path):
+    prefix = write_indexed_dataset(str(tmp_path / "t_text_document"), [np.arange(1, 50), np.arange(1, 30)])
+    IndexedSource.open(prefix)  # intact: opens
+    with open(prefix + ".bin", "r+b") as f:
+        f.truncate(os.path.getsize(prefix + ".bin") - 10)
+    with pytest.raises(ValueError, match=r"t_text_document\.bin: .* the \.bin is truncated"):
+        IndexedSource.open(prefix)

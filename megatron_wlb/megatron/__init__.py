@@ -214,9 +214,11 @@ def _eval_iterator(args: Any, settings: WlbSettings, split_name: str, megatron_i
         return megatron_it
     if iterations_for(args, split_name) < 1:
         return megatron_it
+    if _split_is_empty(args, split_name):
+        return megatron_it  # e.g. --split 98,2,0 has no test split: Megatron builds none either (None)
     try:
         it = build_train_iterator(args, settings, parallel_state.get_data_parallel_rank(), split_name=split_name)
-    except ValueError as exc:  # e.g. --split 100,0,0: no documents in this split
+    except ValueError as exc:  # e.g. a split too small to hold one document
         if int(getattr(args, "pipeline_model_parallel_size", 1)) > 1:
             raise ValueError(f"megatron_wlb: no {split_name} iterator ({exc}); with pipeline parallelism every "
                              "stage needs packed evaluation batches: give the split documents or set "
@@ -224,6 +226,16 @@ def _eval_iterator(args: Any, settings: WlbSettings, split_name: str, megatron_i
         mods["utils"].print_rank_0(f"> megatron_wlb: {split_name} keeps Megatron's loader ({exc})")
         return megatron_it
     return RerunDataIterator(it)
+
+
+def _split_is_empty(args: Any, split_name: str) -> bool:
+    """Whether ``--split`` gives ``split_name`` no share (and no ``--{split}-data-path`` is given)."""
+    from megatron_wlb.megatron.data import parse_split
+
+    if getattr(args, f"{split_name}_data_path", None) or not getattr(args, "data_path", None):
+        return False
+    fractions = parse_split(getattr(args, "split", None) or "969,30,1")
+    return fractions[{"train": 0, "valid": 1, "test": 2}[split_name]] == 0
 
 
 def _unwrap_iterator(data_iterator: Any) -> Any:

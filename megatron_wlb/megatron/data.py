@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -64,7 +65,7 @@ def parse_data_path(data_path: Sequence[str] | str) -> list[tuple[str, float]]:
     out: list[tuple[str, float]] = []
     for w, p in zip(tokens[::2], tokens[1::2]):
         weight = as_float(w)
-        if weight is None or not weight > 0:
+        if weight is None or not (weight > 0 and math.isfinite(weight)):
             raise ValueError(f"--data-path: weight {w!r} before {p!r} must be a positive number")
         out.append((p, weight))
     return out
@@ -80,7 +81,7 @@ def parse_split(split: str | Sequence[float]) -> tuple[float, float, float]:
             raise ValueError(f"--split {split!r}: give comma-separated weights such as 969,30,1") from None
     else:
         values = [float(v) for v in split]
-    if not 1 <= len(values) <= 3 or any(v < 0 for v in values) or sum(values) <= 0:
+    if not 1 <= len(values) <= 3 or not all(math.isfinite(v) and v >= 0 for v in values) or sum(values) <= 0:
         raise ValueError(f"--split {split!r}: give up to three non-negative weights (train,valid,test) "
                          "with a positive sum")
     values += [0.0] * (3 - len(values))
@@ -125,6 +126,9 @@ class IndexedSource:
             hint = f" (drop the extension: {prefix[:-4]})" if prefix.endswith((".bin", ".idx")) else ""
             raise ValueError(f"--data-path {prefix}: no {' / '.join(prefix + m for m in missing)}; give the "
                              f"prefix of a Megatron indexed dataset (PREFIX.bin + PREFIX.idx){hint}")
+        from megatron_wlb.data.indexed import check_bin_matches_idx
+
+        check_bin_matches_idx(prefix)  # a truncated .bin would feed garbage or fail mid-training, nameless
         return cls(IndexedDataset(prefix, mmap=mmap), prefix)
 
     @property
