@@ -32,11 +32,12 @@ setup(
     extras_require={
         # Any torch >= 2.4 works; CPU-only machines install torch==2.13.0 first (see README).
         "torch": ["torch>=2.4"],
-        # megatron-core imports triton unconditionally, also on CPU; Megatron-LM's training code
-        # (pretrain_gpt.py, megatron.training) also imports six, regex and pydantic, which the core
-        # wheel does not declare.
-        "megatron": ["torch>=2.4", "megatron-core>=0.16,<0.20", "triton", "packaging>=24.2",
-                     "six", "regex", "pydantic>=2"],
+        # The releases CI trains with: 0.19.x (its wheel ships megatron/training; our launcher) and a
+        # core_v0.16.1 checkout (patched pretrain_gpt.py). megatron-core imports triton unconditionally,
+        # also on CPU; Megatron-LM's training code also imports six, regex and pydantic, which the core
+        # wheel does not declare, and a checkout compiles its dataset helpers with pybind11.
+        "megatron": ["torch>=2.4", "megatron-core>=0.16,<0.20,!=0.17.*,!=0.18.*", "triton", "packaging>=24.2",
+                     "six", "regex", "pydantic>=2", "pybind11"],
         "test": ["pytest>=7", "hypothesis>=6", "ruff>=0.5"],
     },
     entry_points={"console_scripts": ["wlb=megatron_wlb.cli.main:main"]},

@@ -9,7 +9,7 @@ writes, per rank, ``rank{R}.json``:
   iterator (first model chunk first), counted on TP rank 0 of the last pipeline stage (our launcher
   only: the tokens carry a ``doc_ids`` row through the same sharding as every [1, T] tensor);
 - ``plans``: every global plan the first iterator made: ``[[doc_id, length], ...]`` per iteration;
-- ``parallel``: this rank's tp/cp/pp/dp ranks.
+- ``parallel``: this rank's tp/cp/pp/dp ranks; ``core_version``: the megatron-core that ran.
 
 and ``rank{R}_grads.pt``: ``{parameter name: main_grad}`` after iteration 1 (what the optimizer used).
 """
@@ -38,7 +38,10 @@ from megatron_wlb.megatron.data import WlbDataIterator  # noqa: E402
 
 OUT = os.environ["WLB_PROBE_OUT"]
 RANK = int(os.environ.get("RANK", "0"))
-record: dict = {"losses": {}, "doc_tokens": [], "plans": [], "parallel": {}}
+from megatron.core import package_info  # noqa: E402
+
+record: dict = {"losses": {}, "doc_tokens": [], "plans": [], "parallel": {},
+                "core_version": str(package_info.__version__)}
 _iterator_index: dict[int, int] = {}
 
 _next = WlbDataIterator.__next__
@@ -47,8 +50,6 @@ _next = WlbDataIterator.__next__
 def _next_with_doc_ids(self):
     if self._cursor >= len(self._mine):
         self._next_batch()
-        if not _iterator_index:
-            pass
     mb = self._mine[self._cursor]
     out = _next(self)
     total = out["tokens"].shape[1]

@@ -150,6 +150,9 @@ def test_tp2_pp2_trains_and_every_document_reaches_the_model_once(tmp_path, corp
     run = train(tmp_path, "tp2pp2", corpus, "--wlb-packing", "wlb", "--wlb-cp-sharding", "per-document",
                 env={"TP": "2", "PP": "2"})
     assert_trains(run)
+    from megatron_wlb.megatron.version import is_supported
+
+    assert all(is_supported(r["core_version"]) for r in run.ranks.values())
     assert_documents_once(run)
     assert "[wlb] iteration" in run.log
 
@@ -271,7 +274,7 @@ def test_patched_pretrain_gpt_of_the_pinned_checkout_trains_pp4(tmp_path, corpus
     run = train(tmp_path, "pinned_pp4", corpus, "--num-layers", "4", "--wlb-packing", "wlb",
                 env=_pinned_env(pinned, PP="4"), pretrain_gpt=str(pinned / "pretrain_gpt.py"))
     assert_trains(run)
-    assert "Megatron-Core version .......... 0.16.1" in run.log or "0.16.1" in run.log
+    assert {r["core_version"] for r in run.ranks.values()} == {"0.16.1"}
 
 
 def test_launcher_over_the_pinned_checkout_cp2_pp2(tmp_path, corpus, pinned):
@@ -279,4 +282,5 @@ def test_launcher_over_the_pinned_checkout_cp2_pp2(tmp_path, corpus, pinned):
     run = train(tmp_path, "pinned_launcher", corpus, "--wlb-packing", "wlb", "--wlb-cp-sharding", "adaptive",
                 env=_pinned_env(pinned, CP="2", PP="2"))
     assert_trains(run)
+    assert {r["core_version"] for r in run.ranks.values()} == {"0.16.1"}
     assert_documents_once(run)

@@ -149,6 +149,10 @@ def _wrap_validate_args(original: Callable) -> Callable:
             if _is_rank0():
                 print(f"> megatron_wlb: {note}", flush=True)
         _RUNTIME.settings = settings
+        if int(getattr(args, "pipeline_model_parallel_size", 1) or 1) > 1:
+            from megatron_wlb.megatron import p2p
+
+            p2p.install()  # shapes exchanged in the activations' rank order (Megatron #5100)
         _install_cp_hooks(settings, args)
         return out
 
@@ -167,10 +171,19 @@ def _install_cp_hooks(settings: WlbSettings, args: Any) -> None:
 
 def _wrap_build_iterators(original: Callable, mods: dict[str, Any]) -> Callable:
     def build_train_valid_test_data_iterators(build_train_valid_test_datasets_provider):
-        train, valid, test = original(build_train_valid_test_datasets_provider)
         args = mods["global_vars"].get_args()
+        built: list[Any] = []
+
+        def megatron_iterators() -> tuple[Any, Any, Any]:
+            """Megatron's own (train, valid, test), built on first need: only a split we do not pack
+            (several validation sets, or an evaluation split too small to pack) needs them; every
+            rank decides alike, so Megatron's collectives inside stay matched."""
+            if not built:
+                built.append(original(build_train_valid_test_datasets_provider))
+            return built[0]
+
         if getattr(args, "skip_train", False) or _RUNTIME.settings is None:
-            return train, valid, test
+            return megatron_iterators()
         from megatron.core import parallel_state
         from megatron.core.rerun_state_machine import RerunDataIterator
 
@@ -190,9 +203,8 @@ def _wrap_build_iterators(original: Callable, mods: dict[str, Any]) -> Callable:
         mods["utils"].print_rank_0(f"> megatron_wlb: {settings.packing} packing of {len(iterator.stream)} documents "
                                    f"({iterator.stream.tokens} tokens), {iterator.n} micro-batches per DP rank "
                                    f"per iteration, CP sharding {settings.cp_sharding}")
-        evals = []
-        for split_name, megatron_it in (("valid", valid), ("test", test)):
-            evals.append(_eval_iterator(args, settings, split_name, megatron_it, mods))
+        evals = [_eval_iterator(args, settings, split_name, lambda i=index: megatron_iterators()[i], mods)
+                 for index, split_name in ((1, "valid"), (2, "test"))]
         # Megatron decides whether to train / evaluate from its own loaders, which our launcher does not
         # build (its datasets provider returns none): our iterators exist on every rank.
         args.do_train = True
@@ -204,18 +216,18 @@ def _wrap_build_iterators(original: Callable, mods: dict[str, Any]) -> Callable:
     return build_train_valid_test_data_iterators
 
 
-def _eval_iterator(args: Any, settings: WlbSettings, split_name: str, megatron_it: Any, mods: dict) -> Any:
-    """Our packed iterator over the valid/test split (every rank, like training), or Megatron's own one
-    when the split is empty, evaluation is off, or several validation sets are configured."""
+def _eval_iterator(args: Any, settings: WlbSettings, split_name: str, megatron_iterator: Callable[[], Any],
+                   mods: dict) -> Any:
+    """Our packed iterator over the valid/test split (every rank, like training); None when evaluation is
+    off or the split is empty; Megatron's own one (``megatron_iterator()`` builds it) for several
+    validation sets or a split too small to pack without pipeline parallelism."""
     from megatron.core import parallel_state
     from megatron.core.rerun_state_machine import RerunDataIterator
 
     if getattr(args, "multiple_validation_sets", False) or getattr(args, "full_validation", False):
-        return megatron_it
-    if iterations_for(args, split_name) < 1:
-        return megatron_it
-    if _split_is_empty(args, split_name):
-        return megatron_it  # e.g. --split 98,2,0 has no test split: Megatron builds none either (None)
+        return megatron_iterator()
+    if iterations_for(args, split_name) < 1 or _split_is_empty(args, split_name):
+        return None  # evaluation off, or e.g. --split 98,2,0 has no test split: Megatron builds none either
     try:
         it = build_train_iterator(args, settings, parallel_state.get_data_parallel_rank(), split_name=split_name)
     except ValueError as exc:  # e.g. a split too small to hold one document
@@ -224,7 +236,7 @@ def _eval_iterator(args: Any, settings: WlbSettings, split_name: str, megatron_i
                              "stage needs packed evaluation batches: give the split documents or set "
                              "--eval-iters 0") from exc
         mods["utils"].print_rank_0(f"> megatron_wlb: {split_name} keeps Megatron's loader ({exc})")
-        return megatron_it
+        return megatron_iterator()
     return RerunDataIterator(it)
 
 

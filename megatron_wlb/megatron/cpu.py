@@ -41,6 +41,8 @@ REDIRECTS: tuple[tuple[str, str], ...] = (
      "the JIT warm-up runs dropout on seq_length/CP-sized random device tensors after seeding; on a GPU "
      "that draws from the device generator, here it would move the CPU generator that "
      "--use-cpu-initialization initializes the weights from (and differently for each CP size)"),
+    ("megatron.legacy.fused_kernels.load (core 0.16)",
+     "initialize calls it unconditionally; it only runs nvcc -V (no CUDA toolkit here) and builds nothing"),
     ("initialize_megatron(allow_no_cuda=True)",
      "initialize asserts torch.cuda.is_available() unless asked not to, and pretrain() does not ask"),
     ("Python 3.11: typing.override", "megatron-core >= 0.19 imports typing.override (3.12); "
@@ -205,6 +207,12 @@ def install_megatron_redirects() -> None:
 
         warmup_keeping_the_cpu_generator.__wlb_cpu__ = True  # type: ignore[attr-defined]
         initialize._warmup_jit_function = warmup_keeping_the_cpu_generator
+    try:  # core <= 0.16: initialize calls it unconditionally; it runs nvcc -V and compiles nothing
+        from megatron.legacy import fused_kernels
+
+        fused_kernels.load = lambda *a, **k: None
+    except ImportError:
+        pass
     original = initialize.initialize_megatron
     if not getattr(original, "__wlb_cpu__", False):
         patched = functools.wraps(original)(lambda *a, **k: original(*a, **{**k, "allow_no_cuda": True}))
