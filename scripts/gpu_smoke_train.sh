@@ -34,8 +34,8 @@ SMOKE_ARGS=(
     --attention-dropout 0.0 --hidden-dropout 0.0
     --seq-length "$SEQ" --max-position-embeddings "$SMAX" --micro-batch-size 1 --global-batch-size 8
     --train-iters "$ITERS" --lr 1e-3 --min-lr 1e-4 --lr-warmup-iters 30 --lr-decay-style cosine
-    --weight-decay 0.1 --clip-grad 1.0 --bf16 --seed 1234
-    --no-gradient-accumulation-fusion --no-masked-softmax-fusion --no-rope-fusion
+    --weight-decay 0.1 --clip-grad 1.0 --bf16 --seed 1234 --calculate-per-token-loss
+    --no-gradient-accumulation-fusion --no-masked-softmax-fusion --no-rope-fusion --no-persist-layer-norm
     --transformer-impl "${TRANSFORMER_IMPL:-local}"
     --tokenizer-type NullTokenizer --vocab-size 256
     --data-path "$DATA" --split 98,2,0

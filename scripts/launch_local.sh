@@ -56,7 +56,8 @@ cmd=(torchrun --standalone --nnodes 1 --nproc-per-node "$NPROC" --master-port "$
      --tokenizer-type HuggingFaceTokenizer --tokenizer-model "$TOKENIZER_MODEL"
      --train-iters "${TRAIN_ITERS:-1000}" --lr "${LR:-3e-4}" --min-lr "${MIN_LR:-3e-5}" --lr-decay-style cosine
      --lr-warmup-iters "${WARMUP_ITERS:-100}" --weight-decay 0.1 --clip-grad 1.0 --seed "${SEED:-1234}"
-     --transformer-impl "${TRANSFORMER_IMPL:-transformer_engine}"
+     --transformer-impl "${TRANSFORMER_IMPL:-transformer_engine}" --calculate-per-token-loss
+     $([[ ${TRANSFORMER_IMPL:-transformer_engine} == local ]] && echo --no-persist-layer-norm || true)
      --save "$CKPT_DIR" --load "$CKPT_DIR" --save-interval "${SAVE_INTERVAL:-500}"
      --eval-interval "${EVAL_INTERVAL:-500}" --eval-iters "${EVAL_ITERS:-10}" --log-interval "${LOG_INTERVAL:-1}"
      --tensorboard-dir "$LOG_DIR/tensorboard"

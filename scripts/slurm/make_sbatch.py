@@ -155,6 +155,8 @@ TRAIN_ARGS=(
     --clip-grad 1.0
     --seed ${{SEED:-1234}}
     --transformer-impl ${{TRANSFORMER_IMPL:-transformer_engine}}
+    --calculate-per-token-loss
+    $([[ ${{TRANSFORMER_IMPL:-transformer_engine}} == local ]] && echo --no-persist-layer-norm || true)
     --save "$CKPT_DIR"
     --load "$CKPT_DIR"
     --save-interval ${{SAVE_INTERVAL:-500}}
