@@ -120,3 +120,14 @@ def test_profile_validation_names_the_problem(tmp_path):
     path.write_text(json.dumps(bad))
     with pytest.raises(ValueError, match="differ in length"):
         build_cost_model("7b", ParallelLayout(), profile=path)
+
+
+def test_training_flops_count_attention_within_documents_only():
+    from megatron_wlb.costmodel.shapes import ModelShape
+
+    shape = ModelShape("t", hidden=64, num_layers=2, num_heads=4, num_kv_heads=4, ffn_hidden=128, vocab=100)
+    per_token = 2 * shape.linear_flops_per_token() + 2 * 64 * 100  # layers' GEMMs + LM head
+    one = shape.training_flops([10])
+    two = shape.training_flops([5, 5])  # same tokens, two documents: fewer attention pairs
+    assert one - two == pytest.approx(3 * 2 * shape.attention_flops_per_pair() * (55 - 30))
+    assert two == pytest.approx(3 * (10 * per_token + 2 * shape.attention_flops_per_pair() * 30))

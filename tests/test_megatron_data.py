@@ -255,3 +255,20 @@ def test_a_truncated_bin_is_refused_at_start_up_naming_the_file(tmp_path):
         f.truncate(os.path.getsize(prefix + ".bin") - 10)
     with pytest.raises(ValueError, match=r"t_text_document\.bin: .* the \.bin is truncated"):
         IndexedSource.open(prefix)
+
+
+def test_logger_reports_true_throughput_over_packed_documents():
+    from megatron_wlb.costmodel import ModelShape, ParallelLayout, build_cost_model
+    from megatron_wlb.megatron.wlb_logging import WlbMetricsLogger
+    from megatron_wlb.packing.types import GlobalBatch
+
+    shape = ModelShape("t", hidden=64, num_layers=2, num_heads=4, num_kv_heads=4, ffn_hidden=128, vocab=100)
+    cost = build_cost_model(shape, ParallelLayout(tp=1, cp=2, pp=1, dp=1))
+    logger = WlbMetricsLogger(cost, 100)
+    assert logger.throughput(now=10.0) is None  # the first line has no interval yet
+    for it in range(2):
+        mbs = (MicroBatch((DocPiece(2 * it, 0, 30, it), DocPiece(2 * it + 1, 0, 70, it)), 150),)
+        logger.on_batch(GlobalBatch(it, mbs, dp=1, n=1))
+    tokens_per_s, tflops = logger.throughput(now=12.0)
+    assert tokens_per_s == pytest.approx(200 / 2.0)
+    assert tflops == pytest.approx(2 * shape.training_flops([30, 70]) / 2.0 / 2 / 1e12)  # 2 GPUs

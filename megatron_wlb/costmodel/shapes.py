@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+
+import numpy as np
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,18 @@ class ModelShape:
     def attention_flops_per_pair(self) -> float:
         """Forward FLOPs of one (query, key) pair in one layer: QK^T and PV over all heads."""
         return 4.0 * self.num_heads * self.head_dim
+
+    def training_flops(self, document_lengths: Sequence[int] | np.ndarray) -> float:
+        """Model FLOPs of one forward + backward (3 x forward) over documents of these lengths: every
+        layer's GEMMs per token, causal attention per (query, key) pair of each document (never across
+        documents), and the LM head; no recomputation. Megatron's own counter assumes every sample is
+        ``seq_length`` tokens of one sequence, which packed documents are not."""
+        d = np.asarray(document_lengths, dtype=np.float64)
+        tokens = float(d.sum())
+        pairs = float((d * (d + 1.0) / 2.0).sum())
+        forward = (self.num_layers * (self.linear_flops_per_token() * tokens + self.attention_flops_per_pair() * pairs)
+                   + 2.0 * self.hidden * self.vocab * tokens)
+        return 3.0 * forward
 
     def parameters(self) -> int:
         per_layer = self.linear_flops_per_token() / 2.0

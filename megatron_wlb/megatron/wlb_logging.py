@@ -5,12 +5,16 @@ definitions as ``wlb simulate``/``wlb analyze``): the paper's imbalance degree (
 latency x N / sum, per DP rank, averaged; and the worst rank), the imbalance across all DP x N
 micro-batches, tokens, unused capacity and the token-weighted delay. ``WlbMetricsLogger`` keeps the
 latest iteration's metrics (the data iterator reports every new global batch to it) and writes them
-every ``log_interval`` iterations. Named ``wlb_logging`` so it never shadows the stdlib ``logging``.
+every ``log_interval`` iterations, with the true throughput since the last line: tokens per second and
+model TFLOP/s per GPU counted over the packed documents (``ModelShape.training_flops``), which
+Megatron's own counters, written for fixed ``seq_length`` samples, misreport under packing. Named
+``wlb_logging`` so it never shadows the stdlib ``logging``.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -86,11 +90,29 @@ class WlbMetricsLogger:
         self.wandb_writer = wandb_writer
         self.latest: IterationMetrics | None = None
         self._batch: GlobalBatch | None = None
+        self._tokens = 0      # planned tokens since the last throughput line
+        self._flops = 0.0     # their model FLOPs (forward + backward)
+        self._since: float | None = None
 
     def on_batch(self, batch: GlobalBatch) -> None:
         """Called by the data iterator with each new plan (scored lazily, only when logged)."""
         self._batch = batch
         self.latest = None
+        lengths = [p.length for p in batch.pieces()]
+        self._tokens += sum(lengths)
+        if self.cost is not None:
+            self._flops += self.cost.model.training_flops(lengths)
+
+    def throughput(self, now: float | None = None) -> tuple[float, float] | None:
+        """(tokens per second, model TFLOP/s per GPU) since the previous call; None the first time."""
+        now = time.monotonic() if now is None else now
+        previous, self._since = self._since, now
+        tokens, flops = self._tokens, self._flops
+        self._tokens, self._flops = 0, 0.0
+        if previous is None or now <= previous:
+            return None
+        gpus = self.cost.layout.world_size if self.cost is not None else 1
+        return tokens / (now - previous), flops / (now - previous) / gpus / 1e12
 
     def metrics(self) -> IterationMetrics | None:
         if self.latest is None and self._batch is not None:
@@ -104,15 +126,21 @@ class WlbMetricsLogger:
         m = self.metrics()
         if m is None:
             return None
+        scalars = m.scalars()
+        line = format_metrics(m)
+        rate = self.throughput()
+        if rate is not None:
+            scalars[f"{PREFIX}/tokens_per_s"], scalars[f"{PREFIX}/model_tflops_per_gpu"] = rate
+            line += f" | {rate[0]:.0f} tokens/s, {rate[1]:.3g} model TFLOP/s per GPU"
         if self.print_fn is not None:
-            self.print_fn(format_metrics(m))
+            self.print_fn(line)
         tb = self.tb_writer() if self.tb_writer is not None else None
         if tb is not None:
-            for key, value in m.scalars().items():
+            for key, value in scalars.items():
                 tb.add_scalar(key, value, iteration)
         wb = self.wandb_writer() if self.wandb_writer is not None else None
         if wb is not None:
-            wb.log(m.scalars(), iteration)
+            wb.log(scalars, iteration)
         return m
 
 
