@@ -599,3 +599,21 @@ def test_install_rebinds_every_importer_and_survives_lazy_modules():
     finally:
         cp_hooks.uninstall()
         del sys.modules["fake_pretrain_gpt"], sys.modules["fake_lazy"]
+
+
+def _agreement_worker(rank, world):
+    import torch.distributed as dist
+
+    from megatron_wlb.cp.layouts import build_layout
+    from megatron_wlb.megatron.cp_hooks import check_layout_agreement
+
+    group = dist.new_group(list(range(world)))
+    same = build_layout("per-document", np.array([30, 50, 20]), world)
+    check_layout_agreement(same, group)  # equal layouts pass
+    other = build_layout("per-document", np.array([30, 50, 20] if rank == 0 else [50, 30, 20]), world)
+    with pytest.raises(RuntimeError, match="CP ranks built different per-document layouts"):
+        check_layout_agreement(other, group)  # equal token counts, different documents: refused on every rank
+
+
+def test_cp_ranks_that_build_different_layouts_are_refused():
+    run_world(_agreement_worker, 2)

@@ -580,3 +580,16 @@ def build_layout(name: str, lengths, cp: int, *, cost: CostModel | None = None,
     chosen = min(estimates, key=lambda k: (estimates[k], k != "per-sequence"))
     runs, work = candidates[chosen]
     return _assemble(chosen, name, cp, lengths, lengths, cu, runs, work, estimates)
+
+
+def layout_digest(layout: ShardLayout) -> int:
+    """A 63-bit digest of what every CP rank must agree on: the layout's name, the padded document
+    lengths and each rank's token indices (equal on all ranks that built the same layout)."""
+    import hashlib
+
+    h = hashlib.blake2b(digest_size=8)
+    h.update(layout.name.encode())
+    h.update(np.ascontiguousarray(layout.padded_lengths, dtype=np.int64).tobytes())
+    for shard in layout.ranks:
+        h.update(np.ascontiguousarray(shard.token_index, dtype=np.int64).tobytes())
+    return int.from_bytes(h.digest(), "little") >> 1

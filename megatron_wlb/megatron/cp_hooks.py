@@ -160,6 +160,9 @@ def shard_packed_batch(batch: dict[str, Any], cu_seqlens: Any, max_seqlen: Any, 
     if te_attention and local_multiple > 1:
         lengths = _te_padding_document(lengths, cp_size, local_multiple)
     layout = build_layout(sharding, lengths, cp_size, cost=cost)
+    if cp_group is not None and cp_size > 1 and _STATE.get("agreement_checks", 0) > 0:
+        _STATE["agreement_checks"] -= 1
+        check_layout_agreement(layout, cp_group)
     shard = layout.ranks[cp_rank]
     padded = np.asarray(layout.padded_lengths, dtype=np.int64)
     if te_attention and local_multiple > 1 and lengths.sum() > total:  # the padding document holds no tokens
@@ -217,6 +220,32 @@ def shard_packed_batch(batch: dict[str, Any], cu_seqlens: Any, max_seqlen: Any, 
     return out, params
 
 
+def check_layout_agreement(layout: Any, group: Any) -> None:
+    """Raise on every rank if the CP ranks of ``group`` built different layouts of one micro-batch.
+
+    One all-gather of an 8-byte digest and a host sync: run on the first ``AGREEMENT_CHECKS``
+    micro-batches only. Disagreeing ranks (other data, another cost model) would otherwise attend to
+    the wrong tokens silently, or abort the process group when their token counts differ.
+    """
+    import torch.distributed as dist
+
+    from megatron_wlb.cp.layouts import layout_digest
+
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    mine = torch.tensor([layout_digest(layout)], dtype=torch.int64, device=device)
+    every = torch.empty(dist.get_world_size(group), dtype=torch.int64, device=device)
+    dist.all_gather_into_tensor(every, mine, group=group)
+    digests = every.tolist()
+    if len(set(digests)) > 1:
+        raise RuntimeError(f"CP ranks built different {layout.name} layouts of the same micro-batch (digests "
+                           f"{digests}): they read different documents or use different --wlb-* settings or cost "
+                           "profiles; give every rank the same data, flags and files")
+
+
+#: micro-batches whose layout the CP ranks compare at start-up (check_layout_agreement)
+AGREEMENT_CHECKS = 4
+
+
 def _te_padding_document(lengths: np.ndarray, cp: int, multiple: int) -> np.ndarray:
     """``lengths`` plus, if needed, one trailing document of 2*cp*j tokens so that TE's per-document layout
     (each document padded to a multiple of 2*cp) gives every rank a multiple of ``multiple`` tokens."""
@@ -242,7 +271,7 @@ class _Installed:
     original_parameters: tuple[str, ...] = ()
 
 
-_STATE: dict[str, _Installed] = {}
+_STATE: dict[str, Any] = {}
 
 
 def _installed() -> _Installed:
@@ -400,6 +429,7 @@ def install(settings: WlbSettings, args: Any = None) -> None:
     multiple = 1
     if args is not None and getattr(args, "sequence_parallel", False):
         multiple = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
+    _STATE["agreement_checks"] = AGREEMENT_CHECKS
     _STATE["cp"] = _Installed(settings=settings, te_attention=te_attention, cost=_cost_model(settings, args),
                               originals=originals, local_multiple=multiple,
                               original_parameters=tuple(
