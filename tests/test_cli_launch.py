@@ -62,7 +62,7 @@ def fake_cluster(tmp_path: Path) -> dict:
         (bindir / stub).chmod(0o755)
     mlm = tmp_path / "mlm"
     mlm.mkdir()
-    (mlm / "pretrain_gpt.py").write_text("_wlb.apply()\n")
+    (mlm / "pretrain_gpt.py").write_text("_wlb.apply(middle_stage_batches=True)\n")
     return {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}", "WLB_RECORD": str(tmp_path / "argv.txt"),
             "MEGATRON_LM": str(mlm), "DATA_PATH": "0.3 /data/a_text_document 0.7 /data/b_text_document",
             "TOKENIZER_MODEL": "some/tokenizer", "SLURM_JOB_NODELIST": "node-a", "SLURM_JOB_ID": "7",

@@ -201,8 +201,7 @@ def test_version_check_admits_the_releases_ci_trains_with():
 
 # -- apply() inside the pinned Megatron-LM training code (when a checkout or the mirror is present) --------
 MIRROR = os.environ.get("WLB_MEGATRON_MIRROR", "/work/.mirror/NVIDIA+Megatron-LM/repo")
-TRAINING_PATHS = ["megatron/training", "megatron/legacy", "megatron/post_training", "megatron/rl", "pretrain_gpt.py",
-                  "gpt_builders.py", "model_provider.py"]  # the installed wheel provides megatron/core
+TRAINING_PATHS = ["megatron", "pretrain_gpt.py", "gpt_builders.py", "model_provider.py"]  # core and training, pinned
 
 APPLY_SCRIPT = r'''
 import json, os, sys, sysconfig
@@ -264,9 +263,9 @@ print(json.dumps({"hooked": hooked, "bad": bad_msg, "my_extra": args.my_extra, "
 
 
 def _training_code(tmp_path) -> str | None:
-    """A directory holding the pinned commit's training code: $WLB_MEGATRON_DIR, else extracted from the mirror."""
-    if os.environ.get("WLB_MEGATRON_DIR"):
-        return os.environ["WLB_MEGATRON_DIR"]
+    """A directory holding the pinned commit's code: $MEGATRON_LM (a checkout), else extracted from the mirror."""
+    if os.environ.get("MEGATRON_LM"):
+        return os.environ["MEGATRON_LM"]
     import shutil
     import subprocess
 
@@ -293,7 +292,7 @@ def test_apply_inside_the_pinned_training_code(tmp_path):
 
     code = _training_code(tmp_path)
     if code is None:
-        pytest.skip("no Megatron-LM training code: set WLB_MEGATRON_DIR to a checkout of the pinned commit")
+        pytest.skip("no Megatron-LM training code: set MEGATRON_LM to a checkout of the pinned commit")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -311,7 +310,7 @@ def test_apply_inside_the_pinned_training_code(tmp_path):
     assert out["cu"][-1] == out["T"] and out["shard_tokens"] == out["T"]
     assert out["qkv_format"] == "thd" and out["attention_mask"]
     # the data hook: our iterator for training (same first micro-batch as built directly), our valid
-    # iterator over the valid split, Megatron's test loader where --split leaves no test documents
+    # iterator over the valid split, Megatron's test loader where the test share (1/1000) holds no document
     hook = out["hook"]
     assert hook["train"] == "WlbDataIterator" and hook["valid"] == "WlbDataIterator"
     assert hook["test"] == "megatron-test" and hook["same_as_direct"] and hook["registered"] == 1

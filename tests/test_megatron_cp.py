@@ -168,7 +168,10 @@ def _check_layouts(cp_group, cp_size: int, cp_rank: int, seed: int) -> None:
             assert real == sorted(batch["tokens"][0].tolist()), name
             # the THD entry point (pretrain_gpt's packed path) and the middle-stage one agree
             if name != "per-document-te":
-                thd_out, thd_params = mcore_utils.get_thd_batch_on_this_cp_rank(
+                # Megatron's name where it exists (core < 0.18, rebound to ours), else ours directly
+                thd_entry = getattr(mcore_utils, "get_thd_batch_on_this_cp_rank",
+                                    cp_hooks.get_thd_batch_on_this_cp_rank)
+                thd_out, thd_params = thd_entry(
                     {k: v for k, v in batch.items() if k not in ("cu_seqlens", "max_seqlen")},
                     batch["cu_seqlens"], None, batch["max_seqlen"])
                 assert torch.equal(thd_out["tokens"], out["tokens"])
@@ -181,7 +184,12 @@ def _check_layouts(cp_group, cp_size: int, cp_rank: int, seed: int) -> None:
     seq = 8 * cp_size
     plain = {"tokens": torch.arange(seq).view(1, -1), "labels": torch.arange(seq).view(1, -1) + 1,
              "loss_mask": torch.ones(1, seq), "attention_mask": None, "position_ids": torch.arange(seq).view(1, -1)}
-    got = mcore_utils.get_batch_on_this_cp_rank(dict(plain))
+    import inspect
+
+    original = cp_hooks._installed().originals["get_batch_on_this_cp_rank"]
+    legacy = "is_hybrid_cp" not in inspect.signature(original).parameters
+    got = mcore_utils.get_batch_on_this_cp_rank(dict(plain)) if legacy else \
+        mcore_utils.get_batch_on_this_cp_rank(dict(plain), False, cp_group)
     chunk = seq // (2 * cp_size)
     want = torch.cat([torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk),
                       torch.arange((2 * cp_size - 1 - cp_rank) * chunk, (2 * cp_size - cp_rank) * chunk)])
@@ -579,10 +587,12 @@ def test_install_rebinds_every_importer_and_survives_lazy_modules():
     from megatron_wlb.megatron import cp_hooks
     from megatron_wlb.megatron.settings import WlbSettings
 
-    original = mcore_utils.get_thd_batch_on_this_cp_rank
+    original = mcore_utils.get_batch_on_this_cp_rank
     importer = types.ModuleType("fake_pretrain_gpt")
-    importer.get_thd_batch_on_this_cp_rank = original
-    importer.get_batch_on_this_cp_rank = mcore_utils.get_batch_on_this_cp_rank
+    importer.get_batch_on_this_cp_rank = original
+    thd = getattr(mcore_utils, "get_thd_batch_on_this_cp_rank", None)  # core < 0.18 only
+    if thd is not None:
+        importer.get_thd_batch_on_this_cp_rank = thd
 
     class Lazy(types.ModuleType):
         def __getattr__(self, name):
@@ -591,11 +601,14 @@ def test_install_rebinds_every_importer_and_survives_lazy_modules():
     sys.modules["fake_pretrain_gpt"], sys.modules["fake_lazy"] = importer, Lazy("fake_lazy")
     try:
         cp_hooks.install(WlbSettings(cp_sharding="per-document"))
-        assert importer.get_thd_batch_on_this_cp_rank is cp_hooks.get_thd_batch_on_this_cp_rank
         assert importer.get_batch_on_this_cp_rank is cp_hooks.get_batch_on_this_cp_rank
+        if thd is not None:
+            assert importer.get_thd_batch_on_this_cp_rank is cp_hooks.get_thd_batch_on_this_cp_rank
         cp_hooks.uninstall()
-        assert importer.get_thd_batch_on_this_cp_rank is original
-        assert mcore_utils.get_thd_batch_on_this_cp_rank is original
+        assert importer.get_batch_on_this_cp_rank is original
+        assert mcore_utils.get_batch_on_this_cp_rank is original
+        if thd is not None:
+            assert importer.get_thd_batch_on_this_cp_rank is thd
     finally:
         cp_hooks.uninstall()
         del sys.modules["fake_pretrain_gpt"], sys.modules["fake_lazy"]

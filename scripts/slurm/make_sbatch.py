@@ -118,7 +118,7 @@ NNODES=${{SLURM_NNODES:?run this script with sbatch (SLURM_NNODES is unset)}}
 (( NNODES * GPUS_PER_NODE == WORLD )) \\
     || die "TP*CP*PP*DP = $WORLD GPUs, but the job has $NNODES node(s) x $GPUS_PER_NODE GPUs"
 [[ -f $MEGATRON_LM/pretrain_gpt.py ]] || die "$MEGATRON_LM/pretrain_gpt.py not found"
-grep -q "_wlb.apply()" "$MEGATRON_LM/pretrain_gpt.py" \\
+grep -q "_wlb.apply(" "$MEGATRON_LM/pretrain_gpt.py" \\
     || die "$MEGATRON_LM is not patched for WLB-LLM: run scripts/apply_patches.sh $MEGATRON_LM"
 
 MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)  # sed reads all: no SIGPIPE
