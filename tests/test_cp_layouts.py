@@ -305,3 +305,19 @@ def test_efficiency_table_io_and_lookup(tmp_path):
     lay_default = build_layout("per-document", [300, 300], 4)
     lay_flat = build_layout("per-document", [300, 300], 4, efficiency=FLAT)
     assert lay_flat.max_work < lay_default.max_work
+
+
+@pytest.mark.parametrize("name", ["per-sequence", "per-document", "adaptive", "hybrid", "per-document-te"])
+def test_kept_key_rows_stay_within_the_all_gather_bound(name):
+    """The K/V rows a rank materialises for backward (sum of its runs' key lengths) stay near
+    (2c+1)/(2c) x the micro-batch's tokens: what S_max costs in attention memory (docs/megatron_launch.md)."""
+    rng = np.random.default_rng(7)
+    for _ in range(60):
+        c = int(rng.choice([2, 4, 8]))
+        lengths = rng.integers(1, 5000, size=int(rng.integers(1, 12)))
+        if rng.random() < 0.3:
+            lengths[rng.integers(lengths.size)] = int(rng.integers(20000, 60000))
+        layout = build_layout(name, lengths, c)
+        total = int(np.sum(layout.padded_lengths))
+        kept = max(int(np.sum(s.key_lengths)) for s in layout.ranks)
+        assert kept <= 1.01 * (2 * c + 1) / (2 * c) * total + 256, (name, c, lengths.tolist())
