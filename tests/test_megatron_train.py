@@ -196,6 +196,15 @@ def test_cp_layouts_deliver_every_document_once(cp_runs):
         assert_documents_once(run)
 
 
+@pytest.mark.skipif(importlib.util.find_spec("transformer_engine") is None,
+                    reason="TransformerEngine is not importable (it builds only with CUDA): per-document-te is "
+                           "TE's own THD attention, run where TE is installed")
+def test_cp2_per_document_te_matches_cp1(tmp_path, corpus, cp_runs):
+    run = train(tmp_path, "te", corpus, "--wlb-packing", "original", "--wlb-cp-sharding", "per-document-te",
+                "--transformer-impl", "transformer_engine", env={"CP": "2"})
+    assert run.losses[1] == pytest.approx(cp_runs["cp1"].losses[1], rel=1e-5)
+
+
 def test_pp4_variable_length_micro_batches(tmp_path, corpus):
     """Four stages, micro-batches of different lengths every step (shapes exchanged per micro-batch)."""
     run = train(tmp_path, "pp4", corpus, "--num-layers", "4", "--wlb-packing", "wlb",
