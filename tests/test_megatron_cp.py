@@ -630,3 +630,38 @@ def _agreement_worker(rank, world):
 
 def test_cp_ranks_that_build_different_layouts_are_refused():
     run_world(_agreement_worker, 2)
+
+
+def test_fallback_attention_refuses_batches_without_params_when_every_batch_is_packed(monkeypatch):
+    """A packed micro-batch that lost its params on the way would attend across its documents."""
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    import megatron_wlb.megatron as adapter
+    from megatron_wlb.megatron.attention import WlbCoreAttention
+    from megatron_wlb.megatron.checkpoint import DataStateRegistry
+
+    calls = []
+
+    class Inner(torch.nn.Module):
+        def __init__(self, **kwargs):
+            super().__init__()
+
+        def forward(self, q, k, v, mask, **kwargs):
+            calls.append(kwargs.get("packed_seq_params"))
+            return q.flatten(-2)
+
+    cfg = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2, attention_dropout=0.0,
+                            use_cpu_initialization=True)
+    module = WlbCoreAttention(cfg, 1, AttnMaskType.causal, "self", inner=Inner)
+    q = torch.zeros(4, 1, 2, 8)
+    registry = DataStateRegistry()
+    registry.iterators.append(object())  # a WLB iterator is in use
+    monkeypatch.setattr(adapter, "_RUNTIME", adapter.Runtime(registry=registry))
+    with pytest.raises(RuntimeError, match="without packed-sequence params"):
+        module(q, q, q, None)
+    monkeypatch.setattr(adapter, "_RUNTIME", adapter.Runtime(registry=registry, megatron_loaders=True))
+    module(q, q, q, None)  # Megatron's own (unpacked) batches in the run: the fallback is right
+    monkeypatch.setattr(adapter, "_RUNTIME", adapter.Runtime())
+    module(q, q, q, None)  # no WLB data at all
+    assert calls == [None, None]

@@ -43,6 +43,8 @@ class Runtime:
     installed: bool = False
     #: the entry point gives middle pipeline stages packed-sequence params (launcher, patched pretrain_gpt)
     middle_stage_batches: bool = False
+    #: some split uses Megatron's own (unpacked) loader, whose batches legitimately carry no packed params
+    megatron_loaders: bool = False
     settings: WlbSettings | None = None
     registry: Any = None
     logger: Any = None
@@ -180,6 +182,7 @@ def _wrap_build_iterators(original: Callable, mods: dict[str, Any]) -> Callable:
             rank decides alike, so Megatron's collectives inside stay matched."""
             if not built:
                 built.append(original(build_train_valid_test_datasets_provider))
+                _RUNTIME.megatron_loaders = True
             return built[0]
 
         if getattr(args, "skip_train", False) or _RUNTIME.settings is None:

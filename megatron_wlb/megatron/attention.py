@@ -140,6 +140,12 @@ class WlbCoreAttention(MegatronModule):
         """q [T, Hq, D] / k, v [T, Hkv, D] (THD) or [s, b=1, H, D]; returns [T, Hq*D] or [s, 1, Hq*D]."""
         shard = getattr(packed_seq_params, "wlb_shard", None)
         if shard is None:
+            if packed_seq_params is None and _every_batch_is_packed():
+                raise RuntimeError("a micro-batch reached the attention without packed-sequence params, but every "
+                                   "batch of this run is a packed WLB micro-batch: the fallback attention would "
+                                   "attend across its documents. The entry point's get_batch must give every "
+                                   "pipeline stage the params (megatron_wlb.megatron.launcher, or the patched "
+                                   "pretrain_gpt.py)")
             if self.inner is None:
                 raise RuntimeError("WlbCoreAttention got a batch without WLB-LLM shard metadata and has no "
                                    "fallback core attention"
@@ -154,6 +160,14 @@ class WlbCoreAttention(MegatronModule):
             raise ValueError("WLB-LLM attention takes no attention_bias")
         return wlb_attention_forward(query, key, value, shard, self.cp_group(), self.softmax_scale,
                                      local_pad=getattr(packed_seq_params, "wlb_local_pad", 0))
+
+
+def _every_batch_is_packed() -> bool:
+    """Whether this process trains and evaluates on WLB iterators only (no Megatron loader in use)."""
+    from megatron_wlb.megatron import runtime
+
+    rt = runtime()
+    return rt.registry is not None and bool(rt.registry.iterators) and not rt.megatron_loaders
 
 
 def wlb_attention_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, shard: Any, group: Any,
