@@ -159,3 +159,20 @@ def test_resume_refuses_what_it_cannot_restore(prefix, tmp_path):
     # loading a pretrained checkpoint (another load_arg) leaves the data state alone
     assert load(None, None, None, "pretrained_checkpoint") == (3, 0)
     assert os.path.isfile(os.path.join(iteration_dir(args.save, 3), SIDECAR_NAME))
+
+
+def test_resume_with_other_wlb_settings_is_refused_naming_them(tmp_path):
+    args = Namespace(save=str(tmp_path), load=str(tmp_path))
+    saved = {"packing": "wlb", "max_delay": 8, "cp_sharding": "adaptive", "log_interval": 1}
+    os.makedirs(iteration_dir(args.save, 3), exist_ok=True)
+    with open(os.path.join(args.save, TRACKER), "w") as f:
+        f.write("3")
+    save_data_state(iteration_dir(args.save, 3), 3, {"stream_position": 0}, saved)
+
+    def load(now):
+        return wrap_load_checkpoint(megatron_like_load(args.load), DataStateRegistry(), lambda: args,
+                                    lambda: now)(None, None, None)
+
+    assert load({**saved, "log_interval": 10})[0] == 3  # logging may change on resume
+    with pytest.raises(RuntimeError, match=r"other WLB settings \(max_delay: 8 -> 4\)"):
+        load({**saved, "max_delay": 4})

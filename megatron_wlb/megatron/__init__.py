@@ -341,7 +341,7 @@ def apply(*, check_version: bool = True, middle_stage_batches: bool = False) -> 
         "save_checkpoint": (mods["checkpointing"].save_checkpoint,
                             lambda f: wrap_save_checkpoint(f, _RUNTIME.registry, get_args, _is_rank0, settings_dict)),
         "load_checkpoint": (mods["checkpointing"].load_checkpoint,
-                            lambda f: wrap_load_checkpoint(f, _RUNTIME.registry, get_args)),
+                            lambda f: wrap_load_checkpoint(f, _RUNTIME.registry, get_args, settings_dict)),
         "training_log": (mods["training"].training_log, lambda f: wrap_training_log(f, lambda: _RUNTIME.logger)),
     }
     # core < 0.18 (pinned core_v0.16.1): pretrain_gpt.get_batch reads the batch on TP rank 0 and broadcasts

@@ -139,11 +139,26 @@ def candidate_dirs(margs: Any, load_arg: str, iteration: int) -> list[str]:
     return dirs
 
 
-def wrap_load_checkpoint(original: Callable, registry: DataStateRegistry, get_args: Callable[[], Any]) -> Callable:
+#: settings that may change on resume (they do not shape the plan)
+RESUMABLE_SETTINGS = frozenset({"log_interval"})
+
+
+def settings_difference(saved: dict[str, Any] | None, now: dict[str, Any] | None) -> list[str]:
+    """``name: saved -> now`` for every plan-shaping setting that differs (empty when either is unknown)."""
+    if not saved or not now:
+        return []
+    return [f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in sorted(set(saved) | set(now))
+            if k not in RESUMABLE_SETTINGS and saved.get(k) != now.get(k)]
+
+
+def wrap_load_checkpoint(original: Callable, registry: DataStateRegistry, get_args: Callable[[], Any],
+                         settings: Callable[[], dict | None] = lambda: None) -> Callable:
     """Megatron's ``load_checkpoint(model, optimizer, scheduler, load_arg='load', ...)``, then our sidecar.
 
     Resuming at iteration > 0 without a sidecar is an error (the data position would be lost),
-    unless ``--finetune`` (Megatron then restarts at iteration 0 and so does the stream).
+    unless ``--finetune`` (Megatron then restarts at iteration 0 and so does the stream). So is
+    resuming with other ``--wlb-*`` settings than the checkpoint was saved with (the queues and
+    thresholds it holds belong to those), named setting by setting.
     """
 
     def load_checkpoint(*args, **kwargs):
@@ -156,6 +171,11 @@ def wrap_load_checkpoint(original: Callable, registry: DataStateRegistry, get_ar
         for directory in candidate_dirs(margs, load_arg, iteration):
             payload = load_data_state(directory, iteration)
             if payload is not None:
+                changed = settings_difference(payload.get("settings"), settings())
+                if changed:
+                    raise RuntimeError(f"megatron_wlb: the checkpoint at iteration {iteration} was saved with other "
+                                       f"WLB settings ({'; '.join(changed)}); resume with the saved --wlb-* flags, "
+                                       "or pass --finetune to restart the data stream")
                 registry.set_pending(payload["data"], iteration)
                 return out
         raise RuntimeError(f"megatron_wlb: the checkpoint in {getattr(margs, load_arg)} resumes at iteration "
