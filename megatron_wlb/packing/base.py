@@ -14,6 +14,7 @@ would, which is how a Megatron checkpoint keeps the documents waiting in queues.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
@@ -22,9 +23,10 @@ from typing import Any, ClassVar
 import numpy as np
 
 from megatron_wlb.costmodel import CostModel
+from megatron_wlb.packing.metrics import piece_latency
 from megatron_wlb.packing.types import DocPiece, GlobalBatch, MicroBatch, PackingConfig
 
-STATE_VERSION = 1
+STATE_VERSION = 2  # 2: the settings fingerprint covers every field and the cost model
 
 
 def validate_lengths(lengths: Sequence[int] | np.ndarray, what: str = "document lengths") -> np.ndarray:
@@ -186,7 +188,7 @@ class Packer(ABC):
         return {
             "version": STATE_VERSION,
             "packer": self.name,
-            "config": _config_key(self.config),
+            "config": settings_fingerprint(self.config, self.cost),
             "position": self.position,
             "iteration": self.iteration,
             "credit": self._credit,
@@ -199,9 +201,9 @@ class Packer(ABC):
             raise ValueError(f"packer state version {state.get('version')!r}; this build reads {STATE_VERSION}")
         if state.get("packer") != self.name:
             raise ValueError(f"state was saved by the {state.get('packer')!r} packer, not {self.name!r}")
-        if state.get("config") != _config_key(self.config):
-            raise ValueError("packer state was saved with a different configuration: "
-                             f"saved {state.get('config')}, now {_config_key(self.config)}")
+        diff = fingerprint_difference(state.get("config") or {}, settings_fingerprint(self.config, self.cost))
+        if diff:
+            raise ValueError(f"packer state was saved with different settings, refusing to resume: {diff}")
         self.position = int(state["position"])
         self.iteration = int(state["iteration"])
         self._credit = int(state["credit"])
@@ -209,16 +211,33 @@ class Packer(ABC):
         self._load_extra_state(state["extra"])
 
 
-def _config_key(config: PackingConfig) -> dict[str, Any]:
-    """The settings a restored packer must share with the saved one to replay identically."""
-    th = config.queue_thresholds
-    return {
-        "seq_len": config.seq_len, "n": config.n, "dp": config.dp, "max_seq_len": config.max_seq_len,
-        "oversize": config.oversize, "window": config.window,
-        "queue_thresholds": th if th == "auto" else list(th), "num_queues": config.num_queues,
-        "max_delay": config.max_delay, "seed": config.seed,
-        "extra": {str(k): config.extra[k] for k in sorted(config.extra)},
-    }
+#: lengths at which the fingerprint samples the cost model (a calibrated profile changes them)
+_PROBE_LENGTHS = (1, 1024, 8192, 65536, 131072, 262144)
+
+
+def settings_fingerprint(config: PackingConfig, cost: CostModel | None) -> dict[str, Any]:
+    """Everything a restored packer must share with the saved one to replay identically: every
+    ``PackingConfig`` field and the cost model (its description and its latency at a few lengths,
+    which the auto thresholds and every placement depend on). JSON-serialisable."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(config):
+        if f.name == "extra":
+            continue
+        value = getattr(config, f.name)
+        out[f.name] = list(value) if isinstance(value, tuple) else value
+    out["cost_model"] = "d**2 (no cost model)" if cost is None else cost.describe()
+    probe = piece_latency(cost, np.asarray(_PROBE_LENGTHS))
+    overhead = 0.0 if cost is None else float(cost.microbatch_overhead)
+    out["cost_probe"] = [f"{x:.12g}" for x in [*probe.tolist(), overhead]]
+    return out
+
+
+def fingerprint_difference(saved: dict[str, Any], now: dict[str, Any]) -> str:
+    """'' when equal, else one line naming each differing setting: ``name: saved X, now Y``."""
+    keys = sorted(set(saved) | set(now))
+    parts = [f"{k}: saved {saved.get(k, '<absent>')!r}, now {now.get(k, '<absent>')!r}"
+             for k in keys if saved.get(k, "<absent>") != now.get(k, "<absent>")]
+    return "; ".join(parts)
 
 
 PACKERS: dict[str, type[Packer]] = {}

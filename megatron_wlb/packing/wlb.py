@@ -6,10 +6,10 @@ Per iteration, over all ``dp * n`` micro-batches of capacity ``max_seq_len`` (pa
    outliers wait in ``n_q`` queues by level (L_k <= d < L_{k+1}).
 2. A queue holding at least R pieces releases its R oldest (one per micro-batch: they are the
    largest items of the iteration, so the placement below puts them into distinct, empty
-   micro-batches). R = dp * n, see extension (c); ``extra["release"] = "rank"`` makes it n.
+   micro-batches). R = dp * n, see extension (c); ``release="rank"`` makes it n.
 3. Pieces that have waited ``max_delay`` iterations are *forced*: placed before everything else.
    A queue whose oldest member is forced releases the rest of its members with it (up to R in
-   all; ``extra["flush_on_force"]``, default True), so a forced outlier does not run alone.
+   all; ``flush_on_force``, default True), so a forced outlier does not run alone.
 4. The released outliers and the other pieces, by length descending, each go to the micro-batch of
    least workload among those with room for it (the paper: least workload if it fits, else least
    length if it fits; ours picks the least-loaded of all that fit, a superset of both choices);
@@ -18,7 +18,7 @@ Per iteration, over all ``dp * n`` micro-batches of capacity ``max_seq_len`` (pa
 Extensions beyond the paper:
 
 (a) ``queue_thresholds="auto"`` (default): L_1 is the shortest length whose latency reaches
-    ``outlier_fraction`` (``PackingConfig.extra``, default 0.7) of the mean per-micro-batch latency
+    ``PackingConfig.outlier_fraction`` (default 0.7) of the mean per-micro-batch latency
     of the stream read so far, i.e. a document that alone would take most of a micro-batch's fair
     share of the iteration; L_2 < ... < L_n split the outlier lengths seen so far into equal-count
     quantiles (so every queue fills at the same rate), using no more queues than the outlier rate
@@ -49,7 +49,6 @@ from megatron_wlb.packing.types import DocPiece, MicroBatch
 
 HIST_PER_OCTAVE = 16
 HIST_BINS = 48 * HIST_PER_OCTAVE  # lengths up to 2**48 tokens
-DEFAULT_OUTLIER_FRACTION = 0.7
 
 
 def _hist_bin(lengths: np.ndarray) -> np.ndarray:
@@ -86,21 +85,14 @@ class WlbPacker(Packer):
         self._weight_sum = 0.0
         self._budgets = 0
         self.forced_splits = 0
-        frac = config.extra.get("outlier_fraction", DEFAULT_OUTLIER_FRACTION)
-        if isinstance(frac, bool) or not isinstance(frac, (int, float)) or not frac > 0:
-            raise ValueError(f"outlier_fraction={frac!r}: must be a positive number (fraction of the mean "
-                             "per-micro-batch latency that makes a document an outlier)")
-        self.outlier_fraction = float(frac)
+        self.outlier_fraction = float(config.outlier_fraction)
         if config.queue_thresholds != "auto" and config.queue_thresholds[-1] > self.capacity:
             raise ValueError(f"queue_thresholds={list(config.queue_thresholds)}: "
                              f"{config.queue_thresholds[-1]} exceeds the wlb capacity max_seq_len="
                              f"{self.capacity}, so no piece can ever reach that queue; use thresholds <= "
                              f"{self.capacity} or 'auto'")
-        self.flush_on_force = bool(config.extra.get("flush_on_force", True))
-        release = config.extra.get("release", "global")
-        if release not in ("global", "rank"):
-            raise ValueError(f"release={release!r}: 'global' (dp * n outliers at a time) or 'rank' (n at a time)")
-        self.release_size = config.micro_batches_per_iteration if release == "global" else config.n
+        self.flush_on_force = config.flush_on_force
+        self.release_size = config.micro_batches_per_iteration if config.release == "global" else config.n
         cap = self.capacity
         self._grid = np.unique(np.geomspace(1, cap, 1024).astype(np.int64))
         self._grid_w = piece_latency(cost, self._grid)
@@ -187,23 +179,27 @@ class WlbPacker(Packer):
                         take = max(take, min(len(queue), r - int((forced_levels == q).sum())))
                     candidates.extend(queue[:take])
                     waiting.extend(queue[take:])
+        # Forced pieces first, in a pass of their own: one that fits nowhere whole is cut into the
+        # micro-batches with most room *before* any newer piece can take that room, so the delay
+        # bound holds whenever one iteration's intake fits in dp * n * max_seq_len.
         forced = _sorted_desc(forced)
         candidates = _sorted_desc(candidates)
-        order = forced + candidates
-        lengths = [p.length for p in order]
-        weights = piece_latency(self.cost, lengths).tolist() if order else []
         work = [0.0] * m
         toks = [0] * m
-        where = place_greedy(lengths, weights, work, toks, cap)
         bins: list[list[DocPiece]] = [[] for _ in range(m)]
-        nf = len(forced)
-        for i, (p, j) in enumerate(zip(order, where)):
-            if j >= 0:
-                bins[j].append(p)
-            elif i < nf:
-                self._split_forced(p, bins, work, toks, cap, waiting)
-            else:
-                waiting.append(p)
+        for group, is_forced in ((forced, True), (candidates, False)):
+            if not group:
+                continue
+            lengths = [p.length for p in group]
+            weights = piece_latency(self.cost, lengths).tolist()
+            where = place_greedy(lengths, weights, work, toks, cap)
+            for p, j in zip(group, where):
+                if j >= 0:
+                    bins[j].append(p)
+                elif is_forced:
+                    self._split_forced(p, bins, work, toks, cap, waiting)
+                else:
+                    waiting.append(p)
         waiting.sort(key=_age_key)
         self._waiting = waiting
         return [MicroBatch(tuple(b), cap) for b in bins]
