@@ -1,26 +1,170 @@
 #!/usr/bin/env python
-"""Packing benchmark, one command: ``python scripts/bench_packing.py [extra wlb bench options]``.
+"""Packing benchmarks, one command: ``python scripts/bench_packing.py [--iterations K] [--table]``.
 
-Runs ``wlb bench`` on the embedded WLB-LLM length distribution (published by the DistCA authors as
-a stand-in for the paper's data, see megatron_wlb/data/README.md) and on the token lengths of the
-running interpreter's standard library, with configs/7b_128k.yaml (200 global batches; solver rows
-capped at 50), plus the 8K-GPU layout configs/405b_128k_8k.yaml (64 micro-batches per iteration).
-Writes docs/results/packing_bench.md and .json, naming the machine.
+The *frontier* (default): for every packer and setting, imbalance and the slowest DP rank's
+pipeline-schedule time (1F1B from the simulator, over the schedule with every micro-batch at the
+iteration's mean: 1.000 = perfectly balanced) against the mean token delay, on the embedded
+WLB-LLM stand-in stream and on real corpora built from files on this machine
+(``scripts/build_corpora.py``: Python stdlib and site-packages source, C/C++ headers,
+documentation, prose), at DP = 1 and DP = 4, with configs/7b_128k.yaml (N = 4, seq_len 128K,
+S_max 192K). Writes docs/results/packing_frontier.{md,json} and docs/img/packing_frontier.png.
+
+``--table`` also regenerates the paper's Table 2 comparison (``wlb bench``:
+docs/results/packing_bench.{md,json}).
 """
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import sys
+import time
 from pathlib import Path
+
+import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
 
-from megatron_wlb.cli.main import main  # noqa: E402
+from _results import write_result  # noqa: E402
 
-DEFAULT = ["bench", "--config", "7b_128k", "--iterations", "200", "--solver-iterations", "50",
-           "--lengths", "wlbllm,stdlib", "--scale-config", "405b_128k_8k", "--scale-iterations", "200",
-           "--out", str(ROOT / "docs" / "results"), "--label", "python scripts/bench_packing.py"]
+from megatron_wlb.cli.bench import machine  # noqa: E402
+from megatron_wlb.cli.main import main as wlb_main  # noqa: E402
+from megatron_wlb.cli.pack import resolve_lengths, run_packer  # noqa: E402
+from megatron_wlb.config import load_config  # noqa: E402
+from megatron_wlb.costmodel import build_cost_model  # noqa: E402
+from megatron_wlb.packing import make_packer, summarize  # noqa: E402
+
+CORPORA_DIR = ROOT / "docs" / "results" / "corpora"
+STREAMS = ("wlbllm", "stdlib", "pypkgs", "headers", "docs", "prose")
+TABLE_ARGS = ["bench", "--config", "7b_128k", "--iterations", "200", "--solver-iterations", "50",
+              "--lengths", "wlbllm,stdlib", "--scale-config", "405b_128k_8k", "--scale-iterations", "200",
+              "--out", str(ROOT / "docs" / "results"), "--label", "python scripts/bench_packing.py --table"]
+
+
+def settings(quick: bool) -> list[tuple[str, str, dict]]:
+    """(label, packer, PackingConfig overrides) of the frontier."""
+    rows: list[tuple[str, str, dict]] = [("original (concat-and-cut)", "original", {})]
+    for k in ((1, 4) if quick else (1, 2, 4, 8)):
+        rows.append((f"fixed-greedy, window {k}", "fixed-greedy", {"window": k}))
+    for d in ((2, 8) if quick else (1, 2, 4, 8, 16)):
+        rows.append((f"wlb, max_delay {d}", "wlb", {"max_delay": d}))
+    rows.append(("wlb, max_delay 8, placement order (no dealing/ordering)", "wlb", {"schedule_order": False}))
+    rows.append(("wlb, max_delay 8, release N per rank", "wlb", {"release": "rank"}))
+    return rows
+
+
+def stream_lengths(name: str, min_tokens: int) -> tuple[np.ndarray, int]:
+    if name in ("wlbllm",):
+        source = name
+    else:
+        path = CORPORA_DIR / f"{name}.npy"
+        if not path.exists():
+            raise FileNotFoundError(f"{path} is missing: run python scripts/build_corpora.py first")
+        source = str(path)
+    base = resolve_lengths(source).size
+    return resolve_lengths(source, min_tokens=min_tokens), base
+
+
+def frontier(streams: list[str], dps: list[int], iterations: int, quick: bool) -> dict:
+    run = load_config("7b_128k")
+    tables = []
+    for dp in dps:
+        packing0 = dataclasses.replace(run.packing, dp=dp)
+        layout = dataclasses.replace(run.layout, dp=dp)
+        cost = build_cost_model(run.model, layout)
+        for stream in streams:
+            lengths, docs = stream_lengths(stream, (iterations + 16) * packing0.tokens_per_iteration)
+            rows = []
+            for label, name, over in settings(quick):
+                packing = dataclasses.replace(packing0, **over)
+                packer = make_packer(name, packing, cost)
+                t0 = time.perf_counter()
+                batches = run_packer(packer, lengths, iterations)
+                m = summarize(batches, cost, packing.seq_len)
+                rows.append({"label": label, "packer": name, "overrides": over, "wall_s": time.perf_counter() - t0,
+                             "forced_splits": getattr(packer, "forced_splits", 0), **m.to_dict()})
+                print(f"dp {dp} {stream:8s} {label:55s} sched {m.schedule_ratio:.3f} imb {m.imbalance:.3f} "
+                      f"delay {m.mean_delay:.2f} min fill {m.min_fill:.2f}", file=sys.stderr, flush=True)
+            tables.append({"stream": stream, "dp": dp, "n": packing0.n, "seq_len": packing0.seq_len,
+                           "max_seq_len": packing0.capacity_var, "documents": docs,
+                           "repeats": int(np.ceil(lengths.size / docs)), "cost_model": cost.describe(),
+                           "rows": rows})
+    return {"machine": machine(), "command": "python scripts/bench_packing.py", "iterations": iterations,
+            "tables": tables}
+
+
+def to_markdown(result: dict) -> str:
+    lines = ["# Packing frontier: schedule time and imbalance vs delay", "",
+             f"Machine: {result['machine']}. Generated by `{result['command']}` "
+             f"({result['iterations']} global batches per row; 7B cost model, configs/7b_128k.yaml).", "",
+             "schedule = sum over iterations of the slowest DP rank's 1F1B time (simulator, PP = N = 4) / the same "
+             "with every micro-batch at the iteration's mean (1.000 = balanced); imbalance = paper Table 2 "
+             "(per DP rank); global = max / mean over all DP x N micro-batches; delay = mean iterations per "
+             "token; min fill = the smallest iteration's tokens / (DP x N x seq_len); plan = ms per global "
+             "batch (CPU time).", ""]
+    for t in result["tables"]:
+        lines += [f"## {t['stream']}, DP = {t['dp']} (N = {t['n']}, seq_len {t['seq_len']}, S_max "
+                  f"{t['max_seq_len']})", "",
+                  f"{t['documents']} documents" + (f", stream repeated up to {t['repeats']}x (seeded shuffles)"
+                                                   if t["repeats"] > 1 else "") + ".", "",
+                  "| method | schedule | worst iter | imbalance | global | mean delay | max delay | min fill | "
+                  "plan ms |", "|---|---|---|---|---|---|---|---|---|"]
+        for r in t["rows"]:
+            lines.append(f"| {r['label']} | {r['schedule_ratio']:.3f} | {r['schedule_ratio_max']:.2f} | "
+                         f"{r['imbalance']:.3f} | {r['imbalance_global']:.3f} | {r['mean_delay']:.2f} | "
+                         f"{r['max_delay']} | {r['min_fill']:.2f} | {r['plan_cpu_ms_mean']:.2f} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    dps = sorted({t["dp"] for t in result["tables"]})
+    fig, axes = plt.subplots(1, len(dps), figsize=(6 * len(dps), 4.5), squeeze=False)
+    for ax, dp in zip(axes[0], dps):
+        for t in (t for t in result["tables"] if t["dp"] == dp):
+            for fam, marker in (("original", "s"), ("fixed-greedy", "^"), ("wlb", "o")):
+                rows = [r for r in t["rows"] if r["packer"] == fam and "no dealing" not in r["label"]
+                        and "per rank" not in r["label"]]
+                if rows:
+                    ax.plot([r["mean_delay"] for r in rows], [r["schedule_ratio"] for r in rows], marker=marker,
+                            label=f"{t['stream']} {fam}", alpha=0.8)
+        ax.set_title(f"DP = {dp}: slowest rank's 1F1B time / balanced")
+        ax.set_xlabel("mean delay (iterations per token)")
+        ax.set_ylabel("schedule time / balanced")
+        ax.set_xscale("symlog", linthresh=0.05)
+        ax.grid(alpha=0.3)
+    axes[0][-1].legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--iterations", type=int, default=200)
+    ap.add_argument("--streams", default=",".join(STREAMS))
+    ap.add_argument("--dp", default="1,4")
+    ap.add_argument("--quick", action="store_true", help="fewer settings (smoke test)")
+    ap.add_argument("--out", default=str(ROOT / "docs" / "results" / "packing_frontier"))
+    ap.add_argument("--plot", default=str(ROOT / "docs" / "img" / "packing_frontier.png"))
+    ap.add_argument("--table", action="store_true", help="also regenerate the Table 2 benchmark (wlb bench)")
+    args = ap.parse_args(argv)
+    result = frontier([s for s in args.streams.split(",") if s], [int(d) for d in args.dp.split(",")],
+                      args.iterations, args.quick)
+    write_result(args.out, result, to_markdown)
+    if args.plot:
+        plot(result, Path(args.plot))
+    if args.table:
+        return wlb_main(TABLE_ARGS)
+    return 0
+
 
 if __name__ == "__main__":
-    sys.exit(main(DEFAULT + sys.argv[1:]))
+    sys.exit(main())

@@ -44,7 +44,8 @@ import numpy as np
 
 from megatron_wlb.packing.base import Packer, pieces_from_state, pieces_to_state, register_packer
 from megatron_wlb.packing.greedy import place_greedy
-from megatron_wlb.packing.metrics import piece_latency
+from megatron_wlb.packing.metrics import piece_forward, piece_latency
+from megatron_wlb.packing.pipeline import deal_and_order
 from megatron_wlb.packing.types import DocPiece, MicroBatch
 
 HIST_PER_OCTAVE = 16
@@ -202,7 +203,31 @@ class WlbPacker(Packer):
                     waiting.append(p)
         waiting.sort(key=_age_key)
         self._waiting = waiting
+        if self.config.schedule_order and m > 1:
+            bins = self._deal(bins, work)
         return [MicroBatch(tuple(b), cap) for b in bins]
+
+    def _deal(self, bins: list[list[DocPiece]], work: list[float]) -> list[list[DocPiece]]:
+        """Deal the micro-batches to DP ranks and order them for the pipeline schedule (d)."""
+        cfg = self.config
+        fwd, total = [], []
+        over_f = over_t = 0.0
+        if self.cost is not None:
+            over_f = self.cost.microbatch_overhead
+            over_t = over_f * (1.0 + self.cost.hardware.bwd_linear)
+        for b, w in zip(bins, work):
+            if not b:
+                fwd.append(0.0)
+                total.append(0.0)
+                continue
+            if self.cost is None:
+                fwd.append(w / 3.0)
+            else:
+                fwd.append(float(piece_forward(self.cost, [p.length for p in b]).sum()) + over_f)
+            total.append(w + over_t)
+        bwd = [t - f for t, f in zip(total, fwd)]
+        perm = deal_and_order(fwd, bwd, cfg.dp, cfg.n, cfg.stages, cfg.virtual_stages)
+        return [bins[i] for i in perm]
 
     def _split_forced(self, p: DocPiece, bins: list[list[DocPiece]], work: list[float], toks: list[int],
                       cap: int, waiting: list[DocPiece]) -> None:
