@@ -18,6 +18,7 @@ The reported objective (``metrics.schedule_times``) plays the batch through the 
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from functools import lru_cache
 
@@ -123,8 +124,33 @@ def _improve_order(order: list[int], fwd: Sequence[float], bwd: Sequence[float],
     return order, best
 
 
-#: ranks of at most this many micro-batches get the swap search on top of the fixed rule
+#: ranks of at most this many micro-batches try every order (4! = 24 timer calls, ~0.1 ms)
+EXHAUSTIVE_MAX_N = 4
+#: larger ranks of at most this many get the swap search on top of the fixed rule
 SEARCH_MAX_N = 8
+
+
+def best_order(members: Sequence[int], fwd: Sequence[float], bwd: Sequence[float], timer: ScheduleTimer,
+               totals: Sequence[float]) -> list[int]:
+    """The order of one rank's micro-batches: exhaustive for small ranks, else the fixed rule
+    improved by pairwise swaps; never worse than the given (placement) order."""
+    def cost(o: Sequence[int]) -> float:
+        return timer.makespan([fwd[i] for i in o], [bwd[i] for i in o])
+
+    members = list(members)
+    if len(members) <= EXHAUSTIVE_MAX_N:
+        best, best_cost = members, cost(members)
+        for o in itertools.permutations(members):
+            c = cost(o)
+            if c < best_cost * (1 - 1e-12):
+                best, best_cost = list(o), c
+        return best
+    order = fixed_order(totals, members)
+    if len(members) <= SEARCH_MAX_N:
+        order, c = _improve_order(order, fwd, bwd, timer, passes=2)
+    else:
+        c = cost(order)
+    return order if c < cost(members) * (1 - 1e-12) else members
 
 
 def deal_and_order(fwd: Sequence[float], bwd: Sequence[float], dp: int, n: int, stages: int,
@@ -136,8 +162,8 @@ def deal_and_order(fwd: Sequence[float], bwd: Sequence[float], dp: int, n: int, 
     2. Swap (dp > 1): move work from the rank with the largest ``sum + (stages - 1) * max``
        (1F1B's shape: the bubble is paid at the pace of the heaviest micro-batch) to the others
        while that lowers the larger of the two.
-    3. Order within each rank: ``fixed_order``, then (n <= SEARCH_MAX_N) pairwise swaps under the
-       exact ``ScheduleTimer``.
+    3. Order within each rank (``best_order``): every order for n <= EXHAUSTIVE_MAX_N, else
+       ``fixed_order`` then (n <= SEARCH_MAX_N) pairwise swaps, under the exact ``ScheduleTimer``.
     Deterministic: ties break by index, improvements must be strict.
     """
     m = dp * n
@@ -148,13 +174,10 @@ def deal_and_order(fwd: Sequence[float], bwd: Sequence[float], dp: int, n: int, 
         ranks = [list(range(n))]
     else:
         ranks = _deal(totals, dp, n, stages)
-    timer = schedule_timer(stages, n, virtual_stages) if n >= 1 else None
+    timer = schedule_timer(stages, n, virtual_stages)
     perm: list[int] = []
     for members in ranks:
-        order = fixed_order(totals, members)
-        if n <= SEARCH_MAX_N and timer is not None:
-            order, _ = _improve_order(order, fwd, bwd, timer, passes=2)
-        perm.extend(order)
+        perm.extend(best_order(sorted(members), fwd, bwd, timer, totals))
     return perm
 
 
