@@ -52,6 +52,8 @@ def settings(quick: bool) -> list[tuple[str, str, dict]]:
         rows.append((f"wlb, max_delay {d}", "wlb", {"max_delay": d}))
     rows.append(("wlb, max_delay 8, placement order (no dealing/ordering)", "wlb", {"schedule_order": False}))
     rows.append(("wlb, max_delay 8, release N per rank", "wlb", {"release": "rank"}))
+    rows.append(("wlb, max_delay 8, no fill rule (min_fill 0)", "wlb", {"min_fill": 0.0}))
+    rows.append(("wlb, max_delay 8, oldest-R release (no grouping by work)", "wlb", {"group_by_work": False}))
     return rows
 
 

@@ -126,3 +126,37 @@ def test_interleaved_objective_config():
     cfg = PackingConfig(seq_len=100, n=4, dp=2, pipeline_stages=2, virtual_stages=2)
     batches = list(make_packer("wlb", cfg).pack(_heavy_tailed(300) % 140 + 1))
     assert sum(b.tokens for b in batches) > 0
+
+
+# -- outlier grouping and the fill rule -----------------------------------------------------------
+def test_release_groups_outliers_of_similar_length():
+    # Queue (thresholds [60]): outliers 62, 98, 64, 97, 63, 99 arrive, one per iteration; R = dp * n
+    # = 2. With group_by_work the oldest (62) waits for a partner of similar work (64: 98 is too
+    # heavy for the 5-token documents to balance), without it 62 goes out with 98.
+    lengths = []
+    for d in (62, 98, 64, 97, 63, 99):
+        lengths += [d] + [5] * 30
+    cfg = PackingConfig(seq_len=100, n=2, dp=1, max_seq_len=150, queue_thresholds=(60,), max_delay=20,
+                        min_fill=0.0, schedule_order=False)
+    for group_by_work, want in ((True, {62, 64}), (False, {62, 98})):
+        batches = list(make_packer("wlb", dataclasses.replace(cfg, group_by_work=group_by_work)).pack(lengths))
+        first_release = next(b for b in batches if any(p.length >= 60 for p in b.pieces()))
+        assert {p.length for p in first_release.pieces() if p.length >= 60} == want
+
+
+def test_no_near_empty_iteration_while_pieces_wait():
+    # A document 12 x S_max long puts the intake in debt for many iterations; its pieces wait in
+    # a queue that releases R at a time. Rule: an iteration holds fewer than min_fill x the token
+    # budget only if no waiting piece fits in the room left (here: never).
+    lengths = [40] * 30 + [12 * 150 + 7] + [40] * 200
+    cfg = PackingConfig(seq_len=100, n=4, dp=1, max_seq_len=150, max_delay=6)
+    budget = cfg.tokens_per_iteration
+    packer = make_packer("wlb", cfg)
+    batches = []
+    for b in packer.pack(lengths):
+        batches.append(b)
+        if packer.pending() > 0:
+            assert b.tokens >= 0.5 * budget, (b.iteration, b.tokens)
+    off = list(make_packer("wlb", dataclasses.replace(cfg, min_fill=0.0)).pack(lengths))
+    assert min(b.tokens for b in off[:-3]) < 0.5 * budget  # without the rule it happens
+    assert sum(b.tokens for b in batches) == sum(lengths)

@@ -100,6 +100,14 @@ class Packer(ABC):
         """
         return 1
 
+    def _min_intake(self) -> int:
+        """Tokens to read this iteration even while earlier overshoot is being repaid (default 0).
+
+        The debt is kept: it is repaid by the part of the budget not read, so the stream rate
+        stays that of concat-and-cut over the run.
+        """
+        return 0
+
     def _extra_state(self) -> dict[str, Any]:
         return {}
 
@@ -143,7 +151,7 @@ class Packer(ABC):
 
     def _intake(self, lengths: np.ndarray, ids: np.ndarray, arrival: int | None = None) -> list[DocPiece]:
         """Read one iteration budget of documents and apply the oversize policy."""
-        budget = self.config.tokens_per_iteration - self._credit
+        budget = max(self.config.tokens_per_iteration - self._credit, self._min_intake())
         start = self.position
         if start >= lengths.size:
             return []
@@ -158,7 +166,7 @@ class Packer(ABC):
         k = int(np.searchsorted(csum, budget, side="left")) + 1  # docs until the budget is covered
         k = min(k, csum.size)
         read = int(csum[k - 1])
-        self._credit = max(0, read - budget)
+        self._credit = max(0, self._credit + read - self.config.tokens_per_iteration)
         self.position = start + k
         return self._apply_oversize(lengths[start:start + k], ids[start:start + k],
                                     self.iteration if arrival is None else arrival)

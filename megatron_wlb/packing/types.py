@@ -117,6 +117,12 @@ class PackingConfig:
     flush_on_force: bool = True
     #: wlb: a queue releases "global" (dp * n outliers, one per micro-batch) or "rank" (n) at a time
     release: ReleasePolicy = "global"
+    #: wlb: a queue releases R outliers of similar length (including its oldest) rather than its R
+    #: oldest, so a release does not mix e.g. 80K and 190K documents
+    group_by_work: bool = True
+    #: wlb: while pieces wait, every iteration trains on at least this fraction of the token budget
+    #: (dp * n * seq_len): waiting pieces are released early (oldest first) to reach it; 0 = off
+    min_fill: float = 0.5
     #: fixed-solver: HiGHS branch-and-bound nodes per window (0 = root node only); deterministic
     solver_nodes: int = 0
     #: fixed-solver: windows whose MILP has more binary columns than this keep the greedy plan
@@ -176,6 +182,11 @@ class PackingConfig:
                              "micro-batch's mean latency that makes a document an outlier)")
         if not isinstance(self.flush_on_force, bool):
             raise ValueError(f"flush_on_force={self.flush_on_force!r}: must be true or false")
+        if not isinstance(self.group_by_work, bool):
+            raise ValueError(f"group_by_work={self.group_by_work!r}: must be true or false")
+        if isinstance(self.min_fill, bool) or not isinstance(self.min_fill, (int, float)) or \
+                not 0 <= self.min_fill <= 1:
+            raise ValueError(f"min_fill={self.min_fill!r}: must be a fraction of the token budget in [0, 1]")
         if not isinstance(self.schedule_order, bool):
             raise ValueError(f"schedule_order={self.schedule_order!r}: must be true or false")
         if self.release not in RELEASE_POLICIES:

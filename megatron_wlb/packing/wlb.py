@@ -82,10 +82,12 @@ class WlbPacker(Packer):
     def __init__(self, config, cost=None):
         super().__init__(config, cost)
         self._waiting: list[DocPiece] = []
-        self._hist = np.zeros(HIST_BINS, dtype=np.int64)
-        self._weight_sum = 0.0
+        self._hist = np.zeros(HIST_BINS, dtype=np.int64)     # documents per log-length bin
+        self._hist_tokens = np.zeros(HIST_BINS, dtype=np.int64)
+        self._hist_work = np.zeros(HIST_BINS, dtype=np.float64)  # latency per bin
         self._budgets = 0
         self.forced_splits = 0
+        self.fill_releases = 0  # pieces the fill guard released early (no near-empty iterations)
         self.outlier_fraction = float(config.outlier_fraction)
         if config.queue_thresholds != "auto" and config.queue_thresholds[-1] > self.capacity:
             raise ValueError(f"queue_thresholds={list(config.queue_thresholds)}: "
@@ -101,6 +103,11 @@ class WlbPacker(Packer):
     @property
     def capacity(self) -> int:
         return self.config.capacity_var
+
+    def _min_intake(self) -> int:
+        """The fill rule's intake side: after a huge document the intake is in debt; still read
+        enough that the iteration can reach ``min_fill`` x the token budget with what waits."""
+        return max(0, int(self.config.min_fill * self.config.tokens_per_iteration) - self.pending())
 
     def pending(self) -> int:
         return sum(p.length for p in self._waiting)
@@ -119,11 +126,9 @@ class WlbPacker(Packer):
         cap = self.capacity
         if self._budgets == 0:
             return (cap + 1,)
-        target = self._weight_sum / (self._budgets * self.config.micro_batches_per_iteration)
-        k = int(np.searchsorted(self._grid_w, self.outlier_fraction * target, side="left"))
-        if k >= self._grid.size:
+        l1 = self._first_threshold()
+        if l1 > cap:
             return (cap + 1,)  # no document can be an outlier: one queue nobody enters
-        l1 = int(self._grid[k])
         levels = [l1]
         counts = self._hist.copy()
         counts[:_hist_bin(np.array([l1]))[0]] = 0
@@ -142,6 +147,29 @@ class WlbPacker(Packer):
                         levels.append(edge)
         return tuple(levels)
 
+    def _ordinary_work_per_token(self, limit: int) -> float:
+        """Mean latency per token of the documents read so far that are shorter than ``limit``."""
+        below = np.arange(HIST_BINS) < _hist_bin(np.array([limit]))[0]
+        tokens = int(self._hist_tokens[below].sum())
+        return float(self._hist_work[below].sum()) / tokens if tokens else 0.0
+
+    def _first_threshold(self) -> int:
+        """L_1: the shortest length whose latency reaches ``outlier_fraction`` x the latency of a
+        micro-batch of ``seq_len`` tokens of *ordinary* documents (those below L_1: a fixed point,
+        found from "every document is ordinary" downwards, so outliers do not raise their own bar)."""
+        cap = self.capacity
+        l1 = cap + 1
+        for _ in range(8):
+            c = self._ordinary_work_per_token(l1)
+            if c <= 0:
+                break  # nothing below the current L_1 (every document is long): keep it
+            k = int(np.searchsorted(self._grid_w, self.outlier_fraction * c * self.config.seq_len, side="left"))
+            new = int(self._grid[k]) if k < self._grid.size else cap + 1
+            if new >= l1:
+                break
+            l1 = new
+        return l1
+
     # -- planning --------------------------------------------------------------------------------
     def _plan(self, new: list[DocPiece], final: bool) -> list[MicroBatch]:
         cfg = self.config
@@ -151,8 +179,10 @@ class WlbPacker(Packer):
         it = self.iteration
         if new:
             lens = np.fromiter((p.length for p in new), dtype=np.int64, count=len(new))
-            self._hist += np.bincount(_hist_bin(lens), minlength=HIST_BINS)
-            self._weight_sum += float(piece_latency(self.cost, lens).sum())
+            bins_ = _hist_bin(lens)
+            self._hist += np.bincount(bins_, minlength=HIST_BINS)
+            self._hist_tokens += np.bincount(bins_, weights=lens, minlength=HIST_BINS).astype(np.int64)
+            self._hist_work += np.bincount(bins_, weights=piece_latency(self.cost, lens), minlength=HIST_BINS)
             self._budgets += 1
         th = self.thresholds()
         pool = self._waiting + new
@@ -167,6 +197,7 @@ class WlbPacker(Packer):
             for p in rest:
                 (candidates if p.length < l1 else outliers).append(p)
             waiting = []
+            per_token = self._ordinary_work_per_token(l1)
             if outliers:
                 levels = np.searchsorted(np.asarray(th), [p.length for p in outliers], side="right") - 1
                 forced_levels = np.searchsorted(np.asarray(th), [p.length for p in forced if p.length >= l1],
@@ -175,11 +206,30 @@ class WlbPacker(Packer):
                     queue = sorted((p for p, lv in zip(outliers, levels.tolist()) if lv == q), key=_age_key)
                     # A queue whose oldest member hit the delay bound goes out with it, so the
                     # forced outlier does not run alone against short micro-batches.
-                    take = r if len(queue) >= r else 0
-                    if self.flush_on_force and q in forced_levels.tolist():
-                        take = max(take, min(len(queue), r - int((forced_levels == q).sum())))
-                    candidates.extend(queue[:take])
-                    waiting.extend(queue[take:])
+                    nf_q = int((forced_levels == q).sum())
+                    if self.flush_on_force and nf_q and len(queue) >= r - nf_q:
+                        anchor = max(p.length for p in forced if p.length >= l1 and
+                                     int(np.searchsorted(np.asarray(th), p.length, side="right")) - 1 == q)
+                        chosen = self._companions(queue, r - nf_q, anchor)
+                    elif self.flush_on_force and nf_q:
+                        chosen = list(queue)
+                    elif len(queue) >= r:
+                        chosen = self._similar_group(queue, r, per_token) if cfg.group_by_work else queue[:r]
+                    else:
+                        chosen = []
+                    picked = set(chosen)
+                    candidates.extend(chosen)
+                    waiting.extend(p for p in queue if p not in picked)
+        if not final and waiting and cfg.min_fill > 0:
+            # No near-empty iterations: top the iteration up from the waiting pieces before
+            # placing, so long waiting pieces still find empty micro-batches.
+            have = sum(p.length for p in forced) + sum(p.length for p in candidates)
+            early = self._early_release(waiting, cfg.min_fill * cfg.tokens_per_iteration - have)
+            if early:
+                picked = set(early)
+                candidates.extend(early)
+                waiting = [p for p in waiting if p not in picked]
+                self.fill_releases += len(early)
         # Forced pieces first, in a pass of their own: one that fits nowhere whole is cut into the
         # micro-batches with most room *before* any newer piece can take that room, so the delay
         # bound holds whenever one iteration's intake fits in dp * n * max_seq_len.
@@ -201,11 +251,92 @@ class WlbPacker(Packer):
                     self._split_forced(p, bins, work, toks, cap, waiting)
                 else:
                     waiting.append(p)
+        if not final and waiting and cfg.min_fill > 0:
+            self._fill_guard(bins, work, toks, cap, waiting)
         waiting.sort(key=_age_key)
         self._waiting = waiting
         if self.config.schedule_order and m > 1:
             bins = self._deal(bins, work)
         return [MicroBatch(tuple(b), cap) for b in bins]
+
+    def _similar_group(self, queue: list[DocPiece], r: int, per_token: float) -> list[DocPiece]:
+        """R queue members of similar work that the ordinary documents can balance, or none (wait).
+
+        Candidates are the windows of R consecutive members by length, those holding the oldest
+        member first, then by length spread. A window is released if it is *closable*: placed one
+        per micro-batch with the iteration's ordinary tokens (the budget minus the group's,
+        ``per_token`` latency each) spread to even the work, the heaviest outlier stays within 2%
+        of the mean and every micro-batch has the room its share needs. A group that never closes
+        goes out when its oldest member reaches the delay bound (with its nearest companions).
+        """
+        by_len = sorted(queue, key=lambda p: (p.length, *_age_key(p)))
+        oldest = queue[0]
+        windows = range(len(by_len) - r + 1)
+        spread = [by_len[s + r - 1].length - by_len[s].length for s in windows]
+        has_oldest = [oldest in by_len[s:s + r] for s in windows]
+        order = sorted(windows, key=lambda s: (not has_oldest[s], spread[s], s))
+        if self.release_size != self.config.micro_batches_per_iteration or per_token <= 0:
+            return by_len[order[0]:order[0] + r]
+        cap = self.capacity
+        budget = self.config.tokens_per_iteration
+        m = self.config.micro_batches_per_iteration
+        for s in order:
+            group = by_len[s:s + r]
+            d = np.array([p.length for p in group], dtype=np.int64)
+            w = piece_latency(self.cost, d)
+            ordinary = max(0, budget - int(d.sum()))
+            mean = (float(w.sum()) + per_token * ordinary) / m
+            if w.max() <= mean * 1.02 and np.all(mean - w <= per_token * (cap - d) + 1e-12 * mean):
+                return group
+        return []
+
+    @staticmethod
+    def _companions(queue: list[DocPiece], k: int, anchor: int) -> list[DocPiece]:
+        """The ``k`` members closest in length to a forced outlier of ``anchor`` tokens (older first on ties)."""
+        return sorted(queue, key=lambda p: (abs(p.length - anchor), *_age_key(p)))[:k]
+
+    def _early_release(self, waiting: list[DocPiece], need: float) -> list[DocPiece]:
+        """Waiting pieces worth at least ``need`` tokens, shortest first (they are the easiest to
+        balance against the few ordinary documents of an under-filled iteration); pieces of one
+        document go out together."""
+        out: list[DocPiece] = []
+        if need <= 0:
+            return out
+        docs: dict[int, list[DocPiece]] = {}
+        for p in sorted(waiting, key=lambda p: (p.length, *_age_key(p))):
+            docs.setdefault(p.doc_id, []).append(p)
+        got = 0
+        for doc_pieces in docs.values():
+            if got >= need:
+                break
+            out.extend(doc_pieces)
+            got += sum(p.length for p in doc_pieces)
+        return out
+
+    def _fill_guard(self, bins: list[list[DocPiece]], work: list[float], toks: list[int], cap: int,
+                    waiting: list[DocPiece]) -> None:
+        """No near-empty iterations: while pieces wait, place waiting ones (oldest first, all the
+        waiting pieces of a document together) until the iteration holds ``min_fill`` x the token
+        budget or nothing more fits. ``waiting`` is updated in place."""
+        need = self.config.min_fill * self.config.tokens_per_iteration
+        if sum(toks) >= need:
+            return
+        waiting.sort(key=_age_key)
+        docs: dict[int, list[DocPiece]] = {}
+        for p in waiting:
+            docs.setdefault(p.doc_id, []).append(p)
+        placed: set[DocPiece] = set()
+        for doc_pieces in docs.values():
+            if sum(toks) >= need:
+                break
+            lengths = [p.length for p in doc_pieces]
+            where = place_greedy(lengths, piece_latency(self.cost, lengths).tolist(), work, toks, cap)
+            for p, j in zip(doc_pieces, where):
+                if j >= 0:
+                    bins[j].append(p)
+                    placed.add(p)
+        self.fill_releases += len(placed)
+        waiting[:] = [p for p in waiting if p not in placed]
 
     def _deal(self, bins: list[list[DocPiece]], work: list[float]) -> list[list[DocPiece]]:
         """Deal the micro-batches to DP ranks and order them for the pipeline schedule (d)."""
@@ -251,14 +382,18 @@ class WlbPacker(Packer):
     def _extra_state(self) -> dict[str, Any]:
         nz = np.flatnonzero(self._hist)
         return {"waiting": pieces_to_state(self._waiting),
-                "hist": [[int(b), int(self._hist[b])] for b in nz],
-                "weight_sum": self._weight_sum, "budgets": self._budgets, "forced_splits": self.forced_splits}
+                "hist": [[int(b), int(self._hist[b]), int(self._hist_tokens[b]), float(self._hist_work[b])]
+                         for b in nz],
+                "budgets": self._budgets, "forced_splits": self.forced_splits,
+                "fill_releases": self.fill_releases}
 
     def _load_extra_state(self, state: dict[str, Any]) -> None:
         self._waiting = pieces_from_state(state["waiting"])
         self._hist = np.zeros(HIST_BINS, dtype=np.int64)
-        for b, c in state["hist"]:
-            self._hist[int(b)] = int(c)
-        self._weight_sum = float(state["weight_sum"])
+        self._hist_tokens = np.zeros(HIST_BINS, dtype=np.int64)
+        self._hist_work = np.zeros(HIST_BINS, dtype=np.float64)
+        for b, c, t, w in state["hist"]:
+            self._hist[int(b)], self._hist_tokens[int(b)], self._hist_work[int(b)] = int(c), int(t), float(w)
         self._budgets = int(state["budgets"])
         self.forced_splits = int(state["forced_splits"])
+        self.fill_releases = int(state["fill_releases"])
