@@ -54,6 +54,8 @@ def settings(quick: bool) -> list[tuple[str, str, dict]]:
     rows.append(("wlb, max_delay 8, release N per rank", "wlb", {"release": "rank"}))
     rows.append(("wlb, max_delay 8, no fill rule (min_fill 0)", "wlb", {"min_fill": 0.0}))
     rows.append(("wlb, max_delay 8, oldest-R release (no grouping by work)", "wlb", {"group_by_work": False}))
+    rows.append(("wlb, max_delay 8, cut policy 'overlong'", "wlb", {"cut_policy": "overlong"}))
+    rows.append(("wlb, max_delay 8, cut policy 'any'", "wlb", {"cut_policy": "any"}))
     return rows
 
 
@@ -86,7 +88,8 @@ def frontier(streams: list[str], dps: list[int], iterations: int, quick: bool) -
                 batches = run_packer(packer, lengths, iterations)
                 m = summarize(batches, cost, packing.seq_len)
                 rows.append({"label": label, "packer": name, "overrides": over, "wall_s": time.perf_counter() - t0,
-                             "forced_splits": getattr(packer, "forced_splits", 0), **m.to_dict()})
+                             "forced_splits": getattr(packer, "forced_splits", 0),
+                             "cut_stats": dict(getattr(packer, "cut_stats", {})), **m.to_dict()})
                 print(f"dp {dp} {stream:8s} {label:55s} sched {m.schedule_ratio:.3f} imb {m.imbalance:.3f} "
                       f"delay {m.mean_delay:.2f} min fill {m.min_fill:.2f}", file=sys.stderr, flush=True)
             tables.append({"stream": stream, "dp": dp, "n": packing0.n, "seq_len": packing0.seq_len,
@@ -94,7 +97,19 @@ def frontier(streams: list[str], dps: list[int], iterations: int, quick: bool) -
                            "repeats": int(np.ceil(lengths.size / docs)), "cost_model": cost.describe(),
                            "rows": rows})
     return {"machine": machine(), "command": "python scripts/bench_packing.py", "iterations": iterations,
-            "tables": tables}
+            "tables": tables, "scale": scale(iterations)}
+
+
+def scale(iterations: int) -> dict:
+    """Plan time of the default wlb at the 8K-GPU layout (64 micro-batches per iteration)."""
+    run = load_config("405b_128k_8k")
+    cost = build_cost_model(run.model, run.layout)
+    lengths, _ = stream_lengths("wlbllm", (iterations + 16) * run.packing.tokens_per_iteration)
+    packer = make_packer("wlb", run.packing, cost)
+    batches = run_packer(packer, lengths, iterations)
+    m = summarize(batches, cost, run.packing.seq_len)
+    return {"config": run.name, "layout": str(run.layout), "micro_batches": run.packing.micro_batches_per_iteration,
+            **m.to_dict()}
 
 
 def to_markdown(result: dict) -> str:
@@ -118,6 +133,18 @@ def to_markdown(result: dict) -> str:
                          f"{r['imbalance']:.3f} | {r['imbalance_global']:.3f} | {r['mean_delay']:.2f} | "
                          f"{r['max_delay']} | {r['min_fill']:.2f} | {r['plan_cpu_ms_mean']:.2f} |")
         lines.append("")
+        cuts = [f"- {r['label']}: {r['cut_stats']['cut_points']} cut points, {r['cut_stats']['tokens']} tokens "
+                f"affected, mean piece {r['cut_stats']['tokens'] / r['cut_stats']['pieces']:.0f} tokens"
+                for r in t["rows"] if r.get("cut_stats", {}).get("pieces")]
+        lines += cuts + ([""] if cuts else [])
+    sc = result.get("scale")
+    if sc:
+        lines += [f"## Scale: wlb (default) at {sc['config']} ({sc['layout']}, {sc['micro_batches']} micro-batches "
+                  "per iteration, embedded stream)", "",
+                  f"plan time {sc['plan_cpu_ms_mean']:.2f} ms CPU per global batch (max {sc['plan_cpu_ms_max']:.1f}); "
+                  f"schedule {sc['schedule_ratio']:.3f} (PP = N = 16 here: the objective uses n stages), "
+                  f"imbalance {sc['imbalance']:.3f}, global {sc['imbalance_global']:.3f}, mean delay "
+                  f"{sc['mean_delay']:.2f}.", ""]
     return "\n".join(lines)
 
 

@@ -160,3 +160,35 @@ def test_no_near_empty_iteration_while_pieces_wait():
     off = list(make_packer("wlb", dataclasses.replace(cfg, min_fill=0.0)).pack(lengths))
     assert min(b.tokens for b in off[:-3]) < 0.5 * budget  # without the rule it happens
     assert sum(b.tokens for b in batches) == sum(lengths)
+
+
+# -- the opt-in cut policy --------------------------------------------------------------------------
+def _lonely_outliers():
+    lengths = []
+    for k in range(12):
+        lengths += [140 if k % 2 else 400] + [10] * 200  # one outlier per ~5 iterations, R = 4
+    return np.asarray(lengths)
+
+
+@pytest.mark.parametrize("policy", ["none", "overlong", "any"])
+def test_cut_policy_counts_and_scope(policy):
+    lengths = _lonely_outliers()
+    cfg = PackingConfig(seq_len=100, n=2, dp=2, max_seq_len=150, max_delay=2, cut_policy=policy, min_fill=0.0)
+    packer = make_packer("wlb", cfg)
+    batches = list(packer.pack(lengths))
+    pieces = [p for b in batches for p in b.pieces()]
+    assert sum(p.length for p in pieces) == int(lengths.sum())
+    assert max(b.iteration - p.arrival for b in batches for p in b.pieces()) <= 2
+    by_doc: dict[int, list] = {}
+    for p in pieces:
+        by_doc.setdefault(p.doc_id, []).append(p)
+    cut_140 = [d for d, ps in by_doc.items() if lengths[d] == 140 and len(ps) > 1]
+    cut_400 = [d for d, ps in by_doc.items() if lengths[d] == 400 and len(ps) > 3]  # 3 = the oversize split
+    stats = packer.cut_stats
+    if policy == "none":
+        assert not cut_140 and not cut_400 and stats == {"cut_points": 0, "tokens": 0, "pieces": 0}
+    else:
+        assert stats["cut_points"] > 0 and stats["pieces"] > stats["cut_points"]
+        assert cut_400 and (bool(cut_140) == (policy == "any"))
+        extra_pieces = sum(len(ps) - (1 if lengths[d] <= 150 else 3) for d, ps in by_doc.items())
+        assert extra_pieces == stats["cut_points"]

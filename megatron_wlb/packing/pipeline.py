@@ -124,6 +124,8 @@ def _improve_order(order: list[int], fwd: Sequence[float], bwd: Sequence[float],
     return order, best
 
 
+#: swap rounds of the dealing step per DP rank (most of the gain comes in the first few)
+SWAP_ROUNDS = 2
 #: ranks of at most this many micro-batches try every order (4! = 24 timer calls, ~0.1 ms)
 EXHAUSTIVE_MAX_N = 4
 #: larger ranks of at most this many get the swap search on top of the fixed rule
@@ -195,7 +197,7 @@ def _deal(totals: Sequence[float], dp: int, n: int, stages: int) -> list[list[in
         w = t[members]
         return float(w.sum() + bubble * w.max())
 
-    for _ in range(2 * dp * n):
+    for _ in range(SWAP_ROUNDS * dp):
         scores = [shape(rk) for rk in ranks]
         worst = max(range(dp), key=lambda r: (scores[r], -r))
         best_gain, best_move = 0.0, None

@@ -88,6 +88,9 @@ class WlbPacker(Packer):
         self._budgets = 0
         self.forced_splits = 0
         self.fill_releases = 0  # pieces the fill guard released early (no near-empty iterations)
+        #: the cut policy's count: cut points made, tokens of the cut pieces, pieces they became
+        self.cut_stats = {"cut_points": 0, "tokens": 0, "pieces": 0}
+        self._overlong_docs: set[int] = set()  # documents longer than S_max (split by oversize)
         self.outlier_fraction = float(config.outlier_fraction)
         if config.queue_thresholds != "auto" and config.queue_thresholds[-1] > self.capacity:
             raise ValueError(f"queue_thresholds={list(config.queue_thresholds)}: "
@@ -103,6 +106,12 @@ class WlbPacker(Packer):
     @property
     def capacity(self) -> int:
         return self.config.capacity_var
+
+    def _apply_oversize(self, lengths, ids, arrival):
+        pieces = super()._apply_oversize(lengths, ids, arrival)
+        if self.config.cut_policy == "overlong" and lengths.size and int(lengths.max()) > self.capacity:
+            self._overlong_docs.update(int(i) for i, n in zip(ids.tolist(), lengths.tolist()) if n > self.capacity)
+        return pieces
 
     def _min_intake(self) -> int:
         """The fill rule's intake side: after a huge document the intake is in debt; still read
@@ -220,6 +229,8 @@ class WlbPacker(Packer):
                     picked = set(chosen)
                     candidates.extend(chosen)
                     waiting.extend(p for p in queue if p not in picked)
+        if cfg.cut_policy != "none" and not final and forced:
+            forced = self._cut_lonely(forced, rest, th)
         if not final and waiting and cfg.min_fill > 0:
             # No near-empty iterations: top the iteration up from the waiting pieces before
             # placing, so long waiting pieces still find empty micro-batches.
@@ -255,6 +266,8 @@ class WlbPacker(Packer):
             self._fill_guard(bins, work, toks, cap, waiting)
         waiting.sort(key=_age_key)
         self._waiting = waiting
+        if self._overlong_docs:
+            self._overlong_docs &= {p.doc_id for p in waiting}
         if self.config.schedule_order and m > 1:
             bins = self._deal(bins, work)
         return [MicroBatch(tuple(b), cap) for b in bins]
@@ -289,6 +302,38 @@ class WlbPacker(Packer):
             if w.max() <= mean * 1.02 and np.all(mean - w <= per_token * (cap - d) + 1e-12 * mean):
                 return group
         return []
+
+    def _cut_lonely(self, forced: list[DocPiece], rest: list[DocPiece], th: tuple[int, ...]) -> list[DocPiece]:
+        """The opt-in cut policy: a forced outlier whose queue cannot give it R - 1 companions is
+        cut into the fewest equal pieces below L_1 (ordinary pieces, which the placement balances);
+        ``cut_policy="overlong"`` only cuts pieces of documents longer than S_max. Counted in
+        ``cut_stats``."""
+        l1 = th[0]
+        if l1 < 2:
+            return forced
+        edges = np.asarray(th)
+        queued = np.bincount(np.searchsorted(edges, [p.length for p in rest if p.length >= l1], side="right") - 1,
+                             minlength=len(th)) if rest else np.zeros(len(th), dtype=np.int64)
+        out_levels = [int(np.searchsorted(edges, p.length, side="right")) - 1 if p.length >= l1 else -1
+                      for p in forced]
+        forced_per_level = np.bincount([lv for lv in out_levels if lv >= 0], minlength=len(th))
+        out: list[DocPiece] = []
+        for p, lv in zip(forced, out_levels):
+            lonely = lv >= 0 and queued[lv] + forced_per_level[lv] < self.release_size
+            allowed = self.config.cut_policy == "any" or p.doc_id in self._overlong_docs
+            if not (lonely and allowed):
+                out.append(p)
+                continue
+            k = -(-p.length // (l1 - 1))
+            sizes = [p.length // k + (1 if i < p.length % k else 0) for i in range(k)]
+            off = p.offset
+            for size in sizes:
+                out.append(DocPiece(p.doc_id, off, size, p.arrival))
+                off += size
+            self.cut_stats["cut_points"] += k - 1
+            self.cut_stats["tokens"] += p.length
+            self.cut_stats["pieces"] += k
+        return out
 
     @staticmethod
     def _companions(queue: list[DocPiece], k: int, anchor: int) -> list[DocPiece]:
@@ -341,21 +386,22 @@ class WlbPacker(Packer):
     def _deal(self, bins: list[list[DocPiece]], work: list[float]) -> list[list[DocPiece]]:
         """Deal the micro-batches to DP ranks and order them for the pipeline schedule (d)."""
         cfg = self.config
-        fwd, total = [], []
+        m = len(bins)
+        counts = [len(b) for b in bins]
+        nonempty = np.asarray(counts) > 0
         over_f = over_t = 0.0
         if self.cost is not None:
             over_f = self.cost.microbatch_overhead
             over_t = over_f * (1.0 + self.cost.hardware.bwd_linear)
-        for b, w in zip(bins, work):
-            if not b:
-                fwd.append(0.0)
-                total.append(0.0)
-                continue
-            if self.cost is None:
-                fwd.append(w / 3.0)
-            else:
-                fwd.append(float(piece_forward(self.cost, [p.length for p in b]).sum()) + over_f)
-            total.append(w + over_t)
+        total_arr = np.where(nonempty, np.asarray(work, dtype=np.float64) + over_t, 0.0)
+        if self.cost is None:
+            fwd_arr = total_arr / 3.0
+        else:
+            lengths = np.fromiter((p.length for b in bins for p in b), dtype=np.int64, count=sum(counts))
+            owner = np.repeat(np.arange(m), counts)
+            fwd_arr = np.bincount(owner, weights=piece_forward(self.cost, lengths), minlength=m)
+            fwd_arr = np.where(nonempty, fwd_arr + over_f, 0.0)
+        fwd, total = fwd_arr.tolist(), total_arr.tolist()
         bwd = [t - f for t, f in zip(total, fwd)]
         perm = deal_and_order(fwd, bwd, cfg.dp, cfg.n, cfg.stages, cfg.virtual_stages)
         return [bins[i] for i in perm]
@@ -385,7 +431,8 @@ class WlbPacker(Packer):
                 "hist": [[int(b), int(self._hist[b]), int(self._hist_tokens[b]), float(self._hist_work[b])]
                          for b in nz],
                 "budgets": self._budgets, "forced_splits": self.forced_splits,
-                "fill_releases": self.fill_releases}
+                "fill_releases": self.fill_releases, "cut_stats": dict(self.cut_stats),
+                "overlong_docs": sorted(self._overlong_docs)}
 
     def _load_extra_state(self, state: dict[str, Any]) -> None:
         self._waiting = pieces_from_state(state["waiting"])
@@ -397,3 +444,5 @@ class WlbPacker(Packer):
         self._budgets = int(state["budgets"])
         self.forced_splits = int(state["forced_splits"])
         self.fill_releases = int(state["fill_releases"])
+        self.cut_stats = {k: int(v) for k, v in state["cut_stats"].items()}
+        self._overlong_docs = {int(d) for d in state["overlong_docs"]}
