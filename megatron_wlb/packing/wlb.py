@@ -207,30 +207,36 @@ class WlbPacker(Packer):
                 (candidates if p.length < l1 else outliers).append(p)
             waiting = []
             per_token = self._ordinary_work_per_token(l1)
-            if outliers:
-                levels = np.searchsorted(np.asarray(th), [p.length for p in outliers], side="right") - 1
-                forced_levels = np.searchsorted(np.asarray(th), [p.length for p in forced if p.length >= l1],
-                                                side="right") - 1
-                for q in range(len(th)):
-                    queue = sorted((p for p, lv in zip(outliers, levels.tolist()) if lv == q), key=_age_key)
-                    # A queue whose oldest member hit the delay bound goes out with it, so the
-                    # forced outlier does not run alone against short micro-batches.
-                    nf_q = int((forced_levels == q).sum())
-                    if self.flush_on_force and nf_q and len(queue) >= r - nf_q:
-                        anchor = max(p.length for p in forced if p.length >= l1 and
-                                     int(np.searchsorted(np.asarray(th), p.length, side="right")) - 1 == q)
-                        chosen = self._companions(queue, r - nf_q, anchor)
-                    elif self.flush_on_force and nf_q:
-                        chosen = list(queue)
-                    elif len(queue) >= r:
-                        chosen = self._similar_group(queue, r, per_token) if cfg.group_by_work else queue[:r]
-                    else:
-                        chosen = []
-                    picked = set(chosen)
-                    candidates.extend(chosen)
-                    waiting.extend(p for p in queue if p not in picked)
-        if cfg.cut_policy != "none" and not final and forced:
-            forced = self._cut_lonely(forced, rest, th)
+            edges = np.asarray(th)
+            levels = (np.searchsorted(edges, [p.length for p in outliers], side="right") - 1).tolist()
+            forced_out = [p for p in forced if p.length >= l1]
+            forced_levels = (np.searchsorted(edges, [p.length for p in forced_out], side="right") - 1).tolist()
+            to_cut: set[DocPiece] = set()
+            for q in range(len(th)):
+                queue = sorted((p for p, lv in zip(outliers, levels) if lv == q), key=_age_key)
+                forced_q = [p for p, lv in zip(forced_out, forced_levels) if lv == q]
+                if forced_q:
+                    # A queue whose oldest member hit the delay bound goes out with it (its members
+                    # nearest in length), so the forced outlier does not run alone against short
+                    # micro-batches; with a cut policy, a forced outlier whose group the ordinary
+                    # documents cannot balance is cut instead and its would-be companions wait.
+                    anchor = max(p.length for p in forced_q)
+                    chosen = self._companions(queue, r - len(forced_q), anchor) if self.flush_on_force else []
+                    if cfg.cut_policy != "none" and not self._closable(
+                            [p.length for p in forced_q + chosen], per_token):
+                        cuttable = [p for p in forced_q if self._may_cut(p)]
+                        if cuttable:
+                            to_cut.update(cuttable)
+                            chosen = []
+                elif len(queue) >= r:
+                    chosen = self._similar_group(queue, r, per_token) if cfg.group_by_work else queue[:r]
+                else:
+                    chosen = []
+                picked = set(chosen)
+                candidates.extend(chosen)
+                waiting.extend(p for p in queue if p not in picked)
+            if to_cut:
+                forced = [piece for p in forced for piece in (self._cut(p, l1, per_token) if p in to_cut else [p])]
         if not final and waiting and cfg.min_fill > 0:
             # No near-empty iterations: top the iteration up from the waiting pieces before
             # placing, so long waiting pieces still find empty micro-batches.
@@ -272,15 +278,32 @@ class WlbPacker(Packer):
             bins = self._deal(bins, work)
         return [MicroBatch(tuple(b), cap) for b in bins]
 
+    def _closable(self, lengths: list[int], per_token: float) -> bool:
+        """Whether outliers of ``lengths``, one per micro-batch, can be balanced by the iteration's
+        ordinary tokens (the budget minus theirs, ``per_token`` latency each): spread to even the
+        work, the heaviest stays within 2% of the mean and every micro-batch has the room its
+        share needs."""
+        m = self.config.micro_batches_per_iteration
+        k = len(lengths)
+        if k > m:
+            return False
+        if per_token <= 0 or k == 0:
+            return True
+        d = np.zeros(m, dtype=np.int64)
+        d[:k] = lengths
+        w = np.zeros(m)
+        w[:k] = piece_latency(self.cost, d[:k])
+        ordinary = max(0, self.config.tokens_per_iteration - int(d.sum()))
+        mean = (float(w.sum()) + per_token * ordinary) / m
+        return bool(w.max() <= mean * 1.02 and np.all(mean - w <= per_token * (self.capacity - d) + 1e-12 * mean))
+
     def _similar_group(self, queue: list[DocPiece], r: int, per_token: float) -> list[DocPiece]:
         """R queue members of similar work that the ordinary documents can balance, or none (wait).
 
         Candidates are the windows of R consecutive members by length, those holding the oldest
-        member first, then by length spread. A window is released if it is *closable*: placed one
-        per micro-batch with the iteration's ordinary tokens (the budget minus the group's,
-        ``per_token`` latency each) spread to even the work, the heaviest outlier stays within 2%
-        of the mean and every micro-batch has the room its share needs. A group that never closes
-        goes out when its oldest member reaches the delay bound (with its nearest companions).
+        member first, then by length spread; the first ``_closable`` one is released. A group
+        that never closes goes out when its oldest member reaches the delay bound (with its
+        nearest companions).
         """
         by_len = sorted(queue, key=lambda p: (p.length, *_age_key(p)))
         oldest = queue[0]
@@ -290,49 +313,34 @@ class WlbPacker(Packer):
         order = sorted(windows, key=lambda s: (not has_oldest[s], spread[s], s))
         if self.release_size != self.config.micro_batches_per_iteration or per_token <= 0:
             return by_len[order[0]:order[0] + r]
-        cap = self.capacity
-        budget = self.config.tokens_per_iteration
-        m = self.config.micro_batches_per_iteration
         for s in order:
             group = by_len[s:s + r]
-            d = np.array([p.length for p in group], dtype=np.int64)
-            w = piece_latency(self.cost, d)
-            ordinary = max(0, budget - int(d.sum()))
-            mean = (float(w.sum()) + per_token * ordinary) / m
-            if w.max() <= mean * 1.02 and np.all(mean - w <= per_token * (cap - d) + 1e-12 * mean):
+            if self._closable([p.length for p in group], per_token):
                 return group
         return []
 
-    def _cut_lonely(self, forced: list[DocPiece], rest: list[DocPiece], th: tuple[int, ...]) -> list[DocPiece]:
-        """The opt-in cut policy: a forced outlier whose queue cannot give it R - 1 companions is
-        cut into the fewest equal pieces below L_1 (ordinary pieces, which the placement balances);
-        ``cut_policy="overlong"`` only cuts pieces of documents longer than S_max. Counted in
-        ``cut_stats``."""
-        l1 = th[0]
-        if l1 < 2:
-            return forced
-        edges = np.asarray(th)
-        queued = np.bincount(np.searchsorted(edges, [p.length for p in rest if p.length >= l1], side="right") - 1,
-                             minlength=len(th)) if rest else np.zeros(len(th), dtype=np.int64)
-        out_levels = [int(np.searchsorted(edges, p.length, side="right")) - 1 if p.length >= l1 else -1
-                      for p in forced]
-        forced_per_level = np.bincount([lv for lv in out_levels if lv >= 0], minlength=len(th))
-        out: list[DocPiece] = []
-        for p, lv in zip(forced, out_levels):
-            lonely = lv >= 0 and queued[lv] + forced_per_level[lv] < self.release_size
-            allowed = self.config.cut_policy == "any" or p.doc_id in self._overlong_docs
-            if not (lonely and allowed):
-                out.append(p)
-                continue
-            k = -(-p.length // (l1 - 1))
-            sizes = [p.length // k + (1 if i < p.length % k else 0) for i in range(k)]
-            off = p.offset
-            for size in sizes:
-                out.append(DocPiece(p.doc_id, off, size, p.arrival))
-                off += size
-            self.cut_stats["cut_points"] += k - 1
-            self.cut_stats["tokens"] += p.length
-            self.cut_stats["pieces"] += k
+    def _may_cut(self, p: DocPiece) -> bool:
+        """The cut policy's scope: ``any`` piece, or (``overlong``) pieces of documents over S_max."""
+        return self.config.cut_policy == "any" or (self.config.cut_policy == "overlong" and
+                                                  p.doc_id in self._overlong_docs)
+
+    def _cut(self, p: DocPiece, l1: int, per_token: float) -> list[DocPiece]:
+        """The opt-in cut: ``p`` into the fewest equal pieces that the ordinary documents can
+        balance (``_closable``), or that are ordinary (below L_1). Counted in ``cut_stats``."""
+        k = 2
+        while True:
+            size = -(-p.length // k)
+            if size < l1 or size <= 1 or self._closable([size] * k, per_token):
+                break
+            k += 1
+        sizes = [p.length // k + (1 if i < p.length % k else 0) for i in range(k)]
+        out, off = [], p.offset
+        for size in sizes:
+            out.append(DocPiece(p.doc_id, off, size, p.arrival))
+            off += size
+        self.cut_stats["cut_points"] += k - 1
+        self.cut_stats["tokens"] += p.length
+        self.cut_stats["pieces"] += k
         return out
 
     @staticmethod
