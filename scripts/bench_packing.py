@@ -174,6 +174,12 @@ def to_markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
+def _on_frontier(label: str) -> bool:
+    """The plotted settings: each packer's delay knob (windows, max_delay), not the ablations."""
+    return label.startswith(("original", "fixed-greedy, window")) or \
+        (label.startswith("wlb, max_delay") and label.count(",") == 1)
+
+
 def plot(result: dict, path: Path) -> None:
     import matplotlib
 
@@ -182,14 +188,17 @@ def plot(result: dict, path: Path) -> None:
 
     dps = sorted({t["dp"] for t in result["tables"]})
     fig, axes = plt.subplots(1, len(dps), figsize=(6 * len(dps), 4.5), squeeze=False)
+    colors = {name: plt.get_cmap("tab10")(i) for i, name in enumerate(STREAMS)}
+    styles = {"original": ("s", ":"), "fixed-greedy": ("^", "--"), "wlb": ("o", "-")}
     for ax, dp in zip(axes[0], dps):
         for t in (t for t in result["tables"] if t["dp"] == dp):
-            for fam, marker in (("original", "s"), ("fixed-greedy", "^"), ("wlb", "o")):
-                rows = [r for r in t["rows"] if r["packer"] == fam and "no dealing" not in r["label"]
-                        and "per rank" not in r["label"]]
+            for fam, (marker, line) in styles.items():
+                rows = sorted((r for r in t["rows"] if r["packer"] == fam and _on_frontier(r["label"])),
+                              key=lambda r: r["mean_delay"])
                 if rows:
                     ax.plot([r["mean_delay"] for r in rows], [r["schedule_ratio"] for r in rows], marker=marker,
-                            label=f"{t['stream']} {fam}", alpha=0.8)
+                            linestyle=line, color=colors.get(t["stream"], "k"), alpha=0.85,
+                            label=f"{t['stream']} {fam}" if dp == dps[-1] else None)
         ax.set_title(f"DP = {dp}: slowest rank's 1F1B time / balanced")
         ax.set_xlabel("mean delay (iterations per token)")
         ax.set_ylabel("schedule time / balanced")
