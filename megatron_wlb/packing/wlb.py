@@ -67,6 +67,8 @@ from megatron_wlb.packing.types import DocPiece, MicroBatch
 
 HIST_PER_OCTAVE = 16
 HIST_BINS = 48 * HIST_PER_OCTAVE  # lengths up to 2**48 tokens
+#: a group of outliers is closable when its heaviest member stays within this of the balanced mean
+CLOSE_TOLERANCE = 0.02
 
 
 def _hist_bin(lengths: np.ndarray) -> np.ndarray:
@@ -300,8 +302,8 @@ class WlbPacker(Packer):
     def _closable(self, lengths: list[int], per_token: float) -> bool:
         """Whether outliers of ``lengths``, one per micro-batch, can be balanced by the iteration's
         ordinary tokens (the budget minus theirs, ``per_token`` latency each): spread to even the
-        work, the heaviest stays within 2% of the mean and every micro-batch has the room its
-        share needs."""
+        work, the heaviest stays within ``CLOSE_TOLERANCE`` (2%) of the mean and every micro-batch has
+        the room its share needs."""
         m = self.config.micro_batches_per_iteration
         k = len(lengths)
         if k > m:
@@ -314,7 +316,8 @@ class WlbPacker(Packer):
         w[:k] = piece_latency(self.cost, d[:k])
         ordinary = max(0, self.config.tokens_per_iteration - int(d.sum()))
         mean = (float(w.sum()) + per_token * ordinary) / m
-        return bool(w.max() <= mean * 1.02 and np.all(mean - w <= per_token * (self.capacity - d) + 1e-12 * mean))
+        return bool(w.max() <= mean * (1 + CLOSE_TOLERANCE) and
+                    np.all(mean - w <= per_token * (self.capacity - d) + 1e-12 * mean))
 
     def _similar_group(self, queue: list[DocPiece], r: int, per_token: float) -> list[DocPiece]:
         """R queue members of similar work that the ordinary documents can balance, or none (wait).
