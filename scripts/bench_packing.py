@@ -49,6 +49,8 @@ def settings(quick: bool) -> list[tuple[str, str, dict]]:
     rows: list[tuple[str, str, dict]] = [("original (concat-and-cut)", "original", {})]
     for k in ((1, 4) if quick else (1, 2, 4, 8)):
         rows.append((f"fixed-greedy, window {k}", "fixed-greedy", {"window": k}))
+    for k in ((1,) if quick else (1, 4)):
+        rows.append((f"fixed-solver, window {k}", "fixed-solver", {"window": k}))
     for d in ((2, 8) if quick else (1, 2, 4, 8, 16)):
         rows.append((f"wlb, max_delay {d}", "wlb", {"max_delay": d}))
     rows.append(("wlb, max_delay 8, placement order (no dealing/ordering)", "wlb", {"schedule_order": False}))
@@ -176,7 +178,7 @@ def to_markdown(result: dict) -> str:
 
 def _on_frontier(label: str) -> bool:
     """The plotted settings: each packer's delay knob (windows, max_delay), not the ablations."""
-    return label.startswith(("original", "fixed-greedy, window")) or \
+    return label.startswith(("original", "fixed-greedy, window", "fixed-solver, window")) or \
         (label.startswith("wlb, max_delay") and label.count(",") == 1)
 
 
@@ -189,7 +191,7 @@ def plot(result: dict, path: Path) -> None:
     dps = sorted({t["dp"] for t in result["tables"]})
     fig, axes = plt.subplots(1, len(dps), figsize=(6 * len(dps), 4.5), squeeze=False)
     colors = {name: plt.get_cmap("tab10")(i) for i, name in enumerate(STREAMS)}
-    styles = {"original": ("s", ":"), "fixed-greedy": ("^", "--"), "wlb": ("o", "-")}
+    styles = {"original": ("s", ":"), "fixed-greedy": ("^", "--"), "fixed-solver": ("v", "-."), "wlb": ("o", "-")}
     for ax, dp in zip(axes[0], dps):
         for t in (t for t in result["tables"] if t["dp"] == dp):
             for fam, (marker, line) in styles.items():
