@@ -1,26 +1,240 @@
 #!/usr/bin/env python
-"""Packing benchmark, one command: ``python scripts/bench_packing.py [extra wlb bench options]``.
+"""Packing benchmarks, one command: ``python scripts/bench_packing.py [--iterations K] [--table]``.
 
-Runs ``wlb bench`` on the embedded WLB-LLM length distribution (published by the DistCA authors as
-a stand-in for the paper's data, see megatron_wlb/data/README.md) and on the token lengths of the
-running interpreter's standard library, with configs/7b_128k.yaml (200 global batches; solver rows
-capped at 50), plus the 8K-GPU layout configs/405b_128k_8k.yaml (64 micro-batches per iteration).
-Writes docs/results/packing_bench.md and .json, naming the machine.
+The *frontier* (default): for every packer and setting, imbalance and the slowest DP rank's
+pipeline-schedule time (1F1B from the simulator, over the schedule with every micro-batch at the
+iteration's mean: 1.000 = perfectly balanced) against the mean token delay, on the embedded
+WLB-LLM stand-in stream and on real corpora built from files on this machine
+(``scripts/build_corpora.py``: Python stdlib and site-packages source, C/C++ headers,
+documentation, prose), at DP = 1 and DP = 4, with configs/7b_128k.yaml (N = 4, seq_len 128K,
+S_max 192K). Writes docs/results/packing_frontier.{md,json} and docs/img/packing_frontier.png.
+
+``--table`` also regenerates the paper's Table 2 comparison (``wlb bench``:
+docs/results/packing_bench.{md,json}).
 """
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import json
 import sys
+import time
 from pathlib import Path
+
+import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
 
-from megatron_wlb.cli.main import main  # noqa: E402
+from _results import write_result  # noqa: E402
 
-DEFAULT = ["bench", "--config", "7b_128k", "--iterations", "200", "--solver-iterations", "50",
-           "--lengths", "wlbllm,stdlib", "--scale-config", "405b_128k_8k", "--scale-iterations", "200",
-           "--out", str(ROOT / "docs" / "results"), "--label", "python scripts/bench_packing.py"]
+from megatron_wlb.cli.bench import machine  # noqa: E402
+from megatron_wlb.cli.main import main as wlb_main  # noqa: E402
+from megatron_wlb.cli.pack import resolve_lengths, run_packer  # noqa: E402
+from megatron_wlb.config import load_config  # noqa: E402
+from megatron_wlb.costmodel import build_cost_model  # noqa: E402
+from megatron_wlb.packing import make_packer, summarize  # noqa: E402
+
+CORPORA_DIR = ROOT / "docs" / "results" / "corpora"
+STREAMS = ("wlbllm", "stdlib", "pypkgs", "headers", "docs", "prose")
+TABLE_ARGS = ["bench", "--config", "7b_128k", "--iterations", "200", "--solver-iterations", "50",
+              "--lengths", "wlbllm,stdlib", "--scale-config", "405b_128k_8k", "--scale-iterations", "200",
+              "--out", str(ROOT / "docs" / "results"), "--label", "python scripts/bench_packing.py --table"]
+
+
+def settings(quick: bool) -> list[tuple[str, str, dict]]:
+    """(label, packer, PackingConfig overrides) of the frontier."""
+    rows: list[tuple[str, str, dict]] = [("original (concat-and-cut)", "original", {})]
+    for k in ((1, 4) if quick else (1, 2, 4, 8)):
+        rows.append((f"fixed-greedy, window {k}", "fixed-greedy", {"window": k}))
+    for k in ((1,) if quick else (1, 4)):
+        rows.append((f"fixed-solver, window {k}", "fixed-solver", {"window": k}))
+    for d in ((2, 8) if quick else (1, 2, 4, 8, 16)):
+        rows.append((f"wlb, max_delay {d}", "wlb", {"max_delay": d}))
+    rows.append(("wlb, max_delay 8, placement order (no dealing/ordering)", "wlb", {"schedule_order": False}))
+    rows.append(("wlb, max_delay 8, release N per rank", "wlb", {"release": "rank"}))
+    rows.append(("wlb, max_delay 8, no fill rule (min_fill 0)", "wlb", {"min_fill": 0.0}))
+    rows.append(("wlb, max_delay 8, oldest-R release (no grouping by work)", "wlb", {"group_by_work": False}))
+    rows.append(("wlb, max_delay 8, cut policy 'overlong'", "wlb", {"cut_policy": "overlong"}))
+    rows.append(("wlb, max_delay 8, cut policy 'any'", "wlb", {"cut_policy": "any"}))
+    return rows
+
+
+def stream_lengths(name: str, min_tokens: int) -> tuple[np.ndarray, int]:
+    if name in ("wlbllm",):
+        source = name
+    else:
+        path = CORPORA_DIR / f"{name}.npy"
+        if not path.exists():
+            raise FileNotFoundError(f"{path} is missing: run python scripts/build_corpora.py first")
+        source = str(path)
+    base = resolve_lengths(source).size
+    return resolve_lengths(source, min_tokens=min_tokens), base
+
+
+def frontier(streams: list[str], dps: list[int], iterations: int, quick: bool) -> dict:
+    run = load_config("7b_128k")
+    tables = []
+    for dp in dps:
+        packing0 = dataclasses.replace(run.packing, dp=dp)
+        layout = dataclasses.replace(run.layout, dp=dp)
+        cost = build_cost_model(run.model, layout)
+        for stream in streams:
+            lengths, docs = stream_lengths(stream, (iterations + 16) * packing0.tokens_per_iteration)
+            rows = []
+            for label, name, over in settings(quick):
+                packing = dataclasses.replace(packing0, **over)
+                packer = make_packer(name, packing, cost)
+                t0 = time.perf_counter()
+                batches = run_packer(packer, lengths, iterations)
+                m = summarize(batches, cost, packing.seq_len)
+                rows.append({"label": label, "packer": name, "overrides": over, "wall_s": time.perf_counter() - t0,
+                             "forced_splits": getattr(packer, "forced_splits", 0),
+                             "cut_stats": dict(getattr(packer, "cut_stats", {})), **m.to_dict()})
+                print(f"dp {dp} {stream:8s} {label:55s} sched {m.schedule_ratio:.3f} imb {m.imbalance:.3f} "
+                      f"delay {m.mean_delay:.2f} min fill {m.min_fill:.2f}", file=sys.stderr, flush=True)
+            tables.append({"stream": stream, "dp": dp, "n": packing0.n, "seq_len": packing0.seq_len,
+                           "max_seq_len": packing0.capacity_var, "documents": docs,
+                           "repeats": int(np.ceil(lengths.size / docs)), "cost_model": cost.describe(),
+                           "rows": rows})
+    return {"machine": machine(), "command": "python scripts/bench_packing.py", "iterations": iterations,
+            "tables": tables, "scale": scale(iterations)}
+
+
+def scale(iterations: int) -> dict:
+    """Plan time of the default wlb at the 8K-GPU layout (64 micro-batches per iteration)."""
+    run = load_config("405b_128k_8k")
+    cost = build_cost_model(run.model, run.layout)
+    lengths, _ = stream_lengths("wlbllm", (iterations + 16) * run.packing.tokens_per_iteration)
+    packer = make_packer("wlb", run.packing, cost)
+    batches = run_packer(packer, lengths, iterations)
+    m = summarize(batches, cost, run.packing.seq_len)
+    return {"config": run.name, "layout": str(run.layout), "micro_batches": run.packing.micro_batches_per_iteration,
+            **m.to_dict()}
+
+
+SUMMARY_COLUMNS = (("original", "original (concat-and-cut)"), ("greedy, window 4", "fixed-greedy, window 4"),
+                   ("wlb, placement order", "wlb, max_delay 8, placement order (no dealing/ordering)"),
+                   ("**wlb (default)**", "wlb, max_delay 8"), ("wlb, cut 'any'", "wlb, max_delay 8, cut policy 'any'"),
+                   ("wlb, no fill rule", "wlb, max_delay 8, no fill rule (min_fill 0)"))
+
+
+def summary_table(result: dict) -> str:
+    """The README table: slowest-rank 1F1B time / balanced per stream and DP (mean delay of wlb)."""
+    head = "| stream | DP | " + " | ".join(c for c, _ in SUMMARY_COLUMNS) + " | wlb mean delay / min fill |"
+    lines = [head, "|---|---|" + "---|" * len(SUMMARY_COLUMNS) + "---|"]
+    for t in sorted(result["tables"], key=lambda t: (t["dp"], STREAMS.index(t["stream"]) if t["stream"] in STREAMS
+                                                      else 99)):
+        by = {r["label"]: r for r in t["rows"]}
+        cells = []
+        for col, label in SUMMARY_COLUMNS:
+            r = by.get(label)
+            v = "" if r is None else f"{r['schedule_ratio']:.3f}"
+            cells.append(f"**{v}**" if col.startswith("**") and v else v)
+        d = by.get("wlb, max_delay 8")
+        tail = "" if d is None else f"{d['mean_delay']:.2f} / {d['min_fill']:.2f}"
+        lines.append(f"| {t['stream']} | {t['dp']} | " + " | ".join(cells) + f" | {tail} |")
+    return "\n".join(lines) + "\n"
+
+
+def to_markdown(result: dict) -> str:
+    lines = ["# Packing frontier: schedule time and imbalance vs delay", "",
+             f"Machine: {result['machine']}. Generated by `{result['command']}` "
+             f"({result['iterations']} global batches per row; 7B cost model, configs/7b_128k.yaml).", "",
+             "schedule = sum over iterations of the slowest DP rank's 1F1B time (simulator, PP = N = 4) / the same "
+             "with every micro-batch at the iteration's mean (1.000 = balanced); imbalance = paper Table 2 "
+             "(per DP rank); global = max / mean over all DP x N micro-batches; delay = mean iterations per "
+             "token; min fill = the smallest iteration's tokens / (DP x N x seq_len); plan = ms per global "
+             "batch (CPU time).", "", "Summary (schedule = slowest rank's 1F1B time / balanced; max_delay 8):", "",
+             summary_table(result), "![frontier](../img/packing_frontier.png)", ""]
+    for t in result["tables"]:
+        lines += [f"## {t['stream']}, DP = {t['dp']} (N = {t['n']}, seq_len {t['seq_len']}, S_max "
+                  f"{t['max_seq_len']})", "",
+                  f"{t['documents']} documents" + (f", stream repeated up to {t['repeats']}x (seeded shuffles)"
+                                                   if t["repeats"] > 1 else "") + ".", "",
+                  "| method | schedule | worst iter | imbalance | global | mean delay | max delay | min fill | "
+                  "plan ms |", "|---|---|---|---|---|---|---|---|---|"]
+        for r in t["rows"]:
+            lines.append(f"| {r['label']} | {r['schedule_ratio']:.3f} | {r['schedule_ratio_max']:.2f} | "
+                         f"{r['imbalance']:.3f} | {r['imbalance_global']:.3f} | {r['mean_delay']:.2f} | "
+                         f"{r['max_delay']} | {r['min_fill']:.2f} | {r['plan_cpu_ms_mean']:.2f} |")
+        lines.append("")
+        cuts = [f"- {r['label']}: {r['cut_stats']['cut_points']} cut points, {r['cut_stats']['tokens']} tokens "
+                f"affected, mean piece {r['cut_stats']['tokens'] / r['cut_stats']['pieces']:.0f} tokens"
+                for r in t["rows"] if r.get("cut_stats", {}).get("pieces")]
+        lines += cuts + ([""] if cuts else [])
+    sc = result.get("scale")
+    if sc:
+        lines += [f"## Scale: wlb (default) at {sc['config']} ({sc['layout']}, {sc['micro_batches']} micro-batches "
+                  "per iteration, embedded stream)", "",
+                  f"plan time {sc['plan_cpu_ms_mean']:.2f} ms CPU per global batch (max {sc['plan_cpu_ms_max']:.1f}); "
+                  f"schedule {sc['schedule_ratio']:.3f} (PP = N = 16 here: the objective uses n stages), "
+                  f"imbalance {sc['imbalance']:.3f}, global {sc['imbalance_global']:.3f}, mean delay "
+                  f"{sc['mean_delay']:.2f}.", ""]
+    return "\n".join(lines)
+
+
+def _on_frontier(label: str) -> bool:
+    """The plotted settings: each packer's delay knob (windows, max_delay), not the ablations."""
+    return label.startswith(("original", "fixed-greedy, window", "fixed-solver, window")) or \
+        (label.startswith("wlb, max_delay") and label.count(",") == 1)
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    dps = sorted({t["dp"] for t in result["tables"]})
+    fig, axes = plt.subplots(1, len(dps), figsize=(6 * len(dps), 4.5), squeeze=False)
+    colors = {name: plt.get_cmap("tab10")(i) for i, name in enumerate(STREAMS)}
+    styles = {"original": ("s", ":"), "fixed-greedy": ("^", "--"), "fixed-solver": ("v", "-."), "wlb": ("o", "-")}
+    for ax, dp in zip(axes[0], dps):
+        for t in (t for t in result["tables"] if t["dp"] == dp):
+            for fam, (marker, line) in styles.items():
+                rows = sorted((r for r in t["rows"] if r["packer"] == fam and _on_frontier(r["label"])),
+                              key=lambda r: r["mean_delay"])
+                if rows:
+                    ax.plot([r["mean_delay"] for r in rows], [r["schedule_ratio"] for r in rows], marker=marker,
+                            linestyle=line, color=colors.get(t["stream"], "k"), alpha=0.85,
+                            label=f"{t['stream']} {fam}" if dp == dps[-1] else None)
+        ax.set_title(f"DP = {dp}: slowest rank's 1F1B time / balanced")
+        ax.set_xlabel("mean delay (iterations per token)")
+        ax.set_ylabel("schedule time / balanced")
+        ax.set_xscale("symlog", linthresh=0.05)
+        ax.grid(alpha=0.3)
+    axes[0][-1].legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--iterations", type=int, default=200)
+    ap.add_argument("--streams", default=",".join(STREAMS))
+    ap.add_argument("--dp", default="1,4")
+    ap.add_argument("--quick", action="store_true", help="fewer settings (smoke test)")
+    ap.add_argument("--out", default=str(ROOT / "docs" / "results" / "packing_frontier"))
+    ap.add_argument("--plot", default=str(ROOT / "docs" / "img" / "packing_frontier.png"))
+    ap.add_argument("--table", action="store_true", help="also regenerate the Table 2 benchmark (wlb bench)")
+    ap.add_argument("--render", default=None, help="only re-render the Markdown and plot from this JSON")
+    args = ap.parse_args(argv)
+    if args.render:
+        result = json.loads(Path(args.render).read_text())
+    else:
+        result = frontier([s for s in args.streams.split(",") if s], [int(d) for d in args.dp.split(",")],
+                          args.iterations, args.quick)
+    write_result(args.out, result, to_markdown)
+    if args.plot:
+        plot(result, Path(args.plot))
+    if args.table:
+        return wlb_main(TABLE_ARGS)
+    return 0
+
 
 if __name__ == "__main__":
-    sys.exit(main(DEFAULT + sys.argv[1:]))
+    sys.exit(main())

@@ -14,6 +14,7 @@ would, which is how a Megatron checkpoint keeps the documents waiting in queues.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
@@ -22,9 +23,10 @@ from typing import Any, ClassVar
 import numpy as np
 
 from megatron_wlb.costmodel import CostModel
+from megatron_wlb.packing.metrics import piece_latency
 from megatron_wlb.packing.types import DocPiece, GlobalBatch, MicroBatch, PackingConfig
 
-STATE_VERSION = 1
+STATE_VERSION = 2  # 2: the settings fingerprint covers every field and the cost model
 
 
 def validate_lengths(lengths: Sequence[int] | np.ndarray, what: str = "document lengths") -> np.ndarray:
@@ -98,6 +100,14 @@ class Packer(ABC):
         """
         return 1
 
+    def _min_intake(self) -> int:
+        """Tokens to read this iteration even while earlier overshoot is being repaid (default 0).
+
+        The debt is kept: it is repaid by the part of the budget not read, so the stream rate
+        stays that of concat-and-cut over the run.
+        """
+        return 0
+
     def _extra_state(self) -> dict[str, Any]:
         return {}
 
@@ -141,7 +151,7 @@ class Packer(ABC):
 
     def _intake(self, lengths: np.ndarray, ids: np.ndarray, arrival: int | None = None) -> list[DocPiece]:
         """Read one iteration budget of documents and apply the oversize policy."""
-        budget = self.config.tokens_per_iteration - self._credit
+        budget = max(self.config.tokens_per_iteration - self._credit, self._min_intake())
         start = self.position
         if start >= lengths.size:
             return []
@@ -156,7 +166,7 @@ class Packer(ABC):
         k = int(np.searchsorted(csum, budget, side="left")) + 1  # docs until the budget is covered
         k = min(k, csum.size)
         read = int(csum[k - 1])
-        self._credit = max(0, read - budget)
+        self._credit = max(0, self._credit + read - self.config.tokens_per_iteration)
         self.position = start + k
         return self._apply_oversize(lengths[start:start + k], ids[start:start + k],
                                     self.iteration if arrival is None else arrival)
@@ -186,7 +196,7 @@ class Packer(ABC):
         return {
             "version": STATE_VERSION,
             "packer": self.name,
-            "config": _config_key(self.config),
+            "config": settings_fingerprint(self.config, self.cost),
             "position": self.position,
             "iteration": self.iteration,
             "credit": self._credit,
@@ -199,9 +209,9 @@ class Packer(ABC):
             raise ValueError(f"packer state version {state.get('version')!r}; this build reads {STATE_VERSION}")
         if state.get("packer") != self.name:
             raise ValueError(f"state was saved by the {state.get('packer')!r} packer, not {self.name!r}")
-        if state.get("config") != _config_key(self.config):
-            raise ValueError("packer state was saved with a different configuration: "
-                             f"saved {state.get('config')}, now {_config_key(self.config)}")
+        diff = fingerprint_difference(state.get("config") or {}, settings_fingerprint(self.config, self.cost))
+        if diff:
+            raise ValueError(f"packer state was saved with different settings, refusing to resume: {diff}")
         self.position = int(state["position"])
         self.iteration = int(state["iteration"])
         self._credit = int(state["credit"])
@@ -209,16 +219,33 @@ class Packer(ABC):
         self._load_extra_state(state["extra"])
 
 
-def _config_key(config: PackingConfig) -> dict[str, Any]:
-    """The settings a restored packer must share with the saved one to replay identically."""
-    th = config.queue_thresholds
-    return {
-        "seq_len": config.seq_len, "n": config.n, "dp": config.dp, "max_seq_len": config.max_seq_len,
-        "oversize": config.oversize, "window": config.window,
-        "queue_thresholds": th if th == "auto" else list(th), "num_queues": config.num_queues,
-        "max_delay": config.max_delay, "seed": config.seed,
-        "extra": {str(k): config.extra[k] for k in sorted(config.extra)},
-    }
+#: lengths at which the fingerprint samples the cost model (a calibrated profile changes them)
+_PROBE_LENGTHS = (1, 1024, 8192, 65536, 131072, 262144)
+
+
+def settings_fingerprint(config: PackingConfig, cost: CostModel | None) -> dict[str, Any]:
+    """Everything a restored packer must share with the saved one to replay identically: every
+    ``PackingConfig`` field and the cost model (its description and its latency at a few lengths,
+    which the auto thresholds and every placement depend on). JSON-serialisable."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(config):
+        if f.name == "extra":
+            continue
+        value = getattr(config, f.name)
+        out[f.name] = list(value) if isinstance(value, tuple) else value
+    out["cost_model"] = "d**2 (no cost model)" if cost is None else cost.describe()
+    probe = piece_latency(cost, np.asarray(_PROBE_LENGTHS))
+    overhead = 0.0 if cost is None else float(cost.microbatch_overhead)
+    out["cost_probe"] = [f"{x:.12g}" for x in [*probe.tolist(), overhead]]
+    return out
+
+
+def fingerprint_difference(saved: dict[str, Any], now: dict[str, Any]) -> str:
+    """'' when equal, else one line naming each differing setting: ``name: saved X, now Y``."""
+    keys = sorted(set(saved) | set(now))
+    parts = [f"{k}: saved {saved.get(k, '<absent>')!r}, now {now.get(k, '<absent>')!r}"
+             for k in keys if saved.get(k, "<absent>") != now.get(k, "<absent>")]
+    return "; ".join(parts)
 
 
 PACKERS: dict[str, type[Packer]] = {}

@@ -106,16 +106,27 @@ class PackingMetrics:
     plan_cpu_ms_mean: float     # the same in CPU time of the planning thread
     plan_cpu_ms_max: float
     tokens: int
+    #: the objective: sum over iterations of the slowest DP rank's pipeline-schedule time (1F1B or
+    #: interleaved, from the simulator) / the same with every micro-batch at the iteration's mean
+    schedule_ratio: float = float("nan")
+    schedule_ratio_max: float = float("nan")   # worst iteration
+    min_fill: float = float("nan")             # smallest iteration's tokens / (dp * n * seq_len)
+    low_fill_iterations: int = 0               # iterations below half that budget
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
-def summarize(batches: Sequence[GlobalBatch], cost: CostModel | None, seq_len: int | None = None) -> PackingMetrics:
-    """Metrics over ``batches``. Iterations with no tokens at all are left out of the imbalance means."""
+def summarize(batches: Sequence[GlobalBatch], cost: CostModel | None, seq_len: int | None = None,
+              stages: int | None = None, virtual_stages: int = 1) -> PackingMetrics:
+    """Metrics over ``batches``. Iterations with no tokens at all are left out of the imbalance means.
+
+    ``stages``/``virtual_stages``: the pipeline of the schedule objective (default ``n`` stages, 1F1B).
+    """
     if not batches:
         raise ValueError("summarize needs at least one global batch")
     per_rank, per_rank_fwd, glob = [], [], []
+    slowest, balanced = [], []
     cap = tokens = 0
     for b in batches:
         lat = batch_latencies(cost, b)
@@ -123,6 +134,9 @@ def summarize(batches: Sequence[GlobalBatch], cost: CostModel | None, seq_len: i
             per_rank.extend(imbalance_per_rank(lat).tolist())
             per_rank_fwd.extend(imbalance_per_rank(batch_latencies(cost, b, backward=False)).tolist())
             glob.append(imbalance_global(lat))
+            worst, ideal = slowest_rank_schedule_time(cost, b, stages, virtual_stages)
+            slowest.append(worst)
+            balanced.append(ideal)
         cap += sum(mb.capacity for mb in b.micro_batches)
         tokens += b.tokens
     pr = np.asarray(per_rank, dtype=np.float64)
@@ -132,6 +146,9 @@ def summarize(batches: Sequence[GlobalBatch], cost: CostModel | None, seq_len: i
     plan_cpu = np.array([b.plan_cpu_seconds for b in batches]) * 1e3
     first = batches[0]
     fill = float("nan") if seq_len is None else tokens / (first.dp * first.n * seq_len * len(batches))
+    fills = np.array([b.tokens for b in batches], dtype=np.float64) / (first.dp * first.n * seq_len) \
+        if seq_len is not None else np.array([np.nan])
+    ratios = np.asarray(slowest) / np.asarray(balanced) if slowest else np.array([np.nan])
     return PackingMetrics(
         iterations=len(batches),
         imbalance=float(np.nanmean(pr)) if pr.size else float("nan"),
@@ -148,4 +165,62 @@ def summarize(batches: Sequence[GlobalBatch], cost: CostModel | None, seq_len: i
         plan_cpu_ms_mean=float(plan_cpu.mean()),
         plan_cpu_ms_max=float(plan_cpu.max()),
         tokens=int(tokens),
+        schedule_ratio=float(np.sum(slowest) / np.sum(balanced)) if slowest else float("nan"),
+        schedule_ratio_max=float(np.max(ratios)),
+        min_fill=float(np.min(fills)),
+        low_fill_iterations=int(np.sum(fills < 0.5)),
     )
+
+
+# -- the objective: the slowest DP rank's pipeline-schedule time ------------------------------------
+def microbatch_stage_times(cost: CostModel | None, batch: GlobalBatch) -> tuple[np.ndarray, np.ndarray]:
+    """(forward, backward) seconds of every micro-batch of ``batch``, shape ``(dp, n)`` each.
+
+    The per-layer latencies of ``microbatch_latency``; a stage runs ``layers / pp`` such layers, a
+    common factor that cancels in every ratio. Without a cost model the ``d**2`` weight is split
+    1 : 2 between forward and backward.
+    """
+    total = batch_latencies(cost, batch)
+    if cost is None:
+        return total / 3.0, total * (2.0 / 3.0)
+    fwd = batch_latencies(cost, batch, backward=False)
+    return fwd, total - fwd
+
+
+def schedule_times(cost: CostModel | None, batch: GlobalBatch, stages: int | None = None,
+                   virtual_stages: int = 1) -> np.ndarray:
+    """Pipeline-schedule seconds (per layer-stage) of every DP rank, played through the simulator.
+
+    ``stages`` defaults to ``n`` (the paper's N = PP). Uses ``megatron_wlb.sim.schedule``'s
+    (interleaved) 1F1B, the same code the iteration simulator runs.
+    """
+    from megatron_wlb.sim.schedule import simulate_pipeline
+
+    p = batch.n if stages is None else stages
+    fwd, bwd = microbatch_stage_times(cost, batch)
+    out = np.empty(batch.dp)
+    for r in range(batch.dp):
+        f = np.broadcast_to(fwd[r], (p, batch.n))
+        b = np.broadcast_to(bwd[r], (p, batch.n))
+        out[r] = simulate_pipeline(f, b, virtual_stages=virtual_stages, keep_events=False).makespan
+    return out
+
+
+def balanced_schedule_time(cost: CostModel | None, batch: GlobalBatch, stages: int | None = None,
+                           virtual_stages: int = 1) -> float:
+    """The schedule time if every micro-batch of the iteration carried the mean work (the ideal)."""
+    from megatron_wlb.sim.schedule import simulate_pipeline
+
+    p = batch.n if stages is None else stages
+    fwd, bwd = microbatch_stage_times(cost, batch)
+    f = np.full((p, batch.n), float(fwd.mean()))
+    b = np.full((p, batch.n), float(bwd.mean()))
+    return float(simulate_pipeline(f, b, virtual_stages=virtual_stages, keep_events=False).makespan)
+
+
+def slowest_rank_schedule_time(cost: CostModel | None, batch: GlobalBatch, stages: int | None = None,
+                               virtual_stages: int = 1) -> tuple[float, float]:
+    """(slowest DP rank's schedule time, balanced schedule time) of one iteration: what the job
+    waits for and its ideal; the Megatron adapter logs their ratio as ``wlb/schedule_ratio``."""
+    return float(schedule_times(cost, batch, stages, virtual_stages).max()), \
+        balanced_schedule_time(cost, batch, stages, virtual_stages)

@@ -19,13 +19,14 @@ exposes node limits; single-threaded it is deterministic for a given model and l
 the "same plan on every rank" invariant needs. OR-Tools CP-SAT would need the objective scaled to
 integers and is nondeterministic with several workers.
 
-Determinism: a wall-clock time limit makes the answer depend on machine speed. The solver
-therefore stops on a *node limit* (``PackingConfig.extra["solver_nodes"]``, default 0: the root node
-(presolve, LP, cuts, heuristics) only, see docs/packing.md for the measured trade-off) with one
-thread and a fixed seed, which is deterministic; ``solver_time_limit`` stays as a safety net
-(default 1 s per window): if it is ever hit the plan may differ between ranks, and the packer
-counts it in ``time_limit_hits`` so a run can check (set a generous limit when ranks plan
-independently).
+Determinism: every rank must compute the same plan, so nothing may depend on wall time (a time
+limit makes the answer depend on machine speed and load). The solver stops on a *node limit*
+(``PackingConfig.solver_nodes``, default 0: the root node (presolve, LP, cuts, heuristics) only,
+see docs/packing.md for the measured trade-off) with one thread and a fixed seed, and a window
+whose model has more than ``PackingConfig.solver_max_columns`` binary columns keeps the greedy
+plan (counted in ``skipped_windows``): HiGHS honours no deterministic work limit inside the root
+node (a 62K-column window ran 124 s with a simplex iteration limit of 2,000), so the model size
+is the bound.
 """
 
 from __future__ import annotations
@@ -36,13 +37,13 @@ import numpy as np
 from megatron_wlb.packing.base import register_packer
 from megatron_wlb.packing.greedy import FixedWindowPacker
 from megatron_wlb.packing.metrics import piece_latency
-from megatron_wlb.packing.types import DocPiece
+from megatron_wlb.packing.types import DocPiece, PackingConfig
 
-DEFAULT_NODE_LIMIT = 0
+DEFAULT_NODE_LIMIT: int = PackingConfig.solver_nodes  # the one default, in PackingConfig
 
 
 def solve_assignment(lengths: np.ndarray, weights: np.ndarray, bins: int, cap: int,
-                     start: np.ndarray | None = None, time_limit: float = 1.0, node_limit: int = DEFAULT_NODE_LIMIT,
+                     start: np.ndarray | None = None, node_limit: int = DEFAULT_NODE_LIMIT,
                      seed: int = 0, rel_gap: float = 1e-3) -> tuple[np.ndarray | None, str, float]:
     """Solve Eq. 1 for items in placement order; returns (bin per item or None, HiGHS status, bound).
 
@@ -85,7 +86,6 @@ def solve_assignment(lengths: np.ndarray, weights: np.ndarray, bins: int, cap: i
     h.setOptionValue("output_flag", False)
     h.setOptionValue("threads", 1)
     h.setOptionValue("random_seed", int(seed))
-    h.setOptionValue("time_limit", float(time_limit))
     h.setOptionValue("mip_max_nodes", int(node_limit))
     h.setOptionValue("mip_rel_gap", float(rel_gap))
     h.passModel(lp)
@@ -117,12 +117,13 @@ class FixedSolverPacker(FixedWindowPacker):
     def __init__(self, config, cost=None):
         super().__init__(config, cost)
         self.solver_status: dict[str, int] = {}   # diagnostics: HiGHS status per window
-        self.time_limit_hits = 0
-        nodes = config.extra.get("solver_nodes", DEFAULT_NODE_LIMIT)
-        if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 0:
-            raise ValueError(f"solver_nodes={nodes!r}: must be a non-negative integer (HiGHS branch-and-bound "
-                             "nodes per window; 0 = root node only)")
-        self.node_limit = nodes
+        self.skipped_windows = 0                  # windows over solver_max_columns (greedy plan kept)
+        self.node_limit = int(config.solver_nodes)
+
+    @property
+    def time_limit_hits(self) -> int:
+        """Always 0: the solver has no wall-clock limit any more (kept for callers that print it)."""
+        return 0
 
     def _assign(self, carried: list[DocPiece], new: list[DocPiece], bins: int):
         greedy_bins, left = super()._assign(carried, new, bins)
@@ -144,13 +145,14 @@ class FixedSolverPacker(FixedWindowPacker):
         lower = max(weights.max(), weights.sum() / bins)
         if greedy_max <= lower * (1 + 1e-3):
             return greedy_bins, left
+        columns = int(np.minimum(np.arange(lengths.size), bins - 1).sum() + lengths.size)
+        if columns > self.config.solver_max_columns:
+            self.skipped_windows += 1
+            return greedy_bins, left
         choice, status, _ = solve_assignment(
             lengths, weights, bins, self.config.seq_len, start=start,
-            time_limit=self.config.solver_time_limit,
             node_limit=self.node_limit, seed=self.config.seed)
         self.solver_status[status] = self.solver_status.get(status, 0) + 1
-        if status == "Time limit reached":
-            self.time_limit_hits += 1
         if choice is None:
             return greedy_bins, left
         tokens = np.bincount(choice, weights=lengths, minlength=bins)

@@ -77,39 +77,69 @@ class GlobalBatch:
         return [p for mb in self.micro_batches for p in mb.pieces]
 
 
+ReleasePolicy = Literal["global", "rank"]
+RELEASE_POLICIES: tuple[str, ...] = ("global", "rank")
+CutPolicy = Literal["none", "overlong", "any"]
+CUT_POLICIES: tuple[str, ...] = ("none", "overlong", "any")
+#: the packer knobs that used to live in ``PackingConfig.extra``; still accepted there (mapped onto
+#: the typed fields) so older callers keep working.
+LEGACY_EXTRA_KEYS: tuple[str, ...] = ("outlier_fraction", "flush_on_force", "release", "solver_nodes")
+
+
 @dataclass(frozen=True)
 class PackingConfig:
-    """Settings shared by every packer.
+    """Settings shared by every packer (each field is validated; an error names the bad value)."""
 
-    - ``seq_len``: Megatron's ``--seq-length``; the fixed packers' micro-batch capacity and the
-      token budget: every iteration reads ``dp * n * seq_len`` tokens of new documents (on
-      average), so all packers consume the stream at the same rate.
-    - ``n``: micro-batches per DP rank per iteration (the paper uses n = PP).
-    - ``max_seq_len``: the variable-length packer's capacity (paper S_max); ``None`` means
-      ``DEFAULT_MAX_SEQ_LEN_FACTOR`` (1.5) x seq_len: with exactly seq_len there is no slack to
-      balance (the token budget fills every micro-batch), see docs/packing.md.
-    - ``oversize``: documents longer than a packer's capacity are ``split`` into pieces of at most
-      the capacity, ``drop``-ped (counted in ``Packer.dropped``), or rejected with an ``error``.
-    - ``window``: the fixed packers balance ``window`` global batches at a time (paper: 1/2/4/8).
-    - ``queue_thresholds``: wlb's outlier queue thresholds L_1 < ... < L_n, or ``"auto"``.
-    - ``num_queues``: how many queues ``"auto"`` builds.
-    - ``max_delay``: no document waits more than this many iterations beyond its arrival.
-    - ``extra``: packer-specific knobs: ``outlier_fraction`` (wlb auto thresholds, default 0.7),
-      ``solver_nodes`` (fixed-solver node limit, default 0).
-    - ``solver_time_limit``: seconds the MILP solver may spend per window.
-    """
-
+    #: Megatron's ``--seq-length``: the fixed packers' micro-batch capacity and the token budget
+    #: (every iteration reads ``dp * n * seq_len`` tokens of new documents on average).
     seq_len: int
+    #: micro-batches per DP rank per iteration (the paper uses n = PP)
     n: int
+    #: data-parallel ranks; a global batch holds ``dp * n`` micro-batches
     dp: int = 1
+    #: wlb's micro-batch capacity (paper S_max); None = 1.5 x seq_len (docs/packing.md)
     max_seq_len: int | None = None
+    #: documents longer than a packer's capacity: "split" into pieces, "drop" (counted), or "error"
     oversize: OversizePolicy = "split"
+    #: the fixed packers balance this many global batches at a time (paper: 1/2/4/8)
     window: int = 1
+    #: wlb's outlier queue thresholds L_1 < ... < L_n, or "auto" (derived from the stream)
     queue_thresholds: tuple[int, ...] | Literal["auto"] = "auto"
+    #: how many queues "auto" may build
     num_queues: int = 2
+    #: hard bound: no token waits more than this many iterations beyond its arrival (wlb)
     max_delay: int = 8
-    solver_time_limit: float = 1.0
     seed: int = 0
+    #: wlb auto thresholds: an outlier is a document whose latency reaches this fraction of an
+    #: ordinary micro-batch's mean latency (ordinary = built from non-outlier documents)
+    outlier_fraction: float = 0.7
+    #: wlb: when a queued outlier reaches its delay bound, release its queue-mates with it
+    flush_on_force: bool = True
+    #: wlb: a queue releases "global" (dp * n outliers, one per micro-batch) or "rank" (n) at a time
+    release: ReleasePolicy = "global"
+    #: wlb: a queue releases R outliers of similar length (including its oldest) rather than its R
+    #: oldest, so a release does not mix e.g. 80K and 190K documents
+    group_by_work: bool = True
+    #: wlb: while pieces wait, every iteration trains on at least this fraction of the token budget
+    #: (dp * n * seq_len): waiting pieces are released early (oldest first) to reach it; 0 = off
+    min_fill: float = 0.5
+    #: fixed-solver: HiGHS branch-and-bound nodes per window (0 = root node only); deterministic
+    solver_nodes: int = 0
+    #: fixed-solver: windows whose MILP has more binary columns than this keep the greedy plan
+    #: (a deterministic work bound: plans never depend on wall time)
+    solver_max_columns: int = 20_000
+    #: wlb: deal each iteration's micro-batches to DP ranks and order them within a rank to
+    #: minimise the slowest rank's pipeline-schedule time (contents and delays unchanged)
+    schedule_order: bool = True
+    #: pipeline stages of the schedule objective; None = n (the paper's N = PP)
+    pipeline_stages: int | None = None
+    #: model chunks per stage (interleaved 1F1B when > 1) for the schedule objective
+    virtual_stages: int = 1
+    #: wlb: cut an outlier that reaches its delay bound without companions: "none" (default; no
+    #: document that fits S_max is cut), "overlong" (only pieces of documents longer than S_max),
+    #: "any" (any such outlier); cuts are counted and reported
+    cut_policy: CutPolicy = "none"
+    #: deprecated: the old home of outlier_fraction / flush_on_force / release / solver_nodes
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -117,11 +147,26 @@ class PackingConfig:
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
                 raise ValueError(f"PackingConfig.{name} must be a positive integer, got {value!r}")
 
+        unknown = sorted(set(self.extra) - set(LEGACY_EXTRA_KEYS))
+        if unknown:
+            raise ValueError(f"PackingConfig.extra has unknown keys {unknown}; the packer knobs are typed fields "
+                             f"now: {', '.join(LEGACY_EXTRA_KEYS)}")
+        for key in LEGACY_EXTRA_KEYS:
+            if key in self.extra:
+                object.__setattr__(self, key, self.extra[key])
+        object.__setattr__(self, "extra", {})
         positive_int("seq_len", self.seq_len)
         positive_int("n", self.n)
         positive_int("dp", self.dp)
         positive_int("window", self.window)
         positive_int("num_queues", self.num_queues)
+        positive_int("virtual_stages", self.virtual_stages)
+        positive_int("solver_max_columns", self.solver_max_columns)
+        if self.pipeline_stages is not None:
+            positive_int("pipeline_stages", self.pipeline_stages)
+        if self.virtual_stages > 1 and self.n % self.stages:
+            raise ValueError(f"virtual_stages={self.virtual_stages} (interleaved 1F1B) needs n={self.n} divisible "
+                             f"by pipeline_stages={self.stages}")
         if self.max_seq_len is not None:
             positive_int("max_seq_len", self.max_seq_len)
             if self.max_seq_len < self.seq_len:
@@ -131,8 +176,27 @@ class PackingConfig:
             raise ValueError(f"oversize={self.oversize!r}; valid policies: {', '.join(OVERSIZE_POLICIES)}")
         if isinstance(self.max_delay, bool) or not isinstance(self.max_delay, int) or self.max_delay < 0:
             raise ValueError(f"max_delay must be a non-negative integer of iterations, got {self.max_delay!r}")
-        if not self.solver_time_limit > 0:
-            raise ValueError(f"solver_time_limit must be positive seconds, got {self.solver_time_limit!r}")
+        frac = self.outlier_fraction
+        if isinstance(frac, bool) or not isinstance(frac, (int, float)) or not frac > 0:
+            raise ValueError(f"outlier_fraction={frac!r}: must be a positive number (fraction of an ordinary "
+                             "micro-batch's mean latency that makes a document an outlier)")
+        if not isinstance(self.flush_on_force, bool):
+            raise ValueError(f"flush_on_force={self.flush_on_force!r}: must be true or false")
+        if not isinstance(self.group_by_work, bool):
+            raise ValueError(f"group_by_work={self.group_by_work!r}: must be true or false")
+        if isinstance(self.min_fill, bool) or not isinstance(self.min_fill, (int, float)) or \
+                not 0 <= self.min_fill <= 1:
+            raise ValueError(f"min_fill={self.min_fill!r}: must be a fraction of the token budget in [0, 1]")
+        if not isinstance(self.schedule_order, bool):
+            raise ValueError(f"schedule_order={self.schedule_order!r}: must be true or false")
+        if self.release not in RELEASE_POLICIES:
+            raise ValueError(f"release={self.release!r}: 'global' (dp * n outliers at a time) or 'rank' (n at a time)")
+        if self.cut_policy not in CUT_POLICIES:
+            raise ValueError(f"cut_policy={self.cut_policy!r}; valid policies: {', '.join(CUT_POLICIES)}")
+        nodes = self.solver_nodes
+        if isinstance(nodes, bool) or not isinstance(nodes, (int, np.integer)) or nodes < 0:
+            raise ValueError(f"solver_nodes={nodes!r}: must be a non-negative integer (HiGHS branch-and-bound "
+                             "nodes per window; 0 = root node only)")
         if self.queue_thresholds != "auto":
             th = tuple(self.queue_thresholds)
             if not th or any(not isinstance(t, (int, np.integer)) or t < 1 for t in th) or \
@@ -147,6 +211,11 @@ class PackingConfig:
         if self.max_seq_len is not None:
             return self.max_seq_len
         return int(self.seq_len * DEFAULT_MAX_SEQ_LEN_FACTOR)
+
+    @property
+    def stages(self) -> int:
+        """Pipeline stages of the schedule objective (``pipeline_stages``, default n)."""
+        return self.n if self.pipeline_stages is None else self.pipeline_stages
 
     @property
     def micro_batches_per_iteration(self) -> int:

@@ -1,39 +1,56 @@
-"""``wlb``: variable-length packing with outlier delay (paper Algorithm 1), plus three extensions.
+"""``wlb``: variable-length packing with outlier delay (paper Algorithm 1), plus extensions.
 
 Per iteration, over all ``dp * n`` micro-batches of capacity ``max_seq_len`` (paper S_max):
 
 1. New pieces join the waiting pool. A piece is an *outlier* if its length is at least L_1; the
    outliers wait in ``n_q`` queues by level (L_k <= d < L_{k+1}).
-2. A queue holding at least R pieces releases its R oldest (one per micro-batch: they are the
+2. A queue holding at least R pieces releases R of them (one per micro-batch: they are the
    largest items of the iteration, so the placement below puts them into distinct, empty
-   micro-batches). R = dp * n, see extension (c); ``extra["release"] = "rank"`` makes it n.
-3. Pieces that have waited ``max_delay`` iterations are *forced*: placed before everything else.
-   A queue whose oldest member is forced releases the rest of its members with it (up to R in
-   all; ``extra["flush_on_force"]``, default True), so a forced outlier does not run alone.
+   micro-batches). R = dp * n, see extension (c); ``release="rank"`` makes it n. The paper takes
+   the R oldest (``group_by_work=False``); by default a group of similar work, see (e).
+3. Pieces that have waited ``max_delay`` iterations are *forced*: placed before everything else,
+   in a pass of their own. A queue whose oldest member is forced releases the members nearest to
+   it in length with it (up to R in all; ``flush_on_force``, default True), so a forced outlier
+   does not run alone; with a cut policy (g) it may be cut instead.
 4. The released outliers and the other pieces, by length descending, each go to the micro-batch of
    least workload among those with room for it (the paper: least workload if it fits, else least
    length if it fits; ours picks the least-loaded of all that fit, a superset of both choices);
    what fits nowhere waits for the next iteration.
+5. The micro-batches are dealt to DP ranks and ordered within each rank for the pipeline
+   schedule (d).
 
-Extensions beyond the paper:
+Extensions beyond the paper (docs/packing.md has the measurements):
 
 (a) ``queue_thresholds="auto"`` (default): L_1 is the shortest length whose latency reaches
-    ``outlier_fraction`` (``PackingConfig.extra``, default 0.7) of the mean per-micro-batch latency
-    of the stream read so far, i.e. a document that alone would take most of a micro-batch's fair
-    share of the iteration; L_2 < ... < L_n split the outlier lengths seen so far into equal-count
-    quantiles (so every queue fills at the same rate), using no more queues than the outlier rate
-    can fill with R members each within max_delay / 2 iterations. The statistics (a
-    log-spaced length histogram, the latency sum, the budget count) live in ``state_dict``, so a
+    ``PackingConfig.outlier_fraction`` (default 0.7) of the latency of ``seq_len`` tokens of
+    *ordinary* documents (those below L_1: a fixed point, so outliers do not raise their own
+    bar); L_2 < ... < L_n split the outlier lengths seen so far into equal-count quantiles (so
+    every queue fills at the same rate), using no more queues than the outlier rate can fill
+    with R members each within max_delay / 2 iterations. The statistics (a log-spaced length
+    histogram with token and latency sums per bin, the budget count) live in ``state_dict``, so a
     restored packer derives the same thresholds.
-(b) ``max_delay``: a hard bound on waiting. A forced piece that fits in no micro-batch whole is
-    cut into pieces that fill the micro-batches with most room (counted in ``forced_splits``), so
-    the bound holds whenever an iteration can absorb one iteration's intake (the budget plus the
+(b) ``max_delay``: a hard bound on waiting. Forced pieces are placed first, in their own pass; a
+    forced piece that fits in no micro-batch whole is cut into pieces that fill the micro-batches
+    with most room (counted in ``forced_splits``) before newer pieces can take that room, so the
+    bound holds whenever an iteration can absorb one iteration's intake (the budget plus the
     overshoot of the document crossing it), i.e. whenever no document is longer than
     ``dp * n * (max_seq_len - seq_len)`` (256K tokens at 7b_128k); otherwise it is best effort.
 (c) Global balance: the placement balances all ``dp * n`` micro-batches of the global batch
     together (DP ranks wait for each other at the gradient sync), and a queue releases ``dp * n``
     outliers at a time, one per micro-batch of the global batch: an outlier in one DP rank's
     micro-batch would otherwise set the pace for every rank.
+(d) ``schedule_order``: ``packing.pipeline.deal_and_order`` assigns the micro-batches to DP ranks
+    and orders them within a rank to minimise the slowest rank's (interleaved) 1F1B time; contents
+    and delays are unchanged.
+(e) ``group_by_work``: a queue releases R members of similar length (preferring groups with its
+    oldest) only when the iteration's ordinary documents can balance them (``_closable``); else
+    it waits, within the delay bound.
+(f) ``min_fill``: while pieces wait, every iteration holds at least ``min_fill`` x the token
+    budget unless no waiting piece fits: the intake reads that much even while repaying an
+    overshoot, and waiting pieces are released early, shortest first.
+(g) ``cut_policy`` (opt-in): a forced outlier whose group cannot be balanced is cut into the
+    fewest pieces that can ("overlong": only pieces of documents longer than S_max; "any"),
+    counted in ``cut_stats``.
 """
 
 from __future__ import annotations
@@ -44,12 +61,14 @@ import numpy as np
 
 from megatron_wlb.packing.base import Packer, pieces_from_state, pieces_to_state, register_packer
 from megatron_wlb.packing.greedy import place_greedy
-from megatron_wlb.packing.metrics import piece_latency
+from megatron_wlb.packing.metrics import piece_forward, piece_latency
+from megatron_wlb.packing.pipeline import deal_and_order
 from megatron_wlb.packing.types import DocPiece, MicroBatch
 
 HIST_PER_OCTAVE = 16
 HIST_BINS = 48 * HIST_PER_OCTAVE  # lengths up to 2**48 tokens
-DEFAULT_OUTLIER_FRACTION = 0.7
+#: a group of outliers is closable when its heaviest member stays within this of the balanced mean
+CLOSE_TOLERANCE = 0.02
 
 
 def _hist_bin(lengths: np.ndarray) -> np.ndarray:
@@ -82,25 +101,23 @@ class WlbPacker(Packer):
     def __init__(self, config, cost=None):
         super().__init__(config, cost)
         self._waiting: list[DocPiece] = []
-        self._hist = np.zeros(HIST_BINS, dtype=np.int64)
-        self._weight_sum = 0.0
+        self._hist = np.zeros(HIST_BINS, dtype=np.int64)     # documents per log-length bin
+        self._hist_tokens = np.zeros(HIST_BINS, dtype=np.int64)
+        self._hist_work = np.zeros(HIST_BINS, dtype=np.float64)  # latency per bin
         self._budgets = 0
         self.forced_splits = 0
-        frac = config.extra.get("outlier_fraction", DEFAULT_OUTLIER_FRACTION)
-        if isinstance(frac, bool) or not isinstance(frac, (int, float)) or not frac > 0:
-            raise ValueError(f"outlier_fraction={frac!r}: must be a positive number (fraction of the mean "
-                             "per-micro-batch latency that makes a document an outlier)")
-        self.outlier_fraction = float(frac)
+        self.fill_releases = 0  # pieces the fill guard released early (no near-empty iterations)
+        #: the cut policy's count: cut points made, tokens of the cut pieces, pieces they became
+        self.cut_stats = {"cut_points": 0, "tokens": 0, "pieces": 0}
+        self._overlong_docs: set[int] = set()  # documents longer than S_max (split by oversize)
+        self.outlier_fraction = float(config.outlier_fraction)
         if config.queue_thresholds != "auto" and config.queue_thresholds[-1] > self.capacity:
             raise ValueError(f"queue_thresholds={list(config.queue_thresholds)}: "
                              f"{config.queue_thresholds[-1]} exceeds the wlb capacity max_seq_len="
                              f"{self.capacity}, so no piece can ever reach that queue; use thresholds <= "
                              f"{self.capacity} or 'auto'")
-        self.flush_on_force = bool(config.extra.get("flush_on_force", True))
-        release = config.extra.get("release", "global")
-        if release not in ("global", "rank"):
-            raise ValueError(f"release={release!r}: 'global' (dp * n outliers at a time) or 'rank' (n at a time)")
-        self.release_size = config.micro_batches_per_iteration if release == "global" else config.n
+        self.flush_on_force = config.flush_on_force
+        self.release_size = config.micro_batches_per_iteration if config.release == "global" else config.n
         cap = self.capacity
         self._grid = np.unique(np.geomspace(1, cap, 1024).astype(np.int64))
         self._grid_w = piece_latency(cost, self._grid)
@@ -108,6 +125,17 @@ class WlbPacker(Packer):
     @property
     def capacity(self) -> int:
         return self.config.capacity_var
+
+    def _apply_oversize(self, lengths, ids, arrival):
+        pieces = super()._apply_oversize(lengths, ids, arrival)
+        if self.config.cut_policy == "overlong" and lengths.size and int(lengths.max()) > self.capacity:
+            self._overlong_docs.update(int(i) for i, n in zip(ids.tolist(), lengths.tolist()) if n > self.capacity)
+        return pieces
+
+    def _min_intake(self) -> int:
+        """The fill rule's intake side: after a huge document the intake is in debt; still read
+        enough that the iteration can reach ``min_fill`` x the token budget with what waits."""
+        return max(0, int(self.config.min_fill * self.config.tokens_per_iteration) - self.pending())
 
     def pending(self) -> int:
         return sum(p.length for p in self._waiting)
@@ -126,11 +154,9 @@ class WlbPacker(Packer):
         cap = self.capacity
         if self._budgets == 0:
             return (cap + 1,)
-        target = self._weight_sum / (self._budgets * self.config.micro_batches_per_iteration)
-        k = int(np.searchsorted(self._grid_w, self.outlier_fraction * target, side="left"))
-        if k >= self._grid.size:
+        l1 = self._first_threshold()
+        if l1 > cap:
             return (cap + 1,)  # no document can be an outlier: one queue nobody enters
-        l1 = int(self._grid[k])
         levels = [l1]
         counts = self._hist.copy()
         counts[:_hist_bin(np.array([l1]))[0]] = 0
@@ -149,6 +175,29 @@ class WlbPacker(Packer):
                         levels.append(edge)
         return tuple(levels)
 
+    def _ordinary_work_per_token(self, limit: int) -> float:
+        """Mean latency per token of the documents read so far that are shorter than ``limit``."""
+        below = np.arange(HIST_BINS) < _hist_bin(np.array([limit]))[0]
+        tokens = int(self._hist_tokens[below].sum())
+        return float(self._hist_work[below].sum()) / tokens if tokens else 0.0
+
+    def _first_threshold(self) -> int:
+        """L_1: the shortest length whose latency reaches ``outlier_fraction`` x the latency of a
+        micro-batch of ``seq_len`` tokens of *ordinary* documents (those below L_1: a fixed point,
+        found from "every document is ordinary" downwards, so outliers do not raise their own bar)."""
+        cap = self.capacity
+        l1 = cap + 1
+        for _ in range(8):
+            c = self._ordinary_work_per_token(l1)
+            if c <= 0:
+                break  # nothing below the current L_1 (every document is long): keep it
+            k = int(np.searchsorted(self._grid_w, self.outlier_fraction * c * self.config.seq_len, side="left"))
+            new = int(self._grid[k]) if k < self._grid.size else cap + 1
+            if new >= l1:
+                break
+            l1 = new
+        return l1
+
     # -- planning --------------------------------------------------------------------------------
     def _plan(self, new: list[DocPiece], final: bool) -> list[MicroBatch]:
         cfg = self.config
@@ -158,8 +207,10 @@ class WlbPacker(Packer):
         it = self.iteration
         if new:
             lens = np.fromiter((p.length for p in new), dtype=np.int64, count=len(new))
-            self._hist += np.bincount(_hist_bin(lens), minlength=HIST_BINS)
-            self._weight_sum += float(piece_latency(self.cost, lens).sum())
+            bins_ = _hist_bin(lens)
+            self._hist += np.bincount(bins_, minlength=HIST_BINS)
+            self._hist_tokens += np.bincount(bins_, weights=lens, minlength=HIST_BINS).astype(np.int64)
+            self._hist_work += np.bincount(bins_, weights=piece_latency(self.cost, lens), minlength=HIST_BINS)
             self._budgets += 1
         th = self.thresholds()
         pool = self._waiting + new
@@ -174,39 +225,216 @@ class WlbPacker(Packer):
             for p in rest:
                 (candidates if p.length < l1 else outliers).append(p)
             waiting = []
-            if outliers:
-                levels = np.searchsorted(np.asarray(th), [p.length for p in outliers], side="right") - 1
-                forced_levels = np.searchsorted(np.asarray(th), [p.length for p in forced if p.length >= l1],
-                                                side="right") - 1
-                for q in range(len(th)):
-                    queue = sorted((p for p, lv in zip(outliers, levels.tolist()) if lv == q), key=_age_key)
-                    # A queue whose oldest member hit the delay bound goes out with it, so the
-                    # forced outlier does not run alone against short micro-batches.
-                    take = r if len(queue) >= r else 0
-                    if self.flush_on_force and q in forced_levels.tolist():
-                        take = max(take, min(len(queue), r - int((forced_levels == q).sum())))
-                    candidates.extend(queue[:take])
-                    waiting.extend(queue[take:])
+            per_token = self._ordinary_work_per_token(l1)
+            edges = np.asarray(th)
+            levels = (np.searchsorted(edges, [p.length for p in outliers], side="right") - 1).tolist()
+            forced_out = [p for p in forced if p.length >= l1]
+            forced_levels = (np.searchsorted(edges, [p.length for p in forced_out], side="right") - 1).tolist()
+            to_cut: set[DocPiece] = set()
+            for q in range(len(th)):
+                queue = sorted((p for p, lv in zip(outliers, levels) if lv == q), key=_age_key)
+                forced_q = [p for p, lv in zip(forced_out, forced_levels) if lv == q]
+                if forced_q:
+                    # A queue whose oldest member hit the delay bound goes out with it (its members
+                    # nearest in length), so the forced outlier does not run alone against short
+                    # micro-batches; with a cut policy, a forced outlier whose group the ordinary
+                    # documents cannot balance is cut instead and its would-be companions wait.
+                    anchor = max(p.length for p in forced_q)
+                    chosen = self._companions(queue, r - len(forced_q), anchor) if self.flush_on_force else []
+                    if cfg.cut_policy != "none" and not self._closable(
+                            [p.length for p in forced_q + chosen], per_token):
+                        cuttable = [p for p in forced_q if self._may_cut(p)]
+                        if cuttable:
+                            to_cut.update(cuttable)
+                            kept = [p for p in forced_q if p not in to_cut]
+                            chosen = self._companions(queue, r - len(kept), max(p.length for p in kept)) \
+                                if kept and self.flush_on_force else []
+                elif len(queue) >= r:
+                    chosen = self._similar_group(queue, r, per_token) if cfg.group_by_work else queue[:r]
+                else:
+                    chosen = []
+                picked = set(chosen)
+                candidates.extend(chosen)
+                waiting.extend(p for p in queue if p not in picked)
+            if to_cut:
+                forced = [piece for p in forced for piece in (self._cut(p, l1, per_token) if p in to_cut else [p])]
+        if not final and waiting and cfg.min_fill > 0:
+            # No near-empty iterations: top the iteration up from the waiting pieces before
+            # placing, so long waiting pieces still find empty micro-batches.
+            have = sum(p.length for p in forced) + sum(p.length for p in candidates)
+            early = self._early_release(waiting, cfg.min_fill * cfg.tokens_per_iteration - have)
+            if early:
+                picked = set(early)
+                candidates.extend(early)
+                waiting = [p for p in waiting if p not in picked]
+                self.fill_releases += len(early)
+        # Forced pieces first, in a pass of their own: one that fits nowhere whole is cut into the
+        # micro-batches with most room *before* any newer piece can take that room, so the delay
+        # bound holds whenever one iteration's intake fits in dp * n * max_seq_len.
         forced = _sorted_desc(forced)
         candidates = _sorted_desc(candidates)
-        order = forced + candidates
-        lengths = [p.length for p in order]
-        weights = piece_latency(self.cost, lengths).tolist() if order else []
         work = [0.0] * m
         toks = [0] * m
-        where = place_greedy(lengths, weights, work, toks, cap)
         bins: list[list[DocPiece]] = [[] for _ in range(m)]
-        nf = len(forced)
-        for i, (p, j) in enumerate(zip(order, where)):
-            if j >= 0:
-                bins[j].append(p)
-            elif i < nf:
-                self._split_forced(p, bins, work, toks, cap, waiting)
-            else:
-                waiting.append(p)
+        for group, is_forced in ((forced, True), (candidates, False)):
+            if not group:
+                continue
+            lengths = [p.length for p in group]
+            weights = piece_latency(self.cost, lengths).tolist()
+            where = place_greedy(lengths, weights, work, toks, cap)
+            for p, j in zip(group, where):
+                if j >= 0:
+                    bins[j].append(p)
+                elif is_forced:
+                    self._split_forced(p, bins, work, toks, cap, waiting)
+                else:
+                    waiting.append(p)
+        if not final and waiting and cfg.min_fill > 0:
+            self._fill_guard(bins, work, toks, cap, waiting)
         waiting.sort(key=_age_key)
         self._waiting = waiting
+        if self._overlong_docs:
+            self._overlong_docs &= {p.doc_id for p in waiting}
+        if self.config.schedule_order and m > 1:
+            bins = self._deal(bins, work)
         return [MicroBatch(tuple(b), cap) for b in bins]
+
+    def _closable(self, lengths: list[int], per_token: float) -> bool:
+        """Whether outliers of ``lengths``, one per micro-batch, can be balanced by the iteration's
+        ordinary tokens (the budget minus theirs, ``per_token`` latency each): spread to even the
+        work, the heaviest stays within ``CLOSE_TOLERANCE`` (2%) of the mean and every micro-batch has
+        the room its share needs."""
+        m = self.config.micro_batches_per_iteration
+        k = len(lengths)
+        if k > m:
+            return False
+        if per_token <= 0 or k == 0:
+            return True
+        d = np.zeros(m, dtype=np.int64)
+        d[:k] = lengths
+        w = np.zeros(m)
+        w[:k] = piece_latency(self.cost, d[:k])
+        ordinary = max(0, self.config.tokens_per_iteration - int(d.sum()))
+        mean = (float(w.sum()) + per_token * ordinary) / m
+        return bool(w.max() <= mean * (1 + CLOSE_TOLERANCE) and
+                    np.all(mean - w <= per_token * (self.capacity - d) + 1e-12 * mean))
+
+    def _similar_group(self, queue: list[DocPiece], r: int, per_token: float) -> list[DocPiece]:
+        """R queue members of similar work that the ordinary documents can balance, or none (wait).
+
+        Candidates are the windows of R consecutive members by length, those holding the oldest
+        member first, then by length spread; the first ``_closable`` one is released. A group
+        that never closes goes out when its oldest member reaches the delay bound (with its
+        nearest companions).
+        """
+        by_len = sorted(queue, key=lambda p: (p.length, *_age_key(p)))
+        oldest = queue[0]
+        windows = range(len(by_len) - r + 1)
+        spread = [by_len[s + r - 1].length - by_len[s].length for s in windows]
+        has_oldest = [oldest in by_len[s:s + r] for s in windows]
+        order = sorted(windows, key=lambda s: (not has_oldest[s], spread[s], s))
+        if self.release_size != self.config.micro_batches_per_iteration or per_token <= 0:
+            return by_len[order[0]:order[0] + r]
+        for s in order:
+            group = by_len[s:s + r]
+            if self._closable([p.length for p in group], per_token):
+                return group
+        return []
+
+    def _may_cut(self, p: DocPiece) -> bool:
+        """The cut policy's scope: ``any`` piece, or (``overlong``) pieces of documents over S_max."""
+        return self.config.cut_policy == "any" or (self.config.cut_policy == "overlong" and
+                                                  p.doc_id in self._overlong_docs)
+
+    def _cut(self, p: DocPiece, l1: int, per_token: float) -> list[DocPiece]:
+        """The opt-in cut: ``p`` into the fewest equal pieces that the ordinary documents can
+        balance (``_closable``), or that are ordinary (below L_1). Counted in ``cut_stats``."""
+        k = 2
+        while True:
+            size = -(-p.length // k)
+            if size < l1 or size <= 1 or self._closable([size] * k, per_token):
+                break
+            k += 1
+        sizes = [p.length // k + (1 if i < p.length % k else 0) for i in range(k)]
+        out, off = [], p.offset
+        for size in sizes:
+            out.append(DocPiece(p.doc_id, off, size, p.arrival))
+            off += size
+        self.cut_stats["cut_points"] += k - 1
+        self.cut_stats["tokens"] += p.length
+        self.cut_stats["pieces"] += k
+        return out
+
+    @staticmethod
+    def _companions(queue: list[DocPiece], k: int, anchor: int) -> list[DocPiece]:
+        """The ``k`` members closest in length to a forced outlier of ``anchor`` tokens (older first on ties)."""
+        return sorted(queue, key=lambda p: (abs(p.length - anchor), *_age_key(p)))[:k]
+
+    def _early_release(self, waiting: list[DocPiece], need: float) -> list[DocPiece]:
+        """Waiting pieces worth at least ``need`` tokens, shortest first (they are the easiest to
+        balance against the few ordinary documents of an under-filled iteration); pieces of one
+        document go out together."""
+        out: list[DocPiece] = []
+        if need <= 0:
+            return out
+        docs: dict[int, list[DocPiece]] = {}
+        for p in sorted(waiting, key=lambda p: (p.length, *_age_key(p))):
+            docs.setdefault(p.doc_id, []).append(p)
+        got = 0
+        for doc_pieces in docs.values():
+            if got >= need:
+                break
+            out.extend(doc_pieces)
+            got += sum(p.length for p in doc_pieces)
+        return out
+
+    def _fill_guard(self, bins: list[list[DocPiece]], work: list[float], toks: list[int], cap: int,
+                    waiting: list[DocPiece]) -> None:
+        """No near-empty iterations: while pieces wait, place waiting ones (oldest first, all the
+        waiting pieces of a document together) until the iteration holds ``min_fill`` x the token
+        budget or nothing more fits. ``waiting`` is updated in place."""
+        need = self.config.min_fill * self.config.tokens_per_iteration
+        if sum(toks) >= need:
+            return
+        waiting.sort(key=_age_key)
+        docs: dict[int, list[DocPiece]] = {}
+        for p in waiting:
+            docs.setdefault(p.doc_id, []).append(p)
+        placed: set[DocPiece] = set()
+        for doc_pieces in docs.values():
+            if sum(toks) >= need:
+                break
+            lengths = [p.length for p in doc_pieces]
+            where = place_greedy(lengths, piece_latency(self.cost, lengths).tolist(), work, toks, cap)
+            for p, j in zip(doc_pieces, where):
+                if j >= 0:
+                    bins[j].append(p)
+                    placed.add(p)
+        self.fill_releases += len(placed)
+        waiting[:] = [p for p in waiting if p not in placed]
+
+    def _deal(self, bins: list[list[DocPiece]], work: list[float]) -> list[list[DocPiece]]:
+        """Deal the micro-batches to DP ranks and order them for the pipeline schedule (d)."""
+        cfg = self.config
+        m = len(bins)
+        counts = [len(b) for b in bins]
+        nonempty = np.asarray(counts) > 0
+        over_f = over_t = 0.0
+        if self.cost is not None:
+            over_f = self.cost.microbatch_overhead
+            over_t = over_f * (1.0 + self.cost.hardware.bwd_linear)
+        total_arr = np.where(nonempty, np.asarray(work, dtype=np.float64) + over_t, 0.0)
+        if self.cost is None:
+            fwd_arr = total_arr / 3.0
+        else:
+            lengths = np.fromiter((p.length for b in bins for p in b), dtype=np.int64, count=sum(counts))
+            owner = np.repeat(np.arange(m), counts)
+            fwd_arr = np.bincount(owner, weights=piece_forward(self.cost, lengths), minlength=m)
+            fwd_arr = np.where(nonempty, fwd_arr + over_f, 0.0)
+        fwd, total = fwd_arr.tolist(), total_arr.tolist()
+        bwd = [t - f for t, f in zip(total, fwd)]
+        perm = deal_and_order(fwd, bwd, cfg.dp, cfg.n, cfg.stages, cfg.virtual_stages)
+        return [bins[i] for i in perm]
 
     def _split_forced(self, p: DocPiece, bins: list[list[DocPiece]], work: list[float], toks: list[int],
                       cap: int, waiting: list[DocPiece]) -> None:
@@ -230,14 +458,21 @@ class WlbPacker(Packer):
     def _extra_state(self) -> dict[str, Any]:
         nz = np.flatnonzero(self._hist)
         return {"waiting": pieces_to_state(self._waiting),
-                "hist": [[int(b), int(self._hist[b])] for b in nz],
-                "weight_sum": self._weight_sum, "budgets": self._budgets, "forced_splits": self.forced_splits}
+                "hist": [[int(b), int(self._hist[b]), int(self._hist_tokens[b]), float(self._hist_work[b])]
+                         for b in nz],
+                "budgets": self._budgets, "forced_splits": self.forced_splits,
+                "fill_releases": self.fill_releases, "cut_stats": dict(self.cut_stats),
+                "overlong_docs": sorted(self._overlong_docs)}
 
     def _load_extra_state(self, state: dict[str, Any]) -> None:
         self._waiting = pieces_from_state(state["waiting"])
         self._hist = np.zeros(HIST_BINS, dtype=np.int64)
-        for b, c in state["hist"]:
-            self._hist[int(b)] = int(c)
-        self._weight_sum = float(state["weight_sum"])
+        self._hist_tokens = np.zeros(HIST_BINS, dtype=np.int64)
+        self._hist_work = np.zeros(HIST_BINS, dtype=np.float64)
+        for b, c, t, w in state["hist"]:
+            self._hist[int(b)], self._hist_tokens[int(b)], self._hist_work[int(b)] = int(c), int(t), float(w)
         self._budgets = int(state["budgets"])
         self.forced_splits = int(state["forced_splits"])
+        self.fill_releases = int(state["fill_releases"])
+        self.cut_stats = {k: int(v) for k, v in state["cut_stats"].items()}
+        self._overlong_docs = {int(d) for d in state["overlong_docs"]}
