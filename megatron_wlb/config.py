@@ -7,6 +7,7 @@ checkout; ``load_config`` takes a path or the stem of one of those files (``"7b_
 
 from __future__ import annotations
 
+import inspect
 import math
 import re
 import types
@@ -32,12 +33,34 @@ _TOP_KEYS = ("name", "description", "model", "seq_len", "layout", "micro_batches
 #: (seq_len, micro_batches, layout.dp) or, under Megatron, from its own flags (--seq-length,
 #: --global-batch-size, DP, --seed); never a ``--wlb-*`` flag
 RUN_FIELDS = {"seq_len": "--seq-length", "n": "--global-batch-size", "dp": "the data-parallel size",
-              "seed": "--seed"}
+              "seed": "--seed", "pipeline_stages": "--pipeline-model-parallel-size (layout.pp)",
+              "virtual_stages": "--num-virtual-stages-per-pipeline-rank (virtual_stages)"}
 
 
 # -- knobs: typed dataclass fields as YAML keys and command-line flags ------------------------------------
 def field_docs(cls: type) -> dict[str, str]:
-    """``name -> text`` of the ``- ``name``: text`` bullets of a dataclass docstring (the help text)."""
+    """``name -> text``: the ``- ``name``: text`` bullets of a dataclass docstring (the help text), else the
+    ``#:`` comment lines right above the field in the class body."""
+    docs = _docstring_bullets(cls)
+    try:
+        source = inspect.getsource(cls).splitlines()
+    except (OSError, TypeError):
+        return docs
+    comment: list[str] = []
+    for line in source:
+        stripped = line.strip()
+        if stripped.startswith("#:"):
+            comment.append(stripped[2:].strip())
+            continue
+        m = re.match(r"([a-z_][a-z0-9_]*)\s*:", stripped)
+        if m and comment and m.group(1) not in docs:
+            text = " ".join(comment).replace("``", "`")
+            docs[m.group(1)] = text if text.endswith(".") else text + "."
+        comment = []
+    return docs
+
+
+def _docstring_bullets(cls: type) -> dict[str, str]:
     docs: dict[str, str] = {}
     current = None
     for line in (cls.__doc__ or "").splitlines():
@@ -309,13 +332,15 @@ def config_from_dict(raw: dict, source: str = "<dict>") -> RunConfig:
         raise ValueError(f"{source}: seq_len={seq_len} must be divisible by 2 x cp = {2 * layout.cp} "
                          "(Megatron asserts it)")
     micro_batches = _positive_int(raw.get("micro_batches", layout.pp), f"{source}: micro_batches")
-    try:
-        packing = PackingConfig(seq_len=seq_len, n=micro_batches, dp=layout.dp, **knobs)
+    virtual = _positive_int(raw.get("virtual_stages", 1), f"{source}: virtual_stages")
+    if virtual > 1 and micro_batches % layout.pp:
+        raise ValueError(f"{source}: interleaved 1F1B needs micro_batches ({micro_batches}) divisible by pp "
+                         f"({layout.pp})")
+    try:  # the packer's schedule objective runs the layout's pipeline
+        packing = PackingConfig(seq_len=seq_len, n=micro_batches, dp=layout.dp, pipeline_stages=layout.pp,
+                                virtual_stages=virtual, **knobs)
     except ValueError as exc:
         raise ValueError(f"{source}: packing: {exc}") from None
-    virtual = _positive_int(raw.get("virtual_stages", 1), f"{source}: virtual_stages")
-    if virtual > 1 and packing.n % layout.pp:
-        raise ValueError(f"{source}: interleaved 1F1B needs micro_batches ({packing.n}) divisible by pp ({layout.pp})")
     cp_sharding = raw.get("cp_sharding", "adaptive")
     if cp_sharding not in cp_sharding_names():
         raise ValueError(f"{source}: cp_sharding={cp_sharding!r} is not a CP layout; choose one of "

@@ -120,9 +120,11 @@ def test_state_refuses_another_cost_model(run7b):
     make_packer("wlb", config.packing, cost).load_state_dict(state)  # the same settings load
 
 
-def test_legacy_extra_maps_onto_typed_fields():
-    cfg = PackingConfig(seq_len=100, n=2, extra={"release": "rank", "outlier_fraction": 0.5})
-    assert cfg.release == "rank" and cfg.outlier_fraction == 0.5 and cfg.extra == {}
+def test_packer_knobs_are_typed_fields_only():
+    cfg = PackingConfig(seq_len=100, n=2, release="rank", outlier_fraction=0.5)
+    assert cfg.release == "rank" and cfg.outlier_fraction == 0.5
+    with pytest.raises(TypeError, match="extra"):
+        PackingConfig(seq_len=100, n=2, extra={"release": "rank"})  # the untyped dict is gone
     assert DocPiece(0, 0, 1, 0).length == 1
 
 

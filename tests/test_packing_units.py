@@ -151,7 +151,7 @@ def test_wlb_release_group_size_across_dp(release, group):
     for _ in range(18):
         lengths += [90] + [10] * 51
     cfg = PackingConfig(seq_len=100, n=3, dp=2, max_seq_len=160, queue_thresholds=(80,), max_delay=20,
-                        extra={"release": release})
+                        release=release)
     batches = list(make_packer("wlb", cfg).pack(lengths))
     counts = [sum(p.length == 90 for p in b.pieces()) for b in batches[:16]]
     assert {c for c in counts if c} == {group}, counts
@@ -236,8 +236,6 @@ def test_bad_config_named(kwargs, needle):
     ("wlb", {"queue_thresholds": (100, 400)}, "400 exceeds the wlb capacity max_seq_len=150"),
     ("wlb", {"outlier_fraction": -1}, "outlier_fraction=-1"),
     ("wlb", {"release": "all"}, "release='all'"),
-    ("wlb", {"extra": {"release": "all"}}, "release='all'"),  # the deprecated spelling still checks
-    ("wlb", {"extra": {"releases": "rank"}}, r"unknown keys \['releases'\]"),
     ("wlb", {"cut_policy": "some"}, "cut_policy='some'"),
     ("fixed-solver", {"solver_nodes": 2.5}, "solver_nodes=2.5"),
     ("fixed-solver", {"solver_max_columns": 0}, "solver_max_columns must be a positive integer, got 0"),

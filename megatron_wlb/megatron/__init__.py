@@ -198,7 +198,10 @@ def _wrap_build_iterators(original: Callable, mods: dict[str, Any]) -> Callable:
             gv = mods["global_vars"]
             _RUNTIME.logger = WlbMetricsLogger(cost_model_from_args(args, settings), int(args.seq_length),
                                                settings.log_interval, print_fn=mods["utils"].print_rank_0,
-                                               tb_writer=gv.get_tensorboard_writer, wandb_writer=gv.get_wandb_writer)
+                                               tb_writer=gv.get_tensorboard_writer, wandb_writer=gv.get_wandb_writer,
+                                               stages=int(getattr(args, "pipeline_model_parallel_size", 1) or 1),
+                                               virtual_stages=int(getattr(args, "virtual_pipeline_model_parallel_size",
+                                                                          None) or 1))
         first = not _RUNTIME.registry.iterators
         iterator = build_train_iterator(args, settings, parallel_state.get_data_parallel_rank(),
                                         on_batch=_RUNTIME.logger.on_batch if first else None)

@@ -295,6 +295,8 @@ def packing_config_from_args(args: Any, settings: WlbSettings) -> PackingConfig:
     and every packer knob of the settings."""
     return PackingConfig(seq_len=int(args.seq_length), n=num_microbatches_from_args(args),
                          dp=int(args.data_parallel_size), seed=int(getattr(args, "seed", 0)),
+                         pipeline_stages=int(getattr(args, "pipeline_model_parallel_size", 1) or 1),
+                         virtual_stages=int(getattr(args, "virtual_pipeline_model_parallel_size", None) or 1),
                          **settings.knob_values())
 
 

@@ -32,6 +32,7 @@ class IterationMetrics:
     imbalance: float          # paper Table 2 degree, mean over DP ranks (1.0 = perfect)
     imbalance_max: float      # the worst DP rank's degree
     imbalance_global: float   # max / mean over all DP x N micro-batches
+    schedule_ratio: float     # slowest DP rank's pipeline-schedule time / balanced (what the job waits for)
     tokens: int               # tokens in the global batch
     unused_capacity: float    # 1 - tokens / sum of micro-batch capacities
     mean_delay: float         # iterations per token between arrival and training
@@ -51,13 +52,15 @@ class IterationMetrics:
         return out
 
 
-def iteration_metrics(batch: GlobalBatch, cost: Any = None, seq_len: int | None = None) -> IterationMetrics:
-    """Score ``batch`` with ``megatron_wlb.packing.metrics.summarize`` (``d**2`` weights without a cost model)."""
+def iteration_metrics(batch: GlobalBatch, cost: Any = None, seq_len: int | None = None, stages: int | None = None,
+                      virtual_stages: int = 1) -> IterationMetrics:
+    """Score ``batch`` with ``megatron_wlb.packing.metrics.summarize`` (``d**2`` weights without a cost model);
+    ``stages`` / ``virtual_stages``: the run's pipeline, for the schedule ratio."""
     from megatron_wlb.packing.metrics import summarize
 
-    m = summarize([batch], cost, seq_len)
+    m = summarize([batch], cost, seq_len, stages=stages, virtual_stages=virtual_stages)
     return IterationMetrics(iteration=batch.iteration, imbalance=m.imbalance, imbalance_max=m.imbalance_max,
-                            imbalance_global=m.imbalance_global, tokens=m.tokens,
+                            imbalance_global=m.imbalance_global, schedule_ratio=m.schedule_ratio, tokens=m.tokens,
                             unused_capacity=m.unused_capacity, mean_delay=m.mean_delay, max_delay=m.max_delay,
                             plan_ms=m.plan_ms_mean)
 
@@ -65,7 +68,8 @@ def iteration_metrics(batch: GlobalBatch, cost: Any = None, seq_len: int | None 
 def format_metrics(m: IterationMetrics) -> str:
     """One log line, in the style of Megatron's ``training_log``."""
     return (f" [wlb] iteration {m.iteration + 1:8d} | imbalance {m.imbalance:.3f} (max {m.imbalance_max:.3f}, "
-            f"global {m.imbalance_global:.3f}) | tokens {m.tokens} | unused capacity {m.unused_capacity:.3f} | "
+            f"global {m.imbalance_global:.3f}) | slowest rank / balanced {m.schedule_ratio:.3f} | "
+            f"tokens {m.tokens} | unused capacity {m.unused_capacity:.3f} | "
             f"delay {m.mean_delay:.2f} (max {m.max_delay}) | plan {m.plan_ms:.1f} ms")
 
 
@@ -79,7 +83,8 @@ class WlbMetricsLogger:
 
     def __init__(self, cost: Any = None, seq_len: int | None = None, log_interval: int = 1,
                  print_fn: Callable[[str], None] | None = None,
-                 tb_writer: Callable[[], Any] | None = None, wandb_writer: Callable[[], Any] | None = None):
+                 tb_writer: Callable[[], Any] | None = None, wandb_writer: Callable[[], Any] | None = None,
+                 stages: int | None = None, virtual_stages: int = 1):
         if log_interval < 1:
             raise ValueError(f"log_interval must be >= 1, got {log_interval}")
         self.cost = cost
@@ -88,6 +93,7 @@ class WlbMetricsLogger:
         self.print_fn = print_fn
         self.tb_writer = tb_writer
         self.wandb_writer = wandb_writer
+        self.stages, self.virtual_stages = stages, virtual_stages
         self.latest: IterationMetrics | None = None
         self._batch: GlobalBatch | None = None
         self._tokens = 0      # planned tokens since the last throughput line
@@ -116,7 +122,7 @@ class WlbMetricsLogger:
 
     def metrics(self) -> IterationMetrics | None:
         if self.latest is None and self._batch is not None:
-            self.latest = iteration_metrics(self._batch, self.cost, self.seq_len)
+            self.latest = iteration_metrics(self._batch, self.cost, self.seq_len, self.stages, self.virtual_stages)
         return self.latest
 
     def log(self, iteration: int) -> IterationMetrics | None:

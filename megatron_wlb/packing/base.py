@@ -229,8 +229,6 @@ def settings_fingerprint(config: PackingConfig, cost: CostModel | None) -> dict[
     which the auto thresholds and every placement depend on). JSON-serialisable."""
     out: dict[str, Any] = {}
     for f in dataclasses.fields(config):
-        if f.name == "extra":
-            continue
         value = getattr(config, f.name)
         out[f.name] = list(value) if isinstance(value, tuple) else value
     out["cost_model"] = "d**2 (no cost model)" if cost is None else cost.describe()

@@ -31,7 +31,6 @@ is the bound.
 
 from __future__ import annotations
 
-import highspy
 import numpy as np
 
 from megatron_wlb.packing.base import register_packer
@@ -50,6 +49,10 @@ def solve_assignment(lengths: np.ndarray, weights: np.ndarray, bins: int, cap: i
     ``start`` is a valid assignment satisfying the symmetry cut (item i in bins 0..i); the result,
     when not None, is feasible and its maximum workload is at most ``start``'s.
     """
+    try:  # only this packer needs HiGHS: the rest of the package imports without it
+        import highspy
+    except ImportError as exc:
+        raise ImportError("the fixed-solver packer needs the HiGHS MILP solver: pip install highspy") from exc
     lengths = np.asarray(lengths, dtype=np.int64)
     p = lengths.size
     if p == 0:

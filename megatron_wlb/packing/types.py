@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
@@ -81,9 +81,6 @@ ReleasePolicy = Literal["global", "rank"]
 RELEASE_POLICIES: tuple[str, ...] = ("global", "rank")
 CutPolicy = Literal["none", "overlong", "any"]
 CUT_POLICIES: tuple[str, ...] = ("none", "overlong", "any")
-#: the packer knobs that used to live in ``PackingConfig.extra``; still accepted there (mapped onto
-#: the typed fields) so older callers keep working.
-LEGACY_EXTRA_KEYS: tuple[str, ...] = ("outlier_fraction", "flush_on_force", "release", "solver_nodes")
 
 
 @dataclass(frozen=True)
@@ -139,22 +136,12 @@ class PackingConfig:
     #: document that fits S_max is cut), "overlong" (only pieces of documents longer than S_max),
     #: "any" (any such outlier); cuts are counted and reported
     cut_policy: CutPolicy = "none"
-    #: deprecated: the old home of outlier_fraction / flush_on_force / release / solver_nodes
-    extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         def positive_int(name: str, value: object) -> None:
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
                 raise ValueError(f"PackingConfig.{name} must be a positive integer, got {value!r}")
 
-        unknown = sorted(set(self.extra) - set(LEGACY_EXTRA_KEYS))
-        if unknown:
-            raise ValueError(f"PackingConfig.extra has unknown keys {unknown}; the packer knobs are typed fields "
-                             f"now: {', '.join(LEGACY_EXTRA_KEYS)}")
-        for key in LEGACY_EXTRA_KEYS:
-            if key in self.extra:
-                object.__setattr__(self, key, self.extra[key])
-        object.__setattr__(self, "extra", {})
         positive_int("seq_len", self.seq_len)
         positive_int("n", self.n)
         positive_int("dp", self.dp)
