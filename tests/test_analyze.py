@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import yaml
 
-from megatron_wlb.cli.analyze import blend, parse_blend, shuffle_documents
 from megatron_wlb.cli.main import main
+from megatron_wlb.data.blend import blend, normalised_weights, parse_data_path, shuffle_documents
 from megatron_wlb.data.indexed import read_idx_lengths
 from megatron_wlb.sim.iteration import split_documents
 
@@ -40,14 +40,16 @@ def corpus(tmp_path_factory):
     return d
 
 
-def test_parse_blend_reads_megatron_data_path():
-    assert parse_blend(["0.7", "A", "0.3", "B"]) == [(pytest.approx(0.7), "A"), (pytest.approx(0.3), "B")]
-    assert parse_blend(["2", "A", "6", "B"]) == [(0.25, "A"), (0.75, "B")]
-    assert parse_blend(["A", "B"]) == [(None, "A"), (None, "B")]
+def test_parse_data_path_reads_megatron_blends():
+    assert parse_data_path(["0.7", "A", "0.3", "B"]) == [("A", 0.7), ("B", 0.3)]
+    assert normalised_weights(parse_data_path(["2", "A", "6", "B"])) == [0.25, 0.75]
+    assert parse_data_path(["A", "B"]) == [("A", None), ("B", None)]
+    assert normalised_weights(parse_data_path("A B")) is None
     for bad, match in ((["0.7", "A", "0.3"], "odd"), (["-1", "A"], "positive"), (["A", "0.3"], "weight"),
-                       (["0.5", "A", "0.5", "0.1"], "prefix"), ([], "at least one")):
+                       (["0.5", "A", "0.5", "0.1"], "prefix"), ([], "empty"), (["nan", "A"], "positive"),
+                       (["inf", "A", "1", "B"], "positive")):
         with pytest.raises(ValueError, match=match):
-            parse_blend(bad)
+            parse_data_path(bad)
 
 
 def test_blend_holds_each_weight_share_of_tokens():

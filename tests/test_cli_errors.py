@@ -156,6 +156,25 @@ def test_pack_reads_a_data_prefix(capsys, tmp_path: Path):
     assert report["lengths"] == f"prefix:{prefix}" and report["iterations"] == 2
 
 
+def test_pack_and_bench_read_a_weighted_blend(capsys, tmp_path: Path):
+    a = write_indexed(tmp_path / "a", [1001, 1003, 1005] * 200)   # odd lengths tag dataset a
+    b = write_indexed(tmp_path / "b", [2000, 4000] * 300)          # even lengths tag dataset b
+    plan = tmp_path / "plan.jsonl"
+    rc, out, err = run_wlb(capsys, "pack", "--config", "550m_64k", "--data-path", "0.25", str(a), "0.75", str(b),
+                           "--json", "--iterations", "3", "--out", str(plan))
+    assert rc == 0, err
+    assert json.loads(out)["lengths"] == f"data-path:0.25 {a} 0.75 {b}"
+    lengths = [p[2] for line in plan.read_text().splitlines() for mb in json.loads(line)["micro_batches"] for p in mb]
+    from_a = sum(n for n in lengths if n % 2)
+    assert 0.15 < from_a / sum(lengths) < 0.35  # about a quarter of the tokens come from a
+    rc, out, err = run_wlb(capsys, "bench", "--config", "550m_64k", "--quick", "--iterations", "2",
+                           "--solver-iterations", "1", "--lengths", "wlbllm", "--data-path", "1", str(a), "1", str(b))
+    assert rc == 0, err
+    assert f"data-path:1 {a} 1 {b}" in out
+    rc, _, err = run_wlb(capsys, "pack", "--config", "550m_64k", "--data-path", "nan", str(a))
+    assert rc != 0 and "weight 'nan'" in err and len(err.strip().splitlines()) == 1
+
+
 def test_shard_reads_a_pack_plan(capsys, tmp_path: Path):
     plan = tmp_path / "plan.jsonl"
     rc, _, err = run_wlb(capsys, "pack", "--config", "550m_64k", "--iterations", "2", "--out", str(plan))

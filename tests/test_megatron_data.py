@@ -49,7 +49,7 @@ def test_flag_parsers():
     assert parse_data_path("0.7 /x/a 0.3 /x/b") == [("/x/a", 0.7), ("/x/b", 0.3)]
     with pytest.raises(ValueError, match="WEIGHT PREFIX pairs"):
         parse_data_path(["0.7", "/x/a", "0.3"])
-    with pytest.raises(ValueError, match="mixes weights and prefixes"):
+    with pytest.raises(ValueError, match="looks like a weight"):
         parse_data_path(["/x/a", "0.3"])
     assert parse_split("969,30,1") == pytest.approx((0.969, 0.030, 0.001))
     assert parse_split("98/2") == pytest.approx((0.98, 0.02, 0.0))

@@ -13,10 +13,8 @@ import json
 import sys
 import time
 
-import numpy as np
+from megatron_wlb.data.blend import DEFAULT_SEED
 
-#: Megatron-LM's default ``--seed``.
-DEFAULT_SEED = 1234
 #: Orderings per verdict. With k i.i.d. orderings each, two corpora of the same documents in
 #: different file orders give disjoint [min, max] ranges with probability 2 (k!)^2 / (2k)!:
 #: 10% for k = 3, under 1% for k = 5.
@@ -52,72 +50,6 @@ def add_parser(subparsers) -> None:
     p.set_defaults(func=run)
 
 
-def parse_blend(items: list[str]) -> list[tuple[float | None, str]]:
-    """``["0.7", "A", "0.3", "B"]`` -> ``[(0.7, "A"), (0.3, "B")]`` (normalised weights), or
-    ``["A", "B"]`` -> ``[(None, "A"), (None, "B")]``, as Megatron's ``--data-path`` reads them."""
-    if not items:
-        raise ValueError("--data-path needs at least one dataset prefix")
-
-    def number(x: str) -> float | None:
-        try:
-            return float(x)
-        except ValueError:
-            return None
-
-    if number(items[0]) is None:
-        bad = [x for x in items if number(x) is not None]
-        if bad:
-            raise ValueError(f"--data-path {' '.join(items)}: {bad[0]!r} looks like a weight; give a weight before "
-                             "every prefix ('0.7 A 0.3 B') or none at all ('A B')")
-        return [(None, x) for x in items]
-    if len(items) % 2:
-        raise ValueError(f"--data-path {' '.join(items)}: weights and prefixes must alternate "
-                         "('0.7 A 0.3 B'), got an odd count")
-    pairs = []
-    for i in range(0, len(items), 2):
-        w, prefix = number(items[i]), items[i + 1]
-        if w is None or not np.isfinite(w) or w <= 0:
-            raise ValueError(f"--data-path: weight of {prefix!r} must be a positive number, got {items[i]!r}")
-        pairs.append((w, prefix))
-        if number(prefix) is not None:
-            raise ValueError(f"--data-path: {prefix!r} sits where a dataset prefix belongs")
-    total = sum(w for w, _ in pairs)
-    return [(w / total, prefix) for w, prefix in pairs]
-
-
-def shuffle_documents(lengths: np.ndarray, seed: int) -> np.ndarray:
-    """The documents in the order Megatron's GPTDataset visits them in one epoch: a numpy
-    ``RandomState(seed)`` permutation of the document index."""
-    order = np.arange(lengths.size, dtype=np.int64)
-    np.random.RandomState(seed % 2**32).shuffle(order)
-    return lengths[order]
-
-
-def blend(datasets: list[np.ndarray], weights: list[float] | None) -> tuple[np.ndarray, list[int]]:
-    """Interleave datasets so that each holds its weight's share of the tokens read so far (the
-    document-level analogue of Megatron's BlendedDataset, which fills each sample from the dataset
-    furthest behind its weight). Returns (stream, documents used per dataset): the stream ends
-    when the first dataset runs out, so no document repeats; ``weights=None`` concatenates."""
-    if weights is None:
-        return np.concatenate(datasets), [d.size for d in datasets]
-    if len(weights) != len(datasets):
-        raise ValueError(f"{len(weights)} weights for {len(datasets)} datasets")
-    # a document's "time" is the tokens of its dataset up to its end over the dataset's weight
-    ends = [np.cumsum(d) / w for d, w in zip(datasets, weights)]
-    horizon = min(float(e[-1]) for e in ends)
-    used = [int(np.searchsorted(e, horizon, side="right")) for e in ends]
-    keys = np.concatenate([e[:u] for e, u in zip(ends, used)])
-    docs = np.concatenate([d[:u] for d, u in zip(datasets, used)])
-    return docs[np.argsort(keys, kind="stable")], used
-
-
-def _read_dataset(prefix: str) -> np.ndarray:
-    from megatron_wlb.data.indexed import read_idx_lengths
-    from megatron_wlb.packing.base import validate_lengths
-
-    return validate_lengths(read_idx_lengths(prefix), what=f"lengths in {prefix}.idx")
-
-
 def run(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
@@ -140,24 +72,20 @@ def run(args: argparse.Namespace) -> int:
     notes: list[str] = []
     seeds = [args.seed + k for k in range(1 if args.no_shuffle else args.shuffles)]
     if args.data_path:
-        parts = parse_blend(args.data_path)
-        datasets = [_read_dataset(prefix) for _, prefix in parts]
-        weights = None if parts[0][0] is None else [w for w, _ in parts]
-        streams, used = [], []
+        from megatron_wlb.data.blend import read_blend
+
+        streams = []
         for seed in seeds:
-            shuffled = datasets if args.no_shuffle else [shuffle_documents(d, seed + 7919 * i)
-                                                         for i, d in enumerate(datasets)]
-            stream, used = blend(shuffled, weights)
+            stream, desc, unused = read_blend(args.data_path, None if args.no_shuffle else seed)
             streams.append(stream)
-        desc = " + ".join(f"{'' if w is None else f'{w:.3g} x '}{prefix}.idx ({d.size:,} documents, {u:,} used)"
-                          for (w, prefix), d, u in zip(parts, datasets, used))
         source = f"blend {desc}"
-        unused = sum(d.size - u for d, u in zip(datasets, used))
         if unused:
             notes.append(f"The blend ends when its first dataset runs out (no document repeats), so {unused:,} "
                          "documents of the others are not read.")
     else:
         lengths, source = load_stream(args)
+        from megatron_wlb.data.blend import shuffle_documents
+
         streams = [lengths] if args.no_shuffle else [shuffle_documents(lengths, seed) for seed in seeds]
     order = ("file order (not shuffled)" if args.no_shuffle else
              f"{len(seeds)} shuffles as Megatron's GPTDataset orders documents (numpy RandomState, seeds "

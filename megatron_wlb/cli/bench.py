@@ -50,6 +50,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--lengths", default="wlbllm", help="comma-separated streams: wlbllm, stdlib or files")
     p.add_argument("--data-prefix", metavar="PREFIX", action="append", default=[],
                    help="also benchmark this Megatron indexed dataset (lengths from PREFIX.idx); repeatable")
+    p.add_argument("--data-path", nargs="+", metavar="W_OR_PREFIX", action="append", default=[],
+                   help="also benchmark this Megatron --data-path blend ('W1 PREFIX1 W2 PREFIX2 ...'); repeatable")
     p.add_argument("--scale-config", default=None, help="also time wlb on this layout (e.g. 405b_128k_8k)")
     p.add_argument("--scale-iterations", type=int, default=100, help="global batches at --scale-config")
     p.add_argument("--profile", default=None, help="calibrated cost-model profile JSON (default: analytic)")
@@ -168,7 +170,7 @@ def to_markdown(result: dict) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from megatron_wlb.cli.common import cost_profile, output_dir, positive
-    from megatron_wlb.cli.pack import DATA_PREFIX_SCHEME
+    from megatron_wlb.cli.pack import DATA_PATH_SCHEME, DATA_PREFIX_SCHEME
 
     positive(args.iterations, "--iterations")
     positive(args.solver_iterations, "--solver-iterations")
@@ -182,6 +184,7 @@ def run(args: argparse.Namespace) -> int:
     tables = []
     streams = [s.strip() for s in args.lengths.split(",") if s.strip()]
     streams += [DATA_PREFIX_SCHEME + prefix for prefix in args.data_prefix]
+    streams += [DATA_PATH_SCHEME + " ".join(tokens) for tokens in args.data_path]
     for stream in streams:
         tables.append(bench_one(args.config, stream, rows_for(config.seq_len, args.quick), args.iterations,
                                 args.solver_iterations, args.profile))

@@ -32,6 +32,8 @@ def add_packing_options(p: argparse.ArgumentParser) -> None:
 
 #: a length-stream name that stands for an indexed dataset (``--data-prefix``)
 DATA_PREFIX_SCHEME = "prefix:"
+#: a length-stream name that stands for a Megatron ``--data-path`` blend (shuffled as Megatron does)
+DATA_PATH_SCHEME = "data-path:"
 
 
 def add_parser(subparsers) -> None:
@@ -42,6 +44,9 @@ def add_parser(subparsers) -> None:
                         help="length file (.json/.npy/.txt), 'wlbllm' (embedded) or 'stdlib' (default wlbllm)")
     stream.add_argument("--data-prefix", metavar="PREFIX", default=None,
                         help="a Megatron indexed dataset: document lengths read from PREFIX.idx")
+    stream.add_argument("--data-path", nargs="+", metavar="W_OR_PREFIX", default=None,
+                        help="a Megatron --data-path: 'PREFIX ...' or 'W1 PREFIX1 W2 PREFIX2 ...', each dataset "
+                             "shuffled as Megatron's GPTDataset (seed 1234) and blended by weight")
     add_packing_options(p)
     p.add_argument("--packer", choices=PACKER_NAMES, default=None, help="packer (default: the config's)")
     p.add_argument("--iterations", type=int, default=None, help="stop after K global batches (default: all)")
@@ -52,7 +57,8 @@ def add_parser(subparsers) -> None:
 
 
 def resolve_lengths(source: str, min_tokens: int = 0, seed: int = 0) -> np.ndarray:
-    """Lengths from a file, 'wlbllm', 'stdlib' or ``prefix:PREFIX`` (an indexed dataset); repeated
+    """Lengths from a file, 'wlbllm', 'stdlib', ``prefix:PREFIX`` (an indexed dataset) or
+    ``data-path:W1 P1 W2 P2`` (a blend); repeated
     (a seeded shuffle per extra pass) until they hold at least ``min_tokens`` tokens, so short
     streams can fill long benchmarks."""
     from megatron_wlb.cli.bench import stdlib_lengths
@@ -63,6 +69,10 @@ def resolve_lengths(source: str, min_tokens: int = 0, seed: int = 0) -> np.ndarr
         from megatron_wlb.data.indexed import read_idx_lengths
 
         base = read_idx_lengths(source[len(DATA_PREFIX_SCHEME):])
+    elif source.startswith(DATA_PATH_SCHEME):
+        from megatron_wlb.data.blend import read_blend
+
+        base, _, _ = read_blend(source[len(DATA_PATH_SCHEME):].split())
     else:
         base = load_lengths(source)
     if base.size == 0:
@@ -148,7 +158,8 @@ def run(args: argparse.Namespace) -> int:
     packing = dataclasses.replace(config.packing, **overrides(args))
     name = args.packer or config.packer
     packer = make_packer(name, packing, cost)
-    source = DATA_PREFIX_SCHEME + args.data_prefix if args.data_prefix else args.lengths
+    source = (DATA_PREFIX_SCHEME + args.data_prefix if args.data_prefix else
+              DATA_PATH_SCHEME + " ".join(args.data_path) if args.data_path else args.lengths)
     out = output_file(args.out) if args.out else None
     lengths = resolve_lengths(source)
     if out is not None:

@@ -42,33 +42,11 @@ STREAM_STATE_VERSION = 1
 
 # -- Megatron's data flags ---------------------------------------------------------------------------
 def parse_data_path(data_path: Sequence[str] | str) -> list[tuple[str, float]]:
-    """``--data-path`` tokens -> [(prefix, weight)]: ``A B`` (equal weights) or ``0.7 A 0.3 B``."""
-    tokens = data_path.split() if isinstance(data_path, str) else [str(t) for t in data_path]
-    if not tokens:
-        raise ValueError("--data-path is empty; give one or more PREFIX (of PREFIX.bin/.idx), "
-                         "or WEIGHT PREFIX pairs")
+    """``--data-path`` tokens -> [(prefix, weight)]: ``A B`` (equal weights) or ``0.7 A 0.3 B``
+    (``megatron_wlb.data.blend.parse_data_path``, the one parser)."""
+    from megatron_wlb.data.blend import parse_data_path as parse
 
-    def as_float(text: str) -> float | None:
-        try:
-            return float(text)
-        except ValueError:
-            return None
-
-    if len(tokens) == 1 or as_float(tokens[0]) is None:
-        if any(as_float(t) is not None for t in tokens):
-            raise ValueError(f"--data-path {' '.join(tokens)}: mixes weights and prefixes; give either "
-                             "PREFIX PREFIX ... or WEIGHT PREFIX WEIGHT PREFIX ...")
-        return [(t, 1.0) for t in tokens]
-    if len(tokens) % 2:
-        raise ValueError(f"--data-path {' '.join(tokens)}: weighted blends need WEIGHT PREFIX pairs, "
-                         f"got an odd number ({len(tokens)}) of entries")
-    out: list[tuple[str, float]] = []
-    for w, p in zip(tokens[::2], tokens[1::2]):
-        weight = as_float(w)
-        if weight is None or not (weight > 0 and math.isfinite(weight)):
-            raise ValueError(f"--data-path: weight {w!r} before {p!r} must be a positive number")
-        out.append((p, weight))
-    return out
+    return [(prefix, 1.0 if weight is None else weight) for prefix, weight in parse(data_path)]
 
 
 def parse_split(split: str | Sequence[float]) -> tuple[float, float, float]:
