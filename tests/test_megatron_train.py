@@ -233,6 +233,17 @@ def test_recomputation_leaves_the_losses_unchanged(tmp_path, corpus, cp_runs):
     assert run.losses == pytest.approx(base, rel=1e-5)
 
 
+def test_sequence_parallel_gives_the_losses_of_tp2_without_it(tmp_path, corpus):
+    """TP2 x CP2 with sequence parallelism: every CP rank's tokens padded to a multiple of TP (our
+    local padding rows), the same losses as without SP."""
+    flags = ("--wlb-packing", "wlb", "--wlb-cp-sharding", "adaptive")
+    plain = train(tmp_path, "tp2cp2", corpus, *flags, env={"TP": "2", "CP": "2"})
+    sp = train(tmp_path, "tp2cp2_sp", corpus, *flags, "--sequence-parallel", env={"TP": "2", "CP": "2"})
+    assert_trains(sp)
+    assert sp.losses == pytest.approx(plain.losses, rel=1e-5)
+    assert_documents_once(sp)
+
+
 def test_checkpoint_resume_equals_an_uninterrupted_run(tmp_path, corpus):
     ckpt = tmp_path / "ckpt"
     common = ("--wlb-packing", "wlb", "--save", str(ckpt), "--save-interval", "2", "--ckpt-format", "torch")

@@ -47,6 +47,10 @@ REDIRECTS: tuple[tuple[str, str], ...] = (
      "initialize asserts torch.cuda.is_available() unless asked not to, and pretrain() does not ask"),
     ("Python 3.11: typing.override", "megatron-core >= 0.19 imports typing.override (3.12); "
      "typing_extensions.override stands in"),
+    ("WrappedTorchNorm under --sequence-parallel (not CUDA: apex is missing)",
+     "apex's and TE's norms mark their weights sequence_parallel, so Megatron sums their gradients over "
+     "TP; the local spec's torch fallback refuses SP instead. Here it builds the torch norm and marks it "
+     "the same way, so SP runs on the CPU"),
 )
 
 _INSTALLED = False
@@ -207,6 +211,7 @@ def install_megatron_redirects() -> None:
 
         warmup_keeping_the_cpu_generator.__wlb_cpu__ = True  # type: ignore[attr-defined]
         initialize._warmup_jit_function = warmup_keeping_the_cpu_generator
+    install_sequence_parallel_torch_norm()
     try:  # core <= 0.16: initialize calls it unconditionally; it runs nvcc -V and compiles nothing
         from megatron.legacy import fused_kernels
 
@@ -285,6 +290,33 @@ def write_text_corpus(prefix: str, max_bytes: int = 600_000, separator: str = "\
     os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
     write_indexed_dataset(prefix, docs)
     return len(docs), int(sum(len(d) for d in docs))
+
+
+def install_sequence_parallel_torch_norm() -> None:
+    """Let Megatron's ``WrappedTorchNorm`` (the local spec's norm without apex) run under sequence
+    parallelism: build the torch norm as without SP and mark its parameters ``sequence_parallel``, as
+    apex's fused norms do, so ``finalize_model_grads`` sums their gradients over the TP group."""
+    from megatron.core.transformer import torch_norm
+
+    wrapped = torch_norm.WrappedTorchNorm
+    if getattr(wrapped, "__wlb_sequence_parallel__", False):
+        return
+    original_new = wrapped.__new__
+
+    def __new__(cls, config, hidden_size, *args, **kwargs):
+        if not getattr(config, "sequence_parallel", False):
+            return original_new(cls, config, hidden_size, *args, **kwargs)
+        config.sequence_parallel = False
+        try:
+            norm = original_new(cls, config, hidden_size, *args, **kwargs)
+        finally:
+            config.sequence_parallel = True
+        for param in norm.parameters():
+            param.sequence_parallel = True
+        return norm
+
+    wrapped.__new__ = staticmethod(__new__)
+    wrapped.__wlb_sequence_parallel__ = True
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -26,6 +26,14 @@ def _cuda_graphs(args: Any) -> bool:
                 or impl not in (None, "none"))
 
 
+def _torch_norm_handles_sequence_parallel() -> bool:
+    """Whether the CPU harness taught Megatron's torch norm sequence parallelism (cpu.py)."""
+    import sys
+
+    module = sys.modules.get("megatron.core.transformer.torch_norm")
+    return bool(module is not None and getattr(module.WrappedTorchNorm, "__wlb_sequence_parallel__", False))
+
+
 def check_training_args(args: Any, *, middle_stage_batches: bool) -> list[str]:
     """Check (and where safe, set) Megatron's ``args`` for WLB-LLM training; returns notes to print.
 
@@ -60,7 +68,7 @@ def check_training_args(args: Any, *, middle_stage_batches: bool) -> list[str]:
     if getattr(args, "sequence_parallel", False) and getattr(args, "transformer_impl", None) == "local":
         from megatron_wlb.megatron.args import module_available
 
-        if not module_available("apex"):
+        if not module_available("apex") and not _torch_norm_handles_sequence_parallel():
             problems.append("--sequence-parallel with --transformer-impl local: without apex, Megatron's local "
                             "spec normalises with WrappedTorchNorm, which does not support sequence parallelism; "
                             "use --transformer-impl transformer_engine or drop --sequence-parallel")
