@@ -167,7 +167,7 @@ def run(args: argparse.Namespace) -> int:
             batches = run_packer(packer, lengths, args.iterations, progress=name, out=f)
     else:
         batches = run_packer(packer, lengths, args.iterations, progress=name)
-    metrics = summarize(batches, cost, packing.seq_len)
+    metrics = summarize(batches, cost, packing.seq_len, stages=packing.stages, virtual_stages=packing.virtual_stages)
     report = {"packer": name, "config": config.name, "lengths": source, "documents_read": packer.position,
               "dropped": len(packer.dropped), **metrics.to_dict()}
     if hasattr(packer, "thresholds"):
