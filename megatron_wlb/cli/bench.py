@@ -165,8 +165,8 @@ def to_markdown(result: dict) -> str:
               "rank's pipeline-schedule time over the balanced one (what the job waits for), summed over "
               "iterations; min fill = the emptiest iteration's tokens / (DP x N x seq_len); unused cap. = "
               "1 - tokens / sum of micro-batch capacities (wlb's capacity is S_max); stream rate = tokens "
-              "emitted / (DP x N x seq_len x iterations); ms / batch = wall-clock packing time per global batch (window packers: amortised over "
-              "the window; max = the window start), CPU ms = CPU time of the packing thread (the machine is "
+              "emitted / (DP x N x seq_len x iterations); ms / batch = wall-clock packing time per global "
+              "batch (window packers: amortised over the window; max = the window start), CPU ms = CPU time of the packing thread (the machine is "
               "shared, so wall time includes waiting for a core). Fixed-solver rows are capped at the solver "
               "iteration count shown.", ""]
     return "\n".join(lines)
