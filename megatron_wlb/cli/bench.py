@@ -159,16 +159,17 @@ def to_markdown(result: dict) -> str:
                   f"{r['skipped_windows']} windows over the column cap (greedy plan kept)"
                   for r in table["rows"] if "solver_status" in r]
         lines += notes + [""]
-    lines += ["Columns: imbalance = paper Table 2 (max micro-batch latency x N / sum, per DP rank per iteration, "
-              "mean); worst iter = its maximum; global = max / mean over all DP x N micro-batches; delay in "
-              "iterations per token (emitted - arrival, positive part); slowest rank / balanced = the slowest DP "
-              "rank's pipeline-schedule time over the balanced one (what the job waits for), summed over "
-              "iterations; min fill = the emptiest iteration's tokens / (DP x N x seq_len); unused cap. = "
-              "1 - tokens / sum of micro-batch capacities (wlb's capacity is S_max); stream rate = tokens "
-              "emitted / (DP x N x seq_len x iterations); ms / batch = wall-clock packing time per global "
-              "batch (window packers: amortised over the window; max = the window start), CPU ms = CPU time of the packing thread (the machine is "
-              "shared, so wall time includes waiting for a core). Fixed-solver rows are capped at the solver "
-              "iteration count shown.", ""]
+    lines += [" ".join([
+        "Columns: imbalance = paper Table 2 (max micro-batch latency x N / sum, per DP rank per iteration,",
+        "mean); worst iter = its maximum; global = max / mean over all DP x N micro-batches; slowest rank /",
+        "balanced = the slowest DP rank's pipeline-schedule time over the balanced one (what the job waits",
+        "for), summed over iterations; min fill = the emptiest iteration's tokens / (DP x N x seq_len); delay",
+        "in iterations per token (emitted - arrival, positive part); unused cap. = 1 - tokens / sum of",
+        "micro-batch capacities (wlb's capacity is S_max); stream rate = tokens emitted / (DP x N x seq_len x",
+        "iterations); ms / batch = wall-clock packing time per global batch (window packers: amortised over",
+        "the window; max = the window start), CPU ms = CPU time of the packing thread (the machine is shared,",
+        "so wall time includes waiting for a core). Fixed-solver rows are capped at the solver iteration",
+        "count shown."]), ""]
     return "\n".join(lines)
 
 
