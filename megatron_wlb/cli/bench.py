@@ -22,23 +22,12 @@ import json
 import os
 import platform
 import sys
-import sysconfig
 import time
 from pathlib import Path
-
-import numpy as np
 
 from megatron_wlb.config import load_config
 from megatron_wlb.costmodel import build_cost_model
 from megatron_wlb.packing import make_packer, summarize
-
-
-def stdlib_lengths() -> np.ndarray:
-    """Token lengths (ceil(bytes / 4)) of the standard library's .py files, in sorted path order."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts and p.is_file())
-    sizes = np.array([p.stat().st_size for p in files], dtype=np.int64)
-    return np.maximum(1, (sizes + 3) // 4)
 
 
 def add_parser(subparsers) -> None:

@@ -61,7 +61,7 @@ def resolve_lengths(source: str, min_tokens: int = 0, seed: int = 0) -> np.ndarr
     ``data-path:W1 P1 W2 P2`` (a blend); repeated
     (a seeded shuffle per extra pass) until they hold at least ``min_tokens`` tokens, so short
     streams can fill long benchmarks."""
-    from megatron_wlb.cli.bench import stdlib_lengths
+    from megatron_wlb.data import stdlib_lengths
 
     if source == "stdlib":
         base = stdlib_lengths()

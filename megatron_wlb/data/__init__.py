@@ -110,3 +110,14 @@ def load_lengths(source: str | Path | None = None) -> np.ndarray:
             rows.append(value)
         arr = np.asarray(rows, dtype=np.int64)
     return validate_lengths(arr, what=f"lengths in {path.name}")
+
+
+def stdlib_lengths() -> np.ndarray:
+    """Token lengths (ceil(bytes / 4)) of this Python's standard-library .py files, in sorted path order:
+    a real length distribution on every machine (``--lengths stdlib``)."""
+    import sysconfig
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts and p.is_file())
+    sizes = np.array([p.stat().st_size for p in files], dtype=np.int64)
+    return np.maximum(1, (sizes + 3) // 4)
