@@ -283,6 +283,7 @@ def _training_code(tmp_path) -> str | None:
     return str(dest)
 
 
+@pytest.mark.slow
 def test_apply_inside_the_pinned_training_code(tmp_path):
     """apply() on Megatron's real parse_args/validate_args/get_batch (training code of the pinned commit)."""
     import json

@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 
 torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.slow  # Megatron training runs: minutes; `pytest -m "not slow"` is the fast lane
 
 REPO = Path(__file__).resolve().parents[1]
 PROBE = REPO / "tests" / "megatron_train_probe.py"

@@ -169,6 +169,7 @@ def pinned_checkout(tmp_path_factory) -> Path:
 
 
 @needs_mirror
+@pytest.mark.slow
 def test_real_patch_on_pinned_checkout(pinned_checkout: Path, tmp_path: Path):
     """Apply the real patch to the pinned commit, re-apply (no-op), import and drive the patched code."""
     mlm = pinned_checkout
@@ -388,6 +389,7 @@ print("validated smoke")
 
 
 @needs_mirror
+@pytest.mark.slow
 def test_launcher_flags_parse_with_megatrons_parser(pinned_checkout: Path, tmp_path: Path):
     """Every flag the launchers pass exists in the pinned Megatron-LM's parser (or ours): the sbatch
     scripts of all configs, the single-node launcher and the GPU smoke recipe."""
