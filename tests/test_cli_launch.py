@@ -7,11 +7,10 @@ own parser when a checkout is available.)"""
 from __future__ import annotations
 
 import argparse
-import os
 import subprocess
-import sys
 from pathlib import Path
 
+import conftest
 import pytest
 
 from megatron_wlb.config import list_configs, load_config
@@ -54,20 +53,9 @@ def start_up_check(argv: list[str], world: int):
 
 
 def fake_cluster(tmp_path: Path) -> dict:
-    bindir = tmp_path / "bin"
-    bindir.mkdir()
-    (bindir / "srun").write_text('#!/bin/bash\nprintf "%s\\n" "$@" > "$WLB_RECORD"\n')
-    (bindir / "scontrol").write_text("#!/bin/bash\necho node-a\n")
-    for stub in ("srun", "scontrol"):
-        (bindir / stub).chmod(0o755)
-    mlm = tmp_path / "mlm"
-    mlm.mkdir()
-    (mlm / "pretrain_gpt.py").write_text("_wlb.apply(middle_stage_batches=True)\n")
-    return {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}", "WLB_RECORD": str(tmp_path / "argv.txt"),
-            "MEGATRON_LM": str(mlm), "DATA_PATH": "0.3 /data/a_text_document 0.7 /data/b_text_document",
-            "TOKENIZER_MODEL": "some/tokenizer", "SLURM_JOB_NODELIST": "node-a", "SLURM_JOB_ID": "7",
-            "CKPT_DIR": str(tmp_path / "ckpt"), "LOG_DIR": str(tmp_path / "logs"), "PYTHONPATH": str(ROOT),
-            "PYTHON": sys.executable}
+    """One node: conftest's stub cluster environment."""
+    env, _ = conftest.fake_cluster(tmp_path, nodes=("node-a",), nodelist="node-a")
+    return env
 
 
 def after_script(words: list[str]) -> list[str]:

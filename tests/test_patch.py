@@ -18,6 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import conftest
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -251,22 +252,8 @@ def _flag(argv: list[str], name: str) -> str:
 
 
 def _fake_cluster(tmp_path: Path) -> tuple[dict, Path]:
-    """PATH with stub srun/scontrol/torchrun that record their argv, and a patched-looking checkout."""
-    bindir = tmp_path / "bin"
-    bindir.mkdir()
-    record = tmp_path / "argv.txt"
-    (bindir / "srun").write_text('#!/bin/bash\nprintf "%s\\n" "srun" "$@" > "$WLB_RECORD"\n')
-    (bindir / "scontrol").write_text('#!/bin/bash\necho node-a; echo node-b\n')
-    for stub in ("srun", "scontrol"):
-        (bindir / stub).chmod(0o755)
-    mlm = tmp_path / "mlm"
-    mlm.mkdir()
-    (mlm / "pretrain_gpt.py").write_text("_wlb.apply(middle_stage_batches=True)\n")
-    env = {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}", "WLB_RECORD": str(record),
-           "MEGATRON_LM": str(mlm), "DATA_PATH": "0.3 /data/a_text_document 0.7 /data/b_text_document",
-           "TOKENIZER_MODEL": "meta-llama/Llama-2-7b-hf", "SLURM_JOB_NODELIST": "node-[a-b]", "SLURM_JOB_ID": "4242",
-           "CKPT_DIR": str(tmp_path / "ckpt"), "LOG_DIR": str(tmp_path / "logs")}
-    return env, record
+    """Two nodes: conftest's stub cluster environment and the file srun records into."""
+    return conftest.fake_cluster(tmp_path)
 
 
 def test_generated_sbatch_scripts_are_current_and_parse():
