@@ -29,3 +29,63 @@ def fake_cluster(tmp_path: Path, nodes: tuple[str, ...] = ("node-a", "node-b"), 
            "CKPT_DIR": str(tmp_path / "ckpt"), "LOG_DIR": str(tmp_path / "logs"), "PYTHONPATH": str(ROOT),
            "PYTHON": sys.executable}
     return env, record
+
+
+#: how long a gloo world may run before it counts as hung
+WORLD_TIMEOUT_S = 240
+
+
+def _world_entry(worker, rank: int, world: int, store: str, queue, kwargs: dict) -> None:
+    import traceback
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+        worker(rank, world, **kwargs)
+        dist.barrier()
+        queue.put((rank, None))
+    except BaseException:  # noqa: BLE001 - every failure goes to the parent
+        queue.put((rank, traceback.format_exc()))
+
+
+def run_world(worker, world: int, *, start_method: str = "spawn", **kwargs) -> None:
+    """Run ``worker(rank, world, **kwargs)`` on ``world`` processes joined in one gloo group (a file store,
+    so no ports), and fail with every rank's traceback on error, or on a hang after WORLD_TIMEOUT_S.
+    ``start_method="fork"`` lets the workers inherit the parent's imports (torch, megatron.core)."""
+    import queue as queue_mod
+    import tempfile
+
+    import pytest
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context(start_method)
+    results: dict[int, str | None] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        queue = ctx.Queue()
+        procs = [ctx.Process(target=_world_entry, args=(worker, r, world, os.path.join(tmp, "store"), queue, kwargs),
+                             daemon=True) for r in range(world)]
+        for p in procs:
+            p.start()
+        try:
+            while len(results) < world:
+                try:
+                    rank, err = queue.get(timeout=WORLD_TIMEOUT_S)
+                except queue_mod.Empty:
+                    pytest.fail(f"gloo world of {world} hung for {WORLD_TIMEOUT_S}s; ranks done: {sorted(results)}")
+                results[rank] = err
+                if err is not None:
+                    break
+        finally:
+            done = len(results) == world and all(e is None for e in results.values())
+            for p in procs:
+                p.join(timeout=5 if done else 0.1)
+                if p.is_alive():
+                    p.terminate()
+    errors = {r: e for r, e in results.items() if e is not None}
+    assert not errors, "\n".join(f"--- rank {r} ---\n{e}" for r, e in errors.items())

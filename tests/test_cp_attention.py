@@ -4,17 +4,11 @@ document-causal attention: forward output and dq, dk, dv, for every layout and m
 
 from __future__ import annotations
 
-import datetime
-import os
-import tempfile
-import time
-import traceback
-
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from conftest import run_world
 
 from megatron_wlb.cp.attention import (
     AllGatherCPAttention,
@@ -26,7 +20,6 @@ from megatron_wlb.cp.attention import (
 from megatron_wlb.cp.layouts import LAYOUT_NAMES, build_layout
 
 HEADS, KV_HEADS, DIM = 4, 2, 8
-TIMEOUT_S = 300
 
 
 def _length_mixes(cp: int, seed: int) -> list[list[int]]:
@@ -70,57 +63,30 @@ def _check_case(lengths: list[int], cp: int, rank: int, layout: str, tile: int, 
     torch.testing.assert_close(vl.grad, v.grad[idx], rtol=1e-4, atol=1e-5, msg=lambda m: f"dv {what}: {m}")
 
 
-def _worker(rank: int, cp: int, store: str, errdir: str) -> None:
+def _worker(rank: int, cp: int) -> None:
+    group = dist.new_group(list(range(cp)))
+    case = 0
+    for mix_id, lengths in enumerate(_length_mixes(cp, seed=cp)):
+        for layout in LAYOUT_NAMES:
+            for tile in (1, 4) if layout in ("hybrid", "adaptive") else (1,):
+                _check_case(lengths, cp, rank, layout, tile, seed=1000 * mix_id + case, group=group)
+                case += 1
+    # Metadata that does not match the process group fails before any collective (no hang).
+    lay = build_layout("per-document", [5, 9], cp)
+    wrong = lay.ranks[(rank + 1) % cp]
+    n = wrong.num_tokens
     try:
-        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=cp,
-                                timeout=datetime.timedelta(seconds=180))
-        torch.set_num_threads(1)
-        group = dist.new_group(list(range(cp)))
-        case = 0
-        for mix_id, lengths in enumerate(_length_mixes(cp, seed=cp)):
-            for layout in LAYOUT_NAMES:
-                for tile in (1, 4) if layout in ("hybrid", "adaptive") else (1,):
-                    _check_case(lengths, cp, rank, layout, tile, seed=1000 * mix_id + case, group=group)
-                    case += 1
-        # Metadata that does not match the process group fails before any collective (no hang).
-        lay = build_layout("per-document", [5, 9], cp)
-        wrong = lay.ranks[(rank + 1) % cp]
-        n = wrong.num_tokens
-        try:
-            all_gather_cp_attention(torch.zeros(n, HEADS, DIM), torch.zeros(n, KV_HEADS, DIM),
-                                    torch.zeros(n, KV_HEADS, DIM), wrong, group)
-        except ValueError as exc:
-            assert "rank" in str(exc), exc
-        else:
-            raise AssertionError("a shard of another rank was accepted")
-        dist.barrier(group)
-        dist.destroy_process_group()
-    except BaseException:
-        with open(os.path.join(errdir, f"rank{rank}.err"), "w") as f:
-            f.write(traceback.format_exc())
-        raise
-
-
-def _run_group(cp: int) -> None:
-    with tempfile.TemporaryDirectory() as tmp:
-        store = os.path.join(tmp, "store")
-        ctx = mp.start_processes(_worker, args=(cp, store, tmp), nprocs=cp, join=False, start_method="spawn")
-        deadline = time.monotonic() + TIMEOUT_S
-        try:
-            while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"CP={cp} workers did not finish within {TIMEOUT_S}s (hang?)")
-        except Exception as exc:
-            errors = [open(os.path.join(tmp, f)).read() for f in sorted(os.listdir(tmp)) if f.endswith(".err")]
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.terminate()
-            raise AssertionError(f"CP={cp} failed: {exc}\n" + "\n".join(errors)) from None
+        all_gather_cp_attention(torch.zeros(n, HEADS, DIM), torch.zeros(n, KV_HEADS, DIM),
+                                torch.zeros(n, KV_HEADS, DIM), wrong, group)
+    except ValueError as exc:
+        assert "rank" in str(exc), exc
+    else:
+        raise AssertionError("a shard of another rank was accepted")
 
 
 @pytest.mark.parametrize("cp", [2, 4])
 def test_all_gather_cp_attention_matches_reference(cp):
-    _run_group(cp)
+    run_world(_worker, cp)
 
 
 def test_single_process_cp1_and_errors():

@@ -15,74 +15,15 @@ Single-process tests cover the cu_seqlens parsing, errors, the TE path's params 
 
 from __future__ import annotations
 
-import os
-import socket
-import traceback
-import warnings
-
 import numpy as np
 import pytest
 import torch
 
 pytest.importorskip("megatron.core")
 
+from conftest import run_world  # noqa: E402
+
 LAYOUTS = ("per-sequence", "per-document", "per-document-te", "adaptive", "hybrid")
-TIMEOUT_S = 240
-
-
-# ---------------------------------------------------------------------------------------------------
-# process harness
-# ---------------------------------------------------------------------------------------------------
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(worker, rank, world, port, queue, kwargs):
-    warnings.filterwarnings("ignore")
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
-    try:
-        import torch.distributed as dist
-
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-        worker(rank, world, **kwargs)
-        dist.barrier()
-        queue.put((rank, None))
-    except BaseException:  # noqa: BLE001 - report every failure to the parent
-        queue.put((rank, traceback.format_exc()))
-
-
-def run_world(worker, world: int, **kwargs) -> None:
-    """Run ``worker(rank, world, **kwargs)`` on ``world`` gloo processes; fail on error or hang."""
-    ctx = torch.multiprocessing.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_entry, args=(worker, r, world, port, queue, kwargs), daemon=True)
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    results: dict[int, str | None] = {}
-    try:
-        import queue as queue_mod
-
-        while len(results) < world:
-            try:
-                rank, err = queue.get(timeout=TIMEOUT_S)
-            except queue_mod.Empty:
-                pytest.fail(f"gloo world of {world} hung for {TIMEOUT_S}s; ranks done: {sorted(results)}")
-            results[rank] = err
-            if err is not None:
-                break
-    finally:
-        for p in procs:
-            p.join(timeout=5 if all(e is None for e in results.values()) and len(results) == world else 0.1)
-            if p.is_alive():
-                p.terminate()
-    errors = {r: e for r, e in results.items() if e is not None}
-    assert not errors, "\n".join(f"--- rank {r} ---\n{e}" for r, e in errors.items())
 
 
 # ---------------------------------------------------------------------------------------------------

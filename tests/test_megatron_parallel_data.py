@@ -6,14 +6,11 @@ from __future__ import annotations
 
 import hashlib
 import os
-import socket
 import sysconfig
-import time
-import traceback
 from argparse import Namespace
 
 import pytest
-import torch.multiprocessing as mp
+from conftest import run_world
 
 from megatron_wlb.megatron.data import byte_documents, write_indexed_dataset
 
@@ -24,13 +21,6 @@ LAYOUTS = [  # (tp, cp, pp) -> dp = 8 / (tp * cp * pp)
     (2, 2, 1),
 ]
 ITERATIONS = 4
-TIMEOUT_S = 240
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def megatron_args(data_prefix: str, tp: int, cp: int, pp: int, packing_n: int = 2) -> Namespace:
@@ -41,54 +31,41 @@ def megatron_args(data_prefix: str, tp: int, cp: int, pp: int, packing_n: int = 
                      ffn_hidden_size=1024, data_path=[data_prefix], split="98,2,0", sequence_parallel=tp > 1)
 
 
-def worker(rank: int, port: int, data_prefix: str, out_dir: str) -> None:
-    try:
-        import torch
-        import torch.distributed as dist
+def worker(rank: int, world: int, data_prefix: str) -> None:
+    """Every layout of LAYOUTS in turn on this gloo world: each rank builds its iterator; rank 0 checks."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
 
-        torch.set_num_threads(1)  # forked child: keep ATen out of the parent's OpenMP pool
-        from megatron.core import parallel_state
+    from megatron_wlb.megatron import build_train_iterator
+    from megatron_wlb.megatron.args import settings_from_args
+    from megatron_wlb.megatron.data import plan_digest
 
-        from megatron_wlb.megatron import build_train_iterator
-        from megatron_wlb.megatron.args import settings_from_args
-        from megatron_wlb.megatron.data import plan_digest
-
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-        for tp, cp, pp in LAYOUTS:
-            parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                                     context_parallel_size=cp)
-            args = megatron_args(data_prefix, tp, cp, pp)
-            args.wlb_packing, args.wlb_max_seq_len = "wlb", 2048
-            settings = settings_from_args(args)
-            dp_rank = parallel_state.get_data_parallel_rank()
-            assert parallel_state.get_data_parallel_world_size() == args.data_parallel_size
-            it = build_train_iterator(args, settings, dp_rank)
-            for _ in range(ITERATIONS):
-                mbs = [next(it) for _ in range(it.n)]  # exactly n micro-batches per step on every rank
-                plan = it.current
-                mine = [[(p.doc_id, p.offset, p.length) for p in mb.pieces] for mb in plan.for_dp_rank(dp_rank)]
-                data_hash = hashlib.sha256(b"".join(m["tokens"].numpy().tobytes() + m["cu_seqlens"].numpy().tobytes()
-                                                    for m in mbs)).hexdigest()
-                # T is a multiple of CP x TP (sequence parallel): equal CP shards that split over TP
-                pad_ok = all(m["tokens"].shape[1] % (cp * tp) == 0 and m["tokens"].shape[1] >= m["cu_seqlens"][-1]
-                             for m in mbs)
-                record = {"rank": rank, "dp_rank": dp_rank, "digest": plan_digest(plan), "mine": mine,
-                          "all": [[(p.doc_id, p.offset, p.length) for p in mb.pieces] for mb in plan.micro_batches],
-                          "hash": data_hash, "pad_ok": pad_ok, "n": len(mbs)}
-                gathered = [None] * WORLD
-                dist.all_gather_object(gathered, record)
-                if rank == 0:
-                    check(gathered, (tp, cp, pp), args.data_parallel_size, it.n)
-            parallel_state.destroy_model_parallel()
-        dist.barrier()
-        dist.destroy_process_group()
-        with open(os.path.join(out_dir, f"ok.{rank}"), "w") as f:
-            f.write("ok")
-    except BaseException:
-        with open(os.path.join(out_dir, f"error.{rank}"), "w") as f:
-            f.write(traceback.format_exc())
-        raise
+    for tp, cp, pp in LAYOUTS:
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                                 context_parallel_size=cp)
+        args = megatron_args(data_prefix, tp, cp, pp)
+        args.wlb_packing, args.wlb_max_seq_len = "wlb", 2048
+        settings = settings_from_args(args)
+        dp_rank = parallel_state.get_data_parallel_rank()
+        assert parallel_state.get_data_parallel_world_size() == args.data_parallel_size
+        it = build_train_iterator(args, settings, dp_rank)
+        for _ in range(ITERATIONS):
+            mbs = [next(it) for _ in range(it.n)]  # exactly n micro-batches per step on every rank
+            plan = it.current
+            mine = [[(p.doc_id, p.offset, p.length) for p in mb.pieces] for mb in plan.for_dp_rank(dp_rank)]
+            data_hash = hashlib.sha256(b"".join(m["tokens"].numpy().tobytes() + m["cu_seqlens"].numpy().tobytes()
+                                                for m in mbs)).hexdigest()
+            # T is a multiple of CP x TP (sequence parallel): equal CP shards that split over TP
+            pad_ok = all(m["tokens"].shape[1] % (cp * tp) == 0 and m["tokens"].shape[1] >= m["cu_seqlens"][-1]
+                         for m in mbs)
+            record = {"rank": rank, "dp_rank": dp_rank, "digest": plan_digest(plan), "mine": mine,
+                      "all": [[(p.doc_id, p.offset, p.length) for p in mb.pieces] for mb in plan.micro_batches],
+                      "hash": data_hash, "pad_ok": pad_ok, "n": len(mbs)}
+            gathered = [None] * world
+            dist.all_gather_object(gathered, record)
+            if rank == 0:
+                check(gathered, (tp, cp, pp), args.data_parallel_size, it.n)
+        parallel_state.destroy_model_parallel()
 
 
 def check(records: list[dict], layout: tuple[int, int, int], dp: int, n: int) -> None:
@@ -113,28 +90,11 @@ def test_all_ranks_compute_the_same_plan_and_take_their_slice(tmp_path):
     names = sorted(n for n in os.listdir(root) if n.endswith(".py"))[50:70]
     prefix = write_indexed_dataset(str(tmp_path / "text_document"),
                                    byte_documents([os.path.join(root, n) for n in names]))
-    out_dir = tmp_path / "out"
-    out_dir.mkdir()
     # fork: the workers inherit this process's torch + megatron.core imports (spawn would pay ~9 s of
     # imports per process on a 2-core runner); nothing CUDA or distributed is initialised before it.
     from megatron.core import parallel_state  # noqa: F401
 
-    ctx = mp.start_processes(worker, args=(free_port(), prefix, str(out_dir)), nprocs=WORLD, join=False,
-                             start_method="fork")
-    deadline = time.monotonic() + TIMEOUT_S
-    try:
-        while not ctx.join(timeout=5):
-            if time.monotonic() > deadline:
-                pytest.fail(f"gloo workers still running after {TIMEOUT_S}s (hang)")
-    except mp.ProcessRaisedException:
-        pass  # the traceback is in the error files, reported below
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.terminate()
-    errors = sorted(out_dir.glob("error.*"))
-    assert not errors, "\n".join(e.read_text() for e in errors)
-    assert len(list(out_dir.glob("ok.*"))) == WORLD
+    run_world(worker, WORLD, start_method="fork", data_prefix=prefix)
 
 
 def test_the_cross_rank_check_catches_a_wrong_slice():
