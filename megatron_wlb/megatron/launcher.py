@@ -24,26 +24,15 @@ from typing import Any
 import torch
 
 
-def _core_version() -> tuple[int, int]:
-    from megatron.core import package_info
-
-    major, minor = (int(x) for x in str(package_info.__version__).split(".")[:2])
-    return major, minor
-
-
 def get_batch(data_iterator: Any, model: Any = None) -> tuple[Any, ...]:
     """(tokens, labels, loss_mask, position_ids, packed_seq_params) of this rank's next micro-batch."""
-    from megatron.training import get_args
-
     from megatron_wlb.megatron.cp_hooks import get_batch_on_this_cp_rank
 
-    args = get_args()
     data = next(data_iterator)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     batch = {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v) for k, v in data.items()}
     batch["attention_mask"] = None
     batch = get_batch_on_this_cp_rank(batch)
-    del args
     return batch["tokens"], batch["labels"], batch["loss_mask"], batch["position_ids"], batch["packed_seq_params"]
 
 
