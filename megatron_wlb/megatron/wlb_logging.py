@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from megatron_wlb.megatron.rebind import wrapping
 from megatron_wlb.packing.types import GlobalBatch
 
 PREFIX = "wlb"
@@ -153,6 +154,7 @@ class WlbMetricsLogger:
 def wrap_training_log(original: Callable, logger_of: Callable[[], WlbMetricsLogger | None]) -> Callable:
     """Megatron's ``training_log(loss_dict, total_loss_dict, learning_rate, iteration, ...)``, then ours."""
 
+    @wrapping(original)
     def training_log(*args, **kwargs):
         out = original(*args, **kwargs)
         iteration = kwargs.get("iteration", args[3] if len(args) > 3 else None)
@@ -161,5 +163,4 @@ def wrap_training_log(original: Callable, logger_of: Callable[[], WlbMetricsLogg
             logger.log(int(iteration))
         return out
 
-    training_log.__wlb_original__ = original
     return training_log
