@@ -38,7 +38,7 @@ setup(
         # wheel does not declare, and a checkout compiles its dataset helpers with pybind11.
         "megatron": ["torch>=2.4", "megatron-core>=0.16,<0.20,!=0.17.*,!=0.18.*", "triton", "packaging>=24.2",
                      "six", "regex", "pydantic>=2", "pybind11"],
-        "test": ["pytest>=7", "hypothesis>=6", "ruff>=0.5"],
+        "test": ["pytest>=7", "hypothesis>=6", "ruff>=0.5", "mypy>=1.10"],
     },
     entry_points={"console_scripts": ["wlb=megatron_wlb.cli.main:main"]},
     classifiers=["Programming Language :: Python :: 3"],

@@ -89,3 +89,44 @@ def run_world(worker, world: int, *, start_method: str = "spawn", **kwargs) -> N
                     p.terminate()
     errors = {r: e for r, e in results.items() if e is not None}
     assert not errors, "\n".join(f"--- rank {r} ---\n{e}" for r, e in errors.items())
+
+
+# -- the pinned Megatron-LM checkout: one variable, one lookup ---------------------------------------------
+#: names a Megatron-LM git repository (a checkout or a bare mirror) that holds the pinned commit
+MEGATRON_LM_VAR = "MEGATRON_LM"
+#: where this project's machines keep a mirror; used when the variable is unset
+DEFAULT_MEGATRON_LM = "/work/.mirror/NVIDIA+Megatron-LM/repo"
+
+
+def pinned_megatron_source() -> tuple[str | None, str]:
+    """(the git repository holding the pinned commit, or None; why not, for a skip message)."""
+    import shutil
+    import subprocess
+
+    pinned = (ROOT / "patches" / "PINNED_COMMIT").read_text().strip()
+    source = os.environ.get(MEGATRON_LM_VAR) or DEFAULT_MEGATRON_LM
+    hint = (f"set {MEGATRON_LM_VAR} to a Megatron-LM git checkout or mirror holding the pinned commit "
+            f"{pinned[:12]} (core_v0.16.1)")
+    if shutil.which("git") is None:
+        return None, "git is not installed"
+    if not os.path.isdir(source):
+        return None, f"no Megatron-LM repository at {source}: {hint}"
+    found = subprocess.run(["git", "-C", source, "cat-file", "-e", f"{pinned}^{{commit}}"], capture_output=True)
+    if found.returncode:
+        return None, f"{source} does not hold {pinned[:12]}: {hint}"
+    return source, ""
+
+
+def pinned_megatron_checkout(dest: Path) -> Path:
+    """A fresh checkout of the pinned commit at ``dest`` (a shared clone: seconds), or the test is skipped."""
+    import subprocess
+
+    import pytest
+
+    source, why = pinned_megatron_source()
+    if source is None:
+        pytest.skip(why)
+    pinned = (ROOT / "patches" / "PINNED_COMMIT").read_text().strip()
+    subprocess.run(["git", "clone", "-q", "--shared", "--no-checkout", source, str(dest)], check=True)
+    subprocess.run(["git", "-C", str(dest), "checkout", "-q", "--detach", pinned], check=True)
+    return dest

@@ -203,8 +203,6 @@ def test_version_check_admits_the_releases_ci_trains_with():
 
 
 # -- apply() inside the pinned Megatron-LM training code (when a checkout or the mirror is present) --------
-MIRROR = os.environ.get("WLB_MEGATRON_MIRROR", "/work/.mirror/NVIDIA+Megatron-LM/repo")
-TRAINING_PATHS = ["megatron", "pretrain_gpt.py", "gpt_builders.py", "model_provider.py"]  # core and training, pinned
 
 APPLY_SCRIPT = r'''
 import json, os, sys, sysconfig
@@ -265,27 +263,6 @@ print(json.dumps({"hooked": hooked, "bad": bad_msg, "my_extra": args.my_extra, "
 '''
 
 
-def _training_code(tmp_path) -> str | None:
-    """A directory holding the pinned commit's code: $MEGATRON_LM (a checkout), else extracted from the mirror."""
-    if os.environ.get("MEGATRON_LM"):
-        return os.environ["MEGATRON_LM"]
-    import shutil
-    import subprocess
-
-    from megatron_wlb.megatron.version import PINNED_MEGATRON_COMMIT
-
-    if shutil.which("git") is None or not os.path.isdir(MIRROR):
-        return None
-    dest = tmp_path / "megatron-lm"
-    dest.mkdir()
-    archive = subprocess.run(["git", "-C", MIRROR, "archive", PINNED_MEGATRON_COMMIT, *TRAINING_PATHS],
-                             capture_output=True, check=False)
-    if archive.returncode:
-        return None
-    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive.stdout, check=True)
-    return str(dest)
-
-
 @pytest.mark.slow
 def test_apply_inside_the_pinned_training_code(tmp_path):
     """apply() on Megatron's real parse_args/validate_args/get_batch (training code of the pinned commit)."""
@@ -294,9 +271,9 @@ def test_apply_inside_the_pinned_training_code(tmp_path):
     import subprocess
     import sys
 
-    code = _training_code(tmp_path)
-    if code is None:
-        pytest.skip("no Megatron-LM training code: set MEGATRON_LM to a checkout of the pinned commit")
+    from conftest import pinned_megatron_checkout
+
+    code = str(pinned_megatron_checkout(tmp_path / "megatron-lm"))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -6,9 +6,8 @@ tiny GPT and real text (the standard library as a byte-level .bin/.idx).
 
 Two ways in: ``megatron_wlb.megatron.launcher`` over the installed megatron-core's
 ``megatron.training`` (0.19.x ships it; CI installs 0.19.2), and the pinned Megatron-LM checkout's
-patched ``pretrain_gpt.py`` (core_v0.16.1), run wherever a checkout is given: ``MEGATRON_LM`` (a
-checkout at the pinned commit, patched or not: the test patches a copy) or ``WLB_MEGATRON_MIRROR``
-(a git mirror from which the pinned commit is exported).
+patched ``pretrain_gpt.py`` (core_v0.16.1), run wherever ``MEGATRON_LM`` (conftest's one lookup)
+names a git repository holding the pinned commit; the test checks out and patches a copy.
 """
 
 from __future__ import annotations
@@ -259,22 +258,10 @@ def test_checkpoint_resume_equals_an_uninterrupted_run(tmp_path, corpus):
 
 # --- the pinned Megatron-LM checkout (core_v0.16.1): its patched pretrain_gpt.py, and our launcher over it ----
 def _pinned_checkout(tmp_path_factory) -> Path:
-    """A patched copy of the pinned checkout: from $MEGATRON_LM (a checkout at the pinned commit) or cloned
-    from the git mirror $WLB_MEGATRON_MIRROR; skipped when neither is present."""
-    from megatron_wlb.megatron.version import PINNED_MEGATRON_COMMIT
+    """A patched checkout of the pinned commit (conftest.pinned_megatron_checkout); skipped without one."""
+    from conftest import pinned_megatron_checkout
 
-    source = os.environ.get("MEGATRON_LM") or os.environ.get("WLB_MEGATRON_MIRROR",
-                                                              "/work/.mirror/NVIDIA+Megatron-LM/repo")
-    if shutil.which("git") is None or not os.path.isdir(source):
-        pytest.skip("no Megatron-LM checkout: set MEGATRON_LM to a checkout at the pinned commit "
-                    f"{PINNED_MEGATRON_COMMIT[:12]} (or WLB_MEGATRON_MIRROR to a git mirror of Megatron-LM)")
-    has_commit = subprocess.run(["git", "-C", source, "cat-file", "-e", f"{PINNED_MEGATRON_COMMIT}^{{commit}}"],
-                                capture_output=True).returncode == 0
-    if not has_commit:
-        pytest.skip(f"{source} does not contain the pinned commit {PINNED_MEGATRON_COMMIT[:12]}")
-    dest = tmp_path_factory.mktemp("pinned") / "Megatron-LM"
-    subprocess.run(["git", "clone", "-q", "--shared", "--no-checkout", source, str(dest)], check=True)
-    subprocess.run(["git", "-C", str(dest), "checkout", "-q", "--detach", PINNED_MEGATRON_COMMIT], check=True)
+    dest = pinned_megatron_checkout(tmp_path_factory.mktemp("pinned") / "Megatron-LM")
     subprocess.run([str(REPO / "scripts" / "apply_patches.sh"), str(dest)], check=True, capture_output=True)
     return dest
 

@@ -3,9 +3,9 @@ patch on a checkout of the pinned Megatron-LM commit materialised from a local m
 present); the generated SLURM scripts (one per config, current, `bash -n` clean, and run under stub
 srun/scontrol to check the torchrun command's layout); scripts/launch_local.sh in DRY_RUN mode.
 
-The mirror is looked up at $WLB_MEGATRON_MIRROR, else /work/.mirror/NVIDIA+Megatron-LM/repo (where this
-project's tooling fetches it); CI has none, so that test skips there and the synthetic ones carry the
-logic (wrong commit refused, dirty tree refused, clean apply, idempotent second run).
+The Megatron-LM repository is found through one variable, $MEGATRON_LM (conftest.pinned_megatron_source;
+default: this project's mirror); where none holds the pinned commit those tests skip, and the synthetic
+ones carry the logic (wrong commit refused, dirty tree refused, clean apply, idempotent second run).
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "apply_patches.sh"
 PATCHES = ROOT / "patches"
 PINNED = (PATCHES / "PINNED_COMMIT").read_text().strip()
-MIRROR = Path(os.environ.get("WLB_MEGATRON_MIRROR", "/work/.mirror/NVIDIA+Megatron-LM/repo"))
 
 pytestmark = pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
 
@@ -147,26 +146,14 @@ def test_shipped_pin_and_patch_are_consistent():
     assert "packed_seq_params_from_iterator" in defined
 
 
-def _mirror_has_pin() -> bool:
-    if not (MIRROR / "HEAD").exists() and not (MIRROR / ".git").exists():
-        return False
-    res = subprocess.run(["git", "--git-dir", str(MIRROR), "cat-file", "-e", f"{PINNED}^{{commit}}"],
-                         capture_output=True)
-    return res.returncode == 0
-
-
-needs_mirror = pytest.mark.skipif(not _mirror_has_pin(), reason=f"no Megatron-LM mirror holding {PINNED[:12]} at "
-                                  f"{MIRROR} (set WLB_MEGATRON_MIRROR); the synthetic-repo tests cover the script")
+needs_mirror = pytest.mark.skipif(conftest.pinned_megatron_source()[0] is None,
+                                  reason=conftest.pinned_megatron_source()[1])
 
 
 @pytest.fixture(scope="module")
 def pinned_checkout(tmp_path_factory) -> Path:
-    """The pinned commit materialised from the mirror (a shared clone outside this repo)."""
-    mlm = tmp_path_factory.mktemp("mlm") / "Megatron-LM"
-    subprocess.run(["git", "clone", "-q", "--shared", "--no-checkout", str(MIRROR), str(mlm)], check=True,
-                   timeout=300)
-    git(mlm, "checkout", "-q", "--detach", PINNED)
-    return mlm
+    """The pinned commit, checked out from $MEGATRON_LM's repository (a shared clone outside this repo)."""
+    return conftest.pinned_megatron_checkout(tmp_path_factory.mktemp("mlm") / "Megatron-LM")
 
 
 @needs_mirror

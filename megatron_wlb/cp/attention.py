@@ -49,8 +49,10 @@ def _expand_kv_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
     return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
 
 
-def reference_varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: Sequence[int],
-                               cu_seqlens_k: Sequence[int], softmax_scale: float | None = None) -> torch.Tensor:
+def reference_varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                               cu_seqlens_q: Sequence[int] | np.ndarray | torch.Tensor,
+                               cu_seqlens_k: Sequence[int] | np.ndarray | torch.Tensor,
+                               softmax_scale: float | None = None) -> torch.Tensor:
     """Varlen causal attention, bottom-right aligned, one matmul per query run (differentiable).
 
     ``q`` [Tq, H, D]; ``k``, ``v`` [Tk, Hkv, D]; run ``i`` is queries ``cu_q[i]:cu_q[i+1]`` against
@@ -222,6 +224,7 @@ class AllGatherKV(torch.autograd.Function):
         counts, rank, group, width, local = ctx.meta
         cp = len(counts)
         like = grad_k if grad_k is not None else grad_v
+        assert like is not None, "autograd calls backward with at least one gradient"
         rows = local if cp == 1 else cp * width
         buf = like.new_zeros((rows, 2) + tuple(like.shape[1:]))
         for i, grad in enumerate((grad_k, grad_v)):

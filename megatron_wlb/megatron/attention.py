@@ -299,7 +299,7 @@ def install_core_attention(enabled: bool = True) -> None:
     current = SelfAttention.__init__
     original = original_of(current)
     if not enabled:
-        SelfAttention.__init__ = original  # type: ignore[method-assign]
+        SelfAttention.__init__ = original
         if "forward" in SelfAttention.__dict__ and is_wrapper(SelfAttention.forward):
             del SelfAttention.forward  # the wrapper shadowed the inherited Attention.forward
         setattr(attn_mod, ROPE_NAME, original_of(getattr(attn_mod, ROPE_NAME)))
@@ -313,8 +313,8 @@ def install_core_attention(enabled: bool = True) -> None:
         submodules = dataclasses.replace(submodules, core_attention=_builder(submodules.core_attention))
         original(self, config, submodules, *args, **kwargs)
 
-    SelfAttention.__init__ = __init__  # type: ignore[method-assign]
-    SelfAttention.forward = _with_active_varlen(SelfAttention.forward)  # type: ignore[method-assign]
+    SelfAttention.__init__ = __init__
+    SelfAttention.forward = _with_active_varlen(SelfAttention.forward)
     setattr(attn_mod, ROPE_NAME, wlb_apply_rotary_pos_emb(getattr(attn_mod, ROPE_NAME)))
 
 
