@@ -63,22 +63,35 @@ def shuffle_documents(lengths: np.ndarray, seed: int) -> np.ndarray:
     return lengths[order]
 
 
+def start_times(lengths: np.ndarray, weight: float) -> np.ndarray:
+    """The one blend rule: a dataset read in order schedules each document at the tokens before it
+    over the dataset's weight, so every dataset holds its weight's share of the tokens read so far
+    (the document-level analogue of Megatron's BlendedDataset)."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    return (np.cumsum(lengths) - lengths) / float(weight)
+
+
+def interleave(keys: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """Merge datasets' documents by start time, ties by dataset index: (dataset, position in it) in
+    stream order."""
+    which = np.concatenate([np.full(k.size, i, dtype=np.int64) for i, k in enumerate(keys)])
+    position = np.concatenate([np.arange(k.size, dtype=np.int64) for k in keys])
+    order = np.lexsort((which, np.concatenate(keys)))
+    return which[order], position[order]
+
+
 def blend(datasets: list[np.ndarray], weights: list[float] | None) -> tuple[np.ndarray, list[int]]:
-    """Interleave datasets so that each holds its weight's share of the tokens read so far (the
-    document-level analogue of Megatron's BlendedDataset, which fills each sample from the dataset
-    furthest behind its weight). Returns (stream, documents used per dataset): the stream ends
-    when the first dataset runs out, so no document repeats; ``weights=None`` concatenates."""
+    """Interleave datasets by ``start_times`` until the first one runs out, so no document repeats.
+    Returns (stream, documents used per dataset); ``weights=None`` concatenates."""
     if weights is None:
         return np.concatenate(datasets), [d.size for d in datasets]
     if len(weights) != len(datasets):
         raise ValueError(f"{len(weights)} weights for {len(datasets)} datasets")
-    # a document's "time" is the tokens of its dataset up to its end over the dataset's weight
-    ends = [np.cumsum(d) / w for d, w in zip(datasets, weights, strict=True)]
-    horizon = min(float(e[-1]) for e in ends)
-    used = [int(np.searchsorted(e, horizon, side="right")) for e in ends]
-    keys = np.concatenate([e[:u] for e, u in zip(ends, used, strict=True)])
-    docs = np.concatenate([d[:u] for d, u in zip(datasets, used, strict=True)])
-    return docs[np.argsort(keys, kind="stable")], used
+    horizon = min(float(d.sum()) / w for d, w in zip(datasets, weights, strict=True))
+    keys = [k[k < horizon] for k in (start_times(d, w) for d, w in zip(datasets, weights, strict=True))]
+    which, position = interleave(keys)
+    stream = np.concatenate(datasets)[np.concatenate([[0], np.cumsum([d.size for d in datasets])])[which] + position]
+    return stream, [int(k.size) for k in keys]
 
 
 def read_blend(data_path: Sequence[str] | str, seed: int | None = DEFAULT_SEED) -> tuple[np.ndarray, str, int]:

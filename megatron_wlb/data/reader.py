@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from megatron_wlb.data.blend import parse_data_path
+from megatron_wlb.data.blend import interleave, parse_data_path, start_times
 from megatron_wlb.data.indexed import check_bin_matches_idx, document_lengths, read_index
 
 #: Megatron's default ``--split`` (train, valid, test weights)
@@ -200,7 +200,7 @@ class DocumentReader:
         """The documents scheduled before virtual time ``tokens`` (about that many tokens)."""
         if tokens < 1:
             raise ValueError(f"stream needs a positive token count, got {tokens}")
-        keys, ids, lens, which = [], [], [], []
+        keys, ids, lens = [], [], []
         for i, src in enumerate(self.sources):
             b, e = self.ranges[i]
             epoch_tokens = int(src.lengths[b:e].sum())
@@ -209,16 +209,15 @@ class DocumentReader:
             order = np.concatenate([self._epoch_order(i, ep) for ep in range(epochs)])
             epoch_of = np.repeat(np.arange(epochs, dtype=np.int64), e - b)
             lengths = src.lengths[order]
-            before = np.concatenate([[0], np.cumsum(lengths)[:-1]])
-            key = before / self.weights[i]
+            key = start_times(lengths, float(self.weights[i]))
             keep = key < tokens
             keys.append(key[keep])
             ids.append(epoch_of[keep] * self.num_documents + self.offsets[i] + order[keep])
             lens.append(lengths[keep])
-            which.append(np.full(int(keep.sum()), i, dtype=np.int64))
-        key = np.concatenate(keys)
-        order = np.lexsort((np.concatenate(which), key))  # by key, ties by dataset index
-        return DocumentStream(np.concatenate(ids)[order].astype(np.int64), np.concatenate(lens)[order].astype(np.int64))
+        which, position = interleave(keys)
+        picked = np.concatenate([[0], np.cumsum([k.size for k in keys])])[which] + position
+        return DocumentStream(np.concatenate(ids)[picked].astype(np.int64),
+                              np.concatenate(lens)[picked].astype(np.int64))
 
     def locate(self, stream_id: int) -> tuple[int, int, int]:
         """Stream id -> (epoch, dataset index, document index in that dataset's .idx)."""
