@@ -59,6 +59,24 @@ def test_original_is_concat_and_cut():
         assert mb.capacity == 256
 
 
+def test_original_packer_and_cp_sampler_cut_alike():
+    """The packer (streaming, one budget per iteration) and the CP benchmarks' sampler (random
+    access by micro-batch number) cut the same stream at the same tokens, across iteration edges."""
+    from megatron_wlb.cp.sampling import available, concat_and_cut
+
+    rng = np.random.default_rng(5)
+    lengths = rng.integers(1, 2000, size=600)
+    cfg = PackingConfig(seq_len=512, n=2, dp=3)
+    mbs = [mb for b in make_packer("original", cfg).pack(lengths) for mb in b.micro_batches]
+    full = available(lengths, 512)
+    sampled = concat_and_cut(lengths, 512, count=full)
+    assert [mb.lengths.tolist() for mb in mbs[:full]] == [m.tolist() for m in sampled]
+    assert any(len(m) > 1 for m in sampled) and any(mb.pieces[0].offset > 0 for mb in mbs[:full])
+    tail = [p for mb in mbs[full:] for p in mb.pieces]
+    assert sum(p.length for p in tail) == int(lengths.sum()) - 512 * full  # the partial tail is emitted
+
+
+
 def test_original_drop_and_error_policies():
     lengths = [10, 700, 20]
     drop = make_packer("original", PackingConfig(seq_len=256, n=1, oversize="drop"))
@@ -233,7 +251,7 @@ def test_bad_config_named(kwargs, needle):
 
 
 @pytest.mark.parametrize("name, kwargs, needle", [
-    ("wlb", {"queue_thresholds": (100, 400)}, "400 exceeds the wlb capacity max_seq_len=150"),
+    ("wlb", {"queue_thresholds": (100, 400)}, "400 exceeds the wlb micro-batch capacity max_seq_len=150"),
     ("wlb", {"outlier_fraction": -1}, "outlier_fraction=-1"),
     ("wlb", {"release": "all"}, "release='all'"),
     ("wlb", {"cut_policy": "some"}, "cut_policy='some'"),

@@ -22,7 +22,7 @@ import numpy as np
 
 from megatron_wlb.packing.base import Packer, pieces_from_state, pieces_to_state, register_packer
 from megatron_wlb.packing.metrics import piece_latency
-from megatron_wlb.packing.types import DocPiece, MicroBatch
+from megatron_wlb.packing.types import DocPiece, MicroBatch, oldest_first_key, sort_largest_first
 
 
 def place_greedy(lengths: Sequence[int], weights: Sequence[float], work: list[float], toks: list[int],
@@ -55,6 +55,11 @@ def place_greedy(lengths: Sequence[int], weights: Sequence[float], work: list[fl
             pop(heap)
             push(parked, (toks[j] - cap, j))
     return out
+
+
+def placement_order(carried: Sequence[DocPiece], new: Sequence[DocPiece]) -> list[DocPiece]:
+    """The fixed packers' placement order: carried pieces oldest first, then new ones largest first."""
+    return sorted(carried, key=oldest_first_key) + sort_largest_first(new)
 
 
 class FixedWindowPacker(Packer):
@@ -91,8 +96,7 @@ class FixedWindowPacker(Packer):
     def _assign(self, carried: list[DocPiece], new: list[DocPiece], bins: int) -> tuple[list[list[DocPiece]],
                                                                                        list[DocPiece]]:
         """Greedy plan: carried pieces first (oldest first), then new ones by workload, descending."""
-        order = sorted(new, key=lambda p: (-p.length, p.arrival, p.doc_id, p.offset))
-        pieces = sorted(carried, key=lambda p: (p.arrival, p.doc_id, p.offset)) + order
+        pieces = placement_order(carried, new)
         lengths = [p.length for p in pieces]
         weights = piece_latency(self.cost, lengths).tolist() if pieces else []
         where = place_greedy(lengths, weights, [0.0] * bins, [0] * bins, self.config.seq_len)

@@ -34,7 +34,7 @@ from __future__ import annotations
 import numpy as np
 
 from megatron_wlb.packing.base import register_packer
-from megatron_wlb.packing.greedy import FixedWindowPacker
+from megatron_wlb.packing.greedy import FixedWindowPacker, placement_order
 from megatron_wlb.packing.metrics import piece_latency
 from megatron_wlb.packing.types import DocPiece, PackingConfig
 
@@ -131,8 +131,7 @@ class FixedSolverPacker(FixedWindowPacker):
     def _assign(self, carried: list[DocPiece], new: list[DocPiece], bins: int):
         greedy_bins, left = super()._assign(carried, new, bins)
         # Placement order of the greedy pass, bins relabelled by first use (symmetry cut holds).
-        order = sorted(carried, key=lambda p: (p.arrival, p.doc_id, p.offset)) + \
-            sorted(new, key=lambda p: (-p.length, p.arrival, p.doc_id, p.offset))
+        order = placement_order(carried, new)
         where = {}
         for j, b in enumerate(greedy_bins):
             for piece in b:

@@ -63,7 +63,13 @@ from megatron_wlb.packing.base import Packer, pieces_from_state, pieces_to_state
 from megatron_wlb.packing.greedy import place_greedy
 from megatron_wlb.packing.metrics import piece_forward, piece_latency
 from megatron_wlb.packing.pipeline import deal_and_order
-from megatron_wlb.packing.types import DocPiece, MicroBatch
+from megatron_wlb.packing.types import (
+    DocPiece,
+    MicroBatch,
+    oldest_first_key,
+    shortest_first_key,
+    sort_largest_first,
+)
 
 HIST_PER_OCTAVE = 16
 HIST_BINS = 48 * HIST_PER_OCTAVE  # lengths up to 2**48 tokens
@@ -73,25 +79,6 @@ CLOSE_TOLERANCE = 0.02
 
 def _hist_bin(lengths: np.ndarray) -> np.ndarray:
     return np.minimum((np.log2(lengths) * HIST_PER_OCTAVE).astype(np.int64), HIST_BINS - 1)
-
-
-def _sort_key(p: DocPiece) -> tuple[int, int, int, int]:
-    return (-p.length, p.arrival, p.doc_id, p.offset)
-
-
-def _sorted_desc(pieces: list[DocPiece]) -> list[DocPiece]:
-    """``sorted(pieces, key=_sort_key)`` with a numpy lexsort (the hot path at 64 micro-batches)."""
-    if len(pieces) < 64:
-        return sorted(pieces, key=_sort_key)
-    n = len(pieces)
-    cols = [np.fromiter((getattr(p, f) for p in pieces), dtype=np.int64, count=n)
-            for f in ("offset", "doc_id", "arrival", "length")]
-    cols[3] = -cols[3]
-    return [pieces[i] for i in np.lexsort(cols).tolist()]
-
-
-def _age_key(p: DocPiece) -> tuple[int, int, int]:
-    return (p.arrival, p.doc_id, p.offset)
 
 
 @register_packer
@@ -111,11 +98,9 @@ class WlbPacker(Packer):
         self.cut_stats = {"cut_points": 0, "tokens": 0, "pieces": 0}
         self._overlong_docs: set[int] = set()  # documents longer than S_max (split by oversize)
         self.outlier_fraction = float(config.outlier_fraction)
-        if config.queue_thresholds != "auto" and config.queue_thresholds[-1] > self.capacity:
-            raise ValueError(f"queue_thresholds={list(config.queue_thresholds)}: "
-                             f"{config.queue_thresholds[-1]} exceeds the wlb capacity max_seq_len="
-                             f"{self.capacity}, so no piece can ever reach that queue; use thresholds <= "
-                             f"{self.capacity} or 'auto'")
+        problem = config.queue_threshold_problem()
+        if problem:
+            raise ValueError(f"queue_thresholds={list(config.queue_thresholds)}: {problem}")
         self.flush_on_force = config.flush_on_force
         self.release_size = config.micro_batches_per_iteration if config.release == "global" else config.n
         cap = self.capacity
@@ -232,7 +217,7 @@ class WlbPacker(Packer):
             forced_levels = (np.searchsorted(edges, [p.length for p in forced_out], side="right") - 1).tolist()
             to_cut: set[DocPiece] = set()
             for q in range(len(th)):
-                queue = sorted((p for p, lv in zip(outliers, levels) if lv == q), key=_age_key)
+                queue = sorted((p for p, lv in zip(outliers, levels) if lv == q), key=oldest_first_key)
                 forced_q = [p for p, lv in zip(forced_out, forced_levels) if lv == q]
                 if forced_q:
                     # A queue whose oldest member hit the delay bound goes out with it (its members
@@ -271,8 +256,8 @@ class WlbPacker(Packer):
         # Forced pieces first, in a pass of their own: one that fits nowhere whole is cut into the
         # micro-batches with most room *before* any newer piece can take that room, so the delay
         # bound holds whenever one iteration's intake fits in dp * n * max_seq_len.
-        forced = _sorted_desc(forced)
-        candidates = _sorted_desc(candidates)
+        forced = sort_largest_first(forced)
+        candidates = sort_largest_first(candidates)
         work = [0.0] * m
         toks = [0] * m
         bins: list[list[DocPiece]] = [[] for _ in range(m)]
@@ -291,7 +276,7 @@ class WlbPacker(Packer):
                     waiting.append(p)
         if not final and waiting and cfg.min_fill > 0:
             self._fill_guard(bins, work, toks, cap, waiting)
-        waiting.sort(key=_age_key)
+        waiting.sort(key=oldest_first_key)
         self._waiting = waiting
         if self._overlong_docs:
             self._overlong_docs &= {p.doc_id for p in waiting}
@@ -327,7 +312,7 @@ class WlbPacker(Packer):
         that never closes goes out when its oldest member reaches the delay bound (with its
         nearest companions).
         """
-        by_len = sorted(queue, key=lambda p: (p.length, *_age_key(p)))
+        by_len = sorted(queue, key=shortest_first_key)
         oldest = queue[0]
         windows = range(len(by_len) - r + 1)
         spread = [by_len[s + r - 1].length - by_len[s].length for s in windows]
@@ -368,7 +353,7 @@ class WlbPacker(Packer):
     @staticmethod
     def _companions(queue: list[DocPiece], k: int, anchor: int) -> list[DocPiece]:
         """The ``k`` members closest in length to a forced outlier of ``anchor`` tokens (older first on ties)."""
-        return sorted(queue, key=lambda p: (abs(p.length - anchor), *_age_key(p)))[:k]
+        return sorted(queue, key=lambda p: (abs(p.length - anchor), *oldest_first_key(p)))[:k]
 
     def _early_release(self, waiting: list[DocPiece], need: float) -> list[DocPiece]:
         """Waiting pieces worth at least ``need`` tokens, shortest first (they are the easiest to
@@ -378,7 +363,7 @@ class WlbPacker(Packer):
         if need <= 0:
             return out
         docs: dict[int, list[DocPiece]] = {}
-        for p in sorted(waiting, key=lambda p: (p.length, *_age_key(p))):
+        for p in sorted(waiting, key=shortest_first_key):
             docs.setdefault(p.doc_id, []).append(p)
         got = 0
         for doc_pieces in docs.values():
@@ -396,7 +381,7 @@ class WlbPacker(Packer):
         need = self.config.min_fill * self.config.tokens_per_iteration
         if sum(toks) >= need:
             return
-        waiting.sort(key=_age_key)
+        waiting.sort(key=oldest_first_key)
         docs: dict[int, list[DocPiece]] = {}
         for p in waiting:
             docs.setdefault(p.doc_id, []).append(p)
