@@ -114,12 +114,16 @@ class CostModel(ABC):
         """W(d) per document, forward seconds per layer per GPU."""
         return self.attention(lengths) + self.linear(lengths)
 
-    def microbatch_workload(self, lengths: np.ndarray) -> float:
-        """Forward seconds per layer per GPU of a micro-batch holding documents of ``lengths``."""
-        d = _as_lengths(lengths)
-        if d.size == 0:
-            return 0.0
-        return float(self.workload(d).sum() + self.microbatch_overhead)
+    # -- backward: the hardware's backward / forward ratios of attention and GEMMs ------------------
+    def backward(self, attention: np.ndarray, linear: np.ndarray) -> np.ndarray:
+        """Backward seconds of work whose forward is ``attention`` + ``linear`` seconds."""
+        hw = self.hardware
+        return hw.bwd_attention * attention + hw.bwd_linear * linear
+
+    def forward_backward(self, attention: np.ndarray, linear: np.ndarray) -> np.ndarray:
+        """Forward + backward seconds of work whose forward is ``attention`` + ``linear`` seconds."""
+        hw = self.hardware
+        return attention * (1.0 + hw.bwd_attention) + linear * (1.0 + hw.bwd_linear)
 
     def describe(self) -> str:
         return f"{type(self).__name__}({self.model.name}, {self.layout}, {self.hardware.name})"

@@ -61,7 +61,7 @@ import numpy as np
 
 from megatron_wlb.packing.base import Packer, pieces_from_state, pieces_to_state, register_packer
 from megatron_wlb.packing.greedy import place_greedy
-from megatron_wlb.packing.metrics import piece_forward, piece_latency
+from megatron_wlb.packing.metrics import microbatch_seconds, piece_forward, piece_latency
 from megatron_wlb.packing.pipeline import deal_and_order
 from megatron_wlb.packing.types import (
     DocPiece,
@@ -402,22 +402,14 @@ class WlbPacker(Packer):
         """Deal the micro-batches to DP ranks and order them for the pipeline schedule (d)."""
         cfg = self.config
         m = len(bins)
-        counts = [len(b) for b in bins]
-        nonempty = np.asarray(counts) > 0
-        over_f = over_t = 0.0
+        forward = None
         if self.cost is not None:
-            over_f = self.cost.microbatch_overhead
-            over_t = over_f * (1.0 + self.cost.hardware.bwd_linear)
-        total_arr = np.where(nonempty, np.asarray(work, dtype=np.float64) + over_t, 0.0)
-        if self.cost is None:
-            fwd_arr = total_arr / 3.0
-        else:
+            counts = [len(b) for b in bins]
             lengths = np.fromiter((p.length for b in bins for p in b), dtype=np.int64, count=sum(counts))
-            owner = np.repeat(np.arange(m), counts)
-            fwd_arr = np.bincount(owner, weights=piece_forward(self.cost, lengths), minlength=m)
-            fwd_arr = np.where(nonempty, fwd_arr + over_f, 0.0)
-        fwd, total = fwd_arr.tolist(), total_arr.tolist()
-        bwd = [t - f for t, f in zip(total, fwd)]
+            forward = np.bincount(np.repeat(np.arange(m), counts), weights=piece_forward(self.cost, lengths),
+                                  minlength=m)
+        fwd_arr, bwd_arr = microbatch_seconds(self.cost, np.asarray(work, dtype=np.float64), forward)
+        fwd, bwd = fwd_arr.tolist(), bwd_arr.tolist()
         perm = deal_and_order(fwd, bwd, cfg.dp, cfg.n, cfg.stages, cfg.virtual_stages)
         return [bins[i] for i in perm]
 

@@ -222,8 +222,8 @@ class IterationSimulator:
         comm = np.asarray(cost.tp_comm(rank_tokens), dtype=np.float64) + float(cost.cp_comm(tokens))
         over = cost.microbatch_overhead
         rank_fwd = attn + gemm + comm + over
-        rank_bwd = hw.bwd_attention * attn + hw.bwd_linear * gemm + comm + over
-        compute = (1.0 + hw.bwd_attention) * attn + (1.0 + hw.bwd_linear) * gemm
+        rank_bwd = cost.backward(attn, gemm) + comm + over
+        compute = cost.forward_backward(attn, gemm)
         head = float(cost.linear_compute(tokens / cp)) * self._head_ratio
         p2p = float(cost.pp_send(tokens, self.sequence_parallel))
         return MicroBatchCost(tokens, str(getattr(layout, "name", self.cp_layout)), float(rank_fwd.max()),
