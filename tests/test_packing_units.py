@@ -193,6 +193,25 @@ def test_wlb_max_delay_never_exceeded(run7b, max_delay):
     assert summarize(batches, cost).max_delay <= max_delay
 
 
+def test_diagnostics_are_a_method_of_every_packer(run7b):
+    """``Packer.diagnostics()``: nothing for the plain packers, wlb's thresholds and counts, the
+    solver's HiGHS statuses; and ``wlb pack --json`` reports them."""
+    config, cost, lengths = run7b
+    for name in ("original", "fixed-greedy"):
+        packer = make_packer(name, config.packing, cost)
+        first(packer, lengths, 2)
+        assert packer.diagnostics() == {}
+    wlb = make_packer("wlb", dataclasses.replace(config.packing, max_delay=0), cost)
+    first(wlb, lengths, 20)
+    diag = wlb.diagnostics()
+    assert diag["thresholds"] == list(wlb.thresholds()) and diag["forced_splits"] == wlb.forced_splits
+    assert set(diag) == {"thresholds", "forced_splits", "fill_releases", "cut_stats"}
+    json.dumps(diag)
+    solver = make_packer("fixed-solver", config.packing, cost)
+    first(solver, lengths, 2)
+    assert solver.diagnostics() == {"solver_status": solver.solver_status, "skipped_windows": solver.skipped_windows}
+
+
 def auto_thresholds(lengths, seq_len=4096, n=4, **kw):
     cfg = PackingConfig(seq_len=seq_len, n=n, **kw)
     packer = make_packer("wlb", cfg)

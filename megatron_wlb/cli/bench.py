@@ -111,13 +111,7 @@ def bench_one(config_name: str, stream: str, rows, iterations: int, solver_itera
         m = summarize(batches, cost, packing.seq_len, stages=packing.stages, virtual_stages=packing.virtual_stages)
         row = {"label": label, "packer": packer_name, "overrides": {k: list(v) if isinstance(v, tuple) else v
                                                                       for k, v in over.items()},
-               "capacity": packer.capacity, "wall_s": wall, **m.to_dict()}
-        if hasattr(packer, "thresholds"):
-            row["final_thresholds"] = list(packer.thresholds())
-            row["forced_splits"] = packer.forced_splits
-        if hasattr(packer, "solver_status"):
-            row["solver_status"] = dict(packer.solver_status)
-            row["skipped_windows"] = packer.skipped_windows
+               "capacity": packer.capacity, "wall_s": wall, **m.to_dict(), **packer.diagnostics()}
         out["rows"].append(row)
     return out
 
@@ -142,8 +136,8 @@ def to_markdown(result: dict) -> str:
                          f"{r['plan_ms_mean']:.2f} | {r['plan_ms_max']:.1f} | {r['plan_cpu_ms_mean']:.2f} | "
                          f"{r['plan_cpu_ms_max']:.1f} |")
         lines.append("")
-        notes = [f"- {r['label']}: final auto thresholds {r['final_thresholds']}"
-                 for r in table["rows"] if "final_thresholds" in r and "queue_thresholds" not in r["overrides"]]
+        notes = [f"- {r['label']}: final auto thresholds {r['thresholds']}"
+                 for r in table["rows"] if "thresholds" in r and "queue_thresholds" not in r["overrides"]]
         notes += [f"- {r['label']}: HiGHS status per window {r['solver_status']}, "
                   f"{r['skipped_windows']} windows over the column cap (greedy plan kept)"
                   for r in table["rows"] if "solver_status" in r]

@@ -170,8 +170,7 @@ def run(args: argparse.Namespace) -> int:
     metrics = summarize(batches, cost, packing.seq_len, stages=packing.stages, virtual_stages=packing.virtual_stages)
     report = {"packer": name, "config": config.name, "lengths": source, "documents_read": packer.position,
               "dropped": len(packer.dropped), **metrics.to_dict()}
-    if hasattr(packer, "thresholds"):
-        report["thresholds"] = list(packer.thresholds())
+    report.update(packer.diagnostics())
     if args.json:
         print(json.dumps(report, indent=1))
     else:

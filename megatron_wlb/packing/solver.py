@@ -31,6 +31,8 @@ is the bound.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from megatron_wlb.packing.base import register_packer
@@ -122,6 +124,10 @@ class FixedSolverPacker(FixedWindowPacker):
         self.solver_status: dict[str, int] = {}   # diagnostics: HiGHS status per window
         self.skipped_windows = 0                  # windows over solver_max_columns (greedy plan kept)
         self.node_limit = int(config.solver_nodes)
+
+    def diagnostics(self) -> dict[str, Any]:
+        """HiGHS status per solved window and the windows over the column cap (greedy plan kept)."""
+        return {"solver_status": dict(self.solver_status), "skipped_windows": self.skipped_windows}
 
     @property
     def time_limit_hits(self) -> int:

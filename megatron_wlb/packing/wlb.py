@@ -130,6 +130,11 @@ class WlbPacker(Packer):
         """Pieces read but not yet emitted (carried pieces and queued outliers)."""
         return tuple(self._waiting)
 
+    def diagnostics(self) -> dict[str, Any]:
+        """The current thresholds (``thresholds()``), forced splits, early releases and cuts."""
+        return {"thresholds": list(self.thresholds()), "forced_splits": self.forced_splits,
+                "fill_releases": self.fill_releases, "cut_stats": dict(self.cut_stats)}
+
     # -- thresholds ------------------------------------------------------------------------------
     def thresholds(self) -> tuple[int, ...]:
         """The current L_1 < ... < L_n (the configured ones, or derived from the stream so far)."""
