@@ -23,7 +23,8 @@ import numpy as np
 
 from megatron_wlb.config import RunConfig, load_config
 from megatron_wlb.costmodel import CostModel, build_cost_model
-from megatron_wlb.sim.iteration import LayoutBuilder, RunSummary, simulate_stream
+from megatron_wlb.cp.protocols import LayoutBuilder
+from megatron_wlb.sim.iteration import RunSummary, simulate_stream
 
 #: ``progress(iterable, desc, total) -> iterable``: a tqdm-like wrapper, or None for silence.
 Progress = Callable[[Iterable, str, int], Iterable]

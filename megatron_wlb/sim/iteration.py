@@ -31,18 +31,15 @@ import numpy as np
 
 from megatron_wlb.config import RunConfig
 from megatron_wlb.costmodel import CostModel
+from megatron_wlb.cp.protocols import Layout, LayoutBuilder
 from megatron_wlb.packing.metrics import batch_latencies, imbalance_global, imbalance_per_rank, summarize
 from megatron_wlb.packing.types import GlobalBatch, MicroBatch
 from megatron_wlb.sim.schedule import PipelineResult, simulate_pipeline
 
 ORDERS = ("packer", "heavy-first")
 
-#: ``(name, lengths, cp, cost) -> object with .name, .rank_work [cp], .rank_tokens [cp]``
-LayoutBuilder = Callable[[str, np.ndarray, int, CostModel], object]
-
-
 def default_layout_builder(name: str, lengths: np.ndarray, cp: int, cost: CostModel,
-                           seq_len: int | None = None):
+                           seq_len: int | None = None) -> Layout:
     """The CP shard layouts of ``megatron_wlb.cp.layouts``, plus ``dynamic-cp`` (``sim.dyncp``,
     with ``max_seqlen_per_rank = seq_len / cp``)."""
     if name == "dynamic-cp":
@@ -226,7 +223,7 @@ class IterationSimulator:
         compute = cost.forward_backward(attn, gemm)
         head = float(cost.linear_compute(tokens / cp)) * self._head_ratio
         p2p = float(cost.pp_send(tokens, self.sequence_parallel))
-        return MicroBatchCost(tokens, str(getattr(layout, "name", self.cp_layout)), float(rank_fwd.max()),
+        return MicroBatchCost(tokens, layout.name, float(rank_fwd.max()),
                               float(rank_bwd.max()), rank_fwd, rank_bwd, compute, head,
                               head * hw.bwd_linear, p2p, (1.0 + hw.bwd_attention) * attn)
 
