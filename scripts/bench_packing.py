@@ -30,9 +30,8 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from _results import write_result  # noqa: E402
 
-from megatron_wlb.cli.bench import machine  # noqa: E402
+from megatron_wlb.cli.common import machine, resolve_lengths, run_packer  # noqa: E402
 from megatron_wlb.cli.main import main as wlb_main  # noqa: E402
-from megatron_wlb.cli.pack import resolve_lengths, run_packer  # noqa: E402
 from megatron_wlb.config import load_config  # noqa: E402
 from megatron_wlb.costmodel import build_cost_model  # noqa: E402
 from megatron_wlb.packing import make_packer, summarize  # noqa: E402

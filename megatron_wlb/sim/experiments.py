@@ -16,7 +16,7 @@ interleaved 1F1B (``DEFAULT_VIRTUAL_STAGES`` virtual stages) unless a caller ask
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -24,10 +24,9 @@ import numpy as np
 from megatron_wlb.config import RunConfig, load_config
 from megatron_wlb.costmodel import CostModel, build_cost_model
 from megatron_wlb.cp.protocols import LayoutBuilder
-from megatron_wlb.sim.iteration import RunSummary, simulate_stream
+from megatron_wlb.sim.iteration import Progress, RunSummary, simulate_stream
 
-#: ``progress(iterable, desc, total) -> iterable``: a tqdm-like wrapper, or None for silence.
-Progress = Callable[[Iterable, str, int], Iterable]
+__all__ = ["Progress"]  # re-exported: the callers of compare() and reproduce() name it from here
 
 TABLE1_CONFIGS = ("550m_64k", "550m_128k", "7b_64k", "7b_128k", "30b_64k", "30b_128k", "70b_64k", "70b_128k")
 CASE_STUDY_CONFIG = "405b_128k_8k"
@@ -158,10 +157,6 @@ class Comparison:
         return [b.name for b in BASELINES if b.name in self.runs]
 
 
-def _wrap(progress: Progress | None, it: Iterable, desc: str, total: int) -> Iterable:
-    return it if progress is None else progress(it, desc, total)
-
-
 def compare(config: RunConfig, lengths: np.ndarray, iterations: int, methods: Sequence[Method] = MAIN_METHODS,
             *, cost: CostModel | None = None, profile: str | None = None, keep_events: bool = False,
             layout_builder: LayoutBuilder | None = None, split_at_window: bool = True,
@@ -179,9 +174,6 @@ def compare(config: RunConfig, lengths: np.ndarray, iterations: int, methods: Se
     cost = cost or build_cost_model(config.model, config.layout, profile)
     runs: dict[str, RunSummary] = {}
     for m in methods:
-        def bar(it: Iterator, _m: Method = m) -> Iterable:
-            return _wrap(progress, it, f"{config.name} {_m.name}", iterations)
-
         v = m.virtual_stages if m.virtual_stages is not None else virtual_stages
         cfg = config if v is None else replace(config, virtual_stages=v)
         if cfg.virtual_stages > 1 and cfg.micro_batches % cfg.layout.pp:
@@ -189,7 +181,8 @@ def compare(config: RunConfig, lengths: np.ndarray, iterations: int, methods: Se
                              f"by pp ({cfg.layout.pp})")
         runs[m.name] = simulate_stream(cfg, cost, m.packer, m.cp_layout, lengths, iterations,
                                        packing_overrides=m.packing_overrides(config), layout_builder=layout_builder,
-                                       keep_events=keep_events, progress=bar, order=m.order,
+                                       keep_events=keep_events, progress=progress,
+                                       progress_desc=f"{config.name} {m.name}", order=m.order,
                                        sequence_parallel=sequence_parallel,
                                        split_at=config.seq_len if split_at_window else None)
     return Comparison(config, cost, runs, base=methods[0].name, iterations=iterations,

@@ -23,9 +23,10 @@ slowest DP rank plus that sync. Nothing here assumes fixed-length micro-batches.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from functools import partial
+from typing import Protocol, TypeVar
 
 import numpy as np
 
@@ -37,6 +38,15 @@ from megatron_wlb.packing.types import GlobalBatch, MicroBatch
 from megatron_wlb.sim.schedule import PipelineResult, simulate_pipeline
 
 ORDERS = ("packer", "heavy-first")
+
+_T = TypeVar("_T")
+
+
+class Progress(Protocol):
+    """The one progress-callback type: ``progress(items, desc, total)`` yields ``items`` unchanged
+    while showing progress (a tqdm-like bar; ``cli.common.tqdm_progress``). ``total`` may be None."""
+
+    def __call__(self, items: Iterable[_T], desc: str, total: int | None) -> Iterable[_T]: ...
 
 def default_layout_builder(name: str, lengths: np.ndarray, cp: int, cost: CostModel,
                            seq_len: int | None = None) -> Layout:
@@ -384,13 +394,14 @@ def simulate_stream(config: RunConfig, cost: CostModel, packer: str, cp_layout: 
                     iterations: int, *, packing_overrides: dict | None = None,
                     layout_builder: LayoutBuilder | None = None, keep_events: bool = False,
                     split_at: int | None = None, order: str = "packer", sequence_parallel: bool = True,
-                    progress: Callable[[Iterator], Iterator] | None = None) -> RunSummary:
+                    progress: Progress | None = None, progress_desc: str | None = None) -> RunSummary:
     """Pack ``lengths`` with ``packer`` and simulate its first ``iterations`` global batches.
 
     Every packer reads ``dp * n * seq_len`` new tokens per iteration, so the first K iterations of
     two methods cover the same documents up to what a packer holds back at the end. ``split_at``
     cuts documents longer than that into pieces of at most that many tokens before packing (see
-    ``split_documents``), so every method trains the same attention spans.
+    ``split_documents``), so every method trains the same attention spans. ``progress`` shows the
+    iterations under ``progress_desc`` (default: config, packer and layout names).
     """
     import megatron_wlb.sim.baselines  # noqa: F401  (registers the whole-document baseline packer)
     from megatron_wlb.packing.base import make_packer
@@ -405,9 +416,9 @@ def simulate_stream(config: RunConfig, cost: CostModel, packer: str, cp_layout: 
     pk = make_packer(packer, cfg.packing, cost)
     sim = IterationSimulator(cfg, cost, cp_layout, layout_builder=layout_builder, keep_events=keep_events,
                              order=order, sequence_parallel=sequence_parallel)
-    batches = _take(pk.pack(lengths), iterations)
+    batches: Iterable[GlobalBatch] = _take(pk.pack(lengths), iterations)
     if progress is not None:
-        batches = progress(batches)
+        batches = progress(batches, progress_desc or f"{config.name} {packer}+{cp_layout}", iterations)
     results = []
     packed = []
     for batch in batches:
