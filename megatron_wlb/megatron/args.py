@@ -17,8 +17,8 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from megatron_wlb.config import field_docs
-from megatron_wlb.megatron.settings import FLAG_KNOBS, PACKING_NAMES, WlbSettings, cp_sharding_names
+from megatron_wlb.config import PACKER_NAMES, cp_sharding_names, field_docs
+from megatron_wlb.megatron.settings import FLAG_KNOBS, WlbSettings
 from megatron_wlb.packing.types import DEFAULT_MAX_SEQ_LEN_FACTOR, PackingConfig, resolve_max_seq_len
 
 ArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
@@ -34,7 +34,7 @@ def flag_table() -> list[tuple[str, str, str, str]]:
     (docs/megatron.md's table is checked against it)."""
     d = WlbSettings()
     own_docs = field_docs(WlbSettings)
-    choices = {"packing": PACKING_NAMES, "cp_sharding": cp_sharding_names()}
+    choices = {"packing": PACKER_NAMES, "cp_sharding": cp_sharding_names()}
     yaml_keys = {"packing": "packing.packer", "cp_sharding": "cp_sharding"}
     rows = []
     for name in WlbSettings.names():
@@ -66,7 +66,7 @@ def add_wlb_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         return parser
     g = parser.add_argument_group(title="WLB-LLM", description="workload-balanced packing and CP sharding "
                                   "(megatron_wlb; see docs/megatron.md)")
-    choices = {"packing": PACKING_NAMES, "cp_sharding": cp_sharding_names()}
+    choices = {"packing": PACKER_NAMES, "cp_sharding": cp_sharding_names()}
     metavars = {"cost_profile": "PATH", "config": "NAME|YAML"}
     for (flag, _, default, text), name in zip(flag_table(), WlbSettings.names()):
         knob = FLAG_KNOBS.get(name)
