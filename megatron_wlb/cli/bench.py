@@ -171,9 +171,10 @@ def run(args: argparse.Namespace) -> int:
         tables.append(bench_one(args.config, stream, rows_for(config.seq_len, args.quick), args.iterations,
                                 args.solver_iterations, args.profile))
     if args.scale_config:
-        rows = [("Original", "original", {}), ("Fixed-Len Greedy, window 1", "fixed-greedy", {"window": 1}),
-                ("WLB, auto thresholds (default)", "wlb", {}),
-                ("WLB, auto, queue releases N (one DP rank) at a time", "wlb", {"release": "rank"})]
+        rows: list[BenchRow] = [
+            ("Original", "original", {}), ("Fixed-Len Greedy, window 1", "fixed-greedy", {"window": 1}),
+            ("WLB, auto thresholds (default)", "wlb", {}),
+            ("WLB, auto, queue releases N (one DP rank) at a time", "wlb", {"release": "rank"})]
         tables.append(bench_one(args.scale_config, "wlbllm", rows, args.scale_iterations, args.solver_iterations,
                                 args.profile))
     result = {"machine": host, "command": args.label or "wlb " + " ".join(sys.argv[1:]), "tables": tables}

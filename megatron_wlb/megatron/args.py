@@ -17,7 +17,8 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from megatron_wlb.config import PACKER_NAMES, cp_sharding_names, field_docs
+from megatron_wlb.config import PACKER_NAMES, Knob, RunConfig, cp_sharding_names, field_docs
+from megatron_wlb.costmodel import CostModel
 from megatron_wlb.megatron.settings import FLAG_KNOBS, WlbSettings
 from megatron_wlb.packing.types import DEFAULT_MAX_SEQ_LEN_FACTOR, PackingConfig, resolve_max_seq_len
 
@@ -77,7 +78,7 @@ def add_wlb_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
-def _flag_type(knob, flag: str) -> Callable[[str], Any]:
+def _flag_type(knob: Knob, flag: str) -> Callable[[str], Any]:
     """argparse ``type=``: the knob's type conversion; range checks happen in WlbSettings."""
 
     def convert(text: str) -> Any:
@@ -90,7 +91,7 @@ def _flag_type(knob, flag: str) -> Callable[[str], Any]:
     return convert
 
 
-def config_flags(run) -> list[str]:
+def config_flags(run: RunConfig) -> list[str]:
     """The ``--wlb-*`` flags that reproduce a RunConfig's packing choices without ``--wlb-config``
     (whose start-up check demands the config's exact layout): for launchers that rescale a layout."""
     out = ["--wlb-packing", run.packer, "--wlb-cp-sharding", run.cp_sharding]
@@ -137,7 +138,7 @@ def settings_from_args(args: Any) -> WlbSettings:
     return WlbSettings(**{**base, **given})
 
 
-def load_run_config(name_or_path: str):
+def load_run_config(name_or_path: str) -> RunConfig:
     """``megatron_wlb.config.load_config`` with errors that name the flag and the valid configs."""
     from megatron_wlb.config import list_configs, load_config
 
@@ -295,7 +296,7 @@ def packing_config_from_args(args: Any, settings: WlbSettings) -> PackingConfig:
                          **settings.knob_values())
 
 
-def cost_model_from_args(args: Any, settings: WlbSettings):
+def cost_model_from_args(args: Any, settings: WlbSettings) -> CostModel:
     """The cost model W(d) for this run's model flags and layout (calibrated if --wlb-cost-profile)."""
     from megatron_wlb.costmodel import ModelShape, ParallelLayout, build_cost_model
 

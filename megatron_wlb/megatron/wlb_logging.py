@@ -17,7 +17,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Protocol, cast
 
 from megatron_wlb.packing.types import GlobalBatch
 
@@ -150,10 +150,19 @@ class WlbMetricsLogger:
         return m
 
 
-def wrap_training_log(original: Callable, logger_of: Callable[[], WlbMetricsLogger | None]) -> Callable:
+class WrappedTrainingLog(Protocol):
+    """Megatron's ``training_log`` followed by ours; ``__wlb_original__`` is Megatron's (to restore it)."""
+
+    __wlb_original__: Callable[..., Any]
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
+
+
+def wrap_training_log(original: Callable[..., Any],
+                      logger_of: Callable[[], WlbMetricsLogger | None]) -> WrappedTrainingLog:
     """Megatron's ``training_log(loss_dict, total_loss_dict, learning_rate, iteration, ...)``, then ours."""
 
-    def training_log(*args, **kwargs):
+    def training_log(*args: Any, **kwargs: Any) -> Any:
         out = original(*args, **kwargs)
         iteration = kwargs.get("iteration", args[3] if len(args) > 3 else None)
         logger = logger_of()
@@ -161,5 +170,6 @@ def wrap_training_log(original: Callable, logger_of: Callable[[], WlbMetricsLogg
             logger.log(int(iteration))
         return out
 
-    training_log.__wlb_original__ = original
-    return training_log
+    wrapped = cast(WrappedTrainingLog, training_log)
+    wrapped.__wlb_original__ = original
+    return wrapped

@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from megatron_wlb.costmodel import CostModel
 from megatron_wlb.packing.base import register_packer
 from megatron_wlb.packing.greedy import FixedWindowPacker, placement_order
 from megatron_wlb.packing.metrics import piece_latency
@@ -119,7 +120,7 @@ def solve_assignment(lengths: np.ndarray, weights: np.ndarray, bins: int, cap: i
 class FixedSolverPacker(FixedWindowPacker):
     name = "fixed-solver"
 
-    def __init__(self, config, cost=None):
+    def __init__(self, config: PackingConfig, cost: CostModel | None = None):
         super().__init__(config, cost)
         self.solver_status: dict[str, int] = {}   # diagnostics: HiGHS status per window
         self.skipped_windows = 0                  # windows over solver_max_columns (greedy plan kept)
@@ -134,11 +135,12 @@ class FixedSolverPacker(FixedWindowPacker):
         """Always 0: the solver has no wall-clock limit any more (kept for callers that print it)."""
         return 0
 
-    def _assign(self, carried: list[DocPiece], new: list[DocPiece], bins: int):
+    def _assign(self, carried: list[DocPiece], new: list[DocPiece], bins: int
+                ) -> tuple[list[list[DocPiece]], list[DocPiece]]:
         greedy_bins, left = super()._assign(carried, new, bins)
         # Placement order of the greedy pass, bins relabelled by first use (symmetry cut holds).
         order = placement_order(carried, new)
-        where = {}
+        where: dict[DocPiece, int] = {}
         for j, b in enumerate(greedy_bins):
             for piece in b:
                 where[piece] = j

@@ -59,6 +59,7 @@ from typing import Any
 
 import numpy as np
 
+from megatron_wlb.costmodel import CostModel
 from megatron_wlb.packing.base import Packer, pieces_from_state, pieces_to_state, register_packer
 from megatron_wlb.packing.greedy import place_greedy
 from megatron_wlb.packing.metrics import microbatch_seconds, piece_forward, piece_latency
@@ -66,6 +67,7 @@ from megatron_wlb.packing.pipeline import deal_and_order
 from megatron_wlb.packing.types import (
     DocPiece,
     MicroBatch,
+    PackingConfig,
     oldest_first_key,
     shortest_first_key,
     sort_largest_first,
@@ -81,11 +83,15 @@ def _hist_bin(lengths: np.ndarray) -> np.ndarray:
     return np.minimum((np.log2(lengths) * HIST_PER_OCTAVE).astype(np.int64), HIST_BINS - 1)
 
 
+def _lengths(pieces: list[DocPiece]) -> np.ndarray:
+    return np.fromiter((p.length for p in pieces), dtype=np.int64, count=len(pieces))
+
+
 @register_packer
 class WlbPacker(Packer):
     name = "wlb"
 
-    def __init__(self, config, cost=None):
+    def __init__(self, config: PackingConfig, cost: CostModel | None = None):
         super().__init__(config, cost)
         self._waiting: list[DocPiece] = []
         self._hist = np.zeros(HIST_BINS, dtype=np.int64)     # documents per log-length bin
@@ -111,7 +117,7 @@ class WlbPacker(Packer):
     def capacity(self) -> int:
         return self.config.capacity_var
 
-    def _apply_oversize(self, lengths, ids, arrival):
+    def _apply_oversize(self, lengths: np.ndarray, ids: np.ndarray, arrival: int) -> list[DocPiece]:
         pieces = super()._apply_oversize(lengths, ids, arrival)
         if self.config.cut_policy == "overlong" and lengths.size and int(lengths.max()) > self.capacity:
             self._overlong_docs.update(int(i) for i, n in zip(ids.tolist(), lengths.tolist()) if n > self.capacity)
@@ -208,18 +214,20 @@ class WlbPacker(Packer):
         forced = [p for p in pool if p.arrival <= oldest]
         rest = [p for p in pool if p.arrival > oldest] if forced else pool
         l1 = th[0]
+        candidates: list[DocPiece]
+        waiting: list[DocPiece] = []
         if final:
-            candidates, waiting = rest, []
+            candidates = rest
         else:
-            candidates, outliers = [], []
+            candidates = []
+            outliers: list[DocPiece] = []
             for p in rest:
                 (candidates if p.length < l1 else outliers).append(p)
-            waiting = []
             per_token = self._ordinary_work_per_token(l1)
             edges = np.asarray(th)
-            levels = (np.searchsorted(edges, [p.length for p in outliers], side="right") - 1).tolist()
+            levels = (np.searchsorted(edges, _lengths(outliers), side="right") - 1).tolist()
             forced_out = [p for p in forced if p.length >= l1]
-            forced_levels = (np.searchsorted(edges, [p.length for p in forced_out], side="right") - 1).tolist()
+            forced_levels = (np.searchsorted(edges, _lengths(forced_out), side="right") - 1).tolist()
             to_cut: set[DocPiece] = set()
             for q in range(len(th)):
                 queue = sorted((p for p, lv in zip(outliers, levels) if lv == q), key=oldest_first_key)

@@ -117,7 +117,7 @@ class Table:
     notes: tuple[str, ...] = ()
 
     def to_markdown(self, digits: int = 2) -> str:
-        def cell(x) -> str:
+        def cell(x: object) -> str:
             if x is None or (isinstance(x, float) and math.isnan(x)):
                 return "-"
             if isinstance(x, float):
@@ -423,6 +423,11 @@ def ablation_steps(v: int = DEFAULT_VIRTUAL_STAGES) -> tuple[list[AblationStep],
     return cumulative, alone
 
 
+def _ratio(paper: float | None, ours: float) -> float | None:
+    """paper / ours, or None where the paper gives no number."""
+    return paper / ours if paper else None
+
+
 def ablation_tables(grid: Grid, v: int = DEFAULT_VIRTUAL_STAGES) -> tuple[Table, Table]:
     """How each modelling choice moves WLB-LLM's average speedup: cumulatively from the previous
     model (plain 1F1B, s/cp sends, concat-and-cut) to the paper's setting, and one at a time."""
@@ -439,8 +444,7 @@ def ablation_tables(grid: Grid, v: int = DEFAULT_VIRTUAL_STAGES) -> tuple[Table,
                      avg(step.after) / avg(step.before)))
     last = cumulative[-1].after
     rows.append(("paper", *[paper[k] for _, k in AVERAGES], None))
-    rows.append(("remaining gap (paper / ours)", *[paper[k] / avg(last, k) if paper[k] else None
-                                                     for _, k in AVERAGES], None))
+    rows.append(("remaining gap (paper / ours)", *[_ratio(paper[k], avg(last, k)) for _, k in AVERAGES], None))
     cum = Table("Ablation, cumulative: WLB-LLM speedup (geo-mean over the Table 1 configs) as each modelling "
                 "choice is made the paper's way", ("model", *[label for label, _ in AVERAGES], "factor"),
                 tuple(rows))

@@ -81,7 +81,7 @@ class MicroBatchCost:
     head_fwd: float
     head_bwd: float
     p2p: float
-    rank_attention: np.ndarray | None = None
+    rank_attention: np.ndarray
 
 
 @dataclass(frozen=True)
