@@ -130,11 +130,6 @@ class FixedSolverPacker(FixedWindowPacker):
         """HiGHS status per solved window and the windows over the column cap (greedy plan kept)."""
         return {"solver_status": dict(self.solver_status), "skipped_windows": self.skipped_windows}
 
-    @property
-    def time_limit_hits(self) -> int:
-        """Always 0: the solver has no wall-clock limit any more (kept for callers that print it)."""
-        return 0
-
     def _assign(self, carried: list[DocPiece], new: list[DocPiece], bins: int
                 ) -> tuple[list[list[DocPiece]], list[DocPiece]]:
         greedy_bins, left = super()._assign(carried, new, bins)
