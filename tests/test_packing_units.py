@@ -193,6 +193,29 @@ def test_wlb_max_delay_never_exceeded(run7b, max_delay):
     assert summarize(batches, cost).max_delay <= max_delay
 
 
+@pytest.mark.parametrize("count", [10, 200])
+def test_piece_orders_are_total_and_the_fast_sort_agrees(count):
+    """One set of sort keys for every packer; the lexsort path (64+ pieces) orders exactly as the key."""
+    from megatron_wlb.packing.types import (
+        DocPiece,
+        largest_first_key,
+        oldest_first_key,
+        shortest_first_key,
+        sort_largest_first,
+    )
+
+    rng = np.random.default_rng(count)
+    pieces = [DocPiece(int(d), int(o), int(n), int(a)) for d, o, n, a in
+              zip(rng.integers(0, 20, count), rng.integers(0, 3, count) * 100, rng.integers(1, 6, count),
+                  rng.integers(0, 4, count))]
+    pieces = list(dict.fromkeys(pieces))  # distinct, with many ties in length and arrival
+    assert sort_largest_first(pieces) == sorted(pieces, key=largest_first_key)
+    lengths = [p.length for p in sort_largest_first(pieces)]
+    assert lengths == sorted(lengths, reverse=True)
+    assert [p.length for p in sorted(pieces, key=shortest_first_key)] == sorted(lengths)
+    assert [p.arrival for p in sorted(pieces, key=oldest_first_key)] == sorted(p.arrival for p in pieces)
+
+
 def test_diagnostics_are_a_method_of_every_packer(run7b):
     """``Packer.diagnostics()``: nothing for the plain packers, wlb's thresholds and counts, the
     solver's HiGHS statuses; and ``wlb pack --json`` reports them."""

@@ -104,8 +104,10 @@ def sort_largest_first(pieces: Sequence[DocPiece]) -> list[DocPiece]:
     if len(pieces) < 64:
         return sorted(pieces, key=largest_first_key)
     n = len(pieces)
-    offset, doc_id, arrival, length = (np.fromiter((getattr(p, f) for p in pieces), dtype=np.int64, count=n)
-                                       for f in ("offset", "doc_id", "arrival", "length"))
+    offset = np.fromiter((p.offset for p in pieces), dtype=np.int64, count=n)
+    doc_id = np.fromiter((p.doc_id for p in pieces), dtype=np.int64, count=n)
+    arrival = np.fromiter((p.arrival for p in pieces), dtype=np.int64, count=n)
+    length = np.fromiter((p.length for p in pieces), dtype=np.int64, count=n)
     return [pieces[i] for i in np.lexsort((offset, doc_id, arrival, -length)).tolist()]
 
 
