@@ -18,7 +18,7 @@ import numpy as np
 
 from megatron_wlb.costmodel import CostModel
 from megatron_wlb.packing.base import Packer, pieces_from_state, pieces_to_state, register_packer
-from megatron_wlb.packing.types import DocPiece, MicroBatch, PackingConfig
+from megatron_wlb.packing.types import DocPiece, MicroBatch, PackingConfig, piece_lengths
 
 
 def concat_and_cut(lengths: np.ndarray, seq_len: int, micro_batches: Iterable[int]
@@ -60,7 +60,7 @@ class OriginalPacker(Packer):
     def _plan(self, new: list[DocPiece], final: bool) -> list[MicroBatch]:
         buf = self._buffer + new
         cap = self.config.seq_len
-        lengths = np.fromiter((p.length for p in buf), dtype=np.int64, count=len(buf))
+        lengths = piece_lengths(buf)
         out: list[MicroBatch] = []
         for docs, offsets, sizes in concat_and_cut(lengths, cap, range(self.config.micro_batches_per_iteration)):
             out.append(MicroBatch(tuple(DocPiece(buf[i].doc_id, buf[i].offset + off, size, buf[i].arrival)

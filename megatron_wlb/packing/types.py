@@ -33,6 +33,11 @@ class DocPiece:
     arrival: int
 
 
+def piece_lengths(pieces: Sequence[DocPiece]) -> np.ndarray:
+    """The pieces' token counts, in order, as int64."""
+    return np.fromiter((p.length for p in pieces), dtype=np.int64, count=len(pieces))
+
+
 @dataclass(frozen=True, slots=True)
 class MicroBatch:
     """Document pieces packed into one micro-batch, in order; ``capacity`` bounds their tokens."""
@@ -46,7 +51,7 @@ class MicroBatch:
 
     @property
     def lengths(self) -> np.ndarray:
-        return np.fromiter((p.length for p in self.pieces), dtype=np.int64, count=len(self.pieces))
+        return piece_lengths(self.pieces)
 
     def cu_seqlens(self) -> np.ndarray:
         """Cumulative piece boundaries ``[0, l0, l0 + l1, ...]``, the THD ``cu_seqlens``."""
@@ -107,7 +112,7 @@ def sort_largest_first(pieces: Sequence[DocPiece]) -> list[DocPiece]:
     offset = np.fromiter((p.offset for p in pieces), dtype=np.int64, count=n)
     doc_id = np.fromiter((p.doc_id for p in pieces), dtype=np.int64, count=n)
     arrival = np.fromiter((p.arrival for p in pieces), dtype=np.int64, count=n)
-    length = np.fromiter((p.length for p in pieces), dtype=np.int64, count=n)
+    length = piece_lengths(pieces)
     return [pieces[i] for i in np.lexsort((offset, doc_id, arrival, -length)).tolist()]
 
 

@@ -69,6 +69,7 @@ from megatron_wlb.packing.types import (
     MicroBatch,
     PackingConfig,
     oldest_first_key,
+    piece_lengths,
     shortest_first_key,
     sort_largest_first,
 )
@@ -81,10 +82,6 @@ CLOSE_TOLERANCE = 0.02
 
 def _hist_bin(lengths: np.ndarray) -> np.ndarray:
     return np.minimum((np.log2(lengths) * HIST_PER_OCTAVE).astype(np.int64), HIST_BINS - 1)
-
-
-def _lengths(pieces: list[DocPiece]) -> np.ndarray:
-    return np.fromiter((p.length for p in pieces), dtype=np.int64, count=len(pieces))
 
 
 @register_packer
@@ -202,7 +199,7 @@ class WlbPacker(Packer):
         cap = self.capacity
         it = self.iteration
         if new:
-            lens = np.fromiter((p.length for p in new), dtype=np.int64, count=len(new))
+            lens = piece_lengths(new)
             bins_ = _hist_bin(lens)
             self._hist += np.bincount(bins_, minlength=HIST_BINS)
             self._hist_tokens += np.bincount(bins_, weights=lens, minlength=HIST_BINS).astype(np.int64)
@@ -225,9 +222,9 @@ class WlbPacker(Packer):
                 (candidates if p.length < l1 else outliers).append(p)
             per_token = self._ordinary_work_per_token(l1)
             edges = np.asarray(th)
-            levels = (np.searchsorted(edges, _lengths(outliers), side="right") - 1).tolist()
+            levels = (np.searchsorted(edges, piece_lengths(outliers), side="right") - 1).tolist()
             forced_out = [p for p in forced if p.length >= l1]
-            forced_levels = (np.searchsorted(edges, _lengths(forced_out), side="right") - 1).tolist()
+            forced_levels = (np.searchsorted(edges, piece_lengths(forced_out), side="right") - 1).tolist()
             to_cut: set[DocPiece] = set()
             for q in range(len(th)):
                 queue = sorted((p for p, lv in zip(outliers, levels) if lv == q), key=oldest_first_key)
@@ -418,7 +415,7 @@ class WlbPacker(Packer):
         forward = None
         if self.cost is not None:
             counts = [len(b) for b in bins]
-            lengths = np.fromiter((p.length for b in bins for p in b), dtype=np.int64, count=sum(counts))
+            lengths = piece_lengths([p for b in bins for p in b])
             forward = np.bincount(np.repeat(np.arange(m), counts), weights=piece_forward(self.cost, lengths),
                                   minlength=m)
         fwd_arr, bwd_arr = microbatch_seconds(self.cost, np.asarray(work, dtype=np.float64), forward)
