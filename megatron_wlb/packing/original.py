@@ -29,20 +29,37 @@ def concat_and_cut(lengths: np.ndarray, seq_len: int, micro_batches: Iterable[in
     returns its pieces in order as (document index, offset in the document, piece length) arrays. A
     micro-batch running past the end of the stream is partial (or empty).
     """
+    counts, docs, offsets, sizes = concat_and_cut_flat(lengths, seq_len, micro_batches)
+    edges = np.cumsum(counts)[:-1]
+    return list(zip(np.split(docs, edges), np.split(offsets, edges), np.split(sizes, edges)))
+
+
+def concat_and_cut_flat(lengths: np.ndarray, seq_len: int, micro_batches: Iterable[int]
+                        ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``concat_and_cut`` as flat arrays: (pieces per micro-batch, then every piece's document
+    index, offset in the document and length, micro-batch after micro-batch)."""
     lengths = np.asarray(lengths, dtype=np.int64)
     ends = np.cumsum(lengths)
     starts = ends - lengths
-    out = []
-    for k in micro_batches:
-        lo, hi = k * seq_len, (k + 1) * seq_len
-        first = int(np.searchsorted(ends, lo, side="right"))
-        last = int(np.searchsorted(ends, hi, side="left"))
-        docs = np.arange(first, min(last + 1, lengths.size), dtype=np.int64)
-        begin = np.maximum(starts[docs], lo)
-        size = np.minimum(ends[docs], hi) - begin
-        keep = size > 0
-        out.append((docs[keep], (begin - starts[docs])[keep], size[keep]))
-    return out
+    lo = np.fromiter(micro_batches, dtype=np.int64) * seq_len
+    hi = lo + seq_len
+    first = np.searchsorted(ends, lo, side="right")
+    last = np.minimum(np.searchsorted(ends, hi, side="left"), lengths.size - 1)
+    overlap = np.maximum(last - first + 1, 0)  # documents overlapping each micro-batch (some with 0 tokens)
+    window = np.repeat(np.arange(lo.size), overlap)
+    docs = np.repeat(first, overlap) + np.arange(int(overlap.sum())) - np.repeat(np.cumsum(overlap) - overlap, overlap)
+    begin = np.maximum(starts[docs], lo[window])
+    size = np.minimum(ends[docs], hi[window]) - begin
+    keep = size > 0
+    counts = np.bincount(window[keep], minlength=lo.size)
+    return counts, docs[keep], (begin - starts[docs])[keep], size[keep]
+
+
+def _cut(piece: DocPiece, offset: int, length: int) -> DocPiece:
+    """Tokens ``[offset, offset + length)`` of ``piece`` (the piece itself when that is all of it)."""
+    if offset == 0 and length == piece.length:
+        return piece
+    return DocPiece(piece.doc_id, piece.offset + offset, length, piece.arrival)
 
 
 @register_packer
@@ -61,20 +78,19 @@ class OriginalPacker(Packer):
         buf = self._buffer + new
         cap = self.config.seq_len
         lengths = piece_lengths(buf)
-        out: list[MicroBatch] = []
-        for docs, offsets, sizes in concat_and_cut(lengths, cap, range(self.config.micro_batches_per_iteration)):
-            out.append(MicroBatch(tuple(DocPiece(buf[i].doc_id, buf[i].offset + off, size, buf[i].arrival)
-                                        for i, off, size in zip(docs.tolist(), offsets.tolist(), sizes.tolist())),
-                                  cap))
+        counts, docs, offsets, sizes = concat_and_cut_flat(lengths, cap, range(self.config.micro_batches_per_iteration))
+        pieces = [_cut(buf[i], off, size) for i, off, size in zip(docs.tolist(), offsets.tolist(), sizes.tolist())]
+        ends = np.cumsum(counts).tolist()
+        out = [MicroBatch(tuple(pieces[e - c:e]), cap) for c, e in zip(counts.tolist(), ends)]
         # what was not emitted stays at the head: the rest of the last piece cut, then the pieces after it
         used = min(int(lengths.sum()), len(out) * cap)
-        ends = np.cumsum(lengths)
-        first = int(np.searchsorted(ends, used, side="right"))
+        doc_ends = np.cumsum(lengths)
+        first = int(np.searchsorted(doc_ends, used, side="right"))
         rest = buf[first:]
         if rest:
             head = rest[0]
-            taken = used - int(ends[first] - head.length)
-            rest[0] = DocPiece(head.doc_id, head.offset + taken, head.length - taken, head.arrival) if taken else head
+            taken = used - int(doc_ends[first] - head.length)
+            rest[0] = _cut(head, taken, head.length - taken)
         self._buffer = rest
         return out
 
