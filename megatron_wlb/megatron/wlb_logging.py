@@ -159,8 +159,9 @@ class WrappedTrainingLog(Protocol):
 
 
 def wrap_training_log(original: Callable[..., Any],
-                      logger_of: Callable[[], WlbMetricsLogger | None]) -> WrappedTrainingLog:
-    """Megatron's ``training_log(loss_dict, total_loss_dict, learning_rate, iteration, ...)``, then ours."""
+                      logger_of: Callable[[], WlbMetricsLogger | None]) -> Callable[..., Any]:
+    """Megatron's ``training_log(loss_dict, total_loss_dict, learning_rate, iteration, ...)``, then ours
+    (a ``WrappedTrainingLog``: ``__wlb_original__`` is Megatron's)."""
 
     def training_log(*args: Any, **kwargs: Any) -> Any:
         out = original(*args, **kwargs)
