@@ -6,8 +6,8 @@ writes, per rank, ``rank{R}.json``:
 
 - ``losses``: ``{iteration: lm loss}`` as ``train_step`` returned it (last pipeline stage only);
 - ``doc_tokens``: tokens of each stream document that reached the model after CP sharding, per data
-  iterator (first model chunk first), counted on TP rank 0 of the last pipeline stage (our launcher
-  only: the tokens carry a ``doc_ids`` row through the same sharding as every [1, T] tensor);
+  iterator (first model chunk first), counted on TP rank 0 of the last pipeline stage from the rows
+  each upload carries (``RankPlan.rows`` mapped to the pieces' documents);
 - ``plans``: every global plan the first iterator made: ``[[doc_id, length], ...]`` per iteration;
 - ``parallel``: this rank's tp/cp/pp/dp ranks; ``core_version``: the megatron-core that ran.
 
@@ -45,47 +45,47 @@ record: dict = {"losses": {}, "doc_tokens": [], "plans": [], "parallel": {},
 _iterator_index: dict[int, int] = {}
 
 _next = WlbDataIterator.__next__
+_iterator_of: dict[int, int] = {}  # id(RankMicroBatch) -> index of the iterator that yielded it
 
 
-def _next_with_doc_ids(self):
-    if self._cursor >= len(self._mine):
-        self._next_batch()
-    mb = self._mine[self._cursor]
+def _next_recorded(self):
     out = _next(self)
-    total = out["tokens"].shape[1]
-    ids = np.full(total, -1, dtype=np.int64)
-    at = 0
-    for piece in mb.pieces:
-        ids[at:at + piece.length] = piece.doc_id
-        at += piece.length
-    out["doc_ids"] = torch.from_numpy(ids)[None]
-    out["_iterator"] = _iterator_index.setdefault(id(self), len(_iterator_index))
-    if out["_iterator"] == 0 and self._cursor == 1:
+    which = _iterator_index.setdefault(id(self), len(_iterator_index))
+    _iterator_of[id(out)] = which
+    if which == 0 and self._cursor == 1:
         record["plans"].append([[p.doc_id, p.length] for m in self.current.micro_batches for p in m.pieces])
     return out
 
 
-WlbDataIterator.__next__ = _next_with_doc_ids
-_shard = cp_hooks.get_batch_on_this_cp_rank
+WlbDataIterator.__next__ = _next_recorded
+_upload = cp_hooks.upload_micro_batch
 
 
-def _shard_and_count(batch, *args, **kwargs):
+def _upload_and_count(batch, *args, **kwargs):
+    """Count each planned document's tokens in the rows this rank feeds the model (after CP sharding)."""
     from megatron.core import parallel_state as ps
 
-    which = batch.pop("_iterator", None)
-    out = _shard(batch, *args, **kwargs)
-    if which is not None and "doc_ids" in out and ps.is_pipeline_last_stage(ignore_virtual=True) \
+    which = _iterator_of.pop(id(batch), None)
+    out = _upload(batch, *args, **kwargs)
+    if which is not None and kwargs.get("tokens", True) and ps.is_pipeline_last_stage(ignore_virtual=True) \
             and ps.get_tensor_model_parallel_rank() == 0:
         while len(record["doc_tokens"]) <= which:
             record["doc_tokens"].append(defaultdict(int))
-        ids, counts = np.unique(out["doc_ids"].numpy(), return_counts=True)
+        doc_of_token = np.full(int(batch.plan.segment_lengths.sum()), -1, dtype=np.int64)
+        at = 0
+        for piece in batch.micro_batch.pieces:
+            doc_of_token[at:at + piece.length] = piece.doc_id
+            at += piece.length
+        rows = batch.plan.take(doc_of_token, fill=-1)
+        assert np.array_equal(out[0]["tokens"][0].cpu().numpy()[rows < 0], np.zeros(int((rows < 0).sum())))
+        ids, counts = np.unique(rows, return_counts=True)
         for i, c in zip(ids.tolist(), counts.tolist(), strict=True):
             if i >= 0:
                 record["doc_tokens"][which][i] += c
     return out
 
 
-cp_hooks.get_batch_on_this_cp_rank = _shard_and_count
+cp_hooks.upload_micro_batch = _upload_and_count
 _train_step = training.train_step
 
 

@@ -204,7 +204,7 @@ def test_profile_errors_of_the_simulator_commands(capsys, files: Path, command, 
 def test_bin_check_accepts_a_dataset_megatron_core_wrote(tmp_path: Path):
     pytest.importorskip("megatron.core")
     from megatron_wlb.data.indexed import check_bin_matches_idx, read_idx_lengths
-    from megatron_wlb.megatron.data import write_indexed_dataset
+    from megatron_wlb.data.reader import write_indexed_dataset
 
     prefix = write_indexed_dataset(str(tmp_path / "real_text_document"), [[1, 2, 3], [4, 5], list(range(70000))])
     check_bin_matches_idx(prefix)

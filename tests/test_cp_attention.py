@@ -207,3 +207,53 @@ def test_cuda_never_falls_back_to_the_reference_path(monkeypatch):
     with pytest.raises(ValueError, match="no varlen attention kernel"):
         resolve_backend("auto", cuda, torch.bfloat16)
     assert resolve_backend("auto", torch.device("cpu"), torch.float32) == "reference"
+
+
+def test_flash_attn_gets_causal_bottom_right_and_the_scale(monkeypatch):
+    """flash_attn_varlen_func: causal=True (bottom-right aligned in flash-attn >= 2.1), no dropout, our scale."""
+    import sys
+    import types
+
+    from megatron_wlb.cp.attention import _flash_attn
+
+    calls = []
+    fake = types.ModuleType("flash_attn")
+
+    def flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, *, dropout_p, softmax_scale, causal):
+        calls.append({"cu_q": cu_q, "max_q": max_q, "max_k": max_k, "dropout_p": dropout_p,
+                      "softmax_scale": softmax_scale, "causal": causal, "k_heads": k.shape[1]})
+        return q
+
+    fake.flash_attn_varlen_func = flash_attn_varlen_func
+    monkeypatch.setitem(sys.modules, "flash_attn", fake)
+    q, k = torch.ones(5, 4, 8), torch.ones(5, 2, 8)
+    cu = torch.tensor([0, 2, 5], dtype=torch.int32)
+    _flash_attn(q, k, k, cu, cu, 3, 3, 0.125)
+    assert calls == [{"cu_q": cu, "max_q": 3, "max_k": 3, "dropout_p": 0.0, "softmax_scale": 0.125, "causal": True,
+                      "k_heads": 2}]  # GQA passes through un-repeated: flash-attn handles it
+
+
+def test_the_kernel_gets_the_uploaded_metadata_as_is(monkeypatch):
+    """all_gather_cp_attention with CPAttentionMetadata: the kernel receives the very cu_seqlens tensors
+    uploaded once per micro-batch (no per-layer copy) and host ints for max_seqlen; the result is the
+    reference's."""
+    import megatron_wlb.cp.attention as attention
+    from megatron_wlb.cp.attention import CPAttentionMetadata, all_gather_cp_attention, reference_varlen_attention
+
+    layout = build_layout("per-document", np.array([7, 3, 12]), 1)
+    meta = CPAttentionMetadata.from_shard(layout.ranks[0])
+    seen = []
+
+    def kernel(q, k, v, cu_q, cu_k, max_q, max_k, scale):
+        seen.append((cu_q, cu_k, max_q, max_k))
+        return reference_varlen_attention(q, k, v, cu_q, cu_k, scale)
+
+    monkeypatch.setattr(attention, "resolve_backend", lambda backend, device, dtype=None: "torch-varlen")
+    monkeypatch.setattr(attention, "_torch_varlen", kernel)
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(22, h, DIM, generator=gen) for h in (HEADS, KV_HEADS, KV_HEADS))
+    for _ in range(2):  # two layers of one forward: the same tensors both times
+        out = all_gather_cp_attention(q, k, v, meta, None)
+    assert all(s[0] is meta.cu_seqlens_q and s[1] is meta.cu_seqlens_k for s in seen) and len(seen) == 2
+    assert all(type(s[2]) is int and type(s[3]) is int for s in seen)
+    torch.testing.assert_close(out, reference_document_attention(q, k, v, [0, 7, 10, 22]))

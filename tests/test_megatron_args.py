@@ -149,7 +149,7 @@ def test_misconfigurations_fail_with_what_to_change(extra, match):
 
 
 def test_data_path_files_are_checked_at_start_up(tmp_path):
-    from megatron_wlb.megatron.data import write_indexed_dataset
+    from megatron_wlb.data.reader import write_indexed_dataset
 
     real = write_indexed_dataset(str(tmp_path / "real_text_document"), [[1, 2, 3], [4, 5]])
     args = parse(BASE[:10] + ["--data-path", "0.5", real, "0.5", str(tmp_path / "missing")] + BASE[15:])
@@ -219,7 +219,7 @@ hooked = {mod.__name__ + "." + name: hasattr(getattr(mod, name), "__wlb_original
     (A, "parse_args"), (A, "validate_args"), (I, "parse_args"), (I, "validate_args"), (C, "save_checkpoint"),
     (T, "build_train_valid_test_data_iterators"), (T, "save_checkpoint"),
     (T, "load_checkpoint"), (T, "training_log"), (U, "get_batch_on_this_tp_rank")]}
-from megatron_wlb.megatron.data import byte_documents, write_indexed_dataset
+from megatron_wlb.data.reader import byte_documents, write_indexed_dataset
 root = sysconfig.get_paths()["stdlib"]
 names = sorted(n for n in os.listdir(root) if n.endswith(".py"))[:10]
 prefix = write_indexed_dataset(os.path.join(sys.argv[1], "text_document"),
@@ -255,13 +255,13 @@ build = W._wrap_build_iterators(lambda provider: (None, "megatron-valid", "megat
 train_it, valid_it, test_it = build(None)
 first = next(train_it)
 hook = {"train": type(train_it.iterable).__name__, "valid": type(getattr(valid_it, "iterable", valid_it)).__name__,
-        "test": test_it, "same_as_direct": first["tokens"].tolist() == tokens.tolist(),
+        "test": test_it, "same_as_direct": first.tokens.tolist() == tokens.tolist(),
         "registered": len(rt.registry.iterators), "logged": rt.logger.metrics().tokens > 0}
 print(json.dumps({"hooked": hooked, "bad": bad_msg, "my_extra": args.my_extra, "packing": rt.settings.packing,
                   "max_seq_len": rt.settings.max_seq_len, "T": tokens.shape[1], "expect_T": mb.tokens,
                   "labels_shift": bool((labels[0, :-1][loss_mask[0, :-1] > 0]
                                         == tokens[0, 1:][loss_mask[0, :-1] > 0]).all()),
-                  "cu": params.cu_seqlens_q.tolist(), "shard_tokens": int(params.wlb_shard.token_index.size),
+                  "cu": params.cu_seqlens_q.tolist(), "shard_tokens": int(params.wlb.attention.num_tokens),
                   "qkv_format": params.qkv_format, "attention_mask": attention_mask is None, "hook": hook}))
 '''
 

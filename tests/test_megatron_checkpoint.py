@@ -9,6 +9,7 @@ from argparse import Namespace
 import numpy as np
 import pytest
 
+from megatron_wlb.data.reader import DocumentReader, byte_documents, write_indexed_dataset
 from megatron_wlb.megatron.checkpoint import (
     SIDECAR_NAME,
     DataStateRegistry,
@@ -18,7 +19,7 @@ from megatron_wlb.megatron.checkpoint import (
     wrap_load_checkpoint,
     wrap_save_checkpoint,
 )
-from megatron_wlb.megatron.data import DocumentReader, WlbDataIterator, byte_documents, write_indexed_dataset
+from megatron_wlb.megatron.data import WlbDataIterator
 from megatron_wlb.packing import make_packer
 from megatron_wlb.packing.types import PackingConfig
 
@@ -51,7 +52,7 @@ def run(iterators, steps):
             for _ in range(CFG.n):
                 for it in chunks:  # every pipeline chunk reads the same micro-batch
                     mb = next(it)
-                out.append((r, mb["tokens"][0].numpy().copy(), mb["loss_mask"][0].numpy().copy()))
+                out.append((r, mb.tokens[0].copy(), mb.loss_mask[0].copy()))
     return out
 
 

@@ -1,16 +1,16 @@
-"""CP hooks inside real megatron-core 0.16.1 process groups (gloo, CPU): sharding, metadata, attention.
+"""The one-plan batch path inside real megatron-core process groups (gloo, CPU): plan, upload, attention.
 
-One multi-process run (torch.multiprocessing spawn, 8 gloo processes, a free port, a hard timeout so
-a hang fails the test) initialises ``parallel_state`` three times in turn, TP2/CP2/PP2, TP1/CP4/DP2 and
-TP1/CP2/DP4, and checks for every layout that: the patched ``megatron.core.utils.get_batch_on_this_cp_rank``
-gives each CP rank exactly its layout's tokens; the CP ranks' tokens together tile the (padded)
-micro-batch, each position once; the stashed ``WlbPackedSeqParams`` matches the layout; the THD entry
-point and the middle-stage entry point agree; batches without cu_seqlens go through Megatron's own
-head-tail split; TP peers hold identical shards. With CP = 2 (under TP2) and CP = 4: ``WlbCoreAttention``
-(THD and [s, b, h, d] inputs, GQA) over the CP group equals single-process document-causal attention,
-and a whole Megatron ``SelfAttention`` (local spec, RoPE, GQA) under CP equals the same layer without CP,
-forward and (CP-summed) weight gradients.
-Single-process tests cover the cu_seqlens parsing, errors, the TE path's params and the RoPE hook.
+One multi-process run (8 gloo processes, a hard timeout so a hang fails the test) initialises
+``parallel_state`` three times in turn, TP2/CP2/PP2, TP1/CP4/DP2 and TP1/CP2/DP4, and checks for every
+layout that a micro-batch planned by the data path (``data.rank_micro_batch``) and uploaded once
+(``cp_hooks.upload_micro_batch``) gives each CP rank exactly its layout's tokens, labels and positions;
+that the CP ranks' tokens together tile the (padded) micro-batch, each position once; that the params
+match the layout; that the middle-stage entry point gives the same params; that Megatron's own CP
+split is left alone; that TP peers hold identical shards. With CP = 2 (under TP2) and CP = 4:
+``WlbCoreAttention`` (THD and [s, b, h, d] inputs, GQA) over the CP group equals single-process
+document-causal attention, and a whole Megatron ``SelfAttention`` (local spec, RoPE, GQA) under CP
+equals the same layer without CP, forward and (CP-summed) weight gradients.
+Single-process tests cover errors, the TE path's params, sequence-parallel padding and the RoPE hook.
 """
 
 from __future__ import annotations
@@ -30,34 +30,51 @@ LAYOUTS = ("per-sequence", "per-document", "per-document-te", "adaptive", "hybri
 # shared helpers (run inside the workers)
 # ---------------------------------------------------------------------------------------------------
 
-def _micro_batch(seed: int, tail: int = 0):
-    """A packed micro-batch with short (1, 2 tokens) and long documents; ``tail`` tokens past cu_seqlens."""
+def _micro_batch(seed: int):
+    """A packed micro-batch's pieces (short documents of 1 and 2 tokens, and long ones) over one token
+    array; returns (MicroBatch, read function, the packed tokens)."""
+    from megatron_wlb.packing.types import DocPiece, MicroBatch
+
     rng = np.random.default_rng(seed)
     lengths = np.concatenate([[1, 2], rng.integers(1, 40, size=5), [rng.integers(40, 90)]])
     rng.shuffle(lengths)
-    total = int(lengths.sum()) + tail
-    tokens = torch.as_tensor(rng.integers(0, 50_000, size=total), dtype=torch.long).view(1, -1)
-    cu = torch.as_tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32)
-    segs = list(lengths) + ([tail] if tail else [])
-    pos = torch.as_tensor(np.concatenate([np.arange(n) for n in segs]), dtype=torch.long).view(1, -1)
-    batch = {"tokens": tokens, "labels": tokens + 7, "loss_mask": torch.ones(1, total),
-             "attention_mask": None, "position_ids": pos, "cu_seqlens": cu,
-             "max_seqlen": torch.tensor([int(max(segs))], dtype=torch.int32)}
-    return batch, np.asarray(segs, dtype=np.int64)
+    tokens = rng.integers(1, 50_000, size=int(lengths.sum()))
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    pieces = tuple(DocPiece(i, 0, int(n), 0) for i, n in enumerate(lengths))
+
+    def read(doc: int, offset: int, length: int) -> np.ndarray:
+        return tokens[starts[doc] + offset: starts[doc] + offset + length]
+
+    return MicroBatch(pieces, capacity=int(lengths.sum()) + 64), read, tokens
 
 
-def _padded_view(values: torch.Tensor, lengths: np.ndarray, padded: np.ndarray) -> torch.Tensor:
-    """[1, T] values laid out in the padded micro-batch (padding = -1)."""
-    out = torch.full((1, int(padded.sum())), -1, dtype=values.dtype)
+def _planned(seed: int, name: str, cp_size: int, cp_rank: int, *, sequence_multiple: int = 1,
+             rank_multiple: int = 1, cp_group=None, verify: bool = False):
+    """(RankMicroBatch, uploaded batch, params, segment lengths, packed tokens) of one micro-batch."""
+    from megatron_wlb.cp.plan import CPSharding
+    from megatron_wlb.megatron.cp_hooks import upload_micro_batch
+    from megatron_wlb.megatron.data import rank_micro_batch
+
+    mb, read, tokens = _micro_batch(seed)
+    sharding = CPSharding(name, cp_size, cp_rank, sequence_multiple=sequence_multiple, rank_multiple=rank_multiple,
+                          te_attention=name == "per-document-te")
+    batch = rank_micro_batch(read, mb, sharding, verify_layout=verify)
+    data, params = upload_micro_batch(batch, torch.device("cpu"), cp_group=cp_group)
+    return batch, data, params, batch.plan.segment_lengths, tokens
+
+
+def _padded_view(values: np.ndarray, lengths: np.ndarray, padded: np.ndarray) -> np.ndarray:
+    """[T] values laid out in the padded micro-batch (padding = -1)."""
+    out = np.full(int(padded.sum()), -1, dtype=np.int64)
     src = dst = 0
     for n, p in zip(lengths, padded):
-        out[0, dst:dst + n] = values[0, src:src + n]
+        out[dst:dst + n] = values[src:src + n]
         src, dst = src + int(n), dst + int(p)
     return out
 
 
 def _check_layouts(cp_group, cp_size: int, cp_rank: int, seed: int) -> None:
-    """Every layout through the patched Megatron functions: tokens, tiling, metadata, entry points."""
+    """Every layout through the data path and the upload: tokens, tiling, metadata, entry points."""
     import torch.distributed as dist
     from megatron.core import utils as mcore_utils
 
@@ -65,78 +82,58 @@ def _check_layouts(cp_group, cp_size: int, cp_rank: int, seed: int) -> None:
     from megatron_wlb.megatron import cp_hooks
     from megatron_wlb.megatron.settings import WlbSettings
 
+    original_split = mcore_utils.get_batch_on_this_cp_rank
+    cp_hooks.install(WlbSettings(cp_sharding="per-document"))
+    assert mcore_utils.get_batch_on_this_cp_rank is original_split  # Megatron's own CP split stays
     for i, name in enumerate(LAYOUTS):
-        for tail in (0, 3):
-            batch, segs = _micro_batch(seed * 100 + i, tail)
-            if name == "per-document-te":  # TE path needs TE; the padded layout itself runs without it
-                cp_hooks.install(WlbSettings(cp_sharding="per-document"))
-                out, params = cp_hooks.shard_packed_batch(dict(batch), batch["cu_seqlens"], batch["max_seqlen"],
-                                                          sharding=name, cp_size=cp_size, cp_rank=cp_rank,
-                                                          cp_group=cp_group)
-            else:
-                cp_hooks.install(WlbSettings(cp_sharding=name))
-                assert mcore_utils.get_batch_on_this_cp_rank is cp_hooks.get_batch_on_this_cp_rank
-                out = mcore_utils.get_batch_on_this_cp_rank(dict(batch))
-                params = out.pop("packed_seq_params")
+        for multiple in (1, 7):
+            batch, data, params, segs, tokens = _planned(seed * 100 + i, name, cp_size, cp_rank,
+                                                         sequence_multiple=multiple, cp_group=cp_group, verify=True)
             layout = build_layout(name, segs, cp_size)
             shard = layout.ranks[cp_rank]
             padded = np.asarray(layout.padded_lengths)
-            assert params.wlb_layout == layout.name
-            for field in ("token_index", "position_ids", "cu_seqlens_q", "cu_seqlens_k", "kv_index"):
-                assert np.array_equal(getattr(params.wlb_shard, field), getattr(shard, field)), (name, field)
-            idx = torch.as_tensor(shard.token_index)
-            full_tokens = _padded_view(batch["tokens"], segs, padded)
-            expect = full_tokens[:, idx].clamp(min=0)  # padding slots hold token 0
-            assert torch.equal(out["tokens"], expect), name
-            assert torch.equal(out["labels"][expect > 0], (expect + 7)[expect > 0])
-            pad = full_tokens[0, idx] < 0
-            assert torch.equal(out["loss_mask"][0], (~pad).float())
-            assert torch.equal(out["position_ids"][0], torch.as_tensor(shard.position_ids)), name
-            assert "cu_seqlens" not in out and "max_seqlen" not in out and out["attention_mask"] is None
-            # metadata Megatron's attention and RoPE read
-            assert params.qkv_format == "thd" and params.cp_group is cp_group
-            assert np.array_equal(params.cu_seqlens_q.numpy(), shard.cu_seqlens_q)
-            assert params.cu_seqlens_q.dtype == torch.int32
-            assert params.max_seqlen_q >= int(padded.max())
-            assert torch.equal(getattr(params.cu_seqlens_q, cp_hooks.ROPE_POSITIONS_ATTR), out["position_ids"][0])
+            assert params.wlb.layout == layout.name and batch.plan.layout.name == layout.name
+            real = np.concatenate([tokens, np.zeros(int(segs.sum()) - tokens.size, dtype=np.int64)])
+            full = _padded_view(real, segs, padded)[shard.token_index]
+            expect = np.maximum(full, 0)  # TE's padding slots hold token 0
+            assert np.array_equal(data["tokens"][0].numpy(), expect), name
+            # labels: the next token of the same piece; the last token of a piece (and padding) has none
+            bounds = np.concatenate([[0], np.cumsum(segs)])
+            labels, mask = np.zeros_like(real), np.zeros_like(real)
+            for j in range(len(batch.micro_batch.pieces)):
+                a, b = bounds[j], bounds[j + 1]
+                labels[a:b - 1], mask[a:b - 1] = real[a + 1:b], 1
+            assert np.array_equal(data["labels"][0].numpy(),
+                                  np.maximum(_padded_view(labels, segs, padded)[shard.token_index], 0)), name
+            assert np.array_equal(data["loss_mask"][0].numpy(),
+                                  np.maximum(_padded_view(mask, segs, padded)[shard.token_index], 0)), name
+            held = expect > 0
+            assert torch.equal(data["position_ids"][0], torch.as_tensor(shard.position_ids)), name
+            assert data["attention_mask"] is None
+            if name == "per-document-te":  # TE's own THD fields, and no CP group (TE keeps its own)
+                assert params.wlb.attention is None and params.cp_group is None
+                assert np.array_equal(params.cu_seqlens_q_padded.numpy(), np.concatenate([[0], np.cumsum(padded)]))
+            else:
+                meta = params.wlb.attention
+                assert params.qkv_format == "thd" and params.cp_group is cp_group
+                assert params.cu_seqlens_q is meta.cu_seqlens_q and meta.cu_seqlens_q.dtype == torch.int32
+                assert np.array_equal(meta.cu_seqlens_q.numpy(), shard.cu_seqlens_q)
+                assert np.array_equal(meta.segment_index.numpy(), shard.gather_rows())
+                assert params.max_seqlen_q >= int(padded.max())
+                # the middle-stage entry point: the same params, without the tokens
+                mid = cp_hooks.packed_seq_params_from_iterator(iter([batch]))
+                assert torch.equal(mid.wlb.attention.segment_index, meta.segment_index)
+                assert torch.equal(mid.wlb.rope_positions, params.wlb.rope_positions)
+                # the pinned pretrain_gpt's THD path passes our params through
+                same = cp_hooks.get_thd_batch_on_this_cp_rank(dict(data), params, None, None)
+                assert same[1] is params and same[0]["tokens"] is data["tokens"]
             # the CP ranks' token positions tile the padded micro-batch, each exactly once
             gathered = [None] * cp_size
-            dist.all_gather_object(gathered, (shard.token_index.tolist(), out["tokens"][0][~pad].tolist()),
-                                   group=cp_group)
+            dist.all_gather_object(gathered, (shard.token_index.tolist(), expect[held].tolist()), group=cp_group)
             positions = np.concatenate([np.asarray(g[0], dtype=np.int64) for g in gathered])
             assert np.array_equal(np.sort(positions), np.arange(int(padded.sum()))), name
-            real = sorted(t for g in gathered for t in g[1])
-            assert real == sorted(batch["tokens"][0].tolist()), name
-            # the THD entry point (pretrain_gpt's packed path) and the middle-stage one agree
-            if name != "per-document-te":
-                # Megatron's name where it exists (core < 0.18, rebound to ours), else ours directly
-                thd_entry = getattr(mcore_utils, "get_thd_batch_on_this_cp_rank",
-                                    cp_hooks.get_thd_batch_on_this_cp_rank)
-                thd_out, thd_params = thd_entry(
-                    {k: v for k, v in batch.items() if k not in ("cu_seqlens", "max_seqlen")},
-                    batch["cu_seqlens"], None, batch["max_seqlen"])
-                assert torch.equal(thd_out["tokens"], out["tokens"])
-                assert np.array_equal(thd_params.wlb_shard.token_index, shard.token_index)
-                mid = cp_hooks.packed_seq_params_from_iterator(iter([batch]))
-                assert np.array_equal(mid.wlb_shard.token_index, shard.token_index)
-                assert torch.equal(mid.wlb_position_ids, params.wlb_position_ids)
-    # no cu_seqlens: Megatron's own head-tail split of a fixed-length sample
-    cp_hooks.install(WlbSettings(cp_sharding="per-document"))
-    seq = 8 * cp_size
-    plain = {"tokens": torch.arange(seq).view(1, -1), "labels": torch.arange(seq).view(1, -1) + 1,
-             "loss_mask": torch.ones(1, seq), "attention_mask": None, "position_ids": torch.arange(seq).view(1, -1)}
-    import inspect
-
-    original = cp_hooks._installed().originals["get_batch_on_this_cp_rank"]
-    legacy = "is_hybrid_cp" not in inspect.signature(original).parameters
-    got = mcore_utils.get_batch_on_this_cp_rank(dict(plain)) if legacy else \
-        mcore_utils.get_batch_on_this_cp_rank(dict(plain), False, cp_group)
-    chunk = seq // (2 * cp_size)
-    want = torch.cat([torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk),
-                      torch.arange((2 * cp_size - 1 - cp_rank) * chunk, (2 * cp_size - cp_rank) * chunk)])
-    assert torch.equal(got["tokens"][0], want) and "packed_seq_params" not in got
+            assert sorted(t for g in gathered for t in g[1]) == sorted(tokens.tolist()), name
     cp_hooks.uninstall()
-    assert mcore_utils.get_batch_on_this_cp_rank is not cp_hooks.get_batch_on_this_cp_rank
 
 
 def _check_core_attention(cp_group, cp_size: int, cp_rank: int) -> None:
@@ -145,7 +142,6 @@ def _check_core_attention(cp_group, cp_size: int, cp_rank: int) -> None:
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from megatron_wlb.cp.attention import reference_document_attention
-    from megatron_wlb.megatron import cp_hooks
     from megatron_wlb.megatron.attention import WlbCoreAttention
 
     heads, groups, dim = 4, 2, 8
@@ -153,18 +149,15 @@ def _check_core_attention(cp_group, cp_size: int, cp_rank: int) -> None:
                             kv_channels=dim, context_parallel_size=cp_size, attention_dropout=0.0,
                             hidden_dropout=0.0, use_cpu_initialization=True)
     module = WlbCoreAttention(cfg, 1, AttnMaskType.causal, "self", pg_collection=None)
-    for name in ("per-sequence", "per-document", "hybrid", "per-document-te"):
-        batch, segs = _micro_batch(7)
-        _, params = cp_hooks.shard_packed_batch(dict(batch), batch["cu_seqlens"], batch["max_seqlen"],
-                                                sharding=name, cp_size=cp_size, cp_rank=cp_rank, cp_group=cp_group)
-        padded = _padded_lengths(name, segs, cp_size)
-        total = int(padded.sum())
+    for name in ("per-sequence", "per-document", "hybrid"):
+        batch, _, params, segs, _ = _planned(7, name, cp_size, cp_rank, cp_group=cp_group)
+        total = int(segs.sum())
         gen = torch.Generator().manual_seed(11)  # identical full q/k/v on every rank
         q = torch.randn(total, heads, dim, generator=gen)
         k = torch.randn(total, groups, dim, generator=gen)
         v = torch.randn(total, groups, dim, generator=gen)
-        ref = reference_document_attention(q, k, v, np.concatenate([[0], np.cumsum(padded)]))
-        idx = torch.as_tensor(params.wlb_shard.token_index)
+        ref = reference_document_attention(q, k, v, np.concatenate([[0], np.cumsum(segs)]))
+        idx = torch.as_tensor(batch.plan.shard.token_index)
         want = ref[idx].reshape(len(idx), -1)
         got = module(q[idx], k[idx], v[idx], None, attn_mask_type=AttnMaskType.causal, packed_seq_params=params)
         assert got.shape == (len(idx), heads * dim)
@@ -173,15 +166,11 @@ def _check_core_attention(cp_group, cp_size: int, cp_rank: int) -> None:
                       attn_mask_type=AttnMaskType.causal, packed_seq_params=params)
         assert got4.shape == (len(idx), 1, heads * dim)
         torch.testing.assert_close(got4[:, 0], want, rtol=1e-5, atol=1e-5)
-    # sequence-parallel padding rows (local_multiple): the real rows are unchanged, the padding rows are 0
-    _, params = cp_hooks.shard_packed_batch(dict(batch), batch["cu_seqlens"], batch["max_seqlen"], sharding="hybrid",
-                                            cp_size=cp_size, cp_rank=cp_rank, cp_group=cp_group, local_multiple=8)
-    padded = _padded_lengths("hybrid", segs, cp_size)
-    ref = reference_document_attention(q[:int(padded.sum())], k[:int(padded.sum())], v[:int(padded.sum())],
-                                       np.concatenate([[0], np.cumsum(padded)]))
-    idx = torch.as_tensor(params.wlb_shard.token_index)
-    n, pad = len(idx), params.wlb_local_pad
-    assert (n + pad) % 8 == 0 and pad < 8
+    # sequence-parallel padding rows (rank_multiple): the real rows are unchanged, the padding rows are 0
+    batch, _, params, segs, _ = _planned(7, "hybrid", cp_size, cp_rank, rank_multiple=8, cp_group=cp_group)
+    idx = torch.as_tensor(batch.plan.shard.token_index)
+    n, pad = len(idx), params.wlb.local_pad
+    assert (n + pad) % 8 == 0 and pad < 8 and batch.plan.num_rows == n + pad
     rows = [t[idx] for t in (q, k, v)]
     rows = [torch.cat([r, torch.randn(pad, *r.shape[1:])]) for r in rows]
     got = module(*rows, None, attn_mask_type=AttnMaskType.causal, packed_seq_params=params)
@@ -189,12 +178,6 @@ def _check_core_attention(cp_group, cp_size: int, cp_rank: int) -> None:
     assert torch.all(got[n:] == 0)
     with pytest.raises(RuntimeError, match="without WLB-LLM shard metadata"):
         module(q[:4], k[:4], v[:4], None, packed_seq_params=None)
-
-
-def _padded_lengths(name: str, segs: np.ndarray, cp: int) -> np.ndarray:
-    from megatron_wlb.cp.layouts import build_layout
-
-    return np.asarray(build_layout(name, segs, cp).padded_lengths)
 
 
 def _check_self_attention(cp_size: int, cp_rank: int) -> None:
@@ -232,19 +215,16 @@ def _check_self_attention(cp_size: int, cp_rank: int) -> None:
     ref_layer = build_module(spec, config=cfg1, layer_number=1,
                              pg_collection=pgs)
     ref_layer.load_state_dict(layer.state_dict())
-    batch, segs = _micro_batch(3)
+    group = parallel_state.get_context_parallel_group()
+    batch, _, params, segs, _ = _planned(3, "per-document", cp_size, cp_rank, cp_group=group)
+    _, _, params1, _, _ = _planned(3, "per-document", 1, 0, cp_group=pgs.cp)
     total = int(segs.sum())
     x = torch.randn(total, 1, hidden, generator=torch.Generator().manual_seed(9))
     rope = RotaryEmbedding(kv_channels=dim, rotary_percent=1.0, use_cpu_initialization=True)
-    _, params = cp_hooks.shard_packed_batch(dict(batch), batch["cu_seqlens"], batch["max_seqlen"],
-                                            sharding="per-document", cp_size=cp_size, cp_rank=cp_rank,
-                                            cp_group=parallel_state.get_context_parallel_group())
-    _, params1 = cp_hooks.shard_packed_batch(dict(batch), batch["cu_seqlens"], batch["max_seqlen"],
-                                             sharding="per-document", cp_size=1, cp_rank=0, cp_group=pgs.cp)
     # RotaryEmbedding.forward moves to CUDA; build its [S, 1, 1, dim] table the same way on CPU
     angles = torch.outer(torch.arange(params.max_seqlen_q, dtype=rope.inv_freq.dtype), rope.inv_freq)
     freqs = torch.cat((angles, angles), dim=-1)[:, None, None, :]
-    idx = torch.as_tensor(params.wlb_shard.token_index)
+    idx = torch.as_tensor(batch.plan.shard.token_index)
     out, _ = layer(x[idx], None, rotary_pos_emb=freqs, packed_seq_params=params)
     ref, _ = ref_layer(x, None, rotary_pos_emb=freqs, packed_seq_params=params1)
     torch.testing.assert_close(out, ref[idx], rtol=1e-4, atol=1e-5)
@@ -255,17 +235,13 @@ def _check_self_attention(cp_size: int, cp_rank: int) -> None:
     (ref * grad_out).sum().backward()
     for (name, p), (_, p1) in zip(layer.named_parameters(), ref_layer.named_parameters(), strict=True):
         g = p.grad.clone()
-        dist.all_reduce(g, group=parallel_state.get_context_parallel_group())
+        dist.all_reduce(g, group=group)
         torch.testing.assert_close(g, p1.grad, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
     # without the RoPE hook Megatron's THD RoPE would rotate by the wrong positions: the hook matters
     cp_hooks.uninstall()
-    wrong = cp_hooks.shard_packed_batch(dict(batch), batch["cu_seqlens"], batch["max_seqlen"], sharding="per-document",
-                                        cp_size=cp_size, cp_rank=cp_rank,
-                                        cp_group=parallel_state.get_context_parallel_group())[1]
-    for t in (wrong.cu_seqlens_q, wrong.cu_seqlens_kv):
-        delattr(t, cp_hooks.ROPE_POSITIONS_ATTR)
     try:
-        bad, _ = layer(x[idx], None, rotary_pos_emb=freqs, packed_seq_params=wrong)
+        with torch.no_grad():
+            bad, _ = layer(x[idx], None, rotary_pos_emb=freqs, packed_seq_params=params)
         assert not torch.allclose(bad, ref[idx], atol=1e-3)
     except (RuntimeError, ValueError):
         pass  # Megatron's own THD RoPE may also just refuse our layout's shapes
@@ -294,8 +270,9 @@ def _worker_cp(rank, world, configs):
             if tp > 1:  # TP peers hold identical shards
                 from megatron_wlb.cp.layouts import build_layout
 
-                _, segs = _micro_batch(seed)
-                mine = build_layout("adaptive", segs, cp_size).ranks[cp_rank].token_index.tolist()
+                mb, _, _ = _micro_batch(seed)
+                layout = build_layout("adaptive", [p.length for p in mb.pieces], cp_size)
+                mine = layout.ranks[cp_rank].token_index.tolist()
                 peers = [None] * tp
                 dist.all_gather_object(peers, mine, group=parallel_state.get_tensor_model_parallel_group())
                 assert all(p == mine for p in peers)
@@ -317,112 +294,122 @@ def test_world8_tp2_cp2_pp2_then_cp4_dp2_then_cp2_dp4():
 # single-process checks
 # ---------------------------------------------------------------------------------------------------
 
-def test_lengths_from_cu_seqlens():
-    from megatron_wlb.megatron.cp_hooks import lengths_from_cu_seqlens
-
-    assert lengths_from_cu_seqlens(torch.tensor([0, 3, 3, 10], dtype=torch.int32)).tolist() == [3, 7]
-    assert lengths_from_cu_seqlens(torch.tensor([[0, 4, 6]]), total_tokens=9).tolist() == [4, 2, 3]
-    for bad, match in (([1, 4], "start at 0"), ([0, 5, 3], "non-decreasing"), ([0, 0], "empty")):
-        with pytest.raises(ValueError, match=match):
-            lengths_from_cu_seqlens(bad)
-    with pytest.raises(ValueError, match="holds only 5"):
-        lengths_from_cu_seqlens([0, 6], total_tokens=5)
-
-
-def test_shard_errors_and_te_requirement():
+def test_plan_errors_and_te_requirement():
+    from megatron_wlb.cp.plan import CPSharding, micro_batch_lengths, plan_rank
     from megatron_wlb.megatron import cp_hooks
     from megatron_wlb.megatron.settings import WlbSettings
 
-    batch, _ = _micro_batch(1)
     with pytest.raises(ValueError, match="outside the CP group"):
-        cp_hooks.shard_packed_batch(dict(batch), batch["cu_seqlens"], None, sharding="per-document", cp_size=2,
-                                    cp_rank=2)
-    dense = dict(batch, attention_mask=torch.ones(1, 1, 4, 4, dtype=torch.bool))
-    with pytest.raises(ValueError, match="attention_mask"):
-        cp_hooks.shard_packed_batch(dense, batch["cu_seqlens"], None, sharding="per-document", cp_size=2, cp_rank=0)
-    two = dict(batch, tokens=batch["tokens"].repeat(2, 1))
-    with pytest.raises(ValueError, match=r"\[1, T\]"):
-        cp_hooks.shard_packed_batch(two, batch["cu_seqlens"], None, sharding="per-document", cp_size=2, cp_rank=0)
+        CPSharding("per-document", 2, 2)
+    with pytest.raises(ValueError, match="must be >= 1"):
+        CPSharding("per-document", 2, 0, rank_multiple=0)
+    with pytest.raises(ValueError, match="te_attention needs the per-document-te"):
+        CPSharding("per-document", 2, 0, te_attention=True)
+    with pytest.raises(ValueError, match="CP layout 'ring'"):
+        CPSharding("ring", 2, 0)
+    with pytest.raises(ValueError, match=">= 1 token"):
+        plan_rank(np.array([3, 0]), CPSharding())
+    assert micro_batch_lengths([5, 4], 4).tolist() == [5, 4, 3]
+    assert micro_batch_lengths([], 4, empty_tokens=6).tolist() == [8]
     if not cp_hooks.te_available():
         with pytest.raises(ValueError, match="per-document-te.*transformer_engine is not installed"):
             cp_hooks.install(WlbSettings(cp_sharding="per-document-te"))
     with pytest.raises(RuntimeError, match="not installed"):
-        cp_hooks.get_thd_batch_on_this_cp_rank(dict(batch), batch["cu_seqlens"], None, None, 2, 0)
+        cp_hooks.get_thd_batch_on_this_cp_rank({}, torch.tensor([0, 4]), None, None, 2, 0)
+    with pytest.raises(RuntimeError, match="not a WLB RankMicroBatch"):
+        cp_hooks.packed_seq_params_from_iterator(iter([{"tokens": torch.zeros(1, 4)}]))
+
+
+def _te_rank(lengths: list[int], rank: int, rank_multiple: int = 1):
+    from megatron_wlb.cp.plan import CPSharding, plan_rank
+    from megatron_wlb.megatron.cp_hooks import upload_micro_batch
+    from megatron_wlb.megatron.data import RankMicroBatch
+    from megatron_wlb.packing.types import MicroBatch
+
+    plan = plan_rank(np.array(lengths), CPSharding("per-document-te", 2, rank, rank_multiple=rank_multiple,
+                                                   te_attention=True))
+    tokens = np.arange(1, sum(lengths) + 1)
+    rows = RankMicroBatch(MicroBatch((), capacity=64), plan, plan.take(tokens)[None], plan.take(tokens)[None],
+                          plan.take(np.ones(tokens.size, dtype=np.float32))[None], plan.positions[None])
+    return upload_micro_batch(rows, torch.device("cpu"), cp_group=None)
 
 
 def test_te_params_describe_te_layout():
-    """The TE path's params: real and padded offsets of TE's per-document layout (golden vector)."""
-    from megatron_wlb.megatron import cp_hooks
-
-    tokens = torch.arange(1, 17).view(1, -1)
-    batch = {"tokens": tokens, "position_ids": torch.cat([torch.arange(8), torch.arange(8)]).view(1, -1)}
-    out, params = cp_hooks.shard_packed_batch(batch, torch.tensor([0, 8, 16]), 8, sharding="per-document-te",
-                                              cp_size=2, cp_rank=0, te_attention=True)
+    """The TE path's params: real and padded offsets of TE's per-document layout (golden vectors)."""
+    out, params = _te_rank([8, 8], 0)
     assert out["tokens"][0].tolist() == [1, 2, 7, 8, 9, 10, 15, 16]  # rank 0 owns [0,1,6,7,8,9,14,15]
-    assert params.wlb_shard is None and params.cu_seqlens_q_padded.tolist() == [0, 8, 16]
+    assert params.wlb.attention is None and params.cu_seqlens_q_padded.tolist() == [0, 8, 16]
     assert params.cp_group is None  # as Megatron's own THD path: TE keeps the CP group it was built with
     assert params.max_seqlen_q == 8 and params.qkv_format == "thd"
-    out, params = cp_hooks.shard_packed_batch({"tokens": torch.arange(1, 7).view(1, -1)}, torch.tensor([0, 3, 6]),
-                                              3, sharding="per-document-te", cp_size=2, cp_rank=1, te_attention=True)
+    out, params = _te_rank([3, 3], 1)
     assert params.cu_seqlens_q.tolist() == [0, 3, 6] and params.cu_seqlens_q_padded.tolist() == [0, 4, 8]
     assert out["tokens"][0].tolist() == [2, 3, 5, 6]  # rank 1 owns padded positions [1, 2, 5, 6]
-    assert not hasattr(params.cu_seqlens_q, cp_hooks.ROPE_POSITIONS_ATTR)  # Megatron's THD RoPE is right here
 
 
 def test_sequence_parallel_padding():
-    """local_multiple (TP under --sequence-parallel): every rank's row count becomes a multiple of it."""
-    from megatron_wlb.megatron import cp_hooks
-
-    batch, segs = _micro_batch(6)
+    """rank_multiple (TP under --sequence-parallel): every rank's row count becomes a multiple of it."""
     for name in ("hybrid", "per-document", "per-sequence"):
         seen = []
         for rank in range(4):
-            out, params = cp_hooks.shard_packed_batch(dict(batch), batch["cu_seqlens"], batch["max_seqlen"],
-                                                      sharding=name, cp_size=4, cp_rank=rank, local_multiple=4)
-            n, pad = len(params.wlb_shard.token_index), params.wlb_local_pad
+            batch, out, params, _, tokens = _planned(6, name, 4, rank, rank_multiple=4)
+            n, pad = len(batch.plan.shard.token_index), params.wlb.local_pad
             assert out["tokens"].shape[1] == n + pad and (n + pad) % 4 == 0 and 0 <= pad < 4
             assert torch.all(out["loss_mask"][0, n:] == 0) and torch.all(out["tokens"][0, n:] == 0)
-            assert params.wlb_position_ids.numel() == n + pad
+            assert params.wlb.rope_positions.numel() == n + pad
             seen += out["tokens"][0, :n].tolist()
-        assert sorted(seen) == sorted(batch["tokens"][0].tolist())  # padding rows add no tokens, lose none
+        assert sorted(seen) == sorted(tokens.tolist())  # padding rows add no tokens, lose none
     # TE path: one trailing padding document (identical on every rank) instead of local rows
-    tokens = torch.arange(1, 7).view(1, -1)
     counts = []
     for rank in range(2):
-        out, params = cp_hooks.shard_packed_batch({"tokens": tokens, "loss_mask": torch.ones(1, 6)},
-                                                  torch.tensor([0, 3, 6]), 3, sharding="per-document-te", cp_size=2,
-                                                  cp_rank=rank, te_attention=True, local_multiple=8)
+        out, params = _te_rank([3, 3], rank, rank_multiple=8)
         assert params.cu_seqlens_q.tolist() == [0, 3, 6, 14] and params.cu_seqlens_q_padded.tolist() == [0, 4, 8, 16]
         counts.append(out["tokens"].shape[1])
         assert out["loss_mask"].sum() == (out["tokens"] > 0).sum()
     assert counts == [8, 8]
-    with pytest.raises(ValueError, match="local_multiple"):
-        cp_hooks.shard_packed_batch(dict(batch), batch["cu_seqlens"], None, sharding="per-document", cp_size=2,
-                                    cp_rank=0, local_multiple=0)
 
 
 def test_rope_hook_rotates_by_true_positions():
-    """The wrapped apply_rotary_pos_emb rotates each local token by its own document position."""
-    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd, apply_rotary_pos_emb
+    """The wrapped apply_rotary_pos_emb rotates each local token by its own document position, for the
+    active micro-batch's cu_seqlens only."""
+    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megatron_wlb.megatron import cp_hooks
+    from megatron_wlb.megatron import attention
 
     cfg = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2, use_cpu_initialization=True)
-    batch, segs = _micro_batch(4)
-    total = int(segs.sum())
-    t = torch.randn(total, 2, 8)
-    freqs = torch.randn(int(segs.max()), 1, 1, 8)
-    full = _apply_rotary_pos_emb_bshd(t.unsqueeze(1), freqs[batch["position_ids"][0]]).squeeze(1)
-    hooked = cp_hooks.wlb_apply_rotary_pos_emb(apply_rotary_pos_emb)
+    fallen_through = []
+
+    def megatron_rope(t, freqs, config, cu_seqlens=None, mscale=1.0, cp_group=None):
+        fallen_through.append(cu_seqlens)
+        return t
+
+    hooked = attention.wlb_apply_rotary_pos_emb(megatron_rope)
     for rank in range(2):
-        _, params = cp_hooks.shard_packed_batch(dict(batch), batch["cu_seqlens"], batch["max_seqlen"],
-                                                sharding="hybrid", cp_size=2, cp_rank=rank)
-        idx = torch.as_tensor(params.wlb_shard.token_index)
-        for cu in (params.cu_seqlens_q, params.cu_seqlens_kv):
-            torch.testing.assert_close(hooked(t[idx], freqs, cfg, cu_seqlens=cu), full[idx])
-    with pytest.raises(ValueError, match="beyond"):
-        hooked(t[idx], freqs[:2], cfg, cu_seqlens=params.cu_seqlens_q)
+        batch, _, params, segs, _ = _planned(4, "hybrid", 2, rank)
+        total = int(segs.sum())
+        t = torch.randn(total, 2, 8, generator=torch.Generator().manual_seed(1))
+        freqs = torch.randn(int(segs.max()), 1, 1, 8, generator=torch.Generator().manual_seed(2))
+        positions = torch.as_tensor(np.concatenate([np.arange(n) for n in segs]))
+        full = _apply_rotary_pos_emb_bshd(t.unsqueeze(1), freqs[positions]).squeeze(1)
+        idx = torch.as_tensor(batch.plan.shard.token_index)
+        token = attention._ACTIVE.set(params.wlb)
+        try:
+            for cu in (params.cu_seqlens_q, params.cu_seqlens_kv):
+                torch.testing.assert_close(hooked(t[idx], freqs, cfg, cu_seqlens=cu), full[idx])
+            with pytest.raises(ValueError, match="beyond"):
+                hooked(t[idx], freqs[:2], cfg, cu_seqlens=params.cu_seqlens_q)
+        finally:
+            attention._ACTIVE.reset(token)
+        assert fallen_through == []
+        # outside a WLB forward, or for other cu_seqlens, Megatron's own RoPE runs
+        hooked(t[idx], freqs, cfg, cu_seqlens=params.cu_seqlens_q)
+        token = attention._ACTIVE.set(params.wlb)
+        try:
+            hooked(t[idx], freqs, cfg, cu_seqlens=params.cu_seqlens_q.clone())
+        finally:
+            attention._ACTIVE.reset(token)
+        assert len(fallen_through) == 2
+        fallen_through.clear()
 
 
 def test_swap_core_attention_on_spec():
@@ -451,108 +438,58 @@ def test_unsupported_attention_configs_are_refused():
         WlbCoreAttention(cfg, 1, AttnMaskType.causal, "self")
 
 
-def test_install_builds_the_run_cost_model():
-    """install(settings, args) weighs adaptive layouts with the run's model; --wlb-config's otherwise."""
+def test_cp_sharding_from_args_uses_the_run_model_and_padding():
+    """The iterator's CP plan: the run's layout and cost model; T padded to CP (x TP under SP)."""
     from types import SimpleNamespace
 
-    from megatron_wlb.megatron import cp_hooks
+    from megatron_wlb.megatron import cp_sharding_from_args
+    from megatron_wlb.megatron.args import cost_model_from_args
     from megatron_wlb.megatron.settings import WlbSettings
 
     args = SimpleNamespace(hidden_size=64, num_layers=2, num_attention_heads=4, num_query_groups=2,
                            group_query_attention=True, ffn_hidden_size=128, padded_vocab_size=256, swiglu=True,
-                           tensor_model_parallel_size=1, context_parallel_size=2, pipeline_model_parallel_size=1,
-                           data_parallel_size=1)
-    try:
-        cp_hooks.install(WlbSettings(cp_sharding="adaptive"), args)
-        cost = cp_hooks._installed().cost
-        assert cost is not None and cost.model.hidden == 64 and cost.model.num_kv_heads == 2
-        cp_hooks.install(WlbSettings(cp_sharding="adaptive", config="7b_64k"))
-        assert cp_hooks._installed().cost.model.name == "7b"
-        cp_hooks.install(WlbSettings(cp_sharding="adaptive"))
-        assert cp_hooks._installed().cost is None
-    finally:
-        cp_hooks.uninstall()
+                           tensor_model_parallel_size=2, context_parallel_size=2, pipeline_model_parallel_size=1,
+                           data_parallel_size=1, sequence_parallel=True)
+    settings = WlbSettings(cp_sharding="adaptive")
+    cost = cost_model_from_args(args, settings)
+    sharding = cp_sharding_from_args(args, settings, 1, cost)
+    assert sharding.cost is cost and cost.model.hidden == 64 and cost.model.num_kv_heads == 2
+    assert (sharding.layout, sharding.cp_size, sharding.cp_rank) == ("adaptive", 2, 1)
+    assert (sharding.sequence_multiple, sharding.rank_multiple, sharding.te_attention) == (4, 2, False)
+    args.sequence_parallel = False
+    assert cp_sharding_from_args(args, settings, 0).sequence_multiple == 2
 
 
-def test_core_attention_keeps_stock_checkpoint_keys():
-    """The wrapped core attention's state appears under stock Megatron's keys and loads back (strict)."""
-    from megatron.core.transformer.enums import AttnMaskType
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    from megatron_wlb.megatron.attention import WlbCoreAttention
-
-    class Inner(torch.nn.Module):  # stands in for TE's attention and its _extra_state-like state
-        def __init__(self, **kwargs):
-            super().__init__()
-            self.register_buffer("scale", torch.ones(2))
-            self.child = torch.nn.Module()
-            self.child.register_buffer("weight", torch.zeros(1))
-
-    class WithParams(torch.nn.Module):
-        def __init__(self, **kwargs):
-            super().__init__()
-            self.offset = torch.nn.Parameter(torch.zeros(2))
-
-    cfg = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2, attention_dropout=0.0,
-                            use_cpu_initialization=True)
-
-    def layer():
-        parent = torch.nn.Module()
-        parent.core_attention = WlbCoreAttention(cfg, 1, AttnMaskType.causal, "self", inner=Inner)
-        return parent
-
-    a, b = layer(), layer()
-    with torch.no_grad():
-        a.core_attention.inner.scale.fill_(3.0)
-        a.core_attention.inner.child.weight.fill_(5.0)
-    state = a.state_dict()
-    assert set(state) == {"core_attention.scale", "core_attention.child.weight"}
-    b.load_state_dict(state, strict=True)
-    assert torch.all(b.core_attention.inner.scale == 3.0) and float(b.core_attention.inner.child.weight) == 5.0
-    with pytest.raises(ValueError, match="parameter-free"):
-        WlbCoreAttention(cfg, 1, AttnMaskType.causal, "self", inner=WithParams)
-    with pytest.raises(RuntimeError, match="Unexpected key"):
-        b.load_state_dict({**state, "core_attention.inner.scale": torch.ones(2)}, strict=True)
-    b.eval()
-    assert not b.core_attention.inner.training
-
-
-def test_install_rebinds_every_importer_and_survives_lazy_modules():
-    """A module that imported Megatron's function (as pretrain_gpt does) is rebound; lazy modules whose
-    __getattr__ raises are left alone; uninstall restores the originals."""
+def test_rebind_reaches_every_importer_and_survives_lazy_modules():
+    """A module that imported a function (as pretrain_gpt imports Megatron's) is rebound; lazy modules
+    whose __getattr__ raises are left alone; rebinding back restores the original everywhere."""
     import sys
     import types
 
-    from megatron.core import utils as mcore_utils
+    from megatron_wlb.megatron.rebind import rebind
 
-    from megatron_wlb.megatron import cp_hooks
-    from megatron_wlb.megatron.settings import WlbSettings
+    def original():
+        return "megatron"
 
-    original = mcore_utils.get_batch_on_this_cp_rank
-    importer = types.ModuleType("fake_pretrain_gpt")
-    importer.get_batch_on_this_cp_rank = original
-    thd = getattr(mcore_utils, "get_thd_batch_on_this_cp_rank", None)  # core < 0.18 only
-    if thd is not None:
-        importer.get_thd_batch_on_this_cp_rank = thd
+    def replacement():
+        return "wlb"
+
+    importer, owner = types.ModuleType("fake_pretrain_gpt"), types.ModuleType("fake_core_utils")
+    importer.get_batch = owner.get_batch = original
 
     class Lazy(types.ModuleType):
         def __getattr__(self, name):
             raise ImportError(f"lazy module: {name}")
 
-    sys.modules["fake_pretrain_gpt"], sys.modules["fake_lazy"] = importer, Lazy("fake_lazy")
+    sys.modules.update(fake_pretrain_gpt=importer, fake_core_utils=owner, fake_lazy=Lazy("fake_lazy"))
     try:
-        cp_hooks.install(WlbSettings(cp_sharding="per-document"))
-        assert importer.get_batch_on_this_cp_rank is cp_hooks.get_batch_on_this_cp_rank
-        if thd is not None:
-            assert importer.get_thd_batch_on_this_cp_rank is cp_hooks.get_thd_batch_on_this_cp_rank
-        cp_hooks.uninstall()
-        assert importer.get_batch_on_this_cp_rank is original
-        assert mcore_utils.get_batch_on_this_cp_rank is original
-        if thd is not None:
-            assert importer.get_thd_batch_on_this_cp_rank is thd
+        assert sorted(rebind("get_batch", original, replacement)) == ["fake_core_utils", "fake_pretrain_gpt"]
+        assert importer.get_batch is replacement and owner.get_batch is replacement
+        rebind("get_batch", replacement, original, skip=("fake_core_utils",))
+        assert importer.get_batch is original and owner.get_batch is replacement
     finally:
-        cp_hooks.uninstall()
-        del sys.modules["fake_pretrain_gpt"], sys.modules["fake_lazy"]
+        for name in ("fake_pretrain_gpt", "fake_core_utils", "fake_lazy"):
+            del sys.modules[name]
 
 
 def _agreement_worker(rank, world):

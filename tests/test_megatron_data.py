@@ -10,19 +10,18 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_wlb.megatron.data import (
+from megatron_wlb.cp.plan import CPSharding
+from megatron_wlb.data.reader import (
     BYTE_EOD,
     DocumentReader,
     IndexedSource,
-    WlbDataIterator,
-    build_micro_batch,
     byte_documents,
-    parse_data_path,
     parse_split,
-    plan_digest,
     split_ranges,
     write_indexed_dataset,
 )
+from megatron_wlb.data.reader import weighted_prefixes as parse_data_path
+from megatron_wlb.megatron.data import WlbDataIterator, plan_digest, rank_micro_batch
 from megatron_wlb.packing import make_packer
 from megatron_wlb.packing.types import DocPiece, MicroBatch, PackingConfig
 
@@ -147,22 +146,24 @@ def test_thd_micro_batch_convention():
         return docs[doc_id][offset:offset + length]
 
     mb = MicroBatch((DocPiece(10, 0, 10, 0), DocPiece(11, 0, 5, 0), DocPiece(12, 8, 6, 0)), capacity=32)
-    out = build_micro_batch(read, mb)
-    assert out["tokens"].shape == (1, 21) and out["tokens"].dtype == torch.int64
-    assert out["cu_seqlens"].dtype == torch.int32 and out["cu_seqlens"].tolist() == [0, 10, 15, 21]
-    assert out["max_seqlen"] == 10
-    tok, lab, mask, pos = (out[k][0].numpy() for k in ("tokens", "labels", "loss_mask", "position_ids"))
+    out = rank_micro_batch(read, mb, CPSharding())
+    assert out.tokens.shape == (1, 21) and out.tokens.dtype == np.int64
+    assert out.plan.segment_lengths.tolist() == [10, 5, 6] and out.plan.rope_length == 10
+    tok, lab, mask, pos = (a[0] for a in (out.tokens, out.labels, out.loss_mask, out.position_ids))
     assert tok.tolist() == list(range(100, 110)) + list(range(200, 205)) + list(range(308, 314))
     # labels: next token of the same piece; the last token of every piece is not trained
     assert lab[:9].tolist() == list(range(101, 110)) and lab[10:14].tolist() == list(range(201, 205))
     assert mask.tolist() == [1.0] * 9 + [0.0] + [1.0] * 4 + [0.0] + [1.0] * 5 + [0.0]
     assert pos.tolist() == list(range(10)) + list(range(5)) + list(range(6))  # restart per piece
-    padded = build_micro_batch(read, mb, pad_to_multiple=8, as_torch=False)
-    assert padded["tokens"].shape == (1, 24) and padded["cu_seqlens"].tolist() == [0, 10, 15, 21, 24]
-    assert padded["loss_mask"][0, 21:].sum() == 0 and padded["tokens"][0, 21:].tolist() == [0, 0, 0]
-    empty = build_micro_batch(read, MicroBatch((), capacity=32), pad_to_multiple=4, empty_tokens=6)
-    assert empty["tokens"].shape == (1, 8) and empty["cu_seqlens"].tolist() == [0, 8]
-    assert empty["loss_mask"].sum() == 0 and empty["max_seqlen"] == 8
+    padded = rank_micro_batch(read, mb, CPSharding(sequence_multiple=8))
+    assert padded.tokens.shape == (1, 24) and padded.plan.segment_lengths.tolist() == [10, 5, 6, 3]
+    assert padded.loss_mask[0, 21:].sum() == 0 and padded.tokens[0, 21:].tolist() == [0, 0, 0]
+    empty = rank_micro_batch(read, MicroBatch((), capacity=32), CPSharding(sequence_multiple=4))
+    assert empty.tokens.shape == (1, 8) and empty.plan.segment_lengths.tolist() == [8]
+    assert empty.loss_mask.sum() == 0 and empty.plan.rope_length == 8
+    with pytest.raises(ValueError, match="read 3 tokens for a piece of 6"):
+        rank_micro_batch(lambda d, o, n: np.zeros(3, dtype=np.int64), MicroBatch((DocPiece(1, 0, 6, 0),), 8),
+                         CPSharding())
 
 
 @pytest.mark.parametrize("packer_name", ["original", "fixed-greedy", "wlb"])
@@ -176,13 +177,14 @@ def test_iterator_slices_cover_every_token_once(corpus, packer_name):
     assert plan_digest(its[0].current) == plan_digest(its[1].current)
     for r, it in enumerate(its):
         for mb, got in zip(it.current.for_dp_rank(r), per_rank[r]):
-            if not mb.pieces:  # an empty micro-batch runs as one untrained padding token
-                assert got["cu_seqlens"].tolist() == [0, 1] and got["loss_mask"].sum() == 0
+            assert got.micro_batch == mb
+            if not mb.pieces:  # an empty micro-batch runs as one untrained padding segment
+                assert got.plan.segment_lengths.tolist() == [2] and got.loss_mask.sum() == 0
                 continue
-            assert got["cu_seqlens"].tolist() == mb.cu_seqlens().tolist()
+            assert np.array_equal(np.concatenate([[0], np.cumsum(got.plan.segment_lengths)]), mb.cu_seqlens())
             expect = np.concatenate([reader.read(p.doc_id, p.offset, p.length) for p in mb.pieces])
-            assert np.array_equal(got["tokens"][0].numpy(), expect)
-            assert got["tokens"].shape[1] <= mb.capacity
+            assert np.array_equal(got.tokens[0], expect)
+            assert got.tokens.shape[1] <= mb.capacity
     # the rest of the stream by plan only: every token of every document exactly once, in DP order
     covered: dict[int, list[tuple[int, int]]] = defaultdict(list)
     first = its[0].current

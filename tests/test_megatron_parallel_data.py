@@ -12,7 +12,7 @@ from argparse import Namespace
 import pytest
 from conftest import run_world
 
-from megatron_wlb.megatron.data import byte_documents, write_indexed_dataset
+from megatron_wlb.data.reader import byte_documents, write_indexed_dataset
 
 WORLD = 8
 LAYOUTS = [  # (tp, cp, pp) -> dp = 8 / (tp * cp * pp)
@@ -48,19 +48,25 @@ def worker(rank: int, world: int, data_prefix: str) -> None:
         settings = settings_from_args(args)
         dp_rank = parallel_state.get_data_parallel_rank()
         assert parallel_state.get_data_parallel_world_size() == args.data_parallel_size
-        it = build_train_iterator(args, settings, dp_rank)
+        it = build_train_iterator(args, settings, dp_rank, parallel_state.get_context_parallel_rank())
         for _ in range(ITERATIONS):
             mbs = [next(it) for _ in range(it.n)]  # exactly n micro-batches per step on every rank
             plan = it.current
             mine = [[(p.doc_id, p.offset, p.length) for p in mb.pieces] for mb in plan.for_dp_rank(dp_rank)]
-            data_hash = hashlib.sha256(b"".join(m["tokens"].numpy().tobytes() + m["cu_seqlens"].numpy().tobytes()
-                                                for m in mbs)).hexdigest()
+            from megatron_wlb.cp.layouts import layout_digest
+
+            # every peer of a DP rank: the same micro-batches and layouts; of a (DP, CP) rank: the same rows
+            data_hash = hashlib.sha256(b"".join(m.plan.segment_lengths.tobytes() + str(layout_digest(m.plan.layout))
+                                                .encode() for m in mbs)).hexdigest()
+            rows_hash = hashlib.sha256(b"".join(m.tokens.tobytes() + m.labels.tobytes() for m in mbs)).hexdigest()
             # T is a multiple of CP x TP (sequence parallel): equal CP shards that split over TP
-            pad_ok = all(m["tokens"].shape[1] % (cp * tp) == 0 and m["tokens"].shape[1] >= m["cu_seqlens"][-1]
-                         for m in mbs)
+            pad_ok = all(int(m.plan.segment_lengths.sum()) % (cp * tp) == 0
+                         and m.plan.segment_lengths.sum() >= sum(p.length for p in m.micro_batch.pieces)
+                         and m.tokens.shape[1] % (tp if args.sequence_parallel else 1) == 0 for m in mbs)
             record = {"rank": rank, "dp_rank": dp_rank, "digest": plan_digest(plan), "mine": mine,
                       "all": [[(p.doc_id, p.offset, p.length) for p in mb.pieces] for mb in plan.micro_batches],
-                      "hash": data_hash, "pad_ok": pad_ok, "n": len(mbs)}
+                      "hash": data_hash, "pad_ok": pad_ok, "n": len(mbs),
+                      "cp_rank": parallel_state.get_context_parallel_rank(), "rows": rows_hash}
             gathered = [None] * world
             dist.all_gather_object(gathered, record)
             if rank == 0:
@@ -81,8 +87,10 @@ def check(records: list[dict], layout: tuple[int, int, int], dp: int, n: int) ->
     assert sorted(by_dp) == list(range(dp)), f"{layout}: DP ranks {sorted(by_dp)}"
     union = [mb for d in range(dp) for mb in by_dp[d][0]["mine"]]
     assert union == full, f"{layout}: the DP slices do not make up the global batch"
-    for d, peers in by_dp.items():  # TP/CP/PP peers of one DP rank: the same tensors
+    for d, peers in by_dp.items():  # TP/CP/PP peers of one DP rank: the same micro-batches and layouts
         assert len(peers) == len(records) // dp and len({p["hash"] for p in peers}) == 1, f"{layout}: DP {d} peers"
+        for c in {p.get("cp_rank", 0) for p in peers}:  # TP/PP peers of one (DP, CP) rank: the same rows
+            assert len({p.get("rows") for p in peers if p.get("cp_rank", 0) == c}) == 1, f"{layout}: DP {d} CP {c}"
 
 
 def test_all_ranks_compute_the_same_plan_and_take_their_slice(tmp_path):

@@ -80,7 +80,7 @@ def test_empty_split_builds_no_packed_iterator():
 
 @pytest.mark.parametrize("split", ["nan,1,0", "inf,1,1", "1,-1,0"])
 def test_split_refuses_non_finite_weights(split):
-    from megatron_wlb.megatron.data import parse_split
+    from megatron_wlb.data.reader import parse_split
 
     with pytest.raises(ValueError, match="--split"):
         parse_split(split)
@@ -88,7 +88,7 @@ def test_split_refuses_non_finite_weights(split):
 
 @pytest.mark.parametrize("weight", ["nan", "inf", "-1", "0"])
 def test_blend_refuses_non_finite_weights(weight):
-    from megatron_wlb.megatron.data import parse_data_path
+    from megatron_wlb.data.reader import weighted_prefixes as parse_data_path
 
     with pytest.raises(ValueError, match="must be a positive number"):
         parse_data_path([weight, "A", "1", "B"])

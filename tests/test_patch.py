@@ -220,21 +220,25 @@ assert pg.get_thd_batch_on_this_cp_rank is cp_hooks.get_thd_batch_on_this_cp_ran
 pg.get_args = lambda: None
 pg.core_transformer_config_from_args = lambda args: None
 pg.mtp_on_this_rank = lambda *a, **k: False
+from megatron_wlb.cp.plan import CPSharding
+from megatron_wlb.megatron import pinned_tp_rank_batch
+from megatron_wlb.megatron.data import rank_micro_batch
+from megatron_wlb.packing.types import DocPiece, MicroBatch
 lengths = [5, 1, 9]
 T = sum(lengths)
-batch = {"tokens": torch.arange(T).view(1, -1), "labels": torch.arange(T).view(1, -1) + 1,
-         "loss_mask": torch.ones(1, T), "attention_mask": None,
-         "position_ids": torch.cat([torch.arange(n) for n in lengths]).view(1, -1),
-         "cu_seqlens": torch.tensor([0, 5, 6, 15], dtype=torch.int32), "max_seqlen": torch.tensor([9]),
-         "local_cp_size": None}
-pg.get_batch_on_this_tp_rank = lambda it, mtp_on_this_rank=False: dict(next(it))
+mb = MicroBatch(tuple(DocPiece(i, 0, n, 0) for i, n in enumerate(lengths)), capacity=32)
+batch = rank_micro_batch(lambda doc, offset, n: np.arange(offset, offset + n) + 100 * doc, mb,
+                         CPSharding("per-document"))
+pg.get_batch_on_this_tp_rank = lambda it, mtp_on_this_rank=False: pinned_tp_rank_batch(next(it))
 pg.is_first_or_last_pipeline_stage = lambda vp_stage=None: True
 tokens, labels, loss_mask, attention_mask, position_ids, params = pg.get_batch(iter([batch]))
-assert isinstance(params, cp_hooks.WlbPackedSeqParams) and params.wlb_layout == "per-document"
-assert tokens.tolist() == batch["tokens"].tolist() and position_ids.tolist() == batch["position_ids"].tolist()
+assert isinstance(params, cp_hooks.WlbPackedSeqParams) and params.wlb.layout == "per-document"
+assert tokens.tolist() == batch.tokens.tolist() and position_ids.tolist() == batch.position_ids.tolist()
+assert labels.tolist() == batch.labels.tolist() and attention_mask is None
 pg.is_first_or_last_pipeline_stage = lambda vp_stage=None: False
 out = pg.get_batch(iter([batch]))
-assert out[:5] == (None,) * 5 and np.array_equal(out[5].wlb_shard.token_index, params.wlb_shard.token_index)
+assert out[:5] == (None,) * 5
+assert torch.equal(out[5].wlb.attention.segment_index, params.wlb.attention.segment_index)
 print("get_batch OK")
 """
 
@@ -360,7 +364,7 @@ import sysconfig
 from pathlib import Path
 import megatron_wlb.megatron as wlb
 from megatron_wlb.megatron import cp_hooks
-from megatron_wlb.megatron.data import byte_documents, write_indexed_dataset
+from megatron_wlb.data.reader import byte_documents, write_indexed_dataset
 smoke = argvs[-1]
 prefix = smoke[smoke.index("--data-path") + 1]
 Path(prefix).parent.mkdir(parents=True, exist_ok=True)

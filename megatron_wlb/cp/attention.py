@@ -30,6 +30,7 @@ import inspect
 import logging
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -164,17 +165,19 @@ def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype | Non
     return backend
 
 
-def varlen_attention(q, k, v, cu_seqlens_q: np.ndarray, cu_seqlens_k: np.ndarray, max_seqlen_q: int,
-                     max_seqlen_k: int, backend: str = "auto", softmax_scale: float | None = None) -> torch.Tensor:
-    """Bottom-right causal varlen attention with the chosen kernel (differentiable)."""
+def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: np.ndarray | torch.Tensor,
+                     cu_seqlens_k: np.ndarray | torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                     backend: str = "auto", softmax_scale: float | None = None) -> torch.Tensor:
+    """Bottom-right causal varlen attention with the chosen kernel (differentiable). ``cu_seqlens_*``
+    are host arrays or int32 tensors already on ``q``'s device (then used as they are)."""
     name = resolve_backend(backend, q.device, q.dtype)
     _log_backend(name, q.device.type)
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
     if name == "reference" or len(cu_seqlens_q) <= 1:
         return reference_varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, scale)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    cu_q = torch.as_tensor(np.asarray(cu_seqlens_q, dtype=np.int32), device=q.device)
-    cu_k = torch.as_tensor(np.asarray(cu_seqlens_k, dtype=np.int32), device=q.device)
+    cu_q = torch.as_tensor(cu_seqlens_q, dtype=torch.int32, device=q.device)
+    cu_k = torch.as_tensor(cu_seqlens_k, dtype=torch.int32, device=q.device)
     fn = _torch_varlen if name == "torch-varlen" else _flash_attn
     return fn(q, k, v, cu_q, cu_k, int(max_seqlen_q), int(max_seqlen_k), scale)
 
@@ -246,60 +249,97 @@ def segment_index(shard: RankShard, device: torch.device | str = "cpu") -> torch
         total, device=device)
 
 
-def _check(q, k, v, shard: RankShard, group) -> tuple[int, int]:
+@dataclass(frozen=True, eq=False)
+class CPAttentionMetadata:
+    """One rank's varlen attention metadata on the device: built once per micro-batch (one upload),
+    then shared by every attention layer of its forward and backward.
+
+    ``cu_seqlens_q`` / ``cu_seqlens_k`` int32 and ``segment_index`` long live on the device;
+    everything a kernel call needs as a number (``max_seqlen_*``, token counts) is a host int, so
+    no layer ever reads a device tensor back.
+    """
+
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    segment_index: torch.Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+    num_runs: int
+    rank: int
+    rank_counts: tuple[int, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.rank_counts[self.rank]
+
+    @classmethod
+    def from_shard(cls, shard: RankShard, device: torch.device | str = "cpu") -> CPAttentionMetadata:
+        """Check ``shard`` once and upload its metadata to ``device``."""
+        _check_shard(shard)
+        return cls(cu_seqlens_q=torch.as_tensor(shard.cu_seqlens_q, dtype=torch.int32).to(device, non_blocking=True),
+                   cu_seqlens_k=torch.as_tensor(shard.cu_seqlens_k, dtype=torch.int32).to(device, non_blocking=True),
+                   segment_index=segment_index(shard, device), max_seqlen_q=int(shard.max_seqlen_q),
+                   max_seqlen_k=int(shard.max_seqlen_k), num_runs=int(shard.cu_seqlens_q.size) - 1,
+                   rank=int(shard.rank), rank_counts=tuple(int(c) for c in shard.rank_counts))
+
+
+def _check_shard(shard: RankShard) -> None:
     if not isinstance(shard, RankShard):
         raise ValueError(f"shard must be a RankShard (from build_layout), got {type(shard).__name__}")
+    if not shard.rank_counts or shard.gather is None:
+        raise ValueError("shard lacks rank_counts / its GatherMap; build it with build_layout")
+    cp, n = len(shard.rank_counts), shard.num_tokens
+    if not 0 <= shard.rank < cp or shard.rank_counts[shard.rank] != n:
+        raise ValueError(f"shard metadata is inconsistent: rank {shard.rank} of rank_counts {shard.rank_counts} "
+                         f"vs {n} tokens in cu_seqlens_q")
+    if np.any(shard.query_lengths < 1) or np.any(shard.query_lengths > shard.key_lengths):
+        raise ValueError("every query run needs >= 1 query and at most as many queries as keys")
+
+
+def _check(q, k, v, meta: CPAttentionMetadata, group) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 3:
             raise ValueError(f"{name} must be [tokens, heads, head_dim], got shape {tuple(t.shape)}")
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
-    n = shard.num_tokens
+    n = meta.num_tokens
     if q.shape[0] != n or k.shape[0] != n:
-        raise ValueError(f"rank {shard.rank} owns {n} tokens in its layout but q has {q.shape[0]} and k "
+        raise ValueError(f"rank {meta.rank} owns {n} tokens in its layout but q has {q.shape[0]} and k "
                          f"{k.shape[0]}; pass this rank's tokens in RankShard.token_index order")
     if q.shape[2] != k.shape[2]:
         raise ValueError(f"q and k head_dim differ: {q.shape[2]} vs {k.shape[2]}")
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"q heads ({q.shape[1]}) must be a multiple of k/v heads ({k.shape[1]}) for GQA")
-    if not shard.rank_counts or shard.gather is None:
-        raise ValueError("shard lacks rank_counts / its GatherMap; build it with build_layout")
-    cp = len(shard.rank_counts)
-    if not 0 <= shard.rank < cp or shard.rank_counts[shard.rank] != n:
-        raise ValueError(f"shard metadata is inconsistent: rank {shard.rank} of rank_counts {shard.rank_counts} "
-                         f"vs {n} tokens in cu_seqlens_q")
-    if int(shard.cu_seqlens_q[-1]) != n:
-        raise ValueError(f"cu_seqlens_q ends at {int(shard.cu_seqlens_q[-1])}, expected the rank's {n} tokens")
-    if np.any(shard.query_lengths < 1) or np.any(shard.query_lengths > shard.key_lengths):
-        raise ValueError("every query run needs >= 1 query and at most as many queries as keys")
+    cp = len(meta.rank_counts)
     if cp > 1 or (group is not None):
         if not dist.is_initialized():
             raise ValueError(f"the layout has cp={cp} ranks but torch.distributed is not initialised")
         size, rank = dist.get_world_size(group), dist.get_rank(group)
-        if size != cp or rank != shard.rank:
+        if size != cp or rank != meta.rank:
             raise ValueError(f"process group has size {size} and this process is rank {rank}, but the shard is rank "
-                             f"{shard.rank} of a cp={cp} layout; pass the CP group and this rank's shard")
-    return cp, n
+                             f"{meta.rank} of a cp={cp} layout; pass the CP group and this rank's shard")
 
 
-def all_gather_cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shard: RankShard, group=None,
-                            backend: str = "auto", softmax_scale: float | None = None) -> torch.Tensor:
+def all_gather_cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            shard: RankShard | CPAttentionMetadata, group=None, backend: str = "auto",
+                            softmax_scale: float | None = None) -> torch.Tensor:
     """Document-causal attention of this rank's queries over the whole micro-batch's keys.
 
-    ``q`` [T_r, H, D], ``k``/``v`` [T_r, Hkv, D] in ``shard.token_index`` order; ``group`` is the CP
-    process group (``None``: the default group; single-process when the layout has cp=1).
-    Returns [T_r, H, D]. Differentiable w.r.t. q, k, v (dk/dv reduce-scattered to their owners).
+    ``q`` [T_r, H, D], ``k``/``v`` [T_r, Hkv, D] in ``shard.token_index`` order; ``shard`` is the
+    rank's ``RankShard`` or, in training, its ``CPAttentionMetadata`` uploaded once per micro-batch;
+    ``group`` is the CP process group (``None``: the default group; single-process when the layout
+    has cp=1). Returns [T_r, H, D]. Differentiable w.r.t. q, k, v (dk/dv reduce-scattered to their owners).
     """
-    _check(q, k, v, shard, group)
-    seg = segment_index(shard, k.device)
+    meta = shard if isinstance(shard, CPAttentionMetadata) else CPAttentionMetadata.from_shard(shard, k.device)
+    _check(q, k, v, meta, group)
     kv = torch.stack([k, v], dim=1)                                   # [T_r, 2, Hkv, D]: one collective
-    k_seg, v_seg = AllGatherKV.apply(kv, seg, tuple(shard.rank_counts), shard.rank, group)
-    if shard.cu_seqlens_q.size <= 1:
+    k_seg, v_seg = AllGatherKV.apply(kv, meta.segment_index, meta.rank_counts, meta.rank, group)
+    if meta.num_runs < 1:
         # No queries here; keep the (empty) K/V segments in the graph so this rank still joins the
         # backward reduce-scatter that the other ranks start.
         return q * 0.0 + (k_seg.sum() + v_seg.sum()) * 0.0
-    return varlen_attention(q, k_seg, v_seg, shard.cu_seqlens_q, shard.cu_seqlens_k,
-                            shard.max_seqlen_q, shard.max_seqlen_k, backend, softmax_scale)
+    return varlen_attention(q, k_seg, v_seg, meta.cu_seqlens_q, meta.cu_seqlens_k,
+                            meta.max_seqlen_q, meta.max_seqlen_k, backend, softmax_scale)
 
 
 class AllGatherCPAttention(torch.nn.Module):

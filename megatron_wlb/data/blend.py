@@ -48,10 +48,11 @@ def parse_data_path(data_path: Sequence[str] | str) -> list[tuple[str, float | N
 
 def normalised_weights(parts: Sequence[tuple[str, float | None]]) -> list[float] | None:
     """The blend's weights summing to 1, or None for an unweighted list (concatenated)."""
-    if parts[0][1] is None:
+    weights = [w for _, w in parts if w is not None]
+    if len(weights) < len(parts):  # parse_data_path gives all weights or none
         return None
-    total = sum(float(w) for _, w in parts)  # type: ignore[arg-type]
-    return [float(w) / total for _, w in parts]  # type: ignore[arg-type]
+    total = sum(weights)
+    return [w / total for w in weights]
 
 
 def shuffle_documents(lengths: np.ndarray, seed: int) -> np.ndarray:
@@ -92,7 +93,7 @@ def read_blend(data_path: Sequence[str] | str, seed: int | None = DEFAULT_SEED) 
         datasets = [shuffle_documents(d, seed + 7919 * i) for i, d in enumerate(datasets)]
     weights = normalised_weights(parts)
     stream, used = blend(datasets, weights)
-    desc = " + ".join(f"{'' if weights is None else f'{w:.3g} x '}{prefix}.idx ({d.size:,} documents, {u:,} used)"
-                      for (prefix, _), w, d, u in zip(parts, weights or [None] * len(parts), datasets, used,
-                                                      strict=True))
+    shares = [f"{w:.3g} x " for w in weights] if weights is not None else [""] * len(parts)
+    desc = " + ".join(f"{share}{prefix}.idx ({d.size:,} documents, {u:,} used)"
+                      for (prefix, _), share, d, u in zip(parts, shares, datasets, used, strict=True))
     return stream, desc, int(sum(d.size - u for d, u in zip(datasets, used, strict=True)))

@@ -27,6 +27,7 @@ on them unless ``skip_empty`` is set. Every error is one line naming the file.
 from __future__ import annotations
 
 import struct
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -48,8 +49,18 @@ def _with_ext(prefix: Path, ext: str) -> Path:
     return prefix.with_name(prefix.name + ext)
 
 
-def read_index(prefix: str | Path) -> tuple[np.ndarray, np.ndarray, int, np.ndarray]:
-    """(sequence_lengths int64 [S], document_indices int64 [D], token itemsize, sequence_pointers int64 [S])."""
+@dataclass(frozen=True)
+class IndexFile:
+    """The arrays of a ``PREFIX.idx``: what the ``.bin`` holds and where."""
+
+    sequence_lengths: np.ndarray   # int64 [S]: tokens per sequence
+    document_indices: np.ndarray   # int64 [D]: document i spans sequences [D[i], D[i + 1])
+    sequence_pointers: np.ndarray  # int64 [S]: byte offset of each sequence in the .bin
+    dtype: np.dtype                # token dtype of the .bin
+
+
+def read_index(prefix: str | Path) -> IndexFile:
+    """Parse ``PREFIX.idx`` (one-line errors naming the file)."""
     p = dataset_prefix(prefix)
     idx = _with_ext(p, ".idx")
     if not idx.exists():
@@ -78,13 +89,13 @@ def read_index(prefix: str | Path) -> tuple[np.ndarray, np.ndarray, int, np.ndar
     seq = np.frombuffer(mm, dtype=np.int32, count=n_seq, offset=_HEADER_BYTES).astype(np.int64)
     pointers = np.frombuffer(mm, dtype=np.int64, count=n_seq, offset=_HEADER_BYTES + 4 * n_seq).copy()
     docs = np.frombuffer(mm, dtype=np.int64, count=n_doc, offset=_HEADER_BYTES + 12 * n_seq).copy()
-    return seq, docs, np.dtype(DTYPE_CODES[code]).itemsize, pointers
+    return IndexFile(seq, docs, pointers, np.dtype(DTYPE_CODES[code]))
 
 
 def parse_idx(prefix: str | Path) -> tuple[np.ndarray, np.ndarray]:
     """(sequence_lengths int64 [S], document_indices int64 [D]) parsed from ``PREFIX.idx``."""
-    seq, docs, _, _ = read_index(prefix)
-    return seq, docs
+    index = read_index(prefix)
+    return index.sequence_lengths, index.document_indices
 
 
 def document_lengths(sequence_lengths: np.ndarray, document_indices: np.ndarray, where: str) -> np.ndarray:
@@ -143,7 +154,8 @@ def check_bin_matches_idx(prefix: str | Path) -> None:
     padded or different one means the two files do not belong together.
     """
     p = dataset_prefix(prefix)
-    seq, _, itemsize, pointers = read_index(p)
+    index = read_index(p)
+    seq, pointers, itemsize = index.sequence_lengths, index.sequence_pointers, index.dtype.itemsize
     bin_path = _with_ext(p, ".bin")
     if not bin_path.is_file():
         raise FileNotFoundError(f"{bin_path} does not exist (or is not a file); {p}.idx needs its .bin")

@@ -1,17 +1,33 @@
 """The Megatron-LM adapter: ``apply()`` hooks WLB-LLM into a Megatron-LM training process.
 
+One micro-batch, from the length stream to the kernel, is built once and uploaded once::
+
+    DocumentReader.stream()          document ids + lengths           (data/reader.py, host)
+    packer.pack() -> GlobalBatch     this DP rank's MicroBatch pieces (packing/, host, every rank alike)
+    WlbDataIterator.__next__         -> RankMicroBatch: cp.plan.plan_rank() lays the micro-batch out
+                                        over the CP group and keeps this rank's rows and RankPlan
+                                        (megatron/data.py, host)
+    get_batch (launcher, or the pinned pretrain_gpt through get_batch_on_this_tp_rank)
+      cp_hooks.upload_micro_batch    the one host -> device copy: tokens + WlbPackedSeqParams(wlb=WlbVarlen)
+    every layer                      WlbCoreAttention and RoPE read the same WlbVarlen device tensors
+                                        (megatron/attention.py -> cp/attention.py varlen kernel)
+
+No step reads a device tensor back to the host; the only sync is the CP ranks' layout agreement
+check on the first ``data.AGREEMENT_CHECKS`` micro-batches.
+
 Call ``megatron_wlb.megatron.apply()`` in ``pretrain_gpt.py`` before ``pretrain(...)`` (the patch in
 ``patches/`` does this), then launch with ``--wlb-*`` flags. ``apply()`` checks the megatron-core
 version and replaces, in Megatron's training code (pinned: ``version.PINNED_MEGATRON_TAG``):
 
 - ``parse_args``: our ``--wlb-*`` flags are composed into whichever extra_args_provider is passed;
 - ``validate_args``: after Megatron's checks, ``args.validate_wlb_args`` (fail fast, what to change),
-  ``variable_seq_lengths`` on, then ``cp_hooks.install(settings)`` (CP sharding + attention);
+  ``variable_seq_lengths`` on, then ``cp_hooks.install(settings)`` (attention, RoPE, the THD pass-through);
 - ``build_train_valid_test_data_iterators``: the training iterator becomes a ``WlbDataIterator``
   (document reader -> packer -> this DP rank's THD micro-batches) on every rank, middle pipeline
   stages and TP ranks > 0 included; validation/test get the same over their splits;
-- ``get_batch_on_this_tp_rank``: for our iterator every rank reads its own (identical) micro-batch
-  instead of receiving a fixed-shape broadcast from TP rank 0, which cannot carry variable lengths;
+- ``get_batch_on_this_tp_rank`` (core < 0.18): for our iterator every rank reads and uploads its own
+  (identical) micro-batch instead of receiving a fixed-shape broadcast from TP rank 0, which cannot
+  carry variable lengths;
 - ``save_checkpoint`` / ``load_checkpoint``: the packer + stream state sidecar (``checkpoint.py``);
 - ``training_log``: the per-iteration packing metrics (``wlb_logging.py``).
 
@@ -21,12 +37,11 @@ Importing this package needs neither torch nor Megatron; ``apply()`` imports the
 from __future__ import annotations
 
 import importlib
-import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from megatron_wlb.megatron.rebind import rebind
+from megatron_wlb.megatron.rebind import rebind, wrapping
 from megatron_wlb.megatron.settings import WlbSettings
 
 __all__ = ["WlbSettings", "apply", "build_train_iterator", "iterations_for", "reader_from_args", "runtime",
@@ -63,17 +78,23 @@ def runtime() -> Runtime:
 def reader_from_args(args: Any, split_name: str = "train"):
     """A ``DocumentReader`` for one split: ``--{train,valid,test}-data-path`` (all of it) if given, else
     ``--data-path`` with ``--split``."""
-    from megatron_wlb.megatron.data import DocumentReader, parse_data_path
+    from megatron_wlb.data.reader import DocumentReader
 
     mmap = bool(getattr(args, "mmap_bin_files", True))
     seed = int(getattr(args, "seed", 1234))
     own = getattr(args, f"{split_name}_data_path", None)
     if own:
-        return DocumentReader(parse_data_path(own), split="1,0,0", split_name="train", seed=seed, mmap=mmap)
+        return DocumentReader.from_data_path(own, split="1,0,0", split_name="train", seed=seed, mmap=mmap)
     if not getattr(args, "data_path", None):
         raise ValueError("WLB-LLM reads Megatron indexed datasets: give --data-path [WEIGHT] PREFIX ...")
-    split = getattr(args, "split", None) or "969,30,1"
-    return DocumentReader(parse_data_path(args.data_path), split=split, split_name=split_name, seed=seed, mmap=mmap)
+    return DocumentReader.from_data_path(args.data_path, split=_split(args), split_name=split_name, seed=seed,
+                                         mmap=mmap)
+
+
+def _split(args: Any) -> str:
+    from megatron_wlb.data.reader import DEFAULT_SPLIT
+
+    return getattr(args, "split", None) or DEFAULT_SPLIT
 
 
 def iterations_for(args: Any, split_name: str) -> int:
@@ -100,8 +121,23 @@ def stream_tokens_for(args: Any, config: Any, split_name: str = "train") -> int:
     return (iters + slack) * config.tokens_per_iteration
 
 
-def build_train_iterator(args: Any, settings: WlbSettings, dp_rank: int, *, on_batch: Callable | None = None,
-                         reader: Any = None, as_torch: bool = True, split_name: str = "train"):
+def cp_sharding_from_args(args: Any, settings: WlbSettings, cp_rank: int, cost: Any = None) -> Any:
+    """How this run cuts micro-batches over CP (``cp.plan.CPSharding``) for CP rank ``cp_rank``.
+
+    T is padded to a multiple of CP, so the per-sequence / per-document layouts give every CP rank
+    exactly T/CP tokens; under sequence parallelism also of TP, and every rank to a multiple of TP.
+    """
+    from megatron_wlb.cp.plan import CPSharding
+
+    tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
+    cp = int(getattr(args, "context_parallel_size", 1) or 1)
+    sp = tp if getattr(args, "sequence_parallel", False) and tp > 1 else 1
+    return CPSharding(layout=settings.cp_sharding, cp_size=cp, cp_rank=cp_rank, sequence_multiple=cp * sp,
+                      rank_multiple=sp, te_attention=settings.cp_sharding == "per-document-te", cost=cost)
+
+
+def build_train_iterator(args: Any, settings: WlbSettings, dp_rank: int, cp_rank: int = 0, *,
+                         on_batch: Callable | None = None, reader: Any = None, split_name: str = "train"):
     """This rank's ``WlbDataIterator`` for Megatron's ``args`` (pure: same inputs, same plans, any rank).
 
     ``split_name`` "valid"/"test" builds the evaluation iterators the same way over those splits.
@@ -112,21 +148,25 @@ def build_train_iterator(args: Any, settings: WlbSettings, dp_rank: int, *, on_b
 
     reader = reader if reader is not None else reader_from_args(args, split_name)
     config = packing_config_from_args(args, settings)
-    packer = make_packer(settings.packing, config, cost_model_from_args(args, settings))
+    cost = cost_model_from_args(args, settings)
+    packer = make_packer(settings.packing, config, cost)
     stream = reader.stream(stream_tokens_for(args, config, split_name))
-    tp = int(getattr(args, "tensor_model_parallel_size", 1))
-    cp = int(getattr(args, "context_parallel_size", 1))
-    # T a multiple of CP: the per-sequence / per-document layouts then give every CP rank exactly T/CP
-    # tokens; with sequence parallelism also of TP, so each rank's T/CP splits over the TP ranks.
-    pad = cp * (tp if getattr(args, "sequence_parallel", False) and tp > 1 else 1)
-    return WlbDataIterator(reader, stream, packer, dp_rank, pad_to_multiple=pad, as_torch=as_torch,
-                           on_batch=on_batch, empty_tokens=2 * pad)
+    return WlbDataIterator(reader, stream, packer, dp_rank, cp_sharding_from_args(args, settings, cp_rank, cost),
+                           on_batch=on_batch)
+
+
+def _ranks() -> tuple[int, int]:
+    """(data-parallel rank, context-parallel rank) of this process."""
+    from megatron.core import parallel_state
+
+    return parallel_state.get_data_parallel_rank(), parallel_state.get_context_parallel_rank()
 
 
 # -- the hooks ---------------------------------------------------------------------------------------------
 def _wrap_parse_args(original: Callable) -> Callable:
     from megatron_wlb.megatron.args import wlb_extra_args_provider
 
+    @wrapping(original)
     def parse_args(extra_args_provider=None, ignore_unknown_args=False):
         args = original(wlb_extra_args_provider(extra_args_provider), ignore_unknown_args)
         if getattr(args, "yaml_cfg", None) is not None:
@@ -135,13 +175,13 @@ def _wrap_parse_args(original: Callable) -> Callable:
                              "validate_args, where the --wlb-* flags are checked); pass the settings as flags")
         return args
 
-    parse_args.__wlb_original__ = original
     return parse_args
 
 
 def _wrap_validate_args(original: Callable) -> Callable:
     from megatron_wlb.megatron.args import validate_wlb_args
 
+    @wrapping(original)
     def validate_args(args, defaults={}):  # noqa: B006 - Megatron's signature
         from megatron_wlb.megatron.preflight import check_training_args
 
@@ -155,23 +195,16 @@ def _wrap_validate_args(original: Callable) -> Callable:
             from megatron_wlb.megatron import p2p
 
             p2p.install()  # shapes exchanged in the activations' rank order (Megatron #5100)
-        _install_cp_hooks(settings, args)
+        from megatron_wlb.megatron import cp_hooks
+
+        cp_hooks.install(settings)
         return out
 
-    validate_args.__wlb_original__ = original
     return validate_args
 
 
-def _install_cp_hooks(settings: WlbSettings, args: Any) -> None:
-    from megatron_wlb.megatron import cp_hooks
-
-    if "args" in inspect.signature(cp_hooks.install).parameters:
-        cp_hooks.install(settings, args)
-    else:
-        cp_hooks.install(settings)
-
-
 def _wrap_build_iterators(original: Callable, mods: dict[str, Any]) -> Callable:
+    @wrapping(original)
     def build_train_valid_test_data_iterators(build_train_valid_test_datasets_provider):
         args = mods["global_vars"].get_args()
         built: list[Any] = []
@@ -187,7 +220,6 @@ def _wrap_build_iterators(original: Callable, mods: dict[str, Any]) -> Callable:
 
         if getattr(args, "skip_train", False) or _RUNTIME.settings is None:
             return megatron_iterators()
-        from megatron.core import parallel_state
         from megatron.core.rerun_state_machine import RerunDataIterator
 
         from megatron_wlb.megatron.args import cost_model_from_args
@@ -203,8 +235,7 @@ def _wrap_build_iterators(original: Callable, mods: dict[str, Any]) -> Callable:
                                                virtual_stages=int(getattr(args, "virtual_pipeline_model_parallel_size",
                                                                           None) or 1))
         first = not _RUNTIME.registry.iterators
-        iterator = build_train_iterator(args, settings, parallel_state.get_data_parallel_rank(),
-                                        on_batch=_RUNTIME.logger.on_batch if first else None)
+        iterator = build_train_iterator(args, settings, *_ranks(), on_batch=_RUNTIME.logger.on_batch if first else None)
         _RUNTIME.registry.register(iterator)
         mods["utils"].print_rank_0(f"> megatron_wlb: {settings.packing} packing of {len(iterator.stream)} documents "
                                    f"({iterator.stream.tokens} tokens), {iterator.n} micro-batches per DP rank "
@@ -218,7 +249,6 @@ def _wrap_build_iterators(original: Callable, mods: dict[str, Any]) -> Callable:
         args.do_test = bool(getattr(args, "do_test", False)) or evals[1] is not None
         return RerunDataIterator(iterator), evals[0], evals[1]
 
-    build_train_valid_test_data_iterators.__wlb_original__ = original
     return build_train_valid_test_data_iterators
 
 
@@ -227,7 +257,6 @@ def _eval_iterator(args: Any, settings: WlbSettings, split_name: str, megatron_i
     """Our packed iterator over the valid/test split (every rank, like training); None when evaluation is
     off or the split is empty; Megatron's own one (``megatron_iterator()`` builds it) for several
     validation sets or a split too small to pack without pipeline parallelism."""
-    from megatron.core import parallel_state
     from megatron.core.rerun_state_machine import RerunDataIterator
 
     if getattr(args, "multiple_validation_sets", False) or getattr(args, "full_validation", False):
@@ -235,7 +264,7 @@ def _eval_iterator(args: Any, settings: WlbSettings, split_name: str, megatron_i
     if iterations_for(args, split_name) < 1 or _split_is_empty(args, split_name):
         return None  # evaluation off, or e.g. --split 98,2,0 has no test split: Megatron builds none either
     try:
-        it = build_train_iterator(args, settings, parallel_state.get_data_parallel_rank(), split_name=split_name)
+        it = build_train_iterator(args, settings, *_ranks(), split_name=split_name)
     except ValueError as exc:  # e.g. a split too small to hold one document
         if int(getattr(args, "pipeline_model_parallel_size", 1)) > 1:
             raise ValueError(f"megatron_wlb: no {split_name} iterator ({exc}); with pipeline parallelism every "
@@ -248,11 +277,11 @@ def _eval_iterator(args: Any, settings: WlbSettings, split_name: str, megatron_i
 
 def _split_is_empty(args: Any, split_name: str) -> bool:
     """Whether ``--split`` gives ``split_name`` no share (and no ``--{split}-data-path`` is given)."""
-    from megatron_wlb.megatron.data import parse_split
+    from megatron_wlb.data.reader import parse_split
 
     if getattr(args, f"{split_name}_data_path", None) or not getattr(args, "data_path", None):
         return False
-    fractions = parse_split(getattr(args, "split", None) or "969,30,1")
+    fractions = parse_split(_split(args))
     return fractions[{"train": 0, "valid": 1, "test": 2}[split_name]] == 0
 
 
@@ -260,30 +289,31 @@ def _unwrap_iterator(data_iterator: Any) -> Any:
     return getattr(data_iterator, "iterable", data_iterator)
 
 
+def pinned_tp_rank_batch(batch: Any) -> dict[str, Any]:
+    """One ``RankMicroBatch``, uploaded, as the pinned ``pretrain_gpt.get_batch`` reads its TP-rank batch.
+
+    The params ride in ``cu_seqlens``, which that ``get_batch`` hands to
+    ``get_thd_batch_on_this_cp_rank`` (ours passes them through); ``max_seqlen`` is the host tensor
+    its ``dim()`` check reads. Key order: it returns ``(*batch.values(), packed_seq_params)`` after
+    popping the metadata keys, i.e. tokens, labels, loss_mask, attention_mask, position_ids.
+    """
+    import torch
+
+    from megatron_wlb.megatron.cp_hooks import upload_micro_batch
+
+    data, params = upload_micro_batch(batch)
+    return {**data, "cu_seqlens": params, "max_seqlen": torch.tensor([params.max_seqlen_q], dtype=torch.int32)}
+
+
 def _wrap_get_batch_on_this_tp_rank(original: Callable) -> Callable:
     from megatron_wlb.megatron.data import WlbDataIterator
 
+    @wrapping(original)
     def get_batch_on_this_tp_rank(data_iterator, mtp_on_this_rank: bool = False, *args, **kwargs):
         if not isinstance(_unwrap_iterator(data_iterator), WlbDataIterator):
             return original(data_iterator, mtp_on_this_rank, *args, **kwargs)
-        import torch
+        return pinned_tp_rank_batch(next(data_iterator))
 
-        data = next(data_iterator)
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-
-        def dev(t):
-            return t if device is None else t.to(device, non_blocking=True)
-
-        # Megatron's key order: pretrain_gpt.get_batch returns (*batch.values(), packed_seq_params)
-        # after popping the metadata keys, i.e. tokens, labels, loss_mask, attention_mask, position_ids.
-        return {
-            "tokens": dev(data["tokens"]), "labels": dev(data["labels"]), "loss_mask": dev(data["loss_mask"]),
-            "attention_mask": None, "position_ids": dev(data["position_ids"]),
-            "cu_seqlens": dev(data["cu_seqlens"]),
-            "max_seqlen": dev(torch.tensor([int(data["max_seqlen"])], dtype=torch.int32)),
-        }
-
-    get_batch_on_this_tp_rank.__wlb_original__ = original
     return get_batch_on_this_tp_rank
 
 

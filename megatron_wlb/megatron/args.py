@@ -239,7 +239,7 @@ def validate_wlb_args(args: Any, *, te_available: bool | None = None, highspy_av
         value = getattr(args, flag, None)
         if not value or not check_files:
             continue
-        from megatron_wlb.megatron.data import parse_data_path
+        from megatron_wlb.data.blend import parse_data_path
 
         try:
             prefixes = [p for p, _ in parse_data_path(value)]

@@ -6,8 +6,8 @@ packed_seq_params=...)``. With a packed (THD) micro-batch Megatron has already s
 ``[T, heads, head_dim]`` and expects ``[T, heads * head_dim]`` back; otherwise they are
 ``[s, b, heads, head_dim]`` and it expects ``[s, b, heads * head_dim]``. This module:
 
-- with ``WlbPackedSeqParams`` carrying a shard (``cp_hooks``' non-TE layouts): calls
-  ``megatron_wlb.cp.attention.all_gather_cp_attention(q, k, v, shard, group)`` over the CP group
+- with ``WlbPackedSeqParams`` carrying our metadata (``cp_hooks``' non-TE layouts): calls
+  ``megatron_wlb.cp.attention.all_gather_cp_attention(q, k, v, metadata, group)`` over the CP group
   (``pg_collection.cp``, else ``parallel_state``'s); GQA passes through (k/v keep their
   ``num_query_groups`` heads and are all-gathered un-repeated);
 - otherwise (no WLB metadata: Megatron's own batches, e.g. a non-WLB eval loader, or TE's THD params)
@@ -17,20 +17,31 @@ It is installed by wrapping ``SelfAttention.__init__`` so that every self-attent
 gets it whatever layer spec the model uses (``install_core_attention``); ``swap_core_attention(spec)``
 does the same on an explicit ``ModuleSpec`` tree. The all-gather attention has no attention dropout,
 no sliding window and no softmax variants: those configurations are refused when the module is built.
+
+RoPE: Megatron's THD RoPE assumes TE's per-document head-tail layout. ``install_core_attention`` also
+wraps ``SelfAttention.forward`` so that, while one runs on a WLB micro-batch, its ``WlbVarlen`` is the
+active one (a context variable, set and reset around the call, recomputation included), and
+``apply_rotary_pos_emb`` as ``megatron.core.transformer.attention`` calls it rotates each local row
+by the plan's position (``WlbVarlen.rope_positions``) when it is handed that micro-batch's cu_seqlens.
 """
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import functools
+import importlib
 import math
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from megatron.core import parallel_state
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
+
+from megatron_wlb.megatron.rebind import is_wrapper, original_of, wrapping
 
 _CAUSAL = {AttnMaskType.causal, AttnMaskType.padding_causal}
 
@@ -138,8 +149,8 @@ class WlbCoreAttention(MegatronModule):
                 attn_mask_type: AttnMaskType | None = None, attention_bias: Any = None,
                 packed_seq_params: Any = None) -> torch.Tensor:
         """q [T, Hq, D] / k, v [T, Hkv, D] (THD) or [s, b=1, H, D]; returns [T, Hq*D] or [s, 1, Hq*D]."""
-        shard = getattr(packed_seq_params, "wlb_shard", None)
-        if shard is None:
+        wlb = getattr(packed_seq_params, "wlb", None)
+        if wlb is None or wlb.attention is None:
             if packed_seq_params is None and _every_batch_is_packed():
                 raise RuntimeError("a micro-batch reached the attention without packed-sequence params, but every "
                                    "batch of this run is a packed WLB micro-batch: the fallback attention would "
@@ -158,8 +169,8 @@ class WlbCoreAttention(MegatronModule):
             raise ValueError(f"WLB-LLM attention is document-causal; got attn_mask_type={mask_type}")
         if attention_bias is not None:
             raise ValueError("WLB-LLM attention takes no attention_bias")
-        return wlb_attention_forward(query, key, value, shard, self.cp_group(), self.softmax_scale,
-                                     local_pad=getattr(packed_seq_params, "wlb_local_pad", 0))
+        return wlb_attention_forward(query, key, value, wlb.attention, self.cp_group(), self.softmax_scale,
+                                     local_pad=wlb.local_pad)
 
 
 def _every_batch_is_packed() -> bool:
@@ -170,14 +181,14 @@ def _every_batch_is_packed() -> bool:
     return rt.registry is not None and bool(rt.registry.iterators) and not rt.megatron_loaders
 
 
-def wlb_attention_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, shard: Any, group: Any,
+def wlb_attention_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, meta: Any, group: Any,
                           softmax_scale: float | None = None, local_pad: int = 0) -> torch.Tensor:
     """The tensor plumbing of ``WlbCoreAttention`` (separate so tests can drive it without a layer).
 
     Accepts THD ``[T, H, D]`` or ``[s, b, H, D]`` with b == 1 (a packed micro-batch), runs the
-    all-gather CP attention on ``[T, H, D]`` and returns ``[T, H*D]`` or ``[s, b, H*D]``. The last
-    ``local_pad`` rows (sequence-parallel padding, see ``WlbPackedSeqParams``) attend to nothing: their
-    output is zero.
+    all-gather CP attention on ``[T, H, D]`` with ``meta`` (``CPAttentionMetadata``, or a
+    ``RankShard``) and returns ``[T, H*D]`` or ``[s, b, H*D]``. The last ``local_pad`` rows
+    (sequence-parallel padding, see ``WlbVarlen``) attend to nothing: their output is zero.
     """
     from megatron_wlb.cp.attention import all_gather_cp_attention
 
@@ -194,13 +205,13 @@ def wlb_attention_forward(query: torch.Tensor, key: torch.Tensor, value: torch.T
     if k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2] or q.shape[1] % k.shape[1]:
         raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: k and v must match, share "
                          "q's tokens and head_dim, and q's heads must be a multiple of k's (GQA)")
-    n_local = len(shard.token_index)
+    n_local = meta.num_tokens
     if q.shape[0] != n_local + local_pad:
         raise ValueError(f"{q.shape[0]} local tokens but this rank's shard holds {n_local}"
                          + (f" plus {local_pad} padding rows" if local_pad else ""))
     if local_pad:
         q, k, v = q[:n_local], k[:n_local], v[:n_local]
-    out = all_gather_cp_attention(q, k, v, shard, group, softmax_scale=softmax_scale)
+    out = all_gather_cp_attention(q, k, v, meta, group, softmax_scale=softmax_scale)
     out = out.reshape(n_local, -1)
     if local_pad:
         out = torch.cat([out, out.new_zeros(local_pad, out.shape[1])])
@@ -233,25 +244,79 @@ def swap_core_attention(spec: Any) -> Any:
     return spec
 
 
+#: the RoPE function ``megatron.core.transformer.attention`` calls (replaced there by ``install_core_attention``)
+ROPE_NAME = "apply_rotary_pos_emb"
+#: the WlbVarlen of the SelfAttention forward running now (None outside one, or for other batches)
+_ACTIVE: contextvars.ContextVar[Any] = contextvars.ContextVar("wlb_active_varlen", default=None)
+
+
+def wlb_apply_rotary_pos_emb(original: Callable) -> Callable:
+    """Wrap Megatron's ``apply_rotary_pos_emb(t, freqs, config, cu_seqlens=None, mscale=1.0, cp_group=None)``:
+    for the active WLB micro-batch's cu_seqlens, rotate row i of ``t`` [R, H, D] by ``freqs[positions[i]]``."""
+    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+
+    @wrapping(original)
+    def apply_rotary_pos_emb(t, freqs, config, cu_seqlens=None, mscale=1.0, cp_group=None):
+        wlb = _ACTIVE.get()
+        meta = wlb.attention if wlb is not None else None
+        if meta is None or (cu_seqlens is not meta.cu_seqlens_q and cu_seqlens is not meta.cu_seqlens_k):
+            return original(t, freqs, config, cu_seqlens=cu_seqlens, mscale=mscale, cp_group=cp_group)
+        if wlb.rope_positions.shape[0] != t.shape[0]:
+            raise ValueError(f"RoPE: {wlb.rope_positions.shape[0]} position ids for {t.shape[0]} local tokens")
+        if wlb.rope_length > freqs.shape[0]:
+            raise ValueError(f"RoPE: position {wlb.rope_length - 1} beyond the {freqs.shape[0]} rotary positions "
+                             "computed (max_seqlen too small)")
+        local = freqs.index_select(0, wlb.rope_positions)
+        return _apply_rotary_pos_emb_bshd(t.unsqueeze(1), local, rotary_interleaved=config.rotary_interleaved,
+                                          multi_latent_attention=config.multi_latent_attention,
+                                          mscale=mscale).squeeze(1)
+
+    return apply_rotary_pos_emb
+
+
+def _with_active_varlen(forward: Callable) -> Callable:
+    """``SelfAttention.forward`` with the call's WLB micro-batch active for the RoPE wrapper."""
+
+    @wrapping(forward)
+    @functools.wraps(forward)
+    def wrapped(self, *args, **kwargs):
+        params = kwargs.get("packed_seq_params")
+        token = _ACTIVE.set(getattr(params, "wlb", None))
+        try:
+            return forward(self, *args, **kwargs)
+        finally:
+            _ACTIVE.reset(token)
+
+    return wrapped
+
+
 def install_core_attention(enabled: bool = True) -> None:
-    """Make every ``SelfAttention`` built from now on use ``WlbCoreAttention`` (``enabled=False`` undoes it)."""
+    """Make every ``SelfAttention`` built from now on use ``WlbCoreAttention``, and RoPE follow the
+    plan's positions (``enabled=False`` undoes both)."""
     from megatron.core.transformer.attention import SelfAttention
 
+    attn_mod = importlib.import_module("megatron.core.transformer.attention")
     current = SelfAttention.__init__
-    original = getattr(current, "__wlb_original__", current)
+    original = original_of(current)
     if not enabled:
-        SelfAttention.__init__ = original
+        SelfAttention.__init__ = original  # type: ignore[method-assign]
+        if "forward" in SelfAttention.__dict__ and is_wrapper(SelfAttention.forward):
+            del SelfAttention.forward  # the wrapper shadowed the inherited Attention.forward
+        setattr(attn_mod, ROPE_NAME, original_of(getattr(attn_mod, ROPE_NAME)))
         return
     if current is not original:
         return
 
+    @wrapping(original)
     @functools.wraps(original)
     def __init__(self, config, submodules, *args, **kwargs):
         submodules = dataclasses.replace(submodules, core_attention=_builder(submodules.core_attention))
         original(self, config, submodules, *args, **kwargs)
 
-    __init__.__wlb_original__ = original
-    SelfAttention.__init__ = __init__
+    SelfAttention.__init__ = __init__  # type: ignore[method-assign]
+    SelfAttention.forward = _with_active_varlen(SelfAttention.forward)  # type: ignore[method-assign]
+    setattr(attn_mod, ROPE_NAME, wlb_apply_rotary_pos_emb(getattr(attn_mod, ROPE_NAME)))
 
 
-__all__ = ["WlbCoreAttention", "install_core_attention", "swap_core_attention", "wlb_attention_forward"]
+__all__ = ["WlbCoreAttention", "install_core_attention", "swap_core_attention", "wlb_apply_rotary_pos_emb",
+           "wlb_attention_forward"]

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megatron_wlb.megatron.data import WlbDataIterator, dumps_state
+from megatron_wlb.megatron.rebind import wrapping
 
 SIDECAR_NAME = "wlb_packer_state.json"
 SIDECAR_VERSION = 1
@@ -106,6 +107,7 @@ def wrap_save_checkpoint(original: Callable, registry: DataStateRegistry, get_ar
                          ) -> Callable:
     """Megatron's ``save_checkpoint(iteration, model, optimizer, ...)``, then our sidecar."""
 
+    @wrapping(original)
     def save_checkpoint(iteration, *args, **kwargs):
         out = original(iteration, *args, **kwargs)
         state = registry.state()
@@ -123,7 +125,6 @@ def wrap_save_checkpoint(original: Callable, registry: DataStateRegistry, get_ar
                             settings())
         return out
 
-    save_checkpoint.__wlb_original__ = original
     return save_checkpoint
 
 
@@ -161,6 +162,7 @@ def wrap_load_checkpoint(original: Callable, registry: DataStateRegistry, get_ar
     thresholds it holds belong to those), named setting by setting.
     """
 
+    @wrapping(original)
     def load_checkpoint(*args, **kwargs):
         out = original(*args, **kwargs)
         iteration = int(out[0] if isinstance(out, tuple) else out)
@@ -183,5 +185,4 @@ def wrap_load_checkpoint(original: Callable, registry: DataStateRegistry, get_ar
                            "are unknown; resume from a checkpoint saved with megatron_wlb applied, or pass "
                            "--finetune to restart the data stream at iteration 0")
 
-    load_checkpoint.__wlb_original__ = original
     return load_checkpoint

@@ -162,7 +162,7 @@ def install_cpu_redirects() -> None:
     mode.__enter__()  # for the life of the process
     torch.Tensor.cuda = lambda self, *a, **k: self  # type: ignore[method-assign]
     torch.nn.Module.cuda = lambda self, *a, **k: self  # type: ignore[method-assign]
-    cuda = torch.cuda
+    cuda: Any = torch.cuda  # monkeypatched on purpose: its stubs type the real CUDA API
     cuda.current_device = lambda: 0
     cuda.set_device = lambda *a, **k: None
     cuda.device_count = lambda: 1  # initialize_megatron builds the model-parallel groups only if > 0
@@ -176,8 +176,8 @@ def install_cpu_redirects() -> None:
     cuda.empty_cache = lambda *a, **k: None
     cuda.memory_stats = lambda *a, **k: {}
     cuda.mem_get_info = lambda *a, **k: (0, 0)
-    cuda.Stream = _Stream  # type: ignore[misc]
-    cuda.Event = _Stream  # type: ignore[misc]
+    cuda.Stream = _Stream
+    cuda.Event = _Stream
     cuda.current_stream = lambda *a, **k: _Stream()
     cuda.default_stream = lambda *a, **k: _Stream()
     cuda.stream = lambda *a, **k: _Stream()
@@ -282,7 +282,7 @@ def write_text_corpus(prefix: str, max_bytes: int = 600_000, separator: str = "\
     import sysconfig
     from pathlib import Path
 
-    from megatron_wlb.megatron.data import byte_documents, write_indexed_dataset
+    from megatron_wlb.data.reader import byte_documents, write_indexed_dataset
 
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     paths = sorted(str(p) for p in stdlib.glob("*.py"))

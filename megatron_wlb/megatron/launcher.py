@@ -6,10 +6,10 @@ wheel from 0.19) but no Megatron-LM checkout:
     torchrun --nproc-per-node 8 -m megatron_wlb.megatron.launcher <Megatron flags> --wlb-packing wlb ...
 
 Every rank (every TP rank and every pipeline stage) reads its own copy of the packed micro-batch from
-the ``WlbDataIterator`` that ``apply()`` builds on every rank, so there is no TP broadcast of
-variable-length tensors and no middle-stage special case: each stage shards the same micro-batch
-with the same CP layout and builds the same ``WlbPackedSeqParams``; stages that do not embed or
-compute the loss simply ignore the tokens or labels. The loss is per token
+the ``WlbDataIterator`` that ``apply()`` builds on every rank, already planned for its CP rank, so
+there is no TP broadcast of variable-length tensors and no middle-stage special case: each stage
+uploads the same rows and the same ``WlbPackedSeqParams``; stages that do not embed or compute the
+loss simply ignore the tokens or labels. The loss is per token
 (``--calculate-per-token-loss`` is required): Megatron then divides the summed loss by the tokens of
 the whole global batch, so every token weighs the same whatever micro-batch it was packed into.
 """
@@ -25,15 +25,12 @@ import torch
 
 
 def get_batch(data_iterator: Any, model: Any = None) -> tuple[Any, ...]:
-    """(tokens, labels, loss_mask, position_ids, packed_seq_params) of this rank's next micro-batch."""
-    from megatron_wlb.megatron.cp_hooks import get_batch_on_this_cp_rank
+    """(tokens, labels, loss_mask, position_ids, packed_seq_params) of this rank's next micro-batch,
+    already planned for this CP rank by the iterator: one upload, no device-to-host sync."""
+    from megatron_wlb.megatron.cp_hooks import upload_micro_batch
 
-    data = next(data_iterator)
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    batch = {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v) for k, v in data.items()}
-    batch["attention_mask"] = None
-    batch = get_batch_on_this_cp_rank(batch)
-    return batch["tokens"], batch["labels"], batch["loss_mask"], batch["position_ids"], batch["packed_seq_params"]
+    batch, params = upload_micro_batch(next(data_iterator))
+    return batch["tokens"], batch["labels"], batch["loss_mask"], batch["position_ids"], params
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor, model: Any = None):

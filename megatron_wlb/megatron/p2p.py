@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from megatron_wlb.megatron.rebind import is_wrapper, wrapping
+
 
 def _ordered_communicate_shapes(self: Any, tensor_send_next: Any, tensor_send_prev: Any, recv_prev: bool,
                                 recv_next: bool) -> tuple[list[int], list[int]]:
@@ -47,8 +49,7 @@ def install() -> bool:
     if communicator is None or not hasattr(communicator, "_communicate_shapes") \
             or not hasattr(p2p_communication, "_p2p_ops"):
         return False
-    if getattr(communicator._communicate_shapes, "__wlb_original__", None) is None:
+    if not is_wrapper(communicator._communicate_shapes):
         original = communicator._communicate_shapes
-        _ordered_communicate_shapes.__wlb_original__ = original  # type: ignore[attr-defined]
-        communicator._communicate_shapes = _ordered_communicate_shapes
+        communicator._communicate_shapes = wrapping(original)(_ordered_communicate_shapes)
     return True

@@ -4,6 +4,30 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from typing import Any, TypeVar
+
+F = TypeVar("F", bound=Callable[..., Any])
+#: attribute of a wrapper that names the function it wraps (what uninstall/idempotence checks read)
+WRAPPED_ATTR = "__wlb_original__"
+
+
+def wrapping(original: Callable[..., Any]) -> Callable[[F], F]:
+    """Decorator: mark the decorated wrapper as wrapping ``original`` (``original_of`` reads it back)."""
+
+    def mark(wrapper: F) -> F:
+        setattr(wrapper, WRAPPED_ATTR, original)
+        return wrapper
+
+    return mark
+
+
+def original_of(fn: Any) -> Any:
+    """The function ``fn`` wraps (``wrapping``), or ``fn`` itself if it wraps none."""
+    return getattr(fn, WRAPPED_ATTR, fn)
+
+
+def is_wrapper(fn: Any) -> bool:
+    return hasattr(fn, WRAPPED_ATTR)
 
 
 def rebind(name: str, original: Callable, replacement: Callable, skip: tuple[str, ...] = ()) -> list[str]:

@@ -17,8 +17,9 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any, Protocol, cast
+from typing import Any
 
+from megatron_wlb.megatron.rebind import wrapping
 from megatron_wlb.packing.types import GlobalBatch
 
 PREFIX = "wlb"
@@ -150,19 +151,11 @@ class WlbMetricsLogger:
         return m
 
 
-class WrappedTrainingLog(Protocol):
-    """Megatron's ``training_log`` followed by ours; ``__wlb_original__`` is Megatron's (to restore it)."""
-
-    __wlb_original__: Callable[..., Any]
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
-
-
 def wrap_training_log(original: Callable[..., Any],
                       logger_of: Callable[[], WlbMetricsLogger | None]) -> Callable[..., Any]:
-    """Megatron's ``training_log(loss_dict, total_loss_dict, learning_rate, iteration, ...)``, then ours
-    (a ``WrappedTrainingLog``: ``__wlb_original__`` is Megatron's)."""
+    """Megatron's ``training_log(loss_dict, total_loss_dict, learning_rate, iteration, ...)``, then ours."""
 
+    @wrapping(original)
     def training_log(*args: Any, **kwargs: Any) -> Any:
         out = original(*args, **kwargs)
         iteration = kwargs.get("iteration", args[3] if len(args) > 3 else None)
@@ -171,6 +164,4 @@ def wrap_training_log(original: Callable[..., Any],
             logger.log(int(iteration))
         return out
 
-    wrapped = cast(WrappedTrainingLog, training_log)
-    wrapped.__wlb_original__ = original
-    return wrapped
+    return training_log

@@ -1,0 +1,187 @@
+"""One micro-batch as one CP rank runs it: a plan built once, on the host, where the packer's plan is.
+
+The path of a micro-batch from the length stream to the kernel (see ``megatron_wlb.megatron``)::
+
+    packer: MicroBatch (document pieces)
+      -> micro_batch_lengths(): the packed sequence's segments (pieces, then one padding segment)
+      -> build_layout(): ShardLayout, every CP rank's tokens and query runs (cp/layouts.py)
+      -> plan_rank(): RankPlan, this rank's rows, RoPE positions, padding and kernel metadata
+      -> uploaded once per micro-batch (megatron/cp_hooks.py: upload_micro_batch), shared by every layer
+
+Every CP rank builds the same layout from the same pieces (the packer is deterministic), so no
+rank waits for another and nothing travels device -> host. Pure numpy: no torch, no global state.
+
+Padding policy (all of it lives here):
+
+- *sequence padding*: the micro-batch's token count ``T`` is rounded up to ``sequence_multiple``
+  (CP, times TP under sequence parallelism) by one trailing padding segment, so per-sequence and
+  per-document layouts give every CP rank ``T / CP`` tokens; an empty micro-batch (a packer may
+  leave one while its queues fill) becomes one padding segment of ``2 * sequence_multiple`` tokens,
+  so every pipeline stage still runs all its micro-batches. Padding tokens carry loss_mask 0.
+- *TE document padding* (``per-document-te``): TE pads every document to a multiple of ``2 * CP``;
+  under sequence parallelism one more padding document makes every rank's count a multiple of TP.
+- *rank padding* (our layouts under sequence parallelism): ``local_pad`` rows after a rank's own
+  tokens make its count a multiple of TP; the attention leaves them out.
+
+A layout as a mask, CP=2, per-document, documents ``aaaaaaaa bbbb`` (``rows`` of rank 0 = ``0 1 6 7
+8 11``; each query run attends causally to its document's keys up to the run's end)::
+
+    position  0 1 2 3 4 5 6 7 | 8 9 10 11
+    rank      0 0 1 1 1 1 0 0 | 0 1  1  0
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from megatron_wlb.costmodel import CostModel
+from megatron_wlb.cp.layouts import LAYOUT_ALIASES, LAYOUT_NAMES, RankShard, ShardLayout, build_layout
+
+__all__ = ["CPSharding", "RankPlan", "TEVarlen", "micro_batch_lengths", "plan_rank"]
+
+
+@dataclass(frozen=True)
+class CPSharding:
+    """How every micro-batch of a run is cut over its CP group (identical on every rank but ``cp_rank``).
+
+    - ``layout``: a name of ``cp.layouts.LAYOUT_NAMES`` (or an alias).
+    - ``sequence_multiple``: the micro-batch's token count is padded to a multiple of this.
+    - ``rank_multiple``: every rank's token count is padded to a multiple of this (TP under SP).
+    - ``te_attention``: build TransformerEngine's varlen fields (``per-document-te`` only).
+    - ``cost``: prices attention for ``adaptive`` / ``hybrid`` (None: the layouts' default).
+    """
+
+    layout: str = "per-sequence"
+    cp_size: int = 1
+    cp_rank: int = 0
+    sequence_multiple: int = 1
+    rank_multiple: int = 1
+    te_attention: bool = False
+    cost: CostModel | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        name = LAYOUT_ALIASES.get(self.layout, self.layout)
+        if name not in LAYOUT_NAMES:
+            raise ValueError(f"CP layout {self.layout!r}; valid: {', '.join(LAYOUT_NAMES)}")
+        if self.cp_size < 1 or not 0 <= self.cp_rank < self.cp_size:
+            raise ValueError(f"cp_rank={self.cp_rank} is outside the CP group of size {self.cp_size}")
+        if self.sequence_multiple < 1 or self.rank_multiple < 1:
+            raise ValueError(f"sequence_multiple={self.sequence_multiple} and rank_multiple={self.rank_multiple} "
+                             "must be >= 1")
+        if self.te_attention and name != "per-document-te":
+            raise ValueError(f"te_attention needs the per-document-te layout, got {self.layout!r}")
+
+    @property
+    def empty_tokens(self) -> int:
+        """Tokens of the padding segment that stands in for an empty micro-batch."""
+        return 2 * self.sequence_multiple
+
+
+def micro_batch_lengths(piece_lengths: np.ndarray | list[int], sequence_multiple: int = 1,
+                        empty_tokens: int = 1) -> np.ndarray:
+    """Segments of the packed sequence: the pieces' lengths, then one padding segment (if any) that
+    rounds the total up to ``sequence_multiple``; no pieces: one padding segment of ``empty_tokens``
+    rounded up to ``sequence_multiple``."""
+    if sequence_multiple < 1 or empty_tokens < 1:
+        raise ValueError(f"sequence_multiple and empty_tokens must be >= 1, got {sequence_multiple}, {empty_tokens}")
+    lengths = np.asarray(piece_lengths, dtype=np.int64).reshape(-1)
+    if lengths.size and int(lengths.min()) < 1:
+        raise ValueError(f"piece lengths must be >= 1, got {lengths.tolist()[:16]}")
+    total = int(lengths.sum())
+    pad = (-total) % sequence_multiple if total else -(-empty_tokens // sequence_multiple) * sequence_multiple
+    return np.append(lengths, pad) if pad else lengths
+
+
+@dataclass(frozen=True)
+class TEVarlen:
+    """TransformerEngine's THD fields for ``per-document-te``: real and padded document offsets."""
+
+    cu_seqlens: np.ndarray          # int32: real documents (the padding document counts as one)
+    cu_seqlens_padded: np.ndarray   # int32: documents padded to 2*CP
+    max_seqlen: int
+
+
+@dataclass(frozen=True, eq=False)
+class RankPlan:
+    """One micro-batch on one CP rank: which rows it holds and what its attention needs.
+
+    ``layout`` holds every rank's shard (the CP ranks' layouts agree by construction); ``rows`` [R]
+    maps each local row to its position in the packed sequence, -1 for a padding row (TE document
+    padding, rank padding); ``positions`` [R] are the rows' RoPE positions (within their document);
+    ``local_pad`` trailing rows are rank padding (our layouts under SP; they attend to nothing);
+    ``rope_length`` is how many rotary positions the model must compute (1 + the largest position,
+    at least the longest segment); ``te`` is set on the TE path only.
+    """
+
+    layout: ShardLayout
+    rank: int
+    segment_lengths: np.ndarray
+    rows: np.ndarray
+    positions: np.ndarray
+    local_pad: int
+    rope_length: int
+    te: TEVarlen | None = None
+
+    @property
+    def shard(self) -> RankShard:
+        return self.layout.ranks[self.rank]
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.rows.size)
+
+    def take(self, values: np.ndarray, fill: int | float = 0) -> np.ndarray:
+        """This rank's rows of a ``[T]`` (or ``[1, T]``) array over the packed sequence, ``fill`` in
+        padding rows; the result keeps ``values``' leading shape."""
+        flat = np.asarray(values).reshape(-1)
+        out = np.where(self.rows >= 0, flat[np.maximum(self.rows, 0)], fill).astype(flat.dtype, copy=False)
+        return out.reshape(np.shape(values)[:-1] + (self.num_rows,))
+
+
+def _cu(lengths: np.ndarray) -> np.ndarray:
+    return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+
+
+def _te_padding_document(lengths: np.ndarray, cp: int, multiple: int) -> np.ndarray:
+    """``lengths`` plus, if needed, one trailing document of 2*cp*j tokens so that TE's per-document layout
+    (each document padded to a multiple of 2*cp) gives every rank a multiple of ``multiple`` tokens."""
+    per_rank = int(np.sum(-(-lengths // (2 * cp)) * 2))  # each padded document puts 2 * ceil(d / 2cp) on a rank
+    for j in range(multiple + 1):
+        if (per_rank + 2 * j) % multiple == 0:
+            return lengths if j == 0 else np.append(lengths, 2 * cp * j)
+    raise ValueError(f"no TE padding gives a multiple of {multiple} tokens per CP rank")
+
+
+def plan_rank(segment_lengths: np.ndarray, sharding: CPSharding) -> RankPlan:
+    """This CP rank's plan for a packed sequence of ``segment_lengths`` (``micro_batch_lengths``' output)."""
+    lengths = np.asarray(segment_lengths, dtype=np.int64)
+    if lengths.size == 0 or int(lengths.min()) < 1:
+        raise ValueError(f"a micro-batch needs segments of >= 1 token, got {lengths.tolist()[:16]}")
+    cp, rank = sharding.cp_size, sharding.cp_rank
+    te_padding = sharding.te_attention and sharding.rank_multiple > 1
+    layout_lengths = _te_padding_document(lengths, cp, sharding.rank_multiple) if te_padding else lengths
+    layout = build_layout(sharding.layout, layout_lengths, cp, cost=sharding.cost)
+    shard = layout.ranks[rank]
+    padded = np.asarray(layout.padded_lengths, dtype=np.int64)
+    token_index = np.asarray(shard.token_index, dtype=np.int64)
+    positions = np.asarray(shard.position_ids, dtype=np.int64)
+    if np.array_equal(layout_lengths, padded):
+        rows = token_index
+    else:  # TE padding: positions of the padded sequence -> real positions, -1 where TE pads
+        real = np.append(lengths, np.zeros(layout_lengths.size - lengths.size, dtype=np.int64))
+        doc = np.searchsorted(_cu(padded), token_index, side="right") - 1
+        within = token_index - _cu(padded)[doc]
+        rows = np.where(within < real[doc], _cu(real)[doc] + within, -1)
+    rope_length = max(int(padded.max()), int(positions.max()) + 1 if positions.size else 1)
+    if sharding.te_attention:
+        te_docs = np.where(np.arange(layout_lengths.size) < lengths.size, layout_lengths, padded)
+        te = TEVarlen(cu_seqlens=_cu(te_docs).astype(np.int32), cu_seqlens_padded=_cu(padded).astype(np.int32),
+                      max_seqlen=int(padded.max()))
+        return RankPlan(layout, rank, lengths, rows, positions, 0, rope_length, te)
+    local_pad = (-rows.size) % sharding.rank_multiple
+    if local_pad:
+        rows = np.append(rows, np.full(local_pad, -1, dtype=np.int64))
+        positions = np.append(positions, np.zeros(local_pad, dtype=np.int64))
+    return RankPlan(layout, rank, lengths, rows, positions, local_pad, rope_length)
