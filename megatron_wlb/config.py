@@ -12,8 +12,10 @@ import math
 import re
 import types
 import typing
+from collections.abc import Collection
 from dataclasses import MISSING, dataclass, fields, replace
 from importlib import resources
+from importlib.abc import Traversable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -185,7 +187,7 @@ class Knob:
         return parsed
 
 
-def dataclass_knobs(cls: type, exclude=()) -> dict[str, Knob]:
+def dataclass_knobs(cls: type, exclude: Collection[str] = ()) -> dict[str, Knob]:
     """Every field of dataclass ``cls`` (but ``exclude`` and dict-typed ones) as a ``Knob``, in order.
 
     Adding a typed field to the dataclass adds its YAML key and its flag: nothing else lists them.
@@ -263,7 +265,7 @@ class RunConfig:
     def micro_batches(self) -> int:
         return self.packing.n
 
-    def with_packer(self, packer: str, **packing_overrides) -> RunConfig:
+    def with_packer(self, packer: str, **packing_overrides: Any) -> RunConfig:
         """A copy with another packer and/or packing settings (for comparisons)."""
         if packer not in PACKERS:
             raise ValueError(f"unknown packer {packer!r}; choose one of {', '.join(PACKER_NAMES)}")
@@ -275,7 +277,7 @@ def list_configs() -> list[str]:
     return sorted(p.name[:-5] for p in CONFIG_DIR.iterdir() if p.name.endswith(".yaml"))
 
 
-def resolve_config_path(name_or_path: str | Path):
+def resolve_config_path(name_or_path: str | Path) -> Path | Traversable:
     """A user's YAML file, or the shipped config of that name (a Traversable with ``read_text``)."""
     path = Path(name_or_path)
     if path.suffix in (".yaml", ".yml") and path.exists():

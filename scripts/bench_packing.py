@@ -30,9 +30,8 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from _results import write_result  # noqa: E402
 
-from megatron_wlb.cli.bench import machine  # noqa: E402
+from megatron_wlb.cli.common import machine, resolve_lengths, run_packer  # noqa: E402
 from megatron_wlb.cli.main import main as wlb_main  # noqa: E402
-from megatron_wlb.cli.pack import resolve_lengths, run_packer  # noqa: E402
 from megatron_wlb.config import load_config  # noqa: E402
 from megatron_wlb.costmodel import build_cost_model  # noqa: E402
 from megatron_wlb.packing import make_packer, summarize  # noqa: E402
@@ -90,9 +89,10 @@ def frontier(streams: list[str], dps: list[int], iterations: int, quick: bool) -
                 t0 = time.perf_counter()
                 batches = run_packer(packer, lengths, iterations)
                 m = summarize(batches, cost, packing.seq_len)
+                diagnostics = packer.diagnostics()
                 rows.append({"label": label, "packer": name, "overrides": over, "wall_s": time.perf_counter() - t0,
-                             "forced_splits": getattr(packer, "forced_splits", 0),
-                             "cut_stats": dict(getattr(packer, "cut_stats", {})), **m.to_dict()})
+                             "forced_splits": diagnostics.get("forced_splits", 0),
+                             "cut_stats": diagnostics.get("cut_stats", {}), **m.to_dict()})
                 print(f"dp {dp} {stream:8s} {label:55s} sched {m.schedule_ratio:.3f} imb {m.imbalance:.3f} "
                       f"delay {m.mean_delay:.2f} min fill {m.min_fill:.2f}", file=sys.stderr, flush=True)
             tables.append({"stream": stream, "dp": dp, "n": packing0.n, "seq_len": packing0.seq_len,

@@ -213,3 +213,23 @@ def test_bin_check_accepts_a_dataset_megatron_core_wrote(tmp_path: Path):
         f.write(b"\0")
     with pytest.raises(ValueError, match="larger than its index"):
         check_bin_matches_idx(prefix)
+
+
+def test_no_subcommand_imports_another():
+    """The subcommands share helpers through cli/common.py only: none imports another subcommand
+    (no cycles), and common imports none of them."""
+    import ast
+
+    from megatron_wlb.cli.main import SUBCOMMANDS
+
+    cli = Path(__file__).resolve().parents[1] / "megatron_wlb" / "cli"
+    for path in sorted(cli.glob("*.py")):
+        imported = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                imported.add(node.module)
+            elif isinstance(node, ast.Import):
+                imported.update(alias.name for alias in node.names)
+        others = {f"megatron_wlb.cli.{name}" for name in SUBCOMMANDS if name != path.stem}
+        if path.stem != "main":  # the dispatcher loads the subcommands by name
+            assert not imported & others, f"{path.name} imports {sorted(imported & others)}"

@@ -52,12 +52,27 @@ def test_tp_and_cp_divide_work_and_add_communication():
     assert single.tp_comm(d)[0] == 0 and single.cp_comm(d)[0] == 0
 
 
-def test_microbatch_workload_sums_documents():
+def test_microbatch_cost_sums_documents_plus_overhead():
+    """The one micro-batch cost (packing.metrics.microbatch_seconds): pieces' forward and
+    backward seconds, plus the fixed overhead of a non-empty micro-batch; an empty one costs 0.
+    The packer's dealing step and the metrics both read it."""
+    from megatron_wlb.packing.metrics import microbatch_seconds, piece_forward, piece_latency
+
     cost = build_cost_model("70b", ParallelLayout(tp=8, cp=4))
     lengths = np.array([100, 2000, 30000])
-    total = cost.microbatch_workload(lengths)
-    assert total == pytest.approx(cost.workload(lengths).sum() + cost.microbatch_overhead)
-    assert cost.microbatch_workload(np.array([], dtype=np.int64)) == 0.0
+    hw = cost.hardware
+    fwd, bwd = microbatch_seconds(cost, np.array([piece_latency(cost, lengths).sum(), 0.0]),
+                                  np.array([piece_forward(cost, lengths).sum(), 0.0]))
+    assert fwd[0] == pytest.approx(cost.workload(lengths).sum() + cost.microbatch_overhead)
+    assert bwd[0] == pytest.approx(hw.bwd_attention * cost.attention(lengths).sum()
+                                   + hw.bwd_linear * (cost.linear(lengths).sum() + cost.microbatch_overhead))
+    assert (fwd[1], bwd[1]) == (0.0, 0.0)
+    assert cost.backward(np.array(1.0), np.array(0.0)) == hw.bwd_attention
+    assert cost.forward_backward(np.array(0.0), np.array(1.0)) == 1.0 + hw.bwd_linear
+    d2_fwd, d2_bwd = microbatch_seconds(None, np.array([9.0]))
+    assert (d2_fwd[0], d2_bwd[0]) == (3.0, 6.0)  # d**2 weights without a cost model, split 1 : 2
+    with pytest.raises(ValueError, match="forward seconds"):
+        microbatch_seconds(cost, np.array([1.0]))
 
 
 def test_bad_shapes_and_lengths_are_named():

@@ -67,3 +67,22 @@ def test_concat_and_cut_keeps_every_token():
     assert [m.tolist() for m in mbs] == [[4], [1, 3], [4], [4], [2, 2], [4]]   # 27 tokens: 6 full ones
     assert [m.tolist() for m in concat_and_cut(lengths, 4, indices=[4, 1])] == [[2, 2], [1, 3]]
     assert sum(int(m.sum()) for m in mbs) == 4 * 6
+
+
+def test_kernel_efficiency_state_is_declared():
+    """The frozen table's derived state is declared fields (not set behind the dataclass's back),
+    kept out of equality and repr; the per-tile cache fills on first use and gives the same answer."""
+    import dataclasses
+
+    eff = KernelEfficiency.default()
+    names = {f.name for f in dataclasses.fields(KernelEfficiency)}
+    assert {"log_q_lens", "log_kv_lens", "tile_grids"} <= names
+    assert not any(f.compare or f.repr for f in dataclasses.fields(KernelEfficiency) if f.name in
+                   ("log_q_lens", "log_kv_lens", "tile_grids"))
+    fresh = dataclasses.replace(eff)
+    assert fresh.tile_grids == {} and fresh.tile_grids is not eff.tile_grids
+    q, kv = np.array([256, 1024]), np.array([1024, 4096])
+    looked_up = fresh.relative_padded(q, kv, 128)
+    assert 128 in fresh.tile_grids
+    assert np.allclose(looked_up, fresh.relative(q, kv))
+    assert "tile_grids" not in repr(fresh)

@@ -133,7 +133,8 @@ def test_config_supplies_defaults_and_flags_override_it():
     (["--wlb-max-seq-len", "2048"], r"--wlb-max-seq-len 2048 is below --seq-length 4096; raise"),
     (["--wlb-cp-sharding", "per-document-te"], r"transformer_engine is not installed"),
     (["--wlb-config", "no_such_config"], r"--wlb-config 'no_such_config' is neither a YAML file nor one of"),
-    (["--wlb-queue-thresholds", "100000"], r"exceeds the micro-batch capacity 6144"),  # 1.5 x seq_length
+    (["--wlb-queue-thresholds", "100000"],  # S_max defaults to 1.5 x seq_length
+     r"--wlb-queue-thresholds 100000: 100000 exceeds the wlb micro-batch capacity max_seq_len=6144"),
     (["--position-embedding-type", "learned_absolute", "--max-position-embeddings", "4096"],
      r"raise --max-position-embeddings to 6144"),
     (["--wlb-cost-profile", "/nonexistent/profile.json"], r"no such file"),

@@ -59,6 +59,24 @@ def test_original_is_concat_and_cut():
         assert mb.capacity == 256
 
 
+def test_original_packer_and_cp_sampler_cut_alike():
+    """The packer (streaming, one budget per iteration) and the CP benchmarks' sampler (random
+    access by micro-batch number) cut the same stream at the same tokens, across iteration edges."""
+    from megatron_wlb.cp.sampling import available, concat_and_cut
+
+    rng = np.random.default_rng(5)
+    lengths = rng.integers(1, 2000, size=600)
+    cfg = PackingConfig(seq_len=512, n=2, dp=3)
+    mbs = [mb for b in make_packer("original", cfg).pack(lengths) for mb in b.micro_batches]
+    full = available(lengths, 512)
+    sampled = concat_and_cut(lengths, 512, count=full)
+    assert [mb.lengths.tolist() for mb in mbs[:full]] == [m.tolist() for m in sampled]
+    assert any(len(m) > 1 for m in sampled) and any(mb.pieces[0].offset > 0 for mb in mbs[:full])
+    tail = [p for mb in mbs[full:] for p in mb.pieces]
+    assert sum(p.length for p in tail) == int(lengths.sum()) - 512 * full  # the partial tail is emitted
+
+
+
 def test_original_drop_and_error_policies():
     lengths = [10, 700, 20]
     drop = make_packer("original", PackingConfig(seq_len=256, n=1, oversize="drop"))
@@ -175,6 +193,48 @@ def test_wlb_max_delay_never_exceeded(run7b, max_delay):
     assert summarize(batches, cost).max_delay <= max_delay
 
 
+@pytest.mark.parametrize("count", [10, 200])
+def test_piece_orders_are_total_and_the_fast_sort_agrees(count):
+    """One set of sort keys for every packer; the lexsort path (64+ pieces) orders exactly as the key."""
+    from megatron_wlb.packing.types import (
+        DocPiece,
+        largest_first_key,
+        oldest_first_key,
+        shortest_first_key,
+        sort_largest_first,
+    )
+
+    rng = np.random.default_rng(count)
+    pieces = [DocPiece(int(d), int(o), int(n), int(a)) for d, o, n, a in
+              zip(rng.integers(0, 20, count), rng.integers(0, 3, count) * 100, rng.integers(1, 6, count),
+                  rng.integers(0, 4, count))]
+    pieces = list(dict.fromkeys(pieces))  # distinct, with many ties in length and arrival
+    assert sort_largest_first(pieces) == sorted(pieces, key=largest_first_key)
+    lengths = [p.length for p in sort_largest_first(pieces)]
+    assert lengths == sorted(lengths, reverse=True)
+    assert [p.length for p in sorted(pieces, key=shortest_first_key)] == sorted(lengths)
+    assert [p.arrival for p in sorted(pieces, key=oldest_first_key)] == sorted(p.arrival for p in pieces)
+
+
+def test_diagnostics_are_a_method_of_every_packer(run7b):
+    """``Packer.diagnostics()``: nothing for the plain packers, wlb's thresholds and counts, the
+    solver's HiGHS statuses; and ``wlb pack --json`` reports them."""
+    config, cost, lengths = run7b
+    for name in ("original", "fixed-greedy"):
+        packer = make_packer(name, config.packing, cost)
+        first(packer, lengths, 2)
+        assert packer.diagnostics() == {}
+    wlb = make_packer("wlb", dataclasses.replace(config.packing, max_delay=0), cost)
+    first(wlb, lengths, 20)
+    diag = wlb.diagnostics()
+    assert diag["thresholds"] == list(wlb.thresholds()) and diag["forced_splits"] == wlb.forced_splits
+    assert set(diag) == {"thresholds", "forced_splits", "fill_releases", "cut_stats"}
+    json.dumps(diag)
+    solver = make_packer("fixed-solver", config.packing, cost)
+    first(solver, lengths, 2)
+    assert solver.diagnostics() == {"solver_status": solver.solver_status, "skipped_windows": solver.skipped_windows}
+
+
 def auto_thresholds(lengths, seq_len=4096, n=4, **kw):
     cfg = PackingConfig(seq_len=seq_len, n=n, **kw)
     packer = make_packer("wlb", cfg)
@@ -233,7 +293,7 @@ def test_bad_config_named(kwargs, needle):
 
 
 @pytest.mark.parametrize("name, kwargs, needle", [
-    ("wlb", {"queue_thresholds": (100, 400)}, "400 exceeds the wlb capacity max_seq_len=150"),
+    ("wlb", {"queue_thresholds": (100, 400)}, "400 exceeds the wlb micro-batch capacity max_seq_len=150"),
     ("wlb", {"outlier_fraction": -1}, "outlier_fraction=-1"),
     ("wlb", {"release": "all"}, "release='all'"),
     ("wlb", {"cut_policy": "some"}, "cut_policy='some'"),

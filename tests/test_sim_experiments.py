@@ -285,3 +285,27 @@ def test_calibrated_profile_drives_the_simulator(tmp_path, capsys):
         times.append(sum(r["time_s"] for r in data["iterations"]))
     capsys.readouterr()
     assert times[1] > 1.5 * times[0]
+
+
+def test_one_progress_type_from_the_cli_to_the_simulator():
+    """``sim.iteration.Progress`` is the only progress callback: ``simulate_stream``, ``compare`` and
+    the CLI's tqdm bar all take or are ``progress(items, desc, total)``, and items pass unchanged."""
+    from megatron_wlb.cli.common import tqdm_progress
+    from megatron_wlb.costmodel import build_cost_model
+    from megatron_wlb.sim.iteration import simulate_stream
+
+    calls = []
+
+    def progress(items, desc, total):
+        calls.append((desc, total))
+        return items
+
+    cfg = tiny(seq_len=65536)
+    lengths = bursty_stream(cfg.seq_len, cfg.micro_batches, 6)
+    cost = build_cost_model(cfg.model, cfg.layout)
+    quiet = simulate_stream(cfg, cost, "wlb", "adaptive", lengths, 3)
+    shown = simulate_stream(cfg, cost, "wlb", "adaptive", lengths, 3, progress=progress)
+    assert [r.time for r in shown.iterations] == [r.time for r in quiet.iterations]
+    compare(cfg, lengths, 2, (PLAIN, WLB), progress=progress)
+    assert calls == [(f"{cfg.name} wlb+adaptive", 3), (f"{cfg.name} {PLAIN.name}", 2), (f"{cfg.name} {WLB.name}", 2)]
+    assert list(tqdm_progress(iter([1, 2, 3]), "test", None)) == [1, 2, 3]

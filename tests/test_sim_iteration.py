@@ -183,3 +183,19 @@ def test_dynamic_cp_sizes_and_conservation():
     assert even.rank_tokens.tolist() == [5000] * 4 and even.imbalance == pytest.approx(1.0)
     with pytest.raises(ValueError, match="power-of-two"):
         doc_cp_sizes(np.array([10]), 3, 8)
+
+
+def test_every_layout_satisfies_the_layout_protocol():
+    """The simulator reads layouts through ``cp.protocols.Layout``: the real shard layouts, Megatron's
+    dynamic-CP stand-in and the tests' stand-ins all have its name, rank_work and rank_tokens."""
+    from megatron_wlb.cp.protocols import Layout
+    from megatron_wlb.sim.iteration import default_layout_builder
+
+    cost = AnalyticCostModel(get_model("7b"), ParallelLayout(cp=4))
+    lengths = np.array([3000, 500, 12000, 64])
+    for name in ("per-sequence", "per-document", "adaptive", "dynamic-cp"):
+        layout = default_layout_builder(name, lengths, 4, cost, seq_len=16384)
+        assert isinstance(layout, Layout), name
+        assert layout.rank_work.shape == (4,) and layout.rank_tokens.sum() >= lengths.sum()
+    assert isinstance(balanced("even", lengths, 4, cost), Layout)
+    assert not isinstance(SimpleNamespace(rank_work=np.zeros(4), rank_tokens=np.zeros(4)), Layout)  # no name

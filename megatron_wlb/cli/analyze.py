@@ -13,6 +13,7 @@ import json
 import sys
 import time
 
+from megatron_wlb.cli.common import add_stream_args, load_stream, tqdm_progress, with_virtual_stages
 from megatron_wlb.data.blend import DEFAULT_SEED
 
 #: Orderings per verdict. With k i.i.d. orderings each, two corpora of the same documents in
@@ -21,14 +22,12 @@ from megatron_wlb.data.blend import DEFAULT_SEED
 DEFAULT_SHUFFLES = 5
 
 
-def add_parser(subparsers) -> None:
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("analyze", help="compare Plain-4D / Fixed-4D / WLB-LLM on your data and layout",
                               description="Simulate the two Plain-4D baselines, Fixed-4D, WLB-LLM and Megatron's "
                                           "dynamic CP on your documents (shuffled as Megatron does, several "
                                           "seeds) and run config; print the verdict (mean and range over the "
                                           "shuffles) and write DIR/report.md with figures.")
-    from megatron_wlb.cli.simulate import add_stream_args
-
     group = add_stream_args(p)
     group.add_argument("--data-path", nargs="+", metavar="W_OR_PREFIX",
                        help="Megatron-style blend: 'PREFIX' or 'W1 PREFIX1 W2 PREFIX2 ...' (weights are "
@@ -51,9 +50,6 @@ def add_parser(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dataclasses import replace
-
-    from megatron_wlb.cli.simulate import load_stream, tqdm_progress
     from megatron_wlb.config import load_config
     from megatron_wlb.data import load_lengths
     from megatron_wlb.sim.iteration import split_documents
@@ -63,12 +59,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--iterations must be at least 1, got {args.iterations}")
     if args.shuffles < 1:
         raise ValueError(f"--shuffles must be at least 1, got {args.shuffles}")
-    cfg = load_config(args.config)
-    if args.virtual_stages is not None:
-        if args.virtual_stages < 1 or (args.virtual_stages > 1 and cfg.micro_batches % cfg.layout.pp):
-            raise ValueError(f"--virtual-stages {args.virtual_stages}: needs >= 1 and micro_batches "
-                             f"({cfg.micro_batches}) divisible by pp ({cfg.layout.pp})")
-        cfg = replace(cfg, virtual_stages=args.virtual_stages)
+    cfg = with_virtual_stages(load_config(args.config), args.virtual_stages)
     notes: list[str] = []
     seeds = [args.seed + k for k in range(1 if args.no_shuffle else args.shuffles)]
     if args.data_path:

@@ -28,7 +28,9 @@ import platform
 import statistics
 import sys
 import time
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -36,14 +38,35 @@ from megatron_wlb.cli.common import output_file, positive
 from megatron_wlb.costmodel import PROFILE_FORMAT, ModelShape, causal_pairs, fit_profile, load_profile
 from megatron_wlb.cp.efficiency import EFFICIENCY_FORMAT, KernelEfficiency
 
+#: a line of progress to stderr
+Log = Callable[[str], None]
+#: query, key and value tensors of one attention call (torch is imported only when measuring)
+QKV = tuple[Any, Any, Any]
+_S = TypeVar("_S")
+
 #: the smoke run's model: every dimension tiny, GQA and SwiGLU on so that their code paths run
 SMOKE_MODEL = ModelShape("smoke", hidden=64, num_layers=2, num_heads=4, num_kv_heads=2, ffn_hidden=128, vocab=256,
                          swiglu=True)
-SMOKE = {"lengths": "16,32,64,128", "tokens": "32,64,128,256", "q_lens": "4,8,16", "kv_lens": "8,16",
-         "tile": 4, "warmup": 1, "iters": 2}
 
 
-def add_parser(subparsers) -> None:
+@dataclass(frozen=True)
+class SmokeGrid:
+    """The smoke run's measurement grid (the flags' values of a CPU run that measures nothing)."""
+
+    lengths: str = "16,32,64,128"
+    tokens: str = "32,64,128,256"
+    q_lens: str = "4,8,16"
+    kv_lens: str = "8,16"
+    tile: int = 4
+    table_tokens: int = 32
+    warmup: int = 1
+    iters: int = 2
+
+
+SMOKE = SmokeGrid()
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("calibrate", help="measure attention and linear latency on this GPU; write the "
                               "cost-model profile and the kernel-efficiency table",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -85,14 +108,14 @@ def int_list(text: str, flag: str) -> list[int]:
 class Timer:
     """Median seconds of a callable: CUDA events on a GPU, perf_counter on the CPU."""
 
-    def __init__(self, torch, device, warmup: int, iters: int):
+    def __init__(self, torch: Any, device: Any, warmup: int, iters: int):
         self.torch, self.device, self.warmup, self.iters = torch, device, warmup, iters
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
             self.torch.cuda.synchronize(self.device)
 
-    def measure(self, setup, timed) -> float:
+    def measure(self, setup: Callable[[], _S], timed: Callable[[_S], object]) -> float:
         """Median over ``iters`` of ``timed(setup())``; only ``timed`` is inside the clock."""
         samples = []
         for i in range(self.warmup + self.iters):
@@ -106,28 +129,29 @@ class Timer:
         return float(statistics.median(samples))
 
 
-def measure_attention(torch, timer: Timer, model: ModelShape, tp: int, lengths: list[int], dtype, backend: str,
-                      log) -> dict[str, list]:
+def measure_attention(torch: Any, timer: Timer, model: ModelShape, tp: int, lengths: list[int], dtype: Any,
+                      backend: str, log: Log) -> dict[str, list[Any]]:
     """Forward and backward seconds of one causal document of each length, one layer, one GPU."""
     from megatron_wlb.cp.attention import varlen_attention
 
     heads, kv_heads, dim = model.num_heads // tp, model.num_kv_heads // tp, model.head_dim
-    fwd, bwd = [], []
+    fwd: list[float] = []
+    bwd: list[float] = []
     for d in lengths:
         cu = np.array([0, d], dtype=np.int32)
 
-        def make(d=d):
+        def make(d: int = d) -> QKV:
             q = torch.randn(d, heads, dim, device=timer.device, dtype=dtype, requires_grad=True)
             k = torch.randn(d, kv_heads, dim, device=timer.device, dtype=dtype, requires_grad=True)
             v = torch.randn(d, kv_heads, dim, device=timer.device, dtype=dtype, requires_grad=True)
             return q, k, v
 
-        def forward(qkv, d=d, cu=cu):
+        def forward(qkv: QKV, d: int = d, cu: np.ndarray = cu) -> None:
             with torch.no_grad():
                 varlen_attention(*qkv, cu, cu, d, d, backend=backend)
 
-        def with_graph(d=d, cu=cu):
-            qkv = make()
+        def with_graph(d: int = d, cu: np.ndarray = cu) -> tuple[Any, Any]:
+            qkv = make(d)
             out = varlen_attention(*qkv, cu, cu, d, d, backend=backend)
             return out, torch.ones_like(out)
 
@@ -137,7 +161,8 @@ def measure_attention(torch, timer: Timer, model: ModelShape, tp: int, lengths: 
     return {"lengths": lengths, "fwd_s": fwd, "bwd_s": bwd}
 
 
-def measure_linear(torch, timer: Timer, model: ModelShape, tp: int, tokens: list[int], dtype, log) -> dict[str, list]:
+def measure_linear(torch: Any, timer: Timer, model: ModelShape, tp: int, tokens: list[int], dtype: Any,
+                   log: Log) -> dict[str, list[Any]]:
     """Forward and backward seconds of one layer's GEMMs over each token count, one GPU at TP."""
     import torch.nn.functional as F
 
@@ -145,13 +170,13 @@ def measure_linear(torch, timer: Timer, model: ModelShape, tp: int, tokens: list
     qkv_out = (model.hidden + 2 * model.kv_hidden) // tp
     up_out = (2 if model.swiglu else 1) * model.ffn_hidden // tp
 
-    def weight(rows: int, cols: int):
+    def weight(rows: int, cols: int) -> Any:
         return (torch.randn(rows, cols, device=dev, dtype=dtype) / cols ** 0.5).requires_grad_(True)
 
     w_qkv, w_o = weight(qkv_out, h), weight(h, model.hidden // tp)
     w_up, w_down = weight(up_out, h), weight(h, model.ffn_hidden // tp)
 
-    def layer(x):
+    def layer(x: Any) -> Any:
         qkv = F.linear(x, w_qkv)
         y = F.linear(qkv[:, : model.hidden // tp], w_o)
         up = F.linear(x + y, w_up)
@@ -162,17 +187,18 @@ def measure_linear(torch, timer: Timer, model: ModelShape, tp: int, tokens: list
             up = F.gelu(up)
         return F.linear(up, w_down)
 
-    fwd, bwd = [], []
+    fwd: list[float] = []
+    bwd: list[float] = []
     for t in tokens:
-        def make(t=t):
+        def make(t: int = t) -> Any:
             return torch.randn(t, h, device=dev, dtype=dtype, requires_grad=True)
 
-        def forward(x):
+        def forward(x: Any) -> None:
             with torch.no_grad():
                 layer(x)
 
-        def with_graph(t=t):
-            out = layer(make())
+        def with_graph(t: int = t) -> tuple[Any, Any]:
+            out = layer(make(t))
             return out, torch.ones_like(out)
 
         fwd.append(timer.measure(make, forward))
@@ -181,8 +207,9 @@ def measure_linear(torch, timer: Timer, model: ModelShape, tp: int, tokens: list
     return {"tokens": tokens, "fwd_s": fwd, "bwd_s": bwd}
 
 
-def measure_efficiency(torch, timer: Timer, model: ModelShape, tp: int, q_lens: list[int], kv_lens: list[int],
-                       table_tokens: int, tile: int, dtype, backend: str, device_name: str, log) -> KernelEfficiency:
+def measure_efficiency(torch: Any, timer: Timer, model: ModelShape, tp: int, q_lens: list[int], kv_lens: list[int],
+                       table_tokens: int, tile: int, dtype: Any, backend: str, device_name: str,
+                       log: Log) -> KernelEfficiency:
     """Achieved forward TFLOP/s of bottom-right causal query runs (q queries over kv keys), q <= kv."""
     from megatron_wlb.cp.attention import reference_varlen_attention, varlen_attention
 
@@ -195,14 +222,15 @@ def measure_efficiency(torch, timer: Timer, model: ModelShape, tp: int, q_lens: 
     v = torch.randn(66, kv_heads, dim, generator=gen).to(timer.device, dtype)
     with torch.no_grad():
         err = float((varlen_attention(q, k, v, cu_q, cu_k, 17, 40, backend=backend).float()
-                     - reference_varlen_attention(q.float(), k.float(), v.float(), cu_q, cu_k).float()).abs().max())
+                     - reference_varlen_attention(q.float(), k.float(), v.float(), cu_q.tolist(),
+                                                  cu_k.tolist()).float()).abs().max())
     if not err <= (1e-4 if dtype == torch.float32 else 2e-2):
         raise ValueError(f"attention backend {backend!r} disagrees with bottom-right causal attention (max abs "
                          f"error {err:.3g}); its causal mask is probably top-left aligned; choose another --backend")
     flops_per_pair = 4.0 * heads * dim
     table: list[list[float]] = []
     for q_len in q_lens:
-        row = []
+        row: list[float] = []
         for kv_len in kv_lens:
             if q_len > kv_len:
                 row.append(np.nan)  # impossible shape: KernelEfficiency fills it from the diagonal
@@ -211,12 +239,13 @@ def measure_efficiency(torch, timer: Timer, model: ModelShape, tp: int, q_lens: 
             cq = np.arange(runs + 1, dtype=np.int32) * q_len
             ck = np.arange(runs + 1, dtype=np.int32) * kv_len
 
-            def make(runs=runs, q_len=q_len, kv_len=kv_len):
+            def make(runs: int = runs, q_len: int = q_len, kv_len: int = kv_len) -> QKV:
                 return (torch.randn(runs * q_len, heads, dim, device=timer.device, dtype=dtype),
                         torch.randn(runs * kv_len, kv_heads, dim, device=timer.device, dtype=dtype),
                         torch.randn(runs * kv_len, kv_heads, dim, device=timer.device, dtype=dtype))
 
-            def forward(qkv, cq=cq, ck=ck, q_len=q_len, kv_len=kv_len):
+            def forward(qkv: QKV, cq: np.ndarray = cq, ck: np.ndarray = ck, q_len: int = q_len,
+                        kv_len: int = kv_len) -> None:
                 with torch.no_grad():
                     varlen_attention(*qkv, cq, ck, q_len, kv_len, backend=backend)
 
@@ -250,9 +279,9 @@ def run(args: argparse.Namespace) -> int:
     config = load_config(args.config)
     if args.smoke:
         model, tp, dtype, device, backend = SMOKE_MODEL, 1, torch.float32, torch.device("cpu"), "reference"
-        lengths, tokens = int_list(SMOKE["lengths"], "--lengths"), int_list(SMOKE["tokens"], "--tokens")
-        q_lens, kv_lens = int_list(SMOKE["q_lens"], "--q-lens"), int_list(SMOKE["kv_lens"], "--kv-lens")
-        tile, table_tokens, warmup, iters = SMOKE["tile"], 32, SMOKE["warmup"], SMOKE["iters"]
+        lengths, tokens = int_list(SMOKE.lengths, "--lengths"), int_list(SMOKE.tokens, "--tokens")
+        q_lens, kv_lens = int_list(SMOKE.q_lens, "--q-lens"), int_list(SMOKE.kv_lens, "--kv-lens")
+        tile, table_tokens, warmup, iters = SMOKE.tile, SMOKE.table_tokens, SMOKE.warmup, SMOKE.iters
         device_name = f"CPU smoke run ({platform.processor() or platform.machine()}; not a measurement)"
         torch.manual_seed(0)
     else:

@@ -1,12 +1,34 @@
-"""Checks the subcommands share, so that bad paths and numbers fail at once in one line naming the
-flag and the value, before any work is done."""
+"""What the subcommands share, so that no subcommand imports another.
+
+- checks: bad paths and numbers fail at once in one line naming the flag and the value, before any
+  work is done (``output_file``, ``input_file``, ``positive``, ``cost_profile``, ...);
+- length streams: ``--lengths`` / ``--data-prefix`` options and readers (``add_stream_args``,
+  ``load_stream``, ``resolve_lengths``);
+- running: the progress bar (``tqdm_progress``, a ``sim.iteration.Progress``), ``run_packer`` and
+  the benchmark's ``machine`` line.
+
+Heavy modules (numpy, the packers, the data layer) are imported inside the functions that use them,
+so ``wlb --help`` stays fast.
+"""
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
+import platform
 import sys
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import IO, TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from megatron_wlb.config import RunConfig
+    from megatron_wlb.packing import GlobalBatch, Packer
+
+_T = TypeVar("_T")
 
 
 def output_file(path: str | Path, flag: str = "--out") -> Path:
@@ -80,3 +102,142 @@ def cost_profile(path: str | Path | None, flag: str = "--profile") -> str | None
     except (KeyError, TypeError, AttributeError) as exc:
         raise ValueError(f"{flag} {path}: malformed profile ({type(exc).__name__}: {exc})") from None
     return str(path)
+
+
+def with_virtual_stages(config: RunConfig, virtual_stages: int | None, flag: str = "--virtual-stages") -> RunConfig:
+    """``config`` with ``--virtual-stages`` applied (None: unchanged); a one-line error if the pipeline
+    cannot interleave that many."""
+    from dataclasses import replace
+
+    if virtual_stages is None:
+        return config
+    if virtual_stages < 1 or (virtual_stages > 1 and config.micro_batches % config.layout.pp):
+        raise ValueError(f"{flag} {virtual_stages}: needs >= 1 and micro_batches ({config.micro_batches}) "
+                         f"divisible by pp ({config.layout.pp})")
+    return replace(config, virtual_stages=virtual_stages)
+
+
+# -- length streams ------------------------------------------------------------------------------------
+#: a length-stream name that stands for an indexed dataset (``--data-prefix``)
+DATA_PREFIX_SCHEME = "prefix:"
+#: a length-stream name that stands for a Megatron ``--data-path`` blend (shuffled as Megatron does)
+DATA_PATH_SCHEME = "data-path:"
+
+
+def add_stream_args(parser: argparse.ArgumentParser, required: bool = False) -> argparse._MutuallyExclusiveGroup:
+    """Add ``--lengths`` / ``--data-prefix`` as a mutually exclusive group; return the group."""
+    group = parser.add_mutually_exclusive_group(required=required)
+    group.add_argument("--lengths", metavar="FILE",
+                       help="document lengths: .json / .npy / text, one per line ('wlbllm' = the embedded "
+                            "stand-in distribution, published by the DistCA authors)")
+    group.add_argument("--data-prefix", metavar="PREFIX",
+                       help="a Megatron indexed dataset PREFIX (lengths read from PREFIX.idx)")
+    return group
+
+
+def load_stream(args: argparse.Namespace) -> tuple[np.ndarray, str]:
+    """(lengths, description) from --lengths / --data-prefix, the embedded stream by default."""
+    from megatron_wlb.data import load_lengths
+
+    if getattr(args, "data_prefix", None):
+        from megatron_wlb.data.indexed import read_idx_lengths
+        from megatron_wlb.packing.base import validate_lengths
+
+        lengths = validate_lengths(read_idx_lengths(args.data_prefix), what=f"lengths in {args.data_prefix}.idx")
+        return lengths, f"{args.data_prefix}.idx ({lengths.size:,} documents)"
+    if getattr(args, "lengths", None):
+        lengths = load_lengths(args.lengths)
+        name = "embedded dist_wlbllm.json (DistCA authors' stand-in)" if args.lengths == "wlbllm" else args.lengths
+        return lengths, f"{name} ({lengths.size:,} documents)"
+    lengths = load_lengths()
+    return lengths, (f"embedded dist_wlbllm.json ({lengths.size:,} documents; a stand-in for the paper's "
+                     "data published by the DistCA authors, github hao-ai-lab/DistCA)")
+
+
+def resolve_lengths(source: str, min_tokens: int = 0, seed: int = 0) -> np.ndarray:
+    """Lengths from a file, 'wlbllm', 'stdlib', ``prefix:PREFIX`` (an indexed dataset) or
+    ``data-path:W1 P1 W2 P2`` (a blend); repeated (a seeded shuffle per extra pass) until they hold
+    at least ``min_tokens`` tokens, so short streams can fill long benchmarks."""
+    import numpy as np
+
+    from megatron_wlb.data import load_lengths, stdlib_lengths
+
+    if source == "stdlib":
+        base = stdlib_lengths()
+    elif source.startswith(DATA_PREFIX_SCHEME):
+        from megatron_wlb.data.indexed import read_idx_lengths
+
+        base = read_idx_lengths(source[len(DATA_PREFIX_SCHEME):])
+    elif source.startswith(DATA_PATH_SCHEME):
+        from megatron_wlb.data.blend import read_blend
+
+        base, _, _ = read_blend(source[len(DATA_PATH_SCHEME):].split())
+    else:
+        base = load_lengths(source)
+    if base.size == 0:
+        raise ValueError(f"length stream {source!r} is empty")
+    parts, total = [base], int(base.sum())
+    rng = np.random.default_rng(seed)
+    while total < min_tokens:
+        parts.append(base[rng.permutation(base.size)])
+        total += int(base.sum())
+    return np.concatenate(parts)
+
+
+# -- running ------------------------------------------------------------------------------------------
+def tqdm_progress(items: Iterable[_T], desc: str, total: int | None) -> Iterable[_T]:
+    """A progress bar on stderr (hidden when stderr is not a terminal): a ``sim.iteration.Progress``."""
+    from tqdm import tqdm
+
+    return tqdm(items, desc=desc, total=total, file=sys.stderr, leave=False, disable=None)
+
+
+def run_packer(packer: Packer, lengths: np.ndarray, iterations: int | None, progress: str | None = None,
+               out: IO[str] | None = None) -> list[GlobalBatch]:
+    """Pack ``lengths`` (up to ``iterations`` global batches), with a progress bar named ``progress``
+    on a terminal; ``out`` gets one JSON line per global batch (``wlb pack --out``).
+
+    Python's cyclic garbage collector is paused while packing: plans hold no reference cycles
+    (refcounting frees them), but every plan is kept here for the metrics, and a full collection
+    over those ~10^5..10^6 live objects would add a 100+ ms pause to whichever batch it hits, an
+    artefact of keeping the whole run in memory that a training loop does not have.
+    """
+    import gc
+
+    from tqdm import tqdm
+
+    batches: list[GlobalBatch] = []
+    bar = tqdm(total=iterations, desc=progress, file=sys.stderr, disable=progress is None or not show_progress(),
+               leave=False)
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        for batch in packer.pack(lengths):
+            batches.append(batch)
+            if out is not None:
+                out.write(json.dumps({"iteration": batch.iteration, "micro_batches": [
+                    [[p.doc_id, p.offset, p.length] for p in mb.pieces] for mb in batch.micro_batches]}) + "\n")
+            bar.update(1)
+            if iterations is not None and len(batches) >= iterations:
+                break
+    finally:
+        if was_enabled:
+            gc.enable()
+        bar.close()
+    return batches
+
+
+def machine() -> str:
+    """One line naming this machine's CPU, cores, Python and load (benchmarks record it)."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    load = ""
+    if hasattr(os, "getloadavg"):
+        load = f", load average {os.getloadavg()[0]:.1f} at start (shared machine)"
+    return f"{cpu}, {os.cpu_count()} cores visible, Python {platform.python_version()}, {platform.system()}{load}"

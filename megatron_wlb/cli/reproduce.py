@@ -12,12 +12,14 @@ import shutil
 import time
 from pathlib import Path
 
+from megatron_wlb.cli.common import load_stream, tqdm_progress
+
 README_BEGIN = "<!-- reproduce-table -->"
 README_END = "<!-- /reproduce-table -->"
 README_FIGURE = "docs/img/reproduce_speedups.png"
 
 
-def add_parser(subparsers) -> None:
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("reproduce", help="reproduce the paper's experiments on CPU (report + figures)",
                               description="Simulate both Plain-4D baselines (concat-and-cut, whole-document), "
                                           "Fixed-4D, WLB-LLM and Megatron's dynamic CP on every Table 1 config "
@@ -47,7 +49,6 @@ def splice_readme(text: str, block: str) -> str:
 def run(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
-    from megatron_wlb.cli.simulate import load_stream, tqdm_progress
     from megatron_wlb.sim.experiments import TABLE1_CONFIGS
     from megatron_wlb.sim.report import ReproduceSettings, reproduce
 

@@ -23,17 +23,18 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
 
 from megatron_wlb.cli.common import input_file, output_file, positive, read_json_object
-from megatron_wlb.costmodel import PROFILE_FORMAT, ParallelLayout, build_cost_model, get_model
+from megatron_wlb.costmodel import PROFILE_FORMAT, CostModel, ParallelLayout, build_cost_model, get_model
 from megatron_wlb.cp.efficiency import EFFICIENCY_FORMAT, KernelEfficiency
 from megatron_wlb.cp.layouts import LAYOUT_ALIASES, LAYOUT_NAMES, ShardLayout, build_layout
 
 
-def add_parser(subparsers) -> None:
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("shard", help="shard micro-batches over CP ranks (per-sequence, per-document, ...)",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--micro-batches", required=True, help="file with one JSON list of document lengths per line")
@@ -57,7 +58,7 @@ MAX_MICRO_BATCH_TOKENS = 2**31 - 1
 MAX_CP = 65536
 
 
-def _lengths_of(row, where: str) -> list[list[int]]:
+def _lengths_of(row: object, where: str) -> list[list[int]]:
     """The micro-batches of one line: a list of lengths, or a ``wlb pack --out`` global batch."""
     if isinstance(row, dict) and isinstance(row.get("micro_batches"), list):
         out = []
@@ -100,7 +101,7 @@ def read_micro_batches(path: str | Path) -> list[list[int]]:
     return out
 
 
-def _load_profile(path: str | None, model: str, tp: int):
+def _load_profile(path: str | None, model: str, tp: int) -> tuple[CostModel, KernelEfficiency | None]:
     """(cost model or None, efficiency table or None) from a --profile file of either format."""
     if path is None:
         return build_cost_model(get_model(model), ParallelLayout(tp=tp)), None
@@ -113,7 +114,7 @@ def _load_profile(path: str | None, model: str, tp: int):
                      f"nor {PROFILE_FORMAT!r} (cost-model profile)")
 
 
-def _fmt_list(values, fmt: str, limit: int = 8) -> str:
+def _fmt_list(values: Iterable[float], fmt: str, limit: int = 8) -> str:
     vals = [format(v, fmt) for v in values]
     if len(vals) > limit:
         return " ".join(vals[:limit // 2]) + " ... " + " ".join(vals[-limit // 2:])
@@ -130,7 +131,7 @@ def summarize(layouts: list[ShardLayout], show: int) -> str:
     if layouts:
         imb = np.array([lay.imbalance for lay in layouts])
         step = sum(lay.max_work for lay in layouts)
-        used = {}
+        used: dict[str, int] = {}
         for lay in layouts:
             used[lay.name] = used.get(lay.name, 0) + 1
         lines.append(f"{len(layouts)} micro-batches: imbalance mean {imb.mean():.3f} max {imb.max():.3f}; "

@@ -1,57 +1,15 @@
-"""``wlb simulate``: time iterations of one config with one packer and CP layout, print metrics.
-
-Also home of the helpers ``wlb analyze`` and ``wlb reproduce`` share: the length-stream options
-(``--lengths`` / ``--data-prefix``) and the tqdm progress bar on stderr.
-"""
+"""``wlb simulate``: time iterations of one config with one packer and CP layout, print metrics."""
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
-from collections.abc import Iterable
+from typing import Any
 
-import numpy as np
-
-
-def add_stream_args(parser: argparse.ArgumentParser, required: bool = False):
-    """Add ``--lengths`` / ``--data-prefix`` as a mutually exclusive group; return the group."""
-    group = parser.add_mutually_exclusive_group(required=required)
-    group.add_argument("--lengths", metavar="FILE",
-                       help="document lengths: .json / .npy / text, one per line ('wlbllm' = the embedded "
-                            "stand-in distribution, published by the DistCA authors)")
-    group.add_argument("--data-prefix", metavar="PREFIX",
-                       help="a Megatron indexed dataset PREFIX (lengths read from PREFIX.idx)")
-    return group
+from megatron_wlb.cli.common import add_stream_args, load_stream, tqdm_progress, with_virtual_stages
 
 
-def load_stream(args: argparse.Namespace) -> tuple[np.ndarray, str]:
-    """(lengths, description) from --lengths / --data-prefix, the embedded stream by default."""
-    from megatron_wlb.data import load_lengths
-
-    if getattr(args, "data_prefix", None):
-        from megatron_wlb.data.indexed import read_idx_lengths
-        from megatron_wlb.packing.base import validate_lengths
-
-        lengths = validate_lengths(read_idx_lengths(args.data_prefix), what=f"lengths in {args.data_prefix}.idx")
-        return lengths, f"{args.data_prefix}.idx ({lengths.size:,} documents)"
-    if getattr(args, "lengths", None):
-        lengths = load_lengths(args.lengths)
-        name = "embedded dist_wlbllm.json (DistCA authors' stand-in)" if args.lengths == "wlbllm" else args.lengths
-        return lengths, f"{name} ({lengths.size:,} documents)"
-    lengths = load_lengths()
-    return lengths, (f"embedded dist_wlbllm.json ({lengths.size:,} documents; a stand-in for the paper's "
-                     "data published by the DistCA authors, github hao-ai-lab/DistCA)")
-
-
-def tqdm_progress(it: Iterable, desc: str, total: int) -> Iterable:
-    """A progress bar on stderr (hidden when stderr is not a terminal)."""
-    from tqdm import tqdm
-
-    return tqdm(it, desc=desc, total=total, file=sys.stderr, leave=False, disable=None)
-
-
-def add_parser(subparsers) -> None:
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("simulate", help="simulate 4D-parallel iterations of one config",
                               description="Pack a length stream with one packer, shard every micro-batch with "
                                           "one CP layout, and play each iteration through the pipeline "
@@ -73,30 +31,23 @@ def add_parser(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dataclasses import replace
-
     from megatron_wlb.config import load_config
     from megatron_wlb.costmodel import build_cost_model
     from megatron_wlb.sim.iteration import simulate_stream
 
-    cfg = load_config(args.config)
-    if args.virtual_stages is not None:
-        if args.virtual_stages < 1 or (args.virtual_stages > 1 and cfg.micro_batches % cfg.layout.pp):
-            raise ValueError(f"--virtual-stages {args.virtual_stages}: needs >= 1 and micro_batches "
-                             f"({cfg.micro_batches}) divisible by pp ({cfg.layout.pp})")
-        cfg = replace(cfg, virtual_stages=args.virtual_stages)
+    cfg = with_virtual_stages(load_config(args.config), args.virtual_stages)
     packer = args.packer or cfg.packer
     layout = args.cp_layout or cfg.cp_sharding
     lengths, source = load_stream(args)
     cost = build_cost_model(cfg.model, cfg.layout, args.profile)
     run_ = simulate_stream(cfg, cost, packer, layout, lengths, args.iterations,
                            split_at=None if args.no_split else cfg.seq_len,
-                           progress=lambda it: tqdm_progress(it, f"{cfg.name} {packer}+{layout}", args.iterations))
+                           progress=tqdm_progress)
     print(f"# {cfg.name} {cfg.layout} v={cfg.virtual_stages}: packer={packer}, cp layout={layout}; "
           f"{cost.describe()}; stream: {source}")
     print(f"{'iter':>4} {'time ms':>10} {'bubble %':>8} {'PP imb':>7} {'pack imb':>8} {'GPU imb':>7} "
           f"{'tokens':>10}  layouts")
-    rows = []
+    rows: list[dict[str, Any]] = []
     for r in run_.iterations:
         print(f"{r.iteration:>4} {1e3 * r.time:>10.1f} {100 * r.bubble_fraction:>8.1f} {r.pp_imbalance:>7.3f} "
               f"{r.packing_imbalance:>8.3f} {r.gpu_compute_imbalance:>7.3f} {r.tokens:>10}  {r.layouts}")

@@ -27,9 +27,11 @@ import numpy as np
 from megatron_wlb.costmodel.shapes import H100, Hardware, ModelShape, ParallelLayout
 
 PROFILE_FORMAT = "megatron-wlb-profile/1"
+#: token or pair counts: a number (fractional per-GPU shares too) or an array of them
+Counts = np.ndarray | float
 
 
-def causal_pairs(q_len: np.ndarray | int, kv_len: np.ndarray | int) -> np.ndarray:
+def causal_pairs(q_len: Counts, kv_len: Counts) -> np.ndarray:
     """(query, key) pairs a causal query run of ``q_len`` queries ending at key ``kv_len`` attends."""
     q = np.asarray(q_len, dtype=np.float64)
     kv = np.asarray(kv_len, dtype=np.float64)
@@ -56,11 +58,11 @@ class CostModel(ABC):
 
     # -- kernels (one GPU, its TP share of heads / columns) -------------------------------------
     @abstractmethod
-    def attention_run(self, q_len: np.ndarray | int, kv_len: np.ndarray | int) -> np.ndarray:
+    def attention_run(self, q_len: Counts, kv_len: Counts) -> np.ndarray:
         """Forward seconds of causal attention for query runs (vectorised)."""
 
     @abstractmethod
-    def linear_compute(self, tokens: np.ndarray | int) -> np.ndarray:
+    def linear_compute(self, tokens: Counts) -> np.ndarray:
         """Forward seconds of one layer's GEMMs for ``tokens`` tokens on one GPU (vectorised)."""
 
     @property
@@ -71,14 +73,14 @@ class CostModel(ABC):
         return calls * self.hardware.collective_latency_s
 
     # -- communication ---------------------------------------------------------------------------
-    def tp_comm(self, tokens: np.ndarray | int) -> np.ndarray:
+    def tp_comm(self, tokens: Counts) -> np.ndarray:
         """TP collectives for ``tokens`` tokens on one GPU: two all-reduces of the activations."""
         tp = self.layout.tp
         t = np.asarray(tokens, dtype=np.float64)
         shard_bytes = t * self.model.hidden * 2.0 / tp  # bf16, reduce-scatter + all-gather halves
         return 2.0 * 2.0 * _ring_seconds(shard_bytes, tp, self.hardware.link_gbps(tp))
 
-    def cp_comm(self, tokens: np.ndarray | int) -> np.ndarray:
+    def cp_comm(self, tokens: Counts) -> np.ndarray:
         """All-gather of K and V across the CP group, for ``tokens`` tokens of a micro-batch."""
         cp, tp = self.layout.cp, self.layout.tp
         t = np.asarray(tokens, dtype=np.float64)
@@ -86,7 +88,7 @@ class CostModel(ABC):
         bytes_per_gpu = (t / cp) * 2.0 * kv_heads_per_gpu * self.model.head_dim * 2.0
         return _ring_seconds(bytes_per_gpu, cp, self.hardware.link_gbps(tp * cp))
 
-    def pp_send(self, tokens: np.ndarray | int, sequence_parallel: bool = True) -> np.ndarray:
+    def pp_send(self, tokens: Counts, sequence_parallel: bool = True) -> np.ndarray:
         """Seconds to send a micro-batch's activations (or their gradients) to the next PP rank.
 
         Each GPU of a TP x CP group sends its share of ``tokens x hidden`` bf16 values over its own
@@ -114,12 +116,16 @@ class CostModel(ABC):
         """W(d) per document, forward seconds per layer per GPU."""
         return self.attention(lengths) + self.linear(lengths)
 
-    def microbatch_workload(self, lengths: np.ndarray) -> float:
-        """Forward seconds per layer per GPU of a micro-batch holding documents of ``lengths``."""
-        d = _as_lengths(lengths)
-        if d.size == 0:
-            return 0.0
-        return float(self.workload(d).sum() + self.microbatch_overhead)
+    # -- backward: the hardware's backward / forward ratios of attention and GEMMs ------------------
+    def backward(self, attention: np.ndarray, linear: np.ndarray) -> np.ndarray:
+        """Backward seconds of work whose forward is ``attention`` + ``linear`` seconds."""
+        hw = self.hardware
+        return hw.bwd_attention * attention + hw.bwd_linear * linear
+
+    def forward_backward(self, attention: np.ndarray, linear: np.ndarray) -> np.ndarray:
+        """Forward + backward seconds of work whose forward is ``attention`` + ``linear`` seconds."""
+        hw = self.hardware
+        return attention * (1.0 + hw.bwd_attention) + linear * (1.0 + hw.bwd_linear)
 
     def describe(self) -> str:
         return f"{type(self).__name__}({self.model.name}, {self.layout}, {self.hardware.name})"
@@ -136,11 +142,11 @@ def _as_lengths(lengths: np.ndarray | list[int] | int) -> np.ndarray:
 class AnalyticCostModel(CostModel):
     """FLOPs divided by achieved throughput; no measurement needed."""
 
-    def attention_run(self, q_len, kv_len):
+    def attention_run(self, q_len: Counts, kv_len: Counts) -> np.ndarray:
         flops = causal_pairs(q_len, kv_len) * self.model.attention_flops_per_pair() / self.layout.tp
         return flops / (self.hardware.attention_tflops * 1e12)
 
-    def linear_compute(self, tokens):
+    def linear_compute(self, tokens: Counts) -> np.ndarray:
         flops = np.asarray(tokens, dtype=np.float64) * self.model.linear_flops_per_token() / self.layout.tp
         return flops / (self.hardware.gemm_tflops * 1e12)
 
@@ -252,12 +258,12 @@ class CalibratedCostModel(CostModel):
                   hardware: Hardware = H100) -> CalibratedCostModel:
         return cls(load_profile(path), model, layout, hardware)
 
-    def attention_run(self, q_len, kv_len):
+    def attention_run(self, q_len: Counts, kv_len: Counts) -> np.ndarray:
         q = np.asarray(q_len, dtype=np.float64)
         t = self.fit.attn_per_pair * causal_pairs(q_len, kv_len) + self.fit.attn_per_query * q
         return t * self._attn_scale
 
-    def linear_compute(self, tokens):
+    def linear_compute(self, tokens: Counts) -> np.ndarray:
         return self.fit.linear_per_token * np.asarray(tokens, dtype=np.float64) * self._linear_scale
 
     @property

@@ -14,8 +14,10 @@ from megatron_wlb.cp.layouts import (
     build_layout,
     default_cost_model,
 )
+from megatron_wlb.cp.protocols import Layout, LayoutBuilder
 
 __all__ = [
-    "EFFICIENCY_FORMAT", "LAYOUT_ALIASES", "LAYOUT_NAMES", "KernelEfficiency", "RankShard", "ShardLayout",
+    "EFFICIENCY_FORMAT", "LAYOUT_ALIASES", "LAYOUT_NAMES", "KernelEfficiency", "Layout", "LayoutBuilder", "RankShard",
+    "ShardLayout",
     "attention_work", "build_layout", "default_cost_model", "default_table",
 ]

@@ -27,7 +27,7 @@ the analytic H100 model), written by :func:`default_table`. Replace it with a me
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
@@ -39,7 +39,12 @@ DEFAULT_TABLE = Path(__file__).with_name("data") / "default_efficiency.json"
 
 @dataclass(frozen=True)
 class KernelEfficiency:
-    """Achieved attention TFLOP/s on a (q_len, kv_len) grid, bilinear in log2 space, clamped."""
+    """Achieved attention TFLOP/s on a (q_len, kv_len) grid, bilinear in log2 space, clamped.
+
+    Besides the table it holds derived state, set once in ``__post_init__``: the grid axes in log2
+    (``log_q_lens``, ``log_kv_lens``) and ``tile_grids``, a cache of ``_tile_grid`` per tile size
+    (the one mutable part: filled on first use, never changes a lookup's result).
+    """
 
     q_lens: np.ndarray
     kv_lens: np.ndarray
@@ -47,6 +52,9 @@ class KernelEfficiency:
     tile: int = 128
     device: str = "unknown"
     source: str = ""
+    log_q_lens: np.ndarray = field(init=False, repr=False, compare=False)
+    log_kv_lens: np.ndarray = field(init=False, repr=False, compare=False)
+    tile_grids: dict[int, np.ndarray | None] = field(init=False, repr=False, compare=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         q = np.asarray(self.q_lens, dtype=np.float64)
@@ -77,21 +85,20 @@ class KernelEfficiency:
         object.__setattr__(self, "q_lens", q)
         object.__setattr__(self, "kv_lens", kv)
         object.__setattr__(self, "table", t)
-        object.__setattr__(self, "_lq", np.log2(q))
-        object.__setattr__(self, "_lkv", np.log2(kv))
-        object.__setattr__(self, "_dense", {})
+        object.__setattr__(self, "log_q_lens", np.log2(q))
+        object.__setattr__(self, "log_kv_lens", np.log2(kv))
 
     def _tile_grid(self, tile: int) -> np.ndarray | None:
         """Relative efficiency at every (i*tile, j*tile), i, j >= 1, up to the grid's end (cached;
         None when that would exceed 2048 x 2048 cells)."""
-        if tile not in self._dense:
+        if tile not in self.tile_grids:
             n = int(-(-max(self.q_lens[-1], self.kv_lens[-1]) // tile))
             if n > 2048:
-                self._dense[tile] = None
+                self.tile_grids[tile] = None
             else:
                 axis = np.arange(1, n + 1, dtype=np.float64) * tile
-                self._dense[tile] = self.relative(axis[:, None], axis[None, :])
-        return self._dense[tile]
+                self.tile_grids[tile] = self.relative(axis[:, None], axis[None, :])
+        return self.tile_grids[tile]
 
     def relative_padded(self, q_pad: np.ndarray, kv_pad: np.ndarray, tile: int) -> np.ndarray:
         """:meth:`relative` for shapes that are multiples of ``tile`` (a table lookup, no interpolation)."""
@@ -121,8 +128,8 @@ class KernelEfficiency:
         x = np.log2(np.maximum(np.asarray(q_len, dtype=np.float64), 1.0))
         y = np.log2(np.maximum(np.asarray(kv_len, dtype=np.float64), 1.0))
         x, y = np.broadcast_arrays(x, y)
-        i, tx = self._axis(self._lq, x)
-        j, ty = self._axis(self._lkv, y)
+        i, tx = self._axis(self.log_q_lens, x)
+        j, ty = self._axis(self.log_kv_lens, y)
         t = self.table
         if self.q_lens.size == 1:
             i1 = i

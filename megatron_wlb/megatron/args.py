@@ -17,13 +17,10 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from megatron_wlb.config import field_docs
-from megatron_wlb.megatron.settings import FLAG_KNOBS, PACKING_NAMES, WlbSettings, cp_sharding_names
-from megatron_wlb.packing import types as _packing_types
-from megatron_wlb.packing.types import PackingConfig
-
-#: S_max / seq_len when --wlb-max-seq-len is not given (the packers' default)
-DEFAULT_MAX_SEQ_LEN_FACTOR: float = getattr(_packing_types, "DEFAULT_MAX_SEQ_LEN_FACTOR", 1.0)
+from megatron_wlb.config import PACKER_NAMES, Knob, RunConfig, cp_sharding_names, field_docs
+from megatron_wlb.costmodel import CostModel
+from megatron_wlb.megatron.settings import FLAG_KNOBS, WlbSettings
+from megatron_wlb.packing.types import DEFAULT_MAX_SEQ_LEN_FACTOR, PackingConfig, resolve_max_seq_len
 
 ArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
 
@@ -38,7 +35,7 @@ def flag_table() -> list[tuple[str, str, str, str]]:
     (docs/megatron.md's table is checked against it)."""
     d = WlbSettings()
     own_docs = field_docs(WlbSettings)
-    choices = {"packing": PACKING_NAMES, "cp_sharding": cp_sharding_names()}
+    choices = {"packing": PACKER_NAMES, "cp_sharding": cp_sharding_names()}
     yaml_keys = {"packing": "packing.packer", "cp_sharding": "cp_sharding"}
     rows = []
     for name in WlbSettings.names():
@@ -70,7 +67,7 @@ def add_wlb_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         return parser
     g = parser.add_argument_group(title="WLB-LLM", description="workload-balanced packing and CP sharding "
                                   "(megatron_wlb; see docs/megatron.md)")
-    choices = {"packing": PACKING_NAMES, "cp_sharding": cp_sharding_names()}
+    choices = {"packing": PACKER_NAMES, "cp_sharding": cp_sharding_names()}
     metavars = {"cost_profile": "PATH", "config": "NAME|YAML"}
     for (flag, _, default, text), name in zip(flag_table(), WlbSettings.names()):
         knob = FLAG_KNOBS.get(name)
@@ -81,7 +78,7 @@ def add_wlb_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
-def _flag_type(knob, flag: str) -> Callable[[str], Any]:
+def _flag_type(knob: Knob, flag: str) -> Callable[[str], Any]:
     """argparse ``type=``: the knob's type conversion; range checks happen in WlbSettings."""
 
     def convert(text: str) -> Any:
@@ -94,7 +91,7 @@ def _flag_type(knob, flag: str) -> Callable[[str], Any]:
     return convert
 
 
-def config_flags(run) -> list[str]:
+def config_flags(run: RunConfig) -> list[str]:
     """The ``--wlb-*`` flags that reproduce a RunConfig's packing choices without ``--wlb-config``
     (whose start-up check demands the config's exact layout): for launchers that rescale a layout."""
     out = ["--wlb-packing", run.packer, "--wlb-cp-sharding", run.cp_sharding]
@@ -141,7 +138,7 @@ def settings_from_args(args: Any) -> WlbSettings:
     return WlbSettings(**{**base, **given})
 
 
-def load_run_config(name_or_path: str):
+def load_run_config(name_or_path: str) -> RunConfig:
     """``megatron_wlb.config.load_config`` with errors that name the flag and the valid configs."""
     from megatron_wlb.config import list_configs, load_config
 
@@ -197,25 +194,24 @@ def validate_wlb_args(args: Any, *, te_available: bool | None = None, highspy_av
     if settings.max_seq_len is not None and settings.max_seq_len < seq_length:
         problems.append(f"--wlb-max-seq-len {settings.max_seq_len} is below --seq-length {seq_length}; raise "
                         f"--wlb-max-seq-len to at least {seq_length} or leave it unset")
-    # the largest micro-batch: wlb packs up to S_max (default DEFAULT_MAX_SEQ_LEN_FACTOR x seq_length),
-    # the fixed packers up to seq_length
-    capacity = settings.max_seq_len or int(seq_length * DEFAULT_MAX_SEQ_LEN_FACTOR)
-    largest = capacity if settings.packing == "wlb" else seq_length
+    # the largest micro-batch: wlb packs up to S_max, the fixed packers up to seq_length
+    largest = resolve_max_seq_len(seq_length, settings.max_seq_len) if settings.packing == "wlb" else seq_length
     max_pos = getattr(args, "max_position_embeddings", None)
     if getattr(args, "position_embedding_type", None) == "learned_absolute" and max_pos and largest > max_pos:
         problems.append(f"--max-position-embeddings {max_pos} is below the largest packed micro-batch ({largest} "
                         f"tokens; position ids restart per document but a document may fill it); raise "
                         f"--max-position-embeddings to {largest} or lower --wlb-max-seq-len")
-    if settings.queue_thresholds != "auto" and settings.queue_thresholds[-1] > capacity:
-        problems.append(f"--wlb-queue-thresholds {','.join(map(str, settings.queue_thresholds))}: the largest "
-                        f"threshold exceeds the micro-batch capacity {capacity}; use thresholds <= {capacity}")
     knobs = settings.knob_values()
     if knobs["max_seq_len"] is not None and knobs["max_seq_len"] < seq_length:
         knobs["max_seq_len"] = None  # reported above
     try:  # cross-field checks of the packer's own config (each knob alone was checked when parsed)
-        PackingConfig(seq_len=seq_length, n=1, **knobs)
+        packing = PackingConfig(seq_len=seq_length, n=1, **knobs)
     except ValueError as exc:
         problems.append(f"the --wlb-* packer settings do not fit --seq-length {seq_length}: {exc}")
+    else:
+        threshold_problem = packing.queue_threshold_problem()
+        if threshold_problem:
+            problems.append(f"--wlb-queue-thresholds {_show(settings.queue_thresholds)}: {threshold_problem}")
     if seq_length % (2 * cp):
         problems.append(f"--seq-length {seq_length} must be divisible by 2 x --context-parallel-size = {2 * cp}")
     if settings.cp_sharding == "per-document-te":
@@ -300,7 +296,7 @@ def packing_config_from_args(args: Any, settings: WlbSettings) -> PackingConfig:
                          **settings.knob_values())
 
 
-def cost_model_from_args(args: Any, settings: WlbSettings):
+def cost_model_from_args(args: Any, settings: WlbSettings) -> CostModel:
     """The cost model W(d) for this run's model flags and layout (calibrated if --wlb-cost-profile)."""
     from megatron_wlb.costmodel import ModelShape, ParallelLayout, build_cost_model
 

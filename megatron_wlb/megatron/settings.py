@@ -16,16 +16,10 @@ from typing import Any
 
 from megatron_wlb.config import PACKER_NAMES, PACKING_KNOBS, RUN_FIELDS, Knob, cp_sharding_names
 
-__all__ = ["FLAG_KNOBS", "PACKING_NAMES", "WlbSettings", "cp_sharding_names", "parse_queue_thresholds"]
+__all__ = ["FLAG_KNOBS", "WlbSettings"]
 
-PACKING_NAMES: tuple[str, ...] = PACKER_NAMES
 #: the PackingConfig fields a ``--wlb-*`` flag sets (the others come from Megatron's own flags)
 FLAG_KNOBS: dict[str, Knob] = {k: v for k, v in PACKING_KNOBS.items() if k not in RUN_FIELDS}
-
-
-def parse_queue_thresholds(value: str | tuple[int, ...] | list[int]) -> str | tuple[int, ...]:
-    """``"auto"`` or comma-separated increasing token counts (``"8192,32768"``) -> "auto" or a tuple."""
-    return FLAG_KNOBS["queue_thresholds"].parse(value, "--wlb-queue-thresholds")
 
 
 @dataclass(frozen=True, init=False)
@@ -72,9 +66,9 @@ class WlbSettings:
         self._validate()
 
     def _validate(self) -> None:
-        if self.packing not in PACKING_NAMES:
+        if self.packing not in PACKER_NAMES:
             raise ValueError(f"--wlb-packing={self.packing!r} is not a packer; choose one of "
-                             f"{', '.join(PACKING_NAMES)}")
+                             f"{', '.join(PACKER_NAMES)}")
         names = cp_sharding_names()
         if self.cp_sharding not in names:
             raise ValueError(f"--wlb-cp-sharding={self.cp_sharding!r} is not a CP layout; choose one of "

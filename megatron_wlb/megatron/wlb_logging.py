@@ -151,11 +151,12 @@ class WlbMetricsLogger:
         return m
 
 
-def wrap_training_log(original: Callable, logger_of: Callable[[], WlbMetricsLogger | None]) -> Callable:
+def wrap_training_log(original: Callable[..., Any],
+                      logger_of: Callable[[], WlbMetricsLogger | None]) -> Callable[..., Any]:
     """Megatron's ``training_log(loss_dict, total_loss_dict, learning_rate, iteration, ...)``, then ours."""
 
     @wrapping(original)
-    def training_log(*args, **kwargs):
+    def training_log(*args: Any, **kwargs: Any) -> Any:
         out = original(*args, **kwargs)
         iteration = kwargs.get("iteration", args[3] if len(args) > 3 else None)
         logger = logger_of()

@@ -108,6 +108,11 @@ class Packer(ABC):
         """
         return 0
 
+    def diagnostics(self) -> dict[str, Any]:
+        """What the packer counted while planning, beyond the plans (JSON-ready; none by default):
+        wlb's current thresholds and forced splits, fixed-solver's HiGHS statuses, ..."""
+        return {}
+
     def _extra_state(self) -> dict[str, Any]:
         return {}
 

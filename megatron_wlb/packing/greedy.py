@@ -20,9 +20,10 @@ from typing import Any
 
 import numpy as np
 
+from megatron_wlb.costmodel import CostModel
 from megatron_wlb.packing.base import Packer, pieces_from_state, pieces_to_state, register_packer
 from megatron_wlb.packing.metrics import piece_latency
-from megatron_wlb.packing.types import DocPiece, MicroBatch
+from megatron_wlb.packing.types import DocPiece, MicroBatch, PackingConfig, oldest_first_key, sort_largest_first
 
 
 def place_greedy(lengths: Sequence[int], weights: Sequence[float], work: list[float], toks: list[int],
@@ -57,11 +58,16 @@ def place_greedy(lengths: Sequence[int], weights: Sequence[float], work: list[fl
     return out
 
 
+def placement_order(carried: Sequence[DocPiece], new: Sequence[DocPiece]) -> list[DocPiece]:
+    """The fixed packers' placement order: carried pieces oldest first, then new ones largest first."""
+    return sorted(carried, key=oldest_first_key) + sort_largest_first(new)
+
+
 class FixedWindowPacker(Packer):
     """Shared engine of the fixed-length packers: read ``window`` budgets, plan that many
     iterations of ``dp * n`` micro-batches of capacity ``seq_len``, emit them one by one."""
 
-    def __init__(self, config, cost=None):
+    def __init__(self, config: PackingConfig, cost: CostModel | None = None):
         super().__init__(config, cost)
         self._planned: list[list[list[DocPiece]]] = []  # iterations left in the window -> bins -> pieces
         self._carried: list[DocPiece] = []
@@ -72,7 +78,7 @@ class FixedWindowPacker(Packer):
     def _budgets_to_read(self) -> int:
         return 0 if self._planned else self.config.window
 
-    def _intake(self, lengths, ids, arrival=None):
+    def _intake(self, lengths: np.ndarray, ids: np.ndarray, arrival: int | None = None) -> list[DocPiece]:
         """Count the carried backlog against the window's first budget.
 
         Whole documents cannot fill fixed bins exactly, so a fixed packer emits a little less than
@@ -91,8 +97,7 @@ class FixedWindowPacker(Packer):
     def _assign(self, carried: list[DocPiece], new: list[DocPiece], bins: int) -> tuple[list[list[DocPiece]],
                                                                                        list[DocPiece]]:
         """Greedy plan: carried pieces first (oldest first), then new ones by workload, descending."""
-        order = sorted(new, key=lambda p: (-p.length, p.arrival, p.doc_id, p.offset))
-        pieces = sorted(carried, key=lambda p: (p.arrival, p.doc_id, p.offset)) + order
+        pieces = placement_order(carried, new)
         lengths = [p.length for p in pieces]
         weights = piece_latency(self.cost, lengths).tolist() if pieces else []
         where = place_greedy(lengths, weights, [0.0] * bins, [0] * bins, self.config.seq_len)
@@ -140,6 +145,6 @@ class FixedGreedyPacker(FixedWindowPacker):
     name = "fixed-greedy"
 
 
-def bin_loads(bins: Sequence[Sequence[DocPiece]], cost) -> np.ndarray:
+def bin_loads(bins: Sequence[Sequence[DocPiece]], cost: CostModel | None) -> np.ndarray:
     """Latency of each bin (sum of its pieces' latencies)."""
     return np.array([float(piece_latency(cost, [p.length for p in b]).sum()) if b else 0.0 for b in bins])

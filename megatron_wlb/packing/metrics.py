@@ -28,8 +28,7 @@ def piece_latency(cost: CostModel | None, lengths: np.ndarray | Sequence[int]) -
     d = np.asarray(lengths, dtype=np.int64)
     if cost is None:
         return d.astype(np.float64) ** 2
-    hw = cost.hardware
-    return cost.attention(d) * (1.0 + hw.bwd_attention) + cost.linear(d) * (1.0 + hw.bwd_linear)
+    return cost.forward_backward(cost.attention(d), cost.linear(d))
 
 
 def piece_forward(cost: CostModel | None, lengths: np.ndarray | Sequence[int]) -> np.ndarray:
@@ -40,15 +39,40 @@ def piece_forward(cost: CostModel | None, lengths: np.ndarray | Sequence[int]) -
     return cost.workload(d)
 
 
+def overhead_seconds(cost: CostModel | None, backward: bool = True) -> float:
+    """The fixed seconds of a non-empty micro-batch (``CostModel.microbatch_overhead``), forward
+    only or forward + backward (scaled like GEMMs); 0 without a cost model."""
+    if cost is None:
+        return 0.0
+    return cost.microbatch_overhead * ((1.0 + cost.hardware.bwd_linear) if backward else 1.0)
+
+
+def microbatch_seconds(cost: CostModel | None, latency: np.ndarray,
+                       forward: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(forward, backward) seconds of micro-batches: the one definition of a micro-batch's cost.
+
+    ``latency``: each micro-batch's summed ``piece_latency`` (0 = empty); ``forward``: its summed
+    ``piece_forward`` (needed with a cost model). A non-empty micro-batch adds ``overhead_seconds``;
+    without a cost model the ``d**2`` weight is split 1 : 2 between forward and backward.
+    """
+    latency = np.asarray(latency, dtype=np.float64)
+    nonempty = latency > 0
+    total = np.where(nonempty, latency + overhead_seconds(cost, backward=True), 0.0)
+    if cost is None:
+        fwd = total / 3.0
+    elif forward is None:
+        raise ValueError("microbatch_seconds needs the pieces' forward seconds with a cost model")
+    else:
+        fwd = np.where(nonempty, np.asarray(forward, dtype=np.float64) + overhead_seconds(cost, backward=False), 0.0)
+    return fwd, total - fwd
+
+
 def microbatch_latency(cost: CostModel | None, mb: MicroBatch, backward: bool = True) -> float:
     """Latency of one micro-batch (0 when empty); forward + backward unless ``backward`` is False."""
     if not mb.pieces:
         return 0.0
     lat = piece_latency(cost, mb.lengths) if backward else piece_forward(cost, mb.lengths)
-    over = 0.0
-    if cost is not None:
-        over = cost.microbatch_overhead * ((1.0 + cost.hardware.bwd_linear) if backward else 1.0)
-    return float(lat.sum() + over)
+    return float(lat.sum() + overhead_seconds(cost, backward))
 
 
 def batch_latencies(cost: CostModel | None, batch: GlobalBatch, backward: bool = True) -> np.ndarray:
@@ -174,17 +198,14 @@ def summarize(batches: Sequence[GlobalBatch], cost: CostModel | None, seq_len: i
 
 # -- the objective: the slowest DP rank's pipeline-schedule time ------------------------------------
 def microbatch_stage_times(cost: CostModel | None, batch: GlobalBatch) -> tuple[np.ndarray, np.ndarray]:
-    """(forward, backward) seconds of every micro-batch of ``batch``, shape ``(dp, n)`` each.
-
-    The per-layer latencies of ``microbatch_latency``; a stage runs ``layers / pp`` such layers, a
-    common factor that cancels in every ratio. Without a cost model the ``d**2`` weight is split
-    1 : 2 between forward and backward.
-    """
-    total = batch_latencies(cost, batch)
-    if cost is None:
-        return total / 3.0, total * (2.0 / 3.0)
-    fwd = batch_latencies(cost, batch, backward=False)
-    return fwd, total - fwd
+    """(forward, backward) seconds of every micro-batch of ``batch``, shape ``(dp, n)`` each
+    (``microbatch_seconds``; per layer: a stage runs ``layers / pp`` such layers, a common factor
+    that cancels in every ratio)."""
+    latency = np.array([piece_latency(cost, mb.lengths).sum() for mb in batch.micro_batches], dtype=np.float64)
+    forward = None if cost is None else np.array(
+        [piece_forward(cost, mb.lengths).sum() for mb in batch.micro_batches], dtype=np.float64)
+    fwd, bwd = microbatch_seconds(cost, latency, forward)
+    return fwd.reshape(batch.dp, batch.n), bwd.reshape(batch.dp, batch.n)
 
 
 def schedule_times(cost: CostModel | None, batch: GlobalBatch, stages: int | None = None,

@@ -31,10 +31,13 @@ is the bound.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
+from megatron_wlb.costmodel import CostModel
 from megatron_wlb.packing.base import register_packer
-from megatron_wlb.packing.greedy import FixedWindowPacker
+from megatron_wlb.packing.greedy import FixedWindowPacker, placement_order
 from megatron_wlb.packing.metrics import piece_latency
 from megatron_wlb.packing.types import DocPiece, PackingConfig
 
@@ -117,23 +120,22 @@ def solve_assignment(lengths: np.ndarray, weights: np.ndarray, bins: int, cap: i
 class FixedSolverPacker(FixedWindowPacker):
     name = "fixed-solver"
 
-    def __init__(self, config, cost=None):
+    def __init__(self, config: PackingConfig, cost: CostModel | None = None):
         super().__init__(config, cost)
         self.solver_status: dict[str, int] = {}   # diagnostics: HiGHS status per window
         self.skipped_windows = 0                  # windows over solver_max_columns (greedy plan kept)
         self.node_limit = int(config.solver_nodes)
 
-    @property
-    def time_limit_hits(self) -> int:
-        """Always 0: the solver has no wall-clock limit any more (kept for callers that print it)."""
-        return 0
+    def diagnostics(self) -> dict[str, Any]:
+        """HiGHS status per solved window and the windows over the column cap (greedy plan kept)."""
+        return {"solver_status": dict(self.solver_status), "skipped_windows": self.skipped_windows}
 
-    def _assign(self, carried: list[DocPiece], new: list[DocPiece], bins: int):
+    def _assign(self, carried: list[DocPiece], new: list[DocPiece], bins: int
+                ) -> tuple[list[list[DocPiece]], list[DocPiece]]:
         greedy_bins, left = super()._assign(carried, new, bins)
         # Placement order of the greedy pass, bins relabelled by first use (symmetry cut holds).
-        order = sorted(carried, key=lambda p: (p.arrival, p.doc_id, p.offset)) + \
-            sorted(new, key=lambda p: (-p.length, p.arrival, p.doc_id, p.offset))
-        where = {}
+        order = placement_order(carried, new)
+        where: dict[DocPiece, int] = {}
         for j, b in enumerate(greedy_bins):
             for piece in b:
                 where[piece] = j

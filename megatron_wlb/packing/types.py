@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -11,6 +12,11 @@ OversizePolicy = Literal["split", "drop", "error"]
 OVERSIZE_POLICIES: tuple[str, ...] = ("split", "drop", "error")
 #: S_max / seq_len when ``max_seq_len`` is None (docs/packing.md explains the choice).
 DEFAULT_MAX_SEQ_LEN_FACTOR = 1.5
+
+
+def resolve_max_seq_len(seq_len: int, max_seq_len: int | None = None) -> int:
+    """The variable-length capacity S_max: ``max_seq_len``, or ``DEFAULT_MAX_SEQ_LEN_FACTOR`` x ``seq_len``."""
+    return int(seq_len * DEFAULT_MAX_SEQ_LEN_FACTOR) if max_seq_len is None else max_seq_len
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +33,11 @@ class DocPiece:
     arrival: int
 
 
+def piece_lengths(pieces: Sequence[DocPiece]) -> np.ndarray:
+    """The pieces' token counts, in order, as int64."""
+    return np.fromiter((p.length for p in pieces), dtype=np.int64, count=len(pieces))
+
+
 @dataclass(frozen=True, slots=True)
 class MicroBatch:
     """Document pieces packed into one micro-batch, in order; ``capacity`` bounds their tokens."""
@@ -40,7 +51,7 @@ class MicroBatch:
 
     @property
     def lengths(self) -> np.ndarray:
-        return np.fromiter((p.length for p in self.pieces), dtype=np.int64, count=len(self.pieces))
+        return piece_lengths(self.pieces)
 
     def cu_seqlens(self) -> np.ndarray:
         """Cumulative piece boundaries ``[0, l0, l0 + l1, ...]``, the THD ``cu_seqlens``."""
@@ -75,6 +86,34 @@ class GlobalBatch:
 
     def pieces(self) -> list[DocPiece]:
         return [p for mb in self.micro_batches for p in mb.pieces]
+
+
+# -- the orders packers place pieces in (ties broken down to the piece, so every order is total) --------
+def oldest_first_key(p: DocPiece) -> tuple[int, int, int]:
+    """Arrival, then document and offset: the order of waiting pieces."""
+    return (p.arrival, p.doc_id, p.offset)
+
+
+def largest_first_key(p: DocPiece) -> tuple[int, int, int, int]:
+    """Longest first, then oldest: the placement order of LPT-style packing."""
+    return (-p.length, p.arrival, p.doc_id, p.offset)
+
+
+def shortest_first_key(p: DocPiece) -> tuple[int, int, int, int]:
+    """Shortest first, then oldest."""
+    return (p.length, p.arrival, p.doc_id, p.offset)
+
+
+def sort_largest_first(pieces: Sequence[DocPiece]) -> list[DocPiece]:
+    """``sorted(pieces, key=largest_first_key)``, with a numpy lexsort for long lists (the hot path)."""
+    if len(pieces) < 64:
+        return sorted(pieces, key=largest_first_key)
+    n = len(pieces)
+    offset = np.fromiter((p.offset for p in pieces), dtype=np.int64, count=n)
+    doc_id = np.fromiter((p.doc_id for p in pieces), dtype=np.int64, count=n)
+    arrival = np.fromiter((p.arrival for p in pieces), dtype=np.int64, count=n)
+    length = piece_lengths(pieces)
+    return [pieces[i] for i in np.lexsort((offset, doc_id, arrival, -length)).tolist()]
 
 
 ReleasePolicy = Literal["global", "rank"]
@@ -194,10 +233,18 @@ class PackingConfig:
 
     @property
     def capacity_var(self) -> int:
-        """The variable-length capacity (max_seq_len, defaulting to 1.5 x seq_len)."""
-        if self.max_seq_len is not None:
-            return self.max_seq_len
-        return int(self.seq_len * DEFAULT_MAX_SEQ_LEN_FACTOR)
+        """The variable-length capacity S_max (``resolve_max_seq_len``: max_seq_len, default 1.5 x seq_len)."""
+        return resolve_max_seq_len(self.seq_len, self.max_seq_len)
+
+    def queue_threshold_problem(self) -> str | None:
+        """Why the fixed queue thresholds cannot work (the largest exceeds S_max: no piece could reach
+        that queue), or None. The wlb packer refuses such a config; the Megatron start-up check names it."""
+        th = self.queue_thresholds
+        cap = self.capacity_var
+        if th == "auto" or th[-1] <= cap:
+            return None
+        return (f"{th[-1]} exceeds the wlb micro-batch capacity max_seq_len={cap}, so no piece can ever reach "
+                f"that queue; use thresholds <= {cap} or 'auto'")
 
     @property
     def stages(self) -> int:

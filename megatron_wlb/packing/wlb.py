@@ -59,11 +59,20 @@ from typing import Any
 
 import numpy as np
 
+from megatron_wlb.costmodel import CostModel
 from megatron_wlb.packing.base import Packer, pieces_from_state, pieces_to_state, register_packer
 from megatron_wlb.packing.greedy import place_greedy
-from megatron_wlb.packing.metrics import piece_forward, piece_latency
+from megatron_wlb.packing.metrics import microbatch_seconds, piece_forward, piece_latency
 from megatron_wlb.packing.pipeline import deal_and_order
-from megatron_wlb.packing.types import DocPiece, MicroBatch
+from megatron_wlb.packing.types import (
+    DocPiece,
+    MicroBatch,
+    PackingConfig,
+    oldest_first_key,
+    piece_lengths,
+    shortest_first_key,
+    sort_largest_first,
+)
 
 HIST_PER_OCTAVE = 16
 HIST_BINS = 48 * HIST_PER_OCTAVE  # lengths up to 2**48 tokens
@@ -75,30 +84,11 @@ def _hist_bin(lengths: np.ndarray) -> np.ndarray:
     return np.minimum((np.log2(lengths) * HIST_PER_OCTAVE).astype(np.int64), HIST_BINS - 1)
 
 
-def _sort_key(p: DocPiece) -> tuple[int, int, int, int]:
-    return (-p.length, p.arrival, p.doc_id, p.offset)
-
-
-def _sorted_desc(pieces: list[DocPiece]) -> list[DocPiece]:
-    """``sorted(pieces, key=_sort_key)`` with a numpy lexsort (the hot path at 64 micro-batches)."""
-    if len(pieces) < 64:
-        return sorted(pieces, key=_sort_key)
-    n = len(pieces)
-    cols = [np.fromiter((getattr(p, f) for p in pieces), dtype=np.int64, count=n)
-            for f in ("offset", "doc_id", "arrival", "length")]
-    cols[3] = -cols[3]
-    return [pieces[i] for i in np.lexsort(cols).tolist()]
-
-
-def _age_key(p: DocPiece) -> tuple[int, int, int]:
-    return (p.arrival, p.doc_id, p.offset)
-
-
 @register_packer
 class WlbPacker(Packer):
     name = "wlb"
 
-    def __init__(self, config, cost=None):
+    def __init__(self, config: PackingConfig, cost: CostModel | None = None):
         super().__init__(config, cost)
         self._waiting: list[DocPiece] = []
         self._hist = np.zeros(HIST_BINS, dtype=np.int64)     # documents per log-length bin
@@ -111,11 +101,9 @@ class WlbPacker(Packer):
         self.cut_stats = {"cut_points": 0, "tokens": 0, "pieces": 0}
         self._overlong_docs: set[int] = set()  # documents longer than S_max (split by oversize)
         self.outlier_fraction = float(config.outlier_fraction)
-        if config.queue_thresholds != "auto" and config.queue_thresholds[-1] > self.capacity:
-            raise ValueError(f"queue_thresholds={list(config.queue_thresholds)}: "
-                             f"{config.queue_thresholds[-1]} exceeds the wlb capacity max_seq_len="
-                             f"{self.capacity}, so no piece can ever reach that queue; use thresholds <= "
-                             f"{self.capacity} or 'auto'")
+        problem = config.queue_threshold_problem()
+        if problem:
+            raise ValueError(f"queue_thresholds={list(config.queue_thresholds)}: {problem}")
         self.flush_on_force = config.flush_on_force
         self.release_size = config.micro_batches_per_iteration if config.release == "global" else config.n
         cap = self.capacity
@@ -126,7 +114,7 @@ class WlbPacker(Packer):
     def capacity(self) -> int:
         return self.config.capacity_var
 
-    def _apply_oversize(self, lengths, ids, arrival):
+    def _apply_oversize(self, lengths: np.ndarray, ids: np.ndarray, arrival: int) -> list[DocPiece]:
         pieces = super()._apply_oversize(lengths, ids, arrival)
         if self.config.cut_policy == "overlong" and lengths.size and int(lengths.max()) > self.capacity:
             self._overlong_docs.update(int(i) for i, n in zip(ids.tolist(), lengths.tolist()) if n > self.capacity)
@@ -144,6 +132,11 @@ class WlbPacker(Packer):
     def waiting(self) -> tuple[DocPiece, ...]:
         """Pieces read but not yet emitted (carried pieces and queued outliers)."""
         return tuple(self._waiting)
+
+    def diagnostics(self) -> dict[str, Any]:
+        """The current thresholds (``thresholds()``), forced splits, early releases and cuts."""
+        return {"thresholds": list(self.thresholds()), "forced_splits": self.forced_splits,
+                "fill_releases": self.fill_releases, "cut_stats": dict(self.cut_stats)}
 
     # -- thresholds ------------------------------------------------------------------------------
     def thresholds(self) -> tuple[int, ...]:
@@ -206,7 +199,7 @@ class WlbPacker(Packer):
         cap = self.capacity
         it = self.iteration
         if new:
-            lens = np.fromiter((p.length for p in new), dtype=np.int64, count=len(new))
+            lens = piece_lengths(new)
             bins_ = _hist_bin(lens)
             self._hist += np.bincount(bins_, minlength=HIST_BINS)
             self._hist_tokens += np.bincount(bins_, weights=lens, minlength=HIST_BINS).astype(np.int64)
@@ -218,21 +211,23 @@ class WlbPacker(Packer):
         forced = [p for p in pool if p.arrival <= oldest]
         rest = [p for p in pool if p.arrival > oldest] if forced else pool
         l1 = th[0]
+        candidates: list[DocPiece]
+        waiting: list[DocPiece] = []
         if final:
-            candidates, waiting = rest, []
+            candidates = rest
         else:
-            candidates, outliers = [], []
+            candidates = []
+            outliers: list[DocPiece] = []
             for p in rest:
                 (candidates if p.length < l1 else outliers).append(p)
-            waiting = []
             per_token = self._ordinary_work_per_token(l1)
             edges = np.asarray(th)
-            levels = (np.searchsorted(edges, [p.length for p in outliers], side="right") - 1).tolist()
+            levels = (np.searchsorted(edges, piece_lengths(outliers), side="right") - 1).tolist()
             forced_out = [p for p in forced if p.length >= l1]
-            forced_levels = (np.searchsorted(edges, [p.length for p in forced_out], side="right") - 1).tolist()
+            forced_levels = (np.searchsorted(edges, piece_lengths(forced_out), side="right") - 1).tolist()
             to_cut: set[DocPiece] = set()
             for q in range(len(th)):
-                queue = sorted((p for p, lv in zip(outliers, levels) if lv == q), key=_age_key)
+                queue = sorted((p for p, lv in zip(outliers, levels) if lv == q), key=oldest_first_key)
                 forced_q = [p for p, lv in zip(forced_out, forced_levels) if lv == q]
                 if forced_q:
                     # A queue whose oldest member hit the delay bound goes out with it (its members
@@ -271,8 +266,8 @@ class WlbPacker(Packer):
         # Forced pieces first, in a pass of their own: one that fits nowhere whole is cut into the
         # micro-batches with most room *before* any newer piece can take that room, so the delay
         # bound holds whenever one iteration's intake fits in dp * n * max_seq_len.
-        forced = _sorted_desc(forced)
-        candidates = _sorted_desc(candidates)
+        forced = sort_largest_first(forced)
+        candidates = sort_largest_first(candidates)
         work = [0.0] * m
         toks = [0] * m
         bins: list[list[DocPiece]] = [[] for _ in range(m)]
@@ -291,7 +286,7 @@ class WlbPacker(Packer):
                     waiting.append(p)
         if not final and waiting and cfg.min_fill > 0:
             self._fill_guard(bins, work, toks, cap, waiting)
-        waiting.sort(key=_age_key)
+        waiting.sort(key=oldest_first_key)
         self._waiting = waiting
         if self._overlong_docs:
             self._overlong_docs &= {p.doc_id for p in waiting}
@@ -327,7 +322,7 @@ class WlbPacker(Packer):
         that never closes goes out when its oldest member reaches the delay bound (with its
         nearest companions).
         """
-        by_len = sorted(queue, key=lambda p: (p.length, *_age_key(p)))
+        by_len = sorted(queue, key=shortest_first_key)
         oldest = queue[0]
         windows = range(len(by_len) - r + 1)
         spread = [by_len[s + r - 1].length - by_len[s].length for s in windows]
@@ -368,7 +363,7 @@ class WlbPacker(Packer):
     @staticmethod
     def _companions(queue: list[DocPiece], k: int, anchor: int) -> list[DocPiece]:
         """The ``k`` members closest in length to a forced outlier of ``anchor`` tokens (older first on ties)."""
-        return sorted(queue, key=lambda p: (abs(p.length - anchor), *_age_key(p)))[:k]
+        return sorted(queue, key=lambda p: (abs(p.length - anchor), *oldest_first_key(p)))[:k]
 
     def _early_release(self, waiting: list[DocPiece], need: float) -> list[DocPiece]:
         """Waiting pieces worth at least ``need`` tokens, shortest first (they are the easiest to
@@ -378,7 +373,7 @@ class WlbPacker(Packer):
         if need <= 0:
             return out
         docs: dict[int, list[DocPiece]] = {}
-        for p in sorted(waiting, key=lambda p: (p.length, *_age_key(p))):
+        for p in sorted(waiting, key=shortest_first_key):
             docs.setdefault(p.doc_id, []).append(p)
         got = 0
         for doc_pieces in docs.values():
@@ -396,7 +391,7 @@ class WlbPacker(Packer):
         need = self.config.min_fill * self.config.tokens_per_iteration
         if sum(toks) >= need:
             return
-        waiting.sort(key=_age_key)
+        waiting.sort(key=oldest_first_key)
         docs: dict[int, list[DocPiece]] = {}
         for p in waiting:
             docs.setdefault(p.doc_id, []).append(p)
@@ -417,22 +412,14 @@ class WlbPacker(Packer):
         """Deal the micro-batches to DP ranks and order them for the pipeline schedule (d)."""
         cfg = self.config
         m = len(bins)
-        counts = [len(b) for b in bins]
-        nonempty = np.asarray(counts) > 0
-        over_f = over_t = 0.0
+        forward = None
         if self.cost is not None:
-            over_f = self.cost.microbatch_overhead
-            over_t = over_f * (1.0 + self.cost.hardware.bwd_linear)
-        total_arr = np.where(nonempty, np.asarray(work, dtype=np.float64) + over_t, 0.0)
-        if self.cost is None:
-            fwd_arr = total_arr / 3.0
-        else:
-            lengths = np.fromiter((p.length for b in bins for p in b), dtype=np.int64, count=sum(counts))
-            owner = np.repeat(np.arange(m), counts)
-            fwd_arr = np.bincount(owner, weights=piece_forward(self.cost, lengths), minlength=m)
-            fwd_arr = np.where(nonempty, fwd_arr + over_f, 0.0)
-        fwd, total = fwd_arr.tolist(), total_arr.tolist()
-        bwd = [t - f for t, f in zip(total, fwd)]
+            counts = [len(b) for b in bins]
+            lengths = piece_lengths([p for b in bins for p in b])
+            forward = np.bincount(np.repeat(np.arange(m), counts), weights=piece_forward(self.cost, lengths),
+                                  minlength=m)
+        fwd_arr, bwd_arr = microbatch_seconds(self.cost, np.asarray(work, dtype=np.float64), forward)
+        fwd, bwd = fwd_arr.tolist(), bwd_arr.tolist()
         perm = deal_and_order(fwd, bwd, cfg.dp, cfg.n, cfg.stages, cfg.virtual_stages)
         return [bins[i] for i in perm]
 

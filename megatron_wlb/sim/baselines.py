@@ -18,8 +18,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
+from megatron_wlb.costmodel import CostModel
 from megatron_wlb.packing.base import Packer, pieces_from_state, pieces_to_state, register_packer
-from megatron_wlb.packing.types import DocPiece, MicroBatch
+from megatron_wlb.packing.types import DocPiece, MicroBatch, PackingConfig
 
 #: Registered packer names of the two baselines, as the report names them.
 BASELINE_PACKERS = {"concat-and-cut": "original", "whole-document": "whole-document"}
@@ -31,14 +34,14 @@ class WholeDocumentPacker(Packer):
 
     name = "whole-document"
 
-    def __init__(self, config, cost=None):
+    def __init__(self, config: PackingConfig, cost: CostModel | None = None):
         super().__init__(config, cost)
         self._carried: list[DocPiece] = []
 
     def pending(self) -> int:
         return sum(p.length for p in self._carried)
 
-    def _intake(self, lengths, ids, arrival=None):
+    def _intake(self, lengths: np.ndarray, ids: np.ndarray, arrival: int | None = None) -> list[DocPiece]:
         """Count the waiting documents against this iteration's budget (see ``FixedWindowPacker``)."""
         self._credit += self.pending()
         if self._credit >= self.config.tokens_per_iteration:

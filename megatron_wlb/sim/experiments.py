@@ -16,17 +16,17 @@ interleaved 1F1B (``DEFAULT_VIRTUAL_STAGES`` virtual stages) unless a caller ask
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from megatron_wlb.config import RunConfig, load_config
 from megatron_wlb.costmodel import CostModel, build_cost_model
-from megatron_wlb.sim.iteration import LayoutBuilder, RunSummary, simulate_stream
+from megatron_wlb.cp.protocols import LayoutBuilder
+from megatron_wlb.sim.iteration import Progress, RunSummary, simulate_stream
 
-#: ``progress(iterable, desc, total) -> iterable``: a tqdm-like wrapper, or None for silence.
-Progress = Callable[[Iterable, str, int], Iterable]
+__all__ = ["Progress"]  # re-exported: the callers of compare() and reproduce() name it from here
 
 TABLE1_CONFIGS = ("550m_64k", "550m_128k", "7b_64k", "7b_128k", "30b_64k", "30b_128k", "70b_64k", "70b_128k")
 CASE_STUDY_CONFIG = "405b_128k_8k"
@@ -117,7 +117,7 @@ class Table:
     notes: tuple[str, ...] = ()
 
     def to_markdown(self, digits: int = 2) -> str:
-        def cell(x) -> str:
+        def cell(x: object) -> str:
             if x is None or (isinstance(x, float) and math.isnan(x)):
                 return "-"
             if isinstance(x, float):
@@ -157,10 +157,6 @@ class Comparison:
         return [b.name for b in BASELINES if b.name in self.runs]
 
 
-def _wrap(progress: Progress | None, it: Iterable, desc: str, total: int) -> Iterable:
-    return it if progress is None else progress(it, desc, total)
-
-
 def compare(config: RunConfig, lengths: np.ndarray, iterations: int, methods: Sequence[Method] = MAIN_METHODS,
             *, cost: CostModel | None = None, profile: str | None = None, keep_events: bool = False,
             layout_builder: LayoutBuilder | None = None, split_at_window: bool = True,
@@ -178,9 +174,6 @@ def compare(config: RunConfig, lengths: np.ndarray, iterations: int, methods: Se
     cost = cost or build_cost_model(config.model, config.layout, profile)
     runs: dict[str, RunSummary] = {}
     for m in methods:
-        def bar(it: Iterator, _m: Method = m) -> Iterable:
-            return _wrap(progress, it, f"{config.name} {_m.name}", iterations)
-
         v = m.virtual_stages if m.virtual_stages is not None else virtual_stages
         cfg = config if v is None else replace(config, virtual_stages=v)
         if cfg.virtual_stages > 1 and cfg.micro_batches % cfg.layout.pp:
@@ -188,7 +181,8 @@ def compare(config: RunConfig, lengths: np.ndarray, iterations: int, methods: Se
                              f"by pp ({cfg.layout.pp})")
         runs[m.name] = simulate_stream(cfg, cost, m.packer, m.cp_layout, lengths, iterations,
                                        packing_overrides=m.packing_overrides(config), layout_builder=layout_builder,
-                                       keep_events=keep_events, progress=bar, order=m.order,
+                                       keep_events=keep_events, progress=progress,
+                                       progress_desc=f"{config.name} {m.name}", order=m.order,
                                        sequence_parallel=sequence_parallel,
                                        split_at=config.seq_len if split_at_window else None)
     return Comparison(config, cost, runs, base=methods[0].name, iterations=iterations,
@@ -429,6 +423,11 @@ def ablation_steps(v: int = DEFAULT_VIRTUAL_STAGES) -> tuple[list[AblationStep],
     return cumulative, alone
 
 
+def _ratio(paper: float | None, ours: float) -> float | None:
+    """paper / ours, or None where the paper gives no number."""
+    return paper / ours if paper else None
+
+
 def ablation_tables(grid: Grid, v: int = DEFAULT_VIRTUAL_STAGES) -> tuple[Table, Table]:
     """How each modelling choice moves WLB-LLM's average speedup: cumulatively from the previous
     model (plain 1F1B, s/cp sends, concat-and-cut) to the paper's setting, and one at a time."""
@@ -445,8 +444,7 @@ def ablation_tables(grid: Grid, v: int = DEFAULT_VIRTUAL_STAGES) -> tuple[Table,
                      avg(step.after) / avg(step.before)))
     last = cumulative[-1].after
     rows.append(("paper", *[paper[k] for _, k in AVERAGES], None))
-    rows.append(("remaining gap (paper / ours)", *[paper[k] / avg(last, k) if paper[k] else None
-                                                     for _, k in AVERAGES], None))
+    rows.append(("remaining gap (paper / ours)", *[_ratio(paper[k], avg(last, k)) for _, k in AVERAGES], None))
     cum = Table("Ablation, cumulative: WLB-LLM speedup (geo-mean over the Table 1 configs) as each modelling "
                 "choice is made the paper's way", ("model", *[label for label, _ in AVERAGES], "factor"),
                 tuple(rows))

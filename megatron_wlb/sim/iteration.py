@@ -23,26 +23,33 @@ slowest DP rank plus that sync. Nothing here assumes fixed-length micro-batches.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from functools import partial
+from typing import Protocol, TypeVar
 
 import numpy as np
 
 from megatron_wlb.config import RunConfig
 from megatron_wlb.costmodel import CostModel
+from megatron_wlb.cp.protocols import Layout, LayoutBuilder
 from megatron_wlb.packing.metrics import batch_latencies, imbalance_global, imbalance_per_rank, summarize
 from megatron_wlb.packing.types import GlobalBatch, MicroBatch
 from megatron_wlb.sim.schedule import PipelineResult, simulate_pipeline
 
 ORDERS = ("packer", "heavy-first")
 
-#: ``(name, lengths, cp, cost) -> object with .name, .rank_work [cp], .rank_tokens [cp]``
-LayoutBuilder = Callable[[str, np.ndarray, int, CostModel], object]
+_T = TypeVar("_T")
 
+
+class Progress(Protocol):
+    """The one progress-callback type: ``progress(items, desc, total)`` yields ``items`` unchanged
+    while showing progress (a tqdm-like bar; ``cli.common.tqdm_progress``). ``total`` may be None."""
+
+    def __call__(self, items: Iterable[_T], desc: str, total: int | None) -> Iterable[_T]: ...
 
 def default_layout_builder(name: str, lengths: np.ndarray, cp: int, cost: CostModel,
-                           seq_len: int | None = None):
+                           seq_len: int | None = None) -> Layout:
     """The CP shard layouts of ``megatron_wlb.cp.layouts``, plus ``dynamic-cp`` (``sim.dyncp``,
     with ``max_seqlen_per_rank = seq_len / cp``)."""
     if name == "dynamic-cp":
@@ -74,7 +81,7 @@ class MicroBatchCost:
     head_fwd: float
     head_bwd: float
     p2p: float
-    rank_attention: np.ndarray | None = None
+    rank_attention: np.ndarray
 
 
 @dataclass(frozen=True)
@@ -222,11 +229,11 @@ class IterationSimulator:
         comm = np.asarray(cost.tp_comm(rank_tokens), dtype=np.float64) + float(cost.cp_comm(tokens))
         over = cost.microbatch_overhead
         rank_fwd = attn + gemm + comm + over
-        rank_bwd = hw.bwd_attention * attn + hw.bwd_linear * gemm + comm + over
-        compute = (1.0 + hw.bwd_attention) * attn + (1.0 + hw.bwd_linear) * gemm
+        rank_bwd = cost.backward(attn, gemm) + comm + over
+        compute = cost.forward_backward(attn, gemm)
         head = float(cost.linear_compute(tokens / cp)) * self._head_ratio
         p2p = float(cost.pp_send(tokens, self.sequence_parallel))
-        return MicroBatchCost(tokens, str(getattr(layout, "name", self.cp_layout)), float(rank_fwd.max()),
+        return MicroBatchCost(tokens, layout.name, float(rank_fwd.max()),
                               float(rank_bwd.max()), rank_fwd, rank_bwd, compute, head,
                               head * hw.bwd_linear, p2p, (1.0 + hw.bwd_attention) * attn)
 
@@ -387,13 +394,14 @@ def simulate_stream(config: RunConfig, cost: CostModel, packer: str, cp_layout: 
                     iterations: int, *, packing_overrides: dict | None = None,
                     layout_builder: LayoutBuilder | None = None, keep_events: bool = False,
                     split_at: int | None = None, order: str = "packer", sequence_parallel: bool = True,
-                    progress: Callable[[Iterator], Iterator] | None = None) -> RunSummary:
+                    progress: Progress | None = None, progress_desc: str | None = None) -> RunSummary:
     """Pack ``lengths`` with ``packer`` and simulate its first ``iterations`` global batches.
 
     Every packer reads ``dp * n * seq_len`` new tokens per iteration, so the first K iterations of
     two methods cover the same documents up to what a packer holds back at the end. ``split_at``
     cuts documents longer than that into pieces of at most that many tokens before packing (see
-    ``split_documents``), so every method trains the same attention spans.
+    ``split_documents``), so every method trains the same attention spans. ``progress`` shows the
+    iterations under ``progress_desc`` (default: config, packer and layout names).
     """
     import megatron_wlb.sim.baselines  # noqa: F401  (registers the whole-document baseline packer)
     from megatron_wlb.packing.base import make_packer
@@ -408,9 +416,9 @@ def simulate_stream(config: RunConfig, cost: CostModel, packer: str, cp_layout: 
     pk = make_packer(packer, cfg.packing, cost)
     sim = IterationSimulator(cfg, cost, cp_layout, layout_builder=layout_builder, keep_events=keep_events,
                              order=order, sequence_parallel=sequence_parallel)
-    batches = _take(pk.pack(lengths), iterations)
+    batches: Iterable[GlobalBatch] = _take(pk.pack(lengths), iterations)
     if progress is not None:
-        batches = progress(batches)
+        batches = progress(batches, progress_desc or f"{config.name} {packer}+{cp_layout}", iterations)
     results = []
     packed = []
     for batch in batches:

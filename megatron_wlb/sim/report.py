@@ -12,9 +12,11 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
+from megatron_wlb.config import RunConfig
 from megatron_wlb.sim.experiments import (
     BASELINE_LABELS,
     BREAKDOWN_METHODS,
@@ -60,7 +62,8 @@ COLORS = {"Plain-4D": "#8c8c8c", "Plain-4D whole-doc": "#c9a227", "Fixed-4D": "#
           "Megatron dyn-CP": "#6dbf74"}
 
 
-def _plt():
+def _plt() -> Any:
+    """matplotlib.pyplot on the Agg backend (imported on first use: the rest of the package needs no matplotlib)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -686,7 +689,7 @@ def fig_length_distribution(lengths: np.ndarray, reference: np.ndarray, path: Pa
     return path
 
 
-def analyze(out: str | Path, config, streams: Sequence[np.ndarray], iterations: int, *,
+def analyze(out: str | Path, config: RunConfig, streams: Sequence[np.ndarray], iterations: int, *,
             profile: str | None = None, methods: Sequence[Method] = MAIN_METHODS,
             progress: Progress | None = None, source: str = "", virtual_stages: int | None = None,
             reference: np.ndarray | None = None, notes: Sequence[str] = ()) -> tuple[Path, Table, Verdict]:

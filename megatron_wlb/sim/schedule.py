@@ -74,6 +74,7 @@ def op_order(stage: int, stages: int, micro_batches: int, virtual_stages: int = 
     """
     p, m, v = stages, micro_batches, virtual_stages
     _check_counts(p, m, v)
+    order: list[tuple[str, int, int]]
     if v == 1:
         warm = min(p - stage - 1, m)
         order = [("F", 0, j) for j in range(warm)]
@@ -95,7 +96,7 @@ def op_order(stage: int, stages: int, micro_batches: int, virtual_stages: int = 
 
     warm = (p - stage - 1) * 2 + (v - 1) * g
     warm = total if warm >= total else warm
-    order: list[tuple[str, int, int]] = []
+    order = []
     for k in range(warm):
         order.append(("F", *place(k, True)))
     for i in range(total - warm):
