@@ -16,4 +16,4 @@ def _fails_on_rank_one(rank: int, world: int) -> None:
 
 def test_a_failing_rank_fails_the_test_with_its_traceback():
     with pytest.raises(AssertionError, match="rank 1 of 2 fails"):
-        run_world(_fails_on_rank_one, 2)
+        run_world(_fails_on_rank_one, 2, start_method="fork")

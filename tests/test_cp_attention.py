@@ -86,7 +86,7 @@ def _worker(rank: int, cp: int) -> None:
 
 @pytest.mark.parametrize("cp", [2, 4])
 def test_all_gather_cp_attention_matches_reference(cp):
-    run_world(_worker, cp)
+    run_world(_worker, cp, start_method="fork")
 
 
 def test_single_process_cp1_and_errors():

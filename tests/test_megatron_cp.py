@@ -507,7 +507,7 @@ def _agreement_worker(rank, world):
 
 
 def test_cp_ranks_that_build_different_layouts_are_refused():
-    run_world(_agreement_worker, 2)
+    run_world(_agreement_worker, 2, start_method="fork")
 
 
 def test_fallback_attention_refuses_batches_without_params_when_every_batch_is_packed(monkeypatch):

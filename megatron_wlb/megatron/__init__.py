@@ -36,6 +36,7 @@ Importing this package needs neither torch nor Megatron; ``apply()`` imports the
 
 from __future__ import annotations
 
+import functools
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -240,8 +241,8 @@ def _wrap_build_iterators(original: Callable, mods: dict[str, Any]) -> Callable:
         mods["utils"].print_rank_0(f"> megatron_wlb: {settings.packing} packing of {len(iterator.stream)} documents "
                                    f"({iterator.stream.tokens} tokens), {iterator.n} micro-batches per DP rank "
                                    f"per iteration, CP sharding {settings.cp_sharding}")
-        evals = [_eval_iterator(args, settings, split_name, lambda i=index: megatron_iterators()[i], mods)
-                 for index, split_name in ((1, "valid"), (2, "test"))]
+        evals = [_eval_iterator(args, settings, split_name, functools.partial(lambda i: megatron_iterators()[i], index),
+                                mods) for index, split_name in ((1, "valid"), (2, "test"))]
         # Megatron decides whether to train / evaluate from its own loaders, which our launcher does not
         # build (its datasets provider returns none): our iterators exist on every rank.
         args.do_train = True
