@@ -543,3 +543,46 @@ def test_fallback_attention_refuses_batches_without_params_when_every_batch_is_p
     monkeypatch.setattr(adapter, "_RUNTIME", adapter.Runtime())
     module(q, q, q, None)  # no WLB data at all
     assert calls == [None, None]
+
+
+def test_the_batch_path_reads_nothing_back_from_the_device(monkeypatch):
+    """get_batch (one upload) and every attention layer's forward and backward up to the kernel never turn a
+    tensor into a host value: with Tensor.item/tolist/cpu/numpy/__int__/__float__/__bool__/__index__ made to
+    fail, a micro-batch goes from the iterator through two layers. (On a GPU each would be a sync.)"""
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    import megatron_wlb.cp.attention as cp_attention
+    from megatron_wlb.cp.plan import CPSharding
+    from megatron_wlb.megatron import launcher
+    from megatron_wlb.megatron.attention import WlbCoreAttention
+    from megatron_wlb.megatron.data import rank_micro_batch
+
+    mb, read, _ = _micro_batch(5)
+    batch = rank_micro_batch(read, mb, CPSharding("hybrid", rank_multiple=4), verify_layout=True)
+    cfg = TransformerConfig(num_layers=2, hidden_size=16, num_attention_heads=2, attention_dropout=0.0,
+                            use_cpu_initialization=True)
+    layers = [WlbCoreAttention(cfg, n, AttnMaskType.causal, "self") for n in (1, 2)]
+
+    def kernel(q, k, v, cu_q, cu_k, max_q, max_k, scale):  # stands in for the GPU kernel: shapes only
+        assert type(max_q) is int and type(max_k) is int and cu_q.dtype == torch.int32
+        return q * 1.0 + (k.sum() + v.sum()) * 0.0
+
+    monkeypatch.setattr(cp_attention, "resolve_backend", lambda backend, device, dtype=None: "torch-varlen")
+    monkeypatch.setattr(cp_attention, "_torch_varlen", kernel)
+
+    def device_to_host(*args, **kwargs):
+        raise AssertionError("a tensor was read back to the host in the batch path")
+
+    for name in ("item", "tolist", "cpu", "numpy", "__int__", "__float__", "__bool__", "__index__"):
+        monkeypatch.setattr(torch.Tensor, name, device_to_host)
+    tokens, labels, loss_mask, position_ids, params = launcher.get_batch(iter([batch]))
+    rows = tokens.shape[1]
+    q = torch.randn(rows, 2, 8, requires_grad=True)
+    out = q
+    for layer in layers:  # every layer reads the same device tensors of the one upload
+        out = layer(out.view(rows, 2, 8), out.view(rows, 2, 8), out.view(rows, 2, 8), None,
+                    attn_mask_type=AttnMaskType.causal, packed_seq_params=params)
+    out.sum().backward()
+    monkeypatch.undo()
+    assert q.grad is not None and rows == batch.plan.num_rows and rows % 4 == 0
