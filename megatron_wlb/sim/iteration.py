@@ -48,6 +48,7 @@ class Progress(Protocol):
 
     def __call__(self, items: Iterable[_T], desc: str, total: int | None) -> Iterable[_T]: ...
 
+
 def default_layout_builder(name: str, lengths: np.ndarray, cp: int, cost: CostModel,
                            seq_len: int | None = None) -> Layout:
     """The CP shard layouts of ``megatron_wlb.cp.layouts``, plus ``dynamic-cp`` (``sim.dyncp``,
