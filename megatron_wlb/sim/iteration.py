@@ -33,7 +33,13 @@ import numpy as np
 from megatron_wlb.config import RunConfig
 from megatron_wlb.costmodel import CostModel
 from megatron_wlb.cp.protocols import Layout, LayoutBuilder
-from megatron_wlb.packing.metrics import batch_latencies, imbalance_global, imbalance_per_rank, summarize
+from megatron_wlb.packing.metrics import (
+    batch_latencies,
+    imbalance_global,
+    imbalance_per_rank,
+    overhead_seconds,
+    summarize,
+)
 from megatron_wlb.packing.types import GlobalBatch, MicroBatch
 from megatron_wlb.sim.schedule import PipelineResult, simulate_pipeline
 
@@ -228,9 +234,9 @@ class IterationSimulator:
         hw = cost.hardware
         gemm = np.asarray(cost.linear_compute(rank_tokens), dtype=np.float64)
         comm = np.asarray(cost.tp_comm(rank_tokens), dtype=np.float64) + float(cost.cp_comm(tokens))
-        over = cost.microbatch_overhead
+        over = overhead_seconds(cost, backward=False)   # the packer's definition: backward scaled like GEMMs
         rank_fwd = attn + gemm + comm + over
-        rank_bwd = cost.backward(attn, gemm) + comm + over
+        rank_bwd = cost.backward(attn, gemm) + comm + (overhead_seconds(cost) - over)
         compute = cost.forward_backward(attn, gemm)
         head = float(cost.linear_compute(tokens / cp)) * self._head_ratio
         p2p = float(cost.pp_send(tokens, self.sequence_parallel))
