@@ -86,3 +86,22 @@ def test_kernel_efficiency_state_is_declared():
     assert 128 in fresh.tile_grids
     assert np.allclose(looked_up, fresh.relative(q, kv))
     assert "tile_grids" not in repr(fresh)
+
+
+def test_batch_path_benchmark_times_every_layout(tmp_path):
+    """scripts/bench_batch_path.py: one row per (T, CP, layout), each rank's rows about T / CP."""
+    import importlib.util
+
+    import pytest
+
+    pytest.importorskip("megatron.core")
+    spec = importlib.util.spec_from_file_location("bench_batch_path", ROOT / "scripts" / "bench_batch_path.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)  # in this process: torch and megatron.core are imported once per session
+    bench.main(["--layers", "2", "--reps", "1", "--out", str(tmp_path / "bp")])
+    result = json.loads((tmp_path / "bp.json").read_text())
+    assert len(result["rows"]) == 2 * 3 * 4 and (tmp_path / "bp.md").read_text().startswith("# The one-plan")
+    for row in result["rows"]:
+        assert row["plan_ms"] > 0 and row["upload_ms"] > 0 and row["saved_ms"] >= 0
+        if row["chosen"] != "hybrid":  # the equal-count layouts: exactly T / CP rows (T padded to CP)
+            assert row["rank_rows"] == -(-row["tokens"] // row["cp"])

@@ -40,13 +40,19 @@ import functools
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from megatron_wlb.megatron.rebind import rebind, wrapping
 from megatron_wlb.megatron.settings import WlbSettings
 
-__all__ = ["WlbSettings", "apply", "build_train_iterator", "iterations_for", "reader_from_args", "runtime",
-           "stream_tokens_for"]
+if TYPE_CHECKING:  # the package imports neither torch nor Megatron until apply()
+    from megatron_wlb.costmodel import CostModel
+    from megatron_wlb.cp.plan import CPSharding
+    from megatron_wlb.data.reader import DocumentReader
+    from megatron_wlb.megatron.data import RankMicroBatch, WlbDataIterator
+
+__all__ = ["WlbSettings", "apply", "build_train_iterator", "cp_sharding_from_args", "iterations_for",
+           "pinned_tp_rank_batch", "reader_from_args", "runtime", "stream_tokens_for"]
 
 #: Megatron training-code modules apply() hooks (all present at the pinned commit)
 TRAINING_MODULES = ("arguments", "initialize", "training", "checkpointing", "utils", "global_vars")
@@ -76,7 +82,7 @@ def runtime() -> Runtime:
 
 
 # -- building the data path from Megatron's args --------------------------------------------------------
-def reader_from_args(args: Any, split_name: str = "train"):
+def reader_from_args(args: Any, split_name: str = "train") -> DocumentReader:
     """A ``DocumentReader`` for one split: ``--{train,valid,test}-data-path`` (all of it) if given, else
     ``--data-path`` with ``--split``."""
     from megatron_wlb.data.reader import DocumentReader
@@ -122,7 +128,8 @@ def stream_tokens_for(args: Any, config: Any, split_name: str = "train") -> int:
     return (iters + slack) * config.tokens_per_iteration
 
 
-def cp_sharding_from_args(args: Any, settings: WlbSettings, cp_rank: int, cost: Any = None) -> Any:
+def cp_sharding_from_args(args: Any, settings: WlbSettings, cp_rank: int, cost: CostModel | None = None
+                          ) -> CPSharding:
     """How this run cuts micro-batches over CP (``cp.plan.CPSharding``) for CP rank ``cp_rank``.
 
     T is padded to a multiple of CP, so the per-sequence / per-document layouts give every CP rank
@@ -138,7 +145,8 @@ def cp_sharding_from_args(args: Any, settings: WlbSettings, cp_rank: int, cost: 
 
 
 def build_train_iterator(args: Any, settings: WlbSettings, dp_rank: int, cp_rank: int = 0, *,
-                         on_batch: Callable | None = None, reader: Any = None, split_name: str = "train"):
+                         on_batch: Callable | None = None, reader: DocumentReader | None = None,
+                         split_name: str = "train") -> WlbDataIterator:
     """This rank's ``WlbDataIterator`` for Megatron's ``args`` (pure: same inputs, same plans, any rank).
 
     ``split_name`` "valid"/"test" builds the evaluation iterators the same way over those splits.
@@ -290,7 +298,7 @@ def _unwrap_iterator(data_iterator: Any) -> Any:
     return getattr(data_iterator, "iterable", data_iterator)
 
 
-def pinned_tp_rank_batch(batch: Any) -> dict[str, Any]:
+def pinned_tp_rank_batch(batch: RankMicroBatch) -> dict[str, Any]:
     """One ``RankMicroBatch``, uploaded, as the pinned ``pretrain_gpt.get_batch`` reads its TP-rank batch.
 
     The params ride in ``cu_seqlens``, which that ``get_batch`` hands to
