@@ -586,3 +586,24 @@ def test_the_batch_path_reads_nothing_back_from_the_device(monkeypatch):
     out.sum().backward()
     monkeypatch.undo()
     assert q.grad is not None and rows == batch.plan.num_rows and rows % 4 == 0
+
+
+def test_the_active_micro_batch_is_set_around_each_attention_forward():
+    """The RoPE wrapper's context: the call's WlbVarlen, found by keyword or by position, reset afterwards."""
+    from types import SimpleNamespace
+
+    from megatron_wlb.megatron import attention
+
+    seen = []
+
+    def forward(self, hidden_states, attention_mask, packed_seq_params=None):
+        seen.append(attention._ACTIVE.get())
+        return hidden_states
+
+    wrapped = attention._with_active_varlen(forward)
+    mine = SimpleNamespace(wlb="varlen-1")
+    wrapped(None, 1, None, packed_seq_params=mine)
+    wrapped(None, 1, None, mine)
+    wrapped(None, 1, None)
+    wrapped(None, 1, None, packed_seq_params=SimpleNamespace())  # Megatron's own params: nothing active
+    assert seen == ["varlen-1", "varlen-1", None, None] and attention._ACTIVE.get() is None

@@ -31,6 +31,7 @@ import contextvars
 import dataclasses
 import functools
 import importlib
+import inspect
 import math
 from collections import OrderedDict
 from collections.abc import Callable
@@ -275,12 +276,15 @@ def wlb_apply_rotary_pos_emb(original: Callable) -> Callable:
 
 
 def _with_active_varlen(forward: Callable) -> Callable:
-    """``SelfAttention.forward`` with the call's WLB micro-batch active for the RoPE wrapper."""
+    """``SelfAttention.forward`` with the call's WLB micro-batch active for the RoPE wrapper
+    (``packed_seq_params`` found by keyword, as Megatron's layers pass it, or by position)."""
+    position = list(inspect.signature(forward).parameters).index("packed_seq_params") - 1  # after self
 
     @wrapping(forward)
     @functools.wraps(forward)
     def wrapped(self, *args, **kwargs):
-        params = kwargs.get("packed_seq_params")
+        params = kwargs["packed_seq_params"] if "packed_seq_params" in kwargs else \
+            (args[position] if len(args) > position else None)
         token = _ACTIVE.set(getattr(params, "wlb", None))
         try:
             return forward(self, *args, **kwargs)
