@@ -75,7 +75,7 @@ import os
 import sysconfig
 from pathlib import Path
 
-from megatron_wlb.megatron.data import byte_documents, write_indexed_dataset
+from megatron_wlb.data.reader import byte_documents, write_indexed_dataset
 
 paths = sorted(str(p) for p in Path(sysconfig.get_paths()["stdlib"]).rglob("*.py") if "site-packages" not in p.parts)
 docs = byte_documents(paths, separator=None, max_bytes=int(os.environ["MAX_BYTES"]))

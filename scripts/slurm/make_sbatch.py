@@ -27,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from megatron_wlb.config import RunConfig, list_configs, load_config  # noqa: E402
+from megatron_wlb.data.reader import DEFAULT_SPLIT  # noqa: E402
 
 OUT_DIR = Path(__file__).resolve().parent
 GPUS_PER_NODE = 8
@@ -140,7 +141,7 @@ export PYTHONPATH=$MEGATRON_LM${{PYTHONPATH:+:$PYTHONPATH}}
 
 DATA_ARGS=(
     --data-path $DATA_PATH
-    --split ${{SPLIT:-969,30,1}}
+    --split ${{SPLIT:-{default_split}}}
     --tokenizer-type HuggingFaceTokenizer
     --tokenizer-model "$TOKENIZER_MODEL"
 )
@@ -187,7 +188,7 @@ def render(run: RunConfig, gpus_per_node: int = GPUS_PER_NODE) -> str:
     lay = run.layout
     return TEMPLATE.format(
         name=run.name, model=run.model.name, seq_len=run.seq_len, tp=lay.tp, cp=lay.cp, pp=lay.pp, dp=lay.dp,
-        world=lay.world_size, nodes=nodes, gpn=gpn,
+        world=lay.world_size, nodes=nodes, gpn=gpn, default_split=DEFAULT_SPLIT,
         model_block=_bash_array("MODEL_ARGS", model_args(run)),
         parallel_block=_bash_array("PARALLEL_ARGS", parallel_args(run)),
         wlb_block=_bash_array("WLB_ARGS", wlb_args(run)),
