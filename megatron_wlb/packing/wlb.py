@@ -49,8 +49,9 @@ Extensions beyond the paper (docs/packing.md has the measurements):
     budget unless no waiting piece fits: the intake reads that much even while repaying an
     overshoot, and waiting pieces are released early, shortest first.
 (g) ``cut_policy`` (opt-in): a forced outlier whose group cannot be balanced is cut into the
-    fewest pieces that can ("overlong": only pieces of documents longer than S_max; "any"),
-    counted in ``cut_stats``.
+    fewest pieces that can ("overlong": only pieces of documents longer than S_max; "any"), and
+    so are the outliers the fill rule (f) releases early into an iteration whose ordinary
+    documents cannot balance them (``_cut_early``); counted in ``cut_stats``.
 """
 
 from __future__ import annotations
