@@ -115,9 +115,10 @@ def scale(iterations: int) -> dict:
             **m.to_dict()}
 
 
-SUMMARY_COLUMNS = (("original", "original (concat-and-cut)"), ("greedy, window 4", "fixed-greedy, window 4"),
+SUMMARY_COLUMNS = (("original", "original (concat-and-cut)"), ("fixed-greedy, window 4", "fixed-greedy, window 4"),
                    ("wlb, placement order", "wlb, max_delay 8, placement order (no dealing/ordering)"),
-                   ("**wlb (default)**", "wlb, max_delay 8"), ("wlb, cut 'any'", "wlb, max_delay 8, cut policy 'any'"),
+                   ("**wlb (default)**", "wlb, max_delay 8"), ("wlb, cut `any`", "wlb, max_delay 8, cut policy 'any'"),
+                   ("wlb, cut `overlong`", "wlb, max_delay 8, cut policy 'overlong'"),
                    ("wlb, no fill rule", "wlb, max_delay 8, no fill rule (min_fill 0)"))
 
 
@@ -137,6 +138,19 @@ def summary_table(result: dict) -> str:
         tail = "" if d is None else f"{d['mean_delay']:.2f} / {d['min_fill']:.2f}"
         lines.append(f"| {t['stream']} | {t['dp']} | " + " | ".join(cells) + f" | {tail} |")
     return "\n".join(lines) + "\n"
+
+
+README_MARK = "<!-- packing-table -->"
+
+
+def update_readme(result: dict, path: Path) -> None:
+    """Replace the summary table right after README's ``<!-- packing-table -->`` marker with this run's."""
+    lines = path.read_text().splitlines(keepends=True)
+    start = next(i for i, line in enumerate(lines) if line.strip() == README_MARK) + 1
+    stop = start
+    while stop < len(lines) and lines[stop].startswith("|"):
+        stop += 1
+    path.write_text("".join(lines[:start]) + summary_table(result) + "".join(lines[stop:]))
 
 
 def to_markdown(result: dict) -> str:
@@ -222,6 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plot", default=str(ROOT / "docs" / "img" / "packing_frontier.png"))
     ap.add_argument("--table", action="store_true", help="also regenerate the Table 2 benchmark (wlb bench)")
     ap.add_argument("--render", default=None, help="only re-render the Markdown and plot from this JSON")
+    ap.add_argument("--readme", action="store_true",
+                    help="also write the summary table into README.md (after <!-- packing-table -->)")
     args = ap.parse_args(argv)
     if args.render:
         result = json.loads(Path(args.render).read_text())
@@ -229,6 +245,8 @@ def main(argv: list[str] | None = None) -> int:
         result = frontier([s for s in args.streams.split(",") if s], [int(d) for d in args.dp.split(",")],
                           args.iterations, args.quick)
     write_result(args.out, result, to_markdown)
+    if args.readme:
+        update_readme(result, ROOT / "README.md")
     if args.plot:
         plot(result, Path(args.plot))
     if args.table:

@@ -192,3 +192,49 @@ def test_cut_policy_counts_and_scope(policy):
         assert cut_400 and (bool(cut_140) == (policy == "any"))
         extra_pieces = sum(len(ps) - (1 if lengths[d] <= 150 else 3) for d, ps in by_doc.items())
         assert extra_pieces == stats["cut_points"]
+
+
+def _debt_then_lonely_outlier():
+    # a document 6x S_max puts the intake in debt (the fill rule then releases waiting pieces early);
+    # a lone 140-token outlier per cycle never gathers the R = 4 companions of a group release
+    lengths = []
+    for _ in range(6):
+        lengths += [10] * 40 + [900] + [10] * 5 + [140] + [10] * 60
+    return np.asarray(lengths)
+
+
+@pytest.mark.parametrize("policy", ["none", "overlong", "any"])
+def test_cut_policy_cuts_what_the_fill_rule_releases_into_an_unbalanced_iteration(policy):
+    """When the fill rule must release an outlier into an iteration whose ordinary documents cannot
+    balance it, the cut policy cuts it into the fewest pieces that can be balanced (140 tokens
+    against 150 ordinary tokens in 4 micro-batches: 4 pieces of 35), counted in cut_stats; the
+    delay bound holds and every token is emitted once."""
+    lengths = _debt_then_lonely_outlier()
+    cfg = PackingConfig(seq_len=100, n=4, dp=1, max_seq_len=150, max_delay=8, cut_policy=policy)
+    packer = make_packer("wlb", cfg)
+    batches = list(packer.pack(lengths))
+    assert packer.fill_releases > 0
+    pieces = [p for b in batches for p in b.pieces()]
+    by_doc: dict[int, list] = {}
+    for p in pieces:
+        by_doc.setdefault(p.doc_id, []).append(p)
+    assert sorted(by_doc) == list(range(lengths.size))
+    for d, ps in by_doc.items():  # each document exactly once: contiguous pieces covering it
+        ps.sort(key=lambda p: p.offset)
+        assert ps[0].offset == 0 and sum(p.length for p in ps) == lengths[d]
+        assert all(a.offset + a.length == b.offset for a, b in zip(ps, ps[1:]))
+    assert max(b.iteration - p.arrival for b in batches for p in b.pieces()) <= cfg.max_delay
+    ratios = []
+    for b in batches:
+        w = [sum(x * x for x in mb.lengths) for mb in b.micro_batches]
+        if sum(w):
+            ratios.append(max(w) / np.mean(w))
+    lonely = [len(by_doc[d]) for d in range(lengths.size) if lengths[d] == 140]
+    extra = sum(len(ps) - (1 if lengths[d] <= 150 else 6) for d, ps in by_doc.items())
+    assert extra == packer.cut_stats["cut_points"]
+    if policy == "any":
+        assert set(lonely) == {4}, lonely  # the fewest pieces that balance, no more
+        assert max(ratios) <= 1.2, ratios  # what is left: 10-token granularity
+    else:
+        assert set(lonely) == {1}  # documents within S_max are cut only by "any"
+        assert max(ratios) > 3

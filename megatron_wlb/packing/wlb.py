@@ -49,8 +49,9 @@ Extensions beyond the paper (docs/packing.md has the measurements):
     budget unless no waiting piece fits: the intake reads that much even while repaying an
     overshoot, and waiting pieces are released early, shortest first.
 (g) ``cut_policy`` (opt-in): a forced outlier whose group cannot be balanced is cut into the
-    fewest pieces that can ("overlong": only pieces of documents longer than S_max; "any"),
-    counted in ``cut_stats``.
+    fewest pieces that can ("overlong": only pieces of documents longer than S_max; "any"), and
+    so are the outliers the fill rule (f) releases early into an iteration whose ordinary
+    documents cannot balance them (``_cut_early``); counted in ``cut_stats``.
 """
 
 from __future__ import annotations
@@ -260,9 +261,11 @@ class WlbPacker(Packer):
             early = self._early_release(waiting, cfg.min_fill * cfg.tokens_per_iteration - have)
             if early:
                 picked = set(early)
-                candidates.extend(early)
                 waiting = [p for p in waiting if p not in picked]
                 self.fill_releases += len(early)
+                if cfg.cut_policy != "none":
+                    early = self._cut_early(early, forced + candidates, l1, per_token)
+                candidates.extend(early)
         # Forced pieces first, in a pass of their own: one that fits nowhere whole is cut into the
         # micro-batches with most room *before* any newer piece can take that room, so the delay
         # bound holds whenever one iteration's intake fits in dp * n * max_seq_len.
@@ -350,6 +353,13 @@ class WlbPacker(Packer):
             if size < l1 or size <= 1 or self._closable([size] * k, per_token):
                 break
             k += 1
+        return self._cut_into(p, k)
+
+    def _cut_into(self, p: DocPiece, k: int) -> list[DocPiece]:
+        """``p`` as ``k`` contiguous pieces of near-equal length (``p`` itself for k = 1); the cut
+        points, tokens and pieces are counted in ``cut_stats``."""
+        if k <= 1:
+            return [p]
         sizes = [p.length // k + (1 if i < p.length % k else 0) for i in range(k)]
         out, off = [], p.offset
         for size in sizes:
@@ -359,6 +369,70 @@ class WlbPacker(Packer):
         self.cut_stats["tokens"] += p.length
         self.cut_stats["pieces"] += k
         return out
+
+    def _balanceable(self, lengths: list[int], per_token: float, ordinary: int) -> bool:
+        """Whether outlier pieces of ``lengths`` (any number; dealt heaviest first to the least
+        loaded micro-batch) and ``ordinary`` tokens of ordinary documents (``per_token`` latency
+        each) can be balanced: the heaviest micro-batch's outliers stay within ``CLOSE_TOLERANCE``
+        of the mean and every micro-batch has the room its ordinary share needs. With one outlier
+        per micro-batch and ``ordinary`` = the budget minus the outliers this is ``_closable``."""
+        m = self.config.micro_batches_per_iteration
+        if per_token <= 0 or not lengths:
+            return True
+        order = np.argsort(-np.asarray(lengths, dtype=np.int64), kind="stable")
+        lens = np.asarray(lengths, dtype=np.int64)[order]
+        w = piece_latency(self.cost, lens)
+        bw = np.zeros(m)
+        bt = np.zeros(m, dtype=np.int64)
+        for d, x in zip(lens.tolist(), w.tolist()):
+            j = int(np.argmin(bw))
+            bw[j] += x
+            bt[j] += d
+        if int(bt.max()) > self.capacity:
+            return False
+        mean = (float(bw.sum()) + per_token * ordinary) / m
+        return bool(bw.max() <= mean * (1 + CLOSE_TOLERANCE) and
+                    np.all(mean - bw <= per_token * (self.capacity - bt) + 1e-12 * mean))
+
+    def _cut_early(self, early: list[DocPiece], others: list[DocPiece], l1: int,
+                   per_token: float) -> list[DocPiece]:
+        """The cut policy on the fill rule's early releases (f, g): when the iteration (``others``
+        plus ``early``) holds outliers its ordinary documents cannot balance (``_balanceable``),
+        cut the released outliers the policy may cut, heaviest piece first, one more piece at a
+        time, into the fewest pieces that can be balanced (or until they are ordinary, below
+        L_1). Nothing is cut when even that would not balance the iteration. Counted in
+        ``cut_stats``."""
+        cuttable = [p for p in early if p.length >= l1 and self._may_cut(p)]
+        if not cuttable:
+            return early
+        chosen = set(cuttable)
+        pieces = others + early
+        fixed = [p.length for p in pieces if p.length >= l1 and p not in chosen]
+        ordinary = sum(p.length for p in pieces if p.length < l1)
+
+        def balanced(ks: list[int]) -> bool:
+            big, small = list(fixed), ordinary
+            for p, k in zip(cuttable, ks):
+                sizes = [p.length // k + (1 if i < p.length % k else 0) for i in range(k)]
+                for x in sizes:
+                    if x >= l1:
+                        big.append(x)
+                    else:
+                        small += x
+            return self._balanceable(big, per_token, small)
+
+        ks = [1] * len(cuttable)
+        if balanced(ks):
+            return early
+        floor = [max(1, -(-p.length // max(1, l1 - 1))) for p in cuttable]  # pieces below L_1
+        while not balanced(ks):
+            i = max((i for i in range(len(cuttable)) if ks[i] < floor[i]),
+                    key=lambda i: (-(-cuttable[i].length // ks[i]), -i), default=-1)
+            if i < 0:
+                break
+            ks[i] += 1
+        cut = {p: k for p, k in zip(cuttable, ks) if k > 1}
+        return [q for p in early for q in (self._cut_into(p, cut[p]) if p in cut else [p])]
 
     @staticmethod
     def _companions(queue: list[DocPiece], k: int, anchor: int) -> list[DocPiece]:
