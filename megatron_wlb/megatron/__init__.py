@@ -207,6 +207,9 @@ def _wrap_validate_args(original: Callable) -> Callable:
         from megatron_wlb.megatron import cp_hooks
 
         cp_hooks.install(settings)
+        from megatron_wlb.megatron import timing
+
+        timing.install()  # before the model config copies finalize_model_grads
         return out
 
     return validate_args
@@ -246,6 +249,8 @@ def _wrap_build_iterators(original: Callable, mods: dict[str, Any]) -> Callable:
         first = not _RUNTIME.registry.iterators
         iterator = build_train_iterator(args, settings, *_ranks(), on_batch=_RUNTIME.logger.on_batch if first else None)
         _RUNTIME.registry.register(iterator)
+        if first:
+            _start_recorder(args, settings, iterator.n, _RUNTIME.logger.cost)
         mods["utils"].print_rank_0(f"> megatron_wlb: {settings.packing} packing of {len(iterator.stream)} documents "
                                    f"({iterator.stream.tokens} tokens), {iterator.n} micro-batches per DP rank "
                                    f"per iteration, CP sharding {settings.cp_sharding}")
@@ -259,6 +264,54 @@ def _wrap_build_iterators(original: Callable, mods: dict[str, Any]) -> Callable:
         return RerunDataIterator(iterator), evals[0], evals[1]
 
     return build_train_valid_test_data_iterators
+
+
+def _start_recorder(args: Any, settings: WlbSettings, n: int, cost: CostModel | None) -> None:
+    """Time this rank's training steps from now on (``timing.Recorder``; a trace file with ``--wlb-trace``)."""
+    import torch
+    from megatron.core import package_info, parallel_state
+
+    from megatron_wlb.cli.common import machine
+    from megatron_wlb.megatron import timing
+    from megatron_wlb.megatron.cp_hooks import training_device
+
+    pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
+    vpp = int(getattr(args, "virtual_pipeline_model_parallel_size", None) or 1)
+    ids = timing.RankIds(rank=torch.distributed.get_rank(), dp=parallel_state.get_data_parallel_rank(),
+                         pp=parallel_state.get_pipeline_model_parallel_rank(),
+                         cp=parallel_state.get_context_parallel_rank(),
+                         tp=parallel_state.get_tensor_model_parallel_rank(),
+                         dp_size=parallel_state.get_data_parallel_world_size(),
+                         cp_size=parallel_state.get_context_parallel_world_size(),
+                         tp_size=parallel_state.get_tensor_model_parallel_world_size(),
+                         layers_per_chunk=max(1, int(args.num_layers) // (pp * vpp)))
+    cuda = training_device().type == "cuda"
+    header = {"device": torch.cuda.get_device_name() if cuda else machine(),
+              "model": cost.model.to_dict() if cost is not None else None,
+              "layout": {"tp": ids.tp_size, "cp": ids.cp_size, "pp": pp, "dp": ids.dp_size, "vpp": vpp},
+              "cost_model": cost.describe() if cost is not None else None, "settings": settings.to_dict(),
+              "megatron_core": str(package_info.__version__), "torch": torch.__version__}
+    registry = _RUNTIME.registry
+
+    def chunk_of(iterator: Any) -> int | None:
+        return next((i for i, it in enumerate(registry.iterators) if it is iterator), None)
+
+    timing.activate(timing.Recorder(timing.CudaClock() if cuda else timing.CpuClock(), ids, cost, n, chunk_of,
+                                    trace=settings.trace, header=header))
+
+
+def _measure(due: bool) -> Any:
+    """Flush this rank's timing (trace rows) and, on a logged iteration, measure over every rank."""
+    from megatron_wlb.megatron import timing
+
+    recorder = timing.active()
+    if recorder is None:
+        return None
+    target = recorder.log_target
+    recorder.flush(through=target)
+    if not due or target < 0:
+        return None
+    return recorder.measure(target, timing.all_reduce)
 
 
 def _eval_iterator(args: Any, settings: WlbSettings, split_name: str, megatron_iterator: Callable[[], Any],
@@ -384,7 +437,8 @@ def apply(*, check_version: bool = True, middle_stage_batches: bool = False) -> 
                             lambda f: wrap_save_checkpoint(f, _RUNTIME.registry, get_args, _is_rank0, settings_dict)),
         "load_checkpoint": (mods["checkpointing"].load_checkpoint,
                             lambda f: wrap_load_checkpoint(f, _RUNTIME.registry, get_args, settings_dict)),
-        "training_log": (mods["training"].training_log, lambda f: wrap_training_log(f, lambda: _RUNTIME.logger)),
+        "training_log": (mods["training"].training_log,
+                         lambda f: wrap_training_log(f, lambda: _RUNTIME.logger, _measure)),
     }
     # core < 0.18 (pinned core_v0.16.1): pretrain_gpt.get_batch reads the batch on TP rank 0 and broadcasts
     # it through megatron.training.utils.get_batch_on_this_tp_rank; our iterator is read on every rank.

@@ -68,7 +68,7 @@ def add_wlb_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = parser.add_argument_group(title="WLB-LLM", description="workload-balanced packing and CP sharding "
                                   "(megatron_wlb; see docs/megatron.md)")
     choices = {"packing": PACKER_NAMES, "cp_sharding": cp_sharding_names()}
-    metavars = {"cost_profile": "PATH", "config": "NAME|YAML"}
+    metavars = {"cost_profile": "PATH", "config": "NAME|YAML", "trace": "PATH"}
     for (flag, _, default, text), name in zip(flag_table(), WlbSettings.names()):
         knob = FLAG_KNOBS.get(name)
         kind = _flag_type(knob, flag) if knob else (int if name == "log_interval" else str)

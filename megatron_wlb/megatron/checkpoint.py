@@ -141,7 +141,7 @@ def candidate_dirs(margs: Any, load_arg: str, iteration: int) -> list[str]:
 
 
 #: settings that may change on resume (they do not shape the plan)
-RESUMABLE_SETTINGS = frozenset({"log_interval"})
+RESUMABLE_SETTINGS = frozenset({"log_interval", "trace"})
 
 
 def settings_difference(saved: dict[str, Any] | None, now: dict[str, Any] | None) -> list[str]:

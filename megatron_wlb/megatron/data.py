@@ -131,6 +131,8 @@ class WlbDataIterator(Iterator[RankMicroBatch]):
             raise ValueError(f"dp_rank {dp_rank} is outside [0, {packer.config.dp}) of the packer's config")
         self.on_batch = on_batch
         self.yielded = 0
+        #: the micro-batch yielded last (what the step timing attributes a forward step to)
+        self.last: RankMicroBatch | None = None
         self.current: GlobalBatch | None = None
         self._mine: tuple[MicroBatch, ...] = ()
         self._cursor = 0
@@ -152,6 +154,11 @@ class WlbDataIterator(Iterator[RankMicroBatch]):
         return batch
 
     @property
+    def position(self) -> int:
+        """Micro-batches of the current iteration read so far (the last one's index is ``position - 1``)."""
+        return self._cursor
+
+    @property
     def iteration(self) -> int:
         """The iteration of the plan being read (-1 before the first)."""
         return -1 if self.current is None else self.current.iteration
@@ -171,7 +178,8 @@ class WlbDataIterator(Iterator[RankMicroBatch]):
         mb = self._mine[self._cursor]
         self._cursor += 1
         self.yielded += 1
-        return rank_micro_batch(self.read, mb, self.sharding, verify_layout=self.yielded <= AGREEMENT_CHECKS)
+        self.last = rank_micro_batch(self.read, mb, self.sharding, verify_layout=self.yielded <= AGREEMENT_CHECKS)
+        return self.last
 
     # -- checkpointing ----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -31,7 +31,9 @@ class WlbSettings:
     - ``cp_sharding``: CP layout of each micro-batch (docs/cp.md).
     - ``cost_profile``: a calibrated cost-model profile JSON written by ``wlb calibrate`` (None = analytic model).
     - ``config``: a shipped config name or YAML path whose packing section supplies the defaults.
-    - ``log_interval``: log the packing metrics every this many iterations.
+    - ``log_interval``: log the packing metrics (and the measured ones) every this many iterations.
+    - ``trace``: write a per-micro-batch timing trace, one JSON-lines file per rank (PATH-rank00000.jsonl,
+      ...), for `wlb calibrate --from-trace` (None = no trace; the measured metrics are logged either way).
 
     Every ``PackingConfig`` knob (``FLAG_KNOBS``: ``max_seq_len``, ``queue_thresholds``,
     ``max_delay``, ...) is an attribute too; only values that differ from ``PackingConfig``'s
@@ -43,12 +45,14 @@ class WlbSettings:
     cost_profile: str | None = None
     config: str | None = None
     log_interval: int = 1
+    trace: str | None = None
     packer_knobs: tuple[tuple[str, Any], ...] = ()
 
     def __init__(self, packing: str = "wlb", cp_sharding: str = "adaptive", cost_profile: str | None = None,
-                 config: str | None = None, log_interval: int = 1, packer_knobs: tuple = (), **knobs: Any) -> None:
+                 config: str | None = None, log_interval: int = 1, trace: str | None = None,
+                 packer_knobs: tuple = (), **knobs: Any) -> None:
         for name, value in (("packing", packing), ("cp_sharding", cp_sharding), ("cost_profile", cost_profile),
-                            ("config", config), ("log_interval", log_interval)):
+                            ("config", config), ("log_interval", log_interval), ("trace", trace)):
             object.__setattr__(self, name, value)
         knobs = {**dict(packer_knobs), **knobs}  # packer_knobs: what dataclasses.replace passes back
         unknown = sorted(set(knobs) - set(FLAG_KNOBS))

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from megatron_wlb.costmodel.measured import MeasuredIteration
 from megatron_wlb.megatron.rebind import wrapping
 from megatron_wlb.packing.types import GlobalBatch
 
@@ -74,6 +75,13 @@ def format_metrics(m: IterationMetrics) -> str:
             f"delay {m.mean_delay:.2f} (max {m.max_delay}) | plan {m.plan_ms:.1f} ms")
 
 
+def format_measured(m: MeasuredIteration) -> str:
+    """The measured counterpart of ``format_metrics`` (``costmodel.measured``), one log line."""
+    return (f" [wlb] measured iteration {m.iteration + 1:8d} | slowest rank {m.slowest_s * 1e3:.1f} ms "
+            f"(wall {m.wall_s * 1e3:.1f} ms) | idle {m.idle_fraction:.3f} | imbalance {m.imbalance:.3f} "
+            f"(planned {m.imbalance_planned:.3f}) | cost model MAPE {m.mape:.1%} | tokens {m.tokens}")
+
+
 class WlbMetricsLogger:
     """Collects the latest plan's metrics and writes them every ``log_interval`` iterations.
 
@@ -126,15 +134,23 @@ class WlbMetricsLogger:
             self.latest = iteration_metrics(self._batch, self.cost, self.seq_len, self.stages, self.virtual_stages)
         return self.latest
 
-    def log(self, iteration: int) -> IterationMetrics | None:
-        """Write the latest plan's metrics if ``iteration`` (Megatron's, 1-based) is on the interval."""
-        if iteration % self.log_interval:
+    def due(self, iteration: int) -> bool:
+        """Whether ``iteration`` (Megatron's, 1-based) is on the log interval."""
+        return iteration % self.log_interval == 0
+
+    def log(self, iteration: int, measured: MeasuredIteration | None = None) -> IterationMetrics | None:
+        """Write the latest plan's metrics if ``iteration`` (Megatron's, 1-based) is on the interval,
+        with what an earlier (``measured.iteration``) or this iteration measured on every rank."""
+        if not self.due(iteration):
             return None
         m = self.metrics()
         if m is None:
             return None
         scalars = m.scalars()
         line = format_metrics(m)
+        if measured is not None:
+            scalars.update(measured.scalars(PREFIX))
+            line += "\n" + format_measured(measured)
         rate = self.throughput()
         if rate is not None:
             scalars[f"{PREFIX}/tokens_per_s"], scalars[f"{PREFIX}/model_tflops_per_gpu"] = rate
@@ -151,9 +167,13 @@ class WlbMetricsLogger:
         return m
 
 
-def wrap_training_log(original: Callable[..., Any],
-                      logger_of: Callable[[], WlbMetricsLogger | None]) -> Callable[..., Any]:
-    """Megatron's ``training_log(loss_dict, total_loss_dict, learning_rate, iteration, ...)``, then ours."""
+def wrap_training_log(original: Callable[..., Any], logger_of: Callable[[], WlbMetricsLogger | None],
+                      measure: Callable[[bool], MeasuredIteration | None] | None = None) -> Callable[..., Any]:
+    """Megatron's ``training_log(loss_dict, total_loss_dict, learning_rate, iteration, ...)``, then ours.
+
+    ``measure(due)`` is called on every rank every iteration (it writes the timing trace) and, when
+    ``due`` (a logged iteration), returns what was measured over all ranks: a collective, which is why
+    it runs here, where every rank passes, and not inside the rank-0 printing."""
 
     @wrapping(original)
     def training_log(*args: Any, **kwargs: Any) -> Any:
@@ -161,7 +181,8 @@ def wrap_training_log(original: Callable[..., Any],
         iteration = kwargs.get("iteration", args[3] if len(args) > 3 else None)
         logger = logger_of()
         if logger is not None and iteration is not None:
-            logger.log(int(iteration))
+            measured = measure(logger.due(int(iteration))) if measure is not None else None
+            logger.log(int(iteration), measured)
         return out
 
     return training_log

@@ -1,0 +1,197 @@
+"""The measured-execution trace: one row per micro-batch per rank and model chunk, as JSON lines.
+
+Written by the Megatron adapter (``megatron_wlb.megatron.timing``, ``--wlb-trace PATH``), read by
+``wlb calibrate --from-trace`` and ``scripts/bench_measured.py``. Pure: no torch, no Megatron.
+
+Every rank writes its own file, ``trace_path_for_rank(PATH, rank)`` (``trace.jsonl`` ->
+``trace-rank00003.jsonl``); ``read_trace(PATH)`` reads the file itself if it exists, else every
+rank's file. Each file starts with one ``header`` row, then per iteration the ``micro_batch`` rows
+of that rank and one ``iteration`` row::
+
+    {"kind": "header", "format": TRACE_FORMAT, "rank": 0, "device": "...", "clock": "cpu"|"cuda",
+     "model": ModelShape fields, "layout": {"tp", "cp", "pp", "dp", "vpp"}, "cost_model": "...",
+     "settings": {...}}
+    {"kind": "micro_batch", "iteration": 3, "rank": 0, "dp": 0, "pp": 0, "cp": 0, "tp": 0, "chunk": 0,
+     "micro_batch": 1, "layers": 2, "tokens": 1024, "sum_d2": 3.1e5, "lengths": [...],
+     "rank_tokens": 512, "rank_pairs": 8.1e4, "pred_fwd_s": ..., "pred_bwd_s": ...,
+     "fwd_s": ..., "bwd_s": ..., "wait_fwd_s": ..., "wait_bwd_s": ...}
+    {"kind": "iteration", "iteration": 3, "rank": 0, "dp": 0, "pp": 0, "cp": 0, "tp": 0,
+     "wall_s": ..., "compute_s": ..., "pp_wait_s": ..., "dp_wait_s": ..., "micro_batches": 4}
+
+Field meanings (seconds are measured on this rank: a monotonic clock on the CPU, CUDA events on a GPU):
+
+- ``tokens`` / ``sum_d2`` / ``lengths``: the whole micro-batch as planned (every CP rank's tokens, the
+  pieces' lengths); ``rank_tokens`` / ``rank_pairs``: this CP rank's query rows and the causal
+  (query, key) pairs its attention computes (``cp.layouts.RankShard``), what its time depends on;
+- ``layers``: transformer layers in this model chunk (the fit divides by it: profiles are per layer);
+- ``pred_fwd_s`` / ``pred_bwd_s``: the run's cost model for this rank's share, times ``layers``;
+- ``fwd_s`` / ``bwd_s``: the chunk's forward / backward step (Megatron's ``forward_step`` /
+  ``backward_step``: embedding and loss included on the first / last stage);
+- ``wait_fwd_s`` / ``wait_bwd_s``: seconds in pipeline sends/receives since this rank's previous
+  step, i.e. what this step waited for;
+- ``wall_s``: the rank's forward-backward pass (first step start to the gradient reduction's end);
+  ``compute_s``: the sum of its steps; ``pp_wait_s``: pipeline send/receive seconds; ``dp_wait_s``:
+  Megatron's ``finalize_model_grads`` (the DP gradient reduction, waiting for the slowest rank).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+TRACE_FORMAT = "megatron-wlb-trace/1"
+
+
+@dataclass(frozen=True)
+class MicroBatchRow:
+    """One micro-batch's forward and backward on one rank and model chunk (see the module docstring)."""
+
+    iteration: int
+    rank: int
+    dp: int
+    pp: int
+    cp: int
+    tp: int
+    chunk: int
+    micro_batch: int
+    layers: int
+    tokens: int
+    sum_d2: float
+    lengths: tuple[int, ...]
+    rank_tokens: int
+    rank_pairs: float
+    pred_fwd_s: float
+    pred_bwd_s: float
+    fwd_s: float
+    bwd_s: float
+    wait_fwd_s: float
+    wait_bwd_s: float
+
+    kind = "micro_batch"
+
+    @property
+    def measured_s(self) -> float:
+        return self.fwd_s + self.bwd_s
+
+    @property
+    def predicted_s(self) -> float:
+        return self.pred_fwd_s + self.pred_bwd_s
+
+
+@dataclass(frozen=True)
+class IterationRow:
+    """One rank's forward-backward pass of one iteration (see the module docstring)."""
+
+    iteration: int
+    rank: int
+    dp: int
+    pp: int
+    cp: int
+    tp: int
+    wall_s: float
+    compute_s: float
+    pp_wait_s: float
+    dp_wait_s: float
+    micro_batches: int
+
+    kind = "iteration"
+
+
+@dataclass(frozen=True)
+class Trace:
+    """Every rank's rows of one run: headers (one per rank file), micro-batch and iteration rows."""
+
+    headers: tuple[dict[str, Any], ...]
+    micro_batches: tuple[MicroBatchRow, ...]
+    iterations: tuple[IterationRow, ...]
+
+    def after_warmup(self, warmup: int) -> Trace:
+        """The rows of iterations ``>= warmup`` (0-based plan iterations)."""
+        return Trace(self.headers, tuple(r for r in self.micro_batches if r.iteration >= warmup),
+                     tuple(r for r in self.iterations if r.iteration >= warmup))
+
+
+def row_to_json(row: MicroBatchRow | IterationRow) -> str:
+    """One JSON line (``kind`` first)."""
+    out: dict[str, Any] = {"kind": row.kind, **asdict(row)}
+    if isinstance(row, MicroBatchRow):
+        out["lengths"] = list(row.lengths)
+    return json.dumps(out, separators=(",", ":"))
+
+
+def trace_path_for_rank(path: str | os.PathLike[str], rank: int) -> Path:
+    """Rank ``rank``'s file of the trace ``path``: ``trace.jsonl`` -> ``trace-rank00003.jsonl``."""
+    p = Path(path)
+    return p.with_name(f"{p.stem}-rank{rank:05d}{p.suffix}")
+
+
+def trace_files(path: str | os.PathLike[str]) -> list[Path]:
+    """The files of the trace ``path``: the file itself if it exists, else every rank's file."""
+    p = Path(path)
+    if p.is_file():
+        return [p]
+    files = sorted(Path(f) for f in glob.glob(str(p.with_name(f"{glob.escape(p.stem)}-rank[0-9]*{p.suffix}"))))
+    if not files:
+        raise ValueError(f"{path}: no trace there (expected the file or its per-rank files "
+                         f"{trace_path_for_rank(p, 0).name}, ...); write one with --wlb-trace {path}")
+    return files
+
+
+_MB_FIELDS = {f.name for f in fields(MicroBatchRow)}
+_IT_FIELDS = {f.name for f in fields(IterationRow)}
+
+
+def _rows(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
+    with open(path) as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{number}: not a JSON line ({exc.msg})") from None
+            if not isinstance(row, dict) or "kind" not in row:
+                raise ValueError(f"{path}:{number}: expected an object with a 'kind' "
+                                 "(header, micro_batch or iteration)")
+            yield number, row
+
+
+def read_trace(paths: str | os.PathLike[str] | Iterable[str | os.PathLike[str]]) -> Trace:
+    """Every row of a trace (one path, its per-rank files, or several paths); raises ValueError naming
+    the file and line of a malformed row."""
+    if isinstance(paths, (str, os.PathLike)):
+        files = trace_files(paths)
+    else:
+        files = [f for p in paths for f in trace_files(p)]
+    headers: list[dict[str, Any]] = []
+    mbs: list[MicroBatchRow] = []
+    its: list[IterationRow] = []
+    for path in files:
+        for number, row in _rows(path):
+            kind = row["kind"]
+            if kind == "header":
+                if row.get("format") != TRACE_FORMAT:
+                    raise ValueError(f"{path}:{number}: trace format {row.get('format')!r}, expected "
+                                     f"{TRACE_FORMAT!r}")
+                headers.append(row)
+                continue
+            wanted = {"micro_batch": _MB_FIELDS, "iteration": _IT_FIELDS}.get(kind)
+            if wanted is None:
+                raise ValueError(f"{path}:{number}: unknown row kind {kind!r}; valid: header, micro_batch, iteration")
+            missing = wanted - set(row)
+            if missing:
+                raise ValueError(f"{path}:{number}: {kind} row lacks {', '.join(sorted(missing))}")
+            values = {k: row[k] for k in wanted}
+            if kind == "micro_batch":
+                values["lengths"] = tuple(int(x) for x in values["lengths"])
+                mbs.append(MicroBatchRow(**values))
+            else:
+                its.append(IterationRow(**values))
+    if not headers:
+        raise ValueError(f"{', '.join(map(str, files))}: no header row: not a megatron-wlb trace")
+    return Trace(tuple(headers), tuple(mbs), tuple(its))

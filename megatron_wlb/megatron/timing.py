@@ -1,0 +1,430 @@
+"""Per-micro-batch timing inside Megatron's training loop: the measured side of the cost model.
+
+``install(recorder)`` wraps, in ``megatron.core.pipeline_parallel.schedules`` and
+``megatron.training.training`` (module globals, so every schedule picks them up):
+
+- the three ``forward_backward_*`` schedule functions: one *pass* per training step
+  (``forward_only`` passes, i.e. evaluation, are not recorded);
+- ``forward_step`` / ``backward_step``: each micro-batch's forward and backward per model chunk; the
+  micro-batch is the one our ``WlbDataIterator`` just yielded to that chunk, its backward is found by
+  the identity of the output the schedule hands back;
+- ``P2PCommunicator``'s send/receive methods: pipeline waits, charged to the next step;
+- ``finalize_model_grads``: the DP gradient reduction (a rank that finished early waits here).
+
+Timestamps come from a ``Clock``: ``CpuClock`` reads a monotonic clock; ``CudaClock`` records CUDA
+events on the current stream and reads them only once they have completed (``query()``), so nothing
+synchronises on the critical path. ``Recorder.flush()`` (called from ``training_log`` every
+iteration) turns completed passes into ``costmodel.trace`` rows, writes them to this rank's trace file
+(``--wlb-trace PATH``), and returns them; ``Recorder.measure()`` reduces one iteration over all ranks
+with two small all-reduces (``costmodel.measured.IterationTotals``) into the ``wlb/measured_*`` scalars.
+
+Overhead: two clock reads per step and per pipeline call, one dict entry per micro-batch in flight,
+one JSON line per micro-batch at flush; measured in ``scripts/bench_measured.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any, Protocol
+
+import numpy as np
+
+from megatron_wlb.costmodel import CostModel, causal_pairs
+from megatron_wlb.costmodel.measured import IterationTotals, MeasuredIteration
+from megatron_wlb.costmodel.trace import (
+    TRACE_FORMAT,
+    IterationRow,
+    MicroBatchRow,
+    row_to_json,
+    trace_path_for_rank,
+)
+from megatron_wlb.megatron.data import RankMicroBatch
+from megatron_wlb.megatron.rebind import is_wrapper, wrapping
+from megatron_wlb.packing.metrics import microbatch_seconds, piece_forward, piece_latency
+
+#: the pipeline communicator's methods whose time is waiting (every send/receive of core 0.16 and 0.19)
+P2P_METHODS = ("recv_forward", "recv_backward", "send_forward", "send_backward", "send_forward_recv_backward",
+               "send_backward_recv_forward", "send_forward_recv_forward", "send_backward_recv_backward",
+               "send_forward_backward_recv_forward_backward")
+SCHEDULES = ("forward_backward_no_pipelining", "forward_backward_pipelining_with_interleaving",
+             "forward_backward_pipelining_without_interleaving")
+
+
+class Clock(Protocol):
+    """Where timestamps come from; ``seconds`` is only called on stamps that are ``ready``."""
+
+    kind: str
+    #: iterations the training log stays behind, so that it reads only completed stamps
+    lag: int
+
+    def stamp(self) -> Any: ...
+
+    def ready(self, stamp: Any) -> bool: ...
+
+    def wait(self, stamp: Any) -> None: ...
+
+    def seconds(self, start: Any, end: Any) -> float: ...
+
+
+class CpuClock:
+    """A monotonic clock: the CPU executes synchronously, so a stamp is final when taken."""
+
+    kind = "cpu"
+    lag = 0
+
+    def stamp(self) -> float:
+        return time.perf_counter()
+
+    def ready(self, stamp: Any) -> bool:
+        return True
+
+    def wait(self, stamp: Any) -> None:
+        return None
+
+    def seconds(self, start: Any, end: Any) -> float:
+        return float(end - start)
+
+
+class CudaClock:
+    """CUDA events recorded on the current stream; read only after they completed (no host sync)."""
+
+    kind = "cuda"
+    lag = 1  # the training log measures the previous iteration, whose events have long completed
+
+    def __init__(self, event_type: Any = None):
+        if event_type is None:
+            import torch
+
+            event_type = torch.cuda.Event
+        self.event_type = event_type
+
+    def stamp(self) -> Any:
+        event = self.event_type(enable_timing=True)
+        event.record()
+        return event
+
+    def ready(self, stamp: Any) -> bool:
+        return bool(stamp.query())
+
+    def wait(self, stamp: Any) -> None:
+        stamp.synchronize()
+
+    def seconds(self, start: Any, end: Any) -> float:
+        return float(start.elapsed_time(end)) / 1e3
+
+
+Span = tuple[Any, Any]
+
+
+@dataclass
+class _Step:
+    """One micro-batch on one chunk: what was planned, and the stamps of its forward and backward."""
+
+    iteration: int
+    chunk: int
+    micro_batch: int
+    tokens: int
+    sum_d2: float
+    lengths: tuple[int, ...]
+    rank_tokens: int
+    rank_pairs: float
+    pred_fwd_s: float
+    pred_bwd_s: float
+    fwd: Span
+    wait_fwd: list[Span]
+    bwd: Span | None = None
+    wait_bwd: list[Span] = field(default_factory=list)
+
+
+@dataclass
+class _Pass:
+    """One rank's forward-backward pass (one training step)."""
+
+    start: Any
+    steps: list[_Step] = field(default_factory=list)
+    p2p: list[Span] = field(default_factory=list)
+    dp: list[Span] = field(default_factory=list)
+    end: Any = None
+
+
+@dataclass(frozen=True)
+class RankIds:
+    """This process's place in the 4D layout, and the sizes the measurement needs."""
+
+    rank: int
+    dp: int
+    pp: int
+    cp: int
+    tp: int
+    dp_size: int
+    cp_size: int
+    tp_size: int
+    layers_per_chunk: int
+
+
+def rank_share(batch: RankMicroBatch) -> tuple[int, float]:
+    """(query rows, causal (query, key) pairs) this CP rank's attention computes for ``batch``."""
+    shard = batch.plan.shard
+    q = np.diff(shard.cu_seqlens_q)
+    k = np.diff(shard.cu_seqlens_k)
+    return int(q.sum()), float(causal_pairs(q, k).sum()) if q.size else 0.0
+
+
+class Recorder:
+    """Times this rank's steps (see the module docstring); ``chunk_of(iterator)`` names the model chunk
+    whose ``WlbDataIterator`` an iterator is (None: not a training iterator, not recorded)."""
+
+    def __init__(self, clock: Clock, ids: RankIds, cost: CostModel | None, n: int,
+                 chunk_of: Callable[[Any], int | None], trace: str | Path | None = None,
+                 header: dict[str, Any] | None = None):
+        self.clock, self.ids, self.cost, self.n = clock, ids, cost, n
+        self.chunk_of = chunk_of
+        self._pass: _Pass | None = None
+        self._passes: list[_Pass] = []
+        self._in_flight: dict[int, tuple[Any, _Step]] = {}
+        self._p2p_since: list[Span] = []
+        self._resolved: dict[int, IterationTotals] = {}
+        self.latest = -1  # plan iteration of the newest recorded pass
+        self._file: IO[str] | None = None
+        self.path = trace_path_for_rank(trace, ids.rank) if trace is not None else None
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(self.path, "w")
+            head = {"kind": "header", "format": TRACE_FORMAT, "rank": ids.rank, "clock": clock.kind,
+                    **(header or {})}
+            self._file.write(json.dumps(head, separators=(",", ":")) + "\n")
+            self._file.flush()
+
+    # -- what the hooks call ---------------------------------------------------------------------
+    def begin_pass(self) -> None:
+        self._pass = _Pass(self.clock.stamp())
+        self._p2p_since = []
+
+    def end_pass(self) -> None:
+        if self._pass is None:
+            return
+        self._pass.end = self.clock.stamp()
+        if self._pass.steps:
+            self._passes.append(self._pass)
+            self.latest = self._pass.steps[0].iteration
+        self._pass = None
+        self._in_flight.clear()
+
+    def p2p(self, span: Span) -> None:
+        if self._pass is not None:
+            self._pass.p2p.append(span)
+            self._p2p_since.append(span)
+
+    def dp_wait(self, span: Span) -> None:
+        if self._pass is not None:
+            self._pass.dp.append(span)
+
+    def forward(self, iterator: Any, output: Any, span: Span) -> None:
+        """A forward step ran on ``iterator``'s chunk and returned ``output`` (its backward's key)."""
+        if self._pass is None:
+            return
+        inner = getattr(iterator, "iterable", iterator)  # Megatron's RerunDataIterator wraps ours
+        chunk = self.chunk_of(inner)
+        batch = getattr(inner, "last", None)
+        if chunk is None or not isinstance(batch, RankMicroBatch):
+            return
+        lengths = tuple(p.length for p in batch.micro_batch.pieces)
+        pred_fwd = pred_bwd = 0.0
+        if self.cost is not None and lengths:
+            fwd, bwd = microbatch_seconds(self.cost, np.array([piece_latency(self.cost, lengths).sum()]),
+                                          np.array([piece_forward(self.cost, lengths).sum()]))
+            layers = self.ids.layers_per_chunk
+            pred_fwd, pred_bwd = float(fwd[0]) * layers, float(bwd[0]) * layers
+        rank_tokens, rank_pairs = rank_share(batch)
+        d = np.asarray(lengths, dtype=np.float64)
+        step = _Step(iteration=inner.iteration, chunk=chunk, micro_batch=inner.position - 1, tokens=int(d.sum()),
+                     sum_d2=float((d * d).sum()), lengths=lengths, rank_tokens=rank_tokens, rank_pairs=rank_pairs,
+                     pred_fwd_s=pred_fwd, pred_bwd_s=pred_bwd, fwd=span, wait_fwd=self._p2p_since)
+        self._p2p_since = []
+        self._pass.steps.append(step)
+        self._in_flight[id(output)] = (output, step)  # the reference keeps the id unique until backward
+
+    def backward(self, output: Any, span: Span) -> None:
+        found = self._in_flight.pop(id(output), None)
+        if found is None:
+            return
+        step = found[1]
+        step.bwd, step.wait_bwd = span, self._p2p_since
+        self._p2p_since = []
+
+    # -- reading the stamps ------------------------------------------------------------------------
+    @property
+    def log_target(self) -> int:
+        """The plan iteration the training log measures now: the newest, ``clock.lag`` behind."""
+        return self.latest - self.clock.lag
+
+    def flush(self, through: int | None = None) -> list[MicroBatchRow | IterationRow]:
+        """Rows of every pass whose stamps have completed (and of every pass up to plan iteration
+        ``through``, waiting for its last stamp), oldest first; written to the trace file."""
+        out: list[MicroBatchRow | IterationRow] = []
+        while self._passes:
+            head = self._passes[0]
+            if not self.clock.ready(head.end):
+                if through is None or head.steps[0].iteration > through:
+                    break
+                self.clock.wait(head.end)
+            out.extend(self._rows(self._passes.pop(0)))
+        if self._file is not None and out:
+            self._file.write("".join(row_to_json(r) + "\n" for r in out))
+            self._file.flush()
+        return out
+
+    def _seconds(self, spans: list[Span]) -> float:
+        return sum(self.clock.seconds(a, b) for a, b in spans)
+
+    def _rows(self, p: _Pass) -> list[MicroBatchRow | IterationRow]:
+        ids, s = self.ids, self.clock.seconds
+        rows: list[MicroBatchRow] = []
+        for st in p.steps:
+            rows.append(MicroBatchRow(
+                iteration=st.iteration, rank=ids.rank, dp=ids.dp, pp=ids.pp, cp=ids.cp, tp=ids.tp, chunk=st.chunk,
+                micro_batch=st.micro_batch, layers=ids.layers_per_chunk, tokens=st.tokens, sum_d2=st.sum_d2,
+                lengths=st.lengths, rank_tokens=st.rank_tokens, rank_pairs=st.rank_pairs,
+                pred_fwd_s=st.pred_fwd_s, pred_bwd_s=st.pred_bwd_s, fwd_s=s(*st.fwd),
+                bwd_s=s(*st.bwd) if st.bwd is not None else 0.0, wait_fwd_s=self._seconds(st.wait_fwd),
+                wait_bwd_s=self._seconds(st.wait_bwd)))
+        iteration = p.steps[0].iteration
+        summary = IterationRow(iteration=iteration, rank=ids.rank, dp=ids.dp, pp=ids.pp, cp=ids.cp, tp=ids.tp,
+                               wall_s=s(p.start, p.end), compute_s=sum(r.fwd_s + r.bwd_s for r in rows),
+                               pp_wait_s=self._seconds(p.p2p), dp_wait_s=self._seconds(p.dp),
+                               micro_batches=len({st.micro_batch for st in p.steps}))
+        self._resolved[iteration] = IterationTotals.of(rows, [summary], ids.dp_size, self.n,
+                                                       ids.cp_size * ids.tp_size)
+        for old in [k for k in self._resolved if k < iteration - 8]:
+            del self._resolved[old]
+        return [*rows, summary]
+
+    def totals(self, iteration: int) -> IterationTotals | None:
+        """This rank's reduced rows of ``iteration`` (plan iteration, 0-based), if flushed."""
+        return self._resolved.get(iteration)
+
+    def measure(self, iteration: int, all_reduce: Callable[[np.ndarray, str], np.ndarray]) -> MeasuredIteration | None:
+        """``iteration`` over every rank: ``all_reduce(vector, "max"|"sum")`` combines the ranks' totals
+        (every rank must call this for the same iteration). None if this rank has not flushed it."""
+        mine = self._resolved.get(iteration)
+        # every rank takes part in the reductions, even one without the iteration (it then adds nothing)
+        size = IterationTotals.SCALAR_SUMS + 2 * self.ids.dp_size * self.n
+        maxima = mine.maxima if mine is not None else np.zeros(2)
+        sums = mine.sums if mine is not None else np.zeros(size)
+        have = all_reduce(np.array([1.0 if mine is not None else 0.0]), "min")
+        maxima, sums = all_reduce(maxima, "max"), all_reduce(sums, "sum")
+        if have[0] < 1.0:
+            return None
+        return IterationTotals(iteration, self.ids.dp_size, self.n, maxima, sums).summary()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+# -- hooks ---------------------------------------------------------------------------------------------
+#: the recorder the installed wrappers report to (one per process; None: the wrappers pass through)
+_ACTIVE: list[Recorder | None] = [None]
+
+
+def activate(recorder: Recorder | None) -> None:
+    """Make the installed wrappers report to ``recorder`` (None: stop recording)."""
+    previous = _ACTIVE[0]
+    if previous is not None and previous is not recorder:
+        previous.close()
+    _ACTIVE[0] = recorder
+
+
+def active() -> Recorder | None:
+    return _ACTIVE[0]
+
+
+def _timed(original: Callable[..., Any], on_done: Callable[[Recorder, tuple, dict, Any, Span], None]
+           ) -> Callable[..., Any]:
+    """``original``, timed on the active recorder's clock and reported through ``on_done``."""
+
+    @wrapping(original)
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        recorder = _ACTIVE[0]
+        if recorder is None:
+            return original(*args, **kwargs)
+        start = recorder.clock.stamp()
+        out = original(*args, **kwargs)
+        on_done(recorder, args, kwargs, out, (start, recorder.clock.stamp()))
+        return out
+
+    return timed
+
+
+def _wrap_pass(original: Callable[..., Any]) -> Callable[..., Any]:
+    """A schedule function: one pass per training step (evaluation's forward-only passes are skipped)."""
+
+    @wrapping(original)
+    def forward_backward(*args: Any, **kwargs: Any) -> Any:
+        recorder = _ACTIVE[0]
+        if recorder is None or kwargs.get("forward_only", False):
+            return original(*args, **kwargs)
+        recorder.begin_pass()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            recorder.end_pass()
+
+    return forward_backward
+
+
+def _forward_done(recorder: Recorder, args: tuple, kwargs: dict, out: Any, span: Span) -> None:
+    recorder.forward(kwargs.get("data_iterator", args[1] if len(args) > 1 else None), out[0], span)
+
+
+def _backward_done(recorder: Recorder, args: tuple, kwargs: dict, out: Any, span: Span) -> None:
+    recorder.backward(kwargs.get("output_tensor", args[1] if len(args) > 1 else None), span)
+
+
+def all_reduce(values: np.ndarray, op: str) -> np.ndarray:
+    """``values`` combined over every rank ("max", "min" or "sum"), on the training device, float64."""
+    import torch
+    import torch.distributed as dist
+
+    from megatron_wlb.megatron.cp_hooks import training_device
+
+    if not dist.is_initialized():
+        return np.asarray(values, dtype=np.float64)
+    ops = {"max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN, "sum": dist.ReduceOp.SUM}
+    tensor = torch.as_tensor(np.asarray(values, dtype=np.float64), device=training_device())
+    dist.all_reduce(tensor, op=ops[op])
+    return tensor.cpu().numpy()
+
+
+def install() -> None:
+    """Wrap the schedule, step, pipeline and gradient-reduction functions (idempotent). Call before
+    Megatron sets up the model (``validate_args`` time): ``training`` copies ``finalize_model_grads``
+    into the model config there. Until ``activate`` names a recorder the wrappers only pass through."""
+    import importlib
+
+    from megatron.core.pipeline_parallel import p2p_communication, schedules
+
+    from megatron_wlb.megatron.rebind import rebind
+
+    if not is_wrapper(schedules.forward_step):
+        rebind("forward_step", schedules.forward_step, _timed(schedules.forward_step, _forward_done))
+        rebind("backward_step", schedules.backward_step, _timed(schedules.backward_step, _backward_done))
+        for name in SCHEDULES:
+            original = getattr(schedules, name, None)
+            if original is not None:
+                rebind(name, original, _wrap_pass(original))
+    communicator = getattr(p2p_communication, "P2PCommunicator", None)
+    for name in P2P_METHODS:
+        method = getattr(communicator, name, None)
+        if method is not None and not is_wrapper(method):
+            setattr(communicator, name, _timed(method, lambda rec, a, k, o, span: rec.p2p(span)))
+    module = importlib.import_module("megatron.core.distributed.finalize_model_grads")
+    original = module.finalize_model_grads
+    if not is_wrapper(original):
+        rebind("finalize_model_grads", original,
+               _timed(original, lambda rec, a, k, o, span: rec.dp_wait(span)))
