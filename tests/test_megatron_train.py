@@ -146,6 +146,37 @@ def assert_documents_once(run: Run) -> None:
         assert not differ, f"model chunk {chunk}: (planned, seen) tokens of the documents that differ: {differ}"
 
 
+def assert_trace(run: Run, ranks: int, chunks: int = 1, iterations: int = 4) -> None:
+    """The timing trace (``--wlb-trace``) has exactly one row per micro-batch per chunk per rank, each
+    with a measured forward and backward, the planned documents, and one iteration row per rank."""
+    from collections import Counter
+
+    from megatron_wlb.costmodel.trace import read_trace
+
+    trace = read_trace(run.out / "trace.jsonl")
+    assert len(trace.headers) == ranks
+    n = Counter((r.iteration, r.rank, r.chunk) for r in trace.micro_batches)
+    assert {k[0] for k in n} == set(range(iterations)) and {k[1] for k in n} == set(range(ranks))
+    assert {k[2] for k in n} == set(range(chunks))
+    assert len(n) == iterations * ranks * chunks
+    counts = set(n.values())
+    assert len(counts) == 1, f"ranks or chunks timed different numbers of micro-batches: {counts}"
+    (per_chunk,) = counts
+    for key in n:
+        indices = sorted(r.micro_batch for r in trace.micro_batches if (r.iteration, r.rank, r.chunk) == key)
+        assert indices == list(range(per_chunk)), f"{key}: micro-batch indices {indices}"
+    assert all(r.fwd_s > 0 and r.bwd_s > 0 and r.layers >= 1 for r in trace.micro_batches)
+    assert Counter((r.iteration, r.rank) for r in trace.iterations) == {(i, k): 1 for i in range(iterations)
+                                                                        for k in range(ranks)}
+    assert all(r.wall_s >= r.compute_s > 0 for r in trace.iterations)
+    plans = next(r["plans"] for r in run.ranks.values() if r["plans"])
+    for it, plan in enumerate(plans[:iterations]):
+        traced = sorted(x for r in trace.micro_batches if r.iteration == it and r.pp == 0 and r.chunk == 0
+                        and r.cp == 0 and r.tp == 0 for x in r.lengths)
+        assert traced == sorted(length for _, length in plan), f"iteration {it}: traced lengths differ from the plan"
+    assert run.log.count("[wlb] measured iteration") == iterations
+
+
 # --- the launcher over the installed megatron.training -------------------------------------------------------
 def test_tp2_pp2_trains_and_every_document_reaches_the_model_once(tmp_path, corpus):
     run = train(tmp_path, "tp2pp2", corpus, "--wlb-packing", "wlb", "--wlb-cp-sharding", "per-document",
@@ -216,15 +247,18 @@ def test_pp4_variable_length_micro_batches(tmp_path, corpus):
 
 def test_interleaved_pipeline_vpp2(tmp_path, corpus):
     run = train(tmp_path, "vpp2", corpus, "--num-layers", "4", "--wlb-packing", "wlb",
-                env={"PP": "2", "VPP": "2"})
+                "--wlb-trace", str(tmp_path / "vpp2" / "trace.jsonl"), env={"PP": "2", "VPP": "2"})
     assert_trains(run)
     assert_documents_once(run)  # each model chunk's iterator saw every planned document once
+    assert_trace(run, ranks=2, chunks=2)
 
 
 def test_dp2_with_overlapped_grad_reduce(tmp_path, corpus):
-    run = train(tmp_path, "dp2", corpus, "--wlb-packing", "wlb", "--overlap-grad-reduce", env={"DP": "2"})
+    run = train(tmp_path, "dp2", corpus, "--wlb-packing", "wlb", "--overlap-grad-reduce",
+                "--wlb-trace", str(tmp_path / "dp2" / "trace.jsonl"), env={"DP": "2"})
     assert_trains(run)
     assert_documents_once(run)
+    assert_trace(run, ranks=2)
 
 
 def test_recomputation_leaves_the_losses_unchanged(tmp_path, corpus, cp_runs):
