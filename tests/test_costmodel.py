@@ -1,4 +1,5 @@
-"""Cost model: closed forms of the analytic model, and the calibrated fit recovering known curves."""
+"""Cost model: closed forms of the analytic model, the calibrated fit recovering known curves (kernel sweeps and
+measured micro-batches), and the held-out MAPE that checks a fit."""
 
 import json
 
@@ -13,7 +14,12 @@ from megatron_wlb.costmodel import (
     ParallelLayout,
     build_cost_model,
     causal_pairs,
+    fit_profile,
     get_model,
+    holdout_every,
+    holdout_mape,
+    load_profile,
+    nnls_gram,
 )
 
 
@@ -146,3 +152,164 @@ def test_training_flops_count_attention_within_documents_only():
     two = shape.training_flops([5, 5])  # same tokens, two documents: fewer attention pairs
     assert one - two == pytest.approx(3 * 2 * shape.attention_flops_per_pair() * (55 - 30))
     assert two == pytest.approx(3 * (10 * per_token + 2 * shape.attention_flops_per_pair() * 30))
+
+
+#: per layer: s/pair, s/token, s/micro-batch forward; backward / forward of attention and of the GEMMs
+MB_TRUE = (5e-13, 2e-8, 3e-5, 2.4, 2.1)
+
+
+def _micro_batch_points(n=40, noise=0.0, seed=1, coef=MB_TRUE):
+    """Measured micro-batches of several documents: fwd = a*pairs + b*tokens + c, backward with the cost
+    model's convention (bwd_attention x attention + bwd_linear x (GEMMs + overhead))."""
+    a, b, c, ra, rl = coef
+    rng = np.random.default_rng(seed)
+    pairs, tokens = [], []
+    for _ in range(n):
+        docs = rng.integers(64, 32768, size=rng.integers(1, 8))
+        pairs.append(float(causal_pairs(docs, docs).sum()))
+        tokens.append(float(docs.sum()))
+    p, t = np.array(pairs), np.array(tokens)
+    fwd = (a * p + b * t + c) * (1 + noise * rng.standard_normal(n))
+    bwd = (ra * a * p + rl * (b * t + c)) * (1 + noise * rng.standard_normal(n))
+    return {"pairs": pairs, "tokens": tokens, "fwd_s": fwd.tolist(), "bwd_s": bwd.tolist()}
+
+
+def _mb_profile(points, **extra):
+    return {"format": PROFILE_FORMAT, "device": "synthetic", "model": get_model("7b").to_dict(), "tp": 1,
+            "micro_batches": points, **extra}
+
+
+@pytest.mark.parametrize("noise", [0.0, 0.02])
+def test_micro_batch_fit_recovers_known_coefficients(noise):
+    fit = fit_profile(_mb_profile(_micro_batch_points(n=80, noise=noise)))
+    a, b, c, ra, rl = MB_TRUE
+    rel = 1e-6 if noise == 0 else 0.1  # pairs and tokens correlate: each coefficient moves more than the noise
+    assert fit.form == "micro_batches" and fit.attn_per_query == 0.0
+    assert fit.attn_per_pair == pytest.approx(a, rel=rel)
+    assert fit.linear_per_token == pytest.approx(b, rel=rel)
+    assert fit.bwd_attention == pytest.approx(ra, rel=rel)
+    assert fit.bwd_linear == pytest.approx(rl, rel=rel)
+    assert fit.overhead == pytest.approx(c, rel=1e-6 if noise == 0 else 0.2)
+    assert fit.attn_rel_err < (1e-9 if noise == 0 else 0.05)
+
+
+def test_kernel_fit_recovers_known_coefficients_under_noise():
+    fit = fit_profile(_synthetic_profile(noise=0.02))
+    assert fit.form == "kernels"
+    assert fit.attn_per_pair == pytest.approx(3e-13, rel=0.05)
+    assert fit.linear_per_token == pytest.approx(1.5e-8, rel=0.05)
+
+
+def test_kernel_fit_tells_a_documents_cost_from_a_calls(tmp_path):
+    """Sweep calls of one document and of 8 equal documents: the per-document constant (the CPU reference
+    kernel's loop) is fitted apart from the per-call one, and the calibrated model charges it per run."""
+    profile = _synthetic_profile()
+    lengths = np.array(profile["attention"]["lengths"] + [8192, 32768, 131072])
+    docs = np.array([1] * 6 + [8] * 3)
+    attn = 3e-13 * docs * causal_pairs(lengths / docs, lengths / docs) + 2e-9 * lengths + 5e-5 * docs + 2e-5
+    profile["attention"] = {"lengths": lengths.tolist(), "documents": docs.tolist(), "fwd_s": attn.tolist(),
+                            "bwd_s": (2.4 * attn).tolist()}
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(profile))
+    cost = build_cost_model(get_model("7b"), ParallelLayout(tp=2), profile=path)
+    assert cost.fit.attn_per_run == pytest.approx(5e-5, rel=1e-5)
+    assert cost.fit.attn_per_pair == pytest.approx(3e-13, rel=1e-5)
+    assert cost.fit.overhead == pytest.approx(2e-5 + 2e-5, rel=1e-4)  # the call's + the GEMMs' constants
+    d = np.array([1000])
+    assert cost.attention_run(d, d)[0] == pytest.approx((3e-13 * 500500 + 2e-9 * 1000) / 2 + 5e-5)  # tp 2
+    assert cost.attention_run(np.array([0]), np.array([0]))[0] == 0.0
+    profile["attention"]["documents"][-1] = 7
+    path.write_text(json.dumps(profile))
+    with pytest.raises(ValueError, match="documents must divide"):
+        load_profile(path)
+
+
+def test_both_forms_fit_the_micro_batches_and_the_calibrated_model_agrees(tmp_path):
+    """A profile with kernel sweeps and measured micro-batches is fitted from the micro-batches; the
+    calibrated model built on it prices a micro-batch of whole documents (cp 1, tp 1) as the fit does:
+    its attention + GEMMs + overhead forward, backward by its ratios, overhead x (1 + bwd_linear)."""
+    from megatron_wlb.packing.metrics import overhead_seconds
+
+    profile = {**_synthetic_profile(), "micro_batches": _micro_batch_points()}
+    path = tmp_path / "both.json"
+    path.write_text(json.dumps(profile))
+    cost = build_cost_model(get_model("7b"), ParallelLayout(), profile=path)
+    assert isinstance(cost, CalibratedCostModel) and cost.fit.form == "micro_batches"
+    a, b, c, ra, rl = MB_TRUE
+    assert cost.microbatch_overhead == pytest.approx(c, rel=1e-6)
+    docs = np.array([1000, 5000, 20000])
+    attn, lin = cost.attention(docs).sum(), cost.linear(docs).sum()
+    pairs, tokens = float(causal_pairs(docs, docs).sum()), float(docs.sum())
+    assert attn == pytest.approx(a * pairs, rel=1e-6) and lin == pytest.approx(b * tokens, rel=1e-6)
+    true_fwd, true_bwd = a * pairs + b * tokens + c, ra * a * pairs + rl * (b * tokens + c)
+    assert attn + lin + overhead_seconds(cost, backward=False) == pytest.approx(true_fwd, rel=1e-6)
+    assert float(cost.backward(attn, lin)) + overhead_seconds(cost) - overhead_seconds(cost, backward=False) \
+        == pytest.approx(true_bwd, rel=1e-6)
+    pred_f, pred_b = cost.fit.predict(pairs, tokens)
+    assert (pred_f, pred_b) == (pytest.approx(true_fwd, rel=1e-6), pytest.approx(true_bwd, rel=1e-6))
+
+
+def test_overhead_keeps_the_fitted_forward_plus_backward_total():
+    """When the measured backward constant is not bwd_linear x the forward one, the overhead is chosen
+    so that forward + backward (what the packer balances) keeps the fitted total."""
+    pts = _micro_batch_points()
+    pts["bwd_s"] = (np.array(pts["bwd_s"]) + 1e-4).tolist()  # c_b = 2.1 * 3e-5 + 1e-4
+    fit = fit_profile(_mb_profile(pts))
+    assert fit.overhead * (1 + fit.bwd_linear) == pytest.approx(3e-5 + 2.1 * 3e-5 + 1e-4, rel=1e-4)
+
+
+def test_holdout_mape_small_when_right_large_when_wrong():
+    points = _micro_batch_points(n=50, noise=0.02)
+    mask, how = holdout_every(np.arange(50) // 2)  # "iterations" of two micro-batches
+    assert mask.sum() == 10 and "i % 5 == 4" in how
+    good = holdout_mape(_mb_profile(points), mask)
+    assert good["micro_batches"] == 10 and good["mape"] < 0.05
+    # the kernel profile measured a device twice as fast as the one the micro-batches ran on
+    slow = _micro_batch_points(n=10, noise=0.0, coef=(6e-13, 3e-8, 4e-5, 2.5, 2.0))
+    kernels = _synthetic_profile()
+    assert holdout_mape(kernels, {k: (np.array(v) * 2).tolist() if k.endswith("_s") else v
+                                  for k, v in slow.items()})["mape"] > 0.4
+    # a model that cannot bend: timings quadratic in tokens beyond pairs
+    bent = dict(points, fwd_s=(np.array(points["fwd_s"]) * (1 + np.array(points["tokens"]) / 2e4)).tolist())
+    assert holdout_mape(_mb_profile(bent), mask)["mape"] > 0.1
+
+
+def test_holdout_every_falls_back_to_every_kth_point():
+    mask, how = holdout_every([3, 3, 3, 3, 3, 3])  # one iteration: nothing or everything held out by iteration
+    assert mask.tolist() == [False, False, False, False, True, False] and "every 5th" in how
+    with pytest.raises(ValueError, match="must be >= 2"):
+        holdout_every([1, 2], every=1)
+
+
+def test_nnls_keeps_coefficients_non_negative():
+    rng = np.random.default_rng(0)
+    x = np.stack([rng.uniform(1, 10, 30), np.ones(30)], axis=1)
+    y = np.maximum(2.0 * x[:, 0] - 3.0, 0.5)  # an unconstrained fit wants a negative constant
+    a = x / y[:, None]
+    coef = nnls_gram(a.T @ a, a.sum(axis=0), float(y.size))
+    assert (coef >= 0).all() and coef[1] == 0.0 and coef[0] > 0
+
+
+def test_profile_forms_are_validated_in_one_line(tmp_path):
+    path = tmp_path / "p.json"
+
+    def error(profile) -> str:
+        path.write_text(json.dumps(profile))
+        with pytest.raises(ValueError) as info:
+            load_profile(path)
+        assert "\n" not in str(info.value)
+        return str(info.value)
+
+    base = _mb_profile(_micro_batch_points(n=5))
+    assert "no measurements" in error({k: v for k, v in base.items() if k != "micro_batches"})
+    assert "micro_batches.bwd_s" in error(_mb_profile({k: v for k, v in base["micro_batches"].items()
+                                                       if k != "bwd_s"}))
+    assert "differ in length" in error(_mb_profile({**base["micro_batches"], "pairs": [1.0, 2.0]}))
+    assert "micro_batches.fwd_s holds 0" in error(_mb_profile({**base["micro_batches"],
+                                                               "fwd_s": [0.0] * 5}))
+    assert "micro_batches.tokens: expected a non-empty list" in error(_mb_profile({**base["micro_batches"],
+                                                                                   "tokens": 7}))
+    assert "model" in error({**base, "model": {"hidden": 64}})
+    fine = {**base, **{k: v for k, v in _synthetic_profile().items() if k in ("attention", "linear")}}
+    path.write_text(json.dumps(fine))
+    assert load_profile(path)["micro_batches"] == base["micro_batches"]

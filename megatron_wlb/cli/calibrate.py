@@ -1,41 +1,66 @@
-"""``wlb calibrate``: measure the configured model's per-layer latencies on this GPU and write the
-cost-model profile (``--profile`` / ``--wlb-cost-profile``) and the adaptive layout's kernel table.
+"""``wlb calibrate``: measure the configured model's per-layer latencies on this machine (its GPU, or its
+CPU when it has none) or fit them from a training trace, and write the cost-model profile
+(``--profile`` / ``--wlb-cost-profile``); measuring also writes the adaptive layout's kernel table.
 
     wlb calibrate --config 7b_128k --out profile.json        # on a GPU node (bf16, CUDA events)
-    wlb calibrate --smoke --out /tmp/profile.json             # the same code path, tiny shapes, CPU
+    wlb calibrate --config my.yaml --out profile.json         # no GPU: the CPU, fp32, the config's real shapes
+    wlb calibrate --from-trace trace.jsonl --out profile.json # fit to a training run's --wlb-trace
+    wlb calibrate --smoke --out /tmp/profile.json             # the CI check: tiny shapes, CPU
 
-What is measured, per transformer layer on one GPU at the config's TP degree:
+What is measured, per transformer layer on one device at the config's TP degree:
 
 - attention: causal self-attention of ONE document of each length in ``--lengths`` (query heads
-  and key/value heads divided by TP), forward and backward timed separately;
+  and key/value heads divided by TP), and the three longest again as 8 equal documents (a call's fixed
+  cost apart from a document's), forward and backward timed separately;
 - linear: the layer's GEMMs (QKV, output projection, MLP; SwiGLU when the model has it) over each
-  token count in ``--tokens``, forward and backward.
+  token count in ``--tokens``, forward and backward;
+- held out: ``--holdout`` composite micro-batches (several documents of seeded random lengths through
+  the layer's GEMMs and varlen attention, forward and backward), left out of the fit; the fitted
+  model's mean absolute percentage error (MAPE) on their forward + backward is printed and stored.
+
+On the CPU (no CUDA, or ``--device cpu``) the attention kernel is ``reference`` (plain torch) in fp32
+and the default grids stop where one measured call would exceed ``CpuBudget`` (a long-context config's
+128K lengths would take hours), which the output says.
 
 Writes ``OUT`` in the ``megatron-wlb-profile/1`` format that ``costmodel.load_profile`` reads
-(``{"format", "device", "model", "tp", "attention": {"lengths", "fwd_s", "bwd_s"}, "linear":
-{"tokens", "fwd_s", "bwd_s"}}``) and ``OUT`` with suffix ``.efficiency.json``: the achieved
-attention TFLOP/s over (query run, key range) shapes in the ``megatron-wlb-attn-efficiency/1``
-format of ``cp/data/default_efficiency.json`` (``wlb shard --profile``). Without ``--smoke`` it
-needs CUDA; ``--smoke`` runs on the CPU in fp32 on a tiny model: a test of the code path, not a
-measurement of anything.
+(``{"format", "device", "model", "tp", "attention": {"lengths", "documents", "fwd_s", "bwd_s"}, "linear":
+{"tokens", "fwd_s", "bwd_s"}, "holdout": {"mape", "micro_batches", "measured"}}``) and ``OUT`` with
+suffix ``.efficiency.json``: the achieved attention TFLOP/s over (query run, key range) shapes in the
+``megatron-wlb-attn-efficiency/1`` format of ``cp/data/default_efficiency.json`` (``wlb shard --profile``).
+
+``--from-trace`` reads every rank's file of a ``--wlb-trace`` (``costmodel.trace``), drops iterations
+before ``--warmup``, and writes the profile's measured-micro-batch form (``"micro_batches"``: each
+row's causal pairs and tokens on its rank, its seconds per layer); every ``--holdout-every``-th
+iteration is held out for the MAPE, then the written fit uses every row. A trace times whole
+micro-batches, not kernel shapes: it gives no kernel table.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import platform
-import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TypeVar
 
 import numpy as np
 
-from megatron_wlb.cli.common import output_file, positive
-from megatron_wlb.costmodel import PROFILE_FORMAT, ModelShape, causal_pairs, fit_profile, load_profile
+from megatron_wlb.cli.common import machine, output_file, positive
+from megatron_wlb.costmodel import (
+    PROFILE_FORMAT,
+    CalibratedCostModel,
+    ModelShape,
+    ParallelLayout,
+    ProfileFit,
+    causal_pairs,
+    fit_profile,
+    holdout_every,
+    holdout_mape,
+    load_profile,
+)
 from megatron_wlb.cp.efficiency import EFFICIENCY_FORMAT, KernelEfficiency
 
 #: a line of progress to stderr
@@ -47,6 +72,8 @@ _S = TypeVar("_S")
 #: the smoke run's model: every dimension tiny, GQA and SwiGLU on so that their code paths run
 SMOKE_MODEL = ModelShape("smoke", hidden=64, num_layers=2, num_heads=4, num_kv_heads=2, ffn_hidden=128, vocab=256,
                          swiglu=True)
+#: the fewest trace rows (after warm-up) a fit plus its held-out check accepts
+MIN_TRACE_POINTS = 6
 
 
 @dataclass(frozen=True)
@@ -61,35 +88,106 @@ class SmokeGrid:
     table_tokens: int = 32
     warmup: int = 1
     iters: int = 2
+    holdout: int = 3
 
 
 SMOKE = SmokeGrid()
 
 
+@dataclass(frozen=True)
+class CpuBudget:
+    """The CPU's defaults: grids in half-octave steps from ``start`` while one call's forward stays within
+    ``flops`` (~0.1-0.5 s on a few cores in fp32) and the reference kernel's fp32 scores of one document
+    (heads x d x d) within ``score_bytes``, at least ``points`` values even past the budget; ``warmup``
+    untimed and ``iters`` timed calls per shape, more while less than ``min_seconds`` was timed."""
+
+    flops: float = 4e9
+    score_bytes: float = 2.0 ** 28
+    start: int = 64
+    points: int = 5
+    warmup: int = 2
+    iters: int = 5
+    min_seconds: float = 0.15
+
+
+CPU = CpuBudget()
+
+
+@dataclass
+class Plan:
+    """What one measuring run does: model, device, kernel and grids, with notes for the output."""
+
+    model: ModelShape
+    tp: int
+    dtype: Any
+    device: Any
+    device_name: str
+    backend: str
+    lengths: list[int]
+    tokens: list[int]
+    q_lens: list[int]
+    kv_lens: list[int]
+    table_tokens: int
+    tile: int
+    warmup: int
+    iters: int
+    holdout: int
+    holdout_tokens: int
+    notes: list[str] = field(default_factory=list)
+    min_seconds: float = 0.0
+    threads: int | None = None
+
+
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("calibrate", help="measure attention and linear latency on this GPU; write the "
-                              "cost-model profile and the kernel-efficiency table",
+    p = subparsers.add_parser("calibrate", help="measure attention and linear latency on this GPU or CPU (or fit "
+                              "them from a training trace); write the cost-model profile and the kernel table",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, metavar="PROFILE.json", help="cost-model profile to write")
     p.add_argument("--efficiency-out", default=None, metavar="JSON",
                    help="kernel-efficiency table to write (default: OUT with suffix .efficiency.json)")
-    p.add_argument("--config", default="7b_128k", help="config whose model and TP are measured (default 7b_128k)")
+    p.add_argument("--config", default="7b_128k",
+                   help="config (shipped name or YAML) whose model and TP are measured (default 7b_128k)")
     p.add_argument("--tp", type=int, default=None, help="tensor-parallel size (default: the config's)")
+    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
+                   help="where to measure (default auto: the GPU if torch sees one, else the CPU)")
     p.add_argument("--lengths", default=None,
-                   help="comma-separated document lengths for attention (default: 512 .. the config's seq_len, x2)")
-    p.add_argument("--tokens", default="1024,2048,4096,8192,16384,32768",
-                   help="comma-separated token counts for the linear part (default 1024 .. 32768, x2)")
-    p.add_argument("--q-lens", default=",".join(str(128 * 2**i) for i in range(11)),
-                   help="efficiency table: query-run lengths (default 128 .. 128K, x2)")
-    p.add_argument("--kv-lens", default=",".join(str(128 * 2**i) for i in range(11)),
-                   help="efficiency table: key lengths (default 128 .. 128K, x2)")
-    p.add_argument("--table-tokens", type=int, default=131072,
-                   help="efficiency table: key tokens per kernel call (runs = tokens // kv; default 131072)")
+                   help="comma-separated document lengths for attention (default: 512 .. the config's seq_len, x2; "
+                        "CPU: 64 .. in half octaves, as far as the CPU budget allows)")
+    p.add_argument("--tokens", default=None,
+                   help="comma-separated token counts for the linear part (default 1024 .. 32768, x2; CPU: 64 .. "
+                        "S_max in half octaves, within the CPU budget)")
+    p.add_argument("--q-lens", default=None,
+                   help="efficiency table: query-run lengths (default 128 .. 128K, x2; CPU: octaves of the lengths)")
+    p.add_argument("--kv-lens", default=None,
+                   help="efficiency table: key lengths (default 128 .. 128K, x2; CPU: octaves of the lengths)")
+    p.add_argument("--table-tokens", type=int, default=None,
+                   help="efficiency table: key tokens per kernel call (runs = tokens // kv; default 131072, CPU: "
+                        "the longest length)")
     p.add_argument("--tile", type=int, default=128, help="attention kernel tile recorded in the table (default 128)")
-    p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16", help="GPU dtype (default bf16)")
-    p.add_argument("--backend", default="auto", help="attention kernel: auto | torch-varlen | flash-attn | reference")
-    p.add_argument("--warmup", type=int, default=3, help="untimed calls per shape (default 3)")
-    p.add_argument("--iters", type=int, default=10, help="timed calls per shape, median kept (default 10)")
+    p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default=None,
+                   help="dtype (default bf16 on a GPU, fp32 on the CPU)")
+    p.add_argument("--backend", default="auto", help="attention kernel: auto | torch-varlen | flash-attn | reference "
+                   "(auto: a varlen kernel on a GPU, reference on the CPU)")
+    p.add_argument("--warmup", type=int, default=None,
+                   help=f"measuring: untimed calls per shape (default 3 on a GPU, {CPU.warmup} on the CPU); "
+                        "--from-trace: iterations dropped from the start (default 2)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU: torch threads (default: torch's, i.e. OMP_NUM_THREADS or every core); give what each "
+                        "training process uses, 1 for one process per core")
+    p.add_argument("--iters", type=int, default=None,
+                   help="timed calls per shape, the mean of their middle half kept (default 10 on a GPU; 5 on the "
+                        "CPU, more while less than --min-seconds was timed)")
+    p.add_argument("--min-seconds", type=float, default=None,
+                   help=f"CPU: repeat a shape's timed calls until this many seconds were timed (default "
+                        f"{CPU.min_seconds}; 0 for --iters calls only)")
+    p.add_argument("--holdout", type=int, default=8,
+                   help="composite micro-batches measured apart from the fit, for its held-out MAPE (default 8)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random tensors and held-out documents (default 0)")
+    p.add_argument("--from-trace", default=None, metavar="TRACE",
+                   help="fit the profile to a training trace (--wlb-trace TRACE; every rank's file) instead of "
+                        "measuring kernels")
+    p.add_argument("--holdout-every", type=int, default=5,
+                   help="--from-trace: hold out iterations i with i %% K == K-1 for the MAPE (default 5)")
     p.add_argument("--smoke", action="store_true",
                    help="CPU, fp32, a tiny model and grid: exercises the code path (CI), measures nothing useful")
     p.set_defaults(func=run)
@@ -105,20 +203,50 @@ def int_list(text: str, flag: str) -> list[int]:
     return values
 
 
-class Timer:
-    """Median seconds of a callable: CUDA events on a GPU, perf_counter on the CPU."""
+def budget_grid(limit: int, cost: Callable[[int], float], budget: CpuBudget = CPU) -> tuple[list[int], str]:
+    """``budget.start`` x sqrt(2)^i up to ``limit`` while ``cost(v) <= 1`` (1 = the budget), at least
+    ``budget.points`` values; and a note naming where the budget stopped it ('' if it did not). Half-octave
+    steps: single CPU shapes are noisy (allocations), so the fit gets more of them."""
+    grid: list[int] = []
+    i = 0
+    while True:
+        v = int(round(budget.start * 2 ** (i / 2)))
+        if len(grid) >= budget.points and (v > limit or cost(v) > 1.0):
+            break
+        grid.append(v)
+        i += 1
+    capped = v <= limit and cost(v) > 1.0
+    return grid, (f"stops at {grid[-1]} of {limit}" if capped else "")
 
-    def __init__(self, torch: Any, device: Any, warmup: int, iters: int):
+
+def middle_mean(samples: list[float]) -> float:
+    """The mean of the middle half of ``samples`` (interquartile mean): robust to a stray slow call like a
+    median, but it averages the two modes of a bimodal kernel (the CPU reference attention's allocations
+    make some shapes alternate between two speeds) instead of picking one."""
+    x = np.sort(np.asarray(samples, dtype=np.float64))
+    lo = x.size // 4
+    return float(x[lo:x.size - lo].mean())
+
+
+class Timer:
+    """Seconds of a callable (``middle_mean`` of its samples): CUDA events on a GPU, perf_counter on the CPU.
+    With ``min_seconds``, short calls are repeated past ``iters`` (up to ``max_iters``) until that much
+    was timed, so that a millisecond call is not at the mercy of a few samples on a shared CPU."""
+
+    def __init__(self, torch: Any, device: Any, warmup: int, iters: int, min_seconds: float = 0.0,
+                 max_iters: int = 50):
         self.torch, self.device, self.warmup, self.iters = torch, device, warmup, iters
+        self.min_seconds, self.max_iters = min_seconds, max(iters, max_iters)
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
             self.torch.cuda.synchronize(self.device)
 
     def measure(self, setup: Callable[[], _S], timed: Callable[[_S], object]) -> float:
-        """Median over ``iters`` of ``timed(setup())``; only ``timed`` is inside the clock."""
-        samples = []
-        for i in range(self.warmup + self.iters):
+        """``middle_mean`` over ``iters`` (or more) of ``timed(setup())``; only ``timed`` is inside the clock."""
+        samples: list[float] = []
+        i = 0
+        while len(samples) < self.iters or (sum(samples) < self.min_seconds and len(samples) < self.max_iters):
             state = setup()
             self._sync()
             t0 = time.perf_counter()
@@ -126,19 +254,88 @@ class Timer:
             self._sync()
             if i >= self.warmup:
                 samples.append(time.perf_counter() - t0)
-        return float(statistics.median(samples))
+            i += 1
+        return middle_mean(samples)
+
+    def forward_backward(self, make_input: Callable[[], Any], fn: Callable[[Any], Any]) -> tuple[float, float]:
+        """(forward, backward) seconds of ``fn`` on fresh inputs: the forward without autograd, the
+        backward of an output built outside the clock."""
+        torch = self.torch
+
+        def forward(x: Any) -> None:
+            with torch.no_grad():
+                fn(x)
+
+        def with_graph() -> tuple[Any, Any]:
+            out = fn(make_input())
+            return out, torch.ones_like(out)
+
+        return self.measure(make_input, forward), self.measure(with_graph, lambda s: s[0].backward(s[1]))
+
+
+class Layer:
+    """One transformer layer's GEMMs on one device at TP (QKV, output projection, MLP; SwiGLU when the
+    model has it), random weights. Between QKV and the output projection: causal varlen attention over
+    the documents ``cu`` (a composite micro-batch), or, without ``cu`` (the linear sweep), the query
+    columns standing in for its output."""
+
+    def __init__(self, torch: Any, model: ModelShape, tp: int, dtype: Any, device: Any, backend: str):
+        self.torch, self.model, self.backend = torch, model, backend
+        self.heads, self.kv_heads, self.dim = model.num_heads // tp, model.num_kv_heads // tp, model.head_dim
+        h = model.hidden
+
+        def weight(rows: int, cols: int) -> Any:
+            return (torch.randn(rows, cols, device=device, dtype=dtype) / cols ** 0.5).requires_grad_(True)
+
+        q_cols, kv_cols = self.heads * self.dim, self.kv_heads * self.dim
+        self.w_qkv, self.w_o = weight(q_cols + 2 * kv_cols, h), weight(h, q_cols)
+        self.w_up = weight((2 if model.swiglu else 1) * model.ffn_hidden // tp, h)
+        self.w_down = weight(h, model.ffn_hidden // tp)
+
+    def __call__(self, x: Any, cu: np.ndarray | None = None) -> Any:
+        import torch.nn.functional as F
+
+        from megatron_wlb.cp.attention import varlen_attention
+
+        q_cols, kv_cols = self.heads * self.dim, self.kv_heads * self.dim
+        qkv = F.linear(x, self.w_qkv)
+        if cu is None:
+            attn = qkv[:, :q_cols]
+        else:
+            t, longest = x.shape[0], int(np.diff(cu).max())
+            q = qkv[:, :q_cols].reshape(t, self.heads, self.dim)
+            k = qkv[:, q_cols:q_cols + kv_cols].reshape(t, self.kv_heads, self.dim)
+            v = qkv[:, q_cols + kv_cols:].reshape(t, self.kv_heads, self.dim)
+            attn = varlen_attention(q, k, v, cu, cu, longest, longest, backend=self.backend).reshape(t, q_cols)
+        y = F.linear(attn, self.w_o)
+        up = F.linear(x + y, self.w_up)
+        if self.model.swiglu:
+            gate, val = up.chunk(2, dim=-1)
+            up = F.silu(gate) * val
+        else:
+            up = F.gelu(up)
+        return F.linear(up, self.w_down)
+
+
+def attention_calls(lengths: list[int], split: int = 8, count: int = 3, shortest: int = 8) -> list[tuple[int, int]]:
+    """(tokens, documents) of the attention sweep's calls: one document of each length, then the ``count``
+    longest lengths again as ``split`` equal documents (at least ``shortest`` tokens each), so that the fit
+    tells a call's fixed cost from a document's (the CPU reference kernel loops over documents)."""
+    calls = [(d, 1) for d in lengths]
+    calls += [(d // split * split, split) for d in lengths[-count:] if d // split >= shortest]
+    return calls
 
 
 def measure_attention(torch: Any, timer: Timer, model: ModelShape, tp: int, lengths: list[int], dtype: Any,
                       backend: str, log: Log) -> dict[str, list[Any]]:
-    """Forward and backward seconds of one causal document of each length, one layer, one GPU."""
+    """Forward and backward seconds of causal attention over each call of ``attention_calls(lengths)``, one
+    layer, one GPU."""
     from megatron_wlb.cp.attention import varlen_attention
 
     heads, kv_heads, dim = model.num_heads // tp, model.num_kv_heads // tp, model.head_dim
-    fwd: list[float] = []
-    bwd: list[float] = []
-    for d in lengths:
-        cu = np.array([0, d], dtype=np.int32)
+    out: dict[str, list[Any]] = {"lengths": [], "documents": [], "fwd_s": [], "bwd_s": []}
+    for d, k in attention_calls(lengths):
+        cu = np.arange(k + 1, dtype=np.int32) * (d // k)
 
         def make(d: int = d) -> QKV:
             q = torch.randn(d, heads, dim, device=timer.device, dtype=dtype, requires_grad=True)
@@ -146,65 +343,73 @@ def measure_attention(torch: Any, timer: Timer, model: ModelShape, tp: int, leng
             v = torch.randn(d, kv_heads, dim, device=timer.device, dtype=dtype, requires_grad=True)
             return q, k, v
 
-        def forward(qkv: QKV, d: int = d, cu: np.ndarray = cu) -> None:
-            with torch.no_grad():
-                varlen_attention(*qkv, cu, cu, d, d, backend=backend)
+        def attend(qkv: QKV, cu: np.ndarray = cu, longest: int = d // k) -> Any:
+            return varlen_attention(*qkv, cu, cu, longest, longest, backend=backend)
 
-        def with_graph(d: int = d, cu: np.ndarray = cu) -> tuple[Any, Any]:
-            qkv = make(d)
-            out = varlen_attention(*qkv, cu, cu, d, d, backend=backend)
-            return out, torch.ones_like(out)
-
-        fwd.append(timer.measure(make, forward))
-        bwd.append(timer.measure(with_graph, lambda s: s[0].backward(s[1])))
-        log(f"attention d={d:>7}: fwd {fwd[-1] * 1e3:9.3f} ms  bwd {bwd[-1] * 1e3:9.3f} ms")
-    return {"lengths": lengths, "fwd_s": fwd, "bwd_s": bwd}
+        f, b = timer.forward_backward(make, attend)
+        for key, value in (("lengths", d), ("documents", k), ("fwd_s", f), ("bwd_s", b)):
+            out[key].append(value)
+        log(f"attention d={d:>7}{f' as {k} documents' if k > 1 else ''}: fwd {f * 1e3:9.3f} ms  bwd {b * 1e3:9.3f} ms")
+    return out
 
 
-def measure_linear(torch: Any, timer: Timer, model: ModelShape, tp: int, tokens: list[int], dtype: Any,
+def measure_linear(torch: Any, timer: Timer, layer: Layer, tokens: list[int], dtype: Any,
                    log: Log) -> dict[str, list[Any]]:
-    """Forward and backward seconds of one layer's GEMMs over each token count, one GPU at TP."""
-    import torch.nn.functional as F
-
-    h, dev = model.hidden, timer.device
-    qkv_out = (model.hidden + 2 * model.kv_hidden) // tp
-    up_out = (2 if model.swiglu else 1) * model.ffn_hidden // tp
-
-    def weight(rows: int, cols: int) -> Any:
-        return (torch.randn(rows, cols, device=dev, dtype=dtype) / cols ** 0.5).requires_grad_(True)
-
-    w_qkv, w_o = weight(qkv_out, h), weight(h, model.hidden // tp)
-    w_up, w_down = weight(up_out, h), weight(h, model.ffn_hidden // tp)
-
-    def layer(x: Any) -> Any:
-        qkv = F.linear(x, w_qkv)
-        y = F.linear(qkv[:, : model.hidden // tp], w_o)
-        up = F.linear(x + y, w_up)
-        if model.swiglu:
-            gate, val = up.chunk(2, dim=-1)
-            up = F.silu(gate) * val
-        else:
-            up = F.gelu(up)
-        return F.linear(up, w_down)
-
+    """Forward and backward seconds of one layer's GEMMs over each token count, one device at TP."""
     fwd: list[float] = []
     bwd: list[float] = []
     for t in tokens:
         def make(t: int = t) -> Any:
-            return torch.randn(t, h, device=dev, dtype=dtype, requires_grad=True)
+            return torch.randn(t, layer.model.hidden, device=timer.device, dtype=dtype, requires_grad=True)
 
-        def forward(x: Any) -> None:
-            with torch.no_grad():
-                layer(x)
-
-        def with_graph(t: int = t) -> tuple[Any, Any]:
-            out = layer(make(t))
-            return out, torch.ones_like(out)
-
-        fwd.append(timer.measure(make, forward))
-        bwd.append(timer.measure(with_graph, lambda s: s[0].backward(s[1])))
-        log(f"linear  t={t:>7}: fwd {fwd[-1] * 1e3:9.3f} ms  bwd {bwd[-1] * 1e3:9.3f} ms")
+        f, b = timer.forward_backward(make, layer)
+        fwd.append(f)
+        bwd.append(b)
+        log(f"linear  t={t:>7}: fwd {f * 1e3:9.3f} ms  bwd {b * 1e3:9.3f} ms")
     return {"tokens": tokens, "fwd_s": fwd, "bwd_s": bwd}
+
+
+def composite_micro_batches(n: int, max_tokens: int, max_doc: int, seed: int, min_tokens: int = 1) -> list[list[int]]:
+    """``n`` seeded micro-batches of several documents: tokens uniform in [max(max_tokens / 4, min_tokens),
+    max_tokens] (inside the swept range: a check of the fit, not of its extrapolation), document lengths
+    log-uniform in [8, max_doc] (the last cut to fit), mixing attention-heavy and GEMM-heavy work as packed
+    training data does."""
+    rng = np.random.default_rng(seed)
+    low = min(max_tokens, max(1, max_tokens // 4, min_tokens))
+    out: list[list[int]] = []
+    for _ in range(n):
+        total = int(rng.integers(low, max_tokens + 1))
+        docs: list[int] = []
+        while sum(docs) < total:
+            d = int(np.exp(rng.uniform(np.log(min(8, max_doc)), np.log(max_doc))))
+            docs.append(min(max(d, 1), total - sum(docs)))
+        out.append(docs)
+    return out
+
+
+def measure_micro_batches(torch: Any, timer: Timer, layer: Layer, micro_batches: list[list[int]], dtype: Any,
+                          log: Log) -> dict[str, list[Any]]:
+    """Forward and backward seconds of one layer over each composite micro-batch (its documents through
+    the GEMMs and causal varlen attention): the ``micro_batches`` section a fit is checked against."""
+    out: dict[str, list[Any]] = {"pairs": [], "tokens": [], "fwd_s": [], "bwd_s": [], "documents": []}
+    for docs in micro_batches:
+        lengths = np.asarray(docs, dtype=np.int64)
+        cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+
+        def make(t: int = int(cu[-1])) -> Any:
+            return torch.randn(t, layer.model.hidden, device=timer.device, dtype=dtype, requires_grad=True)
+
+        def run_layer(x: Any, cu: np.ndarray = cu) -> Any:
+            return layer(x, cu)
+
+        f, b = timer.forward_backward(make, run_layer)
+        out["pairs"].append(float(causal_pairs(lengths, lengths).sum()))
+        out["tokens"].append(int(cu[-1]))
+        out["fwd_s"].append(f)
+        out["bwd_s"].append(b)
+        out["documents"].append(len(docs))
+        log(f"held out t={int(cu[-1]):>7} ({len(docs):>3} documents): fwd {f * 1e3:9.3f} ms  bwd {b * 1e3:9.3f} ms")
+    return out
 
 
 def measure_efficiency(torch: Any, timer: Timer, model: ModelShape, tp: int, q_lens: list[int], kv_lens: list[int],
@@ -258,75 +463,201 @@ def measure_efficiency(torch: Any, timer: Timer, model: ModelShape, tp: int, q_l
                                                        f"{err:.1e}, {heads} heads x {dim} per GPU)")
 
 
-def run(args: argparse.Namespace) -> int:
-    try:
-        import torch
-    except ImportError:
-        raise ValueError("wlb calibrate measures with torch, which is not installed: pip install torch "
-                         "(the rest of wlb does not need it)") from None
+def plan_measurement(args: argparse.Namespace, torch: Any) -> Plan:
+    """The run's model, device and grids from the flags: the smoke grid, a GPU's defaults, or the CPU's
+    defaults capped by ``CpuBudget`` (flags given explicitly are kept as they are)."""
     from megatron_wlb.config import load_config
+    from megatron_wlb.packing.types import resolve_max_seq_len
 
-    if not args.smoke and not torch.cuda.is_available():
-        raise ValueError("wlb calibrate measures this machine's GPU, but torch sees no CUDA device; run it on a GPU "
-                         "node, or pass --smoke for the CPU smoke run (tiny shapes, not a measurement)")
-    out = output_file(args.out)
-    eff_out = output_file(args.efficiency_out or out.with_suffix(".efficiency.json"), "--efficiency-out")
-    for flag in ("warmup", "iters", "table_tokens", "tile"):
-        if flag != "warmup":
-            positive(getattr(args, flag), "--" + flag.replace("_", "-"))
-    if args.warmup < 0:
-        raise ValueError(f"--warmup {args.warmup}: must be >= 0")
-    config = load_config(args.config)
     if args.smoke:
-        model, tp, dtype, device, backend = SMOKE_MODEL, 1, torch.float32, torch.device("cpu"), "reference"
-        lengths, tokens = int_list(SMOKE.lengths, "--lengths"), int_list(SMOKE.tokens, "--tokens")
-        q_lens, kv_lens = int_list(SMOKE.q_lens, "--q-lens"), int_list(SMOKE.kv_lens, "--kv-lens")
-        tile, table_tokens, warmup, iters = SMOKE.tile, SMOKE.table_tokens, SMOKE.warmup, SMOKE.iters
-        device_name = f"CPU smoke run ({platform.processor() or platform.machine()}; not a measurement)"
-        torch.manual_seed(0)
-    else:
-        model, tp = config.model, args.tp or config.layout.tp
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
-        device, backend = torch.device("cuda"), args.backend
-        default_lengths = ",".join(str(512 * 2**i) for i in range(12) if 512 * 2**i <= config.seq_len)
-        lengths = int_list(args.lengths or default_lengths, "--lengths")
-        tokens = int_list(args.tokens, "--tokens")
-        q_lens, kv_lens = int_list(args.q_lens, "--q-lens"), int_list(args.kv_lens, "--kv-lens")
-        tile, table_tokens, warmup, iters = args.tile, args.table_tokens, args.warmup, args.iters
-        device_name = torch.cuda.get_device_name(device)
+        lengths = int_list(SMOKE.lengths, "--lengths")
+        return Plan(SMOKE_MODEL, 1, torch.float32, torch.device("cpu"),
+                    f"CPU smoke run ({machine()}; not a measurement)", "reference", lengths,
+                    int_list(SMOKE.tokens, "--tokens"), int_list(SMOKE.q_lens, "--q-lens"),
+                    int_list(SMOKE.kv_lens, "--kv-lens"), SMOKE.table_tokens, SMOKE.tile, SMOKE.warmup, SMOKE.iters,
+                    SMOKE.holdout, lengths[-1])
+    cuda = torch.cuda.is_available()
+    if args.device == "cuda" and not cuda:
+        raise ValueError("--device cuda: torch sees no CUDA device; leave --device at auto (or cpu) to measure "
+                         "this machine's CPU")
+    on_gpu = cuda and args.device != "cpu"
+    config = load_config(args.config)
+    model, tp = config.model, args.tp or config.layout.tp
     positive(tp, "--tp")
     for what, n in (("num_heads", model.num_heads), ("num_kv_heads", model.num_kv_heads),
                     ("ffn_hidden", model.ffn_hidden), ("hidden", model.hidden)):
         if n % tp:
             raise ValueError(f"--tp {tp} does not divide the model's {what} ({n})")
-    if len(lengths) < 3 or len(tokens) < 2:
-        raise ValueError(f"the profile fit needs >= 3 --lengths and >= 2 --tokens, got {len(lengths)} and "
-                         f"{len(tokens)}")
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[
+        args.dtype or ("bf16" if on_gpu else "fp32")]
+    s_max = resolve_max_seq_len(config.seq_len, config.packing.max_seq_len)
+    notes: list[str] = []
+    if on_gpu:
+        device = torch.device("cuda")
+        device_name = torch.cuda.get_device_name(device)
+        lengths = int_list(args.lengths or ",".join(str(512 * 2**i) for i in range(12)
+                                                    if 512 * 2**i <= config.seq_len), "--lengths")
+        tokens = int_list(args.tokens or "1024,2048,4096,8192,16384,32768", "--tokens")
+        grid = ",".join(str(128 * 2**i) for i in range(11))
+        q_lens, kv_lens = int_list(args.q_lens or grid, "--q-lens"), int_list(args.kv_lens or grid, "--kv-lens")
+        table_tokens, warmup, iters = args.table_tokens or 131072, 3, 10
+    else:
+        threads = args.threads or torch.get_num_threads()
+        device, device_name = torch.device("cpu"), f"CPU: {machine()}; {threads} torch thread(s)"
+        heads = model.num_heads // tp
+        attn_flops, lin_flops = model.attention_flops_per_pair() / tp, model.linear_flops_per_token() / tp
 
-    def log(line: str) -> None:
-        print(line, file=sys.stderr, flush=True)
+        def attn_cost(d: int) -> float:
+            return max(float(causal_pairs(d, d)) * attn_flops / CPU.flops, 4.0 * heads * d * d / CPU.score_bytes)
 
-    timer = Timer(torch, device, warmup, iters)
+        if args.lengths:
+            lengths = int_list(args.lengths, "--lengths")
+        else:
+            lengths, note = budget_grid(config.seq_len, attn_cost)
+            notes.append(f"lengths {lengths[0]}..{lengths[-1]} ({note or 'up to seq_len ' + str(config.seq_len)})")
+        if args.tokens:
+            tokens = int_list(args.tokens, "--tokens")
+        else:
+            tokens, note = budget_grid(s_max, lambda t: t * lin_flops / CPU.flops)
+            notes.append(f"tokens {tokens[0]}..{tokens[-1]} ({note or 'up to S_max ' + str(s_max)})")
+        octaves = lengths[::-2][::-1]  # the table interpolates in log2: whole octaves ending at the longest
+        q_lens = int_list(args.q_lens, "--q-lens") if args.q_lens else octaves
+        kv_lens = int_list(args.kv_lens, "--kv-lens") if args.kv_lens else octaves
+        table_tokens, warmup, iters = args.table_tokens or lengths[-1], CPU.warmup, CPU.iters
+        if notes:
+            notes = [f"CPU budget ({CPU.flops:.0e} forward FLOPs or {CPU.score_bytes / 2**20:.0f} MiB of attention "
+                     f"scores per call): " + ", ".join(notes)]
+    backend = "reference" if args.backend == "auto" and not on_gpu else args.backend
+    return Plan(model, tp, dtype, device, device_name, backend, lengths, tokens, q_lens, kv_lens, table_tokens,
+                args.tile, warmup if args.warmup is None else args.warmup, iters if args.iters is None else args.iters,
+                args.holdout, min(s_max, tokens[-1]), notes,
+                0.0 if on_gpu else (CPU.min_seconds if args.min_seconds is None else max(0.0, args.min_seconds)),
+                None if on_gpu else threads)
+
+
+def fit_line(fit: ProfileFit) -> str:
+    """One line with the fitted coefficients."""
+    per_run = f" + {fit.attn_per_run:.3e} s/document" if fit.attn_per_run else ""
+    if fit.form == "micro_batches":
+        return (f"fit (per layer): {fit.attn_per_pair:.3e} s/pair + {fit.linear_per_token:.3e} s/token + "
+                f"{fit.overhead:.3e} s/micro-batch forward (mean rel. error of fwd+bwd {fit.attn_rel_err:.1%} on the "
+                f"fitted rows), bwd/fwd {fit.bwd_attention:.2f} (attention) {fit.bwd_linear:.2f} (linear)")
+    return (f"fit: attention {fit.attn_per_pair:.3e} s/pair + {fit.attn_per_query:.3e} s/query{per_run} (mean rel. "
+            f"error {fit.attn_rel_err:.1%}), linear {fit.linear_per_token:.3e} s/token ({fit.linear_rel_err:.1%}), "
+            f"bwd/fwd {fit.bwd_attention:.2f} (attention) {fit.bwd_linear:.2f} (linear)")
+
+
+def log(line: str) -> None:
+    """A line of progress on stderr."""
+    print(line, file=sys.stderr, flush=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    out = output_file(args.out)
+    if args.from_trace is not None:
+        return run_from_trace(args, out)
+    try:
+        import torch
+    except ImportError:
+        raise ValueError("wlb calibrate measures with torch, which is not installed: pip install torch "
+                         "(the rest of wlb does not need it)") from None
+    eff_out = output_file(args.efficiency_out or out.with_suffix(".efficiency.json"), "--efficiency-out")
+    for flag in ("iters", "table_tokens", "tile", "holdout", "threads"):
+        if getattr(args, flag) is not None:
+            positive(getattr(args, flag), "--" + flag.replace("_", "-"))
+    if args.warmup is not None and args.warmup < 0:
+        raise ValueError(f"--warmup {args.warmup}: must be >= 0")
+    plan = plan_measurement(args, torch)
+    if len(plan.lengths) < 3 or len(plan.tokens) < 2:
+        raise ValueError(f"the profile fit needs >= 3 --lengths and >= 2 --tokens, got {len(plan.lengths)} and "
+                         f"{len(plan.tokens)}")
+    log(f"calibrating {plan.model.name} (hidden {plan.model.hidden}, {plan.model.num_heads} heads) at TP {plan.tp} on "
+        f"{plan.device_name}, {plan.dtype}, attention {plan.backend}, warmup {plan.warmup}, iters {plan.iters}")
+    for note in plan.notes:
+        log(note)
+    if plan.threads is not None:
+        torch.set_num_threads(plan.threads)
+    torch.manual_seed(args.seed)
+    timer = Timer(torch, plan.device, plan.warmup, plan.iters, plan.min_seconds)
+    layer = Layer(torch, plan.model, plan.tp, plan.dtype, plan.device, plan.backend)
     start = time.perf_counter()
     profile: dict[str, Any] = {
-        "format": PROFILE_FORMAT, "device": device_name, "model": model.to_dict(), "tp": tp,
-        "attention": measure_attention(torch, timer, model, tp, lengths, dtype, backend, log),
-        "linear": measure_linear(torch, timer, model, tp, tokens, dtype, log),
-        "source": f"wlb calibrate{' --smoke' if args.smoke else ''} torch={torch.__version__} dtype={dtype} "
-                  f"warmup={warmup} iters={iters}",
+        "format": PROFILE_FORMAT, "device": plan.device_name, "model": plan.model.to_dict(), "tp": plan.tp,
+        "attention": measure_attention(torch, timer, plan.model, plan.tp, plan.lengths, plan.dtype, plan.backend, log),
+        "linear": measure_linear(torch, timer, layer, plan.tokens, plan.dtype, log),
+        "source": f"wlb calibrate{' --smoke' if args.smoke else ''} torch={torch.__version__} dtype={plan.dtype} "
+                  f"warmup={plan.warmup} iters={plan.iters} min_seconds={plan.min_seconds} threads={plan.threads}"
+                  + "".join(f"; {n}" for n in plan.notes),
     }
-    efficiency = measure_efficiency(torch, timer, model, tp, q_lens, kv_lens, table_tokens, tile, dtype, backend,
-                                    device_name, log)
+    docs = composite_micro_batches(plan.holdout, plan.holdout_tokens, plan.lengths[-1], args.seed, plan.tokens[0])
+    held = measure_micro_batches(torch, timer, layer, docs, plan.dtype, log)
+    profile["holdout"] = {**holdout_mape(profile, held), "measured": held}
+    efficiency = measure_efficiency(torch, timer, plan.model, plan.tp, plan.q_lens, plan.kv_lens, plan.table_tokens,
+                                    plan.tile, plan.dtype, plan.backend, plan.device_name, log)
     out.write_text(json.dumps(profile, indent=1) + "\n")
     efficiency.to_json(eff_out)
     load_profile(out)  # what --profile will read: fail here, not in a later run
     KernelEfficiency.from_json(eff_out)
-    fit = fit_profile(profile)
     print(f"wrote {out} ({PROFILE_FORMAT}) and {eff_out} ({EFFICIENCY_FORMAT}) in "
-          f"{time.perf_counter() - start:.1f} s on {device_name}")
-    print(f"fit: attention {fit.attn_per_pair:.3e} s/pair + {fit.attn_per_query:.3e} s/query (mean rel. error "
-          f"{fit.attn_rel_err:.1%}), linear {fit.linear_per_token:.3e} s/token ({fit.linear_rel_err:.1%}), "
-          f"bwd/fwd {fit.bwd_attention:.2f} (attention) {fit.bwd_linear:.2f} (linear)")
+          f"{time.perf_counter() - start:.1f} s on {plan.device_name}")
+    for note in plan.notes:
+        print(note)
+    print(fit_line(fit_profile(profile)))
+    print(f"held-out MAPE {profile['holdout']['mape']:.1%} of forward + backward on {len(docs)} composite "
+          f"micro-batches ({min(map(len, docs))}-{max(map(len, docs))} documents, "
+          f"{min(held['tokens'])}-{max(held['tokens'])} tokens; measured apart, not in the fit)")
     print(f"use: wlb analyze --profile {out} ...; Megatron: --wlb-cost-profile {out}; "
           f"wlb shard --profile {eff_out}")
+    return 0
+
+
+def run_from_trace(args: argparse.Namespace, out: Path) -> int:
+    """``--from-trace``: the micro-batch profile of a training trace, with its held-out MAPE."""
+    from megatron_wlb.costmodel.trace import profile_points, read_trace, trace_setup
+
+    if args.efficiency_out is not None:
+        raise ValueError("--efficiency-out: a trace times whole micro-batches, not kernel shapes, so --from-trace "
+                         "writes no kernel table; measure one with `wlb calibrate` without --from-trace")
+    warmup = 2 if args.warmup is None else args.warmup
+    if warmup < 0:
+        raise ValueError(f"--warmup {warmup}: must be >= 0 (iterations dropped from the start of the trace)")
+    if args.holdout_every < 2:
+        raise ValueError(f"--holdout-every {args.holdout_every}: must be >= 2")
+    trace = read_trace(args.from_trace)
+    setup = trace_setup(trace)
+    if not trace.micro_batches:
+        raise ValueError(f"--from-trace {args.from_trace}: no micro_batch rows (the run wrote only headers; "
+                         "trace a run that gets through some iterations)")
+    points = profile_points(trace.after_warmup(warmup).micro_batches, setup["layout"])
+    n = len(points["fwd_s"])
+    if n < MIN_TRACE_POINTS:
+        raise ValueError(f"--from-trace {args.from_trace}: {n} usable micro-batch rows after --warmup {warmup} "
+                         f"({len(trace.micro_batches)} in the trace); the fit and its held-out check need >= "
+                         f"{MIN_TRACE_POINTS}: trace more iterations or lower --warmup")
+    model = ModelShape(**setup["model"])
+    tp = int(setup["layout"].get("tp", 1))
+    profile: dict[str, Any] = {
+        "format": PROFILE_FORMAT, "device": setup["device"], "model": model.to_dict(), "tp": tp,
+        "micro_batches": points,
+        "source": f"wlb calibrate --from-trace {args.from_trace} --warmup {warmup}: {n} rows of "
+                  f"{len(trace.headers)} rank file(s), layout {setup['layout']}",
+    }
+    mask, split = holdout_every(np.asarray(points["iteration"], dtype=np.int64), args.holdout_every)
+    if (~mask).sum() < 3:
+        raise ValueError(f"--from-trace {args.from_trace}: holding out {split} leaves {(~mask).sum()} rows to fit; "
+                         "trace more iterations")
+    profile["holdout"] = {**holdout_mape(profile, mask), "split": split}
+    out.write_text(json.dumps(profile, indent=1) + "\n")
+    load_profile(out)  # what --profile / --wlb-cost-profile will read: fail here, not in a later run
+    CalibratedCostModel(profile, model, ParallelLayout(tp=tp))
+    fit = fit_profile(profile)
+    print(f"wrote {out} ({PROFILE_FORMAT}, measured micro-batches) from {n} micro-batch rows of "
+          f"{len(trace.headers)} rank file(s), iterations >= {warmup}, device {setup['device']}")
+    print(fit_line(fit))
+    held = profile["holdout"]
+    print(f"held-out MAPE {held['mape']:.1%} of forward + backward on {held['micro_batches']} rows ({split}; fitted "
+          "without them; the written fit uses every row)")
+    print("no kernel-efficiency table: a trace times whole micro-batches, not kernel shapes (wlb shard keeps "
+          "its shipped table, or measure one with `wlb calibrate`)")
+    print(f"use: wlb analyze --profile {out} ...; Megatron: --wlb-cost-profile {out}")
     return 0

@@ -1,4 +1,4 @@
-"""Latency of attention and linear work, analytic from the model shape or calibrated on a GPU.
+"""Latency of attention and linear work, analytic from the model shape or calibrated by measurement.
 
 Every estimate is *forward seconds of one transformer layer on one GPU*. Backward is the forward
 times ``hardware.bwd_attention`` / ``hardware.bwd_linear``. A document of ``d`` tokens costs
@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import json
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -151,10 +153,25 @@ class AnalyticCostModel(CostModel):
         return flops / (self.hardware.gemm_tflops * 1e12)
 
 
+def head_ratio(model: ModelShape) -> float:
+    """Forward FLOPs per token of the LM head over those of one layer's GEMMs: the simulator prices the
+    head at this many layers' ``linear_compute`` (``sim.iteration``), and the trace fit does the same."""
+    return 2.0 * model.hidden * model.vocab / model.linear_flops_per_token()
+
+
 @dataclass(frozen=True)
 class ProfileFit:
-    """Least-squares fit of measured latencies: attention = a*pairs + b*q, linear = c*tokens, plus
-    a constant per micro-batch; ``*_rel_err`` is the mean relative error on the measured points."""
+    """A fitted profile, per layer and GPU at the profile's own shape and TP: attention =
+    ``attn_per_pair`` x pairs + ``attn_per_query`` x queries + ``attn_per_run`` per query run (a document,
+    or its piece on a CP rank: the reference kernel's per-document loop), GEMMs = ``linear_per_token`` x
+    tokens, plus ``overhead`` per micro-batch; backward = ``bwd_attention`` x attention + ``bwd_linear`` x
+    (GEMMs + overhead), the convention of ``CalibratedCostModel`` and ``packing.metrics``.
+
+    ``form``: the section fitted, ``"kernels"`` (attention and GEMM sweeps) or ``"micro_batches"``
+    (measured whole micro-batches, collectives included); ``*_rel_err``: mean relative error on the
+    fitted points (kernels: of each sweep's forward; micro-batches: both of forward + backward);
+    ``head_ratio``: micro-batch points' LM-head tokens are priced at this many layers' GEMMs.
+    """
 
     attn_per_pair: float
     attn_per_query: float
@@ -165,52 +182,201 @@ class ProfileFit:
     bwd_attention: float
     bwd_linear: float
     extra: dict = field(default_factory=dict)
+    form: str = "kernels"
+    head_ratio: float = 0.0
+    attn_per_run: float = 0.0
+
+    def predict(self, pairs: Counts, tokens: Counts, head_tokens: Counts = 0.0,
+                runs: Counts = 1.0) -> tuple[np.ndarray, np.ndarray]:
+        """(forward, backward) seconds per layer of micro-batches with these causal (query, key) pairs, query
+        tokens and query runs (documents) on one GPU (``head_tokens``: tokens whose LM head the point also
+        ran, per layer)."""
+        p, t, h, r = (np.asarray(x, dtype=np.float64) for x in (pairs, tokens, head_tokens, runs))
+        attn = self.attn_per_pair * p + self.attn_per_query * t + self.attn_per_run * r
+        lin = self.linear_per_token * (t + self.head_ratio * h) + self.overhead
+        return attn + lin, self.bwd_attention * attn + self.bwd_linear * lin
+
+
+def nnls_gram(gram: np.ndarray, rhs: np.ndarray, points: float) -> np.ndarray:
+    """Non-negative ``c`` minimising ``|A c - 1|^2`` from its normal equations alone (``gram = A^T A``,
+    ``rhs = A^T 1``, ``points`` = the rows), so statistics summed over ranks fit as the rows would. Exact
+    for the few columns here: the optimum is the unconstrained fit on its own support, so every support
+    is tried and the non-negative one with the least residual kept (columns scaled to unit norm first)."""
+    g, r = np.asarray(gram, dtype=np.float64), np.asarray(rhs, dtype=np.float64)
+    scale = np.sqrt(np.diag(g)).copy()
+    scale[scale == 0] = 1.0
+    g, r = g / np.outer(scale, scale), r / scale
+    best, best_res = np.zeros(r.size), float(points)
+    for support in range(1, 2 ** r.size):
+        cols = [j for j in range(r.size) if support >> j & 1]
+        sub = g[np.ix_(cols, cols)]
+        coef, *_ = np.linalg.lstsq(sub, r[cols], rcond=None)
+        if np.any(coef < 0):
+            continue
+        res = float(points - 2.0 * coef @ r[cols] + coef @ sub @ coef)
+        if res < best_res:
+            best, best_res = np.zeros(r.size), res
+            best[cols] = coef
+    return best / scale
+
+
+def _nnls_relative(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Non-negative ``c`` minimising ``sum(((x @ c - y) / y) ** 2)``: relative least squares, so short
+    measurements count as much as long ones (``nnls_gram`` on the rows ``x / y``, target 1)."""
+    a = x / y[:, None]
+    return nnls_gram(a.T @ a, a.sum(axis=0), float(y.size))
 
 
 def fit_profile(profile: dict) -> ProfileFit:
-    """Fit a measured profile (format ``megatron-wlb-profile/1``, see ``load_profile``)."""
+    """Fit a measured profile (see ``load_profile``). A profile with both forms is fitted from its
+    ``micro_batches``: whole measured micro-batches are what the cost model predicts (kernels, launches,
+    collectives and all), so they win over the kernel sweeps of the same profile."""
+    if "micro_batches" in profile:
+        return _fit_micro_batches(profile)
+    return _fit_kernels(profile)
+
+
+def _bwd_ratio(section: dict, default: float) -> float:
+    if "bwd_s" not in section:
+        return default
+    return float(np.median(np.asarray(section["bwd_s"], dtype=np.float64) / np.asarray(section["fwd_s"])))
+
+
+def _fit_kernels(profile: dict) -> ProfileFit:
+    """attention fwd = a*pairs + b*queries (+ r*documents) + c_a over the sweep's calls (``lengths`` tokens
+    as ``documents`` equal documents, 1 when not given; the per-document term only when some call has
+    several), GEMMs fwd = c*t + c_l; backward ratios are the medians of the measured bwd / fwd."""
     attn = profile["attention"]
     lin = profile["linear"]
     d = np.asarray(attn["lengths"], dtype=np.float64)
+    k = np.asarray(attn.get("documents", np.ones_like(d)), dtype=np.float64)
     ta = np.asarray(attn["fwd_s"], dtype=np.float64)
     t = np.asarray(lin["tokens"], dtype=np.float64)
     tl = np.asarray(lin["fwd_s"], dtype=np.float64)
     if d.size < 3 or t.size < 2:
         raise ValueError(f"a profile needs >= 3 attention and >= 2 linear points, got {d.size} and {t.size}")
-    pairs = causal_pairs(d, d)
-    # Relative least squares (divide rows by the measurement) so short lengths count as much as long.
-    a_mat = np.stack([pairs, d, np.ones_like(d)], axis=1) / ta[:, None]
-    a_coef, *_ = np.linalg.lstsq(a_mat, np.ones_like(ta), rcond=None)
-    l_mat = np.stack([t, np.ones_like(t)], axis=1) / tl[:, None]
-    l_coef, *_ = np.linalg.lstsq(l_mat, np.ones_like(tl), rcond=None)
-    a_coef = np.maximum(a_coef, 0.0)
-    l_coef = np.maximum(l_coef, 0.0)
-    pred_a = a_coef[0] * pairs + a_coef[1] * d + a_coef[2]
-    pred_l = l_coef[0] * t + l_coef[1]
-
-    def ratio(section: dict, default: float) -> float:
-        if "bwd_s" not in section:
-            return default
-        return float(np.median(np.asarray(section["bwd_s"]) / np.asarray(section["fwd_s"])))
-
+    pairs = k * causal_pairs(d / k, d / k)
+    per_run = bool(np.any(k != k[0]))
+    a_x = np.stack([pairs, d, *([k] if per_run else []), np.ones_like(d)], axis=1)
+    a_coef = _nnls_relative(a_x, ta)
+    l_x = np.stack([t, np.ones_like(t)], axis=1)
+    l_coef = _nnls_relative(l_x, tl)
     return ProfileFit(
         attn_per_pair=float(a_coef[0]),
         attn_per_query=float(a_coef[1]),
+        attn_per_run=float(a_coef[2]) if per_run else 0.0,
         linear_per_token=float(l_coef[0]),
-        overhead=float(a_coef[2] + l_coef[1]),
-        attn_rel_err=float(np.mean(np.abs(pred_a - ta) / ta)),
-        linear_rel_err=float(np.mean(np.abs(pred_l - tl) / tl)),
-        bwd_attention=ratio(attn, H100.bwd_attention),
-        bwd_linear=ratio(lin, H100.bwd_linear),
+        overhead=float(a_coef[-1] + l_coef[1]),
+        attn_rel_err=float(np.mean(np.abs(a_x @ a_coef - ta) / ta)),
+        linear_rel_err=float(np.mean(np.abs(l_x @ l_coef - tl) / tl)),
+        bwd_attention=_bwd_ratio(attn, H100.bwd_attention),
+        bwd_linear=_bwd_ratio(lin, H100.bwd_linear),
     )
+
+
+def _fit_micro_batches(profile: dict) -> ProfileFit:
+    """fwd = a_f*pairs + b_f*tokens + c_f and bwd = a_b*pairs + b_b*tokens + c_b, each by non-negative
+    relative least squares over the measured micro-batches (``tokens`` plus ``head_ratio`` x
+    ``head_tokens``, the LM head at the simulator's price). Then bwd_attention = a_b / a_f and
+    bwd_linear = b_b / b_f (where a coefficient is 0, the mean measured bwd / fwd: a mean, so that the
+    online refit's summed statistics reproduce it), and the overhead is (c_f + c_b) / (1 + bwd_linear):
+    the cost model charges ``overhead`` forward and ``bwd_linear`` x it backward, so the forward + backward
+    total the packer balances is the fitted c_f + c_b exactly, while its split between forward and
+    backward follows the GEMMs' ratio rather than c_b / c_f."""
+    mb = profile["micro_batches"]
+    p, t, f, b = (np.asarray(mb[k], dtype=np.float64) for k in ("pairs", "tokens", "fwd_s", "bwd_s"))
+    if f.size < 3:
+        raise ValueError(f"a micro_batches profile needs >= 3 measured micro-batches, got {f.size}")
+    head = np.asarray(mb.get("head_tokens", np.zeros_like(t)), dtype=np.float64)
+    ratio = head_ratio(ModelShape(**profile["model"])) if np.any(head > 0) else 0.0
+    x = np.stack([p, t + ratio * head, np.ones_like(t)], axis=1)
+    cf, cb = _nnls_relative(x, f), _nnls_relative(x, b)
+    mean_ratio = float(np.mean(b / f))
+    guarded = [name for name, i in (("bwd_attention", 0), ("bwd_linear", 1)) if not (cf[i] > 0 and cb[i] > 0)]
+    bwd_attention = float(cb[0] / cf[0]) if "bwd_attention" not in guarded else mean_ratio
+    bwd_linear = float(cb[1] / cf[1]) if "bwd_linear" not in guarded else mean_ratio
+    fit = ProfileFit(
+        attn_per_pair=float(cf[0]), attn_per_query=0.0, linear_per_token=float(cf[1]),
+        overhead=float((cf[2] + cb[2]) / (1.0 + bwd_linear)), attn_rel_err=0.0, linear_rel_err=0.0,
+        bwd_attention=bwd_attention, bwd_linear=bwd_linear, form="micro_batches", head_ratio=ratio,
+        extra={"fwd": cf.tolist(), "bwd": cb.tolist(), "points": int(f.size),
+               "fwd_rel_err": float(np.mean(np.abs(x @ cf - f) / f)),
+               "bwd_rel_err": float(np.mean(np.abs(x @ cb - b) / b)),
+               "ratio_from_mean": guarded})
+    pred_f, pred_b = fit.predict(p, t, head)
+    err = float(np.mean(np.abs(pred_f + pred_b - (f + b)) / (f + b)))
+    return replace(fit, attn_rel_err=err, linear_rel_err=err)
+
+
+def holdout_every(groups: Sequence[int] | np.ndarray, every: int = 5) -> tuple[np.ndarray, str]:
+    """A deterministic held-out split: (mask, description). A point is held out when its group (a
+    training iteration: all ranks' rows of a micro-batch leave the fit together) is ``every - 1``
+    modulo ``every``; when that holds out none or all, every ``every``-th point instead."""
+    if every < 2:
+        raise ValueError(f"holdout every {every}: must be >= 2 (1 would hold out everything)")
+    g = np.asarray(groups, dtype=np.int64)
+    mask = g % every == every - 1
+    if mask.any() and not mask.all():
+        return mask, f"iterations i with i % {every} == {every - 1}"
+    return np.arange(g.size) % every == every - 1, f"every {every}th micro-batch"
+
+
+def _select(section: dict, mask: np.ndarray) -> dict:
+    """The points of a ``micro_batches`` section where ``mask`` is true (its per-point lists)."""
+    n = mask.size
+    return {k: [x for x, m in zip(v, mask) if m] if isinstance(v, list) and len(v) == n else v
+            for k, v in section.items()}
+
+
+def holdout_mape(profile: dict, held_out: dict | np.ndarray) -> dict[str, Any]:
+    """``{"mape", "micro_batches"}``: the mean absolute percentage error of the fitted forward + backward
+    seconds of micro-batches left out of the fit. ``held_out`` is a ``micro_batches``-like section measured
+    apart from ``profile`` (then ``profile`` is fitted as it is), or a boolean mask over
+    ``profile["micro_batches"]`` (those points are taken out of the fit and predicted)."""
+    if isinstance(held_out, dict):
+        fitted, test = profile, held_out
+    else:
+        mask = np.asarray(held_out, dtype=bool)
+        section = profile["micro_batches"]
+        if mask.shape != (len(section["fwd_s"]),):
+            raise ValueError(f"held-out mask of shape {mask.shape} for {len(section['fwd_s'])} micro-batches")
+        fitted, test = {**profile, "micro_batches": _select(section, ~mask)}, _select(section, mask)
+    if not len(test["fwd_s"]):
+        raise ValueError("no held-out micro-batches to check the fit on")
+    fit = fit_profile(fitted)
+    pred_f, pred_b = fit.predict(test["pairs"], test["tokens"], test.get("head_tokens", 0.0),
+                                 test.get("documents", 1.0))
+    measured = np.asarray(test["fwd_s"], dtype=np.float64) + np.asarray(test["bwd_s"], dtype=np.float64)
+    return {"mape": float(np.mean(np.abs(pred_f + pred_b - measured) / measured)),
+            "micro_batches": len(test["fwd_s"])}
+
+
+def _series(where: str, section: dict, key: str, minimum: float, strict: bool) -> int:
+    """Check ``section[key]`` is a non-empty list of finite numbers > (or >=) ``minimum``; its length."""
+    values = section.get(key)
+    if not isinstance(values, list) or not values or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and np.isfinite(v) for v in values):
+        raise ValueError(f"{where}.{key}: expected a non-empty list of numbers, got {str(values)[:60]}")
+    low = min(values)
+    if low < minimum or (strict and low == minimum):
+        raise ValueError(f"{where}.{key} holds {low}: every value must be {'>' if strict else '>='} {minimum:g}")
+    return len(values)
 
 
 def load_profile(path: str | Path) -> dict:
     """Read and validate a profile JSON written by ``wlb calibrate`` (``megatron_wlb/cli/calibrate.py``).
 
-    Format: ``{"format": "megatron-wlb-profile/1", "device": str, "model": ModelShape fields,
-    "tp": int, "attention": {"lengths": [...], "fwd_s": [...], "bwd_s": [...]},
-    "linear": {"tokens": [...], "fwd_s": [...], "bwd_s": [...]}}``, per layer, one GPU.
+    Format ``megatron-wlb-profile/1``: ``{"format", "device": str, "model": ModelShape fields, "tp": int}``
+    and one or both forms of measurements, per layer on one GPU at that TP:
+
+    - kernel sweeps: ``"attention": {"lengths", "fwd_s", "bwd_s"}`` (one causal document of each length;
+      optional ``"documents"``: the call's ``lengths`` tokens were that many equal documents) and
+      ``"linear": {"tokens", "fwd_s", "bwd_s"}`` (the layer's GEMMs);
+    - measured micro-batches: ``"micro_batches": {"pairs", "tokens", "fwd_s", "bwd_s"}`` (each one's causal
+      (query, key) pairs and query tokens on that GPU and its seconds divided by the layers measured;
+      optional ``"head_tokens"``: the tokens whose LM head the time includes, also per layer).
+
+    ``fit_profile`` fits the micro-batches when both are there. Every error is one line naming the field.
     """
     try:
         with open(path) as f:
@@ -221,28 +387,58 @@ def load_profile(path: str | Path) -> dict:
         raise ValueError(f"{path}: expected a JSON object (format {PROFILE_FORMAT!r}), got a {type(profile).__name__}")
     if profile.get("format") != PROFILE_FORMAT:
         raise ValueError(f"{path}: format is {profile.get('format')!r}, expected {PROFILE_FORMAT!r}")
-    for section, key in (("attention", "lengths"), ("linear", "tokens")):
-        if section not in profile or key not in profile[section] or "fwd_s" not in profile[section]:
+    try:
+        ModelShape(**profile["model"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"{path}: model: expected a mapping of ModelShape fields ({exc})") from None
+    if not isinstance(profile.get("tp", 1), int) or profile.get("tp", 1) < 1:
+        raise ValueError(f"{path}: tp {profile.get('tp')!r}: must be a positive integer")
+    kernels = [s for s in ("attention", "linear") if s in profile]
+    if not kernels and "micro_batches" not in profile:
+        raise ValueError(f"{path}: no measurements: give the kernel sweeps (attention and linear) or "
+                         "micro_batches (measured micro-batches), or both")
+    for section, key in (("attention", "lengths"), ("linear", "tokens")) if kernels else ():
+        if not isinstance(profile.get(section), dict) or key not in profile[section] or "fwd_s" not in profile[section]:
             raise ValueError(f"{path}: missing {section}.{key} or {section}.fwd_s")
-        if len(profile[section][key]) != len(profile[section]["fwd_s"]):
-            raise ValueError(f"{path}: {section}.{key} and {section}.fwd_s differ in length")
-        if min(profile[section]["fwd_s"]) <= 0:
-            raise ValueError(f"{path}: {section}.fwd_s holds a non-positive latency")
+        where = f"{path}: {section}"
+        sizes = {_series(where, profile[section], key, 1, False), _series(where, profile[section], "fwd_s", 0, True)}
+        for optional, low in (("bwd_s", 0), ("documents", 1)):
+            if optional in profile[section]:
+                sizes.add(_series(where, profile[section], optional, low, optional == "bwd_s"))
+        if len(sizes) > 1:
+            raise ValueError(f"{path}: {section}.{key} and {section}.fwd_s / bwd_s / documents differ in length")
+        docs = profile[section].get("documents")
+        if docs is not None and any(n % k for n, k in zip(profile[section][key], docs)):
+            raise ValueError(f"{path}: {section}.documents must divide {section}.{key} (equal documents per call)")
+    if "micro_batches" in profile:
+        mb = profile["micro_batches"]
+        where = f"{path}: micro_batches"
+        if not isinstance(mb, dict):
+            raise ValueError(f"{where}: expected an object with pairs, tokens, fwd_s and bwd_s")
+        checks = [("pairs", 0, False), ("tokens", 0, True), ("fwd_s", 0, True), ("bwd_s", 0, True)]
+        if "head_tokens" in mb:
+            checks.append(("head_tokens", 0, False))
+        counts = {k: _series(where, mb, k, low, strict) for k, low, strict in checks}
+        if len(set(counts.values())) > 1:
+            raise ValueError(f"{where}: {', '.join(counts)} differ in length ({', '.join(map(str, counts.values()))})")
     return profile
 
 
 class CalibratedCostModel(CostModel):
-    """Latencies fitted to a GPU profile, rescaled to the target model shape and TP degree.
+    """Latencies fitted to a measured profile, rescaled to the target model shape and TP degree.
 
     The profile is measured for one model shape at one TP degree; attention coefficients scale
     with heads x head_dim per GPU and GEMM coefficients with FLOPs per token per GPU, so a 7B
-    profile also prices other Llama shapes (to first order). Collectives stay analytic.
+    profile also prices other Llama shapes (to first order). Collectives are analytic on top of a
+    kernel-sweep profile; a micro-batch profile (from a training trace) measured them inside its
+    times already, so none are added (exact at the measured layout, scaled with the compute elsewhere).
     """
 
     def __init__(self, profile: dict, model: ModelShape, layout: ParallelLayout,
-                 hardware: Hardware = H100):
+                 hardware: Hardware = H100, fit: ProfileFit | None = None):
         self.profile = profile
-        self.fit = fit_profile(profile)
+        self.fit = fit_profile(profile) if fit is None else fit
+        self._collectives_measured = self.fit.form == "micro_batches"
         prof_model = ModelShape(**profile["model"])
         prof_tp = int(profile.get("tp", 1))
         self._attn_scale = (model.attention_flops_per_pair() / layout.tp) / (
@@ -258,17 +454,37 @@ class CalibratedCostModel(CostModel):
                   hardware: Hardware = H100) -> CalibratedCostModel:
         return cls(load_profile(path), model, layout, hardware)
 
+    @classmethod
+    def from_fit(cls, fit: ProfileFit, model: ModelShape, layout: ParallelLayout, hardware: Hardware = H100,
+                 source: str = "a fit") -> CalibratedCostModel:
+        """The model of a fit made at ``model`` and ``layout.tp`` itself (the online refit): no profile file;
+        ``source`` names it in the hardware's name."""
+        profile = {"format": PROFILE_FORMAT, "device": source, "model": model.to_dict(), "tp": layout.tp}
+        return cls(profile, model, layout, hardware, fit=fit)
+
     def attention_run(self, q_len: Counts, kv_len: Counts) -> np.ndarray:
         q = np.asarray(q_len, dtype=np.float64)
         t = self.fit.attn_per_pair * causal_pairs(q_len, kv_len) + self.fit.attn_per_query * q
-        return t * self._attn_scale
+        # the per-run constant is a call's fixed cost (launch, the reference kernel's loop): not rescaled
+        return t * self._attn_scale + np.where(q > 0, self.fit.attn_per_run, 0.0)
 
     def linear_compute(self, tokens: Counts) -> np.ndarray:
         return self.fit.linear_per_token * np.asarray(tokens, dtype=np.float64) * self._linear_scale
 
+    def tp_comm(self, tokens: Counts) -> np.ndarray:
+        if self._collectives_measured:
+            return np.zeros_like(np.asarray(tokens, dtype=np.float64))
+        return super().tp_comm(tokens)
+
+    def cp_comm(self, tokens: Counts) -> np.ndarray:
+        if self._collectives_measured:
+            return np.zeros_like(np.asarray(tokens, dtype=np.float64))
+        return super().cp_comm(tokens)
+
     @property
     def microbatch_overhead(self) -> float:
-        return super().microbatch_overhead + self.fit.overhead
+        collectives = 0.0 if self._collectives_measured else super().microbatch_overhead
+        return collectives + self.fit.overhead
 
 
 def build_cost_model(model: ModelShape | str, layout: ParallelLayout,

@@ -195,3 +195,46 @@ def read_trace(paths: str | os.PathLike[str] | Iterable[str | os.PathLike[str]])
     if not headers:
         raise ValueError(f"{', '.join(map(str, files))}: no header row: not a megatron-wlb trace")
     return Trace(tuple(headers), tuple(mbs), tuple(its))
+
+
+# -- the cost-model profile from a trace (``wlb calibrate --from-trace``) ---------------------------------
+def trace_setup(trace: Trace) -> dict[str, Any]:
+    """``{"model", "layout", "device"}`` of the traced run, from its headers; a one-line error when the
+    rank files disagree (files of two runs under one name) or a header lacks them."""
+    first = trace.headers[0]
+    wanted = {"model": "ModelShape fields (a run without a cost model records none)", "layout": "tp, cp, pp, dp, vpp"}
+    for key in ("model", "layout"):
+        if not isinstance(first.get(key), dict):
+            raise ValueError(f"trace header of rank {first.get('rank')}: {key} {first.get(key)!r}: expected a mapping "
+                             f"of {wanted[key]}")
+        for other in trace.headers[1:]:
+            if other.get(key) != first[key]:
+                raise ValueError(f"trace headers disagree on {key}: rank {first.get('rank')} {first[key]}, rank "
+                                 f"{other.get('rank')} {other.get(key)} (files of two runs under one name?)")
+    return {"model": first["model"], "layout": first["layout"], "device": str(first.get("device", "unknown"))}
+
+
+def profile_points(rows: Iterable[MicroBatchRow], layout: dict[str, Any]) -> dict[str, list[float]]:
+    """The ``micro_batches`` section of a cost-model profile (``costmodel.load_profile``), one point per row
+    with positive times and tokens: this CP rank's ``rank_pairs`` and ``rank_tokens``, its ``fwd_s`` and
+    ``bwd_s`` divided by ``layers`` (a profile is per layer), and ``iteration`` (for the held-out split).
+
+    ``head_tokens`` is ``rank_tokens / layers`` on the chunk that runs the LM head and loss (the last chunk
+    of the last PP stage), else 0: the fit prices the head at ``head_ratio`` layers of GEMMs per token, as
+    the simulator does, so a PP trace's last stage does not inflate every stage's per-token cost. The
+    embedding (first chunk) is a lookup and stays in the per-layer coefficients; so does a kernel's
+    per-document cost (rows carry no per-rank run count), spread over tokens at the traced mix.
+    """
+    last_pp, last_chunk = int(layout.get("pp", 1)) - 1, int(layout.get("vpp", 1) or 1) - 1
+    out: dict[str, list[float]] = {k: [] for k in ("pairs", "tokens", "head_tokens", "fwd_s", "bwd_s", "iteration")}
+    for r in rows:
+        if r.layers < 1 or r.rank_tokens < 1 or not (r.fwd_s > 0 and r.bwd_s > 0):
+            continue
+        has_head = r.pp == last_pp and r.chunk == last_chunk
+        out["pairs"].append(float(r.rank_pairs))
+        out["tokens"].append(float(r.rank_tokens))
+        out["head_tokens"].append(r.rank_tokens / r.layers if has_head else 0.0)
+        out["fwd_s"].append(r.fwd_s / r.layers)
+        out["bwd_s"].append(r.bwd_s / r.layers)
+        out["iteration"].append(r.iteration)
+    return out

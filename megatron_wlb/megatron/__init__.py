@@ -70,6 +70,8 @@ class Runtime:
     settings: WlbSettings | None = None
     registry: Any = None
     logger: Any = None
+    #: the online cost-model refit (``--wlb-cost-model online``), on every rank
+    refit: Any = None
     originals: dict[str, Callable] = field(default_factory=dict)
 
 
@@ -286,9 +288,10 @@ def _start_recorder(args: Any, settings: WlbSettings, n: int, cost: CostModel | 
                          tp_size=parallel_state.get_tensor_model_parallel_world_size(),
                          layers_per_chunk=max(1, int(args.num_layers) // (pp * vpp)))
     cuda = training_device().type == "cuda"
+    layout = {"tp": ids.tp_size, "cp": ids.cp_size, "pp": pp, "dp": ids.dp_size, "vpp": vpp}
     header = {"device": torch.cuda.get_device_name() if cuda else machine(),
               "model": cost.model.to_dict() if cost is not None else None,
-              "layout": {"tp": ids.tp_size, "cp": ids.cp_size, "pp": pp, "dp": ids.dp_size, "vpp": vpp},
+              "layout": layout,
               "cost_model": cost.describe() if cost is not None else None, "settings": settings.to_dict(),
               "megatron_core": str(package_info.__version__), "torch": torch.__version__}
     registry = _RUNTIME.registry
@@ -296,8 +299,26 @@ def _start_recorder(args: Any, settings: WlbSettings, n: int, cost: CostModel | 
     def chunk_of(iterator: Any) -> int | None:
         return next((i for i, it in enumerate(registry.iterators) if it is iterator), None)
 
-    timing.activate(timing.Recorder(timing.CudaClock() if cuda else timing.CpuClock(), ids, cost, n, chunk_of,
-                                    trace=settings.trace, header=header))
+    recorder = timing.Recorder(timing.CudaClock() if cuda else timing.CpuClock(), ids, cost, n, chunk_of,
+                               trace=settings.trace, header=header)
+    timing.activate(recorder)
+    if settings.cost_model == "online" and cost is not None:
+        from megatron_wlb.megatron.online import OnlineRefit
+
+        def apply_refit(new: CostModel, state: dict[str, Any]) -> None:
+            for it in registry.iterators:
+                it.packer.set_cost(new, state)
+            recorder.cost = new
+            if _RUNTIME.logger is not None:
+                _RUNTIME.logger.cost, _RUNTIME.logger.latest = new, None
+            fit = state["fit"]
+            _print_rank0(f"> megatron_wlb: online cost model refit at iteration {state['iteration'] + 1} from "
+                         f"{fit['extra']['points']} measured micro-batches: attention {fit['attn_per_pair']:.4g} "
+                         f"s/pair, linear {fit['linear_per_token']:.4g} s/token, overhead {fit['overhead']:.4g} s "
+                         f"per layer; bwd/fwd {fit['bwd_attention']:.2f} / {fit['bwd_linear']:.2f}")
+
+        _RUNTIME.refit = OnlineRefit(cost, layout, settings.refit_interval, apply_refit,
+                                     lambda: registry.iterators[0].current if registry.iterators else None)
 
 
 def _measure(due: bool) -> Any:
@@ -308,7 +329,12 @@ def _measure(due: bool) -> Any:
     if recorder is None:
         return None
     target = recorder.log_target
-    recorder.flush(through=target)
+    rows = recorder.flush(through=target)
+    refit = _RUNTIME.refit
+    if refit is not None:
+        refit.observe(rows)
+        if target >= 0 and refit.due(target):
+            refit.refit(target, timing.all_reduce)  # before the next plan: every rank at the same iteration
     if not due or target < 0:
         return None
     return recorder.measure(target, timing.all_reduce)
@@ -377,6 +403,11 @@ def _wrap_get_batch_on_this_tp_rank(original: Callable) -> Callable:
         return pinned_tp_rank_batch(next(data_iterator))
 
     return get_batch_on_this_tp_rank
+
+
+def _print_rank0(line: str) -> None:
+    if _is_rank0():
+        print(line, flush=True)
 
 
 def _is_rank0() -> bool:

@@ -26,7 +26,7 @@ from megatron_wlb.costmodel import CostModel
 from megatron_wlb.packing.metrics import piece_latency
 from megatron_wlb.packing.types import DocPiece, GlobalBatch, MicroBatch, PackingConfig
 
-STATE_VERSION = 2  # 2: the settings fingerprint covers every field and the cost model
+STATE_VERSION = 3  # 2: the fingerprint covers every field and the cost model; 3: a refitted cost model is saved
 
 
 def validate_lengths(lengths: Sequence[int] | np.ndarray, what: str = "document lengths") -> np.ndarray:
@@ -72,6 +72,17 @@ class Packer(ABC):
         self.iteration = 0         # global batches emitted
         self.dropped: list[tuple[int, int]] = []  # (doc_id, length) removed by oversize="drop"
         self._credit = 0           # tokens read beyond earlier budgets
+        self._refit: dict[str, Any] | None = None  # the refitted cost model's state (set_cost), saved with ours
+
+    def set_cost(self, cost: CostModel, state: dict[str, Any]) -> None:
+        """Balance ``cost`` from the next plan on (the online refit); ``state`` rebuilds it on resume
+        (``costmodel.cost_model_from_state`` over the configured model), so a resumed packer plans with
+        the cost model the saved one had. Work statistics kept in the old model's seconds are rescaled."""
+        old, self.cost, self._refit = self.cost, cost, state
+        self._cost_changed(old)
+
+    def _cost_changed(self, old: CostModel | None) -> None:  # noqa: B027 - a hook: most packers keep no such state
+        """Hook: bring state kept in the old cost model's units over to ``self.cost``."""
 
     # -- what subclasses provide -----------------------------------------------------------------
     @property
@@ -202,6 +213,7 @@ class Packer(ABC):
             "version": STATE_VERSION,
             "packer": self.name,
             "config": settings_fingerprint(self.config, self.cost),
+            "cost": self._refit,
             "position": self.position,
             "iteration": self.iteration,
             "credit": self._credit,
@@ -214,6 +226,12 @@ class Packer(ABC):
             raise ValueError(f"packer state version {state.get('version')!r}; this build reads {STATE_VERSION}")
         if state.get("packer") != self.name:
             raise ValueError(f"state was saved by the {state.get('packer')!r} packer, not {self.name!r}")
+        if state.get("cost") is not None:  # a refitted cost model: rebuild it before comparing fingerprints
+            from megatron_wlb.costmodel import cost_model_from_state
+
+            if self.cost is None:
+                raise ValueError("packer state holds a refitted cost model, but this packer has none to refit")
+            self.set_cost(cost_model_from_state(state["cost"], self.cost), state["cost"])
         diff = fingerprint_difference(state.get("config") or {}, settings_fingerprint(self.config, self.cost))
         if diff:
             raise ValueError(f"packer state was saved with different settings, refusing to resume: {diff}")
@@ -236,7 +254,7 @@ def settings_fingerprint(config: PackingConfig, cost: CostModel | None) -> dict[
     for f in dataclasses.fields(config):
         value = getattr(config, f.name)
         out[f.name] = list(value) if isinstance(value, tuple) else value
-    out["cost_model"] = "d**2 (no cost model)" if cost is None else cost.describe()
+    out["cost"] = "d**2 (no cost model)" if cost is None else cost.describe()
     probe = piece_latency(cost, np.asarray(_PROBE_LENGTHS))
     overhead = 0.0 if cost is None else float(cost.microbatch_overhead)
     out["cost_probe"] = [f"{x:.12g}" for x in [*probe.tolist(), overhead]]

@@ -120,6 +120,8 @@ ReleasePolicy = Literal["global", "rank"]
 RELEASE_POLICIES: tuple[str, ...] = ("global", "rank")
 CutPolicy = Literal["none", "overlong", "any"]
 CUT_POLICIES: tuple[str, ...] = ("none", "overlong", "any")
+CostModelPolicy = Literal["static", "online"]
+COST_MODEL_POLICIES: tuple[str, ...] = ("static", "online")
 
 
 @dataclass(frozen=True)
@@ -175,6 +177,12 @@ class PackingConfig:
     #: document that fits S_max is cut), "overlong" (only pieces of documents longer than S_max),
     #: "any" (any such outlier); cuts are counted and reported
     cut_policy: CutPolicy = "none"
+    #: the cost model the packer balances: "static" (the configured one: analytic, or a calibrated
+    #: profile) or "online" (start from it; in Megatron's loop, refit W(d) every refit_interval
+    #: iterations from the run's own measured step times, agreed across ranks; docs/megatron.md)
+    cost_model: CostModelPolicy = "static"
+    #: online cost model: iterations between refits
+    refit_interval: int = 10
 
     def __post_init__(self) -> None:
         def positive_int(name: str, value: object) -> None:
@@ -188,6 +196,9 @@ class PackingConfig:
         positive_int("num_queues", self.num_queues)
         positive_int("virtual_stages", self.virtual_stages)
         positive_int("solver_max_columns", self.solver_max_columns)
+        positive_int("refit_interval", self.refit_interval)
+        if self.cost_model not in COST_MODEL_POLICIES:
+            raise ValueError(f"cost_model={self.cost_model!r}; valid: {', '.join(COST_MODEL_POLICIES)}")
         if self.pipeline_stages is not None:
             positive_int("pipeline_stages", self.pipeline_stages)
         if self.virtual_stages > 1 and self.n % self.stages:

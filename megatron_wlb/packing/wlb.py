@@ -169,6 +169,16 @@ class WlbPacker(Packer):
                         levels.append(edge)
         return tuple(levels)
 
+    def _cost_changed(self, old: CostModel | None) -> None:
+        """Rescale the per-bin work (kept in the old model's seconds) to the new cost model, each bin at
+        its mean length: exact for a bin of one length, and a bin spans a 2**(1/HIST_PER_OCTAVE) ratio."""
+        used = self._hist > 0
+        if not used.any():
+            return
+        mean = np.maximum(1, np.rint(self._hist_tokens[used] / self._hist[used])).astype(np.int64)
+        before, after = piece_latency(old, mean), piece_latency(self.cost, mean)
+        self._hist_work[used] *= np.where(before > 0, after / np.where(before > 0, before, 1.0), 0.0)
+
     def _ordinary_work_per_token(self, limit: int) -> float:
         """Mean latency per token of the documents read so far that are shorter than ``limit``."""
         below = np.arange(HIST_BINS) < _hist_bin(np.array([limit]))[0]
