@@ -158,8 +158,8 @@ def test_cuda_events_are_read_only_once_complete_and_one_iteration_late():
 
 def _row(**kw) -> MicroBatchRow:
     base = dict(iteration=0, rank=0, dp=0, pp=0, cp=0, tp=0, chunk=0, micro_batch=0, layers=1, tokens=10,
-                sum_d2=100.0, lengths=(10,), rank_tokens=10, rank_pairs=55.0, pred_fwd_s=1.0, pred_bwd_s=1.0,
-                fwd_s=1.0, bwd_s=1.0, wait_fwd_s=0.0, wait_bwd_s=0.0)
+                sum_d2=100.0, lengths=(10,), rank_tokens=10, rank_pairs=55.0, rank_runs=1, data_s=0.0,
+                pred_fwd_s=1.0, pred_bwd_s=1.0, fwd_s=1.0, bwd_s=1.0, wait_fwd_s=0.0, wait_bwd_s=0.0)
     return MicroBatchRow(**{**base, **kw})
 
 

@@ -105,7 +105,7 @@ def test_the_online_refit_applies_on_schedule_and_refuses_disagreeing_ranks():
     points, _ = synthetic_points(n=12)
     rows = [MicroBatchRow(iteration=it, rank=0, dp=0, pp=0, cp=0, tp=0, chunk=0, micro_batch=j, layers=2,
                           tokens=int(points["tokens"][k]), sum_d2=0.0, lengths=(), rank_tokens=int(points["tokens"][k]),
-                          rank_pairs=points["pairs"][k], pred_fwd_s=0.0, pred_bwd_s=0.0,
+                          rank_pairs=points["pairs"][k], rank_runs=1, data_s=0.0, pred_fwd_s=0.0, pred_bwd_s=0.0,
                           fwd_s=2 * points["fwd_s"][k], bwd_s=2 * points["bwd_s"][k], wait_fwd_s=0.0, wait_bwd_s=0.0)
             for k, (it, j) in enumerate((i, j) for i in range(4) for j in range(3))]
     refit.observe(rows)  # iterations 0 and 1 are warm-up: left out

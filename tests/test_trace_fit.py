@@ -64,8 +64,8 @@ def write_trace(path: Path, iterations: int = 12, micro_batches: int = 4, noise:
             lines.append(row_to_json(MicroBatchRow(
                 iteration=it, rank=stage, dp=0, pp=stage, cp=0, tp=0, chunk=0, micro_batch=mb, layers=layers,
                 tokens=tokens, sum_d2=float((docs.astype(float) ** 2).sum()), lengths=tuple(int(d) for d in docs),
-                rank_tokens=tokens, rank_pairs=pairs, pred_fwd_s=0.0, pred_bwd_s=0.0, fwd_s=fwd, bwd_s=bwd,
-                wait_fwd_s=0.0, wait_bwd_s=0.0)))
+                rank_tokens=tokens, rank_pairs=pairs, rank_runs=int(docs.size), data_s=0.0, pred_fwd_s=0.0,
+                pred_bwd_s=0.0, fwd_s=fwd, bwd_s=bwd, wait_fwd_s=0.0, wait_bwd_s=0.0)))
         for it in range(iterations):
             lines.append(row_to_json(IterationRow(it, stage, 0, stage, 0, 0, 1.0, 0.9, 0.05, 0.05, micro_batches)))
         trace_path_for_rank(path, stage).write_text("\n".join(lines) + "\n")

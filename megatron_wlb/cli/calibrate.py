@@ -391,7 +391,7 @@ def measure_micro_batches(torch: Any, timer: Timer, layer: Layer, micro_batches:
                           log: Log) -> dict[str, list[Any]]:
     """Forward and backward seconds of one layer over each composite micro-batch (its documents through
     the GEMMs and causal varlen attention): the ``micro_batches`` section a fit is checked against."""
-    out: dict[str, list[Any]] = {"pairs": [], "tokens": [], "fwd_s": [], "bwd_s": [], "documents": []}
+    out: dict[str, list[Any]] = {"pairs": [], "tokens": [], "runs": [], "fwd_s": [], "bwd_s": []}
     for docs in micro_batches:
         lengths = np.asarray(docs, dtype=np.int64)
         cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
@@ -407,7 +407,7 @@ def measure_micro_batches(torch: Any, timer: Timer, layer: Layer, micro_batches:
         out["tokens"].append(int(cu[-1]))
         out["fwd_s"].append(f)
         out["bwd_s"].append(b)
-        out["documents"].append(len(docs))
+        out["runs"].append(len(docs))
         log(f"held out t={int(cu[-1]):>7} ({len(docs):>3} documents): fwd {f * 1e3:9.3f} ms  bwd {b * 1e3:9.3f} ms")
     return out
 
@@ -628,7 +628,8 @@ def run_from_trace(args: argparse.Namespace, out: Path) -> int:
     if not trace.micro_batches:
         raise ValueError(f"--from-trace {args.from_trace}: no micro_batch rows (the run wrote only headers; "
                          "trace a run that gets through some iterations)")
-    points = profile_points(trace.after_warmup(warmup).micro_batches, setup["layout"])
+    points = profile_points(trace.after_warmup(warmup).micro_batches, setup["layout"],
+                            str(trace.headers[0].get("clock", "cpu")))
     n = len(points["fwd_s"])
     if n < MIN_TRACE_POINTS:
         raise ValueError(f"--from-trace {args.from_trace}: {n} usable micro-batch rows after --warmup {warmup} "

@@ -275,37 +275,22 @@ def _fit_kernels(profile: dict) -> ProfileFit:
 
 
 def _fit_micro_batches(profile: dict) -> ProfileFit:
-    """fwd = a_f*pairs + b_f*tokens + c_f and bwd = a_b*pairs + b_b*tokens + c_b, each by non-negative
-    relative least squares over the measured micro-batches (``tokens`` plus ``head_ratio`` x
-    ``head_tokens``, the LM head at the simulator's price). Then bwd_attention = a_b / a_f and
-    bwd_linear = b_b / b_f (where a coefficient is 0, the mean measured bwd / fwd: a mean, so that the
-    online refit's summed statistics reproduce it), and the overhead is (c_f + c_b) / (1 + bwd_linear):
-    the cost model charges ``overhead`` forward and ``bwd_linear`` x it backward, so the forward + backward
-    total the packer balances is the fitted c_f + c_b exactly, while its split between forward and
-    backward follows the GEMMs' ratio rather than c_b / c_f."""
+    """The fit of measured micro-batches (``costmodel.refit.RefitStats.fit``, the online refit's own, so
+    that both agree), with its mean relative error of forward + backward on the fitted points."""
+    from megatron_wlb.costmodel.refit import RefitStats, design
+
     mb = profile["micro_batches"]
-    p, t, f, b = (np.asarray(mb[k], dtype=np.float64) for k in ("pairs", "tokens", "fwd_s", "bwd_s"))
-    if f.size < 3:
-        raise ValueError(f"a micro_batches profile needs >= 3 measured micro-batches, got {f.size}")
-    head = np.asarray(mb.get("head_tokens", np.zeros_like(t)), dtype=np.float64)
-    ratio = head_ratio(ModelShape(**profile["model"])) if np.any(head > 0) else 0.0
-    x = np.stack([p, t + ratio * head, np.ones_like(t)], axis=1)
-    cf, cb = _nnls_relative(x, f), _nnls_relative(x, b)
-    mean_ratio = float(np.mean(b / f))
-    guarded = [name for name, i in (("bwd_attention", 0), ("bwd_linear", 1)) if not (cf[i] > 0 and cb[i] > 0)]
-    bwd_attention = float(cb[0] / cf[0]) if "bwd_attention" not in guarded else mean_ratio
-    bwd_linear = float(cb[1] / cf[1]) if "bwd_linear" not in guarded else mean_ratio
-    fit = ProfileFit(
-        attn_per_pair=float(cf[0]), attn_per_query=0.0, linear_per_token=float(cf[1]),
-        overhead=float((cf[2] + cb[2]) / (1.0 + bwd_linear)), attn_rel_err=0.0, linear_rel_err=0.0,
-        bwd_attention=bwd_attention, bwd_linear=bwd_linear, form="micro_batches", head_ratio=ratio,
-        extra={"fwd": cf.tolist(), "bwd": cb.tolist(), "points": int(f.size),
-               "fwd_rel_err": float(np.mean(np.abs(x @ cf - f) / f)),
-               "bwd_rel_err": float(np.mean(np.abs(x @ cb - b) / b)),
-               "ratio_from_mean": guarded})
-    pred_f, pred_b = fit.predict(p, t, head)
+    model = ModelShape(**profile["model"])
+    if len(mb["fwd_s"]) < 3:
+        raise ValueError(f"a micro_batches profile needs >= 3 measured micro-batches, got {len(mb['fwd_s'])}")
+    fit = RefitStats.of(mb, model).fit(model)
+    x, f, b = design(mb, model)
+    pred_f, pred_b = fit.predict(mb["pairs"], mb["tokens"], mb.get("head_tokens", 0.0), mb.get("runs", 0.0))
     err = float(np.mean(np.abs(pred_f + pred_b - (f + b)) / (f + b)))
-    return replace(fit, attn_rel_err=err, linear_rel_err=err)
+    cf, cb = np.asarray(fit.extra["fwd"]), np.asarray(fit.extra["bwd"])
+    extra = {**fit.extra, "fwd_rel_err": float(np.mean(np.abs(x @ cf - f) / f)),
+             "bwd_rel_err": float(np.mean(np.abs(x @ cb - b) / b))}
+    return replace(fit, attn_rel_err=err, linear_rel_err=err, extra=extra)
 
 
 def holdout_every(groups: Sequence[int] | np.ndarray, every: int = 5) -> tuple[np.ndarray, str]:

@@ -19,15 +19,17 @@ import numpy as np
 from megatron_wlb.costmodel.model import CalibratedCostModel, CostModel, ProfileFit, head_ratio, nnls_gram
 from megatron_wlb.costmodel.shapes import ModelShape
 
-COLUMNS = 3  # causal pairs, tokens (the LM head's at its price in layers), 1 per micro-batch
+COLUMNS = 4  # causal pairs, tokens (the LM head's at its price in layers), query runs, 1 per micro-batch
 REFIT_FORMAT = "megatron-wlb-refit/1"
 
 
 def design(points: dict[str, Any], model: ModelShape) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(x, forward, backward) of a ``micro_batches`` section (``costmodel.trace.profile_points``)."""
+    """(x, forward, backward) of a ``micro_batches`` section (``costmodel.trace.profile_points``): columns
+    ``COLUMNS``; a section without ``runs`` (or ``head_tokens``) has that column 0, and its coefficient 0."""
     p, t, f, b = (np.asarray(points[k], dtype=np.float64) for k in ("pairs", "tokens", "fwd_s", "bwd_s"))
     head = np.asarray(points.get("head_tokens", np.zeros_like(t)), dtype=np.float64)
-    x = np.stack([p, t + head_ratio(model) * head, np.ones_like(t)], axis=1)
+    runs = np.asarray(points.get("runs", np.zeros_like(t)), dtype=np.float64)
+    x = np.stack([p, t + head_ratio(model) * head, runs, np.ones_like(t)], axis=1)
     return x, f, b
 
 
@@ -76,21 +78,27 @@ class RefitStats:
         return RefitStats.from_vector(self.vector() + other.vector())
 
     def fit(self, model: ModelShape) -> ProfileFit:
-        """The fit ``fit_profile`` would give on the same points (same objective, same conventions:
-        bwd_attention = a_b / a_f, bwd_linear = b_b / b_f, falling back to the mean measured ratio
-        where a coefficient is 0; the overhead charged forward plus ``bwd_linear`` x it backward)."""
-        if self.points < COLUMNS:
-            raise ValueError(f"a refit needs >= {COLUMNS} measured micro-batches, got {self.points:g}")
+        """The micro-batch fit (``fit_profile`` fits a profile's ``micro_batches`` section with it):
+        forward and backward each ``a*pairs + b*tokens + r*runs + c``, non-negative. bwd_attention = a_b /
+        a_f and bwd_linear = b_b / b_f (the mean measured ratio where a coefficient is 0). The cost model
+        charges the per-run and per-micro-batch constants forward and x bwd_attention / bwd_linear backward,
+        so they are set to (r_f + r_b) / (1 + bwd_attention) and (c_f + c_b) / (1 + bwd_linear): the
+        forward + backward the packer balances is the fitted one exactly, only its split is approximate."""
+        if self.points < 3:
+            raise ValueError(f"a micro-batch fit needs >= 3 measured micro-batches, got {self.points:g}")
         cf = nnls_gram(self.gram_fwd, self.rhs_fwd, self.points)
         cb = nnls_gram(self.gram_bwd, self.rhs_bwd, self.points)
         mean_ratio = self.ratio_sum / self.points
-        bwd_attention = float(cb[0] / cf[0]) if cf[0] > 0 and cb[0] > 0 else mean_ratio
-        bwd_linear = float(cb[1] / cf[1]) if cf[1] > 0 and cb[1] > 0 else mean_ratio
+        guarded = [name for name, i in (("bwd_attention", 0), ("bwd_linear", 1)) if not (cf[i] > 0 and cb[i] > 0)]
+        bwd_attention = float(cb[0] / cf[0]) if "bwd_attention" not in guarded else mean_ratio
+        bwd_linear = float(cb[1] / cf[1]) if "bwd_linear" not in guarded else mean_ratio
         return ProfileFit(attn_per_pair=float(cf[0]), attn_per_query=0.0, linear_per_token=float(cf[1]),
-                          overhead=float((cf[2] + cb[2]) / (1.0 + bwd_linear)), attn_rel_err=float("nan"),
+                          overhead=float((cf[3] + cb[3]) / (1.0 + bwd_linear)), attn_rel_err=float("nan"),
                           linear_rel_err=float("nan"), bwd_attention=bwd_attention, bwd_linear=bwd_linear,
                           form="micro_batches", head_ratio=head_ratio(model),
-                          extra={"fwd": cf.tolist(), "bwd": cb.tolist(), "points": int(self.points)})
+                          attn_per_run=float((cf[2] + cb[2]) / (1.0 + bwd_attention)),
+                          extra={"fwd": cf.tolist(), "bwd": cb.tolist(), "points": int(self.points),
+                                 "ratio_from_mean": guarded})
 
 
 def rounded(fit: ProfileFit, digits: int = 9) -> ProfileFit:

@@ -13,20 +13,23 @@ of that rank and one ``iteration`` row::
      "settings": {...}}
     {"kind": "micro_batch", "iteration": 3, "rank": 0, "dp": 0, "pp": 0, "cp": 0, "tp": 0, "chunk": 0,
      "micro_batch": 1, "layers": 2, "tokens": 1024, "sum_d2": 3.1e5, "lengths": [...],
-     "rank_tokens": 512, "rank_pairs": 8.1e4, "pred_fwd_s": ..., "pred_bwd_s": ...,
-     "fwd_s": ..., "bwd_s": ..., "wait_fwd_s": ..., "wait_bwd_s": ...}
+     "rank_tokens": 512, "rank_pairs": 8.1e4, "rank_runs": 7, "pred_fwd_s": ..., "pred_bwd_s": ...,
+     "fwd_s": ..., "bwd_s": ..., "data_s": ..., "wait_fwd_s": ..., "wait_bwd_s": ...}
     {"kind": "iteration", "iteration": 3, "rank": 0, "dp": 0, "pp": 0, "cp": 0, "tp": 0,
      "wall_s": ..., "compute_s": ..., "pp_wait_s": ..., "dp_wait_s": ..., "micro_batches": 4}
 
 Field meanings (seconds are measured on this rank: a monotonic clock on the CPU, CUDA events on a GPU):
 
 - ``tokens`` / ``sum_d2`` / ``lengths``: the whole micro-batch as planned (every CP rank's tokens, the
-  pieces' lengths); ``rank_tokens`` / ``rank_pairs``: this CP rank's query rows and the causal
-  (query, key) pairs its attention computes (``cp.layouts.RankShard``), what its time depends on;
+  pieces' lengths); ``rank_tokens`` / ``rank_pairs`` / ``rank_runs``: this CP rank's query rows, the
+  causal (query, key) pairs its attention computes and its query runs (documents or their pieces on
+  this rank; ``cp.layouts.RankShard``), what its time depends on;
 - ``layers``: transformer layers in this model chunk (the fit divides by it: profiles are per layer);
 - ``pred_fwd_s`` / ``pred_bwd_s``: the run's cost model for this rank's share, times ``layers``;
 - ``fwd_s`` / ``bwd_s``: the chunk's forward / backward step (Megatron's ``forward_step`` /
   ``backward_step``: embedding and loss included on the first / last stage);
+- ``data_s``: host seconds the forward step spent in our data iterator (planning the iteration on its
+  first micro-batch, reading and laying out the tokens), inside ``fwd_s`` on the CPU clock;
 - ``wait_fwd_s`` / ``wait_bwd_s``: seconds in pipeline sends/receives since this rank's previous
   step, i.e. what this step waited for;
 - ``wall_s``: the rank's forward-backward pass (first step start to the gradient reduction's end);
@@ -65,10 +68,12 @@ class MicroBatchRow:
     lengths: tuple[int, ...]
     rank_tokens: int
     rank_pairs: float
+    rank_runs: int
     pred_fwd_s: float
     pred_bwd_s: float
     fwd_s: float
     bwd_s: float
+    data_s: float
     wait_fwd_s: float
     wait_bwd_s: float
 
@@ -214,27 +219,31 @@ def trace_setup(trace: Trace) -> dict[str, Any]:
     return {"model": first["model"], "layout": first["layout"], "device": str(first.get("device", "unknown"))}
 
 
-def profile_points(rows: Iterable[MicroBatchRow], layout: dict[str, Any]) -> dict[str, list[float]]:
+def profile_points(rows: Iterable[MicroBatchRow], layout: dict[str, Any], clock: str = "cpu") -> dict[str, list[float]]:
     """The ``micro_batches`` section of a cost-model profile (``costmodel.load_profile``), one point per row
-    with positive times and tokens: this CP rank's ``rank_pairs`` and ``rank_tokens``, its ``fwd_s`` and
-    ``bwd_s`` divided by ``layers`` (a profile is per layer), and ``iteration`` (for the held-out split).
+    with positive times and tokens: this CP rank's ``rank_pairs``, ``rank_tokens`` and ``rank_runs``, its
+    ``fwd_s`` and ``bwd_s`` divided by ``layers`` (a profile is per layer), and ``iteration`` (for the
+    held-out split). On the CPU clock (``clock``, the trace header's) the forward leaves out ``data_s``,
+    the host time our data iterator took inside it: the model's work, not the data path's.
 
     ``head_tokens`` is ``rank_tokens / layers`` on the chunk that runs the LM head and loss (the last chunk
     of the last PP stage), else 0: the fit prices the head at ``head_ratio`` layers of GEMMs per token, as
     the simulator does, so a PP trace's last stage does not inflate every stage's per-token cost. The
-    embedding (first chunk) is a lookup and stays in the per-layer coefficients; so does a kernel's
-    per-document cost (rows carry no per-rank run count), spread over tokens at the traced mix.
+    embedding (first chunk) is a lookup and stays in the per-layer coefficients.
     """
     last_pp, last_chunk = int(layout.get("pp", 1)) - 1, int(layout.get("vpp", 1) or 1) - 1
-    out: dict[str, list[float]] = {k: [] for k in ("pairs", "tokens", "head_tokens", "fwd_s", "bwd_s", "iteration")}
+    keys = ("pairs", "tokens", "runs", "head_tokens", "fwd_s", "bwd_s", "iteration")
+    out: dict[str, list[float]] = {k: [] for k in keys}
     for r in rows:
-        if r.layers < 1 or r.rank_tokens < 1 or not (r.fwd_s > 0 and r.bwd_s > 0):
+        fwd = r.fwd_s - (r.data_s if clock == "cpu" else 0.0)
+        if r.layers < 1 or r.rank_tokens < 1 or not (fwd > 0 and r.bwd_s > 0):
             continue
         has_head = r.pp == last_pp and r.chunk == last_chunk
         out["pairs"].append(float(r.rank_pairs))
         out["tokens"].append(float(r.rank_tokens))
+        out["runs"].append(float(r.rank_runs))
         out["head_tokens"].append(r.rank_tokens / r.layers if has_head else 0.0)
-        out["fwd_s"].append(r.fwd_s / r.layers)
+        out["fwd_s"].append(fwd / r.layers)
         out["bwd_s"].append(r.bwd_s / r.layers)
         out["iteration"].append(r.iteration)
     return out

@@ -318,7 +318,8 @@ def _start_recorder(args: Any, settings: WlbSettings, n: int, cost: CostModel | 
                          f"per layer; bwd/fwd {fit['bwd_attention']:.2f} / {fit['bwd_linear']:.2f}")
 
         _RUNTIME.refit = OnlineRefit(cost, layout, settings.refit_interval, apply_refit,
-                                     lambda: registry.iterators[0].current if registry.iterators else None)
+                                     lambda: registry.iterators[0].current if registry.iterators else None,
+                                     recorder.clock.kind)
 
 
 def _measure(due: bool) -> Any:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -131,8 +132,10 @@ class WlbDataIterator(Iterator[RankMicroBatch]):
             raise ValueError(f"dp_rank {dp_rank} is outside [0, {packer.config.dp}) of the packer's config")
         self.on_batch = on_batch
         self.yielded = 0
-        #: the micro-batch yielded last (what the step timing attributes a forward step to)
+        #: the micro-batch yielded last (what the step timing attributes a forward step to), and the
+        #: host seconds its ``__next__`` took (planning the iteration on its first micro-batch included)
         self.last: RankMicroBatch | None = None
+        self.last_seconds = 0.0
         self.current: GlobalBatch | None = None
         self._mine: tuple[MicroBatch, ...] = ()
         self._cursor = 0
@@ -173,12 +176,14 @@ class WlbDataIterator(Iterator[RankMicroBatch]):
         return batch
 
     def __next__(self) -> RankMicroBatch:
+        start = time.perf_counter()
         if self._cursor >= len(self._mine):
             self._next_batch()
         mb = self._mine[self._cursor]
         self._cursor += 1
         self.yielded += 1
         self.last = rank_micro_batch(self.read, mb, self.sharding, verify_layout=self.yielded <= AGREEMENT_CHECKS)
+        self.last_seconds = time.perf_counter() - start
         return self.last
 
     # -- checkpointing ----------------------------------------------------------------------------

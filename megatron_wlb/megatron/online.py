@@ -37,8 +37,9 @@ class OnlineRefit:
     hands the new model to the packers (and the metrics)."""
 
     def __init__(self, base: CostModel, layout: dict[str, int], interval: int,
-                 apply: Callable[[CostModel, dict[str, Any]], None], plan: Callable[[], GlobalBatch | None]):
-        self.base, self.layout, self.interval = base, layout, interval
+                 apply: Callable[[CostModel, dict[str, Any]], None], plan: Callable[[], GlobalBatch | None],
+                 clock: str = "cpu"):
+        self.base, self.layout, self.interval, self.clock = base, layout, interval, clock
         self.model: ModelShape = base.model
         self.apply, self.plan = apply, plan
         self.stats = RefitStats.empty()
@@ -48,7 +49,7 @@ class OnlineRefit:
         """Add this rank's flushed micro-batch rows (other rows and warm-up iterations are skipped)."""
         mine = [r for r in rows if isinstance(r, MicroBatchRow) and r.iteration >= WARMUP]
         if mine:
-            self.stats = self.stats + RefitStats.of(profile_points(mine, self.layout), self.model)
+            self.stats = self.stats + RefitStats.of(profile_points(mine, self.layout, self.clock), self.model)
 
     def due(self, iteration: int) -> bool:
         """Whether the log of plan ``iteration`` (0-based) refits."""

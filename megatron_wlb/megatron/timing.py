@@ -132,6 +132,8 @@ class _Step:
     lengths: tuple[int, ...]
     rank_tokens: int
     rank_pairs: float
+    rank_runs: int
+    data_s: float
     pred_fwd_s: float
     pred_bwd_s: float
     fwd: Span
@@ -166,12 +168,12 @@ class RankIds:
     layers_per_chunk: int
 
 
-def rank_share(batch: RankMicroBatch) -> tuple[int, float]:
-    """(query rows, causal (query, key) pairs) this CP rank's attention computes for ``batch``."""
+def rank_share(batch: RankMicroBatch) -> tuple[int, float, int]:
+    """(query rows, causal (query, key) pairs, query runs) this CP rank's attention computes for ``batch``."""
     shard = batch.plan.shard
     q = np.diff(shard.cu_seqlens_q)
     k = np.diff(shard.cu_seqlens_k)
-    return int(q.sum()), float(causal_pairs(q, k).sum()) if q.size else 0.0
+    return int(q.sum()), float(causal_pairs(q, k).sum()) if q.size else 0.0, int((q > 0).sum())
 
 
 class Recorder:
@@ -239,11 +241,12 @@ class Recorder:
                                           np.array([piece_forward(self.cost, lengths).sum()]))
             layers = self.ids.layers_per_chunk
             pred_fwd, pred_bwd = float(fwd[0]) * layers, float(bwd[0]) * layers
-        rank_tokens, rank_pairs = rank_share(batch)
+        rank_tokens, rank_pairs, rank_runs = rank_share(batch)
         d = np.asarray(lengths, dtype=np.float64)
         step = _Step(iteration=inner.iteration, chunk=chunk, micro_batch=inner.position - 1, tokens=int(d.sum()),
                      sum_d2=float((d * d).sum()), lengths=lengths, rank_tokens=rank_tokens, rank_pairs=rank_pairs,
-                     pred_fwd_s=pred_fwd, pred_bwd_s=pred_bwd, fwd=span, wait_fwd=self._p2p_since)
+                     rank_runs=rank_runs, data_s=float(getattr(inner, "last_seconds", 0.0)), pred_fwd_s=pred_fwd,
+                     pred_bwd_s=pred_bwd, fwd=span, wait_fwd=self._p2p_since)
         self._p2p_since = []
         self._pass.steps.append(step)
         self._in_flight[id(output)] = (output, step)  # the reference keeps the id unique until backward
@@ -288,10 +291,10 @@ class Recorder:
             rows.append(MicroBatchRow(
                 iteration=st.iteration, rank=ids.rank, dp=ids.dp, pp=ids.pp, cp=ids.cp, tp=ids.tp, chunk=st.chunk,
                 micro_batch=st.micro_batch, layers=ids.layers_per_chunk, tokens=st.tokens, sum_d2=st.sum_d2,
-                lengths=st.lengths, rank_tokens=st.rank_tokens, rank_pairs=st.rank_pairs,
+                lengths=st.lengths, rank_tokens=st.rank_tokens, rank_pairs=st.rank_pairs, rank_runs=st.rank_runs,
                 pred_fwd_s=st.pred_fwd_s, pred_bwd_s=st.pred_bwd_s, fwd_s=s(*st.fwd),
-                bwd_s=s(*st.bwd) if st.bwd is not None else 0.0, wait_fwd_s=self._seconds(st.wait_fwd),
-                wait_bwd_s=self._seconds(st.wait_bwd)))
+                bwd_s=s(*st.bwd) if st.bwd is not None else 0.0, data_s=st.data_s,
+                wait_fwd_s=self._seconds(st.wait_fwd), wait_bwd_s=self._seconds(st.wait_bwd)))
         iteration = p.steps[0].iteration
         summary = IterationRow(iteration=iteration, rank=ids.rank, dp=ids.dp, pp=ids.pp, cp=ids.cp, tp=ids.tp,
                                wall_s=s(p.start, p.end), compute_s=sum(r.fwd_s + r.bwd_s for r in rows),
