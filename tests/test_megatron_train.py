@@ -290,6 +290,26 @@ def test_checkpoint_resume_equals_an_uninterrupted_run(tmp_path, corpus):
     assert [resumed.losses[1], resumed.losses[2]] == pytest.approx([full.losses[3], full.losses[4]], rel=1e-5)
 
 
+def test_online_cost_model_refits_agree_and_resume_exactly(tmp_path, corpus):
+    """--wlb-cost-model online at DP2: the refits run (the ranks' coefficients and plan digests are checked
+    equal inside), the packer plans with the refitted model, and a run resumed from a checkpoint taken
+    after a refit plans (and trains) exactly what the uninterrupted run did until the next refit."""
+    ckpt = tmp_path / "ckpt"
+    common = ("--wlb-packing", "wlb", "--wlb-cost-model", "online", "--wlb-refit-interval", "2", "--train-iters", "6",
+              "--save", str(ckpt), "--save-interval", "4", "--ckpt-format", "torch")
+    full = train(tmp_path, "full", corpus, *common, env={"DP": "2"})
+    assert_trains(full, iterations=6)
+    refits = [line for line in full.log.splitlines() if "online cost model refit at iteration" in line]
+    assert [line.split("iteration ")[1].split()[0] for line in refits] == ["4", "6"], refits
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("4")
+    resumed = train(tmp_path, "resumed", corpus, *common, "--load", str(ckpt), env={"DP": "2"})
+    plans = {name: next(r["plans"] for r in run.ranks.values() if r["plans"]) for name, run in
+             (("full", full), ("resumed", resumed))}
+    # plans of iterations 5 and 6 use the refit of iteration 4 in both runs
+    assert plans["resumed"][:2] == plans["full"][4:6]
+    assert [resumed.losses[1], resumed.losses[2]] == pytest.approx([full.losses[5], full.losses[6]], rel=1e-5)
+
+
 # --- the pinned Megatron-LM checkout (core_v0.16.1): its patched pretrain_gpt.py, and our launcher over it ----
 def _pinned_checkout(tmp_path_factory) -> Path:
     """A patched checkout of the pinned commit (conftest.pinned_megatron_checkout); skipped without one."""
