@@ -51,8 +51,8 @@ TRACE_FORMAT = "megatron-wlb-trace/1"
 
 
 @dataclass(frozen=True)
-class MicroBatchRow:
-    """One micro-batch's forward and backward on one rank and model chunk (see the module docstring)."""
+class RankRow:
+    """What every row starts with: the iteration (the plan's, 0-based) and the rank's place in the layout."""
 
     iteration: int
     rank: int
@@ -60,6 +60,12 @@ class MicroBatchRow:
     pp: int
     cp: int
     tp: int
+
+
+@dataclass(frozen=True)
+class MicroBatchRow(RankRow):
+    """One micro-batch's forward and backward on one rank and model chunk (see the module docstring)."""
+
     chunk: int
     micro_batch: int
     layers: int
@@ -89,15 +95,9 @@ class MicroBatchRow:
 
 
 @dataclass(frozen=True)
-class IterationRow:
+class IterationRow(RankRow):
     """One rank's forward-backward pass of one iteration (see the module docstring)."""
 
-    iteration: int
-    rank: int
-    dp: int
-    pp: int
-    cp: int
-    tp: int
     wall_s: float
     compute_s: float
     pp_wait_s: float

@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO, Any, Protocol
 
@@ -122,20 +122,9 @@ Span = tuple[Any, Any]
 
 @dataclass
 class _Step:
-    """One micro-batch on one chunk: what was planned, and the stamps of its forward and backward."""
+    """One micro-batch on one chunk: its row as planned (times still 0) and the stamps measuring it."""
 
-    iteration: int
-    chunk: int
-    micro_batch: int
-    tokens: int
-    sum_d2: float
-    lengths: tuple[int, ...]
-    rank_tokens: int
-    rank_pairs: float
-    rank_runs: int
-    data_s: float
-    pred_fwd_s: float
-    pred_bwd_s: float
+    row: MicroBatchRow
     fwd: Span
     wait_fwd: list[Span]
     bwd: Span | None = None
@@ -212,7 +201,7 @@ class Recorder:
         self._pass.end = self.clock.stamp()
         if self._pass.steps:
             self._passes.append(self._pass)
-            self.latest = self._pass.steps[0].iteration
+            self.latest = self._pass.steps[0].row.iteration
         self._pass = None
         self._in_flight.clear()
 
@@ -243,10 +232,14 @@ class Recorder:
             pred_fwd, pred_bwd = float(fwd[0]) * layers, float(bwd[0]) * layers
         rank_tokens, rank_pairs, rank_runs = rank_share(batch)
         d = np.asarray(lengths, dtype=np.float64)
-        step = _Step(iteration=inner.iteration, chunk=chunk, micro_batch=inner.position - 1, tokens=int(d.sum()),
-                     sum_d2=float((d * d).sum()), lengths=lengths, rank_tokens=rank_tokens, rank_pairs=rank_pairs,
-                     rank_runs=rank_runs, data_s=float(getattr(inner, "last_seconds", 0.0)), pred_fwd_s=pred_fwd,
-                     pred_bwd_s=pred_bwd, fwd=span, wait_fwd=self._p2p_since)
+        ids = self.ids
+        row = MicroBatchRow(
+            iteration=inner.iteration, rank=ids.rank, dp=ids.dp, pp=ids.pp, cp=ids.cp, tp=ids.tp, chunk=chunk,
+            micro_batch=inner.position - 1, layers=ids.layers_per_chunk, tokens=int(d.sum()),
+            sum_d2=float((d * d).sum()), lengths=lengths, rank_tokens=rank_tokens, rank_pairs=rank_pairs,
+            rank_runs=rank_runs, pred_fwd_s=pred_fwd, pred_bwd_s=pred_bwd, fwd_s=0.0, bwd_s=0.0,
+            data_s=float(getattr(inner, "last_seconds", 0.0)), wait_fwd_s=0.0, wait_bwd_s=0.0)
+        step = _Step(row, span, self._p2p_since)
         self._p2p_since = []
         self._pass.steps.append(step)
         self._in_flight[id(output)] = (output, step)  # the reference keeps the id unique until backward
@@ -272,7 +265,7 @@ class Recorder:
         while self._passes:
             head = self._passes[0]
             if not self.clock.ready(head.end):
-                if through is None or head.steps[0].iteration > through:
+                if through is None or head.steps[0].row.iteration > through:
                     break
                 self.clock.wait(head.end)
             out.extend(self._rows(self._passes.pop(0)))
@@ -286,20 +279,14 @@ class Recorder:
 
     def _rows(self, p: _Pass) -> list[MicroBatchRow | IterationRow]:
         ids, s = self.ids, self.clock.seconds
-        rows: list[MicroBatchRow] = []
-        for st in p.steps:
-            rows.append(MicroBatchRow(
-                iteration=st.iteration, rank=ids.rank, dp=ids.dp, pp=ids.pp, cp=ids.cp, tp=ids.tp, chunk=st.chunk,
-                micro_batch=st.micro_batch, layers=ids.layers_per_chunk, tokens=st.tokens, sum_d2=st.sum_d2,
-                lengths=st.lengths, rank_tokens=st.rank_tokens, rank_pairs=st.rank_pairs, rank_runs=st.rank_runs,
-                pred_fwd_s=st.pred_fwd_s, pred_bwd_s=st.pred_bwd_s, fwd_s=s(*st.fwd),
-                bwd_s=s(*st.bwd) if st.bwd is not None else 0.0, data_s=st.data_s,
-                wait_fwd_s=self._seconds(st.wait_fwd), wait_bwd_s=self._seconds(st.wait_bwd)))
-        iteration = p.steps[0].iteration
+        rows = [replace(st.row, fwd_s=s(*st.fwd), bwd_s=s(*st.bwd) if st.bwd is not None else 0.0,
+                        wait_fwd_s=self._seconds(st.wait_fwd), wait_bwd_s=self._seconds(st.wait_bwd))
+                for st in p.steps]
+        iteration = p.steps[0].row.iteration
         summary = IterationRow(iteration=iteration, rank=ids.rank, dp=ids.dp, pp=ids.pp, cp=ids.cp, tp=ids.tp,
                                wall_s=s(p.start, p.end), compute_s=sum(r.fwd_s + r.bwd_s for r in rows),
                                pp_wait_s=self._seconds(p.p2p), dp_wait_s=self._seconds(p.dp),
-                               micro_batches=len({st.micro_batch for st in p.steps}))
+                               micro_batches=len({st.row.micro_batch for st in p.steps}))
         self._resolved[iteration] = IterationTotals.of(rows, [summary], ids.dp_size, self.n,
                                                        ids.cp_size * ids.tp_size)
         for old in [k for k in self._resolved if k < iteration - 8]:
