@@ -111,9 +111,9 @@ def test_state_refuses_another_cost_model(run7b):
     packer = make_packer("wlb", config.packing, cost)
     list(islice(packer.pack(lengths), 3))
     state = packer.state_dict()
-    with pytest.raises(ValueError, match=r"refusing to resume: cost_model: saved .*7b.*, now .*70b"):
+    with pytest.raises(ValueError, match=r"refusing to resume: cost: saved .*7b.*, now .*70b"):
         make_packer("wlb", config.packing, other).load_state_dict(state)
-    with pytest.raises(ValueError, match="cost_model: saved .*, now 'd\\*\\*2"):
+    with pytest.raises(ValueError, match="cost: saved .*, now 'd\\*\\*2"):
         make_packer("wlb", config.packing, None).load_state_dict(state)
     with pytest.raises(ValueError, match="max_delay: saved 8, now 4"):
         make_packer("wlb", dataclasses.replace(config.packing, max_delay=4), cost).load_state_dict(state)

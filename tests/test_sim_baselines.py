@@ -9,7 +9,7 @@ from megatron_wlb.config import load_config
 from megatron_wlb.costmodel import AnalyticCostModel, ParallelLayout
 from megatron_wlb.packing import make_packer
 from megatron_wlb.packing.types import DocPiece, GlobalBatch, MicroBatch, PackingConfig
-from megatron_wlb.sim.baselines import WholeDocumentPacker
+from megatron_wlb.packing.whole_document import WholeDocumentPacker
 from megatron_wlb.sim.iteration import IterationSimulator, stage_layers
 
 

@@ -16,7 +16,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                                           "schedule; prints per-iteration time, bubble and imbalance.")
     p.add_argument("--config", required=True, help="config name (configs/*.yaml stem) or YAML path")
     p.add_argument("--packer", help="original | fixed-greedy | fixed-solver | wlb | whole-document (the baseline "
-                                    "of sim/baselines.py) (default: the config's)")
+                                    "of packing/whole_document.py) (default: the config's)")
     p.add_argument("--cp-layout", help="per-sequence | per-document | per-document-te | adaptive | hybrid | "
                                        "dynamic-cp (default: the config's cp_sharding)")
     p.add_argument("--iterations", type=int, default=20, help="iterations to simulate (default 20)")

@@ -2,11 +2,12 @@
 
 Packers (``make_packer(name, config, cost)``): ``original`` (Megatron's concat-and-cut),
 ``fixed-greedy`` and ``fixed-solver`` (the paper's fixed-length baselines, over a window of global
-batches), ``wlb`` (paper Algorithm 1: variable length with outlier delay, plus automatic
+batches), ``whole-document`` (documents whole, arrival order, fixed length: the baseline without any
+balancing), ``wlb`` (paper Algorithm 1: variable length with outlier delay, plus automatic
 thresholds, a delay bound and global DP x N balance). ``metrics`` scores plans.
 """
 
-from megatron_wlb.packing import greedy, original, solver, wlb  # noqa: F401  (register the packers)
+from megatron_wlb.packing import greedy, original, solver, whole_document, wlb  # noqa: F401  (register the packers)
 from megatron_wlb.packing.base import PACKERS, Packer, make_packer, register_packer, validate_lengths
 from megatron_wlb.packing.greedy import FixedGreedyPacker, place_greedy
 from megatron_wlb.packing.metrics import (
@@ -21,11 +22,13 @@ from megatron_wlb.packing.metrics import (
 from megatron_wlb.packing.original import OriginalPacker
 from megatron_wlb.packing.solver import FixedSolverPacker, solve_assignment
 from megatron_wlb.packing.types import DocPiece, GlobalBatch, MicroBatch, PackingConfig
+from megatron_wlb.packing.whole_document import WholeDocumentPacker
 from megatron_wlb.packing.wlb import WlbPacker
 
 __all__ = [
     "PACKERS", "DocPiece", "FixedGreedyPacker", "FixedSolverPacker", "GlobalBatch", "MicroBatch", "OriginalPacker",
-    "Packer", "PackingConfig", "PackingMetrics", "WlbPacker", "batch_latencies", "imbalance_global",
+    "Packer", "PackingConfig", "PackingMetrics", "WholeDocumentPacker", "WlbPacker", "batch_latencies",
+    "imbalance_global",
     "imbalance_per_rank", "make_packer", "microbatch_latency", "piece_latency", "place_greedy", "register_packer",
     "solve_assignment", "summarize", "validate_lengths",
 ]

@@ -3,7 +3,7 @@
 - ``schedule``:    1F1B and interleaved 1F1B played out event by event over variable times.
 - ``iteration``:   a packer's global batch + a CP layout + the cost model -> iteration time.
 - ``dyncp``:       Megatron-LM's dynamic CP sizes per document, as a further baseline.
-- ``baselines``:   the ``whole-document`` packer (documents whole, arrival order, fixed length).
+- the ``whole-document`` baseline packer is ``packing/whole_document.py`` (a ``--wlb-packing`` choice too).
 - ``experiments``: the paper's experiments as pure functions returning tables.
 - ``report``:      markdown and figures (matplotlib, Agg) of ``wlb reproduce`` / ``wlb analyze``.
 """

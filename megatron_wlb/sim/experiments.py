@@ -8,7 +8,7 @@ gives one (``PAPER``); figure-only values are not invented.
 
 Two baselines, both "Plain-4D" (no balancing, per-sequence CP sharding): ``concat-and-cut``
 (Megatron GPTDataset, ``packing/original.py``; pieces of cut documents attend only within
-themselves) and ``whole-document`` (``sim/baselines.py``: documents kept whole in arrival order in
+themselves) and ``whole-document`` (``packing/whole_document.py``: documents kept whole in arrival order in
 fixed-length micro-batches). Every speedup is shown against both. The schedule is the paper's
 interleaved 1F1B (``DEFAULT_VIRTUAL_STAGES`` virtual stages) unless a caller asks otherwise.
 """
@@ -65,7 +65,7 @@ class Method:
 
 
 PLAIN = Method("Plain-4D", "original", "per-sequence")
-#: The second baseline: documents kept whole (see ``megatron_wlb.sim.baselines``).
+#: The second baseline: documents kept whole (see ``megatron_wlb.packing.whole_document``).
 WHOLE = Method("Plain-4D whole-doc", "whole-document", "per-sequence")
 BASELINES = (PLAIN, WHOLE)
 #: How the report names each baseline.

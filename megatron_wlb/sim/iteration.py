@@ -410,7 +410,6 @@ def simulate_stream(config: RunConfig, cost: CostModel, packer: str, cp_layout: 
     ``split_documents``), so every method trains the same attention spans. ``progress`` shows the
     iterations under ``progress_desc`` (default: config, packer and layout names).
     """
-    import megatron_wlb.sim.baselines  # noqa: F401  (registers the whole-document baseline packer)
     from megatron_wlb.packing.base import make_packer
 
     if iterations < 1:
@@ -418,7 +417,7 @@ def simulate_stream(config: RunConfig, cost: CostModel, packer: str, cp_layout: 
     if split_at is not None:
         lengths = split_documents(lengths, split_at)
     # Not ``config.with_packer``: it knows only the packers a config file may name, and the
-    # simulator also runs the whole-document baseline (``sim/baselines.py``).
+    # simulator also runs the whole-document baseline (``packing/whole_document.py``).
     cfg = replace(config, packing=replace(config.packing, **(packing_overrides or {})))
     pk = make_packer(packer, cfg.packing, cost)
     sim = IterationSimulator(cfg, cost, cp_layout, layout_builder=layout_builder, keep_events=keep_events,

@@ -480,7 +480,7 @@ def method_text(res: ReproduceResults) -> str:
 - **Baselines.** *concat-and-cut* = Megatron GPTDataset (documents concatenated, cut every seq_len
   tokens; pieces attend within themselves); *whole-document* = documents kept whole, arrival-order
   first-fit into fixed-length micro-batches, what does not fit waits one iteration
-  (`megatron_wlb/sim/baselines.py`). Both use per-sequence CP sharding.
+  (`megatron_wlb/packing/whole_document.py`). Both use per-sequence CP sharding.
 - **Megatron dyn-CP** (`megatron_wlb.sim.dyncp`): every document gets CP size = next power of two
   of ceil(d / max_seqlen_per_rank) with max_seqlen_per_rank = seq_len / CP, capped at CP; the
   documents of one micro-batch go longest-work-first (d^2 / cp_d) onto the aligned rank block with

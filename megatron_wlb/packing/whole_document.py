@@ -24,9 +24,6 @@ from megatron_wlb.costmodel import CostModel
 from megatron_wlb.packing.base import Packer, pieces_from_state, pieces_to_state, register_packer
 from megatron_wlb.packing.types import DocPiece, MicroBatch, PackingConfig
 
-#: Registered packer names of the two baselines, as the report names them.
-BASELINE_PACKERS = {"concat-and-cut": "original", "whole-document": "whole-document"}
-
 
 @register_packer
 class WholeDocumentPacker(Packer):
