@@ -51,7 +51,14 @@ def _ring_seconds(bytes_per_gpu: np.ndarray, group: int, gbps: float) -> np.ndar
 
 
 class CostModel(ABC):
-    """Per-layer forward latency on one GPU; subclasses provide the two compute kernels."""
+    """Per-layer forward latency on one GPU; subclasses provide the two compute kernels.
+
+    ``measured_runs``: whether ``attention_run`` was fitted to whole measured micro-batches, so it
+    already holds the kernel's efficiency on short runs (and its tiles): the CP layouts then price
+    query runs with it as it is, instead of dividing by a kernel-efficiency table (``cp.layouts``).
+    """
+
+    measured_runs: bool = False
 
     def __init__(self, model: ModelShape, layout: ParallelLayout, hardware: Hardware = H100):
         self.model = model
@@ -423,7 +430,7 @@ class CalibratedCostModel(CostModel):
                  hardware: Hardware = H100, fit: ProfileFit | None = None):
         self.profile = profile
         self.fit = fit_profile(profile) if fit is None else fit
-        self._collectives_measured = self.fit.form == "micro_batches"
+        self._collectives_measured = self.measured_runs = self.fit.form == "micro_batches"
         prof_model = ModelShape(**profile["model"])
         prof_tp = int(profile.get("tp", 1))
         self._attn_scale = (model.attention_flops_per_pair() / layout.tp) / (

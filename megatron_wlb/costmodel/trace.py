@@ -9,7 +9,8 @@ rank's file. Each file starts with one ``header`` row, then per iteration the ``
 of that rank and one ``iteration`` row::
 
     {"kind": "header", "format": TRACE_FORMAT, "rank": 0, "device": "...", "clock": "cpu"|"cuda",
-     "model": ModelShape fields, "layout": {"tp", "cp", "pp", "dp", "vpp"}, "cost_model": "...",
+     "model": ModelShape fields, "layout": {"tp", "cp", "pp", "dp", "vpp"}, "n": micro-batches per DP rank
+     and iteration, "cost_model": "...",
      "settings": {...}}
     {"kind": "micro_batch", "iteration": 3, "rank": 0, "dp": 0, "pp": 0, "cp": 0, "tp": 0, "chunk": 0,
      "micro_batch": 1, "layers": 2, "tokens": 1024, "sum_d2": 3.1e5, "lengths": [...],

@@ -181,6 +181,13 @@ class KernelEfficiency:
         return cls.from_dict(data, where=str(path))
 
     @classmethod
+    def flat(cls) -> KernelEfficiency:
+        """Every shape runs at the same rate (``relative`` = 1): for a cost model whose attention was
+        measured on whole micro-batches, which holds the kernel's efficiency itself."""
+        grid = np.array([1.0, float(2**30)])
+        return cls(grid, grid, np.ones((2, 2)), tile=1, device="any (flat)", source="KernelEfficiency.flat")
+
+    @classmethod
     def default(cls) -> KernelEfficiency:
         """The shipped placeholder table (see the module docstring); loaded once."""
         return _default_table()

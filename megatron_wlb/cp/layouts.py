@@ -540,6 +540,9 @@ def build_layout(name: str, lengths, cp: int, *, cost: CostModel | None = None,
     if not 0.0 <= token_slack:
         raise ValueError(f"token_slack must be >= 0, got {token_slack!r}")
     cost = default_cost_model() if cost is None else cost
+    if efficiency is None and cost.measured_runs:
+        # a cost model fitted to measured micro-batches holds the kernel's efficiency already
+        efficiency, tile = KernelEfficiency.flat(), 1
     eff = KernelEfficiency.default() if efficiency is None else efficiency
     cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
 

@@ -291,7 +291,7 @@ def _start_recorder(args: Any, settings: WlbSettings, n: int, cost: CostModel | 
     layout = {"tp": ids.tp_size, "cp": ids.cp_size, "pp": pp, "dp": ids.dp_size, "vpp": vpp}
     header = {"device": torch.cuda.get_device_name() if cuda else machine(),
               "model": cost.model.to_dict() if cost is not None else None,
-              "layout": layout,
+              "layout": layout, "n": n,
               "cost_model": cost.describe() if cost is not None else None, "settings": settings.to_dict(),
               "megatron_core": str(package_info.__version__), "torch": torch.__version__}
     registry = _RUNTIME.registry

@@ -319,6 +319,29 @@ def install_sequence_parallel_torch_norm() -> None:
     wrapped.__wlb_sequence_parallel__ = True
 
 
+#: ``WLB_PIN_CORES=1``: each rank runs on one core of its own (measurements: no rank shares a core)
+PIN_VARIABLE = "WLB_PIN_CORES"
+
+
+def pin_to_core(environ: Any = None) -> int | None:
+    """With ``WLB_PIN_CORES=1``, bind this process to core ``LOCAL_RANK`` of the cores it may use, and
+    torch to one thread; returns the core (None when not asked). Refuses more ranks than cores."""
+    env = os.environ if environ is None else environ
+    if env.get(PIN_VARIABLE, "0") in ("", "0"):
+        return None
+    cores = sorted(os.sched_getaffinity(0))
+    rank = int(env.get("LOCAL_RANK", "0"))
+    if rank >= len(cores):
+        raise SystemExit(f"{PIN_VARIABLE}=1: local rank {rank} but only {len(cores)} cores ({cores}); run at most "
+                         f"{len(cores)} ranks per machine to measure, or unset {PIN_VARIABLE}")
+    os.sched_setaffinity(0, {cores[rank]})
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import torch
+
+    torch.set_num_threads(1)
+    return cores[rank]
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """Entry point: ``--write-corpus PREFIX``, or train: redirects, then the thin launcher or
     ``--pretrain-gpt PATH`` as ``__main__``. ``--tiny-gpt`` puts ``TINY_GPT_ARGS`` and the layout of
@@ -331,6 +354,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"wrote {argv[1]}.bin/.idx: {docs} documents, {tokens} tokens")
         return
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    pin_to_core()
     script = None
     if argv[:1] == ["--pretrain-gpt"]:
         if len(argv) < 2:
