@@ -62,6 +62,7 @@ MODEL_FLAGS = ("--num-layers", "2", "--hidden-size", "64", "--num-attention-head
 MARKERS = ("<!-- measured-table -->", "<!-- /measured-table -->")
 #: the packers that keep every document whole (the PP- and DP-level comparison on equal documents)
 WHOLE_DOCUMENT_PACKERS = ("wlb", "fixed-greedy", "whole-document")
+COEFFICIENTS = ("attn_per_pair", "linear_per_token", "attn_per_run", "overhead")
 
 
 @dataclass(frozen=True)
@@ -124,10 +125,15 @@ def build_corpus(prefix: Path, seq_len: int = SEQ_LEN) -> dict[str, Any]:
 
 
 # -- running ----------------------------------------------------------------------------------------------
-def train(run: Run, data: Path, out: Path, iters: int, profile: Path | None, log: Any) -> tuple[Path, float, str]:
-    """One training run with the trace on; returns (trace path, wall seconds, log tail)."""
+def train(run: Run, data: Path, out: Path, iters: int, profile: Path | None, log: Any,
+          reuse: bool = False) -> Path:
+    """One training run with the trace on; returns the trace path. ``reuse``: a finished earlier run's
+    trace in ``out`` is analysed again instead (``--reuse-traces``)."""
     out.mkdir(parents=True, exist_ok=True)
     trace = out / "trace.jsonl"
+    if reuse and (out / "train.log").exists():
+        log(f"  {run.name}: reusing {out / 'train.log'}'s trace")
+        return trace
     env = {**os.environ, **run.layout, "WLB_PIN_CORES": "1", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     flags = [*MODEL_FLAGS, "--train-iters", str(iters), *run.flags, "--wlb-trace", str(trace)]
     if run.calibrated and profile is not None:
@@ -143,7 +149,7 @@ def train(run: Run, data: Path, out: Path, iters: int, profile: Path | None, log
         raise SystemExit(f"{run.name}: training failed (rc {proc.returncode}), log {out / 'train.log'}:\n"
                          f"{text[-3000:]}")
     log(f"  {run.name}: {iters} iterations in {seconds:.0f} s")
-    return trace, seconds, text
+    return trace
 
 
 def calibrate(trace: Path, out: Path, log: Any) -> dict[str, Any]:
@@ -174,8 +180,9 @@ class RunResult:
     predicted_wall_s: list[float]
     pairs_per_token: float
     flops_per_token: float
+    timing_s: list[float] = field(default_factory=list)
     plans: list[str] = field(default_factory=list)
-    refits: list[str] = field(default_factory=list)
+    refits: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def seconds_per_token(self) -> float:
@@ -225,8 +232,7 @@ def simulator_for(header: dict[str, Any], profile: dict[str, Any] | None, cp_lay
     return IterationSimulator(config, cost, cp_layout, dp_sync=False), n
 
 
-def analyse(run: Run, repeat: int, trace_path: Path, warmup: int, profile: dict[str, Any] | None,
-            log_text: str = "") -> RunResult:
+def analyse(run: Run, repeat: int, trace_path: Path, warmup: int, profile: dict[str, Any] | None) -> RunResult:
     """Reduce one run's trace (``costmodel.measured``) and predict the same plans with the simulator."""
     from megatron_wlb.megatron.data import plan_digest
     from megatron_wlb.packing.types import DocPiece, GlobalBatch, MicroBatch
@@ -250,6 +256,7 @@ def analyse(run: Run, repeat: int, trace_path: Path, warmup: int, profile: dict[
         res.imbalance.append(m.imbalance)
         res.imbalance_planned.append(m.imbalance_planned)
         res.mape.append(m.mape)
+        res.timing_s.append(max(r.timing_s for r in its))
         mbs = plan_of(rows, dp, n)
         batch = GlobalBatch(it, tuple(MicroBatch(tuple(DocPiece(j, 0, d, it) for j, d in enumerate(mb)), 2 * SEQ_LEN)
                                       for mb in mbs), dp, n)
@@ -260,7 +267,7 @@ def analyse(run: Run, repeat: int, trace_path: Path, warmup: int, profile: dict[
         tokens += float(d.sum())
         flops += model.training_flops(d)
     res.pairs_per_token, res.flops_per_token = pairs / tokens, flops / tokens
-    res.refits = [line.strip() for line in log_text.splitlines() if "online cost model refit" in line]
+    res.refits = [r for r in trace.refits if r.get("rank", 0) == 0] or list(trace.refits[:1])
     return res
 
 
@@ -283,11 +290,11 @@ def bootstrap_rate(walls: list[float], tokens: list[int], seed: int = 0, draws: 
 
 def summarise(results: list[RunResult]) -> list[dict[str, Any]]:
     """One row per method: pooled over its repeats."""
-    by: dict[str, list[RunResult]] = defaultdict(list)
+    by: dict[tuple[str, str], list[RunResult]] = defaultdict(list)
     for r in results:
-        by[r.name].append(r)
+        by[(r.experiment, r.name)].append(r)
     rows = []
-    for name, rs in by.items():
+    for (_, name), rs in by.items():
         walls = [w for r in rs for w in r.iteration_wall_s]
         toks = [t for r in rs for t in r.iteration_tokens]
         pred = [p for r in rs for p in r.predicted_wall_s]
@@ -307,7 +314,8 @@ def summarise(results: list[RunResult]) -> list[dict[str, Any]]:
             "pairs_per_token": float(np.mean([r.pairs_per_token for r in rs])),
             "gflops_per_token": float(np.mean([r.flops_per_token for r in rs])) / 1e9,
             "same_plans_across_repeats": len({tuple(r.plans) for r in rs}) == 1,
-            "refits": rs[-1].refits[-1:] if rs[-1].refits else [],
+            "timing_overhead": float(np.sum([x for r in rs for x in r.timing_s]) / np.sum(walls)),
+            "refits": [r.refits[-1] for r in rs if r.refits],
         })
     return rows
 
@@ -325,6 +333,38 @@ def ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             predicted = r["predicted_tokens_per_s"] / base["predicted_tokens_per_s"]
             out.append({"experiment": exp, "method": r["method"], "over": base["method"], "measured": measured,
                         "predicted": predicted, "prediction_error": predicted / measured - 1.0})
+    return out
+
+
+def online_against_calibrated(results: list[RunResult], profile: dict[str, Any], calib_trace: Path,
+                              warmup: int) -> dict[str, Any] | None:
+    """The online refit's last model against the calibrated one: both predict every measured micro-batch of
+    the calibration run (per layer), and the mean relative difference of the two predictions says whether
+    the refit reached the calibrated model, whatever their (ill-conditioned) individual coefficients."""
+    from megatron_wlb.costmodel import ProfileFit, fit_profile
+    from megatron_wlb.costmodel.trace import profile_points, read_trace
+
+    refits = [r for r in results if r.experiment == "online" and r.refits]
+    if not refits:
+        return None
+    trace = read_trace(calib_trace)
+    points = profile_points(trace.after_warmup(warmup).micro_batches, trace.headers[0]["layout"])
+    calibrated = fit_profile(profile)
+    args = (points["pairs"], points["tokens"], points["head_tokens"], points["runs"])
+    ref_f, ref_b = calibrated.predict(*args)
+    measured = np.asarray(points["fwd_s"]) + np.asarray(points["bwd_s"])
+    calibrated_mape = float(np.mean(np.abs(ref_f + ref_b - measured) / measured))
+    out: dict[str, Any] = {"calibrated_mape_on_calibration_run": calibrated_mape, "refits": []}
+    for r in refits:
+        fit = ProfileFit(**r.refits[-1]["state"]["fit"])
+        f, b = fit.predict(*args)
+        out["refits"].append({
+            "repeat": r.repeat, "iteration": r.refits[-1]["iteration"] + 1,
+            "difference_to_calibrated": float(np.mean(np.abs(f + b - ref_f - ref_b) / (ref_f + ref_b))),
+            "mape_on_calibration_run": float(np.mean(np.abs(f + b - measured) / measured)),
+            "coefficients": {k: getattr(fit, k) for k in COEFFICIENTS},
+        })
+    out["calibrated_coefficients"] = {k: getattr(calibrated, k) for k in COEFFICIENTS}
     return out
 
 
@@ -350,17 +390,17 @@ def table(result: dict[str, Any]) -> str:
             f"tokens); {result['iterations']} iterations per run, the first {result['warmup']} not measured, "
             f"{result['repeats']} interleaved repeats. Calibrated profile: `wlb calibrate --from-trace`, held-out MAPE "
             f"{cal['holdout_mape']:.1%}. Command: `{result['command']}` ({result['wall_minutes']:.0f} min).")
-    rows = ["| experiment | method | tokens/s (95% CI) | predicted tokens/s | ms / iteration (median, 95% CI) | "
-            "tokens / iteration | idle | imbalance measured / planned | cost-model MAPE | attention pairs / token | "
-            "GFLOP / token |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| experiment | method | tokens/s (95% CI) | tokens/s per repeat | predicted tokens/s | ms / iteration "
+            "(median, 95% CI) | tokens / iteration | idle | imbalance measured / planned | cost-model MAPE | attention "
+            "pairs / token |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["methods"]:
         lo, hi = r["tokens_per_s_ci"]
         mlo, mhi = r["iteration_ms_ci"]
-        rows.append(f"| {r['experiment']} | {r['method']} | {r['tokens_per_s']:,.0f} ({lo:,.0f}-{hi:,.0f}) | "
+        reps = " / ".join(f"{x:,.0f}" for x in r["per_repeat_tokens_per_s"])
+        rows.append(f"| {r['experiment']} | {r['method']} | {r['tokens_per_s']:,.0f} ({lo:,.0f}-{hi:,.0f}) | {reps} | "
                     f"{r['predicted_tokens_per_s']:,.0f} | {r['iteration_ms_median']:.0f} ({mlo:.0f}-{mhi:.0f}) | "
                     f"{r['tokens_per_iteration']:,.0f} | {r['idle']:.3f} | {r['imbalance']:.3f} / "
-                    f"{r['imbalance_planned']:.3f} | {r['mape']:.1%} | {r['pairs_per_token']:.0f} | "
-                    f"{r['gflops_per_token']:.4f} |")
+                    f"{r['imbalance_planned']:.3f} | {r['mape']:.1%} | {r['pairs_per_token']:.0f} |")
     return head + "\n\n" + "\n".join(rows)
 
 
@@ -384,6 +424,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=None, help="interleaved repeats (default 2; quick 1)")
     ap.add_argument("--experiments", default="cp,pp,dp,users,online")
     ap.add_argument("--readme", type=Path, default=None, help="write the summary table into this README")
+    ap.add_argument("--reuse-traces", action="store_true",
+                    help="analyse the traces an earlier run left in --work again instead of training (same flags)")
     args = ap.parse_args(argv)
     iters = args.iterations or (10 if args.quick else 56)
     warmup = args.warmup if args.warmup is not None else (3 if args.quick else 6)
@@ -407,10 +449,10 @@ def main(argv: list[str] | None = None) -> int:
     log("calibration run (wlb, DP2, analytic H100 cost model)")
     calib_run = Run("DP2 wlb (analytic H100 model)", "calibration", {"DP": "2"}, ("--wlb-packing", "wlb"),
                     calibrated=False)
-    calib_trace, _, calib_log = train(calib_run, corpus_prefix, args.work / "calibration", iters, None, log)
+    calib_trace = train(calib_run, corpus_prefix, args.work / "calibration", iters, None, log, args.reuse_traces)
     profile_path = args.work / "calibrated_profile.json"
     profile = calibrate(calib_trace, profile_path, log)
-    results = [analyse(calib_run, 0, calib_trace, warmup, profile, calib_log)]
+    results = [analyse(calib_run, 0, calib_trace, warmup, profile)]
     groups = experiments(args.experiments.split(","))
     total = sum(len(g) for g in groups) * repeats
     done = 0
@@ -418,13 +460,14 @@ def main(argv: list[str] | None = None) -> int:
         log(f"experiment {group[0].experiment}: {', '.join(r.name for r in group)} x {repeats}")
         for rep in range(repeats):
             for run in group:
-                trace, seconds, text = train(run, corpus_prefix, args.work / run.experiment / f"{run.name}-{rep}"
-                                             .replace(" ", "_"), iters, profile_path, log)
-                results.append(analyse(run, rep, trace, warmup, profile, text))
+                trace = train(run, corpus_prefix, args.work / run.experiment / f"{run.name}-{rep}".replace(" ", "_"),
+                              iters, profile_path, log, args.reuse_traces)
+                results.append(analyse(run, rep, trace, warmup, profile))
                 done += 1
                 eta = (time.perf_counter() - started) / (done + 1) * (total - done) / 60
                 log(f"  {done}/{total} runs; ETA {eta:.0f} min")
     methods = summarise(results)
+    online = online_against_calibrated(results, profile, calib_trace, warmup)
     cp_plans = {tuple(r.plans) for r in results if r.experiment == "cp"}
     result = {
         "machine": machine(), "torch": torch.__version__, "megatron_core": str(package_info.__version__),
@@ -432,7 +475,7 @@ def main(argv: list[str] | None = None) -> int:
         "iterations": iters, "warmup": warmup, "repeats": repeats, "corpus": corpus,
         "calibration": {"profile": profile_path.name, "holdout_mape": profile["holdout"]["mape"],
                         "holdout": profile["holdout"], "fit": profile.get("source")},
-        "cp_same_plans": len(cp_plans) <= 1, "methods": methods, "ratios": ratios(methods),
+        "cp_same_plans": len(cp_plans) <= 1, "methods": methods, "ratios": ratios(methods), "online": online,
         "wall_minutes": (time.perf_counter() - started) / 60,
     }
     write_result(args.out / "measured", result,

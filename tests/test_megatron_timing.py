@@ -178,7 +178,7 @@ def _world_measure(rank: int, world: int, path: str) -> None:
 
     rows = [_row(rank=rank, dp=rank, micro_batch=j, fwd_s=1.0 + rank + j, bwd_s=2.0) for j in range(2)]
     summary = IterationRow(iteration=0, rank=rank, dp=rank, pp=0, cp=0, tp=0, wall_s=10.0 + rank, compute_s=7.0,
-                           pp_wait_s=0.0, dp_wait_s=1.0 - rank, micro_batches=2)
+                           pp_wait_s=0.0, dp_wait_s=1.0 - rank, timing_s=0.0, micro_batches=2)
     rec = timing.Recorder(timing.CpuClock(), _ids(rank=rank, dp=rank, dp_size=world), COST, n=2,
                           chunk_of=lambda x: 0)
     rec._resolved[0] = IterationTotals.of(rows, [summary], world, 2, 1)
@@ -200,7 +200,7 @@ def test_measure_over_a_gloo_world_equals_the_whole_trace(tmp_path):
     got = pickle.loads((tmp_path / "m.pkl").read_bytes())
     rows = [_row(rank=r, dp=r, micro_batch=j, fwd_s=1.0 + r + j, bwd_s=2.0) for r in (0, 1) for j in range(2)]
     its = [IterationRow(iteration=0, rank=r, dp=r, pp=0, cp=0, tp=0, wall_s=10.0 + r, compute_s=7.0, pp_wait_s=0.0,
-                        dp_wait_s=1.0 - r, micro_batches=2) for r in (0, 1)]
+                        dp_wait_s=1.0 - r, timing_s=0.0, micro_batches=2) for r in (0, 1)]
     whole = measure_iteration(rows, its, dp=2, n=2, cp_tp=1)
     assert got.mape == pytest.approx(whole.mape) and got == dataclasses.replace(whole, mape=got.mape)
     assert got.wall_s == 11.0 and got.slowest_s == 11.0 and got.idle_fraction == pytest.approx(1 - 14 / 21)

@@ -67,7 +67,7 @@ def write_trace(path: Path, iterations: int = 12, micro_batches: int = 4, noise:
                 rank_tokens=tokens, rank_pairs=pairs, rank_runs=int(docs.size), data_s=0.0, pred_fwd_s=0.0,
                 pred_bwd_s=0.0, fwd_s=fwd, bwd_s=bwd, wait_fwd_s=0.0, wait_bwd_s=0.0)))
         for it in range(iterations):
-            lines.append(row_to_json(IterationRow(it, stage, 0, stage, 0, 0, 1.0, 0.9, 0.05, 0.05, micro_batches)))
+            lines.append(row_to_json(IterationRow(it, stage, 0, stage, 0, 0, 1.0, 0.9, 0.05, 0.05, 0.0, micro_batches)))
         trace_path_for_rank(path, stage).write_text("\n".join(lines) + "\n")
     return path
 

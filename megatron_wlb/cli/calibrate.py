@@ -539,7 +539,7 @@ def fit_line(fit: ProfileFit) -> str:
     """One line with the fitted coefficients."""
     per_run = f" + {fit.attn_per_run:.3e} s/document" if fit.attn_per_run else ""
     if fit.form == "micro_batches":
-        return (f"fit (per layer): {fit.attn_per_pair:.3e} s/pair + {fit.linear_per_token:.3e} s/token + "
+        return (f"fit (per layer): {fit.attn_per_pair:.3e} s/pair + {fit.linear_per_token:.3e} s/token{per_run} + "
                 f"{fit.overhead:.3e} s/micro-batch forward (mean rel. error of fwd+bwd {fit.attn_rel_err:.1%} on the "
                 f"fitted rows), bwd/fwd {fit.bwd_attention:.2f} (attention) {fit.bwd_linear:.2f} (linear)")
     return (f"fit: attention {fit.attn_per_pair:.3e} s/pair + {fit.attn_per_query:.3e} s/query{per_run} (mean rel. "

@@ -17,7 +17,8 @@ of that rank and one ``iteration`` row::
      "rank_tokens": 512, "rank_pairs": 8.1e4, "rank_runs": 7, "pred_fwd_s": ..., "pred_bwd_s": ...,
      "fwd_s": ..., "bwd_s": ..., "data_s": ..., "wait_fwd_s": ..., "wait_bwd_s": ...}
     {"kind": "iteration", "iteration": 3, "rank": 0, "dp": 0, "pp": 0, "cp": 0, "tp": 0,
-     "wall_s": ..., "compute_s": ..., "pp_wait_s": ..., "dp_wait_s": ..., "micro_batches": 4}
+     "wall_s": ..., "compute_s": ..., "pp_wait_s": ..., "dp_wait_s": ..., "timing_s": ..., "micro_batches": 4}
+    {"kind": "refit", "iteration": 9, "state": {...}}     (--wlb-cost-model online: each refit's model)
 
 Field meanings (seconds are measured on this rank: a monotonic clock on the CPU, CUDA events on a GPU):
 
@@ -35,7 +36,11 @@ Field meanings (seconds are measured on this rank: a monotonic clock on the CPU,
   step, i.e. what this step waited for;
 - ``wall_s``: the rank's forward-backward pass (first step start to the gradient reduction's end);
   ``compute_s``: the sum of its steps; ``pp_wait_s``: pipeline send/receive seconds; ``dp_wait_s``:
-  Megatron's ``finalize_model_grads`` (the DP gradient reduction, waiting for the slowest rank).
+  Megatron's ``finalize_model_grads`` (the DP gradient reduction, waiting for the slowest rank);
+  ``timing_s``: host seconds the timing itself took since the previous pass (its hooks, the trace
+  flush, the measuring all-reduces): its overhead;
+- a ``refit`` row: the state of a refitted cost model (``costmodel.refit.cost_state``) and the
+  iteration whose log refitted it.
 """
 
 from __future__ import annotations
@@ -103,6 +108,7 @@ class IterationRow(RankRow):
     compute_s: float
     pp_wait_s: float
     dp_wait_s: float
+    timing_s: float
     micro_batches: int
 
     kind = "iteration"
@@ -115,11 +121,12 @@ class Trace:
     headers: tuple[dict[str, Any], ...]
     micro_batches: tuple[MicroBatchRow, ...]
     iterations: tuple[IterationRow, ...]
+    refits: tuple[dict[str, Any], ...] = ()
 
     def after_warmup(self, warmup: int) -> Trace:
         """The rows of iterations ``>= warmup`` (0-based plan iterations)."""
         return Trace(self.headers, tuple(r for r in self.micro_batches if r.iteration >= warmup),
-                     tuple(r for r in self.iterations if r.iteration >= warmup))
+                     tuple(r for r in self.iterations if r.iteration >= warmup), self.refits)
 
 
 def row_to_json(row: MicroBatchRow | IterationRow) -> str:
@@ -177,9 +184,13 @@ def read_trace(paths: str | os.PathLike[str] | Iterable[str | os.PathLike[str]])
     headers: list[dict[str, Any]] = []
     mbs: list[MicroBatchRow] = []
     its: list[IterationRow] = []
+    refits: list[dict[str, Any]] = []
     for path in files:
         for number, row in _rows(path):
             kind = row["kind"]
+            if kind == "refit":
+                refits.append(row)
+                continue
             if kind == "header":
                 if row.get("format") != TRACE_FORMAT:
                     raise ValueError(f"{path}:{number}: trace format {row.get('format')!r}, expected "
@@ -188,7 +199,8 @@ def read_trace(paths: str | os.PathLike[str] | Iterable[str | os.PathLike[str]])
                 continue
             wanted = {"micro_batch": _MB_FIELDS, "iteration": _IT_FIELDS}.get(kind)
             if wanted is None:
-                raise ValueError(f"{path}:{number}: unknown row kind {kind!r}; valid: header, micro_batch, iteration")
+                raise ValueError(f"{path}:{number}: unknown row kind {kind!r}; valid: header, micro_batch, iteration, "
+                                 "refit")
             missing = wanted - set(row)
             if missing:
                 raise ValueError(f"{path}:{number}: {kind} row lacks {', '.join(sorted(missing))}")
@@ -200,7 +212,7 @@ def read_trace(paths: str | os.PathLike[str] | Iterable[str | os.PathLike[str]])
                 its.append(IterationRow(**values))
     if not headers:
         raise ValueError(f"{', '.join(map(str, files))}: no header row: not a megatron-wlb trace")
-    return Trace(tuple(headers), tuple(mbs), tuple(its))
+    return Trace(tuple(headers), tuple(mbs), tuple(its), tuple(refits))
 
 
 # -- the cost-model profile from a trace (``wlb calibrate --from-trace``) ---------------------------------

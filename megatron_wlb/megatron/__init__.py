@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -329,16 +330,22 @@ def _measure(due: bool) -> Any:
     recorder = timing.active()
     if recorder is None:
         return None
-    target = recorder.log_target
-    rows = recorder.flush(through=target)
-    refit = _RUNTIME.refit
-    if refit is not None:
-        refit.observe(rows)
-        if target >= 0 and refit.due(target):
-            refit.refit(target, timing.all_reduce)  # before the next plan: every rank at the same iteration
-    if not due or target < 0:
-        return None
-    return recorder.measure(target, timing.all_reduce)
+    start = time.perf_counter()
+    try:
+        target = recorder.log_target
+        rows = recorder.flush(through=target)
+        refit = _RUNTIME.refit
+        if refit is not None:
+            refit.observe(rows)
+            if target >= 0 and refit.due(target):
+                state = refit.refit(target, timing.all_reduce)  # before the next plan: every rank alike
+                if state is not None:
+                    recorder.write({"kind": "refit", "iteration": target, "state": state})
+        if not due or target < 0:
+            return None
+        return recorder.measure(target, timing.all_reduce)
+    finally:
+        recorder.overhead_s += time.perf_counter() - start
 
 
 def _eval_iterator(args: Any, settings: WlbSettings, split_name: str, megatron_iterator: Callable[[], Any],

@@ -140,6 +140,7 @@ class _Pass:
     p2p: list[Span] = field(default_factory=list)
     dp: list[Span] = field(default_factory=list)
     end: Any = None
+    timing_s: float = 0.0  # host seconds the timing itself took since the previous pass
 
 
 @dataclass(frozen=True)
@@ -180,6 +181,7 @@ class Recorder:
         self._p2p_since: list[Span] = []
         self._resolved: dict[int, IterationTotals] = {}
         self.latest = -1  # plan iteration of the newest recorded pass
+        self.overhead_s = 0.0  # host seconds of timing work not yet charged to a pass
         self._file: IO[str] | None = None
         self.path = trace_path_for_rank(trace, ids.rank) if trace is not None else None
         if self.path is not None:
@@ -199,6 +201,7 @@ class Recorder:
         if self._pass is None:
             return
         self._pass.end = self.clock.stamp()
+        self._pass.timing_s, self.overhead_s = self.overhead_s, 0.0
         if self._pass.steps:
             self._passes.append(self._pass)
             self.latest = self._pass.steps[0].row.iteration
@@ -286,7 +289,7 @@ class Recorder:
         summary = IterationRow(iteration=iteration, rank=ids.rank, dp=ids.dp, pp=ids.pp, cp=ids.cp, tp=ids.tp,
                                wall_s=s(p.start, p.end), compute_s=sum(r.fwd_s + r.bwd_s for r in rows),
                                pp_wait_s=self._seconds(p.p2p), dp_wait_s=self._seconds(p.dp),
-                               micro_batches=len({st.row.micro_batch for st in p.steps}))
+                               timing_s=p.timing_s, micro_batches=len({st.row.micro_batch for st in p.steps}))
         self._resolved[iteration] = IterationTotals.of(rows, [summary], ids.dp_size, self.n,
                                                        ids.cp_size * ids.tp_size)
         for old in [k for k in self._resolved if k < iteration - 8]:
@@ -310,6 +313,12 @@ class Recorder:
         if have[0] < 1.0:
             return None
         return IterationTotals(iteration, self.ids.dp_size, self.n, maxima, sums).summary()
+
+    def write(self, row: dict[str, Any]) -> None:
+        """Add a row of another kind (the online refit's ``refit`` rows) to the trace file, if any."""
+        if self._file is not None:
+            self._file.write(json.dumps(row, separators=(",", ":")) + "\n")
+            self._file.flush()
 
     def close(self) -> None:
         if self._file is not None:
@@ -343,9 +352,13 @@ def _timed(original: Callable[..., Any], on_done: Callable[[Recorder, tuple, dic
         recorder = _ACTIVE[0]
         if recorder is None:
             return original(*args, **kwargs)
+        t0 = time.perf_counter()
         start = recorder.clock.stamp()
+        t1 = time.perf_counter()
         out = original(*args, **kwargs)
+        t2 = time.perf_counter()
         on_done(recorder, args, kwargs, out, (start, recorder.clock.stamp()))
+        recorder.overhead_s += (t1 - t0) + (time.perf_counter() - t2)
         return out
 
     return timed
