@@ -86,7 +86,7 @@ def test_quick_run_end_to_end(tmp_path):
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("needs 2 cores (one per rank)")
     readme = tmp_path / "README.md"
-    readme.write_text("x\n<!-- measured-table -->\nold\n<!-- /measured-table -->\ny\n")
+    readme.write_text("x\n<!-- measured-table -->\nSTALE TABLE\n<!-- /measured-table -->\ny\n")
     cmd = [sys.executable, str(REPO / "scripts" / "bench_measured.py"), "--quick", "--iterations", "6", "--warmup", "2",
            "--experiments", "dp", "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work"), "--readme",
            str(readme)]
@@ -99,4 +99,4 @@ def test_quick_run_end_to_end(tmp_path):
                for m in result["methods"])
     assert 0 <= result["calibration"]["holdout_mape"] < 5
     text = readme.read_text()
-    assert "old" not in text and "| dp | DP2 fixed-greedy |" in text and text.endswith("y\n")
+    assert "STALE TABLE" not in text and "| dp | DP2 fixed-greedy |" in text and text.endswith("y\n")
