@@ -149,7 +149,8 @@ def test_no_near_empty_iteration_while_pieces_wait():
     # a queue that releases R at a time. Rule: an iteration holds fewer than min_fill x the token
     # budget only if no waiting piece fits in the room left (here: never).
     lengths = [40] * 30 + [12 * 150 + 7] + [40] * 200
-    cfg = PackingConfig(seq_len=100, n=4, dp=1, max_seq_len=150, max_delay=6)
+    # the fill rule (f) alone: without the read-ahead fill (h), which tops iterations up first
+    cfg = PackingConfig(seq_len=100, n=4, dp=1, max_seq_len=150, max_delay=6, fill_target=0.0)
     budget = cfg.tokens_per_iteration
     packer = make_packer("wlb", cfg)
     batches = []
@@ -210,7 +211,8 @@ def test_cut_policy_cuts_what_the_fill_rule_releases_into_an_unbalanced_iteratio
     against 150 ordinary tokens in 4 micro-batches: 4 pieces of 35), counted in cut_stats; the
     delay bound holds and every token is emitted once."""
     lengths = _debt_then_lonely_outlier()
-    cfg = PackingConfig(seq_len=100, n=4, dp=1, max_seq_len=150, max_delay=8, cut_policy=policy)
+    cfg = PackingConfig(seq_len=100, n=4, dp=1, max_seq_len=150, max_delay=8, cut_policy=policy,
+                        fill_target=0.0)  # the fill rule (f) alone: no read-ahead fill (h)
     packer = make_packer("wlb", cfg)
     batches = list(packer.pack(lengths))
     assert packer.fill_releases > 0

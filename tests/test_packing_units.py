@@ -228,7 +228,8 @@ def test_diagnostics_are_a_method_of_every_packer(run7b):
     first(wlb, lengths, 20)
     diag = wlb.diagnostics()
     assert diag["thresholds"] == list(wlb.thresholds()) and diag["forced_splits"] == wlb.forced_splits
-    assert set(diag) == {"thresholds", "forced_splits", "fill_releases", "cut_stats"}
+    assert set(diag) == {"thresholds", "forced_splits", "fill_releases", "cut_stats", "delay_overruns",
+                         "read_ahead_tokens", "balanced_releases"}
     json.dumps(diag)
     solver = make_packer("fixed-solver", config.packing, cost)
     first(solver, lengths, 2)

@@ -17,16 +17,23 @@ from __future__ import annotations
 import dataclasses
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
 
 from megatron_wlb.costmodel import CostModel
+from megatron_wlb.packing.cut import window_pieces
 from megatron_wlb.packing.metrics import piece_latency
 from megatron_wlb.packing.types import DocPiece, GlobalBatch, MicroBatch, PackingConfig
 
-STATE_VERSION = 3  # 2: the fingerprint covers every field and the cost model; 3: a refitted cost model is saved
+#: 2: the fingerprint covers every field and the cost model; 3: a refitted cost model is saved;
+#: 4: the stream's token offset is saved (``pieces="concat-and-cut"`` cuts at multiples of seq_len of it)
+STATE_VERSION = 4
+
+
+def _nothing_to_read(tokens: int, limit: int) -> list[DocPiece]:
+    return []
 
 
 def validate_lengths(lengths: Sequence[int] | np.ndarray, what: str = "document lengths") -> np.ndarray:
@@ -72,7 +79,11 @@ class Packer(ABC):
         self.iteration = 0         # global batches emitted
         self.dropped: list[tuple[int, int]] = []  # (doc_id, length) removed by oversize="drop"
         self._credit = 0           # tokens read beyond earlier budgets
+        self.stream_tokens = 0     # tokens of the documents consumed (where the next document starts)
         self._refit: dict[str, Any] | None = None  # the refitted cost model's state (set_cost), saved with ours
+        #: during ``_plan``: read documents worth at least ``tokens`` more from the stream, at most
+        #: ``limit`` (they arrive this iteration; credited against later budgets); [] at the end
+        self._read_ahead: Callable[[int, int], list[DocPiece]] = _nothing_to_read
 
     def set_cost(self, cost: CostModel, state: dict[str, Any]) -> None:
         """Balance ``cost`` from the next plan on (the online refit); ``state`` rebuilds it on resume
@@ -155,7 +166,11 @@ class Packer(ABC):
             if final and not new and self.pending() == 0:
                 return
             start, cpu_start = time.perf_counter(), time.thread_time()
-            micro_batches = self._plan(new, final)
+            self._read_ahead = lambda tokens, limit: self._read_more(lengths, ids, tokens, limit)
+            try:
+                micro_batches = self._plan(new, final)
+            finally:
+                self._read_ahead = _nothing_to_read
             elapsed, cpu = time.perf_counter() - start, time.thread_time() - cpu_start
             batch = GlobalBatch(self.iteration, tuple(micro_batches), self.config.dp, self.config.n,
                                 plan_seconds=elapsed, plan_cpu_seconds=cpu)
@@ -166,11 +181,28 @@ class Packer(ABC):
             yield batch
 
     def _intake(self, lengths: np.ndarray, ids: np.ndarray, arrival: int | None = None) -> list[DocPiece]:
-        """Read one iteration budget of documents and apply the oversize policy."""
+        """Read one iteration budget of documents (less what earlier iterations read ahead)."""
         budget = max(self.config.tokens_per_iteration - self._credit, self._min_intake())
+        pieces, read = self._read(lengths, ids, budget, self.iteration if arrival is None else arrival)
+        self._credit = max(0, self._credit + read - self.config.tokens_per_iteration)
+        return pieces
+
+    def _read_more(self, lengths: np.ndarray, ids: np.ndarray, tokens: int, limit: int) -> list[DocPiece]:
+        """Read ahead: documents worth at least ``tokens`` more but never more than ``limit`` in all
+        (none if the next document alone exceeds it), arriving this iteration; what they hold is
+        credited against later budgets, so the stream rate stays that of concat-and-cut."""
+        pieces, read = self._read(lengths, ids, max(1, tokens), self.iteration, limit)
+        self._credit += read
+        return pieces
+
+    def _read(self, lengths: np.ndarray, ids: np.ndarray, budget: int, arrival: int,
+              limit: int | None = None) -> tuple[list[DocPiece], int]:
+        """The next documents until they hold ``budget`` tokens (the last may overshoot, up to
+        ``limit`` tokens in all), as pieces (the oversize policy, or the concat-and-cut intake);
+        returns them and the tokens read."""
         start = self.position
-        if start >= lengths.size:
-            return []
+        if start >= lengths.size or (limit is not None and int(lengths[start]) > limit):
+            return [], 0
         # Grow a window until its cumulative length covers the budget (avoids a full-array cumsum).
         span = max(64, 2 * budget // max(1, int(lengths[start:start + 64].mean())))
         while True:
@@ -181,11 +213,21 @@ class Packer(ABC):
             span *= 2
         k = int(np.searchsorted(csum, budget, side="left")) + 1  # docs until the budget is covered
         k = min(k, csum.size)
+        if limit is not None:
+            k = min(k, int(np.searchsorted(csum, limit, side="right")))  # >= 1: the first fits
         read = int(csum[k - 1])
-        self._credit = max(0, self._credit + read - self.config.tokens_per_iteration)
         self.position = start + k
-        return self._apply_oversize(lengths[start:start + k], ids[start:start + k],
-                                    self.iteration if arrival is None else arrival)
+        offset, self.stream_tokens = self.stream_tokens, self.stream_tokens + read
+        if self.config.pieces == "concat-and-cut" and not self.cuts_documents:
+            return self._window_pieces(lengths[start:start + k], ids[start:start + k], arrival, offset), read
+        return self._apply_oversize(lengths[start:start + k], ids[start:start + k], arrival), read
+
+    def _window_pieces(self, lengths: np.ndarray, ids: np.ndarray, arrival: int, offset: int) -> list[DocPiece]:
+        """``pieces="concat-and-cut"``: the documents cut where Megatron's GPTDataset cuts them (every
+        ``seq_len`` tokens of the stream; the first starts at stream token ``offset``)."""
+        doc, start, size = window_pieces(lengths, offset, self.config.seq_len)
+        doc_ids = ids[doc].tolist()
+        return [DocPiece(d, o, n, arrival) for d, o, n in zip(doc_ids, start.tolist(), size.tolist())]
 
     def _apply_oversize(self, lengths: np.ndarray, ids: np.ndarray, arrival: int) -> list[DocPiece]:
         cap = self.capacity
@@ -217,6 +259,7 @@ class Packer(ABC):
             "position": self.position,
             "iteration": self.iteration,
             "credit": self._credit,
+            "stream_tokens": self.stream_tokens,
             "dropped": [list(d) for d in self.dropped],
             "extra": self._extra_state(),
         }
@@ -238,6 +281,7 @@ class Packer(ABC):
         self.position = int(state["position"])
         self.iteration = int(state["iteration"])
         self._credit = int(state["credit"])
+        self.stream_tokens = int(state["stream_tokens"])
         self.dropped = [(int(a), int(b)) for a, b in state["dropped"]]
         self._load_extra_state(state["extra"])
 

@@ -120,6 +120,8 @@ ReleasePolicy = Literal["global", "rank"]
 RELEASE_POLICIES: tuple[str, ...] = ("global", "rank")
 CutPolicy = Literal["none", "overlong", "any"]
 CUT_POLICIES: tuple[str, ...] = ("none", "overlong", "any")
+PieceSource = Literal["documents", "concat-and-cut"]
+PIECE_SOURCES: tuple[str, ...] = ("documents", "concat-and-cut")
 CostModelPolicy = Literal["static", "online"]
 COST_MODEL_POLICIES: tuple[str, ...] = ("static", "online")
 
@@ -161,6 +163,13 @@ class PackingConfig:
     #: wlb: while pieces wait, every iteration trains on at least this fraction of the token budget
     #: (dp * n * seq_len): waiting pieces are released early (oldest first) to reach it; 0 = off
     min_fill: float = 0.5
+    #: wlb: delay only when it pays: a queued outlier goes out as soon as the iteration's ordinary
+    #: documents can balance it, rather than waiting for a group of R (docs/packing.md (i))
+    release_when_balanced: bool = True
+    #: wlb: every iteration trains at least this fraction of the token budget while the stream lasts:
+    #: when delayed outliers leave room, ordinary documents are read ahead from the stream to fill it
+    #: (they arrive at once, so no delay; later budgets read that much less); 0 = off
+    fill_target: float = 0.95
     #: fixed-solver: HiGHS branch-and-bound nodes per window (0 = root node only); deterministic
     solver_nodes: int = 0
     #: fixed-solver: windows whose MILP has more binary columns than this keep the greedy plan
@@ -177,6 +186,10 @@ class PackingConfig:
     #: document that fits S_max is cut), "overlong" (only pieces of documents longer than S_max),
     #: "any" (any such outlier); cuts are counted and reported
     cut_policy: CutPolicy = "none"
+    #: what the packers place: "documents" (each document whole, split only by the oversize policy:
+    #: the paper's WLB-LLM) or "concat-and-cut" (exactly the pieces Megatron's GPTDataset trains: the
+    #: stream cut every seq_len tokens; same data and attention work as Megatron's default, balanced)
+    pieces: PieceSource = "documents"
     #: the cost model the packer balances: "static" (the configured one: analytic, or a calibrated
     #: profile) or "online" (start from it; in Megatron's loop, refit W(d) every refit_interval
     #: iterations from the run's own measured step times, agreed across ranks; docs/megatron.md)
@@ -224,12 +237,23 @@ class PackingConfig:
         if isinstance(self.min_fill, bool) or not isinstance(self.min_fill, (int, float)) or \
                 not 0 <= self.min_fill <= 1:
             raise ValueError(f"min_fill={self.min_fill!r}: must be a fraction of the token budget in [0, 1]")
+        if isinstance(self.fill_target, bool) or not isinstance(self.fill_target, (int, float)) or \
+                not 0 <= self.fill_target <= 1:
+            raise ValueError(f"fill_target={self.fill_target!r}: must be a fraction of the token budget in [0, 1]")
+        if not isinstance(self.release_when_balanced, bool):
+            raise ValueError(f"release_when_balanced={self.release_when_balanced!r}: must be true or false")
         if not isinstance(self.schedule_order, bool):
             raise ValueError(f"schedule_order={self.schedule_order!r}: must be true or false")
         if self.release not in RELEASE_POLICIES:
             raise ValueError(f"release={self.release!r}: 'global' (dp * n outliers at a time) or 'rank' (n at a time)")
         if self.cut_policy not in CUT_POLICIES:
             raise ValueError(f"cut_policy={self.cut_policy!r}; valid policies: {', '.join(CUT_POLICIES)}")
+        if self.pieces not in PIECE_SOURCES:
+            raise ValueError(f"pieces={self.pieces!r}; valid: {', '.join(PIECE_SOURCES)}")
+        if self.pieces == "concat-and-cut" and self.cut_policy != "none":
+            raise ValueError(f"cut_policy={self.cut_policy!r} with pieces='concat-and-cut': concat-and-cut's pieces "
+                             "are trained exactly as Megatron cuts them, so no further cut is allowed; use "
+                             "cut_policy='none'")
         nodes = self.solver_nodes
         if isinstance(nodes, bool) or not isinstance(nodes, (int, np.integer)) or nodes < 0:
             raise ValueError(f"solver_nodes={nodes!r}: must be a non-negative integer (HiGHS branch-and-bound "

@@ -98,6 +98,9 @@ class WlbPacker(Packer):
         self._budgets = 0
         self.forced_splits = 0
         self.fill_releases = 0  # pieces the fill guard released early (no near-empty iterations)
+        self.balanced_releases = 0  # queued outliers released because the iteration could balance them (i)
+        self.read_ahead_tokens = 0  # tokens read ahead of the budget to fill iterations (h)
+        self.delay_overruns = 0  # forced pieces that fit nowhere whole and were not cut (concat-and-cut pieces)
         #: the cut policy's count: cut points made, tokens of the cut pieces, pieces they became
         self.cut_stats = {"cut_points": 0, "tokens": 0, "pieces": 0}
         self._overlong_docs: set[int] = set()  # documents longer than S_max (split by oversize)
@@ -137,7 +140,9 @@ class WlbPacker(Packer):
     def diagnostics(self) -> dict[str, Any]:
         """The current thresholds (``thresholds()``), forced splits, early releases and cuts."""
         return {"thresholds": list(self.thresholds()), "forced_splits": self.forced_splits,
-                "fill_releases": self.fill_releases, "cut_stats": dict(self.cut_stats)}
+                "fill_releases": self.fill_releases, "cut_stats": dict(self.cut_stats),
+                "delay_overruns": self.delay_overruns, "read_ahead_tokens": self.read_ahead_tokens,
+                "balanced_releases": self.balanced_releases}
 
     # -- thresholds ------------------------------------------------------------------------------
     def thresholds(self) -> tuple[int, ...]:
@@ -210,11 +215,7 @@ class WlbPacker(Packer):
         cap = self.capacity
         it = self.iteration
         if new:
-            lens = piece_lengths(new)
-            bins_ = _hist_bin(lens)
-            self._hist += np.bincount(bins_, minlength=HIST_BINS)
-            self._hist_tokens += np.bincount(bins_, weights=lens, minlength=HIST_BINS).astype(np.int64)
-            self._hist_work += np.bincount(bins_, weights=piece_latency(self.cost, lens), minlength=HIST_BINS)
+            self._observe(new)
             self._budgets += 1
         th = self.thresholds()
         pool = self._waiting + new
@@ -264,9 +265,16 @@ class WlbPacker(Packer):
                 waiting.extend(p for p in queue if p not in picked)
             if to_cut:
                 forced = [piece for p in forced for piece in (self._cut(p, l1, per_token) if p in to_cut else [p])]
-        if not final and waiting and cfg.min_fill > 0:
+            if waiting and cfg.release_when_balanced:
+                paid = self._balanced_release(waiting, forced + candidates, l1, per_token)
+                if paid:
+                    picked = set(paid)
+                    waiting = [p for p in waiting if p not in picked]
+                    candidates.extend(paid)
+        if not final and waiting and cfg.min_fill > 0 and cfg.fill_target < cfg.min_fill:
             # No near-empty iterations: top the iteration up from the waiting pieces before
-            # placing, so long waiting pieces still find empty micro-batches.
+            # placing, so long waiting pieces still find empty micro-batches (unless the read-ahead
+            # fill (h) tops it up with ordinary documents instead).
             have = sum(p.length for p in forced) + sum(p.length for p in candidates)
             early = self._early_release(waiting, cfg.min_fill * cfg.tokens_per_iteration - have)
             if early:
@@ -297,6 +305,8 @@ class WlbPacker(Packer):
                     self._split_forced(p, bins, work, toks, cap, waiting)
                 else:
                     waiting.append(p)
+        if not final and cfg.fill_target > 0 and cfg.max_delay > 0:  # max_delay 0: nothing may wait
+            self._read_ahead_fill(bins, work, toks, cap, waiting, l1)
         if not final and waiting and cfg.min_fill > 0:
             self._fill_guard(bins, work, toks, cap, waiting)
         waiting.sort(key=oldest_first_key)
@@ -306,6 +316,72 @@ class WlbPacker(Packer):
         if self.config.schedule_order and m > 1:
             bins = self._deal(bins, work)
         return [MicroBatch(tuple(b), cap) for b in bins]
+
+    def _balanced_release(self, waiting: list[DocPiece], placed: list[DocPiece], l1: int,
+                          per_token: float) -> list[DocPiece]:
+        """(i) Delay only when it pays: the queued outliers (oldest first) that this iteration can take
+        and still balance (``_balanceable``: its outliers dealt heaviest first, each micro-batch's
+        outliers within ``CLOSE_TOLERANCE`` of the balanced mean once the ordinary tokens fill the
+        rest). The ordinary tokens are those in hand, or, with the read-ahead fill (h), the budget
+        less the outliers. An outlier that no iteration could balance waits for a group, as before."""
+        budget = self.config.tokens_per_iteration
+        big = [p.length for p in placed if p.length >= l1]
+        ordinary_in_hand = sum(p.length for p in placed if p.length < l1)
+        read_ahead = self.config.fill_target > 0 and self.config.max_delay > 0
+        out: list[DocPiece] = []
+        for p in sorted((p for p in waiting if p.length >= l1), key=oldest_first_key):
+            lengths = [*big, p.length]
+            outlier_tokens = sum(lengths)
+            ordinary = max(ordinary_in_hand, budget - outlier_tokens) if read_ahead else ordinary_in_hand
+            if outlier_tokens + ordinary_in_hand <= self.capacity * self.config.micro_batches_per_iteration and \
+                    self._balanceable(lengths, per_token, ordinary):
+                big.append(p.length)
+                out.append(p)
+        self.balanced_releases += len(out)
+        return out
+
+    def _observe(self, pieces: list[DocPiece]) -> None:
+        """Add pieces read from the stream to the length histogram the auto thresholds come from."""
+        lens = piece_lengths(pieces)
+        bins_ = _hist_bin(lens)
+        self._hist += np.bincount(bins_, minlength=HIST_BINS)
+        self._hist_tokens += np.bincount(bins_, weights=lens, minlength=HIST_BINS).astype(np.int64)
+        self._hist_work += np.bincount(bins_, weights=piece_latency(self.cost, lens), minlength=HIST_BINS)
+
+    def _read_ahead_fill(self, bins: list[list[DocPiece]], work: list[float], toks: list[int], cap: int,
+                         waiting: list[DocPiece], l1: int) -> None:
+        """Full iterations (h): while the iteration holds less than ``fill_target`` x the token budget
+        (delayed outliers left room), read ordinary documents ahead from the stream and place them,
+        least-loaded micro-batch first. They arrive now (no delay); outliers read on the way join the
+        queues; the tokens read are credited against later budgets, so the stream rate is unchanged.
+        Stops at the target, at the end of the stream, or when a piece read fits nowhere (it waits).
+
+        The delay bound (b) holds as before: the pieces of this iteration's arrival that may wait
+        (queued outliers, pieces that fit nowhere) are kept within what one iteration holds
+        (``dp * n * max_seq_len``), so the iteration that forces them can take them."""
+        need = self.config.fill_target * self.config.tokens_per_iteration
+        room = self.capacity * self.config.micro_batches_per_iteration - \
+            sum(p.length for p in waiting if p.arrival == self.iteration)
+        while (have := sum(toks)) < need and room > 0:
+            new = self._read_ahead(int(need - have), room)
+            if not new:
+                return
+            self._observe(new)
+            ordinary = sort_largest_first([p for p in new if p.length < l1])
+            outliers = [p for p in new if p.length >= l1]
+            waiting.extend(outliers)
+            room -= sum(p.length for p in outliers)  # a read never exceeds the room: all of it may wait
+            self.read_ahead_tokens += sum(p.length for p in new)
+            lengths = [p.length for p in ordinary]
+            where = place_greedy(lengths, piece_latency(self.cost, lengths).tolist(), work, toks, cap)
+            for p, j in zip(ordinary, where):
+                if j >= 0:
+                    bins[j].append(p)
+                else:
+                    waiting.append(p)
+                    room -= p.length
+            if min(where, default=0) < 0:
+                return
 
     def _closable(self, lengths: list[int], per_token: float) -> bool:
         """Whether outliers of ``lengths``, one per micro-batch, can be balanced by the iteration's
@@ -509,7 +585,13 @@ class WlbPacker(Packer):
 
     def _split_forced(self, p: DocPiece, bins: list[list[DocPiece]], work: list[float], toks: list[int],
                       cap: int, waiting: list[DocPiece]) -> None:
-        """Last resort for a piece at its delay bound that fits nowhere whole: fill the emptiest bins."""
+        """Last resort for a piece at its delay bound that fits nowhere whole: fill the emptiest bins.
+        With ``pieces="concat-and-cut"`` nothing is cut: the piece waits one more iteration (first in
+        line, since it stays forced), counted in ``delay_overruns``."""
+        if self.config.pieces == "concat-and-cut":
+            waiting.append(p)
+            self.delay_overruns += 1
+            return
         off, left = p.offset, p.length
         for j in sorted(range(len(bins)), key=lambda j: (toks[j], j)):
             room = cap - toks[j]
@@ -533,7 +615,8 @@ class WlbPacker(Packer):
                          for b in nz],
                 "budgets": self._budgets, "forced_splits": self.forced_splits,
                 "fill_releases": self.fill_releases, "cut_stats": dict(self.cut_stats),
-                "overlong_docs": sorted(self._overlong_docs)}
+                "delay_overruns": self.delay_overruns, "read_ahead_tokens": self.read_ahead_tokens,
+                "balanced_releases": self.balanced_releases, "overlong_docs": sorted(self._overlong_docs)}
 
     def _load_extra_state(self, state: dict[str, Any]) -> None:
         self._waiting = pieces_from_state(state["waiting"])
@@ -545,5 +628,8 @@ class WlbPacker(Packer):
         self._budgets = int(state["budgets"])
         self.forced_splits = int(state["forced_splits"])
         self.fill_releases = int(state["fill_releases"])
+        self.delay_overruns = int(state["delay_overruns"])
+        self.read_ahead_tokens = int(state["read_ahead_tokens"])
+        self.balanced_releases = int(state["balanced_releases"])
         self.cut_stats = {k: int(v) for k, v in state["cut_stats"].items()}
         self._overlong_docs = {int(d) for d in state["overlong_docs"]}
