@@ -88,13 +88,16 @@ def test_verdict_overlaps_across_file_orders_and_json(corpus, capsys):
     for v in verdicts.values():
         assert v["shuffles"] == 5
         assert v["iterations"] == int(split_documents(lengths, 16384).sum()) // (4 * 16384)  # the whole corpus
-        assert set(v["speedup"]) == {"Plain-4D whole-doc", "Fixed-4D", "WLB-LLM", "Megatron dyn-CP"}
+        assert set(v["speedup"]) == {"Plain-4D whole-doc", "Fixed-4D", "WLB-LLM", "Balanced concat-and-cut",
+                                     "Megatron dyn-CP"}
+        assert any(line.startswith("**Use ") for line in v["recommendation"])
         for s in v["speedup"].values():
             assert s["min"] <= s["mean"] <= s["max"]
     for method in ("WLB-LLM", "Fixed-4D"):
         a, b = verdicts["fwd"]["speedup"][method], verdicts["rev"]["speedup"][method]
         assert a["min"] <= b["max"] and b["min"] <= a["max"], (method, a, b)
     report = (corpus / "out_fwd" / "report.md").read_text()
+    assert verdicts["fwd"]["recommendation"][-1] in report
     assert "5 shuffles" in report and f"{verdicts['fwd']['iterations']} full iterations" in report
     assert (corpus / "out_fwd" / "length_distribution.png").stat().st_size > 2000
     capsys.readouterr()
@@ -127,3 +130,24 @@ def test_blend_on_the_command_line(corpus, capsys):
     assert main(["analyze", "--data-path", "0.5", str(corpus / "fwd"), "0.5", "--config", cfg,
                  "--out", str(corpus / "out_bad")]) == 2
     assert "odd" in capsys.readouterr().err
+
+
+def test_recommendation_calls_documents_whole_only_when_it_clears_the_same_data():
+    """The verdict's advice: balanced concat-and-cut (today's data) unless WLB-LLM with documents whole
+    beats its mean in every ordering; the sentences name the cost of keeping documents whole."""
+    from megatron_wlb.sim.report import Verdict, recommendation
+
+    def verdict(wlb: list[float], cut: list[float]) -> Verdict:
+        return Verdict({"Plain-4D": {"Plain-4D whole-doc": [0.85, 0.86], "WLB-LLM": wlb,
+                                     "Balanced concat-and-cut": cut},
+                        "Plain-4D whole-doc": {"Plain-4D": [1.17, 1.16], "WLB-LLM": [w / 0.855 for w in wlb],
+                                               "Balanced concat-and-cut": [c / 0.855 for c in cut]}}, 10, 2)
+
+    lines = recommendation(verdict([0.95, 0.97], [1.10, 1.12]))
+    assert "costs 0.855x" in lines[0] and lines[-1].startswith("**Use `--wlb-pieces concat-and-cut`**")
+    assert "faster here" in lines[-1]
+    lines = recommendation(verdict([1.30, 1.34], [1.10, 1.12]))
+    assert lines[-1].startswith("**Use WLB-LLM with documents whole**") and "1.189x" in lines[-1]  # 1.32 / 1.11
+    lines = recommendation(verdict([1.05, 1.20], [1.10, 1.12]))  # overlapping: the same data wins
+    assert lines[-1].startswith("**Use `--wlb-pieces concat-and-cut`**") and "spread" in lines[-1]
+    assert recommendation(Verdict({"Plain-4D": {"WLB-LLM": [1.0]}}, 1, 1)) == []

@@ -53,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
     from megatron_wlb.config import load_config
     from megatron_wlb.data import load_lengths
     from megatron_wlb.sim.iteration import split_documents
-    from megatron_wlb.sim.report import analyze
+    from megatron_wlb.sim.report import analyze, recommendation
 
     if args.iterations is not None and args.iterations < 1:
         raise ValueError(f"--iterations must be at least 1, got {args.iterations}")
@@ -108,9 +108,11 @@ def run(args: argparse.Namespace) -> int:
     path, table, verdict = analyze(args.out, cfg, streams, iterations, profile=args.profile,
                                    progress=tqdm_progress, source=source, reference=load_lengths(), notes=notes)
     print(table.to_markdown(digits=3))
+    for line in recommendation(verdict):
+        print(f"\n{line}")
     print(f"\n{verdict.iterations} iterations x {verdict.shuffles} orderings per method; "
           f"wrote {path} and its figures in {time.perf_counter() - start:.0f} s")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(verdict.to_json(), f, indent=1)
+            json.dump({**verdict.to_json(), "recommendation": recommendation(verdict)}, f, indent=1)
     return 0

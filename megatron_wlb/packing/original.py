@@ -15,8 +15,8 @@ from typing import Any
 import numpy as np
 
 from megatron_wlb.costmodel import CostModel
-from megatron_wlb.packing.cut import concat_and_cut_flat
 from megatron_wlb.packing.base import Packer, pieces_from_state, pieces_to_state, register_packer
+from megatron_wlb.packing.cut import concat_and_cut_flat
 from megatron_wlb.packing.types import DocPiece, MicroBatch, PackingConfig, piece_lengths
 
 

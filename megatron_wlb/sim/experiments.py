@@ -75,7 +75,10 @@ FIXED = Method("Fixed-4D", "fixed-greedy", "per-document")
 #: shipped configs and ``PackingConfig``'s default use 1.5 x seq_len; the report shows the sensitivity.
 WLB = Method("WLB-LLM", "wlb", "adaptive")
 DYNCP = Method("Megatron dyn-CP", "fixed-greedy", "dynamic-cp")
-MAIN_METHODS = (PLAIN, WHOLE, FIXED, WLB, DYNCP)
+#: Megatron's own pieces (concat-and-cut's cut points), balanced by the wlb packer and the adaptive CP
+#: layout: the same data and attention work as PLAIN (``PackingConfig.pieces``; beyond the paper).
+BALANCED_CUT = Method("Balanced concat-and-cut", "wlb", "adaptive", overrides=(("pieces", "concat-and-cut"),))
+MAIN_METHODS = (PLAIN, WHOLE, FIXED, WLB, BALANCED_CUT, DYNCP)
 
 BREAKDOWN_METHODS = (
     PLAIN,

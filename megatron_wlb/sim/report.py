@@ -18,6 +18,7 @@ import numpy as np
 
 from megatron_wlb.config import RunConfig
 from megatron_wlb.sim.experiments import (
+    BALANCED_CUT,
     BASELINE_LABELS,
     BREAKDOWN_METHODS,
     CASE_METRICS,
@@ -59,7 +60,7 @@ from megatron_wlb.sim.iteration import IterationResult, RunSummary
 
 DPI = 90
 COLORS = {"Plain-4D": "#8c8c8c", "Plain-4D whole-doc": "#c9a227", "Fixed-4D": "#5b8fd6", "WLB-LLM": "#d65b5b",
-          "Megatron dyn-CP": "#6dbf74"}
+          "Balanced concat-and-cut": "#9b59b6", "Megatron dyn-CP": "#6dbf74"}
 
 
 def _plt() -> Any:
@@ -645,6 +646,43 @@ def verdict_of(comps: Sequence[Comparison]) -> Verdict:
     return Verdict(speedups, iterations, len(comps), tuple(c0.runs))
 
 
+def recommendation(verdict: Verdict) -> list[str]:
+    """Which packing to use on this corpus, in sentences: the cost of keeping documents whole
+    (whole-document over concat-and-cut: more attention work per token, no balancing), what balance
+    recovers at equal data (balanced concat-and-cut over concat-and-cut) and with documents whole
+    (WLB-LLM over whole-document), and the net against what Megatron trains today. Means over the
+    shuffles: documents whole is recommended only when its worst ordering beats the balanced
+    concat-and-cut's mean (it changes the data), else the same data wins."""
+    over_cut = verdict.speedups.get(PLAIN.name, {})
+    if not {WLB.name, BALANCED_CUT.name} <= set(over_cut):
+        return []
+
+    def mean(base: str, method: str) -> float:
+        return verdict.summary(base, method)["mean"]
+
+    lines = []
+    if WHOLE.name in over_cut:
+        whole = mean(PLAIN.name, WHOLE.name)
+        lines.append(f"Keeping documents whole costs {whole:.3f}x concat-and-cut's throughput before any balancing "
+                     f"(whole-document / concat-and-cut: longer pieces, more attention work per token); WLB-LLM's "
+                     f"balancing recovers {mean(WHOLE.name, WLB.name):.3f}x of it (WLB-LLM / whole-document).")
+    cut, wlb = verdict.summary(PLAIN.name, BALANCED_CUT.name), verdict.summary(PLAIN.name, WLB.name)
+    lines.append(f"Balancing Megatron's own pieces (same tokens, same attention work) gives {cut['mean']:.3f}x "
+                 f"[{cut['min']:.3f}, {cut['max']:.3f}] over concat-and-cut; WLB-LLM with documents whole gives "
+                 f"{wlb['mean']:.3f}x [{wlb['min']:.3f}, {wlb['max']:.3f}].")
+    if wlb["min"] > cut["mean"]:
+        lines.append(f"**Use WLB-LLM with documents whole** (the default `--wlb-pieces documents`): "
+                     f"{wlb['mean'] / cut['mean']:.3f}x the balanced concat-and-cut here in every ordering, but it "
+                     "trains other pieces than Megatron's default (documents whole: tokens see their whole "
+                     "document); `--wlb-pieces concat-and-cut` keeps today's data exactly.")
+    else:
+        why = ("faster here" if cut["mean"] >= wlb["mean"] else
+               "within the ordering spread of keeping documents whole, so the same data wins")
+        lines.append(f"**Use `--wlb-pieces concat-and-cut`** (YAML `packing.pieces: concat-and-cut`): the same data "
+                     f"Megatron trains today, balanced; {why}.")
+    return lines
+
+
 def verdict_table(verdict: Verdict) -> Table:
     """Mean [min, max] of each method's speedup over each baseline across the shuffles."""
     bases = list(verdict.speedups)
@@ -729,12 +767,14 @@ def analyze(out: str | Path, config: RunConfig, streams: Sequence[np.ndarray], i
         *[f"{n}\n" for n in notes],
         "Speedup = simulated tokens per second over a baseline on the same iterations of the same ordering "
         "of the corpus: *concat-and-cut* is Megatron's GPTDataset (what `pretrain_gpt.py` does today), "
-        "*whole-document* keeps documents whole in arrival order. The range shows how much the verdict "
+        "*whole-document* keeps documents whole in arrival order. *Balanced concat-and-cut* trains exactly "
+        "concat-and-cut's pieces, grouped and dealt by the wlb packer. The range shows how much the verdict "
         "depends on the order of the documents; a speedup near 1.0 means your data or layout leaves "
         "little imbalance to remove.",
         "",
         vt.to_markdown(digits=3),
         "",
+        *[f"{line}\n" for line in recommendation(verdict)],
         "Detail of the first ordering:",
         "",
         table.to_markdown(),
