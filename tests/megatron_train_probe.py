@@ -9,6 +9,7 @@ writes, per rank, ``rank{R}.json``:
   iterator (first model chunk first), counted on TP rank 0 of the last pipeline stage from the rows
   each upload carries (``RankPlan.rows`` mapped to the pieces' documents);
 - ``plans``: every global plan the first iterator made: ``[[doc_id, length], ...]`` per iteration;
+- ``pieces``: the same plans' pieces as ``[doc_id, offset, length]``;
 - ``parallel``: this rank's tp/cp/pp/dp ranks; ``core_version``: the megatron-core that ran.
 
 and ``rank{R}_grads.pt``: ``{parameter name: main_grad}`` after iteration 1 (what the optimizer used).
@@ -40,7 +41,7 @@ OUT = os.environ["WLB_PROBE_OUT"]
 RANK = int(os.environ.get("RANK", "0"))
 from megatron.core import package_info  # noqa: E402
 
-record: dict = {"losses": {}, "doc_tokens": [], "plans": [], "parallel": {},
+record: dict = {"losses": {}, "doc_tokens": [], "plans": [], "pieces": [], "parallel": {},
                 "core_version": str(package_info.__version__)}
 _iterator_index: dict[int, int] = {}
 
@@ -54,6 +55,7 @@ def _next_recorded(self):
     _iterator_of[id(out)] = which
     if which == 0 and self._cursor == 1:
         record["plans"].append([[p.doc_id, p.length] for m in self.current.micro_batches for p in m.pieces])
+        record["pieces"].append([[p.doc_id, p.offset, p.length] for m in self.current.micro_batches for p in m.pieces])
     return out
 
 

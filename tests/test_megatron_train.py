@@ -290,6 +290,33 @@ def test_checkpoint_resume_equals_an_uninterrupted_run(tmp_path, corpus):
     assert [resumed.losses[1], resumed.losses[2]] == pytest.approx([full.losses[3], full.losses[4]], rel=1e-5)
 
 
+def test_concat_and_cut_pieces_balanced_train_megatrons_own_pieces_and_resume(tmp_path, corpus):
+    """``--wlb-pieces concat-and-cut`` through Megatron's loop at DP2: it trains, every planned token
+    reaches the model once, every piece it trains is one of the pieces concat-and-cut (``original``)
+    trains on the same stream (same cut points: only grouping and order differ), and a resume from
+    its checkpoint continues exactly."""
+    from collections import Counter
+
+    ckpt = tmp_path / "ckpt"
+    common = ("--wlb-packing", "wlb", "--wlb-pieces", "concat-and-cut", "--save", str(ckpt), "--save-interval", "2",
+              "--ckpt-format", "torch")
+    full = train(tmp_path, "cc", corpus, *common, env={"DP": "2"})
+    assert_trains(full)
+    assert_documents_once(full)
+    # 4 iterations read at most ~5.5 budgets (read-ahead is credited against later ones): 6 of concat-and-cut hold them
+    cut = train(tmp_path, "original", corpus, "--wlb-packing", "original", "--train-iters", "6", env={"DP": "2"})
+    pieces = Counter(tuple(p) for plan in next(r["pieces"] for r in full.ranks.values() if r["pieces"]) for p in plan)
+    reference = Counter(tuple(p) for plan in next(r["pieces"] for r in cut.ranks.values() if r["pieces"])
+                        for p in plan)
+    assert not pieces - reference, f"pieces concat-and-cut does not train: {sorted(pieces - reference)[:5]}"
+    assert any(plan != ref for plan, ref in zip(next(r["pieces"] for r in full.ranks.values() if r["pieces"]),
+                                                next(r["pieces"] for r in cut.ranks.values() if r["pieces"])))
+    shutil.rmtree(ckpt / "iter_0000004", ignore_errors=True)
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("2")
+    resumed = train(tmp_path, "resumed", corpus, *common, "--load", str(ckpt), env={"DP": "2"})
+    assert [resumed.losses[1], resumed.losses[2]] == pytest.approx([full.losses[3], full.losses[4]], rel=1e-5)
+
+
 def test_online_cost_model_refits_agree_and_resume_exactly(tmp_path, corpus):
     """--wlb-cost-model online at DP2: the refits run (the ranks' coefficients and plan digests are checked
     equal inside), the packer plans with the refitted model, and a run resumed from a checkpoint taken
