@@ -96,6 +96,9 @@ class IndexedSource:
         index = read_index(prefix)
         lengths = document_lengths(index.sequence_lengths, index.document_indices, f"{prefix}.idx")
         bin_path = prefix + ".bin"
+        if not lengths.size:
+            raise ValueError(f"{prefix}.idx lists no documents (and {bin_path} is empty); give a dataset with "
+                             "documents, or leave this prefix out of --data-path")
         tokens = np.memmap(bin_path, dtype=index.dtype, mode="r") if mmap else np.fromfile(bin_path, index.dtype)
         pointers = np.append(index.sequence_pointers, os.path.getsize(bin_path))
         starts = pointers[index.document_indices[:-1]] // index.dtype.itemsize

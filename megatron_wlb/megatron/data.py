@@ -175,6 +175,17 @@ class WlbDataIterator(Iterator[RankMicroBatch]):
         self._cursor = len(self._mine)
         return batch
 
+    def prepare(self) -> GlobalBatch | None:
+        """Plan the next iteration now if the current one has been read (else keep it); returns the
+        plan the next micro-batches come from, or None when the stream has ended. The plan agreement
+        check (``agreement.wrap_train_step``) calls it before every training step."""
+        if self._cursor >= len(self._mine):
+            try:
+                self._next_batch()
+            except StopIteration:
+                return None
+        return self.current
+
     def __next__(self) -> RankMicroBatch:
         start = time.perf_counter()
         if self._cursor >= len(self._mine):
