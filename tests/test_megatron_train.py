@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -285,10 +286,12 @@ def test_a_rank_reading_other_data_stops_every_rank_at_the_first_iteration(tmp_p
     run = train(tmp_path, name, corpus, "--wlb-packing", "wlb", env={**layout, "WLB_PROBE_RANK_DATA": f"1:{other}"},
                 expect_ok=False)
     assert run.returncode != 0  # type: ignore[attr-defined]
-    expected = ("the ranks planned 2 different global batches for iteration 0: rank 1 vs rank 0, first difference "
-                "at piece 0: document ")
-    assert run.log.count(expected) >= 2, run.log[-4000:]  # both ranks stop with it
-    assert "on rank 1 vs document" in run.log and "Every rank must read the same data" in run.log
+    stops = re.findall(r"RuntimeError: megatron_wlb: the ranks planned 2 different global batches for iteration 0: "
+                       r"rank 1 vs rank 0, first difference at piece \d+: document (\d+) \(offset \d+, \d+ tokens, "
+                       r"micro-batch \d+\) on rank 1 vs document \1 ", run.log)
+    assert len(stops) == 2, run.log[-4000:]  # both ranks stop with it, naming the same document
+    assert run.log.count("exitcode  : 1") == 2  # each rank raised it (none was killed by the other's exit)
+    assert "Every rank must read the same data" in run.log
     assert all(not r["losses"] for r in run.ranks.values()), "a rank trained a step"
     assert " iteration        1/" not in run.log
 

@@ -43,6 +43,9 @@ def parse_data_path(data_path: Sequence[str] | str) -> list[tuple[str, float | N
         if number(prefix) is not None:
             raise ValueError(f"--data-path: {prefix!r} sits where a dataset prefix belongs")
         out.append((prefix, weight))
+    if not math.isfinite(sum(w for _, w in out if w is not None)):
+        raise ValueError(f"--data-path {' '.join(tokens)}: the weights sum past the largest float; scale them down "
+                         "(only their ratios matter)")
     return out
 
 

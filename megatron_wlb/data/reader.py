@@ -164,6 +164,9 @@ class DocumentReader:
                 raise ValueError(f"blend weight {w!r} of {src!r} must be positive")
             self.sources.append(IndexedSource.open(src, mmap) if isinstance(src, str) else src)
             weights.append(float(w))
+        if not math.isfinite(sum(weights)):
+            raise ValueError(f"blend weights {weights} sum past the largest float; scale them down (only their "
+                             "ratios matter)")
         self.weights = np.asarray(weights) / sum(weights)
         self.split = split
         self.split_name = split_name
