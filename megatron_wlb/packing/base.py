@@ -18,7 +18,7 @@ import dataclasses
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
 
@@ -55,6 +55,26 @@ def pieces_to_state(pieces: Sequence[DocPiece]) -> list[list[int]]:
 
 def pieces_from_state(rows: Sequence[Sequence[int]]) -> list[DocPiece]:
     return [DocPiece(int(a), int(b), int(c), int(d)) for a, b, c, d in rows]
+
+
+class StreamSource(Protocol):
+    """Documents in arrival order, read through a moving window: ``window(start, stop)`` gives the
+    lengths (int64, each >= 1) and ids of documents ``[start, stop)``, fewer at the end of the
+    stream (none past it). A packer asks for windows at its position, which never moves back, so
+    a lazy source may forget what lies before the last ``start`` asked for."""
+
+    def window(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class ArraySource:
+    """A ``StreamSource`` over whole arrays (what ``Packer.pack`` reads)."""
+
+    lengths: np.ndarray
+    ids: np.ndarray
+
+    def window(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
+        return self.lengths[start:stop], self.ids[start:stop]
 
 
 class Packer(ABC):
@@ -147,11 +167,16 @@ class Packer(ABC):
         if self.position > lengths.size:
             raise ValueError(f"packer state is at document {self.position} but the stream has only "
                              f"{lengths.size}; restore it on the stream it was saved from")
+        return self.pack_source(ArraySource(lengths, ids))
+
+    def pack_source(self, source: StreamSource) -> Iterator[GlobalBatch]:
+        """``pack`` over a ``StreamSource`` read from ``self.position`` on (a lazy stream holds only
+        a window of documents; the caller checks that a restored packer's source is the saved one)."""
         while True:
             new: list[DocPiece] = []
             for j in range(self._budgets_to_read()):
-                new.extend(self._intake(lengths, ids, arrival=self.iteration + j))
-            final = self.position >= lengths.size
+                new.extend(self._intake(source, arrival=self.iteration + j))
+            final = source.window(self.position, self.position + 1)[0].size == 0
             if final and not new and self.pending() == 0:
                 return
             start, cpu_start = time.perf_counter(), time.thread_time()
@@ -165,18 +190,19 @@ class Packer(ABC):
             self.iteration += 1
             yield batch
 
-    def _intake(self, lengths: np.ndarray, ids: np.ndarray, arrival: int | None = None) -> list[DocPiece]:
+    def _intake(self, source: StreamSource, arrival: int | None = None) -> list[DocPiece]:
         """Read one iteration budget of documents and apply the oversize policy."""
         budget = max(self.config.tokens_per_iteration - self._credit, self._min_intake())
         start = self.position
-        if start >= lengths.size:
+        head = source.window(start, start + 64)[0]
+        if head.size == 0:
             return []
         # Grow a window until its cumulative length covers the budget (avoids a full-array cumsum).
-        span = max(64, 2 * budget // max(1, int(lengths[start:start + 64].mean())))
+        span = max(64, 2 * budget // max(1, int(head.mean())))
         while True:
-            stop = min(lengths.size, start + span)
-            csum = np.cumsum(lengths[start:stop])
-            if csum[-1] >= budget or stop == lengths.size:
+            lengths, ids = source.window(start, start + span)
+            csum = np.cumsum(lengths)
+            if csum[-1] >= budget or lengths.size < span:
                 break
             span *= 2
         k = int(np.searchsorted(csum, budget, side="left")) + 1  # docs until the budget is covered
@@ -184,8 +210,7 @@ class Packer(ABC):
         read = int(csum[k - 1])
         self._credit = max(0, self._credit + read - self.config.tokens_per_iteration)
         self.position = start + k
-        return self._apply_oversize(lengths[start:start + k], ids[start:start + k],
-                                    self.iteration if arrival is None else arrival)
+        return self._apply_oversize(lengths[:k], ids[:k], self.iteration if arrival is None else arrival)
 
     def _apply_oversize(self, lengths: np.ndarray, ids: np.ndarray, arrival: int) -> list[DocPiece]:
         cap = self.capacity
