@@ -66,12 +66,13 @@ def shuffle_documents(lengths: np.ndarray, seed: int) -> np.ndarray:
     return lengths[order]
 
 
-def start_times(lengths: np.ndarray, weight: float) -> np.ndarray:
+def start_times(lengths: np.ndarray, weight: float, before: int = 0) -> np.ndarray:
     """The one blend rule: a dataset read in order schedules each document at the tokens before it
     over the dataset's weight, so every dataset holds its weight's share of the tokens read so far
-    (the document-level analogue of Megatron's BlendedDataset)."""
+    (the document-level analogue of Megatron's BlendedDataset). ``before``: the dataset's tokens
+    scheduled before ``lengths[0]`` (a stream generated a chunk at a time)."""
     lengths = np.asarray(lengths, dtype=np.int64)
-    return (np.cumsum(lengths) - lengths) / float(weight)
+    return (before + np.cumsum(lengths) - lengths) / float(weight)
 
 
 def interleave(keys: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:

@@ -264,8 +264,8 @@ def _wrap_build_iterators(original: Callable, mods: dict[str, Any]) -> Callable:
         _RUNTIME.registry.register(iterator)
         if first:
             _start_recorder(args, settings, iterator.n, _RUNTIME.logger.cost)
-        mods["utils"].print_rank_0(f"> megatron_wlb: {settings.packing} packing of {len(iterator.stream)} documents "
-                                   f"({iterator.stream.tokens} tokens), {iterator.n} micro-batches per DP rank "
+        mods["utils"].print_rank_0(f"> megatron_wlb: {settings.packing} packing of a document stream of about "
+                                   f"{iterator.stream.requested_tokens} tokens, {iterator.n} micro-batches per DP rank "
                                    f"per iteration, CP sharding {settings.cp_sharding}")
         evals = [_eval_iterator(args, settings, split_name, functools.partial(lambda i: megatron_iterators()[i], index),
                                 mods) for index, split_name in ((1, "valid"), (2, "test"))]
