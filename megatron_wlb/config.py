@@ -343,10 +343,11 @@ def config_from_dict(raw: dict, source: str = "<dict>") -> RunConfig:
     layout_raw = raw["layout"]
     if not isinstance(layout_raw, dict) or set(layout_raw) - {"tp", "cp", "pp", "dp"}:
         raise ValueError(f"{source}: layout must map tp/cp/pp/dp to positive integers, got {layout_raw!r}")
-    layout = ParallelLayout(**{k: _positive_int(v, f"{source}: layout.{k}", MAX_WORLD) for k, v in layout_raw.items()})
-    if layout.tp * layout.cp * layout.pp * layout.dp > MAX_WORLD:
-        raise ValueError(f"{source}: layout {layout_raw} makes a world of {layout.tp * layout.cp * layout.pp * layout.dp}"
-                         f" ranks; at most {MAX_WORLD}")
+    layout = ParallelLayout(**{k: _positive_int(v, f"{source}: layout.{k}", MAX_WORLD)
+                               for k, v in layout_raw.items()})
+    world = layout.tp * layout.cp * layout.pp * layout.dp
+    if world > MAX_WORLD:
+        raise ValueError(f"{source}: layout {layout_raw} makes a world of {world} ranks; at most {MAX_WORLD}")
     model = model_from_yaml(raw["model"], source)
     packing_raw = raw.get("packing") or {}
     if not isinstance(packing_raw, dict):

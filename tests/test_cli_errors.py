@@ -7,7 +7,6 @@ Each case is one of the adversarial inputs of issue 13 (directories as paths, an
 from __future__ import annotations
 
 import json
-import struct
 from pathlib import Path
 
 import numpy as np

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from megatron_wlb.data.indexed import (IDX_MAGIC, check_bin_matches_idx, check_pointers, read_index, write_index)
+from megatron_wlb.data.indexed import IDX_MAGIC, check_bin_matches_idx, check_pointers, read_index, write_index
 from megatron_wlb.data.reader import DocumentReader, IndexedSource
 
 
@@ -18,8 +18,8 @@ def dataset(tmp_path: Path, name: str, lengths: list[int], pointers: list[int] |
     """``name.idx`` with these lengths (and pointers / document indices, if given) and a ``.bin`` whose
     token i is i (uint16), holding ``tokens`` tokens (default: the lengths' sum)."""
     prefix = tmp_path / name
-    write_index(prefix, np.asarray(lengths), np.uint16,
-                None if pointers is None else np.asarray(pointers), None if documents is None else np.asarray(documents))
+    write_index(prefix, np.asarray(lengths), np.uint16, None if pointers is None else np.asarray(pointers),
+                None if documents is None else np.asarray(documents))
     np.arange(sum(lengths) if tokens is None else tokens, dtype=np.uint16).tofile(f"{prefix}.bin")
     return str(prefix)
 

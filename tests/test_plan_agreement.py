@@ -25,8 +25,8 @@ def test_describe_names_the_ranks_and_the_first_differing_piece():
     other = [(0, 22, [(0, 5, 0, 10), (0, 7, 0, 4), (1, 9, 0, 4)])]
     text = describe_disagreement([*same, *other, *same])
     assert text.startswith("megatron_wlb: the ranks planned 2 different global batches for iteration 0: rank 2 "
-                           "vs ranks 0-1,3-4, first difference at piece 1: document 7 (offset 0, 4 tokens, micro-batch 0) "
-                           "on rank 2 vs document 7 (offset 0, 3 tokens, micro-batch 0) on rank 0. ")
+                           "vs ranks 0-1,3-4, first difference at piece 1: document 7 (offset 0, 4 tokens, "
+                           "micro-batch 0) on rank 2 vs document 7 (offset 0, 3 tokens, micro-batch 0) on rank 0. ")
     ended = describe_disagreement([same[0], (-1, NO_PLAN_KEY, [])])
     assert "rank 1 planned iteration -1, rank 0 iteration 0" in ended
     assert _ranges([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"

@@ -467,15 +467,14 @@ def plan_measurement(args: argparse.Namespace, torch: Any) -> Plan:
     """The run's model, device and grids from the flags: the smoke grid, a GPU's defaults, or the CPU's
     defaults capped by ``CpuBudget`` (flags given explicitly are kept as they are)."""
     from megatron_wlb.config import load_config
-    from megatron_wlb.packing.types import resolve_max_seq_len
-
     from megatron_wlb.cp.attention import BACKENDS
+    from megatron_wlb.packing.types import resolve_max_seq_len
 
     if args.backend not in BACKENDS:
         raise ValueError(f"--backend {args.backend!r}: choose one of {', '.join(BACKENDS)}")
     if args.smoke:
-        given = [flag for flag, value in (("--lengths", args.lengths), ("--tokens", args.tokens), ("--q-lens", args.q_lens),
-                                          ("--kv-lens", args.kv_lens), ("--tp", args.tp),
+        given = [flag for flag, value in (("--lengths", args.lengths), ("--tokens", args.tokens),
+                                          ("--q-lens", args.q_lens), ("--kv-lens", args.kv_lens), ("--tp", args.tp),
                                           ("--table-tokens", args.table_tokens), ("--dtype", args.dtype),
                                           ("--warmup", args.warmup), ("--iters", args.iters),
                                           ("--threads", args.threads), ("--min-seconds", args.min_seconds))

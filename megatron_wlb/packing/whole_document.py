@@ -18,8 +18,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
-
 from megatron_wlb.costmodel import CostModel
 from megatron_wlb.packing.base import Packer, StreamSource, pieces_from_state, pieces_to_state, register_packer
 from megatron_wlb.packing.types import DocPiece, MicroBatch, PackingConfig
