@@ -289,8 +289,8 @@ def test_a_rank_reading_other_data_stops_every_rank_at_the_first_iteration(tmp_p
     stops = re.findall(r"RuntimeError: megatron_wlb: the ranks planned 2 different global batches for iteration 0: "
                        r"rank 1 vs rank 0, first difference at piece \d+: document (\d+) \(offset \d+, \d+ tokens, "
                        r"micro-batch \d+\) on rank 1 vs document \1 ", run.log)
-    assert len(stops) == 2, run.log[-4000:]  # both ranks stop with it, naming the same document
-    assert run.log.count("exitcode  : 1") == 2  # each rank raised it (none was killed by the other's exit)
+    assert len(stops) == 2, run.log[-4000:]  # both ranks raise it, naming the same document (torchrun may then
+    # SIGTERM the slower one while it exits)
     assert "Every rank must read the same data" in run.log
     assert all(not r["losses"] for r in run.ranks.values()), "a rank trained a step"
     assert " iteration        1/" not in run.log
