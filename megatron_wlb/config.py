@@ -298,10 +298,37 @@ def cp_sharding_names() -> tuple[str, ...]:
     return tuple(LAYOUT_NAMES) if "per-document-te" in LAYOUT_NAMES else (*LAYOUT_NAMES, "per-document-te")
 
 
-def _positive_int(value: Any, where: str) -> int:
+#: the largest world (tp x cp x pp x dp) and micro-batches per DP rank per iteration a config may ask for
+MAX_WORLD = 1 << 20
+MAX_MICRO_BATCHES = 4096
+
+
+def _positive_int(value: Any, where: str, at_most: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{where}={value!r}: must be a positive integer")
+    if at_most is not None and value > at_most:
+        raise ValueError(f"{where}={value!r}: must be at most {at_most}")
     return value
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses a mapping with a key given twice (YAML would keep the last)."""
+
+    def construct_mapping(self, node: Any, deep: bool = False) -> dict:
+        seen: set = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                mark = key_node.start_mark
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r} (line {mark.line + 1}); give each key once", mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def load_yaml(text: str) -> Any:
+    """``yaml.safe_load`` refusing duplicate keys."""
+    return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
 
 
 def config_from_dict(raw: dict, source: str = "<dict>") -> RunConfig:
@@ -316,7 +343,11 @@ def config_from_dict(raw: dict, source: str = "<dict>") -> RunConfig:
     layout_raw = raw["layout"]
     if not isinstance(layout_raw, dict) or set(layout_raw) - {"tp", "cp", "pp", "dp"}:
         raise ValueError(f"{source}: layout must map tp/cp/pp/dp to positive integers, got {layout_raw!r}")
-    layout = ParallelLayout(**{k: _positive_int(v, f"{source}: layout.{k}") for k, v in layout_raw.items()})
+    layout = ParallelLayout(**{k: _positive_int(v, f"{source}: layout.{k}", MAX_WORLD)
+                               for k, v in layout_raw.items()})
+    world = layout.tp * layout.cp * layout.pp * layout.dp
+    if world > MAX_WORLD:
+        raise ValueError(f"{source}: layout {layout_raw} makes a world of {world} ranks; at most {MAX_WORLD}")
     model = model_from_yaml(raw["model"], source)
     packing_raw = raw.get("packing") or {}
     if not isinstance(packing_raw, dict):
@@ -333,7 +364,7 @@ def config_from_dict(raw: dict, source: str = "<dict>") -> RunConfig:
     if seq_len % (2 * layout.cp):
         raise ValueError(f"{source}: seq_len={seq_len} must be divisible by 2 x cp = {2 * layout.cp} "
                          "(Megatron asserts it)")
-    micro_batches = _positive_int(raw.get("micro_batches", layout.pp), f"{source}: micro_batches")
+    micro_batches = _positive_int(raw.get("micro_batches", layout.pp), f"{source}: micro_batches", MAX_MICRO_BATCHES)
     virtual = _positive_int(raw.get("virtual_stages", 1), f"{source}: virtual_stages")
     if virtual > 1 and micro_batches % layout.pp:
         raise ValueError(f"{source}: interleaved 1F1B needs micro_batches ({micro_batches}) divisible by pp "
@@ -359,7 +390,7 @@ def load_config(name_or_path: str | Path) -> RunConfig:
     except (OSError, UnicodeDecodeError) as exc:
         raise ValueError(f"config {path}: cannot read it ({exc.__class__.__name__}: {exc})") from None
     try:
-        raw = yaml.safe_load(text) or {}
+        raw = load_yaml(text) or {}
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""

@@ -10,6 +10,7 @@ writes, per rank, ``rank{R}.json``:
   each upload carries (``RankPlan.rows`` mapped to the pieces' documents);
 - ``plans``: every global plan the first iterator made: ``[[doc_id, length], ...]`` per iteration;
 - ``pieces``: the same plans' pieces as ``[doc_id, offset, length]``;
+- ``agreement``: the plan agreement checks this rank ran before its training steps, and their seconds;
 - ``parallel``: this rank's tp/cp/pp/dp ranks; ``core_version``: the megatron-core that ran.
 
 and ``rank{R}_grads.pt``: ``{parameter name: main_grad}`` after iteration 1 (what the optimizer used).
@@ -118,10 +119,17 @@ def _train_step_recorded(*args, **kwargs):
 
 
 def _save() -> None:
+    from megatron_wlb.megatron import runtime
+
+    record["agreement"] = {"checks": runtime().agreement_checks, "seconds": runtime().agreement_s}
     with open(os.path.join(OUT, f"rank{RANK}.json"), "w") as f:
         json.dump(record, f)
 
 
 training.train_step = _train_step_recorded
+# ``WLB_PROBE_RANK_DATA=R:PREFIX``: rank R reads PREFIX instead of --data-path's (a diverging copy)
+_rank_data = os.environ.get("WLB_PROBE_RANK_DATA", "")
+if _rank_data and int(_rank_data.split(":", 1)[0]) == RANK:
+    argv[argv.index("--data-path") + 1] = _rank_data.split(":", 1)[1]
 cpu.main(argv)
 _save()

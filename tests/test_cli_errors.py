@@ -7,7 +7,6 @@ Each case is one of the adversarial inputs of issue 13 (directories as paths, an
 from __future__ import annotations
 
 import json
-import struct
 from pathlib import Path
 
 import numpy as np
@@ -19,17 +18,10 @@ from megatron_wlb.cli.main import main
 def write_indexed(prefix: Path, lengths: list[int], dtype=np.uint16, bin_bytes: int | None = None) -> Path:
     """A Megatron indexed dataset (one sequence per document), written with the .idx layout of
     megatron-core's _IndexWriter; ``bin_bytes`` overrides the .bin size (a truncated/padded file)."""
-    from megatron_wlb.data.indexed import DTYPE_CODES, IDX_MAGIC
+    from megatron_wlb.data.indexed import write_index
 
-    code = next(c for c, t in DTYPE_CODES.items() if t is dtype)
-    itemsize = np.dtype(dtype).itemsize
-    seq = np.asarray(lengths, dtype=np.int32)
-    pointers = np.concatenate([[0], np.cumsum(seq.astype(np.int64) * itemsize)[:-1]]).astype(np.int64)
-    docs = np.arange(seq.size + 1, dtype=np.int64)
-    with open(f"{prefix}.idx", "wb") as f:
-        f.write(IDX_MAGIC + struct.pack("<Q", 1) + struct.pack("<B", code) + struct.pack("<QQ", seq.size, docs.size))
-        f.write(seq.tobytes() + pointers.tobytes() + docs.tobytes())
-    size = int(seq.sum()) * itemsize if bin_bytes is None else bin_bytes
+    write_index(prefix, np.asarray(lengths), dtype)
+    size = int(np.sum(lengths)) * np.dtype(dtype).itemsize if bin_bytes is None else bin_bytes
     Path(f"{prefix}.bin").write_bytes(b"\0" * size)
     return prefix
 

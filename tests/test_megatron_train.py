@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -259,6 +260,40 @@ def test_dp2_with_overlapped_grad_reduce(tmp_path, corpus):
     assert_trains(run)
     assert_documents_once(run)
     assert_trace(run, ranks=2)
+    for record in run.ranks.values():  # the plan agreement ran before every step, each well under 50 ms
+        assert record["agreement"]["checks"] == 4 and record["agreement"]["seconds"] < 4 * 0.05, record
+
+
+def longer_copy(corpus: str, prefix: str) -> str:
+    """A copy of ``corpus`` whose documents are each one token longer (a stale or re-tokenised copy)."""
+    import numpy as np
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    from megatron_wlb.data.reader import write_indexed_dataset
+
+    ds = IndexedDataset(corpus)
+    write_indexed_dataset(prefix, [np.append(ds[i], 10) for i in range(len(ds))])
+    return prefix
+
+
+@pytest.mark.parametrize("layout", [{"DP": "2"}, {"TP": "2"}])
+def test_a_rank_reading_other_data_stops_every_rank_at_the_first_iteration(tmp_path, corpus, layout):
+    """Rank 1 reads a copy of the corpus whose documents are one token longer: before the first step,
+    every rank stops with one message naming the ranks and the first document they planned differently
+    (without the check, DP2 trained both plans silently and TP2 aborted inside gloo naming nothing)."""
+    other = longer_copy(corpus, str(tmp_path / "copy_text_document"))
+    name = "_".join(f"{k}{v}" for k, v in layout.items())
+    run = train(tmp_path, name, corpus, "--wlb-packing", "wlb", env={**layout, "WLB_PROBE_RANK_DATA": f"1:{other}"},
+                expect_ok=False)
+    assert run.returncode != 0  # type: ignore[attr-defined]
+    stops = re.findall(r"RuntimeError: megatron_wlb: the ranks planned 2 different global batches for iteration 0: "
+                       r"rank 1 vs rank 0, first difference at piece \d+: document (\d+) \(offset \d+, \d+ tokens, "
+                       r"micro-batch \d+\) on rank 1 vs document \1 ", run.log)
+    assert len(stops) == 2, run.log[-4000:]  # both ranks raise it, naming the same document (torchrun may then
+    # SIGTERM the slower one while it exits)
+    assert "Every rank must read the same data" in run.log
+    assert all(not r["losses"] for r in run.ranks.values()), "a rank trained a step"
+    assert " iteration        1/" not in run.log
 
 
 def test_recomputation_leaves_the_losses_unchanged(tmp_path, corpus, cp_runs):

@@ -467,9 +467,22 @@ def plan_measurement(args: argparse.Namespace, torch: Any) -> Plan:
     """The run's model, device and grids from the flags: the smoke grid, a GPU's defaults, or the CPU's
     defaults capped by ``CpuBudget`` (flags given explicitly are kept as they are)."""
     from megatron_wlb.config import load_config
+    from megatron_wlb.cp.attention import BACKENDS
     from megatron_wlb.packing.types import resolve_max_seq_len
 
+    if args.backend not in BACKENDS:
+        raise ValueError(f"--backend {args.backend!r}: choose one of {', '.join(BACKENDS)}")
     if args.smoke:
+        given = [flag for flag, value in (("--lengths", args.lengths), ("--tokens", args.tokens),
+                                          ("--q-lens", args.q_lens), ("--kv-lens", args.kv_lens), ("--tp", args.tp),
+                                          ("--table-tokens", args.table_tokens), ("--dtype", args.dtype),
+                                          ("--warmup", args.warmup), ("--iters", args.iters),
+                                          ("--threads", args.threads), ("--min-seconds", args.min_seconds))
+                 if value is not None]
+        given += ["--backend"] * (args.backend not in ("auto", "reference")) + ["--device"] * (args.device == "cuda")
+        if given:
+            raise ValueError(f"--smoke runs a fixed tiny grid on the CPU with the reference kernel; it takes no "
+                             f"{', '.join(given)} (drop them, or run without --smoke to measure)")
         lengths = int_list(SMOKE.lengths, "--lengths")
         return Plan(SMOKE_MODEL, 1, torch.float32, torch.device("cpu"),
                     f"CPU smoke run ({machine()}; not a measurement)", "reference", lengths,

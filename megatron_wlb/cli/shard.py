@@ -32,6 +32,7 @@ from megatron_wlb.cli.common import input_file, output_file, positive, read_json
 from megatron_wlb.costmodel import PROFILE_FORMAT, CostModel, ParallelLayout, build_cost_model, get_model
 from megatron_wlb.cp.efficiency import EFFICIENCY_FORMAT, KernelEfficiency
 from megatron_wlb.cp.layouts import LAYOUT_ALIASES, LAYOUT_NAMES, ShardLayout, build_layout
+from megatron_wlb.packing.types import MAX_MICRO_BATCH_TOKENS
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -52,8 +53,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-#: attention kernels index tokens with int32 (cu_seqlens); a micro-batch must stay below this
-MAX_MICRO_BATCH_TOKENS = 2**31 - 1
 #: more CP ranks than this is not a context-parallel group (and would allocate per-rank arrays for nothing)
 MAX_CP = 65536
 

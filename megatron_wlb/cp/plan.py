@@ -38,6 +38,7 @@ import numpy as np
 
 from megatron_wlb.costmodel import CostModel
 from megatron_wlb.cp.layouts import LAYOUT_ALIASES, LAYOUT_NAMES, RankShard, ShardLayout, build_layout
+from megatron_wlb.packing.types import MAX_MICRO_BATCH_TOKENS
 
 __all__ = ["CPSharding", "RankPlan", "TEVarlen", "micro_batch_lengths", "plan_rank"]
 
@@ -91,6 +92,9 @@ def micro_batch_lengths(piece_lengths: np.ndarray | list[int], sequence_multiple
         raise ValueError(f"piece lengths must be >= 1, got {lengths.tolist()[:16]}")
     total = int(lengths.sum())
     pad = (-total) % sequence_multiple if total else -(-empty_tokens // sequence_multiple) * sequence_multiple
+    if total + pad > MAX_MICRO_BATCH_TOKENS:
+        raise ValueError(f"a micro-batch of {total + pad} tokens (padding included): attention kernels index its "
+                         f"tokens with int32 (cu_seqlens), so at most {MAX_MICRO_BATCH_TOKENS} (2**31 - 1)")
     return np.append(lengths, pad) if pad else lengths
 
 

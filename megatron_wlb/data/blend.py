@@ -43,6 +43,9 @@ def parse_data_path(data_path: Sequence[str] | str) -> list[tuple[str, float | N
         if number(prefix) is not None:
             raise ValueError(f"--data-path: {prefix!r} sits where a dataset prefix belongs")
         out.append((prefix, weight))
+    if not math.isfinite(sum(w for _, w in out if w is not None)):
+        raise ValueError(f"--data-path {' '.join(tokens)}: the weights sum past the largest float; scale them down "
+                         "(only their ratios matter)")
     return out
 
 
@@ -63,12 +66,13 @@ def shuffle_documents(lengths: np.ndarray, seed: int) -> np.ndarray:
     return lengths[order]
 
 
-def start_times(lengths: np.ndarray, weight: float) -> np.ndarray:
+def start_times(lengths: np.ndarray, weight: float, before: int = 0) -> np.ndarray:
     """The one blend rule: a dataset read in order schedules each document at the tokens before it
     over the dataset's weight, so every dataset holds its weight's share of the tokens read so far
-    (the document-level analogue of Megatron's BlendedDataset)."""
+    (the document-level analogue of Megatron's BlendedDataset). ``before``: the dataset's tokens
+    scheduled before ``lengths[0]`` (a stream generated a chunk at a time)."""
     lengths = np.asarray(lengths, dtype=np.int64)
-    return (np.cumsum(lengths) - lengths) / float(weight)
+    return (before + np.cumsum(lengths) - lengths) / float(weight)
 
 
 def interleave(keys: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:

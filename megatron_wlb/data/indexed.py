@@ -53,10 +53,32 @@ def _with_ext(prefix: Path, ext: str) -> Path:
 class IndexFile:
     """The arrays of a ``PREFIX.idx``: what the ``.bin`` holds and where."""
 
-    sequence_lengths: np.ndarray   # int64 [S]: tokens per sequence
-    document_indices: np.ndarray   # int64 [D]: document i spans sequences [D[i], D[i + 1])
-    sequence_pointers: np.ndarray  # int64 [S]: byte offset of each sequence in the .bin
+    sequence_lengths: np.ndarray   # int32 [S]: tokens per sequence (a read-only view of the file)
+    document_indices: np.ndarray   # int64 [D]: document i spans sequences [D[i], D[i + 1]) (view)
+    sequence_pointers: np.ndarray  # int64 [S]: byte offset of each sequence in the .bin (view)
     dtype: np.dtype                # token dtype of the .bin
+    path: Path | None = None       # the .idx (``chunk`` reads from it without mapping it)
+
+    def chunk(self, name: str, lo: int, hi: int) -> np.ndarray:
+        """Entries ``[lo, hi)`` of one of the arrays (int64), read from the file when there is one: a
+        scan over a 1e8-document index then costs a chunk of memory, not the mapped file's pages."""
+        array = getattr(self, name)
+        hi = min(hi, int(array.size))
+        if self.path is None or hi <= lo:
+            return np.asarray(array[lo:hi], dtype=np.int64)
+        n_seq = int(self.sequence_lengths.size)
+        base, itemsize = {"sequence_lengths": (_HEADER_BYTES, 4), "sequence_pointers": (_HEADER_BYTES + 4 * n_seq, 8),
+                          "document_indices": (_HEADER_BYTES + 12 * n_seq, 8)}[name]
+        return np.fromfile(self.path, dtype=array.dtype, count=hi - lo, offset=base + itemsize * lo).astype(np.int64)
+
+
+@dataclass(frozen=True)
+class IndexCheck:
+    """What ``check_pointers`` found: the bytes the ``.bin`` must hold, and whether every document is
+    one sequence (GPT pre-training data; document i is then sequence i)."""
+
+    bin_bytes: int
+    one_sequence_per_document: bool
 
 
 def read_index(prefix: str | Path) -> IndexFile:
@@ -72,8 +94,13 @@ def read_index(prefix: str | Path) -> IndexFile:
     size = idx.stat().st_size
     with open(idx, "rb") as f:
         head = f.read(_HEADER_BYTES)
-    if len(head) < _HEADER_BYTES or head[:9] != IDX_MAGIC:
+    if not head:
+        raise ValueError(f"{idx}: empty file (0 bytes), not a Megatron .idx; rebuild or re-copy PREFIX.bin/.idx")
+    if head[:9] != IDX_MAGIC[:len(head)] or (len(head) >= 9 and head[:9] != IDX_MAGIC):
         raise ValueError(f"{idx}: not a Megatron indexed-dataset index (magic {head[:9]!r}, expected {IDX_MAGIC!r})")
+    if len(head) < _HEADER_BYTES:
+        raise ValueError(f"{idx}: truncated header, {len(head)} bytes of {_HEADER_BYTES} (an interrupted copy?); "
+                         "re-copy or rebuild PREFIX.bin/.idx")
     version, = struct.unpack("<Q", head[9:17])
     if version != 1:
         raise ValueError(f"{idx}: index version {version}; this reader knows version 1")
@@ -85,11 +112,30 @@ def read_index(prefix: str | Path) -> IndexFile:
     if size < need:
         raise ValueError(f"{idx}: truncated, {size} bytes but the header announces {n_seq} sequences and "
                          f"{n_doc} document indices ({need} bytes)")
-    mm = np.memmap(idx, mode="r", dtype=np.uint8)
-    seq = np.frombuffer(mm, dtype=np.int32, count=n_seq, offset=_HEADER_BYTES).astype(np.int64)
-    pointers = np.frombuffer(mm, dtype=np.int64, count=n_seq, offset=_HEADER_BYTES + 4 * n_seq).copy()
-    docs = np.frombuffer(mm, dtype=np.int64, count=n_doc, offset=_HEADER_BYTES + 12 * n_seq).copy()
-    return IndexFile(seq, docs, pointers, np.dtype(DTYPE_CODES[code]))
+    mm = np.memmap(idx, mode="r", dtype=np.uint8)  # views, no copies: pages are read as they are used
+    seq = np.frombuffer(mm, dtype=np.int32, count=n_seq, offset=_HEADER_BYTES)
+    pointers = np.frombuffer(mm, dtype=np.int64, count=n_seq, offset=_HEADER_BYTES + 4 * n_seq)
+    docs = np.frombuffer(mm, dtype=np.int64, count=n_doc, offset=_HEADER_BYTES + 12 * n_seq)
+    return IndexFile(seq, docs, pointers, np.dtype(DTYPE_CODES[code]), idx)
+
+
+def write_index(prefix: str | Path, sequence_lengths: np.ndarray, dtype: type = np.uint16,
+                sequence_pointers: np.ndarray | None = None, document_indices: np.ndarray | None = None) -> Path:
+    """Write ``PREFIX.idx`` in megatron-core's layout (no ``.bin``): one sequence per document and the
+    pointers its writer computes unless given (tests of corrupted indexes, synthetic benchmarks)."""
+    p = dataset_prefix(prefix)
+    code = next(c for c, t in DTYPE_CODES.items() if t is dtype)
+    seq = np.asarray(sequence_lengths, dtype=np.int32)
+    if sequence_pointers is None:
+        sequence_pointers = np.zeros(seq.size, dtype=np.int64)
+        np.cumsum(seq[:-1], dtype=np.int64, out=sequence_pointers[1:])
+        sequence_pointers *= np.dtype(dtype).itemsize
+    docs = np.arange(seq.size + 1, dtype=np.int64) if document_indices is None else document_indices
+    with open(_with_ext(p, ".idx"), "wb") as f:
+        f.write(IDX_MAGIC + struct.pack("<Q", 1) + struct.pack("<B", code) + struct.pack("<QQ", seq.size, len(docs)))
+        for array in (seq, np.asarray(sequence_pointers, dtype=np.int64), np.asarray(docs, dtype=np.int64)):
+            array.tofile(f)
+    return p
 
 
 def parse_idx(prefix: str | Path) -> tuple[np.ndarray, np.ndarray]:
@@ -146,8 +192,61 @@ def _megatron_arrays(prefix: Path) -> tuple[np.ndarray, np.ndarray]:
     return seq, docs
 
 
-def check_bin_matches_idx(prefix: str | Path) -> None:
-    """Raise a one-line ValueError when ``PREFIX.bin`` is not the size ``PREFIX.idx`` describes.
+#: sequences checked per vectorised step of ``check_pointers`` (bounds its temporary memory: ~100 MB)
+CHECK_CHUNK = 1 << 22
+
+
+def check_pointers(index: IndexFile, where: str) -> IndexCheck:
+    """Raise a one-line ValueError naming ``where`` and the first bad document unless every sequence
+    starts where the lengths before it end: ``sequence_pointers[i] == itemsize * sum(lengths[:i])``
+    (megatron-core's writer; this makes them monotone, consistent with the lengths and dtype, and
+    the documents' sequences back to back), and ``document_indices`` partition the sequences.
+
+    Vectorised over chunks of ``CHECK_CHUNK`` entries read from the file. Without it, lengths 10,10
+    corrupted to 7,13 (the same total) would hand out 3 tokens of one document as part of the next.
+    """
+    docs = index.document_indices
+    n_seq = int(index.sequence_lengths.size)
+    itemsize = int(index.dtype.itemsize)
+    end = 0  # byte where the next sequence must start
+    for lo in range(0, n_seq, CHECK_CHUNK):
+        lengths = index.chunk("sequence_lengths", lo, lo + CHECK_CHUNK)
+        if int(lengths.min()) < 0:
+            i = lo + int(np.flatnonzero(lengths < 0)[0])
+            raise ValueError(f"{where}: document {_document_of(docs, i)} (sequence {i}) has a negative length "
+                             f"{int(lengths[i - lo])} (a corrupted .idx); rebuild PREFIX.bin/.idx")
+        ends = end + np.cumsum(lengths * itemsize)
+        starts = ends - lengths * itemsize
+        bad = np.flatnonzero(index.chunk("sequence_pointers", lo, lo + CHECK_CHUNK) != starts)
+        if bad.size:
+            i = lo + int(bad[0])
+            raise ValueError(f"{where}: document {_document_of(docs, i)} (sequence {i}) starts at byte "
+                             f"{int(index.sequence_pointers[i])} of the .bin, but the {itemsize}-byte token lengths "
+                             f"before it end at byte {int(starts[bad[0]])} (a corrupted .idx: its pointers and "
+                             "lengths disagree); rebuild PREFIX.bin/.idx")
+        end = int(ends[-1])
+    one_each = int(docs.size) == n_seq + 1
+    previous = 0
+    for lo in range(0, int(docs.size), CHECK_CHUNK):
+        chunk = index.chunk("document_indices", lo, lo + CHECK_CHUNK)
+        steps = np.diff(chunk, prepend=previous if lo else chunk[0])
+        if (lo == 0 and int(chunk[0]) != 0) or int(steps.min()) < 0 or int(chunk.max()) > n_seq:
+            raise ValueError(f"{where}: document_indices do not partition its {n_seq} sequences (not a valid .idx)")
+        one_each = one_each and bool(np.all(steps[1 if lo == 0 else 0:] == 1))
+        previous = int(chunk[-1])
+    if not docs.size or previous != n_seq:
+        raise ValueError(f"{where}: document_indices do not partition its {n_seq} sequences (not a valid .idx)")
+    return IndexCheck(end, one_each)
+
+
+def _document_of(document_indices: np.ndarray, sequence: int) -> int:
+    """The document holding ``sequence`` (document i spans ``[D[i], D[i + 1])``)."""
+    return max(0, int(np.searchsorted(document_indices, sequence, side="right")) - 1)
+
+
+def check_bin_matches_idx(prefix: str | Path) -> IndexCheck:
+    """Raise a one-line ValueError when ``PREFIX.idx`` is inconsistent (``check_pointers``) or
+    ``PREFIX.bin`` is not the size it describes.
 
     The ``.idx`` says where each sequence starts in the ``.bin`` and how many tokens of which dtype
     it holds; a truncated ``.bin`` (an interrupted copy) would make training read past its end, a
@@ -155,16 +254,16 @@ def check_bin_matches_idx(prefix: str | Path) -> None:
     """
     p = dataset_prefix(prefix)
     index = read_index(p)
-    seq, pointers, itemsize = index.sequence_lengths, index.sequence_pointers, index.dtype.itemsize
+    seq, itemsize = index.sequence_lengths, index.dtype.itemsize
     bin_path = _with_ext(p, ".bin")
     if not bin_path.is_file():
         raise FileNotFoundError(f"{bin_path} does not exist (or is not a file); {p}.idx needs its .bin")
-    expected = int(pointers[-1] + seq[-1] * itemsize) if seq.size else 0
-    if seq.size and int((seq * itemsize).sum()) != expected:
-        raise ValueError(f"{p}.idx: sequence_pointers do not match sequence_lengths (not a valid .idx)")
+    checked = check_pointers(index, f"{p}.idx")
+    expected = checked.bin_bytes
     actual = bin_path.stat().st_size
     if actual != expected:
         kind = "truncated" if actual < expected else "larger than its index"
         raise ValueError(f"{bin_path}: {actual} bytes, but {p}.idx describes {expected} bytes ({seq.size} "
                          f"sequences of {itemsize}-byte tokens): the .bin is {kind}; re-copy or rebuild "
                          "PREFIX.bin/.idx together")
+    return checked

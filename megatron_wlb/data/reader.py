@@ -8,7 +8,9 @@ with neither torch nor megatron-core (``indexed.read_index`` parses the index):
   train/valid/test split by document ranges (``--split 969,30,1``), and an epoch-shuffled order from
   a seed. ``stream(tokens)`` returns the first documents of that order (ids and lengths) covering
   ``tokens`` tokens; a longer request returns a longer stream with the same prefix, so a resumed
-  run with more iterations replays the same documents.
+  run with more iterations replays the same documents. The stream is lazy: a packer reads it
+  through a ``StreamCursor``, a window generated a chunk at a time, so a rank holds the window,
+  one epoch's order per dataset (4 bytes a document) and views of the ``.idx``, not the stream.
 - Stream ids are global and stable: ``epoch * num_documents + global_doc``, where ``global_doc`` is
   the dataset's offset (datasets in ``--data-path`` order) plus the document's index in its .idx.
 - ``write_indexed_dataset`` writes such files with megatron-core's own builder (tests, smoke runs).
@@ -20,7 +22,6 @@ import hashlib
 import math
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -76,13 +77,16 @@ def split_ranges(num_documents: int, split: str | Sequence[float]) -> list[tuple
 class IndexedSource:
     """Documents of one indexed dataset: lengths from ``PREFIX.idx`` (``indexed.read_index``, the one
     parser) and tokens straight from ``PREFIX.bin`` (memory-mapped), where a document's sequences lie
-    back to back from its first sequence's pointer."""
+    back to back from its first sequence's pointer. For one sequence per document (GPT data) the
+    lengths and pointers stay views of the ``.idx`` (no per-document copy in memory)."""
 
-    def __init__(self, prefix: str, lengths: np.ndarray, starts: np.ndarray, tokens: np.ndarray):
+    def __init__(self, prefix: str, lengths: np.ndarray, starts: np.ndarray, tokens: np.ndarray,
+                 itemsize: int = 1):
         self.prefix = prefix
         self.lengths = lengths
-        self.starts = starts          # token offset of each document in ``tokens``
+        self.starts = starts          # where each document starts in ``tokens``, in units of ``itemsize`` bytes
         self.tokens = tokens
+        self.itemsize = int(itemsize)
 
     @classmethod
     def open(cls, prefix: str, mmap: bool = True) -> IndexedSource:
@@ -92,14 +96,18 @@ class IndexedSource:
             hint = f" (drop the extension: {prefix[:-4]})" if prefix.endswith((".bin", ".idx")) else ""
             raise ValueError(f"--data-path {prefix}: no {' / '.join(prefix + m for m in missing)}; give the "
                              f"prefix of a Megatron indexed dataset (PREFIX.bin + PREFIX.idx){hint}")
-        check_bin_matches_idx(prefix)
+        checked = check_bin_matches_idx(prefix)
         index = read_index(prefix)
-        lengths = document_lengths(index.sequence_lengths, index.document_indices, f"{prefix}.idx")
         bin_path = prefix + ".bin"
+        if not index.document_indices.size or index.document_indices.size == 1:
+            raise ValueError(f"{prefix}.idx lists no documents (and {bin_path} is empty); give a dataset with "
+                             "documents, or leave this prefix out of --data-path")
         tokens = np.memmap(bin_path, dtype=index.dtype, mode="r") if mmap else np.fromfile(bin_path, index.dtype)
-        pointers = np.append(index.sequence_pointers, os.path.getsize(bin_path))
-        starts = pointers[index.document_indices[:-1]] // index.dtype.itemsize
-        return cls(prefix, lengths, starts.astype(np.int64), tokens)
+        if checked.one_sequence_per_document:
+            return cls(prefix, index.sequence_lengths, index.sequence_pointers, tokens, index.dtype.itemsize)
+        lengths = document_lengths(index.sequence_lengths, index.document_indices, f"{prefix}.idx")
+        starts = index.sequence_pointers[index.document_indices[:-1]]
+        return cls(prefix, lengths, starts, tokens, index.dtype.itemsize)
 
     @property
     def num_documents(self) -> int:
@@ -110,31 +118,163 @@ class IndexedSource:
         if not (0 <= offset and offset + length <= self.lengths[doc]):
             raise ValueError(f"{self.prefix}: tokens [{offset}, {offset + length}) are outside document "
                              f"{doc} of {self.lengths[doc]} tokens")
-        start = int(self.starts[doc]) + int(offset)
+        start = int(self.starts[doc]) // self.itemsize + int(offset)
         return np.asarray(self.tokens[start:start + int(length)], dtype=np.int64)
 
 
-@dataclass(frozen=True)
-class DocumentStream:
-    """The reader's order of documents: stable stream ids and their lengths, in arrival order."""
+#: documents a stream generates per dataset at a time (its window grows by about this much)
+STREAM_CHUNK = 1 << 18
 
-    doc_ids: np.ndarray
-    lengths: np.ndarray
+
+class DocumentStream:
+    """The reader's order of documents up to virtual time ``tokens``: stable stream ids and lengths in
+    arrival order, generated lazily. ``cursor()`` reads it through a moving window (what a packer
+    reads: memory grows with the window, not with the corpus); ``digest(count)`` checks a restored
+    run's stream. ``doc_ids``/``lengths``/``len()``/``tokens`` materialise it whole (small streams,
+    tests)."""
+
+    def __init__(self, reader: DocumentReader, tokens: int):
+        self.reader = reader
+        self.requested_tokens = int(tokens)
+
+    def cursor(self) -> StreamCursor:
+        return StreamCursor(self.reader, self.requested_tokens)
+
+    def digest(self, count: int) -> str | None:
+        """sha256 of the first ``count`` documents (ids and lengths); None if the stream is shorter."""
+        return self.cursor().digest(count)
+
+    def collect(self) -> tuple[np.ndarray, np.ndarray]:
+        """(stream ids, lengths) of the whole stream, materialised."""
+        cursor = self.cursor()
+        while cursor.generate():
+            pass
+        return cursor.ids, cursor.lengths
+
+    @property
+    def doc_ids(self) -> np.ndarray:
+        return self.collect()[0]
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return self.collect()[1]
 
     @property
     def tokens(self) -> int:
         return int(self.lengths.sum())
 
     def __len__(self) -> int:
-        return int(self.doc_ids.size)
+        return int(self.collect()[0].size)
 
-    def digest(self, count: int | None = None) -> str:
-        """sha256 of the first ``count`` entries (all by default): checks a restored run's stream."""
-        count = len(self) if count is None else count
-        h = hashlib.sha256()
-        h.update(np.ascontiguousarray(self.doc_ids[:count], dtype=np.int64).tobytes())
-        h.update(np.ascontiguousarray(self.lengths[:count], dtype=np.int64).tobytes())
-        return h.hexdigest()
+
+class _DatasetCursor:
+    """One dataset's documents in stream order: epoch-shuffled, each scheduled at its start time
+    (``blend.start_times``), up to virtual time ``tokens``; one epoch's order (4 bytes a document)
+    is held at a time."""
+
+    def __init__(self, reader: DocumentReader, i: int, tokens: int):
+        self.reader, self.i, self.tokens = reader, i, tokens
+        self.weight = float(reader.weights[i])
+        self.begin, self.end = reader.ranges[i]
+        self.epoch, self.at = 0, 0
+        self.order: np.ndarray | None = None
+        self.before = 0  # tokens of this dataset scheduled before the next document
+        self.done = False
+
+    def next_chunk(self, size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(start times, stream ids, lengths) of up to ``size`` next documents (within one epoch)."""
+        if self.order is None:
+            self.order = self.reader._epoch_order(self.i, self.epoch)
+        local = self.order[self.at:self.at + size]
+        docs = local.astype(np.int64) + self.begin
+        lengths = np.asarray(self.reader.sources[self.i].lengths[docs], dtype=np.int64)
+        keys = start_times(lengths, self.weight, self.before)
+        keep = int(np.searchsorted(keys, self.tokens, side="left"))  # keys < tokens
+        if keep < keys.size:
+            self.done = True
+        docs, lengths, keys = docs[:keep], lengths[:keep], keys[:keep]
+        self.before += int(lengths.sum())
+        ids = self.epoch * self.reader.num_documents + int(self.reader.offsets[self.i]) + docs
+        self.at += local.size
+        if self.at >= self.order.size:
+            self.epoch, self.at, self.order = self.epoch + 1, 0, None
+        return keys, ids, lengths
+
+
+class StreamCursor:
+    """A ``DocumentStream`` read through a moving window (a ``packing.base.StreamSource``): datasets'
+    documents are merged by start time (ties by dataset index, as ``blend.interleave``) a chunk at a
+    time; ``window(start, stop)`` forgets what lies before ``start`` (hashed first, for ``digest``)."""
+
+    def __init__(self, reader: DocumentReader, tokens: int, chunk: int = STREAM_CHUNK):
+        self.chunk = chunk
+        self.datasets = [_DatasetCursor(reader, i, tokens) for i in range(len(reader.sources))]
+        empty = (np.zeros(0), np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
+        self.pending = [empty for _ in self.datasets]
+        self.ids = np.zeros(0, dtype=np.int64)
+        self.lengths = np.zeros(0, dtype=np.int64)
+        self.start = 0      # stream position of ids[0]
+        self._ids_hash, self._lengths_hash = hashlib.sha256(), hashlib.sha256()
+
+    @property
+    def stop(self) -> int:
+        """Stream position after the last document generated so far."""
+        return self.start + int(self.ids.size)
+
+    def generate(self) -> bool:
+        """Merge the next chunk of documents into the window; False at the end of the stream."""
+        for d, cur in enumerate(self.datasets):
+            if not self.pending[d][0].size and not cur.done:
+                self.pending[d] = cur.next_chunk(self.chunk)
+        live = [d for d in range(len(self.datasets)) if self.pending[d][0].size]
+        if not live:
+            return False
+        # everything up to the earliest last pending start time (ties: lower dataset first) is final
+        horizon, first = min((float(self.pending[d][0][-1]), d) for d in live)
+        parts = []
+        for d in live:
+            keys, ids, lengths = self.pending[d]
+            take = int(np.searchsorted(keys, horizon, side="right" if d <= first else "left"))
+            parts.append((keys[:take], ids[:take], lengths[:take]))
+            self.pending[d] = (keys[take:], ids[take:], lengths[take:])
+        which, position = interleave([k for k, _, _ in parts])
+        offsets = np.concatenate([[0], np.cumsum([k.size for k, _, _ in parts])])[which] + position
+        self.ids = np.concatenate([self.ids, np.concatenate([i for _, i, _ in parts])[offsets]])
+        self.lengths = np.concatenate([self.lengths, np.concatenate([n for _, _, n in parts])[offsets]])
+        return True
+
+    def _forget(self, before: int) -> None:
+        """Hash and drop the window's documents before stream position ``before``."""
+        drop = min(max(0, before - self.start), int(self.ids.size))
+        if drop:
+            self._ids_hash.update(np.ascontiguousarray(self.ids[:drop]).tobytes())
+            self._lengths_hash.update(np.ascontiguousarray(self.lengths[:drop]).tobytes())
+            self.ids, self.lengths = self.ids[drop:].copy(), self.lengths[drop:].copy()
+            self.start += drop
+
+    def window(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
+        """Lengths and stream ids of documents ``[start, stop)`` (fewer at the end)."""
+        if start < self.start:
+            raise ValueError(f"stream position {start} was already passed (the window starts at {self.start}); "
+                             "open a new cursor to read from the start")
+        if start - self.start > self.ids.size // 2:
+            self._forget(start)
+        while self.stop < stop and self.generate():
+            pass
+        a, b = start - self.start, stop - self.start
+        return self.lengths[a:b], self.ids[a:b]
+
+    def digest(self, count: int) -> str | None:
+        """sha256 of the first ``count`` documents (ids, then lengths, each hashed in order), or None
+        when the stream is shorter; forgets the documents before ``count``."""
+        if count < self.start:
+            raise ValueError(f"digest of the first {count} documents: this cursor is past them ({self.start})")
+        while self.stop < count and self.generate():
+            self._forget(min(count, self.stop))
+        if self.stop < count:
+            return None
+        self._forget(count)
+        return hashlib.sha256(self._ids_hash.digest() + self._lengths_hash.digest()).hexdigest()
 
 
 class DocumentReader:
@@ -161,6 +301,9 @@ class DocumentReader:
                 raise ValueError(f"blend weight {w!r} of {src!r} must be positive")
             self.sources.append(IndexedSource.open(src, mmap) if isinstance(src, str) else src)
             weights.append(float(w))
+        if not math.isfinite(sum(weights)):
+            raise ValueError(f"blend weights {weights} sum past the largest float; scale them down (only their "
+                             "ratios matter)")
         self.weights = np.asarray(weights) / sum(weights)
         self.split = split
         self.split_name = split_name
@@ -190,34 +333,19 @@ class DocumentReader:
                 "split_name": self.split_name, "seed": self.seed, "shuffle": self.shuffle}
 
     def _epoch_order(self, i: int, epoch: int) -> np.ndarray:
+        """Dataset ``i``'s split range in epoch ``epoch``'s order, relative to the range's start: a
+        ``numpy.random.default_rng([seed, i, epoch])`` shuffle (int32 while it fits: 4 bytes a document)."""
         b, e = self.ranges[i]
-        docs = np.arange(b, e, dtype=np.int64)
+        docs = np.arange(e - b, dtype=np.int32 if e - b < 2**31 else np.int64)
         if self.shuffle:
-            docs = np.random.default_rng([self.seed, i, epoch]).permutation(docs)
+            np.random.default_rng([self.seed, i, epoch]).shuffle(docs)
         return docs
 
     def stream(self, tokens: int) -> DocumentStream:
-        """The documents scheduled before virtual time ``tokens`` (about that many tokens)."""
+        """The documents scheduled before virtual time ``tokens`` (about that many tokens), lazily."""
         if tokens < 1:
             raise ValueError(f"stream needs a positive token count, got {tokens}")
-        keys, ids, lens = [], [], []
-        for i, src in enumerate(self.sources):
-            b, e = self.ranges[i]
-            epoch_tokens = int(src.lengths[b:e].sum())
-            needed = float(self.weights[i]) * tokens  # this dataset's share of the virtual time
-            epochs = int(needed // epoch_tokens) + 1
-            order = np.concatenate([self._epoch_order(i, ep) for ep in range(epochs)])
-            epoch_of = np.repeat(np.arange(epochs, dtype=np.int64), e - b)
-            lengths = src.lengths[order]
-            key = start_times(lengths, float(self.weights[i]))
-            keep = key < tokens
-            keys.append(key[keep])
-            ids.append(epoch_of[keep] * self.num_documents + self.offsets[i] + order[keep])
-            lens.append(lengths[keep])
-        which, position = interleave(keys)
-        picked = np.concatenate([[0], np.cumsum([k.size for k in keys])])[which] + position
-        return DocumentStream(np.concatenate(ids)[picked].astype(np.int64),
-                              np.concatenate(lens)[picked].astype(np.int64))
+        return DocumentStream(self, int(tokens))
 
     def locate(self, stream_id: int) -> tuple[int, int, int]:
         """Stream id -> (epoch, dataset index, document index in that dataset's .idx)."""

@@ -12,8 +12,9 @@ One micro-batch, from the length stream to the kernel, is built once and uploade
     every layer                      WlbCoreAttention and RoPE read the same WlbVarlen device tensors
                                         (megatron/attention.py -> cp/attention.py varlen kernel)
 
-No step reads a device tensor back to the host; the only sync is the CP ranks' layout agreement
-check on the first ``data.AGREEMENT_CHECKS`` micro-batches.
+No step reads a device tensor back to the host; the only syncs are the plan agreement before every
+training step (``agreement.py``: one all-reduce of two int64 over the world) and the CP ranks' layout
+agreement check on the first ``data.AGREEMENT_CHECKS`` micro-batches.
 
 Call ``megatron_wlb.megatron.apply()`` in ``pretrain_gpt.py`` before ``pretrain(...)`` (the patch in
 ``patches/`` does this), then launch with ``--wlb-*`` flags. ``apply()`` checks the megatron-core
@@ -28,6 +29,8 @@ version and replaces, in Megatron's training code (pinned: ``version.PINNED_MEGA
 - ``get_batch_on_this_tp_rank`` (core < 0.18): for our iterator every rank reads and uploads its own
   (identical) micro-batch instead of receiving a fixed-shape broadcast from TP rank 0, which cannot
   carry variable lengths;
+- ``train_step``: first the plan agreement (``agreement.py``): this iteration's plan is made and its
+  digest compared over the whole world; a rank that planned otherwise stops every rank, named;
 - ``save_checkpoint`` / ``load_checkpoint``: the packer + stream state sidecar (``checkpoint.py``);
 - ``training_log``: the per-iteration packing metrics (``wlb_logging.py``).
 
@@ -74,6 +77,13 @@ class Runtime:
     #: the online cost-model refit (``--wlb-cost-model online``), on every rank
     refit: Any = None
     originals: dict[str, Callable] = field(default_factory=dict)
+    #: the plan agreement checks run (``agreement.wrap_train_step``): how many, and their seconds in all
+    agreement_checks: int = 0
+    agreement_s: float = 0.0
+
+    def agreed(self, seconds: float) -> None:
+        self.agreement_checks += 1
+        self.agreement_s += seconds
 
 
 _RUNTIME = Runtime()
@@ -254,8 +264,8 @@ def _wrap_build_iterators(original: Callable, mods: dict[str, Any]) -> Callable:
         _RUNTIME.registry.register(iterator)
         if first:
             _start_recorder(args, settings, iterator.n, _RUNTIME.logger.cost)
-        mods["utils"].print_rank_0(f"> megatron_wlb: {settings.packing} packing of {len(iterator.stream)} documents "
-                                   f"({iterator.stream.tokens} tokens), {iterator.n} micro-batches per DP rank "
+        mods["utils"].print_rank_0(f"> megatron_wlb: {settings.packing} packing of a document stream of about "
+                                   f"{iterator.stream.requested_tokens} tokens, {iterator.n} micro-batches per DP rank "
                                    f"per iteration, CP sharding {settings.cp_sharding}")
         evals = [_eval_iterator(args, settings, split_name, functools.partial(lambda i: megatron_iterators()[i], index),
                                 mods) for index, split_name in ((1, "valid"), (2, "test"))]
@@ -413,6 +423,12 @@ def _wrap_get_batch_on_this_tp_rank(original: Callable) -> Callable:
     return get_batch_on_this_tp_rank
 
 
+def _first_train_iterator() -> WlbDataIterator | None:
+    """The training iterator of this rank's first model chunk (all chunks plan alike), if built."""
+    registry = _RUNTIME.registry
+    return registry.iterators[0] if registry is not None and registry.iterators else None
+
+
 def _print_rank0(line: str) -> None:
     if _is_rank0():
         print(line, flush=True)
@@ -457,6 +473,7 @@ def apply(*, check_version: bool = True, middle_stage_batches: bool = False) -> 
     _RUNTIME.middle_stage_batches = middle_stage_batches
     if _RUNTIME.installed:
         return _RUNTIME
+    from megatron_wlb.megatron.agreement import wrap_train_step
     from megatron_wlb.megatron.checkpoint import DataStateRegistry, wrap_load_checkpoint, wrap_save_checkpoint
     from megatron_wlb.megatron.wlb_logging import wrap_training_log
 
@@ -476,6 +493,8 @@ def apply(*, check_version: bool = True, middle_stage_batches: bool = False) -> 
                             lambda f: wrap_save_checkpoint(f, _RUNTIME.registry, get_args, _is_rank0, settings_dict)),
         "load_checkpoint": (mods["checkpointing"].load_checkpoint,
                             lambda f: wrap_load_checkpoint(f, _RUNTIME.registry, get_args, settings_dict)),
+        "train_step": (mods["training"].train_step,
+                       lambda f: wrap_train_step(f, _first_train_iterator, _RUNTIME.agreed)),
         "training_log": (mods["training"].training_log,
                          lambda f: wrap_training_log(f, lambda: _RUNTIME.logger, _measure)),
     }

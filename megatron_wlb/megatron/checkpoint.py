@@ -13,6 +13,7 @@ micro-batches an uninterrupted run would have: no document is lost or repeated.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import tempfile
@@ -24,7 +25,9 @@ from megatron_wlb.megatron.data import WlbDataIterator, dumps_state
 from megatron_wlb.megatron.rebind import wrapping
 
 SIDECAR_NAME = "wlb_packer_state.json"
-SIDECAR_VERSION = 1
+#: 2: the sidecar carries ``sha256``, the checksum of its other contents (``sidecar_checksum``)
+SIDECAR_VERSION = 2
+SIDECAR_KEYS = ("version", "iteration", "settings", "data")
 
 
 def iteration_dir(checkpoints_path: str, iteration: int, release: bool = False) -> str:
@@ -36,7 +39,9 @@ def save_data_state(directory: str, iteration: int, data_state: dict[str, Any],
                     settings: dict[str, Any] | None = None) -> str:
     """Write the sidecar atomically (temp file + rename) into ``directory``; returns its path."""
     os.makedirs(directory, exist_ok=True)
-    payload = {"version": SIDECAR_VERSION, "iteration": int(iteration), "settings": settings, "data": data_state}
+    payload: dict[str, Any] = {"version": SIDECAR_VERSION, "iteration": int(iteration), "settings": settings,
+                               "data": data_state}
+    payload["sha256"] = sidecar_checksum(payload)
     path = os.path.join(directory, SIDECAR_NAME)
     fd, tmp = tempfile.mkstemp(prefix=".wlb_state.", dir=directory)
     try:
@@ -50,15 +55,31 @@ def save_data_state(directory: str, iteration: int, data_state: dict[str, Any],
     return path
 
 
+def sidecar_checksum(payload: dict[str, Any]) -> str:
+    """sha256 of the sidecar's contents (its ``SIDECAR_KEYS``, canonical JSON)."""
+    return hashlib.sha256(dumps_state({k: payload.get(k) for k in SIDECAR_KEYS}).encode()).hexdigest()
+
+
 def load_data_state(directory: str, iteration: int | None = None) -> dict[str, Any] | None:
-    """Read the sidecar of ``directory`` (None if there is none); checks version and iteration."""
+    """Read the sidecar of ``directory`` (None if there is none); checks that it is intact (its
+    checksum), its version and iteration. Every error is one line naming the file."""
     path = os.path.join(directory, SIDECAR_NAME)
     if not os.path.isfile(path):
         return None
-    with open(path) as f:
-        payload = json.load(f)
+    fix = "re-copy the checkpoint, or resume from another one"
+    try:
+        with open(path, encoding="utf-8") as f:
+            payload = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path}: not valid JSON ({exc}); the WLB data state is corrupt: {fix}") from None
+    if not isinstance(payload, dict) or any(k not in payload for k in SIDECAR_KEYS):
+        raise ValueError(f"{path}: not a WLB data state (expected a JSON object with {', '.join(SIDECAR_KEYS)}); "
+                         f"{fix}")
     if payload.get("version") != SIDECAR_VERSION:
         raise ValueError(f"{path}: sidecar version {payload.get('version')!r}; this build reads {SIDECAR_VERSION}")
+    if payload.get("sha256") != sidecar_checksum(payload):
+        raise ValueError(f"{path}: its contents do not match its checksum (the file was altered or damaged); "
+                         f"resuming from it could skip or repeat documents: {fix}")
     if iteration is not None and int(payload["iteration"]) != int(iteration):
         raise ValueError(f"{path} was written at iteration {payload['iteration']}, but the checkpoint "
                          f"resumes at iteration {iteration}")

@@ -27,10 +27,10 @@ from typing import Any
 import numpy as np
 
 from megatron_wlb.cp.plan import CPSharding, RankPlan, micro_batch_lengths, plan_rank
-from megatron_wlb.data.reader import DocumentReader, DocumentStream
+from megatron_wlb.data.reader import DocumentReader, DocumentStream, StreamCursor
 from megatron_wlb.packing.types import GlobalBatch, MicroBatch
 
-STREAM_STATE_VERSION = 1
+STREAM_STATE_VERSION = 2  # 2: the stream digest hashes ids and lengths apart (a lazy stream)
 ReadFn = Callable[[int, int, int], np.ndarray]
 
 
@@ -140,6 +140,7 @@ class WlbDataIterator(Iterator[RankMicroBatch]):
         self._mine: tuple[MicroBatch, ...] = ()
         self._cursor = 0
         self._batches: Iterator[GlobalBatch] | None = None
+        self._source: StreamCursor | None = None  # the stream window the packer reads
 
     @property
     def n(self) -> int:
@@ -147,7 +148,9 @@ class WlbDataIterator(Iterator[RankMicroBatch]):
 
     def _next_batch(self) -> GlobalBatch:
         if self._batches is None:
-            self._batches = self.packer.pack(self.stream.lengths, self.stream.doc_ids)
+            if self._source is None:
+                self._source = self.stream.cursor()
+            self._batches = self.packer.pack_source(self._source)
         batch = next(self._batches)  # StopIteration ends training data
         self.current = batch
         self._mine = batch.for_dp_rank(self.dp_rank)
@@ -175,6 +178,17 @@ class WlbDataIterator(Iterator[RankMicroBatch]):
         self._cursor = len(self._mine)
         return batch
 
+    def prepare(self) -> GlobalBatch | None:
+        """Plan the next iteration now if the current one has been read (else keep it); returns the
+        plan the next micro-batches come from, or None when the stream has ended. The plan agreement
+        check (``agreement.wrap_train_step``) calls it before every training step."""
+        if self._cursor >= len(self._mine):
+            try:
+                self._next_batch()
+            except StopIteration:
+                return None
+        return self.current
+
     def __next__(self) -> RankMicroBatch:
         start = time.perf_counter()
         if self._cursor >= len(self._mine):
@@ -193,12 +207,14 @@ class WlbDataIterator(Iterator[RankMicroBatch]):
             raise RuntimeError(f"cannot save the data state mid-iteration: {self._cursor} of {len(self._mine)} "
                                f"micro-batches of iteration {self.iteration} were read; save between steps")
         position = int(self.packer.position)
+        source = self._source
+        digest = source.digest(position) if source is not None and position >= source.start else \
+            self.stream.digest(position)
         return {
             "version": STREAM_STATE_VERSION,
             "reader": self.reader.describe() if self.reader is not None else None,
             "stream_position": position,
-            "stream_digest": self.stream.digest(position),
-            "stream_length": len(self.stream),
+            "stream_digest": digest,
             "packer": self.packer.state_dict(),
         }
 
@@ -212,11 +228,13 @@ class WlbDataIterator(Iterator[RankMicroBatch]):
                              f"{state['reader']}, now {self.reader.describe()}; resume with the same --data-path, "
                              "--split and --seed")
         position = int(state["stream_position"])
-        if position > len(self.stream) or self.stream.digest(position) != state["stream_digest"]:
+        source = self.stream.cursor()  # read on from the saved position (the documents before it are hashed)
+        if source.digest(position) != state["stream_digest"]:
             raise ValueError(f"this run's document stream does not start with the {position} documents the "
                              "checkpoint consumed; resume with the same data, split, seed and an equal or larger "
                              "--train-iters")
         self.packer.load_state_dict(state["packer"])
+        self._source = source
         self._batches = None
         self.current = None
         self._mine = ()

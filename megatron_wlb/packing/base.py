@@ -18,7 +18,7 @@ import dataclasses
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
 
@@ -64,6 +64,26 @@ def pieces_from_state(rows: Sequence[Sequence[int]]) -> list[DocPiece]:
     return [DocPiece(int(a), int(b), int(c), int(d)) for a, b, c, d in rows]
 
 
+class StreamSource(Protocol):
+    """Documents in arrival order, read through a moving window: ``window(start, stop)`` gives the
+    lengths (int64, each >= 1) and ids of documents ``[start, stop)``, fewer at the end of the
+    stream (none past it). A packer asks for windows at its position, which never moves back, so
+    a lazy source may forget what lies before the last ``start`` asked for."""
+
+    def window(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class ArraySource:
+    """A ``StreamSource`` over whole arrays (what ``Packer.pack`` reads)."""
+
+    lengths: np.ndarray
+    ids: np.ndarray
+
+    def window(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
+        return self.lengths[start:stop], self.ids[start:stop]
+
+
 class Packer(ABC):
     """Base of all packers. Subclasses set ``name`` and implement ``_plan`` and ``pending``."""
 
@@ -79,8 +99,8 @@ class Packer(ABC):
         self.iteration = 0         # global batches emitted
         self.dropped: list[tuple[int, int]] = []  # (doc_id, length) removed by oversize="drop"
         self._credit = 0           # tokens read beyond earlier budgets
-        self.stream_tokens = 0     # tokens of the documents consumed (where the next document starts)
         self._refit: dict[str, Any] | None = None  # the refitted cost model's state (set_cost), saved with ours
+        self.stream_tokens = 0     # tokens of the documents consumed (where the next document starts)
         #: during ``_plan``: read documents worth at least ``tokens`` more from the stream, at most
         #: ``limit`` (they arrive this iteration; credited against later budgets); [] at the end
         self._read_ahead: Callable[[int, int], list[DocPiece]] = _nothing_to_read
@@ -158,15 +178,20 @@ class Packer(ABC):
         if self.position > lengths.size:
             raise ValueError(f"packer state is at document {self.position} but the stream has only "
                              f"{lengths.size}; restore it on the stream it was saved from")
+        return self.pack_source(ArraySource(lengths, ids))
+
+    def pack_source(self, source: StreamSource) -> Iterator[GlobalBatch]:
+        """``pack`` over a ``StreamSource`` read from ``self.position`` on (a lazy stream holds only
+        a window of documents; the caller checks that a restored packer's source is the saved one)."""
         while True:
             new: list[DocPiece] = []
             for j in range(self._budgets_to_read()):
-                new.extend(self._intake(lengths, ids, arrival=self.iteration + j))
-            final = self.position >= lengths.size
+                new.extend(self._intake(source, arrival=self.iteration + j))
+            final = source.window(self.position, self.position + 1)[0].size == 0
             if final and not new and self.pending() == 0:
                 return
             start, cpu_start = time.perf_counter(), time.thread_time()
-            self._read_ahead = lambda tokens, limit: self._read_more(lengths, ids, tokens, limit)
+            self._read_ahead = lambda tokens, limit: self._read_more(source, tokens, limit)
             try:
                 micro_batches = self._plan(new, final)
             finally:
@@ -180,35 +205,36 @@ class Packer(ABC):
             self.iteration += 1
             yield batch
 
-    def _intake(self, lengths: np.ndarray, ids: np.ndarray, arrival: int | None = None) -> list[DocPiece]:
+    def _intake(self, source: StreamSource, arrival: int | None = None) -> list[DocPiece]:
         """Read one iteration budget of documents (less what earlier iterations read ahead)."""
         budget = max(self.config.tokens_per_iteration - self._credit, self._min_intake())
-        pieces, read = self._read(lengths, ids, budget, self.iteration if arrival is None else arrival)
+        pieces, read = self._read(source, budget, self.iteration if arrival is None else arrival)
         self._credit = max(0, self._credit + read - self.config.tokens_per_iteration)
         return pieces
 
-    def _read_more(self, lengths: np.ndarray, ids: np.ndarray, tokens: int, limit: int) -> list[DocPiece]:
+    def _read_more(self, source: StreamSource, tokens: int, limit: int) -> list[DocPiece]:
         """Read ahead: documents worth at least ``tokens`` more but never more than ``limit`` in all
         (none if the next document alone exceeds it), arriving this iteration; what they hold is
         credited against later budgets, so the stream rate stays that of concat-and-cut."""
-        pieces, read = self._read(lengths, ids, max(1, tokens), self.iteration, limit)
+        pieces, read = self._read(source, max(1, tokens), self.iteration, limit)
         self._credit += read
         return pieces
 
-    def _read(self, lengths: np.ndarray, ids: np.ndarray, budget: int, arrival: int,
+    def _read(self, source: StreamSource, budget: int, arrival: int,
               limit: int | None = None) -> tuple[list[DocPiece], int]:
         """The next documents until they hold ``budget`` tokens (the last may overshoot, up to
         ``limit`` tokens in all), as pieces (the oversize policy, or the concat-and-cut intake);
         returns them and the tokens read."""
         start = self.position
-        if start >= lengths.size or (limit is not None and int(lengths[start]) > limit):
+        head = source.window(start, start + 64)[0]
+        if head.size == 0 or (limit is not None and int(head[0]) > limit):
             return [], 0
         # Grow a window until its cumulative length covers the budget (avoids a full-array cumsum).
-        span = max(64, 2 * budget // max(1, int(lengths[start:start + 64].mean())))
+        span = max(64, 2 * budget // max(1, int(head.mean())))
         while True:
-            stop = min(lengths.size, start + span)
-            csum = np.cumsum(lengths[start:stop])
-            if csum[-1] >= budget or stop == lengths.size:
+            lengths, ids = source.window(start, start + span)
+            csum = np.cumsum(lengths)
+            if csum[-1] >= budget or lengths.size < span:
                 break
             span *= 2
         k = int(np.searchsorted(csum, budget, side="left")) + 1  # docs until the budget is covered
@@ -219,8 +245,8 @@ class Packer(ABC):
         self.position = start + k
         offset, self.stream_tokens = self.stream_tokens, self.stream_tokens + read
         if self.config.pieces == "concat-and-cut" and not self.cuts_documents:
-            return self._window_pieces(lengths[start:start + k], ids[start:start + k], arrival, offset), read
-        return self._apply_oversize(lengths[start:start + k], ids[start:start + k], arrival), read
+            return self._window_pieces(lengths[:k], ids[:k], arrival, offset), read
+        return self._apply_oversize(lengths[:k], ids[:k], arrival), read
 
     def _window_pieces(self, lengths: np.ndarray, ids: np.ndarray, arrival: int, offset: int) -> list[DocPiece]:
         """``pieces="concat-and-cut"``: the documents cut where Megatron's GPTDataset cuts them (every

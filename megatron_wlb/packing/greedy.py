@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from megatron_wlb.costmodel import CostModel
-from megatron_wlb.packing.base import Packer, pieces_from_state, pieces_to_state, register_packer
+from megatron_wlb.packing.base import Packer, StreamSource, pieces_from_state, pieces_to_state, register_packer
 from megatron_wlb.packing.metrics import piece_latency
 from megatron_wlb.packing.types import DocPiece, MicroBatch, PackingConfig, oldest_first_key, sort_largest_first
 
@@ -78,7 +78,7 @@ class FixedWindowPacker(Packer):
     def _budgets_to_read(self) -> int:
         return 0 if self._planned else self.config.window
 
-    def _intake(self, lengths: np.ndarray, ids: np.ndarray, arrival: int | None = None) -> list[DocPiece]:
+    def _intake(self, source: StreamSource, arrival: int | None = None) -> list[DocPiece]:
         """Count the carried backlog against the window's first budget.
 
         Whole documents cannot fill fixed bins exactly, so a fixed packer emits a little less than
@@ -92,7 +92,7 @@ class FixedWindowPacker(Packer):
         if self._credit >= self.config.tokens_per_iteration:
             self._credit -= self.config.tokens_per_iteration
             return []
-        return super()._intake(lengths, ids, arrival)
+        return super()._intake(source, arrival)
 
     def _assign(self, carried: list[DocPiece], new: list[DocPiece], bins: int) -> tuple[list[list[DocPiece]],
                                                                                        list[DocPiece]]:

@@ -12,6 +12,8 @@ OversizePolicy = Literal["split", "drop", "error"]
 OVERSIZE_POLICIES: tuple[str, ...] = ("split", "drop", "error")
 #: S_max / seq_len when ``max_seq_len`` is None (docs/packing.md explains the choice).
 DEFAULT_MAX_SEQ_LEN_FACTOR = 1.5
+#: attention kernels index a micro-batch's tokens with int32 (``cu_seqlens``): the most it may hold
+MAX_MICRO_BATCH_TOKENS = 2**31 - 1
 
 
 def resolve_max_seq_len(seq_len: int, max_seq_len: int | None = None) -> int:
@@ -222,6 +224,10 @@ class PackingConfig:
             if self.max_seq_len < self.seq_len:
                 raise ValueError(f"max_seq_len={self.max_seq_len} is below seq_len={self.seq_len}; "
                                  "the variable-length capacity must be at least the fixed one")
+        capacity = resolve_max_seq_len(self.seq_len, self.max_seq_len)
+        if capacity > MAX_MICRO_BATCH_TOKENS:
+            raise ValueError(f"max_seq_len={capacity} (seq_len={self.seq_len}): attention kernels index a "
+                             f"micro-batch's tokens with int32, so at most {MAX_MICRO_BATCH_TOKENS} (2**31 - 1)")
         if self.oversize not in OVERSIZE_POLICIES:
             raise ValueError(f"oversize={self.oversize!r}; valid policies: {', '.join(OVERSIZE_POLICIES)}")
         if isinstance(self.max_delay, bool) or not isinstance(self.max_delay, int) or self.max_delay < 0:

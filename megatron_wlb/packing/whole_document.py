@@ -18,10 +18,8 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
-
 from megatron_wlb.costmodel import CostModel
-from megatron_wlb.packing.base import Packer, pieces_from_state, pieces_to_state, register_packer
+from megatron_wlb.packing.base import Packer, StreamSource, pieces_from_state, pieces_to_state, register_packer
 from megatron_wlb.packing.types import DocPiece, MicroBatch, PackingConfig
 
 
@@ -38,13 +36,13 @@ class WholeDocumentPacker(Packer):
     def pending(self) -> int:
         return sum(p.length for p in self._carried)
 
-    def _intake(self, lengths: np.ndarray, ids: np.ndarray, arrival: int | None = None) -> list[DocPiece]:
+    def _intake(self, source: StreamSource, arrival: int | None = None) -> list[DocPiece]:
         """Count the waiting documents against this iteration's budget (see ``FixedWindowPacker``)."""
         self._credit += self.pending()
         if self._credit >= self.config.tokens_per_iteration:
             self._credit -= self.config.tokens_per_iteration
             return []
-        return super()._intake(lengths, ids, arrival)
+        return super()._intake(source, arrival)
 
     def _plan(self, new: list[DocPiece], final: bool) -> list[MicroBatch]:
         cap = self.config.seq_len

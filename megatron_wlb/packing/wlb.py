@@ -443,7 +443,9 @@ class WlbPacker(Packer):
 
     def _cut_into(self, p: DocPiece, k: int) -> list[DocPiece]:
         """``p`` as ``k`` contiguous pieces of near-equal length (``p`` itself for k = 1); the cut
-        points, tokens and pieces are counted in ``cut_stats``."""
+        points, tokens and pieces are counted in ``cut_stats``. Never more pieces than tokens: a
+        piece of one token (an outlier when L_1 = 1) stays whole rather than giving an empty piece."""
+        k = min(k, p.length)
         if k <= 1:
             return [p]
         sizes = [p.length // k + (1 if i < p.length % k else 0) for i in range(k)]
