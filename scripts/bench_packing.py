@@ -58,7 +58,17 @@ def settings(quick: bool) -> list[tuple[str, str, dict]]:
     rows.append(("wlb, max_delay 8, oldest-R release (no grouping by work)", "wlb", {"group_by_work": False}))
     rows.append(("wlb, max_delay 8, cut policy 'overlong'", "wlb", {"cut_policy": "overlong"}))
     rows.append(("wlb, max_delay 8, cut policy 'any'", "wlb", {"cut_policy": "any"}))
+    rows.append(("wlb, max_delay 8, no read-ahead fill (fill_target 0)", "wlb", {"fill_target": 0.0}))
+    rows.append(("wlb, max_delay 8, group release only (release_when_balanced off)", "wlb",
+                 {"release_when_balanced": False}))
+    rows.append((CUT_FIXED, "fixed-greedy", {"window": 4, "pieces": "concat-and-cut"}))
+    rows.append((CUT_WLB, "wlb", {"pieces": "concat-and-cut"}))
     return rows
+
+
+#: the rows that train exactly concat-and-cut's pieces (``pieces="concat-and-cut"``: equal work)
+CUT_WLB = "balanced concat-and-cut (wlb, concat-and-cut pieces)"
+CUT_FIXED = "fixed-greedy, window 4, concat-and-cut pieces"
 
 
 def stream_lengths(name: str, min_tokens: int) -> tuple[np.ndarray, int]:
@@ -94,7 +104,8 @@ def frontier(streams: list[str], dps: list[int], iterations: int, quick: bool) -
                              "forced_splits": diagnostics.get("forced_splits", 0),
                              "cut_stats": diagnostics.get("cut_stats", {}), **m.to_dict()})
                 print(f"dp {dp} {stream:8s} {label:55s} sched {m.schedule_ratio:.3f} imb {m.imbalance:.3f} "
-                      f"delay {m.mean_delay:.2f} min fill {m.min_fill:.2f}", file=sys.stderr, flush=True)
+                      f"delay {m.mean_delay:.2f} fill p5 {m.fill_p5:.2f} min {m.min_fill:.2f} "
+                      f"plan {m.plan_cpu_ms_mean:.2f} ms", file=sys.stderr, flush=True)
             tables.append({"stream": stream, "dp": dp, "n": packing0.n, "seq_len": packing0.seq_len,
                            "max_seq_len": packing0.capacity_var, "documents": docs,
                            "repeats": int(np.ceil(lengths.size / docs)), "cost_model": cost.describe(),
@@ -116,16 +127,22 @@ def scale(iterations: int) -> dict:
 
 
 SUMMARY_COLUMNS = (("original", "original (concat-and-cut)"), ("fixed-greedy, window 4", "fixed-greedy, window 4"),
-                   ("wlb, placement order", "wlb, max_delay 8, placement order (no dealing/ordering)"),
                    ("**wlb (default)**", "wlb, max_delay 8"), ("wlb, cut `any`", "wlb, max_delay 8, cut policy 'any'"),
-                   ("wlb, cut `overlong`", "wlb, max_delay 8, cut policy 'overlong'"),
-                   ("wlb, no fill rule", "wlb, max_delay 8, no fill rule (min_fill 0)"))
+                   ("wlb, no read-ahead", "wlb, max_delay 8, no read-ahead fill (fill_target 0)"),
+                   ("wlb, group release only", "wlb, max_delay 8, group release only (release_when_balanced off)"),
+                   ("fixed-greedy w4, c&c pieces", CUT_FIXED), ("**balanced c&c**", CUT_WLB))
+
+
+def _delay_fill(r: dict | None) -> str:
+    return "" if r is None else f"{r['mean_delay']:.2f} / {r['fill_p5']:.2f}"
 
 
 def summary_table(result: dict) -> str:
-    """The README table: slowest-rank 1F1B time / balanced per stream and DP (mean delay of wlb)."""
-    head = "| stream | DP | " + " | ".join(c for c, _ in SUMMARY_COLUMNS) + " | wlb mean delay / min fill |"
-    lines = [head, "|---|---|" + "---|" * len(SUMMARY_COLUMNS) + "---|"]
+    """The README table: slowest-rank 1F1B time / balanced per stream and DP; mean delay and the 5th
+    percentile of tokens per iteration / budget of the default wlb and the balanced concat-and-cut."""
+    head = "| stream | DP | " + " | ".join(c for c, _ in SUMMARY_COLUMNS) + \
+        " | wlb delay / fill p5 | balanced c&c delay / fill p5 |"
+    lines = [head, "|---|---|" + "---|" * len(SUMMARY_COLUMNS) + "---|---|"]
     for t in sorted(result["tables"], key=lambda t: (t["dp"], STREAMS.index(t["stream"]) if t["stream"] in STREAMS
                                                       else 99)):
         by = {r["label"]: r for r in t["rows"]}
@@ -134,8 +151,7 @@ def summary_table(result: dict) -> str:
             r = by.get(label)
             v = "" if r is None else f"{r['schedule_ratio']:.3f}"
             cells.append(f"**{v}**" if col.startswith("**") and v else v)
-        d = by.get("wlb, max_delay 8")
-        tail = "" if d is None else f"{d['mean_delay']:.2f} / {d['min_fill']:.2f}"
+        tail = f"{_delay_fill(by.get('wlb, max_delay 8'))} | {_delay_fill(by.get(CUT_WLB))}"
         lines.append(f"| {t['stream']} | {t['dp']} | " + " | ".join(cells) + f" | {tail} |")
     return "\n".join(lines) + "\n"
 
@@ -160,20 +176,24 @@ def to_markdown(result: dict) -> str:
              "schedule = sum over iterations of the slowest DP rank's 1F1B time (simulator, PP = N = 4) / the same "
              "with every micro-batch at the iteration's mean (1.000 = balanced); imbalance = paper Table 2 "
              "(per DP rank); global = max / mean over all DP x N micro-batches; delay = mean iterations per "
-             "token; min fill = the smallest iteration's tokens / (DP x N x seq_len); plan = ms per global "
-             "batch (CPU time).", "", "Summary (schedule = slowest rank's 1F1B time / balanced; max_delay 8):", "",
+             "token; fill = an iteration's tokens / (DP x N x seq_len) (min and percentiles over the "
+             "iterations); pairs / token = causal attention (query, key) pairs per token of the plan's pieces "
+             "(the attention work; equal for every row that trains concat-and-cut's pieces); plan = ms per "
+             "global batch (CPU time).", "", "Summary (schedule = slowest rank's 1F1B time / balanced; "
+             "max_delay 8; c&c = concat-and-cut's own pieces, `pieces: concat-and-cut`):", "",
              summary_table(result), "![frontier](../img/packing_frontier.png)", ""]
     for t in result["tables"]:
         lines += [f"## {t['stream']}, DP = {t['dp']} (N = {t['n']}, seq_len {t['seq_len']}, S_max "
                   f"{t['max_seq_len']})", "",
                   f"{t['documents']} documents" + (f", stream repeated up to {t['repeats']}x (seeded shuffles)"
                                                    if t["repeats"] > 1 else "") + ".", "",
-                  "| method | schedule | worst iter | imbalance | global | mean delay | max delay | min fill | "
-                  "plan ms |", "|---|---|---|---|---|---|---|---|---|"]
+                  "| method | schedule | worst iter | imbalance | global | mean delay | max delay | "
+                  "fill min / p5 / p50 / p95 | pairs / token | plan ms |", "|---|---|---|---|---|---|---|---|---|---|"]
         for r in t["rows"]:
             lines.append(f"| {r['label']} | {r['schedule_ratio']:.3f} | {r['schedule_ratio_max']:.2f} | "
                          f"{r['imbalance']:.3f} | {r['imbalance_global']:.3f} | {r['mean_delay']:.2f} | "
-                         f"{r['max_delay']} | {r['min_fill']:.2f} | {r['plan_cpu_ms_mean']:.2f} |")
+                         f"{r['max_delay']} | {r['min_fill']:.2f} / {r['fill_p5']:.2f} / {r['fill_p50']:.2f} / "
+                         f"{r['fill_p95']:.2f} | {r['pairs_per_token']:,.0f} | {r['plan_cpu_ms_mean']:.2f} |")
         lines.append("")
         cuts = [f"- {r['label']}: {r['cut_stats']['cut_points']} cut points, {r['cut_stats']['tokens']} tokens "
                 f"affected, mean piece {r['cut_stats']['tokens'] / r['cut_stats']['pieces']:.0f} tokens"
@@ -215,6 +235,11 @@ def plot(result: dict, path: Path) -> None:
                     ax.plot([r["mean_delay"] for r in rows], [r["schedule_ratio"] for r in rows], marker=marker,
                             linestyle=line, color=colors.get(t["stream"], "k"), alpha=0.85,
                             label=f"{t['stream']} {fam}" if dp == dps[-1] else None)
+            cut = next((r for r in t["rows"] if r["label"] == CUT_WLB), None)
+            if cut is not None:
+                ax.plot([cut["mean_delay"]], [cut["schedule_ratio"]], marker="*", markersize=11, linestyle="none",
+                        color=colors.get(t["stream"], "k"),
+                        label=f"{t['stream']} balanced c&c" if dp == dps[-1] else None)
         ax.set_title(f"DP = {dp}: slowest rank's 1F1B time / balanced")
         ax.set_xlabel("mean delay (iterations per token)")
         ax.set_ylabel("schedule time / balanced")

@@ -136,6 +136,13 @@ class PackingMetrics:
     schedule_ratio_max: float = float("nan")   # worst iteration
     min_fill: float = float("nan")             # smallest iteration's tokens / (dp * n * seq_len)
     low_fill_iterations: int = 0               # iterations below half that budget
+    #: tokens per iteration / (dp * n * seq_len): 5th, 50th and 95th percentile over the iterations
+    fill_p5: float = float("nan")
+    fill_p50: float = float("nan")
+    fill_p95: float = float("nan")
+    #: causal attention (query, key) pairs per token, sum of d (d + 1) / 2 over pieces / tokens: the
+    #: attention work the plan's pieces imply (equal for plans of the same pieces)
+    pairs_per_token: float = float("nan")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -193,6 +200,11 @@ def summarize(batches: Sequence[GlobalBatch], cost: CostModel | None, seq_len: i
         schedule_ratio_max=float(np.max(ratios)),
         min_fill=float(np.min(fills)),
         low_fill_iterations=int(np.sum(fills < 0.5)),
+        fill_p5=float(np.percentile(fills, 5)),
+        fill_p50=float(np.percentile(fills, 50)),
+        fill_p95=float(np.percentile(fills, 95)),
+        pairs_per_token=float(sum(float((mb.lengths * (mb.lengths + 1)).sum()) / 2
+                                  for b in batches for mb in b.micro_batches) / max(1, tokens)),
     )
 
 

@@ -320,23 +320,46 @@ class WlbPacker(Packer):
     def _balanced_release(self, waiting: list[DocPiece], placed: list[DocPiece], l1: int,
                           per_token: float) -> list[DocPiece]:
         """(i) Delay only when it pays: the queued outliers (oldest first) that this iteration can take
-        and still balance (``_balanceable``: its outliers dealt heaviest first, each micro-batch's
-        outliers within ``CLOSE_TOLERANCE`` of the balanced mean once the ordinary tokens fill the
-        rest). The ordinary tokens are those in hand, or, with the read-ahead fill (h), the budget
-        less the outliers. An outlier that no iteration could balance waits for a group, as before."""
-        budget = self.config.tokens_per_iteration
-        big = [p.length for p in placed if p.length >= l1]
-        ordinary_in_hand = sum(p.length for p in placed if p.length < l1)
-        read_ahead = self.config.fill_target > 0 and self.config.max_delay > 0
+        and still balance: the iteration's outliers dealt heaviest first to the least loaded
+        micro-batch, and each new one to the least loaded, the heaviest stays within
+        ``CLOSE_TOLERANCE`` of the balanced mean and every micro-batch has the room its ordinary share
+        needs (``_balanceable``'s test, kept incrementally: O(micro-batches) per candidate). The
+        ordinary tokens are those in hand, or, with the read-ahead fill (h), the budget less the
+        outliers. An outlier that no iteration could balance waits for a group, as before."""
+        queued = sorted((p for p in waiting if p.length >= l1), key=oldest_first_key)
+        if not queued or per_token <= 0:
+            return []
+        cfg = self.config
+        m, cap, budget = cfg.micro_batches_per_iteration, self.capacity, cfg.tokens_per_iteration
+        read_ahead = cfg.fill_target > 0 and cfg.max_delay > 0
+        big = np.sort(np.asarray([p.length for p in placed if p.length >= l1], dtype=np.int64))[::-1]
+        in_hand = sum(p.length for p in placed if p.length < l1)
+        bw, bt = np.zeros(m), np.zeros(m, dtype=np.int64)
+        for d, x in zip(big.tolist(), piece_latency(self.cost, big).tolist()):
+            j = int(np.argmin(bw))
+            bw[j] += x
+            bt[j] += d
+        outlier_tokens = int(big.sum())
+        weights = piece_latency(self.cost, [p.length for p in queued]).tolist()
         out: list[DocPiece] = []
-        for p in sorted((p for p in waiting if p.length >= l1), key=oldest_first_key):
-            lengths = [*big, p.length]
-            outlier_tokens = sum(lengths)
-            ordinary = max(ordinary_in_hand, budget - outlier_tokens) if read_ahead else ordinary_in_hand
-            if outlier_tokens + ordinary_in_hand <= self.capacity * self.config.micro_batches_per_iteration and \
-                    self._balanceable(lengths, per_token, ordinary):
-                big.append(p.length)
+        for p, x in zip(queued, weights):
+            j = int(np.argmin(bw))
+            if bt[j] + p.length > cap:
+                continue
+            tokens = outlier_tokens + p.length
+            ordinary = max(in_hand, budget - tokens) if read_ahead else in_hand
+            if tokens + in_hand > cap * m:
+                continue
+            bw[j] += x
+            bt[j] += p.length
+            mean = (float(bw.sum()) + per_token * ordinary) / m
+            if bw.max() <= mean * (1 + CLOSE_TOLERANCE) and \
+                    np.all(mean - bw <= per_token * (cap - bt) + 1e-12 * mean):
                 out.append(p)
+                outlier_tokens = tokens
+            else:
+                bw[j] -= x
+                bt[j] -= p.length
         self.balanced_releases += len(out)
         return out
 
