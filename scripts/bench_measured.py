@@ -19,7 +19,8 @@ timing trace (``--wlb-trace``); every number below comes from it (``costmodel.tr
    ``cp``    CP2, wlb plans (identical for all three, checked), per-sequence vs per-document vs adaptive;
    ``pp``    PP2, wlb vs fixed-greedy vs whole-document (all keep documents whole);
    ``dp``    DP2, the same three;
-   ``users`` DP2, concat-and-cut (``original``, what Megatron users run) vs wlb vs wlb with ``cut any``;
+   ``users`` DP2, concat-and-cut (``original``, what Megatron users run) vs the balanced concat-and-cut
+             (``--wlb-pieces concat-and-cut``: the same pieces, equal work) vs wlb vs wlb with ``cut any``;
    ``online`` DP2, wlb with ``--wlb-cost-model online`` started from the analytic model.
 3. Per run: time per token (sum of iteration walls / trained tokens), the median iteration with a
    bootstrap 95% interval, the measured idle share and imbalance, the work per token (attention pairs
@@ -88,6 +89,8 @@ def experiments(which: list[str]) -> list[list[Run]]:
         "pp": [Run(f"PP2 {p}", "pp", {"PP": "2"}, ("--wlb-packing", p)) for p in WHOLE_DOCUMENT_PACKERS],
         "dp": [Run(f"DP2 {p}", "dp", {"DP": "2"}, ("--wlb-packing", p)) for p in WHOLE_DOCUMENT_PACKERS],
         "users": [Run("DP2 original", "users", {"DP": "2"}, ("--wlb-packing", "original"), calibrated=False),
+                  Run("DP2 balanced concat-and-cut", "users", {"DP": "2"},
+                      ("--wlb-packing", "wlb", "--wlb-pieces", "concat-and-cut")),
                   Run("DP2 wlb", "users", {"DP": "2"}, ("--wlb-packing", "wlb")),
                   Run("DP2 wlb cut any", "users", {"DP": "2"}, ("--wlb-packing", "wlb", "--wlb-cut-policy", "any"))],
         "online": [Run("DP2 wlb online (from H100 model)", "online", {"DP": "2"},

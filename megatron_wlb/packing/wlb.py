@@ -52,6 +52,16 @@ Extensions beyond the paper (docs/packing.md has the measurements):
     fewest pieces that can ("overlong": only pieces of documents longer than S_max; "any"), and
     so are the outliers the fill rule (f) releases early into an iteration whose ordinary
     documents cannot balance them (``_cut_early``); counted in ``cut_stats``.
+(h) ``fill_target``: full iterations. While the iteration holds less than ``fill_target`` x the
+    token budget, ordinary documents are read ahead from the stream (arriving now: no delay;
+    credited against later budgets) and placed; outliers read on the way are queued, within what
+    one iteration can take, so the delay bound holds (``_read_ahead_fill``).
+(i) ``release_when_balanced``: delay only when it pays. A queued outlier goes out as soon as the
+    iteration can still be balanced with it, not only in a group of R (``_balanced_release``).
+
+With ``PackingConfig.pieces="concat-and-cut"`` the pieces are Megatron's concat-and-cut pieces
+(the base class's intake) and are never cut further (``delay_overruns`` counts forced pieces that
+had to wait whole).
 """
 
 from __future__ import annotations

@@ -646,13 +646,14 @@ def verdict_of(comps: Sequence[Comparison]) -> Verdict:
     return Verdict(speedups, iterations, len(comps), tuple(c0.runs))
 
 
-def recommendation(verdict: Verdict) -> list[str]:
+def recommendation(verdict: Verdict, spread: str = "ordering") -> list[str]:
     """Which packing to use on this corpus, in sentences: the cost of keeping documents whole
     (whole-document over concat-and-cut: more attention work per token, no balancing), what balance
     recovers at equal data (balanced concat-and-cut over concat-and-cut) and with documents whole
     (WLB-LLM over whole-document), and the net against what Megatron trains today. Means over the
-    shuffles: documents whole is recommended only when its worst ordering beats the balanced
-    concat-and-cut's mean (it changes the data), else the same data wins."""
+    samples (``spread`` names them: orderings of the corpus, or configurations): documents whole is
+    recommended only when its worst sample beats the balanced concat-and-cut's mean (it changes the
+    data), else the same data wins."""
     over_cut = verdict.speedups.get(PLAIN.name, {})
     if not {WLB.name, BALANCED_CUT.name} <= set(over_cut):
         return []
@@ -672,12 +673,12 @@ def recommendation(verdict: Verdict) -> list[str]:
                  f"{wlb['mean']:.3f}x [{wlb['min']:.3f}, {wlb['max']:.3f}].")
     if wlb["min"] > cut["mean"]:
         lines.append(f"**Use WLB-LLM with documents whole** (the default `--wlb-pieces documents`): "
-                     f"{wlb['mean'] / cut['mean']:.3f}x the balanced concat-and-cut here in every ordering, but it "
+                     f"{wlb['mean'] / cut['mean']:.3f}x the balanced concat-and-cut here in every {spread}, but it "
                      "trains other pieces than Megatron's default (documents whole: tokens see their whole "
                      "document); `--wlb-pieces concat-and-cut` keeps today's data exactly.")
     else:
         why = ("faster here" if cut["mean"] >= wlb["mean"] else
-               "within the ordering spread of keeping documents whole, so the same data wins")
+               f"within the {spread} spread of keeping documents whole, so the same data wins")
         lines.append(f"**Use `--wlb-pieces concat-and-cut`** (YAML `packing.pieces: concat-and-cut`): the same data "
                      f"Megatron trains today, balanced; {why}.")
     return lines
