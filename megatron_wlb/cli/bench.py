@@ -23,6 +23,8 @@ import sys
 import time
 from typing import Any
 
+import numpy as np
+
 from megatron_wlb.cli.common import (
     DATA_PATH_SCHEME,
     DATA_PREFIX_SCHEME,
@@ -30,7 +32,8 @@ from megatron_wlb.cli.common import (
     machine,
     output_dir,
     positive,
-    resolve_lengths,
+    read_stream,
+    repeat_stream,
     run_packer,
 )
 from megatron_wlb.config import load_config
@@ -86,12 +89,14 @@ def rows_for(seq_len: int, quick: bool) -> list[BenchRow]:
 
 
 def bench_one(config_name: str, stream: str, rows: list[BenchRow], iterations: int, solver_iterations: int,
-              profile: str | None) -> dict[str, Any]:
+              profile: str | None, base: np.ndarray | None = None) -> dict[str, Any]:
+    """One table: every row on ``stream`` (its lengths ``base`` when the caller has read them)."""
     config = load_config(config_name)
     cost = build_cost_model(config.model, config.layout, profile=profile)
     need = (iterations + 8) * config.packing.tokens_per_iteration
-    lengths = resolve_lengths(stream, min_tokens=need)
-    base_docs = resolve_lengths(stream).size
+    base = read_stream(stream) if base is None else base
+    lengths = repeat_stream(base, min_tokens=need)
+    base_docs = base.size
     rows_out: list[dict[str, Any]] = []
     out = {"config": config.name, "layout": str(config.layout), "n": config.packing.n, "dp": config.packing.dp,
            "seq_len": config.seq_len, "stream": stream, "documents": int(base_docs),
@@ -167,9 +172,11 @@ def run(args: argparse.Namespace) -> int:
     streams = [s.strip() for s in args.lengths.split(",") if s.strip()]
     streams += [DATA_PREFIX_SCHEME + prefix for prefix in args.data_prefix]
     streams += [DATA_PATH_SCHEME + " ".join(tokens) for tokens in args.data_path]
+    # every stream is read (and a bad one refused) before the first row runs
+    bases = {stream: read_stream(stream) for stream in streams}
     for stream in streams:
         tables.append(bench_one(args.config, stream, rows_for(config.seq_len, args.quick), args.iterations,
-                                args.solver_iterations, args.profile))
+                                args.solver_iterations, args.profile, base=bases[stream]))
     if args.scale_config:
         rows: list[BenchRow] = [
             ("Original", "original", {}), ("Fixed-Len Greedy, window 1", "fixed-greedy", {"window": 1}),

@@ -178,12 +178,9 @@ def load_stream(args: argparse.Namespace) -> tuple[np.ndarray, str]:
                      "data published by the DistCA authors, github hao-ai-lab/DistCA)")
 
 
-def resolve_lengths(source: str, min_tokens: int = 0, seed: int = 0) -> np.ndarray:
-    """Lengths from a file, 'wlbllm', 'stdlib', ``prefix:PREFIX`` (an indexed dataset) or
-    ``data-path:W1 P1 W2 P2`` (a blend); repeated (a seeded shuffle per extra pass) until they hold
-    at least ``min_tokens`` tokens, so short streams can fill long benchmarks."""
-    import numpy as np
-
+def read_stream(source: str) -> np.ndarray:
+    """The lengths of a stream named as ``resolve_lengths`` takes it, once (a missing file or an empty
+    stream is a one-line error naming it)."""
     from megatron_wlb.data import load_lengths, stdlib_lengths
 
     if source == "stdlib":
@@ -200,12 +197,26 @@ def resolve_lengths(source: str, min_tokens: int = 0, seed: int = 0) -> np.ndarr
         base = load_lengths(source)
     if base.size == 0:
         raise ValueError(f"length stream {source!r} is empty")
+    return base
+
+
+def repeat_stream(base: np.ndarray, min_tokens: int = 0, seed: int = 0) -> np.ndarray:
+    """``base`` repeated (a seeded shuffle per extra pass) until it holds at least ``min_tokens`` tokens."""
+    import numpy as np
+
     parts, total = [base], int(base.sum())
     rng = np.random.default_rng(seed)
     while total < min_tokens:
         parts.append(base[rng.permutation(base.size)])
         total += int(base.sum())
     return np.concatenate(parts)
+
+
+def resolve_lengths(source: str, min_tokens: int = 0, seed: int = 0) -> np.ndarray:
+    """Lengths from a file, 'wlbllm', 'stdlib', ``prefix:PREFIX`` (an indexed dataset) or
+    ``data-path:W1 P1 W2 P2`` (a blend); repeated (a seeded shuffle per extra pass) until they hold
+    at least ``min_tokens`` tokens, so short streams can fill long benchmarks."""
+    return repeat_stream(read_stream(source), min_tokens, seed)
 
 
 # -- running ------------------------------------------------------------------------------------------
