@@ -99,7 +99,8 @@ def fig_speedups(comparisons: Sequence[Comparison], path: Path, title: str = "Sp
     bars = methods if by_base else [(m, b) for m in methods for b in bases]
     x = np.arange(len(groups))
     width = 0.8 / max(1, len(bars))
-    fig, ax = plt.subplots(figsize=(max(5.5, 0.35 * len(groups) * len(bars) + 2), 3.2), layout="constrained")
+    fig, ax = plt.subplots(figsize=(min(14.0, max(5.5, 0.18 * len(groups) * len(bars) + 2)), 3.4),
+                           layout="constrained")
     vals_all: list[float] = []
     for i, bar in enumerate(bars):
         if by_base:
@@ -201,14 +202,14 @@ def fig_gantt(comp: Comparison, path: Path, methods: Sequence[str] = (PLAIN.name
 
 def gantt_caption(name: str, res: IterationResult, budget: int) -> str:
     """A Gantt row's title: time, tokens against the iteration's budget, time per 1K tokens, and
-    whether the iteration holds outliers the packer delayed from earlier iterations (a tall bar that
-    trains more tokens is not a slower method)."""
+    whether the iteration holds pieces the packer held back from earlier iterations (released
+    outliers: a long iteration that trains more tokens is not a slower method)."""
     text = (f"{name}: {res.time * 1e3:.0f} ms for {res.tokens:,} tokens ({res.tokens / budget:.2f}x the "
             f"iteration's budget), {1e6 * res.time / max(1, res.tokens):.2f} ms per 1K tokens, "
             f"bubble {100 * res.bubble_fraction:.0f}%")
     if res.delayed_pieces:
-        text += (f"\nholds {res.delayed_pieces} released outlier piece(s) delayed from earlier iterations "
-                 f"({res.delayed_tokens:,} tokens)")
+        text += (f"\nholds {res.delayed_pieces} piece(s) held back from earlier iterations and released here "
+                 f"({res.delayed_tokens:,} tokens: delayed outliers or carried remainders)")
     return text
 
 
