@@ -39,13 +39,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_wlb.config import load_config
+    from megatron_wlb.config import cp_sharding_names, load_config
     from megatron_wlb.costmodel import build_cost_model
-    from megatron_wlb.sim.iteration import simulate_stream
-
-    from megatron_wlb.config import cp_sharding_names
     from megatron_wlb.packing.base import PACKERS
     from megatron_wlb.sim.experiments import schedule_label
+    from megatron_wlb.sim.iteration import simulate_stream
 
     # every input is checked before the stream is read and simulated
     positive(args.iterations, "--iterations")
@@ -80,7 +78,8 @@ def run(args: argparse.Namespace) -> int:
                      "pp_rank_busy_s": r.gpu_busy.tolist()})
     print("PP imb: max micro-batch forward (simulated, CP max) x n / total; pack imb: the same from the "
           "packing metrics (cost model, CP shared evenly); GPU imb: slowest GPU's compute / mean")
-    print(f"{schedule_label(cfg.virtual_stages)}: mean {1e3 * run_.mean_time:.1f} ms/iteration, bubble {100 * run_.bubble_fraction:.1f}%, "
+    print(f"{schedule_label(cfg.virtual_stages)}: mean {1e3 * run_.mean_time:.1f} ms/iteration, "
+          f"bubble {100 * run_.bubble_fraction:.1f}%, "
           f"{run_.throughput:,.0f} tokens/s, PP imbalance {run_.pp_imbalance:.3f}, "
           f"GPU compute max/mean {run_.gpu_compute_imbalance:.3f}")
     if json_out is not None:

@@ -18,13 +18,13 @@ import numpy as np
 
 from megatron_wlb.config import RunConfig
 from megatron_wlb.sim.experiments import (
+    ANALYZE_METHODS,
     BALANCED_CUT,
     BASELINE_LABELS,
     BREAKDOWN_METHODS,
     CASE_METRICS,
     CASE_STUDY_CONFIG,
     DEFAULT_VIRTUAL_STAGES,
-    ANALYZE_METHODS,
     DYNCP,
     EQUAL_DELAY,
     FIXED,
