@@ -179,6 +179,11 @@ METRIC_LEGEND: dict[str, tuple[str, str]] = {
                                            "stream ends; the README's 'min fill >= 0.50' is over iterations "
                                            "while documents wait (its benchmark never reaches the stream's "
                                            "end; `wlb pack --iterations K` leaves the drain out)"),
+    "fill_p5": ("fraction of the budget", "5th percentile over the iterations of tokens / budget"),
+    "fill_p50": ("fraction of the budget", "median over the iterations of tokens / budget"),
+    "fill_p95": ("fraction of the budget", "95th percentile over the iterations of tokens / budget"),
+    "pairs_per_token": ("pairs per token", "causal attention (query, key) pairs per token, sum of d (d + 1) / 2 "
+                                           "over the pieces / tokens: the attention work the pieces imply"),
     "low_fill_iterations": ("iterations", "iterations below half the budget (the final drain included)"),
     "thresholds": ("tokens", "the outlier queues' lower bounds L_1 < L_2 ... (auto: derived from the stream)"),
     "forced_splits": ("pieces", "outliers at max_delay that fit no micro-batch whole and were split to keep "
