@@ -15,6 +15,7 @@ import yaml
 from megatron_wlb.cli.main import main
 from megatron_wlb.data.blend import blend, normalised_weights, parse_data_path, shuffle_documents
 from megatron_wlb.data.indexed import read_idx_lengths
+from megatron_wlb.sim.experiments import DEFAULT_VIRTUAL_STAGES, schedule_label
 from megatron_wlb.sim.iteration import split_documents
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
@@ -89,7 +90,14 @@ def test_verdict_overlaps_across_file_orders_and_json(corpus, capsys):
         assert v["shuffles"] == 5
         assert v["iterations"] == int(split_documents(lengths, 16384).sum()) // (4 * 16384)  # the whole corpus
         assert set(v["speedup"]) == {"Plain-4D whole-doc", "Fixed-4D", "WLB-LLM", "Balanced concat-and-cut",
-                                     "Megatron dyn-CP"}
+                                     "Megatron dyn-CP", "Fixed-greedy, window 4"}
+        # the strongest baseline at equal delay is a baseline of the verdict, with every method's delay
+        over_window = v["speedup_over"]["fixed-greedy, window 4"]
+        assert set(over_window) == set(v["speedup"]) - {"Fixed-greedy, window 4"} | {"Plain-4D"}
+        assert 0 < v["mean_delay_iterations"]["Fixed-greedy, window 4"] < 4
+        assert any(line.startswith("Against the strongest baseline at equal delay") for line in v["recommendation"])
+        # the README headline's schedule unless told otherwise, named beside the numbers
+        assert v["schedule"] == schedule_label(DEFAULT_VIRTUAL_STAGES) != schedule_label(1)
         assert any(line.startswith("**Use ") for line in v["recommendation"])
         for s in v["speedup"].values():
             assert s["min"] <= s["mean"] <= s["max"]
@@ -98,6 +106,10 @@ def test_verdict_overlaps_across_file_orders_and_json(corpus, capsys):
         assert a["min"] <= b["max"] and b["min"] <= a["max"], (method, a, b)
     report = (corpus / "out_fwd" / "report.md").read_text()
     assert verdicts["fwd"]["recommendation"][-1] in report
+    out = capsys.readouterr().out
+    verdict_title = next(line for line in out.splitlines() if line.startswith("Verdict:"))
+    assert schedule_label(DEFAULT_VIRTUAL_STAGES) in verdict_title and "/ fixed-greedy, window 4" in out
+    assert f"orderings per method, {schedule_label(DEFAULT_VIRTUAL_STAGES)}" in out
     assert "5 shuffles" in report and f"{verdicts['fwd']['iterations']} full iterations" in report
     assert (corpus / "out_fwd" / "length_distribution.png").stat().st_size > 2000
     capsys.readouterr()
@@ -116,6 +128,17 @@ def test_fewer_iterations_than_asked_are_reported(corpus, capsys):
                  "--iterations", "3", "--out", str(corpus / "out_3"), "--json", str(js)]) == 0
     assert json.loads(js.read_text())["iterations"] == 3
     assert "A sample: the first 3 of" in (corpus / "out_3" / "report.md").read_text()
+
+
+def test_schedule_told_otherwise(corpus, capsys):
+    """``--virtual-stages 1`` runs plain 1F1B and says so in the verdict, the JSON and the report."""
+    js = corpus / "plain.json"
+    assert main(["analyze", "--data-prefix", str(corpus / "half"), "--config", str(corpus / "small.yaml"),
+                 "--shuffles", "1", "--iterations", "2", "--virtual-stages", "1", "--out", str(corpus / "out_plain"),
+                 "--json", str(js)]) == 0
+    assert json.loads(js.read_text())["schedule"] == "plain 1F1B"
+    assert "Verdict:" in capsys.readouterr().out
+    assert "shuffles of 2 iterations, plain 1F1B" in (corpus / "out_plain" / "report.md").read_text()
 
 
 def test_blend_on_the_command_line(corpus, capsys):

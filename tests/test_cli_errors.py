@@ -107,9 +107,10 @@ def test_broken_pipe_is_quiet():
     import sys
 
     root = str(Path(__file__).resolve().parents[1])
-    proc = subprocess.run(f"{sys.executable} -m megatron_wlb pack --config 550m_64k --iterations 1 | head -1",
+    proc = subprocess.run(f"{sys.executable} -m megatron_wlb pack --config 550m_64k --iterations 1 | head -2",
                           shell=True, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": root})
-    assert "Traceback" not in proc.stderr and proc.stdout.strip().startswith("packer:"), proc.stderr
+    first, second = proc.stdout.splitlines()  # the budget line, then the first metric
+    assert "Traceback" not in proc.stderr and second.strip().startswith("packer:"), proc.stderr
 
 
 def test_version_and_python_dash_m(capsys):
@@ -225,3 +226,55 @@ def test_no_subcommand_imports_another():
         others = {f"megatron_wlb.cli.{name}" for name in SUBCOMMANDS if name != path.stem}
         if path.stem != "main":  # the dispatcher loads the subcommands by name
             assert not imported & others, f"{path.name} imports {sorted(imported & others)}"
+
+
+#: (argv, substring of the one-line error, the work function that must not have started: module, name)
+BEFORE_WORK = [
+    (["bench", "--lengths", "wlbllm", "--data-prefix", "{d}/missing", "--iterations", "2"],
+     "missing.idx does not exist", ("megatron_wlb.cli.bench", "run_packer")),
+    (["bench", "--lengths", "wlbllm,{d}/missing.json", "--iterations", "2"], "missing.json does not exist",
+     ("megatron_wlb.cli.bench", "run_packer")),
+    (["bench", "--data-path", "0.5", "{d}/garbage", "0.5", "{d}/garbage", "--iterations", "2"],
+     "not a Megatron indexed-dataset index", ("megatron_wlb.cli.bench", "run_packer")),
+    (["analyze", "--lengths", "wlbllm", "--config", "550m_64k", "--out", "{d}/o", "--json", "{d}/adir"],
+     "--json {d}/adir is a directory", ("megatron_wlb.sim.report", "analyze")),
+    (["analyze", "--lengths", "wlbllm", "--config", "550m_64k", "--out", "{d}/afile.txt"],
+     "--out {d}/afile.txt is an existing file", ("megatron_wlb.sim.report", "analyze")),
+    (["analyze", "--lengths", "wlbllm", "--config", "550m_64k", "--out", "{d}/o", "--seed", "-1"],
+     "--seed -1", ("megatron_wlb.data.blend", "shuffle_documents")),
+    (["simulate", "--config", "550m_64k", "--json", "{d}/adir"], "--json {d}/adir is a directory",
+     ("megatron_wlb.sim.iteration", "simulate_stream")),
+    (["simulate", "--config", "550m_64k", "--packer", "bogus"], "--packer bogus: choose one of",
+     ("megatron_wlb.sim.iteration", "simulate_stream")),
+    (["simulate", "--config", "550m_64k", "--cp-layout", "bogus"], "--cp-layout bogus: choose one of",
+     ("megatron_wlb.sim.iteration", "simulate_stream")),
+    (["simulate", "--config", "550m_64k", "--iterations", "0"], "--iterations 0",
+     ("megatron_wlb.sim.iteration", "simulate_stream")),
+    (["simulate", "--config", "550m_64k", "--profile", "{d}/list.json"], "got a list",
+     ("megatron_wlb.sim.iteration", "simulate_stream")),
+    (["reproduce", "--configs", "550m_64k", "no_such_cfg", "--out", "{d}/o"], "no_such_cfg",
+     ("megatron_wlb.sim.report", "reproduce")),
+    (["reproduce", "--configs", "550m_64k", "--out", "{d}/afile.txt"], "--out {d}/afile.txt is an existing file",
+     ("megatron_wlb.sim.report", "reproduce")),
+]
+
+
+@pytest.mark.parametrize("argv, expect, work", BEFORE_WORK,
+                         ids=[" ".join(a[:3]) + f" [{i}]" for i, (a, _, _) in enumerate(BEFORE_WORK)])
+def test_bad_input_fails_before_any_work(capsys, monkeypatch, files: Path, argv: list[str], expect: str, work):
+    """Every input of bench / analyze / simulate / reproduce is checked before the work starts (the
+    work function is replaced by one that records a call): one line naming the bad value."""
+    import importlib
+
+    calls = []
+
+    def started(*args, **kwargs):
+        calls.append(args)
+        raise RuntimeError("the work started before the inputs were checked")
+
+    monkeypatch.setattr(importlib.import_module(work[0]), work[1], started)
+    rc, _, err = run_wlb(capsys, *[a.format(d=files) for a in argv])
+    lines = [line for line in err.splitlines() if line.strip() and "it/s]" not in line]
+    assert rc == 2 and not calls, err
+    assert len(lines) == 1 and lines[0].startswith(f"wlb {argv[0]}: error: "), err
+    assert expect.format(d=files) in lines[0], lines[0]

@@ -243,7 +243,7 @@ def test_cli_simulate_analyze_reproduce(tmp_path, capsys):
     assert main(["analyze", "--data-prefix", str(prefix), "--config", "7b_64k", "--iterations", "2",
                  "--out", str(tmp_path / "an2")]) == 0
     assert main(["simulate", "--config", "7b_64k", "--iterations", "0", "--lengths", str(lengths_file)]) == 2
-    assert "iterations must be at least 1" in capsys.readouterr().err
+    assert "--iterations 0: must be a positive integer" in capsys.readouterr().err
     readme = tmp_path / "README.md"
     readme.write_text("# x\nbefore\n<!-- reproduce-table -->\nold table\n<!-- /reproduce-table -->\nafter\n")
     assert main(["reproduce", "--out", str(tmp_path / "rep"), "--iterations", "1", "--configs", "550m_64k",

@@ -13,8 +13,19 @@ import json
 import sys
 import time
 
-from megatron_wlb.cli.common import add_stream_args, load_stream, tqdm_progress, with_virtual_stages
+from megatron_wlb.cli.common import (
+    add_stream_args,
+    cost_profile,
+    headline_schedule,
+    load_stream,
+    output_dir,
+    output_file,
+    positive,
+    seeds_from,
+    tqdm_progress,
+)
 from megatron_wlb.data.blend import DEFAULT_SEED
+from megatron_wlb.sim.experiments import DEFAULT_VIRTUAL_STAGES, EQUAL_DELAY_WINDOW
 
 #: Orderings per verdict. With k i.i.d. orderings each, two corpora of the same documents in
 #: different file orders give disjoint [min, max] ranges with probability 2 (k!)^2 / (2k)!:
@@ -24,10 +35,18 @@ DEFAULT_SHUFFLES = 5
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("analyze", help="compare Plain-4D / Fixed-4D / WLB-LLM on your data and layout",
-                              description="Simulate the two Plain-4D baselines, Fixed-4D, WLB-LLM and Megatron's "
-                                          "dynamic CP on your documents (shuffled as Megatron does, several "
-                                          "seeds) and run config; print the verdict (mean and range over the "
-                                          "shuffles) and write DIR/report.md with figures.")
+                              description="Simulate the two Plain-4D baselines (concat-and-cut, whole-document), "
+                                          f"fixed-length greedy over {EQUAL_DELAY_WINDOW} global batches (the "
+                                          "baseline at equal delay), Fixed-4D, WLB-LLM, balanced concat-and-cut "
+                                          "and Megatron's dynamic CP on your documents (shuffled as Megatron "
+                                          "does, several seeds) and run config; print the verdict (mean and "
+                                          "range over the shuffles) and write DIR/report.md with figures.",
+                              epilog="Printed numbers: speedup = simulated tokens per second of a method over "
+                                     "a baseline's on the same iterations (1.10 = 10%% faster); mean [min, "
+                                     "max] over the shuffles; mean delay = iterations a token waits past its "
+                                     "arrival, token-weighted; every number under the schedule named beside "
+                                     f"it (default interleaved 1F1B, v = {DEFAULT_VIRTUAL_STAGES}, as the "
+                                     "README's headline and `wlb reproduce`).")
     group = add_stream_args(p)
     group.add_argument("--data-path", nargs="+", metavar="W_OR_PREFIX",
                        help="Megatron-style blend: 'PREFIX' or 'W1 PREFIX1 W2 PREFIX2 ...' (weights are "
@@ -43,8 +62,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=DEFAULT_SEED, help=f"first shuffle seed (default {DEFAULT_SEED})")
     p.add_argument("--no-shuffle", action="store_true",
                    help="keep the corpus in file order (one ordering; the verdict then depends on that order)")
-    p.add_argument("--virtual-stages", type=int, help="interleaved 1F1B with this many virtual stages "
-                                                      "(default: the config's)")
+    p.add_argument("--virtual-stages", type=int, metavar="V",
+                   help="interleaved 1F1B with V virtual stages, 1 = plain 1F1B (default "
+                        f"{DEFAULT_VIRTUAL_STAGES}, the schedule of the README's headline and `wlb reproduce`, "
+                        "whatever the config says; plain 1F1B where the config's pipeline cannot interleave)")
     p.add_argument("--json", metavar="FILE", help="also write the verdict as JSON")
     p.set_defaults(func=run)
 
@@ -55,13 +76,18 @@ def run(args: argparse.Namespace) -> int:
     from megatron_wlb.sim.iteration import split_documents
     from megatron_wlb.sim.report import analyze, recommendation
 
-    if args.iterations is not None and args.iterations < 1:
-        raise ValueError(f"--iterations must be at least 1, got {args.iterations}")
-    if args.shuffles < 1:
-        raise ValueError(f"--shuffles must be at least 1, got {args.shuffles}")
-    cfg = with_virtual_stages(load_config(args.config), args.virtual_stages)
-    notes: list[str] = []
-    seeds = [args.seed + k for k in range(1 if args.no_shuffle else args.shuffles)]
+    # every input is checked before any work: the simulation takes minutes
+    if args.iterations is not None:
+        positive(args.iterations, "--iterations")
+    positive(args.shuffles, "--shuffles")
+    seeds = seeds_from(args.seed, 1 if args.no_shuffle else args.shuffles)
+    cfg, schedule_note = headline_schedule(load_config(args.config), args.virtual_stages)
+    profile = cost_profile(args.profile)
+    out = output_dir(args.out)
+    json_out = output_file(args.json, "--json") if args.json else None
+    notes: list[str] = [schedule_note] if schedule_note else []
+    if schedule_note:
+        print(f"wlb analyze: note: {schedule_note}", file=sys.stderr)
     if args.data_path:
         from megatron_wlb.data.blend import read_blend
 
@@ -105,14 +131,15 @@ def run(args: argparse.Namespace) -> int:
         notes.append(f"A sample: the first {iterations} of the {available} full iterations the corpus gives, "
                      "in each ordering.")
     start = time.perf_counter()
-    path, table, verdict = analyze(args.out, cfg, streams, iterations, profile=args.profile,
+    path, table, verdict = analyze(out, cfg, streams, iterations, profile=profile,
                                    progress=tqdm_progress, source=source, reference=load_lengths(), notes=notes)
+    print(f"{table.title}\n")
     print(table.to_markdown(digits=3))
     for line in recommendation(verdict):
         print(f"\n{line}")
-    print(f"\n{verdict.iterations} iterations x {verdict.shuffles} orderings per method; "
+    print(f"\n{verdict.iterations} iterations x {verdict.shuffles} orderings per method, {verdict.schedule}; "
           f"wrote {path} and its figures in {time.perf_counter() - start:.0f} s")
-    if args.json:
-        with open(args.json, "w") as f:
+    if json_out is not None:
+        with open(json_out, "w") as f:
             json.dump({**verdict.to_json(), "recommendation": recommendation(verdict)}, f, indent=1)
     return 0

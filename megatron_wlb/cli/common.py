@@ -117,6 +117,108 @@ def with_virtual_stages(config: RunConfig, virtual_stages: int | None, flag: str
     return replace(config, virtual_stages=virtual_stages)
 
 
+def headline_schedule(config: RunConfig, virtual_stages: int | None,
+                      flag: str = "--virtual-stages") -> tuple[RunConfig, str | None]:
+    """``config`` under ``--virtual-stages`` if given, else under the schedule of the README's headline
+    (``sim.experiments.DEFAULT_VIRTUAL_STAGES``, what ``wlb reproduce`` runs), and a note when the
+    config's pipeline cannot interleave that many (then plain 1F1B)."""
+    from megatron_wlb.sim.experiments import DEFAULT_VIRTUAL_STAGES
+
+    if virtual_stages is not None:
+        return with_virtual_stages(config, virtual_stages, flag), None
+    if DEFAULT_VIRTUAL_STAGES > 1 and config.micro_batches % config.layout.pp:
+        return with_virtual_stages(config, 1, flag), (
+            f"Schedule: plain 1F1B, not the README headline's interleaved v = {DEFAULT_VIRTUAL_STAGES}: "
+            f"micro_batches ({config.micro_batches}) is not divisible by pp ({config.layout.pp}).")
+    return with_virtual_stages(config, DEFAULT_VIRTUAL_STAGES, flag), None
+
+
+def seeds_from(first: int, count: int, flag: str = "--seed") -> list[int]:
+    """``count`` consecutive shuffle seeds from ``first``, each a valid numpy ``RandomState`` seed."""
+    if first < 0 or first + count - 1 >= 2**32:
+        raise ValueError(f"{flag} {first}: must be 0 .. {2**32 - count} (numpy RandomState seeds, "
+                         f"{count} consecutive ones)")
+    return [first + k for k in range(count)]
+
+
+# -- what the packing metrics mean -------------------------------------------------------------------
+#: Unit and meaning of every metric ``wlb pack`` prints (``PackingMetrics`` and the packers'
+#: ``diagnostics()``); ``wlb pack --help`` lists them and ``wlb bench`` names its columns from them.
+#: "budget" = the tokens one iteration trains, DP x N x seq_len.
+METRIC_LEGEND: dict[str, tuple[str, str]] = {
+    "packer": ("", "the packer that made the plan"),
+    "config": ("", "the run config (layout, seq_len, N micro-batches per DP rank)"),
+    "lengths": ("", "the length stream packed"),
+    "schedule": ("", "the pipeline schedule of schedule_ratio and the packer's dealing (the config's)"),
+    "documents_read": ("documents", "documents the packer read from the stream"),
+    "dropped": ("documents", "documents dropped (always 0: none is dropped, duplicated or cut silently)"),
+    "iterations": ("global batches", "iterations packed"),
+    "imbalance": ("ratio, 1 = balanced", "paper Table 2: max micro-batch fwd+bwd latency x N / sum, per DP rank, "
+                                         "mean over ranks and iterations"),
+    "imbalance_fwd": ("ratio, 1 = balanced", "the same from forward latency only (the paper's own definition)"),
+    "imbalance_max": ("ratio, 1 = balanced", "the worst DP rank and iteration of imbalance"),
+    "imbalance_global": ("ratio, 1 = balanced", "max / mean over all DP x N micro-batches, mean over iterations"),
+    "unused_capacity": ("fraction", "1 - tokens / sum of micro-batch capacities (wlb's capacity is S_max)"),
+    "fill_vs_seq_len": ("fraction of the budget", "tokens / (budget x iterations): the stream rate kept"),
+    "mean_delay": ("iterations per token", "how long a token waits past its arrival iteration (positive part), "
+                                           "token-weighted"),
+    "max_delay": ("iterations", "the longest wait of any piece"),
+    "mean_reorder": ("iterations per token", "|emitted - arrival| token-weighted (window packers also read ahead)"),
+    "plan_ms_mean": ("ms per global batch", "wall-clock planning time (window packers: amortised over the window)"),
+    "plan_ms_max": ("ms", "the slowest global batch's planning time"),
+    "plan_cpu_ms_mean": ("ms per global batch", "CPU time of the planning thread (wall time includes waiting "
+                                                "for a core)"),
+    "plan_cpu_ms_max": ("ms", "the largest CPU time of one global batch"),
+    "tokens": ("tokens", "tokens emitted into the plan"),
+    "schedule_ratio": ("ratio, 1 = balanced", "the slowest DP rank's pipeline time / the same with every "
+                                              "micro-batch at the mean, summed over iterations (what the job "
+                                              "waits for), under the schedule named above"),
+    "schedule_ratio_max": ("ratio, 1 = balanced", "the worst iteration of schedule_ratio"),
+    "min_fill": ("fraction of the budget", "the emptiest iteration's tokens / budget, over every iteration "
+                                           "packed, including the last ones that drain the packer after the "
+                                           "stream ends; the README's 'min fill >= 0.50' is over iterations "
+                                           "while documents wait (its benchmark never reaches the stream's "
+                                           "end; `wlb pack --iterations K` leaves the drain out)"),
+    "fill_p5": ("fraction of the budget", "5th percentile over the iterations of tokens / budget"),
+    "fill_p50": ("fraction of the budget", "median over the iterations of tokens / budget"),
+    "fill_p95": ("fraction of the budget", "95th percentile over the iterations of tokens / budget"),
+    "pairs_per_token": ("pairs per token", "causal attention (query, key) pairs per token, sum of d (d + 1) / 2 "
+                                           "over the pieces / tokens: the attention work the pieces imply"),
+    "low_fill_iterations": ("iterations", "iterations below half the budget (the final drain included)"),
+    "thresholds": ("tokens", "the outlier queues' lower bounds L_1 < L_2 ... (auto: derived from the stream)"),
+    "forced_splits": ("pieces", "outliers at max_delay that fit no micro-batch whole and were split to keep "
+                                "the bound"),
+    "fill_releases": ("pieces", "outliers released early so that no iteration falls below the fill rule"),
+    "cut_stats": ("", "what the cut policy cut: cut points made, tokens of the cut "
+                                               "documents, pieces they became"),
+    "delay_overruns": ("pieces", "forced pieces that fit nowhere whole and were not cut (waited past max_delay)"),
+    "read_ahead_tokens": ("tokens", "tokens read ahead of the budget to fill iterations that outliers left "
+                                    "room in"),
+    "balanced_releases": ("pieces", "queued outliers released because the iteration could balance them"),
+    "solver_status": ("", "HiGHS status: windows solved with each"),
+    "skipped_windows": ("windows", "windows over the solver's column cap (the greedy plan kept)"),
+}
+
+
+def metric_line(key: str, value: Any) -> str:
+    """``key: value unit  # meaning`` for one printed metric (``METRIC_LEGEND``)."""
+    unit, meaning = METRIC_LEGEND.get(key, ("", ""))
+    shown = round(value, 4) if isinstance(value, float) else value
+    text = f"{key:>19}: {shown}" + (f" {unit}" if unit and not unit.startswith("ratio") else "")
+    if unit.startswith("ratio"):
+        text += f" ({unit})"
+    return f"{text:<44}  # {meaning}" if meaning else text
+
+
+def legend_text(keys: Iterable[str] | None = None) -> str:
+    """The legend (``key [unit]: meaning``, one a line) of ``keys`` (default: every metric)."""
+    lines = []
+    for key in (keys if keys is not None else METRIC_LEGEND):
+        unit, meaning = METRIC_LEGEND[key]
+        lines.append(f"  {key}{f' [{unit}]' if unit else ''}: {meaning}")
+    return "\n".join(lines)
+
+
 # -- length streams ------------------------------------------------------------------------------------
 #: a length-stream name that stands for an indexed dataset (``--data-prefix``)
 DATA_PREFIX_SCHEME = "prefix:"
@@ -154,12 +256,9 @@ def load_stream(args: argparse.Namespace) -> tuple[np.ndarray, str]:
                      "data published by the DistCA authors, github hao-ai-lab/DistCA)")
 
 
-def resolve_lengths(source: str, min_tokens: int = 0, seed: int = 0) -> np.ndarray:
-    """Lengths from a file, 'wlbllm', 'stdlib', ``prefix:PREFIX`` (an indexed dataset) or
-    ``data-path:W1 P1 W2 P2`` (a blend); repeated (a seeded shuffle per extra pass) until they hold
-    at least ``min_tokens`` tokens, so short streams can fill long benchmarks."""
-    import numpy as np
-
+def read_stream(source: str) -> np.ndarray:
+    """The lengths of a stream named as ``resolve_lengths`` takes it, once (a missing file or an empty
+    stream is a one-line error naming it)."""
     from megatron_wlb.data import load_lengths, stdlib_lengths
 
     if source == "stdlib":
@@ -176,12 +275,26 @@ def resolve_lengths(source: str, min_tokens: int = 0, seed: int = 0) -> np.ndarr
         base = load_lengths(source)
     if base.size == 0:
         raise ValueError(f"length stream {source!r} is empty")
+    return base
+
+
+def repeat_stream(base: np.ndarray, min_tokens: int = 0, seed: int = 0) -> np.ndarray:
+    """``base`` repeated (a seeded shuffle per extra pass) until it holds at least ``min_tokens`` tokens."""
+    import numpy as np
+
     parts, total = [base], int(base.sum())
     rng = np.random.default_rng(seed)
     while total < min_tokens:
         parts.append(base[rng.permutation(base.size)])
         total += int(base.sum())
     return np.concatenate(parts)
+
+
+def resolve_lengths(source: str, min_tokens: int = 0, seed: int = 0) -> np.ndarray:
+    """Lengths from a file, 'wlbllm', 'stdlib', ``prefix:PREFIX`` (an indexed dataset) or
+    ``data-path:W1 P1 W2 P2`` (a blend); repeated (a seeded shuffle per extra pass) until they hold
+    at least ``min_tokens`` tokens, so short streams can fill long benchmarks."""
+    return repeat_stream(read_stream(source), min_tokens, seed)
 
 
 # -- running ------------------------------------------------------------------------------------------

@@ -18,6 +18,8 @@ from megatron_wlb.cli.common import (
     DATA_PATH_SCHEME,
     DATA_PREFIX_SCHEME,
     cost_profile,
+    legend_text,
+    metric_line,
     output_file,
     resolve_lengths,
     run_packer,
@@ -29,7 +31,9 @@ from megatron_wlb.packing import make_packer, summarize
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("pack", help="pack a length stream into global batches and print packing metrics",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                              epilog="printed metrics, key [unit]: meaning (budget = DP x N x seq_len tokens "
+                                     "per iteration):\n" + legend_text().replace("%", "%%"))
     stream = p.add_mutually_exclusive_group()
     stream.add_argument("--lengths", default="wlbllm",
                         help="length file (.json/.npy/.txt), 'wlbllm' (embedded) or 'stdlib' (default wlbllm)")
@@ -97,12 +101,17 @@ def run(args: argparse.Namespace) -> int:
     else:
         batches = run_packer(packer, lengths, args.iterations, progress=name)
     metrics = summarize(batches, cost, packing.seq_len, stages=packing.stages, virtual_stages=packing.virtual_stages)
-    report = {"packer": name, "config": config.name, "lengths": source, "documents_read": packer.position,
+    from megatron_wlb.sim.experiments import schedule_label
+
+    report = {"packer": name, "config": config.name, "lengths": source,
+              "schedule": schedule_label(packing.virtual_stages), "documents_read": packer.position,
               "dropped": len(packer.dropped), **metrics.to_dict()}
     report.update(packer.diagnostics())
     if args.json:
         print(json.dumps(report, indent=1))
     else:
+        print(f"# budget = DP x N x seq_len = {packing.dp} x {packing.n} x {packing.seq_len:,} = "
+              f"{packing.tokens_per_iteration:,} tokens per iteration; units and meanings: wlb pack --help")
         for key, value in report.items():
-            print(f"{key:>18}: {round(value, 4) if isinstance(value, float) else value}")
+            print(metric_line(key, value))
     return 0

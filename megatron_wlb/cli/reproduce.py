@@ -12,7 +12,7 @@ import shutil
 import time
 from pathlib import Path
 
-from megatron_wlb.cli.common import load_stream, tqdm_progress
+from megatron_wlb.cli.common import cost_profile, load_stream, output_dir, tqdm_progress, with_virtual_stages
 
 README_BEGIN = "<!-- reproduce-table -->"
 README_END = "<!-- /reproduce-table -->"
@@ -49,7 +49,8 @@ def splice_readme(text: str, block: str) -> str:
 def run(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
-    from megatron_wlb.sim.experiments import TABLE1_CONFIGS
+    from megatron_wlb.config import load_config
+    from megatron_wlb.sim.experiments import CASE_STUDY_CONFIG, TABLE1_CONFIGS
     from megatron_wlb.sim.report import ReproduceSettings, reproduce
 
     settings = ReproduceSettings()
@@ -66,10 +67,15 @@ def run(args: argparse.Namespace) -> int:
     readme = Path(args.readme) if args.readme else None
     if readme is not None and not readme.exists():
         raise FileNotFoundError(f"--readme {readme} does not exist")
+    configs = tuple(args.configs or TABLE1_CONFIGS)
+    for name in (*configs, CASE_STUDY_CONFIG):  # a bad name or schedule fails now, not after minutes
+        with_virtual_stages(load_config(name), settings.virtual_stages)
+    profile = cost_profile(args.profile)
+    out = output_dir(args.out)
     lengths, source = load_stream(args)
     start = time.perf_counter()
-    path = reproduce(args.out, lengths, settings, configs=tuple(args.configs or TABLE1_CONFIGS),
-                     profile=args.profile, progress=tqdm_progress, source=source)
+    path = reproduce(out, lengths, settings, configs=configs, profile=profile, progress=tqdm_progress,
+                     source=source)
     print(f"wrote {path} and its figures in {time.perf_counter() - start:.0f} s")
     if readme is not None:
         readme.write_text(splice_readme(readme.read_text(), (path.parent / "readme.md").read_text()))

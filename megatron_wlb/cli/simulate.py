@@ -6,7 +6,15 @@ import argparse
 import json
 from typing import Any
 
-from megatron_wlb.cli.common import add_stream_args, load_stream, tqdm_progress, with_virtual_stages
+from megatron_wlb.cli.common import (
+    add_stream_args,
+    cost_profile,
+    load_stream,
+    output_file,
+    positive,
+    tqdm_progress,
+    with_virtual_stages,
+)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -31,19 +39,29 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_wlb.config import load_config
+    from megatron_wlb.config import cp_sharding_names, load_config
     from megatron_wlb.costmodel import build_cost_model
+    from megatron_wlb.packing.base import PACKERS
+    from megatron_wlb.sim.experiments import schedule_label
     from megatron_wlb.sim.iteration import simulate_stream
 
+    # every input is checked before the stream is read and simulated
+    positive(args.iterations, "--iterations")
     cfg = with_virtual_stages(load_config(args.config), args.virtual_stages)
     packer = args.packer or cfg.packer
+    if packer not in PACKERS:
+        raise ValueError(f"--packer {packer}: choose one of {', '.join(PACKERS)}")
     layout = args.cp_layout or cfg.cp_sharding
+    if layout not in (*cp_sharding_names(), "dynamic-cp"):
+        raise ValueError(f"--cp-layout {layout}: choose one of {', '.join((*cp_sharding_names(), 'dynamic-cp'))}")
+    profile = cost_profile(args.profile)
+    json_out = output_file(args.json, "--json") if args.json else None
     lengths, source = load_stream(args)
-    cost = build_cost_model(cfg.model, cfg.layout, args.profile)
+    cost = build_cost_model(cfg.model, cfg.layout, profile)
     run_ = simulate_stream(cfg, cost, packer, layout, lengths, args.iterations,
                            split_at=None if args.no_split else cfg.seq_len,
                            progress=tqdm_progress)
-    print(f"# {cfg.name} {cfg.layout} v={cfg.virtual_stages}: packer={packer}, cp layout={layout}; "
+    print(f"# {cfg.name} {cfg.layout}, {schedule_label(cfg.virtual_stages)}: packer={packer}, cp layout={layout}; "
           f"{cost.describe()}; stream: {source}")
     print(f"{'iter':>4} {'time ms':>10} {'bubble %':>8} {'PP imb':>7} {'pack imb':>8} {'GPU imb':>7} "
           f"{'tokens':>10}  layouts")
@@ -60,11 +78,12 @@ def run(args: argparse.Namespace) -> int:
                      "pp_rank_busy_s": r.gpu_busy.tolist()})
     print("PP imb: max micro-batch forward (simulated, CP max) x n / total; pack imb: the same from the "
           "packing metrics (cost model, CP shared evenly); GPU imb: slowest GPU's compute / mean")
-    print(f"mean {1e3 * run_.mean_time:.1f} ms/iteration, bubble {100 * run_.bubble_fraction:.1f}%, "
+    print(f"{schedule_label(cfg.virtual_stages)}: mean {1e3 * run_.mean_time:.1f} ms/iteration, "
+          f"bubble {100 * run_.bubble_fraction:.1f}%, "
           f"{run_.throughput:,.0f} tokens/s, PP imbalance {run_.pp_imbalance:.3f}, "
           f"GPU compute max/mean {run_.gpu_compute_imbalance:.3f}")
-    if args.json:
-        with open(args.json, "w") as f:
+    if json_out is not None:
+        with open(json_out, "w") as f:
             json.dump({"config": cfg.name, "packer": packer, "cp_layout": layout, "cost_model": cost.describe(),
                        "stream": source, "packing_metrics": run_.packing_metrics, "iterations": rows}, f, indent=1)
     return 0

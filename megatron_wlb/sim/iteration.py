@@ -127,6 +127,10 @@ class IterationResult:
     packing_imbalance_global: float = float("nan")
     mb_rank_attention: np.ndarray | None = field(default=None, repr=False)
     pipelines: tuple[PipelineResult, ...] = field(default=(), repr=False)
+    #: pieces (and their tokens) that arrived in an earlier iteration and were held back by the packer
+    #: (released outliers): an iteration that holds them trains more tokens and takes longer
+    delayed_pieces: int = 0
+    delayed_tokens: int = 0
 
     @property
     def pp_imbalance(self) -> float:
@@ -331,13 +335,15 @@ class IterationSimulator:
         per_rank = imbalance_per_rank(lat)
         pack_imb = float(np.nanmax(per_rank)) if np.any(np.isfinite(per_rank)) else float("nan")
         time = float(pipe_time.max() + self.dp_sync_seconds)
+        delayed = [p.length for p in batch.pieces() if p.arrival < batch.iteration]
         bubble = 1.0 - busy.sum() / (lay.dp * p * time) if time > 0 else 0.0
         return IterationResult(
             iteration=batch.iteration, time=time, pipeline_time=pipe_time, dp_sync=self.dp_sync_seconds,
             bubble_fraction=float(bubble), mb_fwd=mb_fwd, mb_latency=mb_lat, mb_tokens=mb_tok,
             gpu_busy=busy, gpu_compute=compute, mb_rank_compute=mb_rank, tokens=batch.tokens, layouts=dict(layouts),
             plan_seconds=batch.plan_seconds, packing_imbalance=pack_imb,
-            packing_imbalance_global=imbalance_global(lat), mb_rank_attention=mb_attn, pipelines=tuple(pipes))
+            packing_imbalance_global=imbalance_global(lat), mb_rank_attention=mb_attn, pipelines=tuple(pipes),
+            delayed_pieces=len(delayed), delayed_tokens=int(sum(delayed)))
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ import os
 import platform
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +18,7 @@ import numpy as np
 
 from megatron_wlb.config import RunConfig
 from megatron_wlb.sim.experiments import (
+    ANALYZE_METHODS,
     BALANCED_CUT,
     BASELINE_LABELS,
     BREAKDOWN_METHODS,
@@ -25,6 +26,7 @@ from megatron_wlb.sim.experiments import (
     CASE_STUDY_CONFIG,
     DEFAULT_VIRTUAL_STAGES,
     DYNCP,
+    EQUAL_DELAY,
     FIXED,
     MAIN_METHODS,
     PAPER,
@@ -60,7 +62,9 @@ from megatron_wlb.sim.iteration import IterationResult, RunSummary
 
 DPI = 90
 COLORS = {"Plain-4D": "#8c8c8c", "Plain-4D whole-doc": "#c9a227", "Fixed-4D": "#5b8fd6", "WLB-LLM": "#d65b5b",
-          "Balanced concat-and-cut": "#9b59b6", "Megatron dyn-CP": "#6dbf74"}
+          "Balanced concat-and-cut": "#9b59b6", "Megatron dyn-CP": "#6dbf74", EQUAL_DELAY.name: "#2a4d7f"}
+#: hatches of the bars over each baseline (the first baseline solid)
+HATCHES = (None, "//", "..")
 
 
 def _plt() -> Any:
@@ -80,30 +84,47 @@ def _color(name: str, i: int) -> str:
 # -- figures ---------------------------------------------------------------------------------------
 def fig_speedups(comparisons: Sequence[Comparison], path: Path, title: str = "Speedup over the baselines") -> Path:
     """Grouped bars: speedup of each method per config (paper Fig. 12 style), over concat-and-cut
-    (solid) and over whole-document (hatched) when both baselines ran."""
+    (solid) and over each other baseline that ran (hatched). With one config the groups are the
+    baselines instead. The legend (one entry per method, one per baseline's hatch) sits below the
+    axes, so it never covers a bar and the figure grows to hold it."""
     plt = _plt()
+    from matplotlib.patches import Patch
+
     c0 = comparisons[0]
     bases = c0.baselines or [c0.base]
     methods = [m for m in c0.runs if m not in bases]
-    bars = [(m, b) for m in methods for b in bases]
-    names = [c.config.name for c in comparisons]
-    x = np.arange(len(names))
+    by_base = len(comparisons) == 1 and len(bases) > 1
+    groups = ([f"over {BASELINE_LABELS.get(b, b)}" for b in bases] if by_base
+              else [c.config.name for c in comparisons])
+    bars = methods if by_base else [(m, b) for m in methods for b in bases]
+    x = np.arange(len(groups))
     width = 0.8 / max(1, len(bars))
-    fig, ax = plt.subplots(figsize=(max(5.0, 1.3 * len(names) + 2), 3.6))
-    vals_all = []
-    for i, (m, b) in enumerate(bars):
-        vals = [c.speedup(m, b) for c in comparisons]
+    fig, ax = plt.subplots(figsize=(min(14.0, max(5.5, 0.18 * len(groups) * len(bars) + 2)), 3.4),
+                           layout="constrained")
+    vals_all: list[float] = []
+    for i, bar in enumerate(bars):
+        if by_base:
+            m = str(bar)
+            vals = [comparisons[0].speedup(m, b) for b in bases]
+            hatch = None
+        else:
+            m, b = bar
+            vals = [c.speedup(m, b) for c in comparisons]
+            hatch = HATCHES[bases.index(b) % len(HATCHES)]
         vals_all += vals
         ax.bar(x + (i - (len(bars) - 1) / 2) * width, vals, width, color=_color(m, methods.index(m)),
-               hatch="//" if b != bases[0] else None, edgecolor="white" if b != bases[0] else None,
-               label=f"{m} / {BASELINE_LABELS.get(b, b)}")
+               hatch=hatch, edgecolor="white" if hatch else None)
     ax.axhline(1.0, color="black", lw=0.8)
-    ax.set_xticks(x, names, rotation=20, ha="right", fontsize=8)
+    ax.set_xticks(x, groups, rotation=0 if by_base else 20, ha="center" if by_base else "right", fontsize=8)
     ax.set_ylabel("throughput / baseline")
-    ax.set_ylim(min(0.9, min(vals_all) - 0.05), max(1.1, max(vals_all) + 0.12))
+    finite = [v for v in vals_all if np.isfinite(v)] or [1.0]
+    ax.set_ylim(min(0.9, min(finite) - 0.05), max(1.1, max(finite) + 0.05))
     ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=6, ncol=max(1, len(methods)), loc="upper left")
-    fig.tight_layout()
+    handles = [Patch(color=_color(m, i), label=m) for i, m in enumerate(methods)]
+    if not by_base and len(bases) > 1:
+        handles += [Patch(facecolor="#bbbbbb", hatch=HATCHES[i % len(HATCHES)], edgecolor="white",
+                          label=f"over {BASELINE_LABELS.get(b, b)}") for i, b in enumerate(bases)]
+    fig.legend(handles=handles, loc="outside lower center", ncol=min(3, len(handles)), fontsize=7, frameon=False)
     fig.savefig(path, dpi=DPI)
     plt.close(fig)
     return path
@@ -168,13 +189,28 @@ def fig_gantt(comp: Comparison, path: Path, methods: Sequence[str] = (PLAIN.name
         ax.axvline(res.time, color="red", lw=1)
         ax.set_yticks(range(p), [f"PP{s}" for s in range(p)], fontsize=7)
         ax.invert_yaxis()
-        ax.set_title(f"{name}: {res.time * 1e3:.0f} ms, bubble {100 * res.bubble_fraction:.0f}%", fontsize=9)
+        ax.set_title(gantt_caption(name, res, comp.config.packing.tokens_per_iteration), fontsize=8)
     axes[-1].set_xlabel("seconds")
-    fig.suptitle(f"{comp.config.name}, iteration {k} (the median Plain-4D one), DP rank 0", fontsize=9)
+    fig.suptitle(f"{comp.config.name}, iteration {k} (the median {methods[0]} one), DP rank 0, "
+                 f"{schedule_label(comp.virtual_stages)}"
+                 "\ncompare ms per 1K tokens: an iteration that trains more tokens takes longer", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=DPI)
     plt.close(fig)
     return path
+
+
+def gantt_caption(name: str, res: IterationResult, budget: int) -> str:
+    """A Gantt row's title: time, tokens against the iteration's budget, time per 1K tokens, and
+    whether the iteration holds pieces the packer held back from earlier iterations (released
+    outliers: a long iteration that trains more tokens is not a slower method)."""
+    text = (f"{name}: {res.time * 1e3:.0f} ms for {res.tokens:,} tokens ({res.tokens / budget:.2f}x the "
+            f"iteration's budget), {1e6 * res.time / max(1, res.tokens):.2f} ms per 1K tokens, "
+            f"bubble {100 * res.bubble_fraction:.0f}%")
+    if res.delayed_pieces:
+        text += (f"\nholds {res.delayed_pieces} piece(s) held back from earlier iterations and released here "
+                 f"({res.delayed_tokens:,} tokens: delayed outliers or carried remainders)")
+    return text
 
 
 def fig_window_sweep(table: Table, path: Path) -> Path:
@@ -602,7 +638,8 @@ def analyze_table(comp: Comparison) -> Table:
                      100 * run.bubble_fraction, run.pp_imbalance, run.gpu_compute_imbalance,
                      pm.get("mean_delay", float("nan")), pm.get("plan_ms_mean", float("nan")),
                      layout_mix(run.layouts)))
-    return Table(f"{comp.config.name} {comp.config.layout}: methods compared over {comp.iterations} iterations",
+    return Table(f"{comp.config.name} {comp.config.layout}, {schedule_label(comp.virtual_stages)}: methods compared "
+                 f"over {comp.iterations} iterations",
                  ("method", *[f"speedup / {BASELINE_LABELS.get(b, b)}" for b in bases], "iter ms", "tokens/s",
                   "bubble %", "PP imbalance", "GPU compute max/mean", "delay (iters/token)", "plan ms",
                   "CP layouts chosen"), tuple(rows))
@@ -611,12 +648,15 @@ def analyze_table(comp: Comparison) -> Table:
 @dataclass(frozen=True)
 class Verdict:
     """Speedups of every method over each baseline across shuffles: ``speedups[baseline][method]``
-    holds one value per shuffle."""
+    holds one value per shuffle; ``delays[method]`` its mean delay (iterations per token) per shuffle;
+    ``schedule`` the pipeline schedule every number was simulated under (``schedule_label``)."""
 
     speedups: dict[str, dict[str, list[float]]]
     iterations: int
     shuffles: int
     methods: tuple[str, ...] = ()
+    delays: dict[str, list[float]] = field(default_factory=dict)
+    schedule: str = ""
 
     def summary(self, baseline: str, method: str) -> dict[str, float]:
         vals = self.speedups[baseline][method]
@@ -632,6 +672,8 @@ class Verdict:
             "baseline": f"{label} ({baseline})",
             "speedup_over": {BASELINE_LABELS.get(b, b): {m: self.summary(b, m) for m in per}
                              for b, per in self.speedups.items()},
+            "mean_delay_iterations": {m: float(np.mean(d)) for m, d in self.delays.items()},
+            "schedule": self.schedule,
             "iterations": self.iterations,
             "shuffles": self.shuffles,
         }
@@ -643,7 +685,8 @@ def verdict_of(comps: Sequence[Comparison]) -> Verdict:
     bases = c0.baselines or [c0.base]
     speedups = {b: {m: [c.speedup(m, b) for c in comps] for m in c0.runs if m != b} for b in bases}
     iterations = min(len(run.iterations) for c in comps for run in c.runs.values())
-    return Verdict(speedups, iterations, len(comps), tuple(c0.runs))
+    delays = {m: [float(c.runs[m].packing_metrics.get("mean_delay", float("nan"))) for c in comps] for m in c0.runs}
+    return Verdict(speedups, iterations, len(comps), tuple(c0.runs), delays, schedule_label(c0.virtual_stages))
 
 
 def recommendation(verdict: Verdict, spread: str = "ordering") -> list[str]:
@@ -671,6 +714,7 @@ def recommendation(verdict: Verdict, spread: str = "ordering") -> list[str]:
     lines.append(f"Balancing Megatron's own pieces (same tokens, same attention work) gives {cut['mean']:.3f}x "
                  f"[{cut['min']:.3f}, {cut['max']:.3f}] over concat-and-cut; WLB-LLM with documents whole gives "
                  f"{wlb['mean']:.3f}x [{wlb['min']:.3f}, {wlb['max']:.3f}].")
+    lines += equal_delay_lines(verdict)
     if wlb["min"] > cut["mean"]:
         lines.append(f"**Use WLB-LLM with documents whole** (the default `--wlb-pieces documents`): "
                      f"{wlb['mean'] / cut['mean']:.3f}x the balanced concat-and-cut here in every {spread}, but it "
@@ -684,8 +728,35 @@ def recommendation(verdict: Verdict, spread: str = "ordering") -> list[str]:
     return lines
 
 
+def equal_delay_lines(verdict: Verdict) -> list[str]:
+    """The verdict against the strongest baseline at equal delay (``EQUAL_DELAY``: fixed-length greedy
+    over a window of global batches, adaptive CP), with both methods' mean delays; empty when it did
+    not run."""
+    base = EQUAL_DELAY.name
+    over = verdict.speedups.get(base, {})
+    if WLB.name not in over:
+        return []
+
+    def delay(m: str) -> str:
+        d = verdict.delays.get(m)
+        return f"{float(np.mean(d)):.2f}" if d else "?"
+
+    label = BASELINE_LABELS[base]
+    cells = [f"{m} {s['mean']:.3f}x [{s['min']:.3f}, {s['max']:.3f}]"
+             for m in (WLB.name, BALANCED_CUT.name) if m in over for s in [verdict.summary(base, m)]]
+    line = (f"Against the strongest baseline at equal delay, {label} (adaptive CP, mean delay {delay(base)} "
+            f"iterations per token; WLB-LLM {delay(WLB.name)}): " + ", ".join(cells) + ".")
+    best = max(verdict.summary(base, m)["max"] for m in (WLB.name, BALANCED_CUT.name) if m in over)
+    if best < 1.0:
+        line += (f" **{label} is faster here in every ordering**: `packer: fixed-greedy`, `window: "
+                 f"{dict(EQUAL_DELAY.overrides)['window']}` (`--wlb-packing fixed-greedy --wlb-window "
+                 f"{dict(EQUAL_DELAY.overrides)['window']}`).")
+    return [line]
+
+
 def verdict_table(verdict: Verdict) -> Table:
-    """Mean [min, max] of each method's speedup over each baseline across the shuffles."""
+    """Mean [min, max] of each method's speedup over each baseline across the shuffles, and its mean
+    delay (iterations per token, mean over the shuffles)."""
     bases = list(verdict.speedups)
     methods = list(verdict.methods or dict.fromkeys(m for b in bases for m in verdict.speedups[b]))
     rows = []
@@ -697,9 +768,13 @@ def verdict_table(verdict: Verdict) -> Table:
                 cells.append(f"{s['mean']:.3f} [{s['min']:.3f}, {s['max']:.3f}]")
             else:
                 cells.append("1 (baseline)")
-        rows.append((m, *cells))
-    return Table(f"Verdict: speedup, mean [min, max] over {verdict.shuffles} shuffles of {verdict.iterations} "
-                 "iterations", ("method", *[f"/ {BASELINE_LABELS.get(b, b)}" for b in bases]), tuple(rows))
+        delays = verdict.delays.get(m)
+        rows.append((m, *cells, f"{float(np.mean(delays)):.2f}" if delays else "-"))
+    schedule = f", {verdict.schedule}" if verdict.schedule else ""
+    return Table(f"Verdict: speedup (throughput over each baseline), mean [min, max] over {verdict.shuffles} "
+                 f"shuffles of {verdict.iterations} iterations{schedule}",
+                 ("method", *[f"/ {BASELINE_LABELS.get(b, b)}" for b in bases], "mean delay (iterations)"),
+                 tuple(rows))
 
 
 def fig_length_distribution(lengths: np.ndarray, reference: np.ndarray, path: Path, name: str = "your data",
@@ -729,7 +804,7 @@ def fig_length_distribution(lengths: np.ndarray, reference: np.ndarray, path: Pa
 
 
 def analyze(out: str | Path, config: RunConfig, streams: Sequence[np.ndarray], iterations: int, *,
-            profile: str | None = None, methods: Sequence[Method] = MAIN_METHODS,
+            profile: str | None = None, methods: Sequence[Method] = ANALYZE_METHODS,
             progress: Progress | None = None, source: str = "", virtual_stages: int | None = None,
             reference: np.ndarray | None = None, notes: Sequence[str] = ()) -> tuple[Path, Table, Verdict]:
     """``wlb analyze``: compare the methods on one config over several orderings of the same corpus
@@ -747,7 +822,8 @@ def analyze(out: str | Path, config: RunConfig, streams: Sequence[np.ndarray], i
     verdict = verdict_of(comps)
     vt = verdict_table(verdict)
     table = analyze_table(comps[0])
-    fig_speedups([comps[0]], out / "speedups.png", f"{config.name}: speedup, first shuffle")
+    fig_speedups([comps[0]], out / "speedups.png",
+                 f"{config.name}: speedup, first shuffle, {schedule_label(comps[0].virtual_stages)}")
     fig_latency_distribution(comps[0], out / "latency_distribution.png")
     fig_gantt(comps[0], out / "gantt.png")
     figs = ["speedups.png", "latency_distribution.png", "gantt.png"]
@@ -768,15 +844,20 @@ def analyze(out: str | Path, config: RunConfig, streams: Sequence[np.ndarray], i
         *[f"{n}\n" for n in notes],
         "Speedup = simulated tokens per second over a baseline on the same iterations of the same ordering "
         "of the corpus: *concat-and-cut* is Megatron's GPTDataset (what `pretrain_gpt.py` does today), "
-        "*whole-document* keeps documents whole in arrival order. *Balanced concat-and-cut* trains exactly "
+        "*whole-document* keeps documents whole in arrival order; "
+        f"*{BASELINE_LABELS[EQUAL_DELAY.name]}* ({EQUAL_DELAY.name}) is the strongest baseline at equal delay: "
+        "fixed-length greedy packing over that many global batches, with WLB-LLM's adaptive CP layout, so that "
+        "only the packing differs (compare the mean delays). *Balanced concat-and-cut* trains exactly "
         "concat-and-cut's pieces, grouped and dealt by the wlb packer. The range shows how much the verdict "
         "depends on the order of the documents; a speedup near 1.0 means your data or layout leaves "
         "little imbalance to remove.",
         "",
+        f"**{vt.title}**",
+        "",
         vt.to_markdown(digits=3),
         "",
         *[f"{line}\n" for line in recommendation(verdict)],
-        "Detail of the first ordering:",
+        f"Detail of the first ordering, {table.title}:",
         "",
         table.to_markdown(),
         "",
