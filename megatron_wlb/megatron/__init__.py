@@ -29,7 +29,9 @@ version and replaces, in Megatron's training code (pinned: ``version.PINNED_MEGA
   (identical) micro-batch instead of receiving a fixed-shape broadcast from TP rank 0, which cannot
   carry variable lengths;
 - ``save_checkpoint`` / ``load_checkpoint``: the packer + stream state sidecar (``checkpoint.py``);
-- ``training_log``: the per-iteration packing metrics (``wlb_logging.py``).
+- ``training_log``: the per-iteration packing metrics (``wlb_logging.py``);
+- start-up builds (``startup.py``): the dataset-helper ``make`` and core 0.16's ``fused_kernels.load``
+  are skipped, saying so, where the machine lacks the toolchain (or the helpers are prebuilt).
 
 Importing this package needs neither torch nor Megatron; ``apply()`` imports them.
 """
@@ -461,6 +463,9 @@ def apply(*, check_version: bool = True, middle_stage_batches: bool = False) -> 
     from megatron_wlb.megatron.wlb_logging import wrap_training_log
 
     mods = _import_training_modules()
+    from megatron_wlb.megatron.startup import guard_startup_builds
+
+    guard_startup_builds()  # no toolchain (a bare GPU machine): skip the builds that would fail, saying so
     _RUNTIME.registry = DataStateRegistry()
     get_args = mods["global_vars"].get_args
 

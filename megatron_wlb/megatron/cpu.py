@@ -212,12 +212,9 @@ def install_megatron_redirects() -> None:
         warmup_keeping_the_cpu_generator.__wlb_cpu__ = True  # type: ignore[attr-defined]
         initialize._warmup_jit_function = warmup_keeping_the_cpu_generator
     install_sequence_parallel_torch_norm()
-    try:  # core <= 0.16: initialize calls it unconditionally; it runs nvcc -V and compiles nothing
-        from megatron.legacy import fused_kernels
+    from megatron_wlb.megatron.startup import guard_fused_kernels
 
-        fused_kernels.load = lambda *a, **k: None
-    except ImportError:
-        pass
+    guard_fused_kernels(force=True)  # core <= 0.16: initialize calls it; it runs nvcc -V and compiles nothing
     original = initialize.initialize_megatron
     if not getattr(original, "__wlb_cpu__", False):
         patched = functools.wraps(original)(lambda *a, **k: original(*a, **{**k, "allow_no_cuda": True}))
