@@ -19,11 +19,10 @@ from importlib.abc import Traversable
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-
 from megatron_wlb.costmodel import MODELS, ModelShape, ParallelLayout, get_model
 from megatron_wlb.packing.base import PACKERS
 from megatron_wlb.packing.types import PackingConfig
+from megatron_wlb.requirements import require
 
 #: the shipped configs (a Traversable: a plain folder in a checkout or an installed wheel)
 CONFIG_DIR = resources.files("megatron_wlb") / "configs"
@@ -358,6 +357,7 @@ def load_config(name_or_path: str | Path) -> RunConfig:
         text = path.read_text()
     except (OSError, UnicodeDecodeError) as exc:
         raise ValueError(f"config {path}: cannot read it ({exc.__class__.__name__}: {exc})") from None
+    yaml = require("yaml", f"reading the run config {path}")
     try:
         raw = yaml.safe_load(text) or {}
     except yaml.YAMLError as exc:
