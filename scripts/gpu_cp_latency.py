@@ -174,8 +174,9 @@ def main(argv=None) -> int:
     p.add_argument("--max-seconds", type=float, default=3000.0)
     p.add_argument("--smoke", action="store_true", help="tiny CPU-sized run (tests)")
     args = p.parse_args(argv)
-    if args.smoke:
+    if args.smoke:  # the CPU whatever the machine has: the reference kernel, fp32
         torch.set_num_threads(1)
+        args.device, args.backend = "cpu", "auto"
         args.seq_lens, args.cps, args.micro_batches = "256", "2", 2
         args.heads, args.kv_heads, args.head_dim, args.dtype = 2, 1, 8, "fp32"
         args.warmup, args.iters, args.tile = 0, 1, 16

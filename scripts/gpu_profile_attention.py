@@ -141,8 +141,9 @@ def main(argv=None) -> int:
     p.add_argument("--max-seconds", type=float, default=1800.0, help="abort if the sweep takes longer")
     p.add_argument("--smoke", action="store_true", help="tiny CPU-sized run (tests): fp32, 2 heads, small grid")
     args = p.parse_args(argv)
-    if args.smoke:
+    if args.smoke:  # the CPU whatever the machine has: the reference kernel, fp32
         torch.set_num_threads(1)
+        args.device, args.backend = "cpu", "auto"
         args.q_lens, args.kv_lens, args.tokens = "4,8,16", "8,16", 32
         args.heads, args.kv_heads, args.head_dim, args.tile = 2, 1, 8, 4
         args.dtype, args.warmup, args.iters = "fp32", 1, 2

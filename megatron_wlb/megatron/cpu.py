@@ -135,7 +135,8 @@ class _Stream:
 
 
 def install_cpu_redirects() -> None:
-    """Install the redirects of ``REDIRECTS`` in this process (idempotent). Call before importing Megatron."""
+    """Install the redirects of ``REDIRECTS`` in this process (idempotent). Call before importing Megatron
+    and before anything uses CUDA: on a GPU machine the GPUs are hidden from this process."""
     global _INSTALLED
     if _INSTALLED:
         return
@@ -143,9 +144,13 @@ def install_cpu_redirects() -> None:
 
     import torch
 
+    if not torch.cuda.is_initialized():
+        # CPU mode on a GPU machine: hide its GPUs from this process (read when CUDA initialises), so
+        # the redirects below answer every CUDA query, as on a machine without one.
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
     if torch.cuda.is_available():
-        raise RuntimeError("install_cpu_redirects() is for machines without CUDA; this one has a GPU: "
-                           "run Megatron normally")
+        raise RuntimeError("install_cpu_redirects() must run before this process uses CUDA (it already has): "
+                           "call it first, or run Megatron on the GPU normally")
     if not hasattr(typing, "override"):
         import typing_extensions
 
