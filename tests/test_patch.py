@@ -411,6 +411,32 @@ def test_launch_local_scales_the_layout_to_one_node(tmp_path: Path):
     assert res.returncode == 1 and "not a multiple of TP*CP*PP" in res.stderr
 
 
+def test_launch_local_on_a_bare_gpu_machine(tmp_path: Path):
+    """No TOKENIZER_MODEL, no TransformerEngine, no nvidia-smi (issue 20, item 6): NullTokenizer with
+    --vocab-size, the local transformer, and the GPU count from torch (a stand-in answering 1)."""
+    env, _ = _fake_cluster(tmp_path)
+    env.pop("TOKENIZER_MODEL")
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text("import torch\ntorch.cuda.device_count = lambda: 1\n")
+    blocked = tmp_path / "blocked"
+    blocked.mkdir()
+    (blocked / "transformer_engine.py").write_text("raise ImportError('not installed here')\n")
+    (blocked / "nvidia-smi").write_text("#!/bin/sh\nexit 9\n")
+    (blocked / "nvidia-smi").chmod(0o755)
+    env.update(DRY_RUN="1", PATH=f"{blocked}:{env['PATH']}",
+               PYTHONPATH=os.pathsep.join([str(site), str(blocked), env["PYTHONPATH"]]))
+    env.pop("NPROC", None)
+    env.pop("TRANSFORMER_IMPL", None)
+    res = subprocess.run(["bash", str(ROOT / "scripts" / "launch_local.sh"), "7b_64k"], env=env, capture_output=True,
+                         text=True, timeout=120, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    argv = res.stdout.split()
+    assert _flag(argv, "--nproc-per-node") == "1" and _flag(argv, "--tokenizer-type") == "NullTokenizer"
+    assert _flag(argv, "--vocab-size") == "32000" and "--tokenizer-model" not in argv
+    assert _flag(argv, "--transformer-impl") == "local" and "--no-persist-layer-norm" in argv
+
+
 def test_gpu_smoke_script_parses():
     res = subprocess.run(["bash", "-n", str(ROOT / "scripts" / "gpu_smoke_train.sh")], capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
