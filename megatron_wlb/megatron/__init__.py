@@ -178,10 +178,15 @@ def _ranks() -> tuple[int, int]:
 
 # -- the hooks ---------------------------------------------------------------------------------------------
 def _wrap_parse_args(original: Callable) -> Callable:
-    from megatron_wlb.megatron.args import wlb_extra_args_provider
+    from megatron_wlb.megatron.args import asks_for_help, wlb_extra_args_provider, wlb_help
 
     @wrapping(original)
     def parse_args(extra_args_provider=None, ignore_unknown_args=False):
+        import sys
+
+        if asks_for_help(sys.argv[1:]):  # ours only: Megatron's --help crashes on 0.19.2 (upstream)
+            print(wlb_help(sys.argv[0]), end="")
+            raise SystemExit(0)
         args = original(wlb_extra_args_provider(extra_args_provider), ignore_unknown_args)
         if getattr(args, "yaml_cfg", None) is not None:
             # Megatron's YAML path replaces the parsed args and skips validate_args (and our checks)

@@ -103,6 +103,11 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     if argv is not None:
         sys.argv = [sys.argv[0], *argv]
+    from megatron_wlb.megatron.args import asks_for_help, wlb_help
+
+    if asks_for_help(sys.argv[1:]):  # ours only: Megatron's --help crashes on 0.19.2 (upstream)
+        print(wlb_help("python -m megatron_wlb.megatron.launcher"), end="")
+        return
     import megatron_wlb.megatron as wlb
 
     wlb.apply(middle_stage_batches=True)  # also makes the dataset-helper build safe (startup.py)
