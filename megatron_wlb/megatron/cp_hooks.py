@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
@@ -99,7 +100,11 @@ def upload_micro_batch(batch: RankMicroBatch, device: torch.device | None = None
     rope = up(plan.positions, torch.long)
     if plan.te is not None:
         te = plan.te
-        cu, cu_padded = up(te.cu_seqlens, torch.int32), up(te.cu_seqlens_padded, torch.int32)
+        cu = up(te.cu_seqlens, torch.int32)
+        # TE infers padding between sequences whenever the padded offsets are another tensor, which rules
+        # out its FlashAttention backend: nothing padded, the same tensor
+        padded = not np.array_equal(te.cu_seqlens, te.cu_seqlens_padded)
+        cu_padded = up(te.cu_seqlens_padded, torch.int32) if padded else cu
         # cp_group None, as in Megatron's own THD path: a group here would make TEDotProductAttention
         # re-set its CP group every call (dynamic CP)
         params = WlbPackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu_padded,
