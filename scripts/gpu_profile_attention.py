@@ -68,7 +68,8 @@ def check_bottom_right(backend: str, device: torch.device, dtype: torch.dtype, h
     q = torch.randn(int(cu_q[-1]), heads, dim, generator=gen).to(device, dtype)
     k = torch.randn(int(cu_k[-1]), kv_heads, dim, generator=gen).to(device, dtype)
     v = torch.randn(int(cu_k[-1]), kv_heads, dim, generator=gen).to(device, dtype)
-    got = varlen_attention(q, k, v, cu_q, cu_k, 17, 40, backend=backend).float()
+    got = varlen_attention(q, k, v, torch.as_tensor(cu_q, device=device), torch.as_tensor(cu_k, device=device), 17, 40,
+                           backend=backend).float()
     want = reference_varlen_attention(q.float(), k.float(), v.float(), cu_q, cu_k).float()
     err = float((got - want).abs().max())
     tol = 2e-2 if dtype != torch.float32 else 1e-4
@@ -98,8 +99,9 @@ def profile(args) -> dict:
                 raise SystemExit(f"--max-seconds {args.max_seconds} exceeded at q={q_len}, kv={kv_len}; "
                                  "use a coarser grid or a larger budget")
             runs = max(1, args.tokens // kv_len)
-            cu_q = np.arange(runs + 1, dtype=np.int32) * q_len
-            cu_k = np.arange(runs + 1, dtype=np.int32) * kv_len
+            # offsets uploaded once, outside the timed region (a host copy per call would bias small shapes)
+            cu_q = torch.as_tensor(np.arange(runs + 1, dtype=np.int32) * q_len, device=device)
+            cu_k = torch.as_tensor(np.arange(runs + 1, dtype=np.int32) * kv_len, device=device)
             q = torch.randn(runs * q_len, args.heads, args.head_dim, device=device, dtype=dtype)
             k = torch.randn(runs * kv_len, args.kv_heads, args.head_dim, device=device, dtype=dtype)
             v = torch.randn_like(k)

@@ -142,3 +142,40 @@ def test_cpu_redirects_hide_the_gpus_of_a_gpu_machine():
     res = subprocess.run([sys.executable, "-c", code.format(init=True)], capture_output=True, text=True, env=env,
                          timeout=120)
     assert res.returncode != 0 and "before this process uses CUDA" in res.stderr
+
+
+def test_timed_kernel_calls_get_offsets_already_on_the_device(tmp_path, monkeypatch):
+    """issue 20, item 8: the calibration scripts and `wlb calibrate` copied cu_seqlens from numpy to the device
+    inside every timed call; the offsets must arrive as int32 device tensors, uploaded before."""
+    import importlib.util
+
+    import torch
+
+    import megatron_wlb.cp.attention as attention
+    from megatron_wlb.cli.main import main as wlb_main
+
+    kinds: list[str] = []
+    real = attention.varlen_attention
+
+    def recording(q, k, v, cu_q, cu_k, *args, **kwargs):
+        kinds.append("tensor" if isinstance(cu_q, torch.Tensor) and isinstance(cu_k, torch.Tensor)
+                     and cu_q.dtype == torch.int32 and cu_q.device == q.device else type(cu_q).__name__)
+        return real(q, k, v, cu_q, cu_k, *args, **kwargs)
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        for script, args in (("gpu_profile_attention", ["--out", str(tmp_path / "e.json")]),
+                             ("gpu_cp_latency", ["--out", str(tmp_path / "lat")])):
+            spec = importlib.util.spec_from_file_location(script, ROOT / "scripts" / f"{script}.py")
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            monkeypatch.setattr(module, "varlen_attention", recording)
+            kinds.clear()
+            assert module.main(["--smoke", *args]) == 0
+            assert kinds and set(kinds) == {"tensor"}, (script, kinds)
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    monkeypatch.setattr(attention, "varlen_attention", recording)
+    kinds.clear()
+    assert wlb_main(["calibrate", "--smoke", "--out", str(tmp_path / "p.json")]) == 0
+    assert kinds and set(kinds) == {"tensor"}, kinds
