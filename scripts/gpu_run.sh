@@ -119,9 +119,12 @@ part3() {
     local flags=(--wlb-packing wlb --wlb-cp-sharding per-document --wlb-max-seq-len 3072 --wlb-log-interval 1)
     if [[ $dry == 1 ]]; then
         iters=${ITERS:-2}
-        entry=("$PY" -m megatron_wlb.megatron.cpu --pretrain-gpt "$mlm/pretrain_gpt.py" --tiny-gpt)
+        entry=("$PY" -m torch.distributed.run --standalone --nnodes 1 --nproc-per-node 1 -m megatron_wlb.megatron.cpu
+               --pretrain-gpt "$mlm/pretrain_gpt.py" --tiny-gpt)
     else
-        entry=("$PY" -m torch.distributed.run --standalone --nnodes 1 --nproc-per-node 1 "$mlm/pretrain_gpt.py"
+        # the startup guards only (stock Megatron otherwise): no nvcc, no make on the GPU machine
+        entry=("$PY" -m torch.distributed.run --standalone --nnodes 1 --nproc-per-node 1
+               -m megatron_wlb.megatron.startup "$mlm/pretrain_gpt.py"
                --num-layers 4 --hidden-size 256 --num-attention-heads 8 --group-query-attention
                --num-query-groups 4 --ffn-hidden-size 1024 --swiglu --normalization RMSNorm
                --position-embedding-type rope --disable-bias-linear --attention-dropout 0.0 --hidden-dropout 0.0

@@ -119,3 +119,22 @@ def guard_startup_builds() -> dict[str, str]:
 
 __all__ = ["guard_dataset_helpers", "guard_fused_kernels", "guard_startup_builds", "missing_helper_toolchain",
            "nvcc_runs"]
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m megatron_wlb.megatron.startup PRETRAIN_SCRIPT [flags...]``: a Megatron-LM entry script as
+    ``__main__`` with only these guards (no WLB-LLM hook): stock Megatron on a machine without a toolchain."""
+    import runpy
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or not os.path.isfile(argv[0]):
+        raise SystemExit("usage: python -m megatron_wlb.megatron.startup PATH/pretrain_gpt.py [flags...]")
+    script = os.path.abspath(argv[0])
+    sys.path.insert(0, os.path.dirname(script))
+    guard_startup_builds()
+    sys.argv = [script, *argv[1:]]
+    runpy.run_path(script, run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()
