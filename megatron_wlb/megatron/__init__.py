@@ -6,7 +6,8 @@ One micro-batch, from the length stream to the kernel, is built once and uploade
     packer.pack() -> GlobalBatch     this DP rank's MicroBatch pieces (packing/, host, every rank alike)
     WlbDataIterator.__next__         -> RankMicroBatch: cp.plan.plan_rank() lays the micro-batch out
                                         over the CP group and keeps this rank's rows and RankPlan
-                                        (megatron/data.py, host)
+                                        (megatron/data.py, host; prefetch.py builds the next one of
+                                        the iteration on a thread and, on CUDA, uploads it on a side stream)
     get_batch (launcher, or the pinned pretrain_gpt through get_batch_on_this_tp_rank)
       cp_hooks.upload_micro_batch    the one host -> device copy: tokens + WlbPackedSeqParams(wlb=WlbVarlen)
     every layer                      WlbCoreAttention and RoPE read the same WlbVarlen device tensors
@@ -257,7 +258,8 @@ def _wrap_build_iterators(original: Callable, mods: dict[str, Any]) -> Callable:
                                                virtual_stages=int(getattr(args, "virtual_pipeline_model_parallel_size",
                                                                           None) or 1))
         first = not _RUNTIME.registry.iterators
-        iterator = build_train_iterator(args, settings, *_ranks(), on_batch=_RUNTIME.logger.on_batch if first else None)
+        iterator = _prefetching(build_train_iterator(args, settings, *_ranks(),
+                                                     on_batch=_RUNTIME.logger.on_batch if first else None))
         _RUNTIME.registry.register(iterator)
         if first:
             _start_recorder(args, settings, iterator.n, _RUNTIME.logger.cost)
@@ -389,7 +391,20 @@ def _split_is_empty(args: Any, split_name: str) -> bool:
 
 
 def _unwrap_iterator(data_iterator: Any) -> Any:
-    return getattr(data_iterator, "iterable", data_iterator)
+    from megatron_wlb.megatron.prefetch import unwrap
+
+    return unwrap(data_iterator)
+
+
+def _prefetching(iterator: WlbDataIterator) -> Any:
+    """The training iterator with its next micro-batch built (and, on CUDA, uploaded) on a thread
+    (``prefetch.py``): the same micro-batches in the same order, off the step's critical path."""
+    from megatron_wlb.megatron.cp_hooks import stage_upload, training_device
+    from megatron_wlb.megatron.prefetch import PrefetchingIterator
+
+    device = training_device()
+    return PrefetchingIterator(iterator, stage=functools.partial(stage_upload, device=device)
+                               if device.type == "cuda" else None)
 
 
 def pinned_tp_rank_batch(batch: RankMicroBatch) -> dict[str, Any]:
