@@ -25,7 +25,6 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import numpy as np
 import torch
 
 from megatron_wlb.cp import LAYOUT_NAMES, build_layout

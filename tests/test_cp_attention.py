@@ -174,9 +174,8 @@ def _install_fake_varlen(monkeypatch, signature_has_scale: bool):
 
 
 def test_torch_varlen_passes_scale_only_where_the_signature_has_it(monkeypatch):
-    from megatron_wlb.cp.attention import _torch_varlen
-
     import megatron_wlb.cp.attention as attention
+    from megatron_wlb.cp.attention import _torch_varlen
 
     q, k = torch.ones(4, 4, 16), torch.ones(4, 2, 16)
     monkeypatch.setattr(attention, "_aten_flash_ops", lambda: None)  # no flash op to call directly: expand

@@ -98,13 +98,17 @@ def test_batch_path_benchmark_times_every_layout(tmp_path):
     spec = importlib.util.spec_from_file_location("bench_batch_path", ROOT / "scripts" / "bench_batch_path.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)  # in this process: torch and megatron.core are imported once per session
-    bench.main(["--layers", "2", "--reps", "1", "--out", str(tmp_path / "bp")])
+    bench.main(["--layers", "2", "--reps", "1", "--step-ms", "60", "--out", str(tmp_path / "bp")])
     result = json.loads((tmp_path / "bp.json").read_text())
     assert len(result["rows"]) == 2 * 3 * 4 and (tmp_path / "bp.md").read_text().startswith("# The one-plan")
     for row in result["rows"]:
         assert row["plan_ms"] > 0 and row["upload_ms"] > 0 and row["saved_ms"] >= 0
         if row["chosen"] != "hybrid":  # the equal-count layouts: exactly T / CP rows (T padded to CP)
             assert row["rank_rows"] == -(-row["tokens"] // row["cp"])
+    # the prefetching iterator takes the micro-batches after an iteration's first off the critical path
+    for row in result["critical"]:
+        assert row["prefetch_rest_ms"] < row["plain_rest_ms"], row
+    assert "What stays on the critical path" in (tmp_path / "bp.md").read_text()
 
 
 def _run_as_on_a_gpu_machine(script: str, *args: str) -> subprocess.CompletedProcess:

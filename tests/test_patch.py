@@ -137,7 +137,7 @@ def _content_manifests(repo: Path, patches: Path) -> None:
 
     digest = hashlib.sha256((repo / "pretrain.py").read_bytes()).hexdigest()
     (patches / "PINNED_FILES.sha256").write_text(f"{digest}  pretrain.py\n")
-    patched = "import hook\n\ndef main():\n    return 2\n".encode()
+    patched = b"import hook\n\ndef main():\n    return 2\n"
     (patches / "PATCHED_FILES.sha256").write_text(f"{hashlib.sha256(patched).hexdigest()}  pretrain.py\n")
 
 

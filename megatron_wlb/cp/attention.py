@@ -3,8 +3,10 @@
 Each CP rank holds q, k, v of its own tokens, in its layout order (``RankShard.token_index``),
 shaped ``[tokens, heads, head_dim]`` (GQA: fewer k/v heads than q heads). Forward:
 
-1. K and V (written once into one padded buffer: one collective) are all-gathered over the CP group: rank 0's tokens, then
-   rank 1's, ... (each rank's block padded to the largest count, so unequal counts are fine);
+1. K and V (written once into one padded buffer: one collective) are all-gathered over the CP
+   group: rank 0's tokens, then rank 1's, ... (each rank's block padded to the largest count, so
+   unequal counts are fine; at CP = 1 nothing is gathered, and with one run per document nothing is
+   copied either);
 2. ``kv_index`` (micro-batch positions) mapped through ``gather_position`` picks, for every query
    run, its document's keys ``[doc_start, run_end)`` out of the gathered buffer: a materialised
    copy, because the key segments of one document's runs overlap;

@@ -88,12 +88,12 @@ def upload_micro_batch(batch: RankMicroBatch, device: torch.device | None = None
     device = training_device() if device is None else device
     staged = batch.staged
     if staged is not None and staged[0] == device and tokens:
-        _, event, data, params = staged  # uploaded on a side stream (stage_upload): wait for it, no host work
+        _, event, staged_data, staged_params = staged  # sent on a side stream (stage_upload): wait, no host work
         stream = torch.cuda.current_stream(device)
         stream.wait_event(event)
-        for tensor in _device_tensors(data, params):
+        for tensor in _device_tensors(staged_data, staged_params):
             tensor.record_stream(stream)  # the caching allocator must not reuse them before this stream is done
-        return data, params
+        return staged_data, staged_params
     plan = batch.plan
     cp_group = _cp_group() if cp_group is None else cp_group
     if batch.verify_layout and cp_group is not None and plan.layout.cp > 1:
