@@ -1,11 +1,14 @@
 """megatron-wlb: workload-balanced 4D parallelism (WLB-LLM, OSDI'25) for Megatron-LM."""
 
 import re
+import runpy
 
 from setuptools import find_packages, setup
 
 # one place for the version: megatron_wlb/__init__.py (what `wlb --version` prints)
 VERSION = re.search(r'^__version__ = "([^"]+)"', open("megatron_wlb/__init__.py").read(), re.M).group(1)
+# one place for the packages Megatron's training code needs beyond torch (no imports: read as a script)
+REQUIREMENTS = runpy.run_path("megatron_wlb/requirements.py", run_name="setup")
 
 setup(
     name="megatron-wlb",
@@ -35,9 +38,10 @@ setup(
         # The releases CI trains with: 0.19.x (its wheel ships megatron/training; our launcher) and a
         # core_v0.16.1 checkout (patched pretrain_gpt.py). megatron-core imports triton unconditionally,
         # also on CPU; Megatron-LM's training code also imports six, regex and pydantic, which the core
-        # wheel does not declare, and a checkout compiles its dataset helpers with pybind11.
-        "megatron": ["torch>=2.4", "megatron-core>=0.16,<0.20,!=0.17.*,!=0.18.*", "triton", "packaging>=24.2",
-                     "six", "regex", "pydantic>=2", "pybind11"],
+        # wheel does not declare (megatron_wlb/requirements.py lists them), and a checkout compiles its
+        # dataset helpers with pybind11.
+        "megatron": ["torch>=2.4", "megatron-core>=0.16,<0.20,!=0.17.*,!=0.18.*", "triton", "pybind11",
+                     *REQUIREMENTS["MEGATRON"]],
         "test": ["pytest>=7", "hypothesis>=6", "ruff>=0.5", "mypy>=1.10"],
     },
     entry_points={"console_scripts": ["wlb=megatron_wlb.cli.main:main"]},

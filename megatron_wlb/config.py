@@ -19,11 +19,10 @@ from importlib.abc import Traversable
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-
 from megatron_wlb.costmodel import MODELS, ModelShape, ParallelLayout, get_model
 from megatron_wlb.packing.base import PACKERS
 from megatron_wlb.packing.types import PackingConfig
+from megatron_wlb.requirements import require
 
 #: the shipped configs (a Traversable: a plain folder in a checkout or an installed wheel)
 CONFIG_DIR = resources.files("megatron_wlb") / "configs"
@@ -311,24 +310,24 @@ def _positive_int(value: Any, where: str, at_most: int | None = None) -> int:
     return value
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """``yaml.SafeLoader`` that refuses a mapping with a key given twice (YAML would keep the last)."""
-
-    def construct_mapping(self, node: Any, deep: bool = False) -> dict:
-        seen: set = set()
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=deep)
-            if key in seen:
-                mark = key_node.start_mark
-                raise yaml.constructor.ConstructorError(
-                    None, None, f"duplicate key {key!r} (line {mark.line + 1}); give each key once", mark)
-            seen.add(key)
-        return super().construct_mapping(node, deep=deep)
-
-
 def load_yaml(text: str) -> Any:
-    """``yaml.safe_load`` refusing duplicate keys."""
-    return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+    """``yaml.safe_load`` refusing a mapping with a key given twice (YAML would keep the last); pyyaml
+    is imported here, on first use (``require`` names what to install)."""
+    yaml = require("yaml", "reading a YAML config")
+
+    class UniqueKeyLoader(yaml.SafeLoader):  # type: ignore[name-defined]
+        def construct_mapping(self, node: Any, deep: bool = False) -> dict:
+            seen: set = set()
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=deep)
+                if key in seen:
+                    mark = key_node.start_mark
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"duplicate key {key!r} (line {mark.line + 1}); give each key once", mark)
+                seen.add(key)
+            return super().construct_mapping(node, deep=deep)
+
+    return yaml.load(text, Loader=UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
 
 
 def config_from_dict(raw: dict, source: str = "<dict>") -> RunConfig:
@@ -389,6 +388,7 @@ def load_config(name_or_path: str | Path) -> RunConfig:
         text = path.read_text()
     except (OSError, UnicodeDecodeError) as exc:
         raise ValueError(f"config {path}: cannot read it ({exc.__class__.__name__}: {exc})") from None
+    yaml = require("yaml", f"reading the run config {path}")
     try:
         raw = load_yaml(text) or {}
     except yaml.YAMLError as exc:

@@ -51,7 +51,7 @@ def _median_ms(fn, reps: int) -> float:
     return statistics.median(times)
 
 
-def run(layers: int, reps: int) -> dict:
+def run(layers: int, reps: int, step_ms: float = 100.0) -> dict:
     import torch
 
     from megatron_wlb.cli.common import machine
@@ -86,7 +86,44 @@ def run(layers: int, reps: int) -> dict:
                              "upload_ms": round(upload_ms, 3), "per_layer_before_ms": round(layer_ms, 3),
                              "saved_ms": round(layer_ms * (layers - 1), 2)})
     return {"machine": f"{machine()}, torch {torch.__version__} ({torch.get_num_threads()} threads)",
-            "layers": layers, "reps": reps, "rows": rows}
+            "layers": layers, "reps": reps, "rows": rows, "critical": critical_path(lengths, read, step_ms)}
+
+
+def critical_path(lengths: np.ndarray, read, step_ms: float, iterations: int = 3, n: int = 8) -> list[dict]:
+    """Host ms per micro-batch that ``next()`` of the training iterator keeps on the critical path, plain
+    (pack + plan + rows, every micro-batch) and with ``PrefetchingIterator`` (the next micro-batch of an
+    iteration built on a thread while the step runs: a ``step_ms`` sleep, the host idle as while the GPU
+    computes). The first micro-batch of an iteration (its packing) stays on the critical path in both."""
+    from megatron_wlb.cp.plan import CPSharding
+    from megatron_wlb.data.reader import DocumentStream
+    from megatron_wlb.megatron.data import WlbDataIterator
+    from megatron_wlb.megatron.prefetch import PrefetchingIterator
+    from megatron_wlb.packing import make_packer
+    from megatron_wlb.packing.types import PackingConfig
+
+    out = []
+    for tokens, cp in ((131_072, 8), (131_072, 16)):
+        cfg = PackingConfig(seq_len=tokens, n=n, dp=1, max_seq_len=tokens * 3 // 2, max_delay=2)
+        docs = lengths[np.cumsum(lengths) <= (iterations + 3) * cfg.tokens_per_iteration]
+        stream = DocumentStream(np.arange(docs.size, dtype=np.int64), docs.astype(np.int64))
+        row: dict = {"tokens": tokens, "cp": cp, "n": n, "step_ms": step_ms}
+        for name in ("plain", "prefetch"):
+            it = WlbDataIterator(None, stream, make_packer("wlb", cfg), 0,
+                                 sharding=CPSharding("adaptive", cp, 0, sequence_multiple=cp), read=read)
+            source = PrefetchingIterator(it) if name == "prefetch" else it
+            first, rest = [], []
+            for _ in range(iterations * n):
+                t0 = time.perf_counter()
+                next(source)
+                (first if it.position == 1 else rest).append((time.perf_counter() - t0) * 1e3)
+                time.sleep(step_ms / 1e3)  # the step: the GPU computes, the host waits
+            row[f"{name}_first_ms"] = round(statistics.median(first), 3)
+            row[f"{name}_rest_ms"] = round(statistics.median(rest), 3)
+            row[f"{name}_per_micro_batch_ms"] = round((sum(first) + sum(rest)) / (iterations * n), 3)
+            if isinstance(source, PrefetchingIterator):
+                source.close()
+        out.append(row)
+    return out
 
 
 def to_markdown(result: dict) -> str:
@@ -104,6 +141,20 @@ def to_markdown(result: dict) -> str:
         lines.append(f"| {r['tokens']:,} | {r['documents']} | {r['cp']} | {chosen} | {r['rank_rows']:,} | "
                      f"{r['plan_ms']:.2f} | {r['upload_ms']:.2f} | {r['per_layer_before_ms']:.2f} | "
                      f"{r['saved_ms']:.1f} |")
+    lines += ["", "## What stays on the critical path (the training iterator's `next()`)", "",
+              "Host ms per micro-batch that `next()` takes while the step waits, 128K-token micro-batches, "
+              f"`adaptive` CP sharding, {result['critical'][0]['n']} micro-batches per iteration, a step of "
+              f"{result['critical'][0]['step_ms']:.0f} ms simulated by the host sleeping (as while the GPU "
+              "computes). `first`: the first micro-batch of an iteration (packs the iteration: stays on the "
+              "critical path); `rest`: the others (prefetched on a thread); `per micro-batch`: the mean. The "
+              "upload is not in these numbers: on a GPU the prefetch thread also sends it from pinned memory on "
+              "a side stream (the CPU has none).", "",
+              "| T | CP | plain first | plain rest | plain per mb | prefetch first | prefetch rest | "
+              "prefetch per mb |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in result["critical"]:
+        lines.append(f"| {r['tokens']:,} | {r['cp']} | {r['plain_first_ms']:.2f} | {r['plain_rest_ms']:.2f} | "
+                     f"{r['plain_per_micro_batch_ms']:.2f} | {r['prefetch_first_ms']:.2f} | "
+                     f"{r['prefetch_rest_ms']:.2f} | {r['prefetch_per_micro_batch_ms']:.2f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -111,11 +162,12 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=32, help="attention layers per stage (default 32, 7B at PP1)")
     parser.add_argument("--reps", type=int, default=5, help="repetitions per measurement (median; default 5)")
+    parser.add_argument("--step-ms", type=float, default=100.0, help="simulated step per micro-batch (default 100)")
     parser.add_argument("--out", default="docs/results/batch_path", help="output path without suffix")
     args = parser.parse_args(argv)
-    if args.layers < 1 or args.reps < 1:
-        parser.error(f"--layers {args.layers} and --reps {args.reps} must be >= 1")
-    write_result(args.out, run(args.layers, args.reps), to_markdown)
+    if args.layers < 1 or args.reps < 1 or args.step_ms < 0:
+        parser.error(f"--layers {args.layers} and --reps {args.reps} must be >= 1, --step-ms >= 0")
+    write_result(args.out, run(args.layers, args.reps, args.step_ms), to_markdown)
 
 
 if __name__ == "__main__":

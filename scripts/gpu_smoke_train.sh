@@ -6,11 +6,13 @@
 #
 #   scripts/gpu_smoke_train.sh [OUT]          # default OUT = out/gpu_smoke (ignored by git)
 #
-# The Megatron-LM checkout lives in the ignored folder megatron-lm/ beside this repo's code (or
-# $MEGATRON_LM); it is cloned from $MEGATRON_LM_URL (or a local mirror, $WLB_MEGATRON_MIRROR), checked
+# The Megatron-LM tree lives in the ignored folder megatron-lm/ beside this repo's code (or $MEGATRON_LM);
+# a tree already there is used as it is (git not needed; scripts/apply_patches.sh identifies a copy
+# without .git by content); only when there is none is it cloned from $MEGATRON_LM_URL (or a local mirror, $WLB_MEGATRON_MIRROR), checked
 # out at patches/PINNED_COMMIT and patched with scripts/apply_patches.sh; its code is never committed.
 # Knobs: ITERS (300), SEQ (2048), SMAX (3072 = --wlb-max-seq-len), PACKING (wlb), CP_SHARDING
 # (per-document), TRANSFORMER_IMPL (local; transformer_engine where TE is installed), MAX_BYTES.
+# PREPARE_ONLY=1 stops after the tree and the data are ready (no GPU needed: the CPU tests use it).
 # Pass/fail: the run must finish, log WLB metrics, and the last logged lm loss must be below the first.
 # Written and syntax-checked; not run in the task that wrote it (no GPU there): no results are claimed.
 set -euo pipefail
@@ -49,15 +51,18 @@ if [[ ${PRINT_ARGS:-0} != 0 ]]; then
     exit 0
 fi
 
-python - <<'EOF' || die "no CUDA GPU visible to torch"
+[[ ${PREPARE_ONLY:-0} != 0 ]] || python - <<'EOF' || die "no CUDA GPU visible to torch"
 import torch
 assert torch.cuda.is_available()
 print("gpu:", torch.cuda.get_device_name(0), "torch", torch.__version__)
 EOF
 python -c "import megatron_wlb" 2>/dev/null || die "megatron_wlb is not importable: pip install -e $repo"
 
-# 1. The pinned Megatron-LM checkout, patched.
-if [[ ! -e $MLM/.git ]]; then
+# 1. The pinned Megatron-LM tree, patched. A tree already there (a git checkout, or a copy without .git
+#    such as the staged kit's, already patched) is used as it is: no clone, no network, git not needed.
+if [[ ! -f $MLM/pretrain_gpt.py ]]; then
+    git --version >/dev/null 2>&1 || die "no Megatron-LM tree at $MLM and no git to clone one: set MEGATRON_LM to a
+  copy of Megatron-LM $PINNED (scripts/gpu_stage.sh ships one, patched)"
     if [[ -n ${WLB_MEGATRON_MIRROR:-} ]]; then
         git clone -q --shared --no-checkout "$WLB_MEGATRON_MIRROR" "$MLM"
     else
@@ -82,6 +87,11 @@ docs = byte_documents(paths, separator=None, max_bytes=int(os.environ["MAX_BYTES
 write_indexed_dataset(os.environ["DATA_PREFIX"], docs)
 print(f"wrote {os.environ['DATA_PREFIX']}.bin/.idx: {len(docs)} documents, {sum(len(d) for d in docs)} tokens")
 EOF
+fi
+
+if [[ ${PREPARE_ONLY:-0} != 0 ]]; then
+    echo "gpu_smoke_train.sh: prepared $MLM and $DATA (PREPARE_ONLY=1: not training)"
+    exit 0
 fi
 
 # 3. Train through Megatron's own loop, one GPU.

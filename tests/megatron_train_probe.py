@@ -46,7 +46,8 @@ record: dict = {"losses": {}, "doc_tokens": [], "plans": [], "pieces": [], "para
                 "core_version": str(package_info.__version__)}
 _iterator_index: dict[int, int] = {}
 
-_next = WlbDataIterator.__next__
+# produce() builds every micro-batch, whether __next__ or the prefetch thread (megatron/prefetch.py) calls it
+_next = WlbDataIterator.produce
 _iterator_of: dict[int, int] = {}  # id(RankMicroBatch) -> index of the iterator that yielded it
 
 
@@ -60,7 +61,7 @@ def _next_recorded(self):
     return out
 
 
-WlbDataIterator.__next__ = _next_recorded
+WlbDataIterator.produce = _next_recorded  # type: ignore[method-assign]
 _upload = cp_hooks.upload_micro_batch
 
 

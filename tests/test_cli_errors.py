@@ -278,3 +278,28 @@ def test_bad_input_fails_before_any_work(capsys, monkeypatch, files: Path, argv:
     assert rc == 2 and not calls, err
     assert len(lines) == 1 and lines[0].startswith(f"wlb {argv[0]}: error: "), err
     assert expect.format(d=files) in lines[0], lines[0]
+
+
+def test_without_pyyaml_help_works_and_a_config_is_one_line(tmp_path):
+    """pyyaml missing (a bare GPU machine): `python -m megatron_wlb --help` works, and reading a config says in
+    one line which package to bring (issue 20, item 4)."""
+    import subprocess
+    import sys
+
+    block = ("import runpy, sys; sys.modules['yaml'] = None; sys.argv = ['wlb', *sys.argv[1:]]; "
+             "runpy.run_module('megatron_wlb', run_name='__main__')")
+    run = [sys.executable, "-c", block]
+    res = subprocess.run([*run, "--help"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and "calibrate" in res.stdout, res.stderr
+    res = subprocess.run([*run, "simulate", "--config", "7b_64k", "--iterations", "1"], capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1, res.stderr
+    assert "needs the Python package 'pyyaml'" in res.stderr and "pip install 'pyyaml>=6'" in res.stderr
+
+
+def test_requirements_list_what_megatron_imports():
+    from megatron_wlb.requirements import all_requirements
+
+    names = {r.split(">")[0].split("=")[0] for r in all_requirements()}
+    assert {"pyyaml", "packaging", "six", "regex", "pydantic", "pydantic-core", "annotated-types",
+            "typing-inspection", "typing_extensions"} == names

@@ -174,9 +174,11 @@ def _install_fake_varlen(monkeypatch, signature_has_scale: bool):
 
 
 def test_torch_varlen_passes_scale_only_where_the_signature_has_it(monkeypatch):
+    import megatron_wlb.cp.attention as attention
     from megatron_wlb.cp.attention import _torch_varlen
 
     q, k = torch.ones(4, 4, 16), torch.ones(4, 2, 16)
+    monkeypatch.setattr(attention, "_aten_flash_ops", lambda: None)  # no flash op to call directly: expand
     calls = _install_fake_varlen(monkeypatch, signature_has_scale=False)
     _torch_varlen(q, k, k, None, None, 4, 4, 0.5)            # non-default scale, no scale= in the signature
     assert "scale" not in calls[0] and calls[0]["is_causal"] is True
@@ -257,3 +259,183 @@ def test_the_kernel_gets_the_uploaded_metadata_as_is(monkeypatch):
     assert all(s[0] is meta.cu_seqlens_q and s[1] is meta.cu_seqlens_k for s in seen) and len(seen) == 2
     assert all(type(s[2]) is int and type(s[3]) is int for s in seen)
     torch.testing.assert_close(out, reference_document_attention(q, k, v, [0, 7, 10, 22]))
+
+
+# --- torch 2.11's varlen_attn (no enable_gqa) and the flash kernel under it, as CPU stand-ins -------------------
+class _StandInVarlen(torch.autograd.Function):
+    """torch 2.11's varlen op: saves q, k, v, out and lse for backward (so repeated K/V would be saved)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_q, cu_k, scale):
+        out = reference_varlen_attention(q, k, v, cu_q, cu_k, scale)
+        ctx.save_for_backward(q, k, v, out, q.new_zeros(q.shape[1], q.shape[0]))
+        ctx.cu = (cu_q, cu_k, scale)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, _, _ = ctx.saved_tensors
+        with torch.enable_grad():
+            q, k, v = (t.detach().requires_grad_(True) for t in (q, k, v))
+            out = reference_varlen_attention(q, k, v, *ctx.cu)
+            dq, dk, dv = torch.autograd.grad(out, (q, k, v), grad)
+        return dq, dk, dv, None, None, None
+
+
+def _install_torch_211(monkeypatch):
+    """varlen_attn with torch 2.11's exact public signature (no enable_gqa: equal heads only, as its kernel call
+    is written) and aten's flash ops as stand-ins with the flash kernel's semantics: Hq = g * Hkv natively,
+    causal bottom-right, dK/dV per K/V head. Returns the calls each saw."""
+    import torch.nn.attention.varlen as varlen_mod
+
+    import megatron_wlb.cp.attention as attention
+
+    seen: dict[str, list] = {"varlen": [], "fwd": [], "bwd": []}
+
+    def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                    window_size=(-1, -1)):
+        assert key.shape[1] == query.shape[1], "torch 2.11's varlen_attn has no enable_gqa"
+        assert tuple(window_size) == (-1, 0)
+        seen["varlen"].append(key.shape[1])
+        return _StandInVarlen.apply(query, key, value, cu_seq_q, cu_seq_k, scale)
+
+    def flash_fwd(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, return_debug_mask, *, scale=None,
+                  window_size_left=None, window_size_right=None):
+        assert dropout_p == 0.0 and is_causal and (window_size_left, window_size_right) == (-1, 0)
+        seen["fwd"].append(k.shape[1])
+        out = reference_varlen_attention(q, k, v, cu_q, cu_k, scale)
+        empty = q.new_empty(0)
+        return out, q.new_zeros(q.shape[1], q.shape[0]), empty, empty, empty
+
+    def flash_bwd(grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, seed, offset, *,
+                  scale=None, window_size_left=None, window_size_right=None):
+        seen["bwd"].append(k.shape[1])
+        with torch.enable_grad():
+            q, k, v = (t.detach().requires_grad_(True) for t in (q, k, v))
+            ref = reference_varlen_attention(q, k, v, cu_q, cu_k, scale)
+            return torch.autograd.grad(ref, (q, k, v), grad_out)
+
+    monkeypatch.setattr(varlen_mod, "varlen_attn", varlen_attn)
+    monkeypatch.setattr(attention, "_aten_flash_ops", lambda: (flash_fwd, flash_bwd, True))
+    return seen
+
+
+def _saved_bytes(fn) -> int:
+    """Bytes autograd saves for backward while ``fn()`` runs (each storage once)."""
+    storages: dict[int, int] = {}
+
+    def pack(t):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(storages.values())
+
+
+def test_gqa_on_torch_211_keeps_kv_heads_and_its_saved_bytes(monkeypatch):
+    """issue 20, item 7: without enable_gqa, GQA runs the flash kernel with Hkv heads (no repeat_interleave),
+    forward and backward equal the reference, and autograd saves the K/V bytes once, not Hq/Hkv times."""
+    import megatron_wlb.cp.attention as attention
+
+    seen = _install_torch_211(monkeypatch)
+    heads, kv_heads, dim, tokens = 8, 2, 16, 64
+    cu = torch.tensor([0, 24, 64], dtype=torch.int32)
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(tokens, h, dim, generator=gen, requires_grad=True) for h in (heads, kv_heads, kv_heads))
+
+    def run():
+        return attention._torch_varlen(q, k, v, cu, cu, 40, 40, 0.25)
+
+    out = run()
+    out.sum().backward()
+    assert seen["fwd"] == [kv_heads] and seen["bwd"] == [kv_heads] and seen["varlen"] == []
+    grads = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    ref = reference_varlen_attention(q, k, v, cu, cu, 0.25)
+    ref.sum().backward()
+    torch.testing.assert_close(out, ref)
+    for got, want in zip(grads, (q.grad, k.grad, v.grad)):
+        torch.testing.assert_close(got, want)
+    new = _saved_bytes(run)
+    monkeypatch.setattr(attention, "_aten_flash_ops", lambda: None)  # the old path: repeat K/V to every head
+    old = _saved_bytes(run)
+    assert seen["varlen"] == [heads]
+    kv_bytes = 2 * tokens * kv_heads * dim * 4
+    # the old path saved K and V repeated to every query head; the new one saves them once (and cu_seqlens)
+    assert old - new == (heads // kv_heads - 1) * kv_bytes - cu.untyped_storage().nbytes()
+
+
+def test_kernel_signature_is_inspected_once(monkeypatch):
+    """issue 20, item 8: inspect.signature(varlen_attn) ran on every layer call (~200 us each)."""
+    import megatron_wlb.cp.attention as attention
+
+    _install_torch_211(monkeypatch)
+    attention.kernel_parameters.cache_clear()
+    counted = []
+    real = attention.inspect.signature
+    monkeypatch.setattr(attention.inspect, "signature", lambda fn: counted.append(fn) or real(fn))
+    q = torch.randn(6, 2, 8)
+    cu = torch.tensor([0, 6], dtype=torch.int32)
+    for _ in range(5):
+        attention._torch_varlen(q, q, q, cu, cu, 6, 6, 8 ** -0.5)
+    assert len(counted) == 1
+
+
+def test_cp1_passes_kv_to_the_kernel_without_copies(monkeypatch):
+    """issue 20, item 10: at CP = 1 with one run per document (hybrid) the key segments are k and v themselves;
+    layouts that cut a document into overlapping runs (per-document's head and tail) still copy segments."""
+    import megatron_wlb.cp.attention as attention
+    from megatron_wlb.cp.attention import CPAttentionMetadata
+
+    seen = []
+
+    def kernel(q, k, v, cu_q, cu_k, max_q, max_k, scale):
+        seen.append((k.data_ptr(), v.data_ptr()))
+        return reference_varlen_attention(q, k, v, cu_q, cu_k, scale)
+
+    monkeypatch.setattr(attention, "resolve_backend", lambda backend, device, dtype=None: "torch-varlen")
+    monkeypatch.setattr(attention, "_torch_varlen", kernel)
+    meta = CPAttentionMetadata.from_shard(build_layout("hybrid", np.array([7, 3, 12]), 1).ranks[0])
+    assert meta.identity_segments
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(22, h, DIM, generator=gen) for h in (HEADS, KV_HEADS, KV_HEADS))
+    all_gather_cp_attention(q, k, v, meta, None)
+    assert seen == [(k.data_ptr(), v.data_ptr())]
+    split = CPAttentionMetadata.from_shard(build_layout("per-document", np.array([7, 3, 12]), 1).ranks[0])
+    assert not split.identity_segments
+    out = all_gather_cp_attention(q, k, v, split, None)
+    torch.testing.assert_close(out, reference_document_attention(q, k, v, [0, 7, 10, 22]))
+    two = build_layout("hybrid", np.array([7, 3, 12]), 2)
+    assert not any(CPAttentionMetadata.from_shard(shard).identity_segments for shard in two.ranks)
+
+
+def _deterministic_worker(rank: int, cp: int) -> None:
+    """Under deterministic algorithms, every index_add_ of the backward gives each row at most one non-zero term
+    (a CUDA index_add_ adds repeated rows in atomics' order), and the gradients are the reference's."""
+    torch.use_deterministic_algorithms(True)
+    calls = []
+    real = torch.Tensor.index_add_
+
+    def checked(self, dim, index, source, **kw):
+        nonzero = source.reshape(source.shape[0], -1).ne(0).any(1)
+        rows = index[nonzero]
+        calls.append(int(rows.numel() - rows.unique().numel()))
+        return real(self, dim, index, source, **kw)
+
+    torch.Tensor.index_add_ = checked  # this worker process only
+    group = dist.new_group(list(range(cp)))
+    _check_case([9, 4, 30], cp, rank, "per-document", 1, seed=7, group=group)
+    assert calls and max(calls) == 0, calls
+
+
+def test_backward_is_deterministic_under_deterministic_mode():
+    run_world(_deterministic_worker, 2, start_method="fork")
+
+
+def test_row_occurrence_counts_repeats():
+    from megatron_wlb.cp.attention import row_occurrence
+
+    assert row_occurrence(np.array([5, 3, 5, 5, 3, 1])).tolist() == [0, 0, 1, 2, 1, 0]
+    assert row_occurrence(np.array([], dtype=np.int64)).tolist() == []

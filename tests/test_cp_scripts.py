@@ -98,10 +98,88 @@ def test_batch_path_benchmark_times_every_layout(tmp_path):
     spec = importlib.util.spec_from_file_location("bench_batch_path", ROOT / "scripts" / "bench_batch_path.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)  # in this process: torch and megatron.core are imported once per session
-    bench.main(["--layers", "2", "--reps", "1", "--out", str(tmp_path / "bp")])
+    bench.main(["--layers", "2", "--reps", "1", "--step-ms", "60", "--out", str(tmp_path / "bp")])
     result = json.loads((tmp_path / "bp.json").read_text())
     assert len(result["rows"]) == 2 * 3 * 4 and (tmp_path / "bp.md").read_text().startswith("# The one-plan")
     for row in result["rows"]:
         assert row["plan_ms"] > 0 and row["upload_ms"] > 0 and row["saved_ms"] >= 0
         if row["chosen"] != "hybrid":  # the equal-count layouts: exactly T / CP rows (T padded to CP)
             assert row["rank_rows"] == -(-row["tokens"] // row["cp"])
+    # the prefetching iterator takes the micro-batches after an iteration's first off the critical path
+    for row in result["critical"]:
+        assert row["prefetch_rest_ms"] < row["plain_rest_ms"], row
+    assert "What stays on the critical path" in (tmp_path / "bp.md").read_text()
+
+
+def _run_as_on_a_gpu_machine(script: str, *args: str) -> subprocess.CompletedProcess:
+    """The script with torch saying CUDA is available (as on the GPU machine, where the varlen kernels refuse
+    fp32): --smoke must stay on the CPU."""
+    prelude = ("import runpy, sys, torch; torch.cuda.is_available = lambda: True; "
+               f"sys.argv = [{script!r}, *sys.argv[1:]]; runpy.run_path({script!r}, run_name='__main__')")
+    return subprocess.run([sys.executable, "-c", prelude, *args], capture_output=True, text=True, timeout=240,
+                          cwd=ROOT)
+
+
+def test_smoke_runs_on_the_cpu_where_cuda_is_available(tmp_path):
+    """issue 20, item 5: --smoke switched to fp32 but kept the CUDA device."""
+    res = _run_as_on_a_gpu_machine(str(ROOT / "scripts" / "gpu_profile_attention.py"), "--smoke", "--out",
+                                   str(tmp_path / "eff.json"))
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert json.loads((tmp_path / "eff.json").read_text())["device"].startswith("CPU")
+    res = _run_as_on_a_gpu_machine(str(ROOT / "scripts" / "gpu_cp_latency.py"), "--smoke", "--out",
+                                   str(tmp_path / "lat"))
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert json.loads((tmp_path / "lat.json").read_text())["backend"] == "reference"
+
+
+def test_cpu_redirects_hide_the_gpus_of_a_gpu_machine():
+    """issue 20, item 5: install_cpu_redirects() raised on a machine with CUDA; now it hides the GPUs from the
+    process (CUDA_VISIBLE_DEVICES="" before CUDA initialises), and refuses only once CUDA is in use. The
+    stand-in is_available answers as the CUDA runtime would: devices unless CUDA_VISIBLE_DEVICES is empty."""
+    code = ("import os, torch; torch.cuda.is_available = lambda: os.environ.get('CUDA_VISIBLE_DEVICES') != ''; "
+            "torch.cuda.is_initialized = lambda: {init}; from megatron_wlb.megatron import cpu; "
+            "cpu.install_cpu_redirects(); print('visible=' + repr(os.environ['CUDA_VISIBLE_DEVICES']))")
+    env = {k: v for k, v in __import__("os").environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    res = subprocess.run([sys.executable, "-c", code.format(init=False)], capture_output=True, text=True, env=env,
+                         timeout=120)
+    assert res.returncode == 0 and "visible=''" in res.stdout, res.stderr[-2000:]
+    res = subprocess.run([sys.executable, "-c", code.format(init=True)], capture_output=True, text=True, env=env,
+                         timeout=120)
+    assert res.returncode != 0 and "before this process uses CUDA" in res.stderr
+
+
+def test_timed_kernel_calls_get_offsets_already_on_the_device(tmp_path, monkeypatch):
+    """issue 20, item 8: the calibration scripts and `wlb calibrate` copied cu_seqlens from numpy to the device
+    inside every timed call; the offsets must arrive as int32 device tensors, uploaded before."""
+    import importlib.util
+
+    import torch
+
+    import megatron_wlb.cp.attention as attention
+    from megatron_wlb.cli.main import main as wlb_main
+
+    kinds: list[str] = []
+    real = attention.varlen_attention
+
+    def recording(q, k, v, cu_q, cu_k, *args, **kwargs):
+        kinds.append("tensor" if isinstance(cu_q, torch.Tensor) and isinstance(cu_k, torch.Tensor)
+                     and cu_q.dtype == torch.int32 and cu_q.device == q.device else type(cu_q).__name__)
+        return real(q, k, v, cu_q, cu_k, *args, **kwargs)
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        for script, args in (("gpu_profile_attention", ["--out", str(tmp_path / "e.json")]),
+                             ("gpu_cp_latency", ["--out", str(tmp_path / "lat")])):
+            spec = importlib.util.spec_from_file_location(script, ROOT / "scripts" / f"{script}.py")
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            monkeypatch.setattr(module, "varlen_attention", recording)
+            kinds.clear()
+            assert module.main(["--smoke", *args]) == 0
+            assert kinds and set(kinds) == {"tensor"}, (script, kinds)
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    monkeypatch.setattr(attention, "varlen_attention", recording)
+    kinds.clear()
+    assert wlb_main(["calibrate", "--smoke", "--out", str(tmp_path / "p.json")]) == 0
+    assert kinds and set(kinds) == {"tensor"}, kinds

@@ -297,3 +297,27 @@ def test_apply_inside_the_pinned_training_code(tmp_path):
     assert hook["train"] == "WlbDataIterator" and hook["valid"] == "WlbDataIterator"
     assert hook["test"] == "megatron-test" and hook["same_as_direct"] and hook["registered"] == 1
     assert hook["logged"]
+
+
+def test_help_prints_our_flags_without_megatrons(monkeypatch, capsys):
+    """issue 20, item 12: Megatron 0.19.2's --help crashes on a stray '%'; ours prints the --wlb-* flags alone,
+    from the launcher (before any Megatron import) and from the parse_args hook of a patched pretrain_gpt."""
+    import sys
+
+    import megatron_wlb.megatron as W
+    from megatron_wlb.megatron import launcher
+
+    def crashing_parse_args(*a, **k):  # what megatron-core 0.19.2's help does
+        raise ValueError("unsupported format character ')' (0x29) at index 52")
+
+    monkeypatch.setattr(W, "apply", lambda **k: (_ for _ in ()).throw(AssertionError("apply ran for --help")))
+    launcher.main(["--num-layers", "2", "--help"])
+    out = capsys.readouterr().out
+    assert "--wlb-packing" in out and "--wlb-cp-sharding" in out and "arguments.py" in out
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", "-h"])
+    with pytest.raises(SystemExit) as exit_info:
+        W._wrap_parse_args(crashing_parse_args)()
+    assert exit_info.value.code == 0 and "--wlb-max-seq-len" in capsys.readouterr().out
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", "--", "--help"])  # after "--": not ours
+    with pytest.raises(ValueError, match="unsupported format"):
+        W._wrap_parse_args(crashing_parse_args)()

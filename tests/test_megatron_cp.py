@@ -341,8 +341,12 @@ def test_te_params_describe_te_layout():
     assert params.wlb.attention is None and params.cu_seqlens_q_padded.tolist() == [0, 8, 16]
     assert params.cp_group is None  # as Megatron's own THD path: TE keeps the CP group it was built with
     assert params.max_seqlen_q == 8 and params.qkv_format == "thd"
+    # nothing padded: the padded offsets are the very tensor of the real ones (TE would otherwise infer padding
+    # between sequences and rule out its FlashAttention backend; issue 20, item 9)
+    assert params.cu_seqlens_q_padded is params.cu_seqlens_q and params.cu_seqlens_kv_padded is params.cu_seqlens_q
     out, params = _te_rank([3, 3], 1)
     assert params.cu_seqlens_q.tolist() == [0, 3, 6] and params.cu_seqlens_q_padded.tolist() == [0, 4, 8]
+    assert params.cu_seqlens_q_padded is not params.cu_seqlens_q
     assert out["tokens"][0].tolist() == [2, 3, 5, 6]  # rank 1 owns padded positions [1, 2, 5, 6]
 
 

@@ -21,7 +21,7 @@ from megatron_wlb.data.reader import (
     write_indexed_dataset,
 )
 from megatron_wlb.data.reader import weighted_prefixes as parse_data_path
-from megatron_wlb.megatron.data import WlbDataIterator, plan_digest, rank_micro_batch
+from megatron_wlb.megatron.data import WlbDataIterator, dumps_state, plan_digest, rank_micro_batch
 from megatron_wlb.packing import make_packer
 from megatron_wlb.packing.types import DocPiece, MicroBatch, PackingConfig
 
@@ -274,3 +274,42 @@ def test_logger_reports_true_throughput_over_packed_documents():
     tokens_per_s, tflops = logger.throughput(now=12.0)
     assert tokens_per_s == pytest.approx(200 / 2.0)
     assert tflops == pytest.approx(2 * shape.training_flops([30, 70]) / 2.0 / 2 / 1e12)  # 2 GPUs
+
+
+def test_prefetching_iterator_yields_the_same_micro_batches_built_on_its_thread(corpus):
+    """issue 20, item 11: the next micro-batch of an iteration is built on the prefetch thread; the
+    micro-batches, their plans and their order are the plain iterator's; the data state saves between
+    iterations and resumes alike; the first micro-batch of each iteration (its packing) stays on the
+    caller's thread (after an online refit, before a checkpoint)."""
+    import threading
+
+    from megatron_wlb.megatron import prefetch
+
+    reader = DocumentReader([(corpus["a"], 0.5), (corpus["b"], 0.5)], split="1,0,0", seed=11)
+    cfg = PackingConfig(seq_len=2048, n=4, dp=1, max_seq_len=4096, max_delay=2)
+    stream = reader.stream(6 * cfg.tokens_per_iteration)
+    sharding = CPSharding("per-document", 2, 1)
+    plain = WlbDataIterator(reader, stream, make_packer("wlb", cfg), 0, sharding=sharding)
+    threads: list[str] = []
+    original_produce = WlbDataIterator.produce
+
+    def produce(self):
+        threads.append(threading.current_thread().name)
+        return original_produce(self)
+
+    inner = WlbDataIterator(reader, stream, make_packer("wlb", cfg), 0, sharding=sharding)
+    inner.produce = produce.__get__(inner)
+    fetching = prefetch.PrefetchingIterator(inner)
+    assert prefetch.unwrap(fetching) is inner
+    for iteration in range(3):
+        for index in range(cfg.n):
+            want, got = next(plain), next(fetching)
+            assert got.micro_batch == want.micro_batch and np.array_equal(got.tokens, want.tokens)
+            assert np.array_equal(got.plan.rows, want.plan.rows) and got.verify_layout == want.verify_layout
+            assert fetching.last is got and inner.last is got and fetching.position == plain.position == index + 1
+            assert fetching.iteration == plain.iteration == iteration
+        assert dumps_state(fetching.state_dict()) == dumps_state(plain.state_dict())
+    per_iteration = [threads[i * cfg.n:(i + 1) * cfg.n] for i in range(3)]
+    assert all(t[0] == "MainThread" and all(n.startswith("wlb-prefetch") for n in t[1:]) for t in per_iteration)
+    assert fetching.prefetched == 3 * (cfg.n - 1)
+    fetching.close()

@@ -131,6 +131,84 @@ def test_not_a_git_checkout_and_bad_pin(tmp_path: Path, synthetic):
     assert res.returncode == 1 and "40-hex" in res.stderr
 
 
+def _content_manifests(repo: Path, patches: Path) -> None:
+    """PINNED_FILES / PATCHED_FILES for the synthetic repo: the touched file's sha256 before and after."""
+    import hashlib
+
+    digest = hashlib.sha256((repo / "pretrain.py").read_bytes()).hexdigest()
+    (patches / "PINNED_FILES.sha256").write_text(f"{digest}  pretrain.py\n")
+    patched = b"import hook\n\ndef main():\n    return 2\n"
+    (patches / "PATCHED_FILES.sha256").write_text(f"{hashlib.sha256(patched).hexdigest()}  pretrain.py\n")
+
+
+def _no_git_path(tmp_path: Path) -> str:
+    """A PATH on which `git` fails loudly (a machine without git), other tools as usual."""
+    bindir = tmp_path / "nogit"
+    bindir.mkdir(exist_ok=True)
+    (bindir / "git").write_text("#!/bin/sh\necho 'git must not be called' >&2\nexit 127\n")
+    (bindir / "git").chmod(0o755)
+    return f"{bindir}:{os.environ['PATH']}"
+
+
+@pytest.mark.parametrize("with_git", [True, False])
+def test_tree_without_git_is_identified_by_content(tmp_path: Path, synthetic, with_git: bool):
+    """An exported copy (no .git), on a machine with or without git: patched when its files are the pinned
+    commit's, a no-op when already patched, refused when they are anything else (issue 20, item 1)."""
+    repo, patches, _, _ = synthetic
+    _content_manifests(repo, patches)
+    tree = tmp_path / "export"
+    shutil.copytree(repo, tree, ignore=shutil.ignore_patterns(".git"))
+    env = {**os.environ, "WLB_PATCHES_DIR": str(patches)}
+    if not with_git:
+        env["PATH"] = _no_git_path(tmp_path)
+
+    def run() -> subprocess.CompletedProcess:
+        return subprocess.run(["bash", str(SCRIPT), str(tree)], capture_output=True, text=True, env=env, timeout=60)
+
+    first = run()
+    assert first.returncode == 0, first.stderr
+    assert "applied hook.patch" in first.stdout and "git must not be called" not in first.stderr
+    assert (tree / "pretrain.py").read_text().startswith("import hook\n")
+    again = run()
+    assert again.returncode == 0 and "already applied" in again.stdout
+    (tree / "pretrain.py").write_text("def main():\n    return 7\n")
+    refused = run()
+    assert refused.returncode == 1 and "differ from the pinned commit" in refused.stderr
+
+
+def test_gpu_smoke_uses_a_given_tree_without_git(tmp_path: Path):
+    """scripts/gpu_smoke_train.sh with MEGATRON_LM set to an already patched copy (no .git) on a machine
+    without git: no clone, the patch step is a no-op, the data is written (issue 20, item 1)."""
+    import hashlib
+
+    tree = tmp_path / "Megatron-LM"
+    tree.mkdir()
+    (tree / "pretrain_gpt.py").write_text("_wlb.apply(middle_stage_batches=True)\n")
+    patches = tmp_path / "patches"
+    patches.mkdir()
+    (patches / "PINNED_COMMIT").write_text(PINNED + "\n")
+    (patches / "x.patch").write_text("not applied: the tree is already patched\n")
+    (patches / "PINNED_FILES.sha256").write_text(f"{'0' * 64}  pretrain_gpt.py\n")
+    digest = hashlib.sha256((tree / "pretrain_gpt.py").read_bytes()).hexdigest()
+    (patches / "PATCHED_FILES.sha256").write_text(f"{digest}  pretrain_gpt.py\n")
+    env = {**os.environ, "PATH": _no_git_path(tmp_path), "MEGATRON_LM": str(tree), "WLB_PATCHES_DIR": str(patches),
+           "PREPARE_ONLY": "1", "MAX_BYTES": "20000", "PYTHONPATH": str(ROOT)}
+    res = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_smoke_train.sh"), str(tmp_path / "out")], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "already applied" in res.stdout and "git must not be called" not in res.stderr
+    assert (tmp_path / "out" / "data" / "stdlib_text_document.idx").is_file()
+
+
+def test_content_manifests_name_the_pinned_files():
+    """The shipped manifests cover exactly the files the patches touch (their digests are checked against
+    the pinned commit by test_real_patch_on_pinned_checkout)."""
+    touched = set(re.findall(r"^\+\+\+ b/(\S+)", "".join(p.read_text() for p in PATCHES.glob("*.patch")), re.M))
+    for manifest in ("PINNED_FILES.sha256", "PATCHED_FILES.sha256"):
+        rows = [line.split() for line in (PATCHES / manifest).read_text().splitlines() if line.strip()]
+        assert {path for _, path in rows} == touched and all(len(h) == 64 for h, _ in rows)
+
+
 def test_shipped_pin_and_patch_are_consistent():
     """The shipped pin is a full sha, version.py names the same commit, the patch touches pretrain_gpt.py."""
     assert len(PINNED) == 40 and all(c in "0123456789abcdef" for c in PINNED)
@@ -162,6 +240,8 @@ def test_real_patch_on_pinned_checkout(pinned_checkout: Path, tmp_path: Path):
     """Apply the real patch to the pinned commit, re-apply (no-op), import and drive the patched code."""
     mlm = pinned_checkout
     original = (mlm / "pretrain_gpt.py").read_text()
+    check = ["sha256sum", "--quiet", "--check"]
+    assert subprocess.run([*check, str(PATCHES / "PINNED_FILES.sha256")], cwd=mlm).returncode == 0
     res = run_script(mlm)
     assert res.returncode == 0, res.stderr
     patched = (mlm / "pretrain_gpt.py").read_text()
@@ -171,6 +251,7 @@ def test_real_patch_on_pinned_checkout(pinned_checkout: Path, tmp_path: Path):
     again = run_script(mlm)
     assert again.returncode == 0 and "already applied" in again.stdout
     assert (mlm / "pretrain_gpt.py").read_text() == patched
+    assert subprocess.run([*check, str(PATCHES / "PATCHED_FILES.sha256")], cwd=mlm).returncode == 0
     # the hook is guarded: without --wlb-* flags or WLB_ENABLE nothing of ours is imported
     tree = ast.parse(patched)
     guards = [n for n in ast.walk(tree) if isinstance(n, ast.If) and "WLB_ENABLE" in ast.unparse(n.test)]
@@ -328,6 +409,32 @@ def test_launch_local_scales_the_layout_to_one_node(tmp_path: Path):
     res = subprocess.run(["bash", str(ROOT / "scripts" / "launch_local.sh"), "7b_64k"], env=env,
                          capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert res.returncode == 1 and "not a multiple of TP*CP*PP" in res.stderr
+
+
+def test_launch_local_on_a_bare_gpu_machine(tmp_path: Path):
+    """No TOKENIZER_MODEL, no TransformerEngine, no nvidia-smi (issue 20, item 6): NullTokenizer with
+    --vocab-size, the local transformer, and the GPU count from torch (a stand-in answering 1)."""
+    env, _ = _fake_cluster(tmp_path)
+    env.pop("TOKENIZER_MODEL")
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text("import torch\ntorch.cuda.device_count = lambda: 1\n")
+    blocked = tmp_path / "blocked"
+    blocked.mkdir()
+    (blocked / "transformer_engine.py").write_text("raise ImportError('not installed here')\n")
+    (blocked / "nvidia-smi").write_text("#!/bin/sh\nexit 9\n")
+    (blocked / "nvidia-smi").chmod(0o755)
+    env.update(DRY_RUN="1", PATH=f"{blocked}:{env['PATH']}",
+               PYTHONPATH=os.pathsep.join([str(site), str(blocked), env["PYTHONPATH"]]))
+    env.pop("NPROC", None)
+    env.pop("TRANSFORMER_IMPL", None)
+    res = subprocess.run(["bash", str(ROOT / "scripts" / "launch_local.sh"), "7b_64k"], env=env, capture_output=True,
+                         text=True, timeout=120, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    argv = res.stdout.split()
+    assert _flag(argv, "--nproc-per-node") == "1" and _flag(argv, "--tokenizer-type") == "NullTokenizer"
+    assert _flag(argv, "--vocab-size") == "32000" and "--tokenizer-model" not in argv
+    assert _flag(argv, "--transformer-impl") == "local" and "--no-persist-layer-norm" in argv
 
 
 def test_gpu_smoke_script_parses():

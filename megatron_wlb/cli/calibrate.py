@@ -292,7 +292,9 @@ class Layer:
         self.w_up = weight((2 if model.swiglu else 1) * model.ffn_hidden // tp, h)
         self.w_down = weight(h, model.ffn_hidden // tp)
 
-    def __call__(self, x: Any, cu: np.ndarray | None = None) -> Any:
+    def __call__(self, x: Any, cu: Any = None, longest: int | None = None) -> Any:
+        """One layer over ``x``; ``cu``: the documents' offsets (a device tensor, uploaded before the timed
+        region, or host ints) and ``longest`` their longest (host int)."""
         import torch.nn.functional as F
 
         from megatron_wlb.cp.attention import varlen_attention
@@ -302,7 +304,8 @@ class Layer:
         if cu is None:
             attn = qkv[:, :q_cols]
         else:
-            t, longest = x.shape[0], int(np.diff(cu).max())
+            t = x.shape[0]
+            longest = int(np.diff(np.asarray(cu)).max()) if longest is None else longest
             q = qkv[:, :q_cols].reshape(t, self.heads, self.dim)
             k = qkv[:, q_cols:q_cols + kv_cols].reshape(t, self.kv_heads, self.dim)
             v = qkv[:, q_cols + kv_cols:].reshape(t, self.kv_heads, self.dim)
@@ -335,7 +338,7 @@ def measure_attention(torch: Any, timer: Timer, model: ModelShape, tp: int, leng
     heads, kv_heads, dim = model.num_heads // tp, model.num_kv_heads // tp, model.head_dim
     out: dict[str, list[Any]] = {"lengths": [], "documents": [], "fwd_s": [], "bwd_s": []}
     for d, k in attention_calls(lengths):
-        cu = np.arange(k + 1, dtype=np.int32) * (d // k)
+        cu = torch.as_tensor(np.arange(k + 1, dtype=np.int32) * (d // k), device=timer.device)  # untimed upload
 
         def make(d: int = d) -> QKV:
             q = torch.randn(d, heads, dim, device=timer.device, dtype=dtype, requires_grad=True)
@@ -343,7 +346,7 @@ def measure_attention(torch: Any, timer: Timer, model: ModelShape, tp: int, leng
             v = torch.randn(d, kv_heads, dim, device=timer.device, dtype=dtype, requires_grad=True)
             return q, k, v
 
-        def attend(qkv: QKV, cu: np.ndarray = cu, longest: int = d // k) -> Any:
+        def attend(qkv: QKV, cu: Any = cu, longest: int = d // k) -> Any:
             return varlen_attention(*qkv, cu, cu, longest, longest, backend=backend)
 
         f, b = timer.forward_backward(make, attend)
@@ -399,8 +402,10 @@ def measure_micro_batches(torch: Any, timer: Timer, layer: Layer, micro_batches:
         def make(t: int = int(cu[-1])) -> Any:
             return torch.randn(t, layer.model.hidden, device=timer.device, dtype=dtype, requires_grad=True)
 
-        def run_layer(x: Any, cu: np.ndarray = cu) -> Any:
-            return layer(x, cu)
+        on_device = torch.as_tensor(cu, device=timer.device)  # uploaded once, outside the timed region
+
+        def run_layer(x: Any, cu: Any = on_device, longest: int = int(lengths.max())) -> Any:
+            return layer(x, cu, longest)
 
         f, b = timer.forward_backward(make, run_layer)
         out["pairs"].append(float(causal_pairs(lengths, lengths).sum()))
@@ -426,7 +431,8 @@ def measure_efficiency(torch: Any, timer: Timer, model: ModelShape, tp: int, q_l
     k = torch.randn(66, kv_heads, dim, generator=gen).to(timer.device, dtype)
     v = torch.randn(66, kv_heads, dim, generator=gen).to(timer.device, dtype)
     with torch.no_grad():
-        err = float((varlen_attention(q, k, v, cu_q, cu_k, 17, 40, backend=backend).float()
+        dev_q, dev_k = (torch.as_tensor(cu, device=timer.device) for cu in (cu_q, cu_k))
+        err = float((varlen_attention(q, k, v, dev_q, dev_k, 17, 40, backend=backend).float()
                      - reference_varlen_attention(q.float(), k.float(), v.float(), cu_q.tolist(),
                                                   cu_k.tolist()).float()).abs().max())
     if not err <= (1e-4 if dtype == torch.float32 else 2e-2):
@@ -441,15 +447,15 @@ def measure_efficiency(torch: Any, timer: Timer, model: ModelShape, tp: int, q_l
                 row.append(np.nan)  # impossible shape: KernelEfficiency fills it from the diagonal
                 continue
             runs = max(1, table_tokens // kv_len)
-            cq = np.arange(runs + 1, dtype=np.int32) * q_len
-            ck = np.arange(runs + 1, dtype=np.int32) * kv_len
+            cq = torch.as_tensor(np.arange(runs + 1, dtype=np.int32) * q_len, device=timer.device)  # untimed
+            ck = torch.as_tensor(np.arange(runs + 1, dtype=np.int32) * kv_len, device=timer.device)
 
             def make(runs: int = runs, q_len: int = q_len, kv_len: int = kv_len) -> QKV:
                 return (torch.randn(runs * q_len, heads, dim, device=timer.device, dtype=dtype),
                         torch.randn(runs * kv_len, kv_heads, dim, device=timer.device, dtype=dtype),
                         torch.randn(runs * kv_len, kv_heads, dim, device=timer.device, dtype=dtype))
 
-            def forward(qkv: QKV, cq: np.ndarray = cq, ck: np.ndarray = ck, q_len: int = q_len,
+            def forward(qkv: QKV, cq: Any = cq, ck: Any = ck, q_len: int = q_len,
                         kv_len: int = kv_len) -> None:
                 with torch.no_grad():
                     varlen_attention(*qkv, cq, ck, q_len, kv_len, backend=backend)

@@ -15,6 +15,7 @@ import os
 import sys
 
 from megatron_wlb import __version__
+from megatron_wlb.requirements import MissingDependency
 
 # Subcommand modules, in the order `wlb --help` lists them.
 SUBCOMMANDS = ("pack", "bench", "shard", "simulate", "reproduce", "analyze", "calibrate")
@@ -40,7 +41,7 @@ def error_line(exc: BaseException) -> str:
     """The one-line message of ``exc``: input errors as they are, OS errors with the path."""
     if isinstance(exc, OSError) and exc.filename is not None and str(exc.filename) not in str(exc.args[-1]):
         text = f"{exc.filename}: {exc.strerror or exc}"
-    elif isinstance(exc, (ValueError, OSError)):
+    elif isinstance(exc, (ValueError, OSError, MissingDependency)):
         text = str(exc)
     elif isinstance(exc, MemoryError):
         text = "out of memory (an input is too large: lower --cp, --iterations or the data size)"

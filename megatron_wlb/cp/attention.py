@@ -3,8 +3,10 @@
 Each CP rank holds q, k, v of its own tokens, in its layout order (``RankShard.token_index``),
 shaped ``[tokens, heads, head_dim]`` (GQA: fewer k/v heads than q heads). Forward:
 
-1. K and V (stacked, one collective) are all-gathered over the CP group: rank 0's tokens, then
-   rank 1's, ... (each rank's block padded to the largest count, so unequal counts are fine);
+1. K and V (written once into one padded buffer: one collective) are all-gathered over the CP
+   group: rank 0's tokens, then rank 1's, ... (each rank's block padded to the largest count, so
+   unequal counts are fine; at CP = 1 nothing is gathered, and with one run per document nothing is
+   copied either);
 2. ``kv_index`` (micro-batch positions) mapped through ``gather_position`` picks, for every query
    run, its document's keys ``[doc_start, run_end)`` out of the gathered buffer: a materialised
    copy, because the key segments of one document's runs overlap;
@@ -29,8 +31,9 @@ import importlib.util
 import inspect
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -90,11 +93,61 @@ def reference_document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     return reference_varlen_attention(q, k, v, cu, cu, softmax_scale)
 
 
+@functools.lru_cache(maxsize=8)
+def kernel_parameters(fn: Callable) -> frozenset[str]:
+    """The parameter names of a kernel function, inspected once per function (not once per layer call)."""
+    return frozenset(inspect.signature(fn).parameters)
+
+
+@functools.lru_cache(maxsize=1)
+def _aten_flash_ops() -> tuple[Any, Any, bool] | None:
+    """torch's own flash kernel ops (``aten::_flash_attention_forward/backward``, what ``varlen_attn`` calls),
+    and whether they take ``window_size_left/right``; None where this torch has none."""
+    ops = torch.ops.aten
+    if not (hasattr(ops, "_flash_attention_forward") and hasattr(ops, "_flash_attention_backward")):
+        return None
+    names = {a.name for a in ops._flash_attention_forward.default._schema.arguments}
+    return ops._flash_attention_forward, ops._flash_attention_backward, "window_size_left" in names
+
+
+class FlashVarlenGQA(torch.autograd.Function):
+    """Bottom-right causal varlen attention on torch's flash kernel with fewer K/V heads than query heads.
+
+    torch 2.11's ``varlen_attn`` has no ``enable_gqa``: K/V would have to be repeated to every query head
+    and that copy saved for backward, in every layer (4x the K/V bytes for 32/8 heads). The flash kernel
+    under it takes ``Hq = g * Hkv`` natively (forward and backward, dK/dV summed over each group), so this
+    calls it directly and saves K/V as they are."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale: float):
+        fwd, _, window = _aten_flash_ops()  # type: ignore[misc]
+        kwargs: dict[str, Any] = {"scale": scale}
+        if window:
+            kwargs.update(window_size_left=-1, window_size_right=0)
+        out, lse, philox_seed, philox_offset, _ = fwd(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, True, False, **kwargs)
+        ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, philox_seed, philox_offset)
+        ctx.call = (max_q, max_k, kwargs)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        _, bwd, _ = _aten_flash_ops()  # type: ignore[misc]
+        q, k, v, out, lse, cu_q, cu_k, philox_seed, philox_offset = ctx.saved_tensors
+        max_q, max_k, kwargs = ctx.call
+        dq, dk, dv = bwd(grad_out.contiguous(), q, k, v, out, lse, cu_q, cu_k, max_q, max_k, 0.0, True, philox_seed,
+                         philox_offset, **kwargs)
+        return dq, dk, dv, None, None, None, None, None
+
+
 def _torch_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale):
-    """``varlen_attn`` with the arguments its signature has (feature-detected, not version-guessed)."""
+    """``varlen_attn`` with the arguments its signature has (feature-detected once, not version-guessed);
+    GQA without ``enable_gqa`` goes to the flash kernel directly (``FlashVarlenGQA``), never repeated K/V."""
     from torch.nn.attention.varlen import varlen_attn
 
-    params = inspect.signature(varlen_attn).parameters
+    params = kernel_parameters(varlen_attn)
+    gqa = k.shape[1] != q.shape[1]
+    if gqa and "enable_gqa" not in params and _aten_flash_ops() is not None:
+        return FlashVarlenGQA.apply(q, k, v, cu_q, cu_k, max_q, max_k, scale)
     kwargs = {}
     if "scale" in params:
         kwargs["scale"] = scale
@@ -104,10 +157,10 @@ def _torch_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale):
         kwargs["window_size"] = (-1, 0)          # causal, bottom-right aligned (flash semantics)
     else:
         kwargs["is_causal"] = True               # the older signature's spelling
-    if k.shape[1] != q.shape[1]:
+    if gqa:
         if "enable_gqa" in params:
             kwargs["enable_gqa"] = True
-        else:
+        else:  # no flash op to call directly (not seen in a torch that has varlen_attn)
             k, v = _expand_kv_heads(k, q.shape[1]), _expand_kv_heads(v, q.shape[1])
     return varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs)
 
@@ -198,30 +251,47 @@ def _reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group) -> None:
     fn(out, inp, op=dist.ReduceOp.SUM, group=group)
 
 
+def _scatter_add_rows(buf: torch.Tensor, rows: torch.Tensor, grad: torch.Tensor, occurrence: torch.Tensor | None,
+                      levels: int) -> None:
+    """``buf[rows[i]] += grad[i]``. Rows repeat (the key segments of one document's query runs overlap), and
+    a CUDA ``index_add_`` adds repeats in whatever order its atomics land. With ``occurrence`` (the i-th
+    repeat of its row, ``levels`` = most repeats) the sum runs one level at a time: within a level every
+    row gets at most one non-zero term, so the result is the same on every run (``--deterministic-mode``)."""
+    if occurrence is None or levels <= 1:
+        buf.index_add_(0, rows, grad)
+        return
+    for level in range(levels):
+        keep = (occurrence == level).to(grad.dtype).view(-1, *([1] * (grad.dim() - 1)))
+        buf.index_add_(0, rows, grad * keep)
+
+
 class AllGatherKV(torch.autograd.Function):
-    """Forward: all-gather the ranks' stacked K/V ``[T_r, 2, Hkv, D]`` and pick the key segments
-    ``seg_index`` as two contiguous tensors (K, V). Backward: scatter-add the segments' gradients
-    into the gathered layout and reduce-scatter them to their owners."""
+    """Forward: all-gather the ranks' K and V (written once into one padded ``[width, 2, Hkv, D]`` buffer:
+    one collective) and pick the key segments ``seg_index`` as two contiguous tensors (K, V). Backward:
+    scatter-add the segments' gradients into the gathered layout and reduce-scatter them to their owners."""
 
     @staticmethod
-    def forward(ctx, kv_local: torch.Tensor, seg_index: torch.Tensor, counts: tuple[int, ...], rank: int, group):
+    def forward(ctx, k: torch.Tensor, v: torch.Tensor, seg_index: torch.Tensor, occurrence: torch.Tensor | None,
+                levels: int, counts: tuple[int, ...], rank: int, group):
         cp = len(counts)
         width = max(counts) if counts else 0
-        ctx.meta = (counts, rank, group, width, kv_local.shape[0])
-        ctx.save_for_backward(seg_index)
+        local = k.shape[0]
+        ctx.meta = (counts, rank, group, width, local, levels)
+        ctx.save_for_backward(seg_index, occurrence)
         if cp == 1:
-            gathered = kv_local
-        else:
-            padded = kv_local.new_zeros((width,) + tuple(kv_local.shape[1:]))
-            padded[: kv_local.shape[0]] = kv_local
-            gathered = kv_local.new_empty((cp * width,) + tuple(kv_local.shape[1:]))
-            _all_gather(gathered, padded, group)
+            return k.index_select(0, seg_index), v.index_select(0, seg_index)
+        padded = k.new_empty((width, 2) + tuple(k.shape[1:]))
+        padded[:local, 0] = k
+        padded[:local, 1] = v
+        padded[local:] = 0
+        gathered = k.new_empty((cp * width, 2) + tuple(k.shape[1:]))
+        _all_gather(gathered, padded, group)
         return gathered[:, 0].index_select(0, seg_index), gathered[:, 1].index_select(0, seg_index)
 
     @staticmethod
     def backward(ctx, grad_k: torch.Tensor | None, grad_v: torch.Tensor | None):
-        (seg_index,) = ctx.saved_tensors
-        counts, rank, group, width, local = ctx.meta
+        seg_index, occurrence = ctx.saved_tensors
+        counts, rank, group, width, local, levels = ctx.meta
         cp = len(counts)
         like = grad_k if grad_k is not None else grad_v
         assert like is not None, "autograd calls backward with at least one gradient"
@@ -229,12 +299,13 @@ class AllGatherKV(torch.autograd.Function):
         buf = like.new_zeros((rows, 2) + tuple(like.shape[1:]))
         for i, grad in enumerate((grad_k, grad_v)):
             if grad is not None:
-                buf[:, i].index_add_(0, seg_index, grad)
+                _scatter_add_rows(buf[:, i], seg_index, grad, occurrence, levels)
+        none = (None,) * 6
         if cp == 1:
-            return buf, None, None, None, None
+            return buf[:, 0], buf[:, 1], *none
         mine = like.new_empty((width, 2) + tuple(like.shape[1:]))
         _reduce_scatter(mine, buf, group)
-        return mine[:local], None, None, None, None
+        return mine[:local, 0], mine[:local, 1], *none
 
 
 def segment_index(shard: RankShard, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -270,6 +341,11 @@ class CPAttentionMetadata:
     num_runs: int
     rank: int
     rank_counts: tuple[int, ...]
+    #: CP = 1 and the key segments are the local rows in order: K/V go to the kernel as they are (no copy)
+    identity_segments: bool = False
+    #: under deterministic algorithms: the i-th repeat of each segment row, and the most repeats (backward)
+    occurrence: torch.Tensor | None = None
+    levels: int = 1
 
     @property
     def num_tokens(self) -> int:
@@ -279,11 +355,42 @@ class CPAttentionMetadata:
     def from_shard(cls, shard: RankShard, device: torch.device | str = "cpu") -> CPAttentionMetadata:
         """Check ``shard`` once and upload its metadata to ``device``."""
         _check_shard(shard)
+        occurrence, levels = None, 1
+        if torch.are_deterministic_algorithms_enabled():
+            occ = row_occurrence(shard.gather_rows())
+            levels = int(occ.max()) + 1 if occ.size else 1
+            occurrence = torch.as_tensor(occ, dtype=torch.int32).to(device, non_blocking=True)
         return cls(cu_seqlens_q=torch.as_tensor(shard.cu_seqlens_q, dtype=torch.int32).to(device, non_blocking=True),
                    cu_seqlens_k=torch.as_tensor(shard.cu_seqlens_k, dtype=torch.int32).to(device, non_blocking=True),
                    segment_index=segment_index(shard, device), max_seqlen_q=int(shard.max_seqlen_q),
                    max_seqlen_k=int(shard.max_seqlen_k), num_runs=int(shard.cu_seqlens_q.size) - 1,
-                   rank=int(shard.rank), rank_counts=tuple(int(c) for c in shard.rank_counts))
+                   rank=int(shard.rank), rank_counts=tuple(int(c) for c in shard.rank_counts),
+                   identity_segments=_identity_segments(shard), occurrence=occurrence, levels=levels)
+
+
+def _identity_segments(shard: RankShard) -> bool:
+    """Whether the key segments are exactly this rank's rows in order (CP = 1, no overlapping runs): O(runs)."""
+    if len(shard.rank_counts) != 1:
+        return False
+    base, length = shard.gather_pieces(max(shard.rank_counts))
+    if base.size == 0:
+        return shard.num_tokens == 0
+    ends = base + length
+    return bool(base[0] == 0 and np.all(base[1:] == ends[:-1]) and int(ends[-1]) == shard.num_tokens)
+
+
+def row_occurrence(rows: np.ndarray) -> np.ndarray:
+    """For each entry of ``rows``, how many earlier entries hold the same row (0 for the first)."""
+    rows = np.asarray(rows)
+    if rows.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    order = np.argsort(rows, kind="stable")
+    ranked = rows[order]
+    index = np.arange(rows.size)
+    starts = np.maximum.accumulate(np.where(np.r_[True, ranked[1:] != ranked[:-1]], index, 0))
+    occurrence = np.empty(rows.size, dtype=np.int64)
+    occurrence[order] = index - starts
+    return occurrence
 
 
 def _check_shard(shard: RankShard) -> None:
@@ -335,8 +442,11 @@ def all_gather_cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """
     meta = shard if isinstance(shard, CPAttentionMetadata) else CPAttentionMetadata.from_shard(shard, k.device)
     _check(q, k, v, meta, group)
-    kv = torch.stack([k, v], dim=1)                                   # [T_r, 2, Hkv, D]: one collective
-    k_seg, v_seg = AllGatherKV.apply(kv, meta.segment_index, meta.rank_counts, meta.rank, group)
+    if meta.identity_segments:  # CP = 1, one run per document: the segments are k and v themselves
+        k_seg, v_seg = k, v
+    else:
+        k_seg, v_seg = AllGatherKV.apply(k, v, meta.segment_index, meta.occurrence, meta.levels, meta.rank_counts,
+                                         meta.rank, group)
     if meta.num_runs < 1:
         # No queries here; keep the (empty) K/V segments in the graph so this rank still joins the
         # backward reduce-scatter that the other ranks start.

@@ -6,7 +6,8 @@ One micro-batch, from the length stream to the kernel, is built once and uploade
     packer.pack() -> GlobalBatch     this DP rank's MicroBatch pieces (packing/, host, every rank alike)
     WlbDataIterator.__next__         -> RankMicroBatch: cp.plan.plan_rank() lays the micro-batch out
                                         over the CP group and keeps this rank's rows and RankPlan
-                                        (megatron/data.py, host)
+                                        (megatron/data.py, host; prefetch.py builds the next one of
+                                        the iteration on a thread and, on CUDA, uploads it on a side stream)
     get_batch (launcher, or the pinned pretrain_gpt through get_batch_on_this_tp_rank)
       cp_hooks.upload_micro_batch    the one host -> device copy: tokens + WlbPackedSeqParams(wlb=WlbVarlen)
     every layer                      WlbCoreAttention and RoPE read the same WlbVarlen device tensors
@@ -32,7 +33,9 @@ version and replaces, in Megatron's training code (pinned: ``version.PINNED_MEGA
 - ``train_step``: first the plan agreement (``agreement.py``): this iteration's plan is made and its
   digest compared over the whole world; a rank that planned otherwise stops every rank, named;
 - ``save_checkpoint`` / ``load_checkpoint``: the packer + stream state sidecar (``checkpoint.py``);
-- ``training_log``: the per-iteration packing metrics (``wlb_logging.py``).
+- ``training_log``: the per-iteration packing metrics (``wlb_logging.py``);
+- start-up builds (``startup.py``): the dataset-helper ``make`` and core 0.16's ``fused_kernels.load``
+  are skipped, saying so, where the machine lacks the toolchain (or the helpers are prebuilt).
 
 Importing this package needs neither torch nor Megatron; ``apply()`` imports them.
 """
@@ -186,10 +189,15 @@ def _ranks() -> tuple[int, int]:
 
 # -- the hooks ---------------------------------------------------------------------------------------------
 def _wrap_parse_args(original: Callable) -> Callable:
-    from megatron_wlb.megatron.args import wlb_extra_args_provider
+    from megatron_wlb.megatron.args import asks_for_help, wlb_extra_args_provider, wlb_help
 
     @wrapping(original)
     def parse_args(extra_args_provider=None, ignore_unknown_args=False):
+        import sys
+
+        if asks_for_help(sys.argv[1:]):  # ours only: Megatron's --help crashes on 0.19.2 (upstream)
+            print(wlb_help(sys.argv[0]), end="")
+            raise SystemExit(0)
         args = original(wlb_extra_args_provider(extra_args_provider), ignore_unknown_args)
         if getattr(args, "yaml_cfg", None) is not None:
             # Megatron's YAML path replaces the parsed args and skips validate_args (and our checks)
@@ -260,7 +268,8 @@ def _wrap_build_iterators(original: Callable, mods: dict[str, Any]) -> Callable:
                                                virtual_stages=int(getattr(args, "virtual_pipeline_model_parallel_size",
                                                                           None) or 1))
         first = not _RUNTIME.registry.iterators
-        iterator = build_train_iterator(args, settings, *_ranks(), on_batch=_RUNTIME.logger.on_batch if first else None)
+        iterator = _prefetching(build_train_iterator(args, settings, *_ranks(),
+                                                     on_batch=_RUNTIME.logger.on_batch if first else None))
         _RUNTIME.registry.register(iterator)
         if first:
             _start_recorder(args, settings, iterator.n, _RUNTIME.logger.cost)
@@ -392,7 +401,20 @@ def _split_is_empty(args: Any, split_name: str) -> bool:
 
 
 def _unwrap_iterator(data_iterator: Any) -> Any:
-    return getattr(data_iterator, "iterable", data_iterator)
+    from megatron_wlb.megatron.prefetch import unwrap
+
+    return unwrap(data_iterator)
+
+
+def _prefetching(iterator: WlbDataIterator) -> Any:
+    """The training iterator with its next micro-batch built (and, on CUDA, uploaded) on a thread
+    (``prefetch.py``): the same micro-batches in the same order, off the step's critical path."""
+    from megatron_wlb.megatron.cp_hooks import stage_upload, training_device
+    from megatron_wlb.megatron.prefetch import PrefetchingIterator
+
+    device = training_device()
+    return PrefetchingIterator(iterator, stage=functools.partial(stage_upload, device=device)
+                               if device.type == "cuda" else None)
 
 
 def pinned_tp_rank_batch(batch: RankMicroBatch) -> dict[str, Any]:
@@ -478,6 +500,9 @@ def apply(*, check_version: bool = True, middle_stage_batches: bool = False) -> 
     from megatron_wlb.megatron.wlb_logging import wrap_training_log
 
     mods = _import_training_modules()
+    from megatron_wlb.megatron.startup import guard_startup_builds
+
+    guard_startup_builds()  # no toolchain (a bare GPU machine): skip the builds that would fail, saying so
     _RUNTIME.registry = DataStateRegistry()
     get_args = mods["global_vars"].get_args
 

@@ -78,6 +78,26 @@ def add_wlb_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
+HELP_FLAGS = ("-h", "--help")
+
+
+def asks_for_help(argv: list[str]) -> bool:
+    """Whether a command line asks for ``--help`` (before a ``--`` that ends the options)."""
+    options = argv[: argv.index("--")] if "--" in argv else argv
+    return any(a in HELP_FLAGS for a in options)
+
+
+def wlb_help(prog: str) -> str:
+    """Help for our ``--wlb-*`` flags alone. Megatron's own ``--help`` is not printed: megatron-core 0.19.2's
+    crashes formatting a help string with a stray ``%`` (upstream), so its flags are named by pointer."""
+    parser = argparse.ArgumentParser(prog=prog, usage=f"{prog} <Megatron-LM flags> [--wlb-* flags]",
+                                     description="Megatron-LM's pretrain loop with WLB-LLM's packing and CP sharding.",
+                                     epilog="Megatron's own flags: megatron/training/arguments.py of your Megatron-LM "
+                                     "(its --help crashes in megatron-core 0.19.2, an upstream bug).",
+                                     add_help=False)
+    return add_wlb_args(parser).format_help()
+
+
 def _flag_type(knob: Knob, flag: str) -> Callable[[str], Any]:
     """argparse ``type=``: the knob's type conversion; range checks happen in WlbSettings."""
 

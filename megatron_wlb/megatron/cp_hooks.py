@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
@@ -78,18 +79,32 @@ def _cp_group() -> Any:
 
 
 def upload_micro_batch(batch: RankMicroBatch, device: torch.device | None = None, *, cp_group: Any = None,
-                       tokens: bool = True) -> tuple[dict[str, torch.Tensor | None], WlbPackedSeqParams]:
+                       tokens: bool = True, pin_memory: bool = False
+                       ) -> tuple[dict[str, torch.Tensor | None], WlbPackedSeqParams]:
     """Move one ``RankMicroBatch`` to ``device`` (default: ``training_device()``): Megatron's batch
     (tokens, labels, loss_mask, attention_mask None, position_ids; empty with ``tokens=False``, for
-    stages that need only the params) and its ``WlbPackedSeqParams``. Host -> device copies only."""
+    stages that need only the params) and its ``WlbPackedSeqParams``. Host -> device copies only
+    (``pin_memory``: from pinned host memory); a batch ``stage_upload`` already sent is not copied again."""
     device = training_device() if device is None else device
+    staged = batch.staged
+    if staged is not None and staged[0] == device and tokens:
+        _, event, staged_data, staged_params = staged  # sent on a side stream (stage_upload): wait, no host work
+        stream = torch.cuda.current_stream(device)
+        stream.wait_event(event)
+        for tensor in _device_tensors(staged_data, staged_params):
+            tensor.record_stream(stream)  # the caching allocator must not reuse them before this stream is done
+        return staged_data, staged_params
     plan = batch.plan
     cp_group = _cp_group() if cp_group is None else cp_group
     if batch.verify_layout and cp_group is not None and plan.layout.cp > 1:
         check_layout_agreement(plan.layout, cp_group)
+    pin = pin_memory and device.type == "cuda"
 
     def up(array: Any, dtype: torch.dtype) -> torch.Tensor:
-        return torch.from_numpy(array).to(device=device, dtype=dtype, non_blocking=True)
+        host = torch.from_numpy(array)
+        if pin:  # a non-blocking copy from pageable memory would sync; from pinned memory it does not
+            host = host.pin_memory()
+        return host.to(device=device, dtype=dtype, non_blocking=True)
 
     data: dict[str, torch.Tensor | None] = {}
     if tokens:
@@ -99,7 +114,11 @@ def upload_micro_batch(batch: RankMicroBatch, device: torch.device | None = None
     rope = up(plan.positions, torch.long)
     if plan.te is not None:
         te = plan.te
-        cu, cu_padded = up(te.cu_seqlens, torch.int32), up(te.cu_seqlens_padded, torch.int32)
+        cu = up(te.cu_seqlens, torch.int32)
+        # TE infers padding between sequences whenever the padded offsets are another tensor, which rules
+        # out its FlashAttention backend: nothing padded, the same tensor
+        padded = not np.array_equal(te.cu_seqlens, te.cu_seqlens_padded)
+        cu_padded = up(te.cu_seqlens_padded, torch.int32) if padded else cu
         # cp_group None, as in Megatron's own THD path: a group here would make TEDotProductAttention
         # re-set its CP group every call (dynamic CP)
         params = WlbPackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu_padded,
@@ -112,6 +131,42 @@ def upload_micro_batch(batch: RankMicroBatch, device: torch.device | None = None
                                 max_seqlen_q=plan.rope_length, max_seqlen_kv=plan.rope_length, cp_group=cp_group,
                                 wlb=WlbVarlen(meta, rope, plan.rope_length, plan.layout.name, plan.local_pad))
     return data, params
+
+
+def _device_tensors(data: dict[str, Any], params: WlbPackedSeqParams) -> list[torch.Tensor]:
+    found = [t for t in data.values() if isinstance(t, torch.Tensor)]
+    for name in ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded"):
+        value = getattr(params, name, None)
+        if isinstance(value, torch.Tensor):
+            found.append(value)
+    wlb = params.wlb
+    if wlb is not None:
+        found.append(wlb.rope_positions)
+        if wlb.attention is not None:
+            found += [wlb.attention.cu_seqlens_q, wlb.attention.cu_seqlens_k, wlb.attention.segment_index]
+            if wlb.attention.occurrence is not None:
+                found.append(wlb.attention.occurrence)
+    return found
+
+
+_SIDE_STREAMS: dict[Any, Any] = {}
+
+
+def stage_upload(batch: RankMicroBatch, device: torch.device) -> RankMicroBatch:
+    """``batch`` with its upload started on a side stream of ``device`` from pinned memory (run on the
+    prefetch thread); ``upload_micro_batch`` makes the compute stream wait for it. Not for batches that
+    verify the layout (a CP collective: the main thread's)."""
+    import dataclasses
+
+    if device.type != "cuda" or batch.verify_layout:
+        return batch
+    torch.cuda.set_device(device)
+    stream = _SIDE_STREAMS.setdefault(device, torch.cuda.Stream(device))
+    with torch.cuda.stream(stream):
+        data, params = upload_micro_batch(batch, device, cp_group=None, pin_memory=True)
+        event = torch.cuda.Event()
+        event.record(stream)
+    return dataclasses.replace(batch, staged=(device, event, data, params))
 
 
 def check_layout_agreement(layout: Any, group: Any) -> None:

@@ -135,7 +135,8 @@ class _Stream:
 
 
 def install_cpu_redirects() -> None:
-    """Install the redirects of ``REDIRECTS`` in this process (idempotent). Call before importing Megatron."""
+    """Install the redirects of ``REDIRECTS`` in this process (idempotent). Call before importing Megatron
+    and before anything uses CUDA: on a GPU machine the GPUs are hidden from this process."""
     global _INSTALLED
     if _INSTALLED:
         return
@@ -143,9 +144,13 @@ def install_cpu_redirects() -> None:
 
     import torch
 
+    if not torch.cuda.is_initialized():
+        # CPU mode on a GPU machine: hide its GPUs from this process (read when CUDA initialises), so
+        # the redirects below answer every CUDA query, as on a machine without one.
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
     if torch.cuda.is_available():
-        raise RuntimeError("install_cpu_redirects() is for machines without CUDA; this one has a GPU: "
-                           "run Megatron normally")
+        raise RuntimeError("install_cpu_redirects() must run before this process uses CUDA (it already has): "
+                           "call it first, or run Megatron on the GPU normally")
     if not hasattr(typing, "override"):
         import typing_extensions
 
@@ -212,12 +217,9 @@ def install_megatron_redirects() -> None:
         warmup_keeping_the_cpu_generator.__wlb_cpu__ = True  # type: ignore[attr-defined]
         initialize._warmup_jit_function = warmup_keeping_the_cpu_generator
     install_sequence_parallel_torch_norm()
-    try:  # core <= 0.16: initialize calls it unconditionally; it runs nvcc -V and compiles nothing
-        from megatron.legacy import fused_kernels
+    from megatron_wlb.megatron.startup import guard_fused_kernels
 
-        fused_kernels.load = lambda *a, **k: None
-    except ImportError:
-        pass
+    guard_fused_kernels(force=True)  # core <= 0.16: initialize calls it; it runs nvcc -V and compiles nothing
     original = initialize.initialize_megatron
     if not getattr(original, "__wlb_cpu__", False):
         patched = functools.wraps(original)(lambda *a, **k: original(*a, **{**k, "allow_no_cuda": True}))

@@ -76,6 +76,8 @@ class RankMicroBatch:
     loss_mask: np.ndarray
     position_ids: np.ndarray
     verify_layout: bool = False
+    #: its upload, already started on a side stream by ``prefetch.PrefetchingIterator`` (None: not staged)
+    staged: Any = None
 
 
 def rank_micro_batch(read: ReadFn, micro_batch: MicroBatch, sharding: CPSharding,
@@ -189,14 +191,24 @@ class WlbDataIterator(Iterator[RankMicroBatch]):
                 return None
         return self.current
 
-    def __next__(self) -> RankMicroBatch:
-        start = time.perf_counter()
+    @property
+    def remaining_in_iteration(self) -> int:
+        """Micro-batches of the current iteration not read yet (0 before the first and at its end)."""
+        return len(self._mine) - self._cursor
+
+    def produce(self) -> RankMicroBatch:
+        """The next micro-batch, built (packing a new iteration first when one ends), without making it
+        ``last`` (``prefetch.PrefetchingIterator`` builds one ahead on its thread)."""
         if self._cursor >= len(self._mine):
             self._next_batch()
         mb = self._mine[self._cursor]
         self._cursor += 1
         self.yielded += 1
-        self.last = rank_micro_batch(self.read, mb, self.sharding, verify_layout=self.yielded <= AGREEMENT_CHECKS)
+        return rank_micro_batch(self.read, mb, self.sharding, verify_layout=self.yielded <= AGREEMENT_CHECKS)
+
+    def __next__(self) -> RankMicroBatch:
+        start = time.perf_counter()
+        self.last = self.produce()
         self.last_seconds = time.perf_counter() - start
         return self.last
 

@@ -97,33 +97,20 @@ def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage
 ARGS_DEFAULTS = {"tokenizer_type": "NullTokenizer"}
 
 
-def use_shipped_dataset_helpers() -> bool:
-    """Skip ``initialize_megatron``'s ``make`` of the dataset helpers when the wheel ships them compiled.
-
-    The megatron-core wheel ships ``megatron/core/datasets/helpers_cpp`` built, but not the Makefile
-    that ``compile_helpers()`` runs on rank 0, so every wheel-only launch would exit at start-up.
-    Returns whether the compiled helpers were found (else Megatron compiles as usual).
-    """
-    import importlib.util
-
-    from megatron.core.datasets import utils
-
-    if importlib.util.find_spec("megatron.core.datasets.helpers_cpp") is None:
-        return False
-    utils.compile_helpers = lambda: None
-    return True
-
-
 def main(argv: Sequence[str] | None = None) -> None:
     """Apply the WLB-LLM hooks and run Megatron's ``pretrain`` with this module's providers."""
     import sys
 
     if argv is not None:
         sys.argv = [sys.argv[0], *argv]
+    from megatron_wlb.megatron.args import asks_for_help, wlb_help
+
+    if asks_for_help(sys.argv[1:]):  # ours only: Megatron's --help crashes on 0.19.2 (upstream)
+        print(wlb_help("python -m megatron_wlb.megatron.launcher"), end="")
+        return
     import megatron_wlb.megatron as wlb
 
-    wlb.apply(middle_stage_batches=True)
-    use_shipped_dataset_helpers()
+    wlb.apply(middle_stage_batches=True)  # also makes the dataset-helper build safe (startup.py)
     from megatron.core.enums import ModelType
     from megatron.training import pretrain
 

@@ -335,7 +335,8 @@ class WlbPacker(Packer):
         ``CLOSE_TOLERANCE`` of the balanced mean and every micro-batch has the room its ordinary share
         needs (``_balanceable``'s test, kept incrementally: O(micro-batches) per candidate). The
         ordinary tokens are those in hand, or, with the read-ahead fill (h), what it fills to
-        (``fill_target`` x the budget) less the outliers. An outlier that no iteration could balance waits for a group, as before."""
+        (``fill_target`` x the budget) less the outliers. An outlier that no iteration could balance
+        waits for a group, as before."""
         queued = sorted((p for p in waiting if p.length >= l1), key=oldest_first_key)
         if not queued or per_token <= 0:
             return []
@@ -357,7 +358,8 @@ class WlbPacker(Packer):
             if bt[j] + p.length > cap:
                 continue
             tokens = outlier_tokens + p.length
-            ordinary = max(in_hand, int(cfg.fill_target * budget) - tokens) if read_ahead else in_hand
+            fill = int(cfg.fill_target * budget)
+            ordinary = max(in_hand, fill - tokens) if read_ahead else in_hand
             if tokens + in_hand > cap * m:
                 continue
             bw[j] += x

@@ -1,0 +1,126 @@
+#!/usr/bin/env python
+"""Check the CP attention kernel path against the reference, forward and backward, for every layout.
+
+    python scripts/gpu_kernel_check.py --out OUT.json              # on the GPU: bf16 kernel vs fp32 reference
+    python scripts/gpu_kernel_check.py --smoke --out OUT.json      # the CPU, tiny shapes (the kit's dry run)
+
+For each layout, CP size and micro-batch (documents of mixed lengths, some shorter than 2*CP), every
+rank's attention runs as in training: ``all_gather_cp_attention`` at CP = 1, and at CP > 1 each rank's
+queries against its key segments (``kv_index``) in one varlen kernel call (one GPU plays every rank, as
+scripts/gpu_cp_latency.py does). Outputs and dq/dk/dv are compared with ``reference_varlen_attention``
+in fp32 on the same inputs; GQA (fewer K/V heads) included, so torch 2.11's path without ``enable_gqa``
+(``FlashVarlenGQA``) is checked too. Exit status 1 if any case exceeds the tolerance. The JSON names the
+device as ``torch.cuda.get_device_name()`` reports it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+
+from megatron_wlb.cp import LAYOUT_NAMES, build_layout
+from megatron_wlb.cp.attention import (
+    CPAttentionMetadata,
+    all_gather_cp_attention,
+    reference_varlen_attention,
+    resolve_backend,
+    varlen_attention,
+)
+
+MIXES = ([1, 1, 3, 1], [5, 1, 9, 33, 2], [64, 7, 129, 16, 300])
+
+
+def _grads(fn, inputs: list[torch.Tensor], grad_out: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    leaves = [t.detach().clone().requires_grad_(True) for t in inputs]
+    out = fn(*leaves)
+    out.backward(grad_out.to(out.dtype))
+    return out.detach().float(), [t.grad.float() for t in leaves]  # type: ignore[union-attr]
+
+
+def check_case(lengths: list[int], cp: int, layout: str, heads: int, kv_heads: int, dim: int, device: torch.device,
+               dtype: torch.dtype, backend: str, seed: int) -> dict:
+    lay = build_layout(layout, lengths, cp, tile=4)
+    gen = torch.Generator().manual_seed(seed)
+    worst = 0.0
+    for shard in lay.ranks:
+        if shard.num_tokens == 0:
+            continue
+        keys = int(shard.key_lengths.sum()) if cp > 1 else shard.num_tokens
+        q = torch.randn(shard.num_tokens, heads, dim, generator=gen)
+        k = torch.randn(keys, kv_heads, dim, generator=gen)
+        v = torch.randn(keys, kv_heads, dim, generator=gen)
+        g = torch.randn(shard.num_tokens, heads, dim, generator=gen)
+        cu_q = torch.as_tensor(shard.cu_seqlens_q, dtype=torch.int32)
+        cu_k = torch.as_tensor(shard.cu_seqlens_k, dtype=torch.int32)
+        if cp == 1:  # the training entry point itself (segments picked from the local K/V)
+            meta = CPAttentionMetadata.from_shard(shard, device)
+
+            def kernel(q_, k_, v_, meta=meta):
+                return all_gather_cp_attention(q_, k_, v_, meta, None, backend=backend)
+
+            def reference(q_, k_, v_, shard=shard):
+                rows = torch.as_tensor(shard.gather_rows(), dtype=torch.long)
+                return reference_varlen_attention(q_, k_[rows], v_[rows], shard.cu_seqlens_q, shard.cu_seqlens_k)
+        else:
+            dev_cu = (cu_q.to(device), cu_k.to(device))
+
+            def kernel(q_, k_, v_, shard=shard, dev_cu=dev_cu):
+                return varlen_attention(q_, k_, v_, *dev_cu, shard.max_seqlen_q, shard.max_seqlen_k, backend=backend)
+
+            def reference(q_, k_, v_, cu_q=cu_q, cu_k=cu_k):
+                return reference_varlen_attention(q_, k_, v_, cu_q, cu_k)
+        got, got_grads = _grads(kernel, [t.to(device, dtype) for t in (q, k, v)], g.to(device))
+        want, want_grads = _grads(reference, [q, k, v], g)
+        for a, b in zip([got, *got_grads], [want, *want_grads]):
+            scale = float(b.abs().max()) or 1.0
+            worst = max(worst, float((a.cpu() - b).abs().max()) / scale)
+    return {"layout": layout, "used": lay.name, "cp": cp, "lengths": lengths, "max_rel_err": worst}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True)
+    p.add_argument("--cps", default="1,2,4,8")
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--tolerance", type=float, default=2e-2, help="max error relative to the reference's max")
+    p.add_argument("--smoke", action="store_true", help="the CPU, tiny shapes, fp64 reference vs fp32 path")
+    args = p.parse_args(argv)
+    if args.smoke:
+        torch.set_num_threads(1)
+        args.device, args.cps, args.heads, args.kv_heads, args.head_dim = "cpu", "1,2", 4, 2, 8
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    backend = resolve_backend("auto", device, dtype)
+    start = time.perf_counter()
+    cases = [check_case(list(mix), cp, layout, args.heads, args.kv_heads, args.head_dim, device, dtype, backend,
+                        seed=i)
+             for i, (mix, cp, layout) in enumerate((m, c, lay) for m in MIXES for c in map(int, args.cps.split(","))
+                                                   for lay in LAYOUT_NAMES)]
+    failed = [c for c in cases if not c["max_rel_err"] <= args.tolerance]
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({platform.processor() or 'cpu'})"
+    result = {"device": name, "torch": torch.__version__, "backend": backend, "dtype": str(dtype).split(".")[-1],
+              "heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim,
+              "tolerance": args.tolerance, "seconds": time.perf_counter() - start, "cases": cases,
+              "failed": len(failed), "worst": max(c["max_rel_err"] for c in cases)}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"{len(cases)} kernel checks on {name} ({backend}, {result['dtype']}): worst relative error "
+          f"{result['worst']:.3g}, {len(failed)} over {args.tolerance}; wrote {out}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
