@@ -94,8 +94,11 @@ def critical_path(lengths: np.ndarray, read, step_ms: float, iterations: int = 3
     (pack + plan + rows, every micro-batch) and with ``PrefetchingIterator`` (the next micro-batch of an
     iteration built on a thread while the step runs: a ``step_ms`` sleep, the host idle as while the GPU
     computes). The first micro-batch of an iteration (its packing) stays on the critical path in both."""
+    import tempfile
+
     from megatron_wlb.cp.plan import CPSharding
-    from megatron_wlb.data.reader import DocumentStream
+    from megatron_wlb.data.indexed import write_index
+    from megatron_wlb.data.reader import DocumentReader
     from megatron_wlb.megatron.data import WlbDataIterator
     from megatron_wlb.megatron.prefetch import PrefetchingIterator
     from megatron_wlb.packing import make_packer
@@ -105,7 +108,12 @@ def critical_path(lengths: np.ndarray, read, step_ms: float, iterations: int = 3
     for tokens, cp in ((131_072, 8), (131_072, 16)):
         cfg = PackingConfig(seq_len=tokens, n=n, dp=1, max_seq_len=tokens * 3 // 2, max_delay=2)
         docs = lengths[np.cumsum(lengths) <= (iterations + 3) * cfg.tokens_per_iteration]
-        stream = DocumentStream(np.arange(docs.size, dtype=np.int64), docs.astype(np.int64))
+        # the stream comes from a reader over a synthetic index of these lengths (tokens from ``read``)
+        prefix = Path(tempfile.mkdtemp()) / "lengths"
+        write_index(prefix, docs.astype(np.int32))
+        with open(f"{prefix}.bin", "wb") as f:
+            f.truncate(2 * int(docs.sum()))
+        stream = DocumentReader([(str(prefix), 1.0)], split="1,0,0", seed=0).stream(int(docs.sum()))
         row: dict = {"tokens": tokens, "cp": cp, "n": n, "step_ms": step_ms}
         for name in ("plain", "prefetch"):
             it = WlbDataIterator(None, stream, make_packer("wlb", cfg), 0,
