@@ -264,6 +264,12 @@ class RunConfig:
     def micro_batches(self) -> int:
         return self.packing.n
 
+    def with_virtual_stages(self, virtual_stages: int) -> RunConfig:
+        """A copy under another pipeline schedule (1 = 1F1B, > 1 = interleaved 1F1B), for the simulator
+        and for the packer's schedule objective alike (``packing.virtual_stages``)."""
+        return replace(self, virtual_stages=virtual_stages,
+                       packing=replace(self.packing, virtual_stages=virtual_stages))
+
     def with_packer(self, packer: str, **packing_overrides: Any) -> RunConfig:
         """A copy with another packer and/or packing settings (for comparisons)."""
         if packer not in PACKERS:

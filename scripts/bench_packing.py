@@ -37,7 +37,7 @@ from megatron_wlb.costmodel import build_cost_model  # noqa: E402
 from megatron_wlb.packing import make_packer, summarize  # noqa: E402
 
 CORPORA_DIR = ROOT / "docs" / "results" / "corpora"
-STREAMS = ("wlbllm", "stdlib", "pypkgs", "headers", "docs", "prose")
+STREAMS = ("wlbllm", "stdlib", "pypkgs", "headers", "docs", "prose", "books", "logs", "data")
 TABLE_ARGS = ["bench", "--config", "7b_128k", "--iterations", "200", "--solver-iterations", "50",
               "--lengths", "wlbllm,stdlib", "--scale-config", "405b_128k_8k", "--scale-iterations", "200",
               "--out", str(ROOT / "docs" / "results"), "--label", "python scripts/bench_packing.py --table"]

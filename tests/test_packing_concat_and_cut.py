@@ -133,19 +133,22 @@ def _heavy_tail(alpha: float, scale: int, seed: int = 5, count: int = 20000, lon
 
 @pytest.mark.parametrize("pieces", ["documents", "concat-and-cut"])
 def test_read_ahead_keeps_every_iteration_full(pieces):
-    """(h): while the stream lasts, every iteration trains >= fill_target x the token budget (ordinary
-    documents read ahead fill the room delayed outliers leave); without it, iterations where outliers
-    wait fall to half the budget. Every token still once, the delay bound holds, the stream rate is
-    kept. On a heavier tail, where outliers hold most tokens, 95% of the iterations are full."""
+    """(h): while the stream lasts, 99% of the iterations train >= fill_target x the token budget and
+    none below 0.9 (ordinary documents read ahead fill the room delayed outliers leave); without it,
+    iterations where outliers wait fall to half the budget. Every token still once, the delay bound
+    holds, the stream rate is kept. On a heavier tail, where outliers hold most tokens, 95% of the
+    iterations are full."""
     config = PackingConfig(seq_len=2048, n=4, dp=2, max_delay=4, pieces=pieces)
     budget = config.tokens_per_iteration
-    for alpha, scale, quantile in ((2.0, 200, 0), (1.2, 60, 5)):
+    for alpha, scale, quantile in ((2.0, 200, 1), (1.2, 60, 5)):
         lengths = _heavy_tail(alpha, scale)
         packer = make_packer("wlb", config, COST)
         batches = list(packer.pack(lengths))
         live = batches[:len(batches) - config.max_delay - 2]  # before the stream ends and the queues drain
         fills = np.array([b.tokens for b in live]) / budget
         assert np.percentile(fills, quantile) >= config.fill_target, (alpha, np.sort(fills)[:5])
+        if alpha == 2.0:
+            assert fills.min() >= 0.9, np.sort(fills)[:5]
         assert packer.read_ahead_tokens > 0
         assert max(b.iteration - p.arrival for b in batches for p in b.pieces()) <= config.max_delay
         assert sum(b.tokens for b in batches) == int(lengths.sum())

@@ -23,7 +23,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 RECORD = ROOT / "docs" / "results" / "packing_default_plans.json"
 CORPORA = ROOT / "docs" / "results" / "corpora"
-STREAMS = ("wlbllm", "stdlib", "pypkgs", "headers", "docs", "prose")
+STREAMS = ("wlbllm", "stdlib", "pypkgs", "headers", "docs", "prose", "books", "logs", "data")
 DPS = (1, 4)
 ITERATIONS = 200
 

@@ -309,3 +309,16 @@ def test_one_progress_type_from_the_cli_to_the_simulator():
     compare(cfg, lengths, 2, (PLAIN, WLB), progress=progress)
     assert calls == [(f"{cfg.name} wlb+adaptive", 3), (f"{cfg.name} {PLAIN.name}", 2), (f"{cfg.name} {WLB.name}", 2)]
     assert list(tqdm_progress(iter([1, 2, 3]), "test", None)) == [1, 2, 3]
+
+
+def test_a_schedule_override_reaches_the_packers_objective_too():
+    """``--virtual-stages`` / ``compare(virtual_stages=v)``: the simulator and the wlb packer's
+    schedule objective (``packing.virtual_stages``) run the same schedule (it used to be the
+    simulator only, so wlb ordered micro-batches for plain 1F1B under an interleaved headline)."""
+    from megatron_wlb.cli.common import with_virtual_stages
+    from megatron_wlb.config import load_config
+
+    cfg = load_config("7b_128k")
+    assert cfg.virtual_stages == cfg.packing.virtual_stages == 1
+    for two in (cfg.with_virtual_stages(2), with_virtual_stages(cfg, 2)):
+        assert two.virtual_stages == two.packing.virtual_stages == 2

@@ -107,14 +107,12 @@ def cost_profile(path: str | Path | None, flag: str = "--profile") -> str | None
 def with_virtual_stages(config: RunConfig, virtual_stages: int | None, flag: str = "--virtual-stages") -> RunConfig:
     """``config`` with ``--virtual-stages`` applied (None: unchanged); a one-line error if the pipeline
     cannot interleave that many."""
-    from dataclasses import replace
-
     if virtual_stages is None:
         return config
     if virtual_stages < 1 or (virtual_stages > 1 and config.micro_batches % config.layout.pp):
         raise ValueError(f"{flag} {virtual_stages}: needs >= 1 and micro_batches ({config.micro_batches}) "
                          f"divisible by pp ({config.layout.pp})")
-    return replace(config, virtual_stages=virtual_stages)
+    return config.with_virtual_stages(virtual_stages)
 
 
 def headline_schedule(config: RunConfig, virtual_stages: int | None,

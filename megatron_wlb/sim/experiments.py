@@ -189,10 +189,10 @@ def compare(config: RunConfig, lengths: np.ndarray, iterations: int, methods: Se
     runs: dict[str, RunSummary] = {}
     for m in methods:
         v = m.virtual_stages if m.virtual_stages is not None else virtual_stages
-        cfg = config if v is None else replace(config, virtual_stages=v)
-        if cfg.virtual_stages > 1 and cfg.micro_batches % cfg.layout.pp:
-            raise ValueError(f"{m.name}: interleaved 1F1B needs micro_batches ({cfg.micro_batches}) divisible "
-                             f"by pp ({cfg.layout.pp})")
+        if (v or config.virtual_stages) > 1 and config.micro_batches % config.layout.pp:
+            raise ValueError(f"{m.name}: interleaved 1F1B needs micro_batches ({config.micro_batches}) divisible "
+                             f"by pp ({config.layout.pp})")
+        cfg = config if v is None else config.with_virtual_stages(v)
         runs[m.name] = simulate_stream(cfg, cost, m.packer, m.cp_layout, lengths, iterations,
                                        packing_overrides=m.packing_overrides(config), layout_builder=layout_builder,
                                        keep_events=keep_events, progress=progress,
