@@ -1,4 +1,5 @@
-"""Shared by the benchmark scripts: write a result as OUT.json and OUT.md, and print the Markdown."""
+"""Shared by the benchmark scripts: write a result as OUT.json and OUT.md (and print the Markdown), and
+write a summary table into the README after its marker."""
 
 from __future__ import annotations
 
@@ -15,3 +16,16 @@ def write_result(out: str | Path, result: dict, to_markdown: Callable[[dict], st
     md = to_markdown(result)
     out.with_suffix(".md").write_text(md)
     print(md)
+
+
+def replace_readme_table(path: Path, marker: str, table: str) -> None:
+    """Replace the Markdown table right after the line ``marker`` in the README at ``path`` with
+    ``table`` (the lines starting with ``|`` there; none is fine)."""
+    lines = path.read_text().splitlines(keepends=True)
+    start = next((i for i, line in enumerate(lines) if line.strip() == marker), None)
+    if start is None:
+        raise SystemExit(f"{path}: no {marker} line to write the table after")
+    stop = start + 1
+    while stop < len(lines) and lines[stop].startswith("|"):
+        stop += 1
+    path.write_text("".join(lines[:start + 1]) + table + "".join(lines[stop:]))

@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from _results import write_result  # noqa: E402
+from _results import replace_readme_table, write_result  # noqa: E402
 
 from megatron_wlb.cli.common import machine, resolve_lengths, run_packer  # noqa: E402
 from megatron_wlb.cli.main import main as wlb_main  # noqa: E402
@@ -161,12 +161,7 @@ README_MARK = "<!-- packing-table -->"
 
 def update_readme(result: dict, path: Path) -> None:
     """Replace the summary table right after README's ``<!-- packing-table -->`` marker with this run's."""
-    lines = path.read_text().splitlines(keepends=True)
-    start = next(i for i, line in enumerate(lines) if line.strip() == README_MARK) + 1
-    stop = start
-    while stop < len(lines) and lines[stop].startswith("|"):
-        stop += 1
-    path.write_text("".join(lines[:start]) + summary_table(result) + "".join(lines[stop:]))
+    replace_readme_table(path, README_MARK, summary_table(result))
 
 
 def to_markdown(result: dict) -> str:

@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from _results import write_result  # noqa: E402
+from _results import replace_readme_table, write_result  # noqa: E402
 
 from megatron_wlb.cli.common import machine, resolve_lengths  # noqa: E402
 from megatron_wlb.config import load_config  # noqa: E402
@@ -125,13 +125,8 @@ def to_markdown(result: dict) -> str:
 
 
 def update_readme(result: dict, path: Path) -> None:
-    """Replace the table right after README's ``<!-- verdict-table -->`` marker with this run's."""
-    lines = path.read_text().splitlines(keepends=True)
-    start = next(i for i, line in enumerate(lines) if line.strip() == README_MARK) + 1
-    stop = start
-    while stop < len(lines) and lines[stop].startswith("|"):
-        stop += 1
-    path.write_text("".join(lines[:start]) + summary_table(result) + "".join(lines[stop:]))
+    """Replace the summary table right after README's ``<!-- verdict-table -->`` marker with this run's."""
+    replace_readme_table(path, README_MARK, summary_table(result))
 
 
 def main(argv: list[str] | None = None) -> int:
