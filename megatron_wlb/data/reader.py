@@ -31,6 +31,8 @@ from megatron_wlb.data.indexed import check_bin_matches_idx, document_lengths, r
 #: Megatron's default ``--split`` (train, valid, test weights)
 DEFAULT_SPLIT = "969,30,1"
 SPLIT_NAMES: tuple[str, ...] = ("train", "valid", "test")
+#: tokens read at a time when scanning a .bin for its largest token id
+SCAN_CHUNK_TOKENS = 1 << 24
 
 
 # -- Megatron's data flags ---------------------------------------------------------------------------
@@ -83,6 +85,7 @@ class IndexedSource:
         self.lengths = lengths
         self.starts = starts          # token offset of each document in ``tokens``
         self.tokens = tokens
+        self._max_token_id: int | None = None
 
     @classmethod
     def open(cls, prefix: str, mmap: bool = True) -> IndexedSource:
@@ -104,6 +107,17 @@ class IndexedSource:
     @property
     def num_documents(self) -> int:
         return int(self.lengths.size)
+
+    def max_token_id(self) -> int:
+        """The largest token id in ``PREFIX.bin`` (-1 if empty): one chunked pass over the file, so memory
+        stays constant whatever its size; remembered for this source."""
+        if self._max_token_id is None:
+            tokens = self.tokens
+            top = -1
+            for at in range(0, int(tokens.size), SCAN_CHUNK_TOKENS):
+                top = max(top, int(np.max(tokens[at:at + SCAN_CHUNK_TOKENS])))
+            self._max_token_id = top
+        return self._max_token_id
 
     def read(self, doc: int, offset: int, length: int) -> np.ndarray:
         """Tokens ``[offset, offset + length)`` of document ``doc`` (its sequences are contiguous)."""
@@ -182,6 +196,22 @@ class DocumentReader:
     @classmethod
     def from_data_path(cls, data_path: Sequence[str] | str, **kwargs: Any) -> DocumentReader:
         return cls(weighted_prefixes(data_path), **kwargs)
+
+    def max_token_id(self) -> int:
+        """The largest token id in any of the blended datasets (each scanned once)."""
+        return max(src.max_token_id() for src in self.sources)
+
+    def check_vocabulary(self, vocab_size: int, flag: str = "--vocab-size") -> None:
+        """Refuse data whose token ids the model's embedding (``vocab_size`` rows) cannot look up, naming
+        the dataset, its largest id and the vocabulary; ``flag`` is what sets it."""
+        for src in self.sources:
+            if np.issubdtype(src.tokens.dtype, np.integer) and np.iinfo(src.tokens.dtype).max < vocab_size:
+                continue  # the file's dtype cannot hold an id outside the vocabulary: nothing to scan
+            top = src.max_token_id()
+            if top >= vocab_size:
+                raise ValueError(f"{src.prefix}: token id {top} is outside the model's vocabulary of {vocab_size} "
+                                 f"(ids 0..{vocab_size - 1}): set {flag} to at least {top + 1} (or the tokenizer "
+                                 "the data was made with)")
 
     def describe(self) -> dict[str, Any]:
         """What determines the stream (saved with checkpoints, compared on resume)."""

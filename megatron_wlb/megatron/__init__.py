@@ -94,11 +94,16 @@ def reader_from_args(args: Any, split_name: str = "train") -> DocumentReader:
     seed = int(getattr(args, "seed", 1234))
     own = getattr(args, f"{split_name}_data_path", None)
     if own:
-        return DocumentReader.from_data_path(own, split="1,0,0", split_name="train", seed=seed, mmap=mmap)
-    if not getattr(args, "data_path", None):
+        reader = DocumentReader.from_data_path(own, split="1,0,0", split_name="train", seed=seed, mmap=mmap)
+    elif not getattr(args, "data_path", None):
         raise ValueError("WLB-LLM reads Megatron indexed datasets: give --data-path [WEIGHT] PREFIX ...")
-    return DocumentReader.from_data_path(args.data_path, split=_split(args), split_name=split_name, seed=seed,
-                                         mmap=mmap)
+    else:
+        reader = DocumentReader.from_data_path(args.data_path, split=_split(args), split_name=split_name, seed=seed,
+                                               mmap=mmap)
+    vocab = getattr(args, "padded_vocab_size", None)  # the embedding's rows (set by Megatron's tokenizer build)
+    if vocab:
+        reader.check_vocabulary(int(vocab), "--vocab-size / the tokenizer")
+    return reader
 
 
 def _split(args: Any) -> str:
@@ -424,19 +429,32 @@ def _is_rank0() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
-def _import_training_modules() -> dict[str, Any]:
-    from megatron_wlb.megatron.version import PINNED_MEGATRON_COMMIT, PINNED_MEGATRON_TAG
+def training_import_error(module: str, exc: ImportError) -> str:
+    """The one-line reason ``megatron.training.<module>`` failed to import, naming the real cause: the training
+    code itself missing (a megatron-core wheel before 0.19), or a module or name it imports."""
+    from megatron_wlb.megatron.version import PINNED_MEGATRON_COMMIT, PINNED_MEGATRON_TAG, TESTED_RELEASES
 
+    missing = getattr(exc, "name", None) if isinstance(exc, ModuleNotFoundError) else None
+    if missing in ("megatron", "megatron.training", f"megatron.training.{module}"):
+        return (f"megatron_wlb.megatron.apply() hooks Megatron-LM's training code (megatron.training.{module}), "
+                "which is not importable here: pip install --no-deps megatron-core=="
+                f"{TESTED_RELEASES[-1]} (its wheel ships megatron/training; earlier wheels do not), or put a "
+                f"Megatron-LM checkout at {PINNED_MEGATRON_TAG} ({PINNED_MEGATRON_COMMIT[:12]}) on PYTHONPATH "
+                f"(import error: {exc})")
+    if missing:
+        return (f"megatron.training.{module} failed to import: it needs the module {missing!r}, which is not "
+                f"installed: pip install {missing.split('.')[0]} (megatron_wlb's [megatron] extra lists what "
+                f"Megatron's training code imports) (import error: {exc})")
+    return f"megatron.training.{module} failed to import: {exc}"
+
+
+def _import_training_modules() -> dict[str, Any]:
     mods = {}
     for name in TRAINING_MODULES:
         try:
             mods[name] = importlib.import_module(f"megatron.training.{name}")
         except ImportError as exc:
-            raise RuntimeError(
-                f"megatron_wlb.megatron.apply() hooks Megatron-LM's training code (megatron.training.{name}), "
-                "which the megatron-core wheel does not ship: run from a Megatron-LM checkout at "
-                f"{PINNED_MEGATRON_TAG} ({PINNED_MEGATRON_COMMIT}) or put it on PYTHONPATH "
-                f"(import error: {exc})") from exc
+            raise RuntimeError(training_import_error(name, exc)) from exc
     return mods
 
 
@@ -447,11 +465,12 @@ def apply(*, check_version: bool = True, middle_stage_batches: bool = False) -> 
     (and virtual stages) the micro-batch's packed-sequence params, as ``megatron_wlb.megatron.launcher``
     and the patched ``pretrain_gpt.py`` do; otherwise runs with middle stages are refused at start-up.
 
-    Raises RuntimeError when megatron-core is outside ``version.SUPPORTED_CORE`` or Megatron's
+    Raises RuntimeError when megatron-core is outside ``version.SUPPORTED_SERIES`` or Megatron's
     training code is not importable.
     """
-    from megatron_wlb.megatron.version import check_core_version
+    from megatron_wlb.megatron.version import check_core_version, install_python_shims
 
+    install_python_shims()  # before anything imports megatron-core (0.19 needs typing.override)
     if check_version:
         check_core_version()
     _RUNTIME.middle_stage_batches = middle_stage_batches

@@ -116,9 +116,22 @@ def compose_providers(*providers: ArgsProvider | None) -> ArgsProvider:
     return provider
 
 
+def escape_help_percents(parser: Any) -> Any:
+    """Double every lone ``%`` in the parser's help texts, which argparse would read as a format (megatron-core
+    0.19.2's ``--moe-paged-stash-buffer-size-factor-cuda`` says "10%)", so ``--help`` died in argparse)."""
+    import re
+
+    for action in parser._actions:
+        if isinstance(action.help, str):
+            action.help = re.sub(r"%%|%\(\w+\)[a-zA-Z]|%", lambda m: "%%" if m.group() == "%" else m.group(),
+                                 action.help)
+    return parser
+
+
 def wlb_extra_args_provider(existing: ArgsProvider | None = None) -> ArgsProvider:
-    """Megatron's provider slot filled with ``existing`` (if any) followed by ours."""
-    return compose_providers(existing, add_wlb_args)
+    """Megatron's provider slot filled with ``existing`` (if any) followed by ours (and help texts that
+    ``--help`` can print: ``escape_help_percents``)."""
+    return compose_providers(existing, add_wlb_args, escape_help_percents)
 
 
 # -- resolving and validating ------------------------------------------------------------------------
