@@ -35,9 +35,10 @@ setup(
         # The releases CI trains with: 0.19.x (its wheel ships megatron/training; our launcher) and a
         # core_v0.16.1 checkout (patched pretrain_gpt.py). megatron-core imports triton unconditionally,
         # also on CPU; Megatron-LM's training code also imports six, regex and pydantic, which the core
-        # wheel does not declare, and a checkout compiles its dataset helpers with pybind11.
+        # wheel does not declare, and a checkout compiles its dataset helpers with pybind11; Megatron's default
+        # checkpoint format (torch_dist) writes with psutil; Python < 3.12 needs typing_extensions (typing.override).
         "megatron": ["torch>=2.4", "megatron-core>=0.16,<0.20,!=0.17.*,!=0.18.*", "triton", "packaging>=24.2",
-                     "six", "regex", "pydantic>=2", "pybind11"],
+                     "six", "regex", "pydantic>=2", "pybind11", "psutil", "typing_extensions>=4.4"],
         "test": ["pytest>=7", "hypothesis>=6", "ruff>=0.5", "mypy>=1.10"],
     },
     entry_points={"console_scripts": ["wlb=megatron_wlb.cli.main:main"]},

@@ -27,7 +27,7 @@ def _has_training_code() -> bool:
 def test_python_shim_stands_in_typing_override(monkeypatch):
     import typing_extensions
 
-    from megatron_wlb.megatron.version import install_python_shims
+    from megatron_wlb.megatron.compat import install_python_shims
 
     monkeypatch.delattr(typing, "override", raising=False)
     assert install_python_shims() is True
@@ -121,3 +121,20 @@ def test_help_percents_are_escaped_once():
     parser.add_argument("--headroom", help="e.g. 1.10 = 10%) of %(default)s, 100%% sure", default=3)
     escape_help_percents(escape_help_percents(parser))  # twice: apply() may compose our provider twice
     assert "10%) of 3, 100% sure" in " ".join(parser.format_help().split())
+
+
+def test_a_script_without_main_guard_is_refused_in_the_spawned_child(tmp_path):
+    """Megatron's torch_dist writer starts a spawn-method manager, which re-imports the launching script: a
+    script that trains at module level is refused there in one line instead of training a second time."""
+    script = tmp_path / "train_without_guard.py"
+    script.write_text("import multiprocessing\n"
+                      "from megatron_wlb.megatron import cpu\n"
+                      "cpu.install_cpu_redirects()\n"
+                      "print('TRAINING', flush=True)\n"
+                      "multiprocessing.get_context('spawn').Manager().Queue()  # what the torch_dist writer does\n")
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert proc.stdout.count("TRAINING") == 1, proc.stdout
+    assert "is being re-imported by a multiprocessing child" in proc.stderr
+    assert 'if __name__ == "__main__":' in proc.stderr

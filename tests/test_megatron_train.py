@@ -279,10 +279,15 @@ def test_sequence_parallel_gives_the_losses_of_tp2_without_it(tmp_path, corpus):
     assert_documents_once(sp)
 
 
-def test_checkpoint_resume_equals_an_uninterrupted_run(tmp_path, corpus):
+@pytest.mark.parametrize("ckpt_format", ["torch", "torch_dist"])
+def test_checkpoint_resume_equals_an_uninterrupted_run(tmp_path, corpus, ckpt_format):
+    """torch_dist is Megatron's default format (its writer needs psutil, and spawns a process that re-imports
+    the launching script: the probe keeps its training under the __main__ guard)."""
     ckpt = tmp_path / "ckpt"
-    common = ("--wlb-packing", "wlb", "--save", str(ckpt), "--save-interval", "2", "--ckpt-format", "torch")
+    common = ("--wlb-packing", "wlb", "--save", str(ckpt), "--save-interval", "2", "--ckpt-format", ckpt_format)
     full = train(tmp_path, "full", corpus, *common, env={"DP": "2"})
+    if ckpt_format == "torch_dist":
+        assert (ckpt / "iter_0000002" / "metadata.json").is_file()  # Megatron's distributed checkpoint
     shutil.rmtree(ckpt / "iter_0000004", ignore_errors=True)
     (ckpt / "latest_checkpointed_iteration.txt").write_text("2")
     resumed = train(tmp_path, "resumed", corpus, *common, "--load", str(ckpt), env={"DP": "2"})

@@ -468,8 +468,10 @@ def apply(*, check_version: bool = True, middle_stage_batches: bool = False) -> 
     Raises RuntimeError when megatron-core is outside ``version.SUPPORTED_SERIES`` or Megatron's
     training code is not importable.
     """
-    from megatron_wlb.megatron.version import check_core_version, install_python_shims
+    from megatron_wlb.megatron.compat import install_python_shims, refuse_spawned_reimport
+    from megatron_wlb.megatron.version import check_core_version
 
+    refuse_spawned_reimport()
     install_python_shims()  # before anything imports megatron-core (0.19 needs typing.override)
     if check_version:
         check_core_version()

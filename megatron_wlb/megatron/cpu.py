@@ -45,7 +45,7 @@ REDIRECTS: tuple[tuple[str, str], ...] = (
      "initialize calls it unconditionally; it only runs nvcc -V (no CUDA toolkit here) and builds nothing"),
     ("initialize_megatron(allow_no_cuda=True)",
      "initialize asserts torch.cuda.is_available() unless asked not to, and pretrain() does not ask"),
-    ("Python 3.11: typing.override (not CUDA; version.install_python_shims, which apply() also calls)",
+    ("Python 3.11: typing.override (not CUDA; compat.install_python_shims, which apply() also calls)",
      "megatron-core >= 0.19 imports typing.override (3.12); typing_extensions.override stands in"),
     ("WrappedTorchNorm under --sequence-parallel (not CUDA: apex is missing)",
      "apex's and TE's norms mark their weights sequence_parallel, so Megatron sums their gradients over "
@@ -141,7 +141,9 @@ def install_cpu_redirects() -> None:
         return
     import torch
 
-    from megatron_wlb.megatron.version import install_python_shims
+    from megatron_wlb.megatron.compat import install_python_shims, refuse_spawned_reimport
+
+    refuse_spawned_reimport()
 
     if torch.cuda.is_available():
         raise RuntimeError("install_cpu_redirects() is for machines without CUDA; this one has a GPU: "

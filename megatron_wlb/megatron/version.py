@@ -13,8 +13,6 @@ batch functions the patch hooks, and the launcher is tested on 0.19 only).
 
 from __future__ import annotations
 
-import sys
-
 from packaging.version import InvalidVersion, Version
 
 PINNED_MEGATRON_COMMIT = "55ac7082517c3878ae653c07c09c534b8aed49f6"
@@ -24,27 +22,6 @@ SUPPORTED_SERIES = {(0, 16): f"a Megatron-LM checkout at {PINNED_MEGATRON_TAG}, 
                     (0, 19): "the megatron-core 0.19 wheel with megatron_wlb.megatron.launcher"}
 #: the release of each series that CI trains with
 TESTED_RELEASES = ("0.16.1", "0.19.2")
-
-
-def install_python_shims() -> bool:
-    """Let megatron-core >= 0.19 import on Python 3.10/3.11 (the README's install, ``--ignore-requires-python``).
-
-    It imports ``typing.override`` (Python 3.12); ``typing_extensions.override`` stands in. The one place
-    for this shim: ``apply()`` (and so the launcher) and the CPU harness call it before importing Megatron.
-    Returns whether it installed the shim (False on Python >= 3.12 or when already there).
-    """
-    import typing
-
-    if hasattr(typing, "override"):
-        return False
-    try:
-        import typing_extensions
-    except ImportError as exc:
-        raise RuntimeError(f"megatron-core >= 0.19 needs typing.override (Python 3.12+); on Python "
-                           f"{sys.version_info.major}.{sys.version_info.minor} megatron_wlb stands in "
-                           "typing_extensions.override: pip install typing_extensions") from exc
-    typing.override = typing_extensions.override  # type: ignore[attr-defined]
-    return True
 
 
 def _parse(version: str) -> Version:
