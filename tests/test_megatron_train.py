@@ -295,6 +295,35 @@ def test_checkpoint_resume_equals_an_uninterrupted_run(tmp_path, corpus, ckpt_fo
     assert [resumed.losses[1], resumed.losses[2]] == pytest.approx([full.losses[3], full.losses[4]], rel=1e-5)
 
 
+def test_dp_size_change_and_data_stream_reset_on_resume(tmp_path, corpus):
+    """Saved at DP2 (iteration 2 of 4): resumed at DP1 with the same global batch, the saved plans continue and
+    the losses are the uninterrupted run's; another global batch is refused naming the one that continues;
+    --wlb-reset-data-stream restarts the documents at the first plan while Megatron keeps its iteration."""
+    ckpt = tmp_path / "ckpt"
+    common = ("--wlb-packing", "wlb", "--save", str(ckpt), "--save-interval", "2", "--ckpt-format", "torch")
+    full = train(tmp_path, "full", corpus, *common, env={"DP": "2"})
+    shutil.rmtree(ckpt / "iter_0000004", ignore_errors=True)
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("2")
+
+    def plans(run: Run) -> list:
+        return next(r["plans"] for r in run.ranks.values() if r["plans"])
+
+    dp1 = train(tmp_path, "dp1", corpus, *common, "--load", str(ckpt), "--save", str(tmp_path / "ckpt_dp1"),
+                env={"DP": "1"})
+    assert plans(dp1)[:2] == plans(full)[2:4]
+    assert [dp1.losses[1], dp1.losses[2]] == pytest.approx([full.losses[3], full.losses[4]], rel=1e-5)
+    # (Megatron's own LR-scheduler check refuses another global batch first unless told to override it)
+    refused = train(tmp_path, "gbs2", corpus, *common, "--load", str(ckpt), "--global-batch-size", "2",
+                    "--override-opt_param-scheduler", env={"DP": "1"}, expect_ok=False)
+    assert refused.returncode != 0  # type: ignore[attr-defined]
+    assert "resume with --global-batch-size 4 (now 2)" in refused.log
+    reset = train(tmp_path, "reset", corpus, *common, "--load", str(ckpt), "--save", str(tmp_path / "ckpt_reset"),
+                  "--wlb-reset-data-stream", env={"DP": "2"})
+    assert "--wlb-reset-data-stream: the data stream restarts at its first document at iteration 2" in reset.log
+    assert plans(reset)[0] == plans(full)[0]  # the documents start over ...
+    assert "iteration        3/       4" in reset.log and "iteration        1/" not in reset.log  # ... the steps not
+
+
 def test_online_cost_model_refits_agree_and_resume_exactly(tmp_path, corpus):
     """--wlb-cost-model online at DP2: the refits run (the ranks' coefficients and plan digests are checked
     equal inside), the packer plans with the refitted model, and a run resumed from a checkpoint taken

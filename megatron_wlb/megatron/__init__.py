@@ -496,7 +496,8 @@ def apply(*, check_version: bool = True, middle_stage_batches: bool = False) -> 
         "save_checkpoint": (mods["checkpointing"].save_checkpoint,
                             lambda f: wrap_save_checkpoint(f, _RUNTIME.registry, get_args, _is_rank0, settings_dict)),
         "load_checkpoint": (mods["checkpointing"].load_checkpoint,
-                            lambda f: wrap_load_checkpoint(f, _RUNTIME.registry, get_args, settings_dict)),
+                            lambda f: wrap_load_checkpoint(f, _RUNTIME.registry, get_args, settings_dict,
+                                                           _print_rank0)),
         "training_log": (mods["training"].training_log,
                          lambda f: wrap_training_log(f, lambda: _RUNTIME.logger, _measure)),
     }

@@ -75,6 +75,11 @@ def add_wlb_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         options = choices.get(name) or (knob.choices if knob and knob.choices else None)
         g.add_argument(flag, type=kind, choices=options, default=None, metavar=metavars.get(name),
                        help=f"{text} (default {default})".replace("%", "%%"))
+    # an action on resume, not a setting (it is neither saved nor compared): megatron_wlb.megatron.checkpoint
+    g.add_argument("--wlb-reset-data-stream", action="store_true",
+                   help="on resume (--load), restart only the data stream at its first document, with the "
+                        "--wlb-* settings given now; the optimizer, iteration and LR schedule resume from the "
+                        "checkpoint (--finetune resets them too). Counted in the checkpoint and logged")
     return parser
 
 
