@@ -15,10 +15,13 @@ setup(
     long_description=open("README.md").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=find_packages(include=["megatron_wlb", "megatron_wlb.*"]),
+    # The shipped run configs live at the top of the checkout (configs/); the wheel carries them as
+    # megatron_wlb/configs/, where megatron_wlb.config finds them once installed (one copy of each file).
+    packages=[*find_packages(include=["megatron_wlb", "megatron_wlb.*"]), "megatron_wlb.configs"],
+    package_dir={"megatron_wlb.configs": "configs"},
     # Data files the package reads through importlib.resources / __file__ (tests/test_wheel.py checks
-    # that every non-Python file under megatron_wlb/ is listed here).
-    package_data={"megatron_wlb": ["data/*.json", "data/*.md", "configs/*.yaml", "cp/data/*.json"]},
+    # that every non-Python file under megatron_wlb/ and configs/ is listed here).
+    package_data={"megatron_wlb": ["data/*.json", "data/*.md", "cp/data/*.json"], "megatron_wlb.configs": ["*.yaml"]},
     license="Apache-2.0",
     license_files=["LICENSE"],
     # The core (cost model, packers, shard layouts, simulator, CLI) needs no torch.
