@@ -8,7 +8,7 @@
 #
 # The Megatron-LM checkout lives in the ignored folder megatron-lm/ beside this repo's code (or
 # $MEGATRON_LM); it is cloned from $MEGATRON_LM_URL (or a local mirror, $WLB_MEGATRON_MIRROR), checked
-# out at patches/PINNED_COMMIT and patched with scripts/apply_patches.sh; its code is never committed.
+# out at patches/core_v0.16.1/PINNED_COMMIT and patched with scripts/apply_patches.sh; its code is never committed.
 # Knobs: ITERS (300), SEQ (2048), SMAX (3072 = --wlb-max-seq-len), PACKING (wlb), CP_SHARDING
 # (per-document), TRANSFORMER_IMPL (local; transformer_engine where TE is installed), MAX_BYTES.
 # Pass/fail: the run must finish, log WLB metrics, and the last logged lm loss must be below the first.
@@ -19,7 +19,7 @@ die() { echo "gpu_smoke_train.sh: error: $*" >&2; exit 1; }
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 OUT=$(mkdir -p "${1:-$repo/out/gpu_smoke}" && cd "${1:-$repo/out/gpu_smoke}" && pwd)
 MLM=${MEGATRON_LM:-$repo/megatron-lm}
-PINNED=$(tr -d '[:space:]' < "$repo/patches/PINNED_COMMIT")
+PINNED=$(tr -d '[:space:]' < "$repo/patches/core_v0.16.1/PINNED_COMMIT")
 ITERS=${ITERS:-300}
 SEQ=${SEQ:-2048}
 SMAX=${SMAX:-3072}

@@ -381,3 +381,52 @@ def test_launcher_over_the_pinned_checkout_cp2_pp2(tmp_path, corpus, pinned):
     assert_trains(run)
     assert {Version(r["core_version"]).base_version for r in run.ranks.values()} == {"0.16.1"}
     assert_documents_once(run)
+
+
+# --- a Megatron-LM core_v0.19.0 checkout: its own pretrain_gpt.py (model builders, loss), patched ------------
+@pytest.fixture(scope="module")
+def checkout_019(tmp_path_factory) -> Path:
+    """A core_v0.19.0 checkout patched with patches/core_v0.19.0 (from the repository MEGATRON_LM names, as
+    for the pinned one); skipped, saying which commit is missing, without one."""
+    from conftest import megatron_checkout
+
+    dest = megatron_checkout(tmp_path_factory.mktemp("v019") / "Megatron-LM", "core_v0.19.0")
+    subprocess.run([str(REPO / "scripts" / "apply_patches.sh"), str(dest)], check=True, capture_output=True)
+    return dest
+
+
+def test_patched_pretrain_gpt_of_the_019_checkout_trains_pp4(tmp_path, corpus, checkout_019):
+    """The checkout's own get_batch/forward_step/loss (patched), its gpt_builders, our data: PP4's middle
+    stages get their packed-sequence params, and every planned document reaches the model once."""
+    run = train(tmp_path, "v019_pp4", corpus, "--num-layers", "4", "--wlb-packing", "wlb",
+                env=_pinned_env(checkout_019, PP="4"), pretrain_gpt=str(checkout_019 / "pretrain_gpt.py"))
+    assert_trains(run)
+    assert {Version(r["core_version"]).release[:2] for r in run.ranks.values()} == {(0, 19)}
+    assert all("+" in r["core_version"] for r in run.ranks.values())  # the checkout's megatron, not the wheel
+    assert_documents_once(run)
+
+
+def test_019_checkout_torch_dist_resume_with_cp2(tmp_path, corpus, checkout_019):
+    """Megatron's default checkpoint format through the checkout's pretrain_gpt.py at CP2: resumed losses
+    are the uninterrupted run's."""
+    ckpt = tmp_path / "ckpt"
+    common = ("--wlb-packing", "wlb", "--wlb-cp-sharding", "adaptive", "--save", str(ckpt), "--save-interval", "2",
+              "--ckpt-format", "torch_dist")
+    script = str(checkout_019 / "pretrain_gpt.py")
+    full = train(tmp_path, "full", corpus, *common, env=_pinned_env(checkout_019, CP="2"), pretrain_gpt=script)
+    shutil.rmtree(ckpt / "iter_0000004", ignore_errors=True)
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("2")
+    resumed = train(tmp_path, "resumed", corpus, *common, "--load", str(ckpt), env=_pinned_env(checkout_019, CP="2"),
+                    pretrain_gpt=script)
+    assert [resumed.losses[1], resumed.losses[2]] == pytest.approx([full.losses[3], full.losses[4]], rel=1e-5)
+
+
+def test_apply_alone_is_refused_on_core_019_naming_the_ways_in():
+    """apply() inserted into an unpatched core >= 0.18 pretrain_gpt.py would die at the first step (its get_batch
+    indexes a dict on TP rank 0 only): it is refused at start-up, naming the patch and the launcher."""
+    code = ("import megatron_wlb.megatron as W\n"
+            "try:\n    W.apply()\nexcept RuntimeError as e:\n    print('REFUSED', e)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"})
+    assert "REFUSED" in proc.stdout, proc.stderr[-3000:]
+    assert "scripts/apply_patches.sh" in proc.stdout and "megatron_wlb.megatron.launcher" in proc.stdout

@@ -24,7 +24,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "apply_patches.sh"
 PATCHES = ROOT / "patches"
-PINNED = (PATCHES / "PINNED_COMMIT").read_text().strip()
+PINNED = (PATCHES / "core_v0.16.1" / "PINNED_COMMIT").read_text().strip()
 
 pytestmark = pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
 
@@ -131,19 +131,49 @@ def test_not_a_git_checkout_and_bad_pin(tmp_path: Path, synthetic):
     assert res.returncode == 1 and "40-hex" in res.stderr
 
 
-def test_shipped_pin_and_patch_are_consistent():
-    """The shipped pin is a full sha, version.py names the same commit, the patch touches pretrain_gpt.py."""
-    assert len(PINNED) == 40 and all(c in "0123456789abcdef" for c in PINNED)
-    version = (ROOT / "megatron_wlb" / "megatron" / "version.py").read_text()
-    assert f'PINNED_MEGATRON_COMMIT = "{PINNED}"' in version
-    patch = (PATCHES / "pretrain_gpt_wlb.patch").read_text()
-    assert "+++ b/pretrain_gpt.py" in patch
-    for hook in ("_wlb.apply(middle_stage_batches=True)", "packed_seq_params_from_iterator"):
-        assert hook in patch
-    # the functions the patch calls exist in megatron_wlb under those names (read, not imported: fast)
-    defined = {n.name for n in ast.walk(ast.parse((ROOT / "megatron_wlb/megatron/cp_hooks.py").read_text()))
-               if isinstance(n, ast.FunctionDef)}
-    assert "packed_seq_params_from_iterator" in defined
+def test_shipped_pins_and_patches_are_consistent():
+    """One folder per patched release; each pin is a full sha that version.py names for that tag; each patch
+    touches pretrain_gpt.py and calls apply() saying it feeds middle stages."""
+    from megatron_wlb.megatron.version import PATCHED_CHECKOUTS, PINNED_MEGATRON_COMMIT
+
+    assert PINNED == PINNED_MEGATRON_COMMIT
+    folders = sorted(p.name for p in PATCHES.iterdir() if p.is_dir())
+    assert folders == sorted(PATCHED_CHECKOUTS) == ["core_v0.16.1", "core_v0.19.0"]
+    for tag, commit in PATCHED_CHECKOUTS.items():
+        assert (PATCHES / tag / "PINNED_COMMIT").read_text().strip() == commit and len(commit) == 40
+        patch = (PATCHES / tag / "pretrain_gpt_wlb.patch").read_text()
+        assert "+++ b/pretrain_gpt.py" in patch and "_wlb.apply(middle_stage_batches=True)" in patch
+
+
+def test_the_release_is_chosen_by_the_checkouts_commit(synthetic, tmp_path):
+    """A patches folder of releases: the one pinned to HEAD applies; a commit none is pinned to is refused
+    naming every supported commit and the launcher."""
+    repo, patches, pinned, old = synthetic
+    root = tmp_path / "releases"
+    shutil.copytree(patches, root / "core_v9.9.9")
+    (root / "core_v0.0.1").mkdir()
+    (root / "core_v0.0.1" / "PINNED_COMMIT").write_text(old + "\n")
+    (root / "core_v0.0.1" / "other.patch").write_text("not a patch\n")
+    res = run_script(repo, root)
+    assert res.returncode == 0 and "applied hook.patch" in res.stdout and "core_v9.9.9" in res.stdout
+    git(repo, "checkout", "-q", "--", ".")
+    (repo / "new.txt").write_text("x")
+    git(repo, "add", "new.txt")
+    git(repo, "commit", "-q", "-m", "third")
+    res = run_script(repo, root)
+    assert res.returncode == 1
+    assert pinned in res.stderr and old in res.stderr and "megatron_wlb.megatron.launcher" in res.stderr
+
+
+def test_the_functions_the_patches_call_exist():
+    """Read, not imported (fast): the names each patch calls are defined in megatron_wlb."""
+    def defined(path: str) -> set[str]:
+        return {n.name for n in ast.walk(ast.parse((ROOT / path).read_text())) if isinstance(n, ast.FunctionDef)}
+
+    assert "packed_seq_params_from_iterator" in (PATCHES / "core_v0.16.1" / "pretrain_gpt_wlb.patch").read_text()
+    assert "packed_seq_params_from_iterator" in defined("megatron_wlb/megatron/cp_hooks.py")
+    assert "_wlb.pretrain_gpt_batch(" in (PATCHES / "core_v0.19.0" / "pretrain_gpt_wlb.patch").read_text()
+    assert "pretrain_gpt_batch" in defined("megatron_wlb/megatron/__init__.py")
 
 
 needs_mirror = pytest.mark.skipif(conftest.pinned_megatron_source()[0] is None,

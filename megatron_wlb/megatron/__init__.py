@@ -53,7 +53,7 @@ if TYPE_CHECKING:  # the package imports neither torch nor Megatron until apply(
     from megatron_wlb.megatron.data import RankMicroBatch, WlbDataIterator
 
 __all__ = ["WlbSettings", "apply", "build_train_iterator", "cp_sharding_from_args", "iterations_for",
-           "pinned_tp_rank_batch", "reader_from_args", "runtime", "stream_tokens_for"]
+           "pinned_tp_rank_batch", "pretrain_gpt_batch", "reader_from_args", "runtime", "stream_tokens_for"]
 
 #: Megatron training-code modules apply() hooks (all present at the pinned commit)
 TRAINING_MODULES = ("arguments", "initialize", "training", "checkpointing", "utils", "global_vars")
@@ -406,6 +406,25 @@ def pinned_tp_rank_batch(batch: RankMicroBatch) -> dict[str, Any]:
     return {**data, "cu_seqlens": params, "max_seqlen": torch.tensor([params.max_seqlen_q], dtype=torch.int32)}
 
 
+def pretrain_gpt_batch(data_iterator: Any, keys: list[str]) -> list[Any]:
+    """This rank's next micro-batch for a core 0.19 ``pretrain_gpt.get_batch`` (patched: ``patches/core_v0.19.0``),
+    as the values of its ``BATCH_KEYS`` in order: tokens, labels, loss_mask and position_ids uploaded once;
+    ``cu_seqlens`` holds our ``WlbPackedSeqParams`` (the patched ``forward_step`` passes them to the model);
+    attention_mask, cu_seqlens_padded, max_seqlen, hybrid_cp_group and local_cp_size are None. Every rank
+    reads its own copy (no TP broadcast), middle pipeline stages included."""
+    from megatron_wlb.megatron.cp_hooks import upload_micro_batch
+
+    batch, params = upload_micro_batch(next(data_iterator))
+    fields = {**batch, "cu_seqlens": params}
+    unknown = sorted(set(keys) - set(fields) - {"attention_mask", "cu_seqlens_padded", "max_seqlen",
+                                                 "hybrid_cp_group", "local_cp_size"})
+    if unknown:
+        raise RuntimeError(f"megatron_wlb: this pretrain_gpt.py's get_batch returns {', '.join(unknown)}, which "
+                           "WLB-LLM's micro-batches do not carry; use the patch of its release (patches/) or "
+                           "python -m megatron_wlb.megatron.launcher")
+    return [fields.get(key) for key in keys]
+
+
 def _wrap_get_batch_on_this_tp_rank(original: Callable) -> Callable:
     from megatron_wlb.megatron.data import WlbDataIterator
 
@@ -458,12 +477,24 @@ def _import_training_modules() -> dict[str, Any]:
     return mods
 
 
+#: why apply() alone cannot serve a core >= 0.18 script's get_batch, and the ways in
+ENTRY_POINT_REFUSAL = (
+    "megatron_wlb.megatron.apply(): from megatron-core 0.18 on, pretrain_gpt.py's get_batch reads the data "
+    "iterator on TP rank 0 only, skips middle pipeline stages and rebuilds PackedSeqParams from cu_seqlens, so "
+    "WLB-LLM's packed micro-batches cannot pass through it with apply() alone (its first step would fail). Ways "
+    "in: a core_v0.19.0 checkout patched with scripts/apply_patches.sh (its own pretrain_gpt.py, builders and "
+    "loss), or python -m megatron_wlb.megatron.launcher; a get_batch of your own that reads the iterator on "
+    "every rank (megatron_wlb.megatron.launcher.get_batch) says so with apply(middle_stage_batches=True)")
+
+
 def apply(*, check_version: bool = True, middle_stage_batches: bool = False) -> Runtime:
     """Install the WLB-LLM hooks into this Megatron-LM process (idempotent); returns the runtime state.
 
     ``middle_stage_batches``: say True only if the caller's ``get_batch`` gives middle pipeline stages
     (and virtual stages) the micro-batch's packed-sequence params, as ``megatron_wlb.megatron.launcher``
-    and the patched ``pretrain_gpt.py`` do; otherwise runs with middle stages are refused at start-up.
+    and the patched ``pretrain_gpt.py`` do; otherwise runs with middle stages are refused at start-up, and
+    on megatron-core >= 0.18 apply() itself refuses (``ENTRY_POINT_REFUSAL``: that script's get_batch cannot
+    carry our micro-batches unpatched).
 
     Raises RuntimeError when megatron-core is outside ``version.SUPPORTED_SERIES`` or Megatron's
     training code is not importable.
@@ -506,6 +537,8 @@ def apply(*, check_version: bool = True, middle_stage_batches: bool = False) -> 
     # From core_v0.18 that function moved to megatron.core.utils with another signature, and our
     # launcher (megatron_wlb.megatron.launcher) reads the iterator on every rank itself.
     legacy_tp = getattr(mods["utils"], "get_batch_on_this_tp_rank", None)
+    if legacy_tp is None and not middle_stage_batches:
+        raise RuntimeError(ENTRY_POINT_REFUSAL)
     if legacy_tp is not None:
         replacements["get_batch_on_this_tp_rank"] = (legacy_tp, _wrap_get_batch_on_this_tp_rank)
     for name, (original, wrap) in replacements.items():

@@ -5,6 +5,9 @@
 - ``refuse_spawned_reimport``: Megatron's ``torch_dist`` checkpoint writer starts a ``multiprocessing``
   manager with the *spawn* method, which re-imports the launching script; a script that trains at module
   level (no ``if __name__ == "__main__":`` guard) would train again in that process instead of writing.
+- ``spawn_children_import_this_module``: the CPU harness runs a checkout's ``pretrain_gpt.py`` as a script,
+  whose module-level imports need the shim; spawned children import this module instead (it installs the
+  shim: Megatron's writer processes need nothing from the script).
 """
 
 from __future__ import annotations
@@ -45,3 +48,31 @@ def refuse_spawned_reimport() -> None:
                                "e.g. the writer of Megatron's torch_dist checkpoints) and would start training "
                                "again: put its training code under `if __name__ == \"__main__\":`")
         frame = frame.f_back  # type: ignore[assignment]
+
+
+def spawn_children_import_this_module(script: str) -> None:
+    """Spawned children of this process import this module as their ``__main__`` instead of re-running
+    ``script`` (a Megatron-LM ``pretrain_gpt.py``: its module-level imports need ``typing.override`` on
+    Python < 3.12, which a fresh child lacks, and its work belongs to the parent). Idempotent."""
+    import os
+    from multiprocessing import spawn
+
+    original = spawn.get_preparation_data
+    if getattr(original, "__wlb_compat__", False):
+        return
+    script_path = os.path.normpath(os.path.abspath(script))
+
+    def get_preparation_data(name: str) -> dict:
+        data = original(name)
+        main = data.get("init_main_from_path")
+        if main is not None and os.path.normpath(os.path.abspath(main)) == script_path:
+            del data["init_main_from_path"]
+            data["init_main_from_name"] = __name__
+        return data
+
+    get_preparation_data.__wlb_compat__ = True  # type: ignore[attr-defined]
+    spawn.get_preparation_data = get_preparation_data
+
+
+if __name__ == SPAWNED_MAIN:  # a spawned child of a process that ran spawn_children_import_this_module
+    install_python_shims()

@@ -416,7 +416,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         argv = [*argv, "--distributed-backend", "gloo"]
     install_cpu_redirects()
     if script is not None:
+        from megatron_wlb.megatron.compat import spawn_children_import_this_module
+
         sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+        spawn_children_import_this_module(script)  # the torch_dist writer's children must not re-run the script
         install_megatron_redirects()
         sys.argv = [script, *argv]
         runpy.run_path(script, run_name="__main__")
