@@ -324,6 +324,24 @@ def test_dp_size_change_and_data_stream_reset_on_resume(tmp_path, corpus):
     assert "iteration        3/       4" in reset.log and "iteration        1/" not in reset.log  # ... the steps not
 
 
+def test_own_corpus_with_token_ids_beyond_the_tiny_vocabulary(tmp_path):
+    """A user's corpus whose ids exceed the tiny GPT's default vocabulary (300): the harness takes the vocabulary
+    from the data and trains; a --vocab-size too small for it is refused in one line naming the largest id."""
+    import numpy as np
+
+    from megatron_wlb.data.reader import write_indexed_dataset
+
+    rng = np.random.default_rng(1)
+    docs = [rng.integers(0, 1200, size=int(n)) for n in rng.integers(30, 600, size=800)]
+    prefix = write_indexed_dataset(str(tmp_path / "own_text_document"), docs)
+    run = train(tmp_path, "own", prefix, "--wlb-packing", "wlb")
+    assert_trains(run)
+    assert "vocab_size ...................................... 1200" in run.log  # max id 1199 + 1
+    refused = train(tmp_path, "small_vocab", prefix, "--vocab-size", "512", expect_ok=False)
+    assert refused.returncode != 0  # type: ignore[attr-defined]
+    assert "holds token id 1199; give --vocab-size 1200 or more" in refused.log
+
+
 def test_online_cost_model_refits_agree_and_resume_exactly(tmp_path, corpus):
     """--wlb-cost-model online at DP2: the refits run (the ranks' coefficients and plan digests are checked
     equal inside), the packer plans with the refitted model, and a run resumed from a checkpoint taken
