@@ -431,3 +431,69 @@ def test_launcher_flags_parse_with_megatrons_parser(pinned_checkout: Path, tmp_p
                          env={**os.environ, "PYTHONPATH": os.pathsep.join([str(pinned_checkout), str(ROOT)])})
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert f"parsed {len(list_configs()) + 2}" in res.stdout and "validated smoke" in res.stdout
+
+
+def test_sbatch_without_a_checkout_runs_our_launcher(tmp_path: Path):
+    """The README's 0.19 route on a cluster: no MEGATRON_LM, so srun starts torchrun on our launcher."""
+    env, record = _fake_cluster(tmp_path)
+    del env["MEGATRON_LM"]
+    res = subprocess.run(["bash", str(SLURM / "550m_64k.sbatch")], env={**env, "SLURM_NNODES": "4"},
+                         capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    argv = record.read_text().splitlines()
+    at = argv.index("torchrun")
+    assert argv[argv.index("-m", at) + 1] == "megatron_wlb.megatron.launcher"
+    assert not any(a.endswith("pretrain_gpt.py") for a in argv)
+    assert _flag(argv, "--wlb-config") == "550m_64k"
+
+
+def test_make_sbatch_writes_a_script_for_the_users_own_config(tmp_path: Path):
+    """make_sbatch.py CONFIG.yaml --out FILE: a script for a YAML of the user's (here a copy of a shipped
+    one with another name and DP), naming that YAML in --wlb-config and the layout in its flags."""
+    import yaml
+
+    from megatron_wlb.config import CONFIG_DIR
+
+    config = yaml.safe_load((Path(str(CONFIG_DIR)) / "550m_64k.yaml").read_text())
+    config["name"] = "my_run"
+    config["layout"]["dp"] = 4
+    mine = tmp_path / "my_run.yaml"
+    mine.write_text(yaml.safe_dump(config))
+    out = tmp_path / "jobs" / "my_run.sbatch"
+    res = subprocess.run([sys.executable, str(SLURM / "make_sbatch.py"), str(mine), "--out", str(out)],
+                         capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    text = out.read_text()
+    assert f"from {mine}" in text and "#SBATCH --nodes=8" in text  # TP2 CP2 PP4 DP4 = 64 GPUs
+    assert subprocess.run(["bash", "-n", str(out)]).returncode == 0
+    env, record = _fake_cluster(tmp_path)
+    res = subprocess.run(["bash", str(out)], env={**env, "SLURM_NNODES": "8"}, capture_output=True, text=True,
+                         timeout=60, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    argv = record.read_text().splitlines()
+    assert _flag(argv, "--wlb-config") == str(mine) and _flag(argv, "--global-batch-size") == str(4 * 4)
+    bad = subprocess.run([sys.executable, str(SLURM / "make_sbatch.py"), str(mine)], capture_output=True, text=True)
+    assert bad.returncode == 2 and "--out" in bad.stderr
+
+
+@pytest.mark.slow
+def test_sbatch_cpu_mode_trains_through_the_cpu_harness(tmp_path: Path):
+    """WLB_CPU=1: a shipped script, run as SLURM runs it (srun executing its command on this node, the job's
+    node list from scontrol), trains the tiny GPT through Megatron's loop and logs the [wlb] lines."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "srun").write_text('#!/bin/bash\nwhile [[ $1 == --* ]]; do shift; done\nexec "$@"\n')
+    (bindir / "scontrol").write_text("#!/bin/bash\necho localhost\n")
+    for stub in ("srun", "scontrol"):
+        (bindir / stub).chmod(0o755)
+    env = {**os.environ, "PATH": f"{bindir}:{os.path.dirname(sys.executable)}:{os.environ['PATH']}",
+           "PYTHONPATH": str(ROOT), "PYTHON": sys.executable, "WLB_CPU": "1", "SLURM_NNODES": "1",
+           "SLURM_JOB_ID": "4243", "SLURM_JOB_NODELIST": "localhost", "LOG_DIR": str(tmp_path / "logs"),
+           "CKPT_DIR": str(tmp_path / "ckpt"), "WLB_CPU_NPROC_PER_NODE": "2"}
+    env.pop("MEGATRON_LM", None)
+    res = subprocess.run(["bash", str(SLURM / "550m_64k.sbatch")], env=env, capture_output=True, text=True,
+                         timeout=400, cwd=tmp_path)
+    log = res.stdout + res.stderr
+    assert res.returncode == 0, log[-4000:]
+    assert "(CPU mode): 1 node(s) x 2 process(es), DP=2" in log
+    assert "iteration        4/       4" in log and log.count("[wlb] iteration") >= 4
