@@ -42,7 +42,8 @@ setup(
         # checkpoint format (torch_dist) writes with psutil; Python < 3.12 needs typing_extensions (typing.override).
         "megatron": ["torch>=2.4", "megatron-core>=0.16,<0.20,!=0.17.*,!=0.18.*", "triton", "packaging>=24.2",
                      "six", "regex", "pydantic>=2", "pybind11", "psutil", "typing_extensions>=4.4"],
-        "test": ["pytest>=7", "hypothesis>=6", "ruff>=0.5", "mypy>=1.10"],
+        # tokenizers + transformers: the docs' offline tokenizer recipe (scripts/train_tokenizer.py), tested
+        "test": ["pytest>=7", "hypothesis>=6", "ruff>=0.5", "mypy>=1.10", "tokenizers", "transformers"],
     },
     entry_points={"console_scripts": ["wlb=megatron_wlb.cli.main:main"]},
     classifiers=["Programming Language :: Python :: 3"],

@@ -138,3 +138,39 @@ def test_a_script_without_main_guard_is_refused_in_the_spawned_child(tmp_path):
     assert proc.stdout.count("TRAINING") == 1, proc.stdout
     assert "is being re-imported by a multiprocessing child" in proc.stderr
     assert 'if __name__ == "__main__":' in proc.stderr
+
+
+@pytest.mark.slow
+def test_offline_tokenizer_and_preprocess_data_recipe(tmp_path):
+    """The docs' recipe on the README's install: scripts/train_tokenizer.py, then the core_v0.19.0 checkout's
+    tools/preprocess_data.py through `python -m megatron_wlb.megatron.compat` (it imports typing.override);
+    the result reads back with every id inside the tokenizer's vocabulary."""
+    import json
+    import sysconfig
+
+    pytest.importorskip("tokenizers")
+    pytest.importorskip("transformers")
+    from conftest import megatron_checkout
+
+    checkout = megatron_checkout(tmp_path / "Megatron-LM", "core_v0.19.0")
+    files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[:40]
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": p.read_text()}) + "\n" for p in files))
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "HF_HUB_OFFLINE": "1"}
+    made = subprocess.run([sys.executable, str(REPO / "scripts" / "train_tokenizer.py"), "--input", str(corpus),
+                           "--vocab-size", "1000", "--out", str(tmp_path / "tok")], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert made.returncode == 0, made.stderr
+    (tmp_path / "data").mkdir()
+    proc = subprocess.run([sys.executable, "-m", "megatron_wlb.megatron.compat",
+                           str(checkout / "tools" / "preprocess_data.py"), "--input", str(corpus), "--output-prefix",
+                           str(tmp_path / "data" / "corpus"), "--tokenizer-type", "HuggingFaceTokenizer",
+                           "--tokenizer-model", str(tmp_path / "tok"), "--append-eod", "--workers", "1"],
+                          env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    from megatron_wlb.data.reader import DocumentReader
+
+    reader = DocumentReader.from_data_path(str(tmp_path / "data" / "corpus_text_document"), split="1,0,0")
+    assert reader.num_documents == len(files)
+    assert 256 < reader.max_token_id() < 1000  # merges were used, and every id is in the vocabulary

@@ -5,6 +5,8 @@
 - ``refuse_spawned_reimport``: Megatron's ``torch_dist`` checkpoint writer starts a ``multiprocessing``
   manager with the *spawn* method, which re-imports the launching script; a script that trains at module
   level (no ``if __name__ == "__main__":`` guard) would train again in that process instead of writing.
+- ``python -m megatron_wlb.megatron.compat SCRIPT [ARGS...]``: run one of Megatron's own scripts (e.g. a
+  checkout's ``tools/preprocess_data.py``) with the shim, on the README's Python 3.11 install.
 - ``spawn_children_import_this_module``: the CPU harness runs a checkout's ``pretrain_gpt.py`` as a script,
   whose module-level imports need the shim; spawned children import this module instead (it installs the
   shim: Megatron's writer processes need nothing from the script).
@@ -74,5 +76,22 @@ def spawn_children_import_this_module(script: str) -> None:
     spawn.get_preparation_data = get_preparation_data
 
 
+def run_script(argv: list[str]) -> None:
+    """Run ``argv[0]`` (a Python script) as ``__main__`` with ``argv[1:]``, after ``install_python_shims``;
+    its directory comes first on ``sys.path``, as when Python runs it."""
+    import os
+    import runpy
+
+    if not argv or not os.path.isfile(argv[0]):
+        raise SystemExit("usage: python -m megatron_wlb.megatron.compat SCRIPT [ARGS...] (e.g. a Megatron-LM "
+                         f"checkout's tools/preprocess_data.py){'; no such file: ' + argv[0] if argv else ''}")
+    install_python_shims()
+    sys.argv = list(argv)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
+    runpy.run_path(argv[0], run_name="__main__")
+
+
 if __name__ == SPAWNED_MAIN:  # a spawned child of a process that ran spawn_children_import_this_module
     install_python_shims()
+elif __name__ == "__main__":
+    run_script(sys.argv[1:])
