@@ -103,12 +103,12 @@ def release_commit(tag: str = "core_v0.16.1") -> str:
     return (ROOT / "patches" / tag / "PINNED_COMMIT").read_text().strip()
 
 
-def megatron_source(tag: str = "core_v0.16.1") -> tuple[str | None, str]:
-    """(the git repository holding ``tag``'s pinned commit, or None; why not, for a skip message)."""
+def megatron_source(tag: str = "core_v0.16.1", commit: str | None = None) -> tuple[str | None, str]:
+    """(the git repository holding ``tag``'s pinned commit (or ``commit``), or None; why not, for a skip message)."""
     import shutil
     import subprocess
 
-    pinned = release_commit(tag)
+    pinned = commit or release_commit(tag)
     source = os.environ.get(MEGATRON_LM_VAR) or DEFAULT_MEGATRON_LM
     hint = (f"set {MEGATRON_LM_VAR} to a Megatron-LM git checkout or mirror holding the pinned commit "
             f"{pinned[:12]} ({tag})")
@@ -127,17 +127,18 @@ def pinned_megatron_source() -> tuple[str | None, str]:
     return megatron_source("core_v0.16.1")
 
 
-def megatron_checkout(dest: Path, tag: str = "core_v0.16.1") -> Path:
-    """A fresh checkout of ``tag``'s pinned commit at ``dest`` (a shared clone: seconds), or the test is skipped."""
+def megatron_checkout(dest: Path, tag: str = "core_v0.16.1", commit: str | None = None) -> Path:
+    """A fresh checkout of ``tag``'s pinned commit (or ``commit``) at ``dest`` (a shared clone: seconds), or the
+    test is skipped."""
     import subprocess
 
     import pytest
 
-    source, why = megatron_source(tag)
+    source, why = megatron_source(tag, commit)
     if source is None:
         pytest.skip(why)
     subprocess.run(["git", "clone", "-q", "--shared", "--no-checkout", source, str(dest)], check=True)
-    subprocess.run(["git", "-C", str(dest), "checkout", "-q", "--detach", release_commit(tag)], check=True)
+    subprocess.run(["git", "-C", str(dest), "checkout", "-q", "--detach", commit or release_commit(tag)], check=True)
     return dest
 
 

@@ -448,3 +448,19 @@ def test_apply_alone_is_refused_on_core_019_naming_the_ways_in():
                           env={**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"})
     assert "REFUSED" in proc.stdout, proc.stderr[-3000:]
     assert "scripts/apply_patches.sh" in proc.stdout and "megatron_wlb.megatron.launcher" in proc.stdout
+
+
+# --- Megatron-LM main (core 0.20.0 at version.MAIN_COMMIT): our launcher over the checkout ---------------------
+def test_launcher_over_a_main_checkout_cp2_pp2(tmp_path, corpus):
+    """Our launcher with a Megatron-LM main checkout on PYTHONPATH (from the repository MEGATRON_LM names;
+    skipped, naming the commit, without one)."""
+    from conftest import megatron_checkout
+
+    from megatron_wlb.megatron.version import MAIN_COMMIT
+
+    main = megatron_checkout(tmp_path / "Megatron-LM-main", "main", commit=MAIN_COMMIT)
+    run = train(tmp_path, "main_cp2_pp2", corpus, "--wlb-packing", "wlb", "--wlb-cp-sharding", "adaptive",
+                env=_pinned_env(main, CP="2", PP="2"))
+    assert_trains(run)
+    assert {Version(r["core_version"]).release[:2] for r in run.ranks.values()} == {(0, 20)}
+    assert_documents_once(run)

@@ -1,6 +1,7 @@
 """The README's support table says what the version gate (megatron_wlb/megatron/version.py) admits and what
-setup.py's [megatron] extra installs: every admitted series, the releases CI trains with and each patched
-checkout's commit, and nothing the gate refuses."""
+setup.py's [megatron] extra installs: every admitted series, the releases CI trains with, each patched
+checkout's commit and the main commit trained, and nothing the gate refuses (the extra installs every admitted
+series that is not checkout-only)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,14 @@ from pathlib import Path
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-from megatron_wlb.megatron.version import PATCHED_CHECKOUTS, SUPPORTED_SERIES, TESTED_RELEASES, is_supported
+from megatron_wlb.megatron.version import (
+    CHECKOUT_ONLY_SERIES,
+    MAIN_COMMIT,
+    PATCHED_CHECKOUTS,
+    SUPPORTED_SERIES,
+    TESTED_RELEASES,
+    is_supported,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -40,6 +48,8 @@ def test_the_readme_table_lists_exactly_what_the_gate_admits():
         (row,) = [r for r in rows if tag in r[0]]
         assert commit in row[0], f"the {tag} row does not name its commit {commit}"
         assert "apply_patches.sh" in row[1]
+    (main,) = [r for r in rows if "**main**" in r[0]]
+    assert MAIN_COMMIT in main[0] and "launcher" in main[1]
 
 
 def test_the_megatron_extra_installs_what_the_gate_admits():
@@ -48,4 +58,5 @@ def test_the_megatron_extra_installs_what_the_gate_admits():
     for minor in range(14, 22):
         for patch in (0, 1, 2):
             version = f"0.{minor}.{patch}"
-            assert (Version(version) in spec) == is_supported(version), version
+            installable = is_supported(version) and (0, minor) not in CHECKOUT_ONLY_SERIES
+            assert (Version(version) in spec) == installable, version
