@@ -18,10 +18,13 @@ setup(
     long_description=open("README.md").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=find_packages(include=["megatron_wlb", "megatron_wlb.*"]),
+    # The shipped run configs live at the top of the checkout (configs/); the wheel carries them as
+    # megatron_wlb/configs/, where megatron_wlb.config finds them once installed (one copy of each file).
+    packages=[*find_packages(include=["megatron_wlb", "megatron_wlb.*"]), "megatron_wlb.configs"],
+    package_dir={"megatron_wlb.configs": "configs"},
     # Data files the package reads through importlib.resources / __file__ (tests/test_wheel.py checks
-    # that every non-Python file under megatron_wlb/ is listed here).
-    package_data={"megatron_wlb": ["data/*.json", "data/*.md", "configs/*.yaml", "cp/data/*.json"]},
+    # that every non-Python file under megatron_wlb/ and configs/ is listed here).
+    package_data={"megatron_wlb": ["data/*.json", "data/*.md", "cp/data/*.json"], "megatron_wlb.configs": ["*.yaml"]},
     license="Apache-2.0",
     license_files=["LICENSE"],
     # The core (cost model, packers, shard layouts, simulator, CLI) needs no torch.
@@ -39,10 +42,11 @@ setup(
         # core_v0.16.1 checkout (patched pretrain_gpt.py). megatron-core imports triton unconditionally,
         # also on CPU; Megatron-LM's training code also imports six, regex and pydantic, which the core
         # wheel does not declare (megatron_wlb/requirements.py lists them), and a checkout compiles its
-        # dataset helpers with pybind11.
-        "megatron": ["torch>=2.4", "megatron-core>=0.16,<0.20,!=0.17.*,!=0.18.*", "triton", "pybind11",
+        # dataset helpers with pybind11; Megatron's default checkpoint format (torch_dist) writes with psutil.
+        "megatron": ["torch>=2.4", "megatron-core>=0.16,<0.20,!=0.17.*,!=0.18.*", "triton", "pybind11", "psutil",
                      *REQUIREMENTS["MEGATRON"]],
-        "test": ["pytest>=7", "hypothesis>=6", "ruff>=0.5", "mypy>=1.10"],
+        # tokenizers + transformers: the docs' offline tokenizer recipe (scripts/train_tokenizer.py), tested
+        "test": ["pytest>=7", "hypothesis>=6", "ruff>=0.5", "mypy>=1.10", "tokenizers", "transformers"],
     },
     entry_points={"console_scripts": ["wlb=megatron_wlb.cli.main:main"]},
     classifiers=["Programming Language :: Python :: 3"],

@@ -1,6 +1,6 @@
 """Run configurations: a model, a 4D layout, a window and packing/sharding choices, from YAML.
 
-The shipped files live in the package (``megatron_wlb/configs/*.yaml``, the paper's Table 1
+The shipped files live in the package (``configs/*.yaml``, the paper's Table 1
 layouts), read through ``importlib.resources`` so they work from a wheel and stay editable in a
 checkout; ``load_config`` takes a path or the stem of one of those files (``"7b_128k"``).
 """
@@ -24,8 +24,18 @@ from megatron_wlb.packing.base import PACKERS
 from megatron_wlb.packing.types import PackingConfig
 from megatron_wlb.requirements import require
 
-#: the shipped configs (a Traversable: a plain folder in a checkout or an installed wheel)
-CONFIG_DIR = resources.files("megatron_wlb") / "configs"
+
+def shipped_config_dir() -> Traversable:
+    """Where the shipped configs are: ``megatron_wlb/configs`` in an installed wheel (setup.py maps the
+    checkout's top-level ``configs/`` there), else the checkout's ``configs/`` (source tree, editable install)."""
+    installed = resources.files("megatron_wlb") / "configs"
+    if installed.is_dir():
+        return installed
+    return resources.files("megatron_wlb").joinpath("..", "configs")
+
+
+#: the shipped configs (a Traversable: the checkout's top-level configs/, or the installed wheel's copy)
+CONFIG_DIR = shipped_config_dir()
 #: the packers, from the registry (``packing.base.register_packer``)
 PACKER_NAMES: tuple[str, ...] = tuple(PACKERS)
 _TOP_KEYS = ("name", "description", "model", "seq_len", "layout", "micro_batches", "virtual_stages", "packing",

@@ -9,7 +9,7 @@
 # The Megatron-LM tree lives in the ignored folder megatron-lm/ beside this repo's code (or $MEGATRON_LM);
 # a tree already there is used as it is (git not needed; scripts/apply_patches.sh identifies a copy
 # without .git by content); only when there is none is it cloned from $MEGATRON_LM_URL (or a local mirror, $WLB_MEGATRON_MIRROR), checked
-# out at patches/PINNED_COMMIT and patched with scripts/apply_patches.sh; its code is never committed.
+# out at patches/core_v0.16.1/PINNED_COMMIT and patched with scripts/apply_patches.sh; its code is never committed.
 # Knobs: ITERS (300), SEQ (2048), SMAX (3072 = --wlb-max-seq-len), PACKING (wlb), CP_SHARDING
 # (per-document), TRANSFORMER_IMPL (local; transformer_engine where TE is installed), MAX_BYTES.
 # PREPARE_ONLY=1 stops after the tree and the data are ready (no GPU needed: the CPU tests use it).
@@ -21,7 +21,7 @@ die() { echo "gpu_smoke_train.sh: error: $*" >&2; exit 1; }
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 OUT=$(mkdir -p "${1:-$repo/out/gpu_smoke}" && cd "${1:-$repo/out/gpu_smoke}" && pwd)
 MLM=${MEGATRON_LM:-$repo/megatron-lm}
-PINNED=$(tr -d '[:space:]' < "$repo/patches/PINNED_COMMIT")
+PINNED=$(tr -d '[:space:]' < "$repo/patches/core_v0.16.1/PINNED_COMMIT")
 ITERS=${ITERS:-300}
 SEQ=${SEQ:-2048}
 SMAX=${SMAX:-3072}

@@ -6,7 +6,7 @@
 #
 # Run it on a machine with git, pip (with an index), a C++ compiler and the target Python. DIR receives:
 #   megatron-wlb/   this project's tracked files (git ls-files)
-#   megatron-lm/    Megatron-LM at patches/PINNED_COMMIT (megatron/ and the GPT entry point), patched,
+#   megatron-lm/    Megatron-LM at patches/core_v0.16.1/PINNED_COMMIT (megatron/ and the GPT entry point), patched,
 #                   with Megatron's C++ dataset helper prebuilt for the target Python
 #   wheels/         the wheels of megatron_wlb/requirements.py (+ numpy) for the target Python and platform
 #   run.sh          -> megatron-wlb/scripts/gpu_run.sh;  MANIFEST.json: what was staged, for which Python
@@ -20,7 +20,7 @@ die() { echo "gpu_stage.sh: error: $*" >&2; exit 1; }
 [[ $# -eq 1 ]] || die "usage: MEGATRON_LM=/path/to/Megatron-LM $0 DIR"
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 : "${MEGATRON_LM:?set MEGATRON_LM to a Megatron-LM git checkout or mirror holding the pinned commit}"
-pinned=$(tr -d '[:space:]' < "$repo/patches/PINNED_COMMIT")
+pinned=$(tr -d '[:space:]' < "$repo/patches/core_v0.16.1/PINNED_COMMIT")
 git -C "$MEGATRON_LM" cat-file -e "$pinned^{commit}" 2>/dev/null \
     || die "$MEGATRON_LM does not hold the pinned commit $pinned (Megatron-LM core_v0.16.1): git -C $MEGATRON_LM fetch"
 if [[ -z ${TARGET_PYTHON:-} ]]; then

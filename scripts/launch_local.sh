@@ -4,7 +4,7 @@
 #   MEGATRON_LM=/path/to/Megatron-LM DATA_PATH=/data/corpus_text_document [TOKENIZER_MODEL=<hf name|path>] \
 #       scripts/launch_local.sh CONFIG [extra Megatron / --wlb-* flags...]
 #
-# CONFIG is a shipped config name (7b_64k, ...; megatron_wlb/configs/) or YAML path. The model and
+# CONFIG is a shipped config name (7b_64k, ...; configs/) or YAML path. The model and
 # batch flags are the ones the SLURM scripts pass (scripts/slurm/make_sbatch.py --print-args); the 4D
 # layout is scaled to this node: NPROC GPUs (default: all visible, from nvidia-smi or else torch),
 # TP/CP/PP from the environment, or

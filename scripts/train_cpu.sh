@@ -6,7 +6,8 @@
 # The layout comes from TP, CP, PP, VPP (virtual stages per pipeline rank) and DP; the number of
 # processes is TP*CP*PP*DP. Flags after the script name go to Megatron (and our --wlb-* flags) after
 # the tiny-GPT defaults (megatron_wlb/megatron/cpu.py: TINY_GPT_ARGS), so they override them.
-# With MEGATRON_LM, that checkout's pretrain_gpt.py runs (patched: scripts/apply_patches.sh);
+# With MEGATRON_LM, that checkout's pretrain_gpt.py runs (core_v0.16.1 or core_v0.19.0, patched:
+# scripts/apply_patches.sh);
 # without it, megatron_wlb.megatron.launcher runs Megatron's pretrain() from the installed
 # megatron-core (0.19 ships megatron/training). DATA (a PREFIX of PREFIX.bin/.idx) defaults to
 # the Python standard library's text, written once under OUT (default out/train_cpu).
@@ -28,7 +29,7 @@ entry=()
 if [[ -n ${MEGATRON_LM:-} ]]; then
     [[ -f $MEGATRON_LM/pretrain_gpt.py ]] || die "MEGATRON_LM=$MEGATRON_LM has no pretrain_gpt.py"
     grep -q "_wlb.apply(" "$MEGATRON_LM/pretrain_gpt.py" \
-        || die "$MEGATRON_LM is not patched for WLB-LLM: run $repo/scripts/apply_patches.sh $MEGATRON_LM"
+        || die "$MEGATRON_LM is not patched for WLB-LLM: run $repo/scripts/apply_patches.sh $MEGATRON_LM (checkouts at core_v0.16.1 or core_v0.19.0), or unset MEGATRON_LM to train through our launcher over the installed megatron-core 0.19 wheel"
     entry=(--pretrain-gpt "$MEGATRON_LM/pretrain_gpt.py")
 fi
 exec "$PYTHON" -m torch.distributed.run --standalone --nnodes 1 --nproc-per-node "$nproc" \

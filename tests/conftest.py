@@ -98,15 +98,20 @@ MEGATRON_LM_VAR = "MEGATRON_LM"
 DEFAULT_MEGATRON_LM = "/work/.mirror/NVIDIA+Megatron-LM/repo"
 
 
-def pinned_megatron_source() -> tuple[str | None, str]:
-    """(the git repository holding the pinned commit, or None; why not, for a skip message)."""
+def release_commit(tag: str = "core_v0.16.1") -> str:
+    """The commit a supported release's patches are pinned to (``patches/<tag>/PINNED_COMMIT``)."""
+    return (ROOT / "patches" / tag / "PINNED_COMMIT").read_text().strip()
+
+
+def megatron_source(tag: str = "core_v0.16.1", commit: str | None = None) -> tuple[str | None, str]:
+    """(the git repository holding ``tag``'s pinned commit (or ``commit``), or None; why not, for a skip message)."""
     import shutil
     import subprocess
 
-    pinned = (ROOT / "patches" / "PINNED_COMMIT").read_text().strip()
+    pinned = commit or release_commit(tag)
     source = os.environ.get(MEGATRON_LM_VAR) or DEFAULT_MEGATRON_LM
     hint = (f"set {MEGATRON_LM_VAR} to a Megatron-LM git checkout or mirror holding the pinned commit "
-            f"{pinned[:12]} (core_v0.16.1)")
+            f"{pinned[:12]} ({tag})")
     if shutil.which("git") is None:
         return None, "git is not installed"
     if not os.path.isdir(source):
@@ -117,16 +122,26 @@ def pinned_megatron_source() -> tuple[str | None, str]:
     return source, ""
 
 
-def pinned_megatron_checkout(dest: Path) -> Path:
-    """A fresh checkout of the pinned commit at ``dest`` (a shared clone: seconds), or the test is skipped."""
+def pinned_megatron_source() -> tuple[str | None, str]:
+    """``megatron_source`` of the pinned core_v0.16.1."""
+    return megatron_source("core_v0.16.1")
+
+
+def megatron_checkout(dest: Path, tag: str = "core_v0.16.1", commit: str | None = None) -> Path:
+    """A fresh checkout of ``tag``'s pinned commit (or ``commit``) at ``dest`` (a shared clone: seconds), or the
+    test is skipped."""
     import subprocess
 
     import pytest
 
-    source, why = pinned_megatron_source()
+    source, why = megatron_source(tag, commit)
     if source is None:
         pytest.skip(why)
-    pinned = (ROOT / "patches" / "PINNED_COMMIT").read_text().strip()
     subprocess.run(["git", "clone", "-q", "--shared", "--no-checkout", source, str(dest)], check=True)
-    subprocess.run(["git", "-C", str(dest), "checkout", "-q", "--detach", pinned], check=True)
+    subprocess.run(["git", "-C", str(dest), "checkout", "-q", "--detach", commit or release_commit(tag)], check=True)
     return dest
+
+
+def pinned_megatron_checkout(dest: Path) -> Path:
+    """A fresh checkout of the pinned core_v0.16.1 commit at ``dest``, or the test is skipped."""
+    return megatron_checkout(dest, "core_v0.16.1")

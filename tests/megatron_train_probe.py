@@ -14,6 +14,7 @@ writes, per rank, ``rank{R}.json``:
 - ``parallel``: this rank's tp/cp/pp/dp ranks; ``core_version``: the megatron-core that ran.
 
 and ``rank{R}_grads.pt``: ``{parameter name: main_grad}`` after iteration 1 (what the optimizer used).
+Everything runs under the ``__main__`` guard: Megatron's torch_dist writer spawns a process that re-imports it.
 """
 
 from __future__ import annotations
@@ -23,114 +24,122 @@ import os
 import sys
 from collections import defaultdict
 
-argv = sys.argv[1:]
-if argv[:1] == ["--pretrain-gpt"]:  # the checkout's megatron must win over the installed one
-    sys.path.insert(0, os.path.dirname(os.path.abspath(argv[1])))
 
-from megatron_wlb.megatron import cpu  # noqa: E402
+def main() -> None:
+    """Install the records, then run exactly what ``megatron_wlb.megatron.cpu`` runs."""
+    argv = sys.argv[1:]
+    if argv[:1] == ["--pretrain-gpt"]:  # the checkout's megatron must win over the installed one
+        sys.path.insert(0, os.path.dirname(os.path.abspath(argv[1])))
 
-cpu.install_cpu_redirects()
+    from megatron_wlb.megatron import cpu
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-from megatron.training import training  # noqa: E402
+    cpu.install_cpu_redirects()
 
-from megatron_wlb.megatron import cp_hooks  # noqa: E402
-from megatron_wlb.megatron.data import WlbDataIterator  # noqa: E402
+    import numpy as np
+    import torch
+    from megatron.training import training
 
-OUT = os.environ["WLB_PROBE_OUT"]
-RANK = int(os.environ.get("RANK", "0"))
-from megatron.core import package_info  # noqa: E402
+    from megatron_wlb.megatron import cp_hooks
+    from megatron_wlb.megatron.data import WlbDataIterator
 
-record: dict = {"losses": {}, "doc_tokens": [], "plans": [], "pieces": [], "parallel": {},
-                "core_version": str(package_info.__version__)}
-_iterator_index: dict[int, int] = {}
+    OUT = os.environ["WLB_PROBE_OUT"]
+    RANK = int(os.environ.get("RANK", "0"))
+    from megatron.core import package_info
 
-# produce() builds every micro-batch, whether __next__ or the prefetch thread (megatron/prefetch.py) calls it
-_next = WlbDataIterator.produce
-_iterator_of: dict[int, int] = {}  # id(RankMicroBatch) -> index of the iterator that yielded it
+    record: dict = {"losses": {}, "doc_tokens": [], "plans": [], "pieces": [], "parallel": {},
+                    "core_version": str(package_info.__version__)}
+    _iterator_index: dict[int, int] = {}
 
-
-def _next_recorded(self):
-    out = _next(self)
-    which = _iterator_index.setdefault(id(self), len(_iterator_index))
-    _iterator_of[id(out)] = which
-    if which == 0 and self._cursor == 1:
-        record["plans"].append([[p.doc_id, p.length] for m in self.current.micro_batches for p in m.pieces])
-        record["pieces"].append([[p.doc_id, p.offset, p.length] for m in self.current.micro_batches for p in m.pieces])
-    return out
+    # produce() builds every micro-batch, whether __next__ or the prefetch thread (megatron/prefetch.py) calls it
+    _next = WlbDataIterator.produce
+    _iterator_of: dict[int, int] = {}  # id(RankMicroBatch) -> index of the iterator that yielded it
 
 
-WlbDataIterator.produce = _next_recorded  # type: ignore[method-assign]
-_upload = cp_hooks.upload_micro_batch
+    def _next_recorded(self):
+        out = _next(self)
+        which = _iterator_index.setdefault(id(self), len(_iterator_index))
+        _iterator_of[id(out)] = which
+        if which == 0 and self._cursor == 1:
+            record["plans"].append([[p.doc_id, p.length] for m in self.current.micro_batches for p in m.pieces])
+            record["pieces"].append([[p.doc_id, p.offset, p.length] for m in self.current.micro_batches
+                                     for p in m.pieces])
+        return out
 
 
-def _upload_and_count(batch, *args, **kwargs):
-    """Count each planned document's tokens in the rows this rank feeds the model (after CP sharding)."""
-    from megatron.core import parallel_state as ps
-
-    which = _iterator_of.pop(id(batch), None)
-    out = _upload(batch, *args, **kwargs)
-    if which is not None and kwargs.get("tokens", True) and ps.is_pipeline_last_stage(ignore_virtual=True) \
-            and ps.get_tensor_model_parallel_rank() == 0:
-        while len(record["doc_tokens"]) <= which:
-            record["doc_tokens"].append(defaultdict(int))
-        doc_of_token = np.full(int(batch.plan.segment_lengths.sum()), -1, dtype=np.int64)
-        at = 0
-        for piece in batch.micro_batch.pieces:
-            doc_of_token[at:at + piece.length] = piece.doc_id
-            at += piece.length
-        rows = batch.plan.take(doc_of_token, fill=-1)
-        assert np.array_equal(out[0]["tokens"][0].cpu().numpy()[rows < 0], np.zeros(int((rows < 0).sum())))
-        ids, counts = np.unique(rows, return_counts=True)
-        for i, c in zip(ids.tolist(), counts.tolist(), strict=True):
-            if i >= 0:
-                record["doc_tokens"][which][i] += c
-    return out
+    WlbDataIterator.produce = _next_recorded  # type: ignore[method-assign]
+    _upload = cp_hooks.upload_micro_batch
 
 
-cp_hooks.upload_micro_batch = _upload_and_count
-_train_step = training.train_step
+    def _upload_and_count(batch, *args, **kwargs):
+        """Count each planned document's tokens in the rows this rank feeds the model (after CP sharding)."""
+        from megatron.core import parallel_state as ps
+
+        which = _iterator_of.pop(id(batch), None)
+        out = _upload(batch, *args, **kwargs)
+        if which is not None and kwargs.get("tokens", True) and ps.is_pipeline_last_stage(ignore_virtual=True) \
+                and ps.get_tensor_model_parallel_rank() == 0:
+            while len(record["doc_tokens"]) <= which:
+                record["doc_tokens"].append(defaultdict(int))
+            doc_of_token = np.full(int(batch.plan.segment_lengths.sum()), -1, dtype=np.int64)
+            at = 0
+            for piece in batch.micro_batch.pieces:
+                doc_of_token[at:at + piece.length] = piece.doc_id
+                at += piece.length
+            rows = batch.plan.take(doc_of_token, fill=-1)
+            assert np.array_equal(out[0]["tokens"][0].cpu().numpy()[rows < 0], np.zeros(int((rows < 0).sum())))
+            ids, counts = np.unique(rows, return_counts=True)
+            for i, c in zip(ids.tolist(), counts.tolist(), strict=True):
+                if i >= 0:
+                    record["doc_tokens"][which][i] += c
+        return out
 
 
-def _train_step_recorded(*args, **kwargs):
-    from megatron.core import parallel_state as ps
+    cp_hooks.upload_micro_batch = _upload_and_count
+    _train_step = training.train_step
 
-    result = _train_step(*args, **kwargs)
-    iteration = len(record["losses"]) + 1
-    loss_dict = result[0]
-    if loss_dict and "lm loss" in loss_dict:
-        value = loss_dict["lm loss"]
-        record["losses"][iteration] = float(value[0] / value[1]) if torch.is_tensor(value) and value.numel() == 2 \
-            else float(value)
-    else:
-        record["losses"][iteration] = None
-    if iteration == 1:
-        model = kwargs.get("model", args[2] if len(args) > 2 else None)
-        grads = {}
-        for chunk_index, chunk in enumerate(model):
-            for name, param in chunk.named_parameters():
-                grad = getattr(param, "main_grad", None)
-                grads[f"{chunk_index}.{name}"] = (grad if grad is not None else param.grad).detach().clone()
-        torch.save(grads, os.path.join(OUT, f"rank{RANK}_grads.pt"))
-        record["parallel"] = {"tp": ps.get_tensor_model_parallel_rank(), "cp": ps.get_context_parallel_rank(),
-                              "pp": ps.get_pipeline_model_parallel_rank(), "dp": ps.get_data_parallel_rank()}
+
+    def _train_step_recorded(*args, **kwargs):
+        from megatron.core import parallel_state as ps
+
+        result = _train_step(*args, **kwargs)
+        iteration = len(record["losses"]) + 1
+        loss_dict = result[0]
+        if loss_dict and "lm loss" in loss_dict:
+            value = loss_dict["lm loss"]
+            record["losses"][iteration] = float(value[0] / value[1]) if torch.is_tensor(value) and value.numel() == 2 \
+                else float(value)
+        else:
+            record["losses"][iteration] = None
+        if iteration == 1:
+            model = kwargs.get("model", args[2] if len(args) > 2 else None)
+            grads = {}
+            for chunk_index, chunk in enumerate(model):
+                for name, param in chunk.named_parameters():
+                    grad = getattr(param, "main_grad", None)
+                    grads[f"{chunk_index}.{name}"] = (grad if grad is not None else param.grad).detach().clone()
+            torch.save(grads, os.path.join(OUT, f"rank{RANK}_grads.pt"))
+            record["parallel"] = {"tp": ps.get_tensor_model_parallel_rank(), "cp": ps.get_context_parallel_rank(),
+                                  "pp": ps.get_pipeline_model_parallel_rank(), "dp": ps.get_data_parallel_rank()}
+        _save()
+        return result
+
+
+    def _save() -> None:
+        from megatron_wlb.megatron import runtime
+
+        record["agreement"] = {"checks": runtime().agreement_checks, "seconds": runtime().agreement_s}
+        with open(os.path.join(OUT, f"rank{RANK}.json"), "w") as f:
+            json.dump(record, f)
+
+
+    training.train_step = _train_step_recorded
+    # ``WLB_PROBE_RANK_DATA=R:PREFIX``: rank R reads PREFIX instead of --data-path's (a diverging copy)
+    rank_data = os.environ.get("WLB_PROBE_RANK_DATA", "")
+    if rank_data and int(rank_data.split(":", 1)[0]) == RANK:
+        argv[argv.index("--data-path") + 1] = rank_data.split(":", 1)[1]
+    cpu.main(argv)
     _save()
-    return result
 
 
-def _save() -> None:
-    from megatron_wlb.megatron import runtime
-
-    record["agreement"] = {"checks": runtime().agreement_checks, "seconds": runtime().agreement_s}
-    with open(os.path.join(OUT, f"rank{RANK}.json"), "w") as f:
-        json.dump(record, f)
-
-
-training.train_step = _train_step_recorded
-# ``WLB_PROBE_RANK_DATA=R:PREFIX``: rank R reads PREFIX instead of --data-path's (a diverging copy)
-_rank_data = os.environ.get("WLB_PROBE_RANK_DATA", "")
-if _rank_data and int(_rank_data.split(":", 1)[0]) == RANK:
-    argv[argv.index("--data-path") + 1] = _rank_data.split(":", 1)[1]
-cpu.main(argv)
-_save()
+if __name__ == "__main__":  # a spawned child (the torch_dist writer's manager) re-imports this file
+    main()

@@ -196,8 +196,9 @@ def test_version_check_admits_the_releases_ci_trains_with():
     assert Version(check_core_version()).base_version in TESTED_RELEASES
     assert is_supported("0.16.1") and is_supported("0.19.2") and is_supported("0.19.3rc0")
     assert not is_supported("0.17.1") and not is_supported("0.18.2")  # nothing trains with them in CI
-    assert not is_supported("0.15.3") and not is_supported("0.20.0") and not is_supported("1.0")
-    with pytest.raises(RuntimeError, match=r"0.16.x: .*0.19.x: .*CI trains with 0.16.1 and 0.19.2"):
+    assert is_supported("0.20.0")  # Megatron-LM main (a checkout; version.MAIN_COMMIT)
+    assert not is_supported("0.15.3") and not is_supported("0.21.0") and not is_supported("1.0")
+    with pytest.raises(RuntimeError, match=r"0.16.x: .*0.19.x: .*0.20.x: .*CI trains with 0.16.1, 0.19.2, 0.20.0"):
         check_core_version("0.18.0")
     with pytest.raises(ValueError, match="cannot read megatron-core version 'banana'"):
         is_supported("banana")

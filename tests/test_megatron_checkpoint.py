@@ -150,7 +150,7 @@ def test_resume_refuses_what_it_cannot_restore(prefix, tmp_path):
     args = Namespace(save=str(tmp_path), load=str(tmp_path))
     megatron_like_save(args.save)(3, None, None, None, 0)
     load = wrap_load_checkpoint(megatron_like_load(args.load), DataStateRegistry(), lambda: args)
-    with pytest.raises(RuntimeError, match="--finetune"):
+    with pytest.raises(RuntimeError, match="holds no wlb_packer_state.json.*pass --wlb-reset-data-stream"):
         load(None, None, None)
     # a sidecar from another iteration
     save_data_state(iteration_dir(args.save, 3), 2, state)
@@ -177,3 +177,77 @@ def test_resume_with_other_wlb_settings_is_refused_naming_them(tmp_path):
     assert load({**saved, "log_interval": 10})[0] == 3  # logging may change on resume
     with pytest.raises(RuntimeError, match=r"other WLB settings \(max_delay: 8 -> 4\)"):
         load({**saved, "max_delay": 4})
+
+
+def test_reset_data_stream_restarts_only_the_data_counted_and_logged(tmp_path):
+    """--wlb-reset-data-stream: other --wlb-* settings are accepted, no data state is restored (the stream starts
+    at its first document), Megatron's iteration is kept, and the reset is logged and counted into later saves."""
+    args = Namespace(save=str(tmp_path), load=str(tmp_path), wlb_reset_data_stream=True)
+    megatron_like_save(args.save)(3, None, None, None, 0)
+    save_data_state(iteration_dir(args.save, 3), 3, {"stream_position": 7}, {"packing": "wlb", "max_delay": 8},
+                    data_stream_resets=1)
+    registry, lines = DataStateRegistry(), []
+    load = wrap_load_checkpoint(megatron_like_load(args.load), registry, lambda: args,
+                                lambda: {"packing": "wlb", "max_delay": 4}, lines.append)
+    assert load(None, None, None) == (3, 0)
+    assert registry.pending is None and registry.data_stream_resets == 2
+    assert len(lines) == 1 and "--wlb-reset-data-stream" in lines[0] and "iteration 3" in lines[0]
+    assert "reset 2" in lines[0]
+    # without the flag the changed setting is refused, naming the flag instead of --finetune
+    args.wlb_reset_data_stream = False
+    with pytest.raises(RuntimeError, match=r"max_delay: 8 -> 4.*pass --wlb-reset-data-stream"):
+        wrap_load_checkpoint(megatron_like_load(args.load), DataStateRegistry(), lambda: args,
+                             lambda: {"packing": "wlb", "max_delay": 4})(None, None, None)
+    # a later save carries the count on
+    its = new_iterators_for(tmp_path)
+    registry.register(its)
+    next(its)
+    for _ in range(its.n - 1):
+        next(its)
+    wrap_save_checkpoint(megatron_like_save(args.save), registry, lambda: args, lambda: True)(4, None, None, None, 0)
+    assert load_data_state(iteration_dir(args.save, 4), 4)["data_stream_resets"] == 2
+
+
+def new_iterators_for(tmp_path) -> WlbDataIterator:
+    docs = byte_documents([__file__])
+    prefix = write_indexed_dataset(str(tmp_path / "self_text_document"), docs)
+    reader = DocumentReader([(prefix, 1.0)], split="1,0,0", seed=1)
+    cfg = PackingConfig(seq_len=1024, n=2, dp=1, max_seq_len=2048)
+    return WlbDataIterator(reader, reader.stream(20 * cfg.tokens_per_iteration), make_packer("wlb", cfg), 0)
+
+
+@pytest.mark.parametrize("new_dp", [1, 4])
+def test_another_dp_size_at_the_same_global_batch_continues_the_saved_plans(prefix, new_dp):
+    """Saved at DP2 x 4; resumed at DP1 x 8 or DP4 x 2: the ranks together read exactly the micro-batches the
+    uninterrupted DP2 run reads, in its order (the saved plans, dealt to the new ranks)."""
+    from dataclasses import replace
+
+    steps, more = 3, 4
+    reference = run(new_iterators(prefix), steps + more)
+    first = new_iterators(prefix)
+    run(first, steps)
+    state = first[0][0].state_dict()
+    cfg = replace(CFG, dp=new_dp, n=CFG.dp * CFG.n // new_dp)
+    reader = DocumentReader([(prefix, 1.0)], split="1,0,0", seed=5)
+    stream = reader.stream(40 * CFG.tokens_per_iteration)
+    resumed = [WlbDataIterator(reader, stream, make_packer("wlb", cfg), r) for r in range(new_dp)]
+    for it in resumed:
+        it.load_state_dict(state)
+        assert it.n == cfg.n
+    after = []
+    for _ in range(more):
+        for it in resumed:
+            after.extend(next(it).tokens[0].copy() for _ in range(it.n))
+    expected = [t for _, t, _ in reference[steps * CFG.dp * CFG.n:]]
+    assert len(after) == len(expected) and all(np.array_equal(a, b) for a, b in zip(after, expected))
+    # another number of micro-batches per iteration cannot continue the plans
+    from megatron_wlb.megatron.checkpoint import plan_layout_refusal
+    from megatron_wlb.megatron.data import PlanLayoutError
+
+    other = WlbDataIterator(reader, stream, make_packer("wlb", replace(CFG, dp=1, n=4)), 0)
+    with pytest.raises(PlanLayoutError, match=r"planned 8 micro-batches per iteration \(DP 2 x 4\), this run 4"):
+        other.load_state_dict(state)
+    margs = Namespace(data_parallel_size=1, global_batch_size=4, micro_batch_size=1)
+    refusal = plan_layout_refusal(state, margs)
+    assert refusal is not None and "resume with --global-batch-size 8 (now 4)" in refusal
+    assert plan_layout_refusal(state, Namespace(data_parallel_size=4, global_batch_size=8, micro_batch_size=1)) is None

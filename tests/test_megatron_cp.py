@@ -611,3 +611,36 @@ def test_the_active_micro_batch_is_set_around_each_attention_forward():
     wrapped(None, 1, None)
     wrapped(None, 1, None, packed_seq_params=SimpleNamespace())  # Megatron's own params: nothing active
     assert seen == ["varlen-1", "varlen-1", None, None] and attention._ACTIVE.get() is None
+
+
+def test_rope_hook_passes_newer_megatron_keywords_through():
+    """Megatron-LM main calls apply_rotary_pos_emb with more keywords (max_seqlen, inverse, ...): the hook hands
+    them to Megatron's function outside a WLB micro-batch, ignores max_seqlen for ours (positions come from the
+    plan) and refuses what it cannot do there."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_wlb.megatron import attention
+
+    cfg = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2, use_cpu_initialization=True)
+    seen = []
+
+    def main_rope(t, freqs, config, cu_seqlens=None, mscale=1.0, cp_group=None, mla_rotary_interleaved=False,
+                  inverse=False, mla_output_remove_interleaving=False, max_seqlen=None):
+        seen.append({"inverse": inverse, "max_seqlen": max_seqlen})
+        return t
+
+    hooked = attention.wlb_apply_rotary_pos_emb(main_rope)
+    t = torch.randn(6, 2, 8)
+    freqs = torch.randn(8, 1, 1, 8)
+    hooked(t, freqs, cfg, cu_seqlens=None, inverse=True, max_seqlen=6)
+    assert seen == [{"inverse": True, "max_seqlen": 6}]
+    batch, _, params, segs, _ = _planned(4, "hybrid", 1, 0)
+    x = torch.randn(int(segs.sum()), 2, 8)
+    token = attention._ACTIVE.set(params.wlb)
+    try:
+        out = hooked(x, torch.randn(int(segs.max()), 1, 1, 8), cfg, cu_seqlens=params.cu_seqlens_q, max_seqlen=5)
+        assert out.shape == x.shape and len(seen) == 1  # ours: rotated by the plan's positions
+        with pytest.raises(ValueError, match="inverse is not supported"):
+            hooked(x, torch.randn(int(segs.max()), 1, 1, 8), cfg, cu_seqlens=params.cu_seqlens_q, inverse=True)
+    finally:
+        attention._ACTIVE.reset(token)

@@ -314,10 +314,15 @@ def test_sequence_parallel_gives_the_losses_of_tp2_without_it(tmp_path, corpus):
     assert_documents_once(sp)
 
 
-def test_checkpoint_resume_equals_an_uninterrupted_run(tmp_path, corpus):
+@pytest.mark.parametrize("ckpt_format", ["torch", "torch_dist"])
+def test_checkpoint_resume_equals_an_uninterrupted_run(tmp_path, corpus, ckpt_format):
+    """torch_dist is Megatron's default format (its writer needs psutil, and spawns a process that re-imports
+    the launching script: the probe keeps its training under the __main__ guard)."""
     ckpt = tmp_path / "ckpt"
-    common = ("--wlb-packing", "wlb", "--save", str(ckpt), "--save-interval", "2", "--ckpt-format", "torch")
+    common = ("--wlb-packing", "wlb", "--save", str(ckpt), "--save-interval", "2", "--ckpt-format", ckpt_format)
     full = train(tmp_path, "full", corpus, *common, env={"DP": "2"})
+    if ckpt_format == "torch_dist":
+        assert (ckpt / "iter_0000002" / "metadata.json").is_file()  # Megatron's distributed checkpoint
     shutil.rmtree(ckpt / "iter_0000004", ignore_errors=True)
     (ckpt / "latest_checkpointed_iteration.txt").write_text("2")
     resumed = train(tmp_path, "resumed", corpus, *common, "--load", str(ckpt), env={"DP": "2"})
@@ -350,6 +355,53 @@ def test_concat_and_cut_pieces_balanced_train_megatrons_own_pieces_and_resume(tm
     (ckpt / "latest_checkpointed_iteration.txt").write_text("2")
     resumed = train(tmp_path, "resumed", corpus, *common, "--load", str(ckpt), env={"DP": "2"})
     assert [resumed.losses[1], resumed.losses[2]] == pytest.approx([full.losses[3], full.losses[4]], rel=1e-5)
+
+
+def test_dp_size_change_and_data_stream_reset_on_resume(tmp_path, corpus):
+    """Saved at DP2 (iteration 2 of 4): resumed at DP1 with the same global batch, the saved plans continue and
+    the losses are the uninterrupted run's; another global batch is refused naming the one that continues;
+    --wlb-reset-data-stream restarts the documents at the first plan while Megatron keeps its iteration."""
+    ckpt = tmp_path / "ckpt"
+    common = ("--wlb-packing", "wlb", "--save", str(ckpt), "--save-interval", "2", "--ckpt-format", "torch")
+    full = train(tmp_path, "full", corpus, *common, env={"DP": "2"})
+    shutil.rmtree(ckpt / "iter_0000004", ignore_errors=True)
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("2")
+
+    def plans(run: Run) -> list:
+        return next(r["plans"] for r in run.ranks.values() if r["plans"])
+
+    dp1 = train(tmp_path, "dp1", corpus, *common, "--load", str(ckpt), "--save", str(tmp_path / "ckpt_dp1"),
+                env={"DP": "1"})
+    assert plans(dp1)[:2] == plans(full)[2:4]
+    assert [dp1.losses[1], dp1.losses[2]] == pytest.approx([full.losses[3], full.losses[4]], rel=1e-5)
+    # (Megatron's own LR-scheduler check refuses another global batch first unless told to override it)
+    refused = train(tmp_path, "gbs2", corpus, *common, "--load", str(ckpt), "--global-batch-size", "2",
+                    "--override-opt_param-scheduler", env={"DP": "1"}, expect_ok=False)
+    assert refused.returncode != 0  # type: ignore[attr-defined]
+    assert "resume with --global-batch-size 4 (now 2)" in refused.log
+    reset = train(tmp_path, "reset", corpus, *common, "--load", str(ckpt), "--save", str(tmp_path / "ckpt_reset"),
+                  "--wlb-reset-data-stream", env={"DP": "2"})
+    assert "--wlb-reset-data-stream: the data stream restarts at its first document at iteration 2" in reset.log
+    assert plans(reset)[0] == plans(full)[0]  # the documents start over ...
+    assert "iteration        3/       4" in reset.log and "iteration        1/" not in reset.log  # ... the steps not
+
+
+def test_own_corpus_with_token_ids_beyond_the_tiny_vocabulary(tmp_path):
+    """A user's corpus whose ids exceed the tiny GPT's default vocabulary (300): the harness takes the vocabulary
+    from the data and trains; a --vocab-size too small for it is refused in one line naming the largest id."""
+    import numpy as np
+
+    from megatron_wlb.data.reader import write_indexed_dataset
+
+    rng = np.random.default_rng(1)
+    docs = [rng.integers(0, 1200, size=int(n)) for n in rng.integers(30, 600, size=800)]
+    prefix = write_indexed_dataset(str(tmp_path / "own_text_document"), docs)
+    run = train(tmp_path, "own", prefix, "--wlb-packing", "wlb")
+    assert_trains(run)
+    assert "vocab_size ...................................... 1200" in run.log  # max id 1199 + 1
+    refused = train(tmp_path, "small_vocab", prefix, "--vocab-size", "512", expect_ok=False)
+    assert refused.returncode != 0  # type: ignore[attr-defined]
+    assert "holds token id 1199; give --vocab-size 1200 or more" in refused.log
 
 
 def test_online_cost_model_refits_agree_and_resume_exactly(tmp_path, corpus):
@@ -408,4 +460,69 @@ def test_launcher_over_the_pinned_checkout_cp2_pp2(tmp_path, corpus, pinned):
                 env=_pinned_env(pinned, CP="2", PP="2"))
     assert_trains(run)
     assert {Version(r["core_version"]).base_version for r in run.ranks.values()} == {"0.16.1"}
+    assert_documents_once(run)
+
+
+# --- a Megatron-LM core_v0.19.0 checkout: its own pretrain_gpt.py (model builders, loss), patched ------------
+@pytest.fixture(scope="module")
+def checkout_019(tmp_path_factory) -> Path:
+    """A core_v0.19.0 checkout patched with patches/core_v0.19.0 (from the repository MEGATRON_LM names, as
+    for the pinned one); skipped, saying which commit is missing, without one."""
+    from conftest import megatron_checkout
+
+    dest = megatron_checkout(tmp_path_factory.mktemp("v019") / "Megatron-LM", "core_v0.19.0")
+    subprocess.run([str(REPO / "scripts" / "apply_patches.sh"), str(dest)], check=True, capture_output=True)
+    return dest
+
+
+def test_patched_pretrain_gpt_of_the_019_checkout_trains_pp4(tmp_path, corpus, checkout_019):
+    """The checkout's own get_batch/forward_step/loss (patched), its gpt_builders, our data: PP4's middle
+    stages get their packed-sequence params, and every planned document reaches the model once."""
+    run = train(tmp_path, "v019_pp4", corpus, "--num-layers", "4", "--wlb-packing", "wlb",
+                env=_pinned_env(checkout_019, PP="4"), pretrain_gpt=str(checkout_019 / "pretrain_gpt.py"))
+    assert_trains(run)
+    assert {Version(r["core_version"]).release[:2] for r in run.ranks.values()} == {(0, 19)}
+    assert all("+" in r["core_version"] for r in run.ranks.values())  # the checkout's megatron, not the wheel
+    assert_documents_once(run)
+
+
+def test_019_checkout_torch_dist_resume_with_cp2(tmp_path, corpus, checkout_019):
+    """Megatron's default checkpoint format through the checkout's pretrain_gpt.py at CP2: resumed losses
+    are the uninterrupted run's."""
+    ckpt = tmp_path / "ckpt"
+    common = ("--wlb-packing", "wlb", "--wlb-cp-sharding", "adaptive", "--save", str(ckpt), "--save-interval", "2",
+              "--ckpt-format", "torch_dist")
+    script = str(checkout_019 / "pretrain_gpt.py")
+    full = train(tmp_path, "full", corpus, *common, env=_pinned_env(checkout_019, CP="2"), pretrain_gpt=script)
+    shutil.rmtree(ckpt / "iter_0000004", ignore_errors=True)
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("2")
+    resumed = train(tmp_path, "resumed", corpus, *common, "--load", str(ckpt), env=_pinned_env(checkout_019, CP="2"),
+                    pretrain_gpt=script)
+    assert [resumed.losses[1], resumed.losses[2]] == pytest.approx([full.losses[3], full.losses[4]], rel=1e-5)
+
+
+def test_apply_alone_is_refused_on_core_019_naming_the_ways_in():
+    """apply() inserted into an unpatched core >= 0.18 pretrain_gpt.py would die at the first step (its get_batch
+    indexes a dict on TP rank 0 only): it is refused at start-up, naming the patch and the launcher."""
+    code = ("import megatron_wlb.megatron as W\n"
+            "try:\n    W.apply()\nexcept RuntimeError as e:\n    print('REFUSED', e)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"})
+    assert "REFUSED" in proc.stdout, proc.stderr[-3000:]
+    assert "scripts/apply_patches.sh" in proc.stdout and "megatron_wlb.megatron.launcher" in proc.stdout
+
+
+# --- Megatron-LM main (core 0.20.0 at version.MAIN_COMMIT): our launcher over the checkout ---------------------
+def test_launcher_over_a_main_checkout_cp2_pp2(tmp_path, corpus):
+    """Our launcher with a Megatron-LM main checkout on PYTHONPATH (from the repository MEGATRON_LM names;
+    skipped, naming the commit, without one)."""
+    from conftest import megatron_checkout
+
+    from megatron_wlb.megatron.version import MAIN_COMMIT
+
+    main = megatron_checkout(tmp_path / "Megatron-LM-main", "main", commit=MAIN_COMMIT)
+    run = train(tmp_path, "main_cp2_pp2", corpus, "--wlb-packing", "wlb", "--wlb-cp-sharding", "adaptive",
+                env=_pinned_env(main, CP="2", PP="2"))
+    assert_trains(run)
+    assert {Version(r["core_version"]).release[:2] for r in run.ranks.values()} == {(0, 20)}
     assert_documents_once(run)

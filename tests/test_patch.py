@@ -24,7 +24,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "apply_patches.sh"
 PATCHES = ROOT / "patches"
-PINNED = (PATCHES / "PINNED_COMMIT").read_text().strip()
+PINNED = (PATCHES / "core_v0.16.1" / "PINNED_COMMIT").read_text().strip()
 
 pytestmark = pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
 
@@ -173,7 +173,7 @@ def test_tree_without_git_is_identified_by_content(tmp_path: Path, synthetic, wi
     assert again.returncode == 0 and "already applied" in again.stdout
     (tree / "pretrain.py").write_text("def main():\n    return 7\n")
     refused = run()
-    assert refused.returncode == 1 and "differ from the pinned commit" in refused.stderr
+    assert refused.returncode == 1 and "match no supported release" in refused.stderr
 
 
 def test_gpu_smoke_uses_a_given_tree_without_git(tmp_path: Path):
@@ -203,25 +203,56 @@ def test_gpu_smoke_uses_a_given_tree_without_git(tmp_path: Path):
 def test_content_manifests_name_the_pinned_files():
     """The shipped manifests cover exactly the files the patches touch (their digests are checked against
     the pinned commit by test_real_patch_on_pinned_checkout)."""
-    touched = set(re.findall(r"^\+\+\+ b/(\S+)", "".join(p.read_text() for p in PATCHES.glob("*.patch")), re.M))
+    release = PATCHES / "core_v0.16.1"
+    touched = set(re.findall(r"^\+\+\+ b/(\S+)", "".join(p.read_text() for p in release.glob("*.patch")), re.M))
     for manifest in ("PINNED_FILES.sha256", "PATCHED_FILES.sha256"):
-        rows = [line.split() for line in (PATCHES / manifest).read_text().splitlines() if line.strip()]
+        rows = [line.split() for line in (release / manifest).read_text().splitlines() if line.strip()]
         assert {path for _, path in rows} == touched and all(len(h) == 64 for h, _ in rows)
 
 
-def test_shipped_pin_and_patch_are_consistent():
-    """The shipped pin is a full sha, version.py names the same commit, the patch touches pretrain_gpt.py."""
-    assert len(PINNED) == 40 and all(c in "0123456789abcdef" for c in PINNED)
-    version = (ROOT / "megatron_wlb" / "megatron" / "version.py").read_text()
-    assert f'PINNED_MEGATRON_COMMIT = "{PINNED}"' in version
-    patch = (PATCHES / "pretrain_gpt_wlb.patch").read_text()
-    assert "+++ b/pretrain_gpt.py" in patch
-    for hook in ("_wlb.apply(middle_stage_batches=True)", "packed_seq_params_from_iterator"):
-        assert hook in patch
-    # the functions the patch calls exist in megatron_wlb under those names (read, not imported: fast)
-    defined = {n.name for n in ast.walk(ast.parse((ROOT / "megatron_wlb/megatron/cp_hooks.py").read_text()))
-               if isinstance(n, ast.FunctionDef)}
-    assert "packed_seq_params_from_iterator" in defined
+def test_shipped_pins_and_patches_are_consistent():
+    """One folder per patched release; each pin is a full sha that version.py names for that tag; each patch
+    touches pretrain_gpt.py and calls apply() saying it feeds middle stages."""
+    from megatron_wlb.megatron.version import PATCHED_CHECKOUTS, PINNED_MEGATRON_COMMIT
+
+    assert PINNED == PINNED_MEGATRON_COMMIT
+    folders = sorted(p.name for p in PATCHES.iterdir() if p.is_dir())
+    assert folders == sorted(PATCHED_CHECKOUTS) == ["core_v0.16.1", "core_v0.19.0"]
+    for tag, commit in PATCHED_CHECKOUTS.items():
+        assert (PATCHES / tag / "PINNED_COMMIT").read_text().strip() == commit and len(commit) == 40
+        patch = (PATCHES / tag / "pretrain_gpt_wlb.patch").read_text()
+        assert "+++ b/pretrain_gpt.py" in patch and "_wlb.apply(middle_stage_batches=True)" in patch
+
+
+def test_the_release_is_chosen_by_the_checkouts_commit(synthetic, tmp_path):
+    """A patches folder of releases: the one pinned to HEAD applies; a commit none is pinned to is refused
+    naming every supported commit and the launcher."""
+    repo, patches, pinned, old = synthetic
+    root = tmp_path / "releases"
+    shutil.copytree(patches, root / "core_v9.9.9")
+    (root / "core_v0.0.1").mkdir()
+    (root / "core_v0.0.1" / "PINNED_COMMIT").write_text(old + "\n")
+    (root / "core_v0.0.1" / "other.patch").write_text("not a patch\n")
+    res = run_script(repo, root)
+    assert res.returncode == 0 and "applied hook.patch" in res.stdout and "core_v9.9.9" in res.stdout
+    git(repo, "checkout", "-q", "--", ".")
+    (repo / "new.txt").write_text("x")
+    git(repo, "add", "new.txt")
+    git(repo, "commit", "-q", "-m", "third")
+    res = run_script(repo, root)
+    assert res.returncode == 1
+    assert pinned in res.stderr and old in res.stderr and "megatron_wlb.megatron.launcher" in res.stderr
+
+
+def test_the_functions_the_patches_call_exist():
+    """Read, not imported (fast): the names each patch calls are defined in megatron_wlb."""
+    def defined(path: str) -> set[str]:
+        return {n.name for n in ast.walk(ast.parse((ROOT / path).read_text())) if isinstance(n, ast.FunctionDef)}
+
+    assert "packed_seq_params_from_iterator" in (PATCHES / "core_v0.16.1" / "pretrain_gpt_wlb.patch").read_text()
+    assert "packed_seq_params_from_iterator" in defined("megatron_wlb/megatron/cp_hooks.py")
+    assert "_wlb.pretrain_gpt_batch(" in (PATCHES / "core_v0.19.0" / "pretrain_gpt_wlb.patch").read_text()
+    assert "pretrain_gpt_batch" in defined("megatron_wlb/megatron/__init__.py")
 
 
 needs_mirror = pytest.mark.skipif(conftest.pinned_megatron_source()[0] is None,
@@ -241,7 +272,7 @@ def test_real_patch_on_pinned_checkout(pinned_checkout: Path, tmp_path: Path):
     mlm = pinned_checkout
     original = (mlm / "pretrain_gpt.py").read_text()
     check = ["sha256sum", "--quiet", "--check"]
-    assert subprocess.run([*check, str(PATCHES / "PINNED_FILES.sha256")], cwd=mlm).returncode == 0
+    assert subprocess.run([*check, str(PATCHES / "core_v0.16.1" / "PINNED_FILES.sha256")], cwd=mlm).returncode == 0
     res = run_script(mlm)
     assert res.returncode == 0, res.stderr
     patched = (mlm / "pretrain_gpt.py").read_text()
@@ -251,7 +282,7 @@ def test_real_patch_on_pinned_checkout(pinned_checkout: Path, tmp_path: Path):
     again = run_script(mlm)
     assert again.returncode == 0 and "already applied" in again.stdout
     assert (mlm / "pretrain_gpt.py").read_text() == patched
-    assert subprocess.run([*check, str(PATCHES / "PATCHED_FILES.sha256")], cwd=mlm).returncode == 0
+    assert subprocess.run([*check, str(PATCHES / "core_v0.16.1" / "PATCHED_FILES.sha256")], cwd=mlm).returncode == 0
     # the hook is guarded: without --wlb-* flags or WLB_ENABLE nothing of ours is imported
     tree = ast.parse(patched)
     guards = [n for n in ast.walk(tree) if isinstance(n, ast.If) and "WLB_ENABLE" in ast.unparse(n.test)]
@@ -508,3 +539,69 @@ def test_launcher_flags_parse_with_megatrons_parser(pinned_checkout: Path, tmp_p
                          env={**os.environ, "PYTHONPATH": os.pathsep.join([str(pinned_checkout), str(ROOT)])})
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert f"parsed {len(list_configs()) + 2}" in res.stdout and "validated smoke" in res.stdout
+
+
+def test_sbatch_without_a_checkout_runs_our_launcher(tmp_path: Path):
+    """The README's 0.19 route on a cluster: no MEGATRON_LM, so srun starts torchrun on our launcher."""
+    env, record = _fake_cluster(tmp_path)
+    del env["MEGATRON_LM"]
+    res = subprocess.run(["bash", str(SLURM / "550m_64k.sbatch")], env={**env, "SLURM_NNODES": "4"},
+                         capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    argv = record.read_text().splitlines()
+    at = argv.index("torchrun")
+    assert argv[argv.index("-m", at) + 1] == "megatron_wlb.megatron.launcher"
+    assert not any(a.endswith("pretrain_gpt.py") for a in argv)
+    assert _flag(argv, "--wlb-config") == "550m_64k"
+
+
+def test_make_sbatch_writes_a_script_for_the_users_own_config(tmp_path: Path):
+    """make_sbatch.py CONFIG.yaml --out FILE: a script for a YAML of the user's (here a copy of a shipped
+    one with another name and DP), naming that YAML in --wlb-config and the layout in its flags."""
+    import yaml
+
+    from megatron_wlb.config import CONFIG_DIR
+
+    config = yaml.safe_load((Path(str(CONFIG_DIR)) / "550m_64k.yaml").read_text())
+    config["name"] = "my_run"
+    config["layout"]["dp"] = 4
+    mine = tmp_path / "my_run.yaml"
+    mine.write_text(yaml.safe_dump(config))
+    out = tmp_path / "jobs" / "my_run.sbatch"
+    res = subprocess.run([sys.executable, str(SLURM / "make_sbatch.py"), str(mine), "--out", str(out)],
+                         capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    text = out.read_text()
+    assert f"from {mine}" in text and "#SBATCH --nodes=8" in text  # TP2 CP2 PP4 DP4 = 64 GPUs
+    assert subprocess.run(["bash", "-n", str(out)]).returncode == 0
+    env, record = _fake_cluster(tmp_path)
+    res = subprocess.run(["bash", str(out)], env={**env, "SLURM_NNODES": "8"}, capture_output=True, text=True,
+                         timeout=60, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    argv = record.read_text().splitlines()
+    assert _flag(argv, "--wlb-config") == str(mine) and _flag(argv, "--global-batch-size") == str(4 * 4)
+    bad = subprocess.run([sys.executable, str(SLURM / "make_sbatch.py"), str(mine)], capture_output=True, text=True)
+    assert bad.returncode == 2 and "--out" in bad.stderr
+
+
+@pytest.mark.slow
+def test_sbatch_cpu_mode_trains_through_the_cpu_harness(tmp_path: Path):
+    """WLB_CPU=1: a shipped script, run as SLURM runs it (srun executing its command on this node, the job's
+    node list from scontrol), trains the tiny GPT through Megatron's loop and logs the [wlb] lines."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "srun").write_text('#!/bin/bash\nwhile [[ $1 == --* ]]; do shift; done\nexec "$@"\n')
+    (bindir / "scontrol").write_text("#!/bin/bash\necho localhost\n")
+    for stub in ("srun", "scontrol"):
+        (bindir / stub).chmod(0o755)
+    env = {**os.environ, "PATH": f"{bindir}:{os.path.dirname(sys.executable)}:{os.environ['PATH']}",
+           "PYTHONPATH": str(ROOT), "PYTHON": sys.executable, "WLB_CPU": "1", "SLURM_NNODES": "1",
+           "SLURM_JOB_ID": "4243", "SLURM_JOB_NODELIST": "localhost", "LOG_DIR": str(tmp_path / "logs"),
+           "CKPT_DIR": str(tmp_path / "ckpt"), "WLB_CPU_NPROC_PER_NODE": "2"}
+    env.pop("MEGATRON_LM", None)
+    res = subprocess.run(["bash", str(SLURM / "550m_64k.sbatch")], env=env, capture_output=True, text=True,
+                         timeout=400, cwd=tmp_path)
+    log = res.stdout + res.stderr
+    assert res.returncode == 0, log[-4000:]
+    assert "(CPU mode): 1 node(s) x 2 process(es), DP=2" in log
+    assert "iteration        4/       4" in log and log.count("[wlb] iteration") >= 4

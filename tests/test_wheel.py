@@ -44,10 +44,19 @@ def wheel(tmp_path_factory) -> Path:
 
 
 def package_data_files() -> list[str]:
-    """Every non-Python file of the package in the source tree (what the code may read at run time)."""
+    """Every non-Python file of the package in the source tree (what the code may read at run time), named as
+    in the wheel: the top-level configs/ is installed as megatron_wlb/configs/ (setup.py's package_dir)."""
     pkg = ROOT / "megatron_wlb"
-    return sorted(str(p.relative_to(ROOT)) for p in pkg.rglob("*")
-                  if p.is_file() and p.suffix not in (".py", ".pyc") and "__pycache__" not in p.parts)
+    files = [str(p.relative_to(ROOT)) for p in pkg.rglob("*")
+             if p.is_file() and p.suffix not in (".py", ".pyc") and "__pycache__" not in p.parts]
+    files += [f"megatron_wlb/configs/{p.name}" for p in (ROOT / "configs").iterdir() if p.is_file()]
+    return sorted(files)
+
+
+def test_the_configs_have_one_copy_at_the_top_level():
+    """The design card's layout: configs/ at the top of the checkout; no second copy inside the package."""
+    assert sorted(p.name for p in (ROOT / "configs").glob("*.yaml"))
+    assert not (ROOT / "megatron_wlb" / "configs").exists()
 
 
 def test_wheel_holds_every_data_file_and_the_license(wheel: Path):

@@ -32,6 +32,10 @@ from megatron_wlb.data.indexed import check_bin_matches_idx, document_lengths, r
 #: Megatron's default ``--split`` (train, valid, test weights)
 DEFAULT_SPLIT = "969,30,1"
 SPLIT_NAMES: tuple[str, ...] = ("train", "valid", "test")
+#: tokens read at a time when scanning a .bin for its largest token id
+SCAN_CHUNK_TOKENS = 1 << 24
+#: tokens of each dataset ``check_vocabulary`` scans at start-up (1 GiB of int32 ids); reads check the rest
+VOCAB_SCAN_TOKENS = 1 << 28
 
 
 # -- Megatron's data flags ---------------------------------------------------------------------------
@@ -87,6 +91,7 @@ class IndexedSource:
         self.starts = starts          # where each document starts in ``tokens``, in units of ``itemsize`` bytes
         self.tokens = tokens
         self.itemsize = int(itemsize)
+        self._max_token_id: int | None = None
 
     @classmethod
     def open(cls, prefix: str, mmap: bool = True) -> IndexedSource:
@@ -112,6 +117,22 @@ class IndexedSource:
     @property
     def num_documents(self) -> int:
         return int(self.lengths.size)
+
+    def max_token_id(self, limit: int | None = None) -> int:
+        """The largest token id in ``PREFIX.bin`` (-1 if empty), or in its first ``limit`` tokens: a
+        chunked pass over the file, so memory stays constant whatever its size; the whole file's is
+        remembered for this source."""
+        if limit is not None and limit < self.tokens.size:
+            return self._scan(int(limit))
+        if self._max_token_id is None:
+            self._max_token_id = self._scan(int(self.tokens.size))
+        return self._max_token_id
+
+    def _scan(self, count: int) -> int:
+        top = -1
+        for at in range(0, count, SCAN_CHUNK_TOKENS):
+            top = max(top, int(np.max(self.tokens[at:min(count, at + SCAN_CHUNK_TOKENS)])))
+        return top
 
     def read(self, doc: int, offset: int, length: int) -> np.ndarray:
         """Tokens ``[offset, offset + length)`` of document ``doc`` (its sequences are contiguous)."""
@@ -309,6 +330,9 @@ class DocumentReader:
         self.split_name = split_name
         self.seed = int(seed)
         self.shuffle = shuffle
+        #: set by ``check_vocabulary``: every read then refuses token ids at or beyond it
+        self.vocab_size: int | None = None
+        self.vocab_flag = "--vocab-size"
         sizes = [s.num_documents for s in self.sources]
         self.offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
         self.num_documents = int(self.offsets[-1])
@@ -325,6 +349,28 @@ class DocumentReader:
     @classmethod
     def from_data_path(cls, data_path: Sequence[str] | str, **kwargs: Any) -> DocumentReader:
         return cls(weighted_prefixes(data_path), **kwargs)
+
+    def max_token_id(self) -> int:
+        """The largest token id in any of the blended datasets (each scanned once)."""
+        return max(src.max_token_id() for src in self.sources)
+
+    def check_vocabulary(self, vocab_size: int, flag: str = "--vocab-size") -> None:
+        """Refuse data whose token ids the model's embedding (``vocab_size`` rows) cannot look up, naming
+        the dataset, its largest id and the vocabulary; ``flag`` is what sets it. At start-up each
+        dataset's first ``VOCAB_SCAN_TOKENS`` tokens are scanned (the whole file when smaller: start-up
+        must not read a trillion-token corpus); from then on every ``read`` checks the tokens it returns,
+        so an id beyond the vocabulary anywhere stops the run when it is read, with the same message."""
+        self.vocab_size, self.vocab_flag = int(vocab_size), flag
+        for src in self.sources:
+            if np.issubdtype(src.tokens.dtype, np.integer) and np.iinfo(src.tokens.dtype).max < vocab_size:
+                continue  # the file's dtype cannot hold an id outside the vocabulary: nothing to scan
+            self._refuse_beyond_vocabulary(src, src.max_token_id(VOCAB_SCAN_TOKENS))
+
+    def _refuse_beyond_vocabulary(self, src: IndexedSource, top: int) -> None:
+        if self.vocab_size is not None and top >= self.vocab_size:
+            raise ValueError(f"{src.prefix}: token id {top} is outside the model's vocabulary of {self.vocab_size} "
+                             f"(ids 0..{self.vocab_size - 1}): set {self.vocab_flag} to at least {top + 1} (or the "
+                             "tokenizer the data was made with)")
 
     def describe(self) -> dict[str, Any]:
         """What determines the stream (saved with checkpoints, compared on resume)."""
@@ -355,7 +401,10 @@ class DocumentReader:
 
     def read(self, stream_id: int, offset: int, length: int) -> np.ndarray:
         _, i, doc = self.locate(stream_id)
-        return self.sources[i].read(doc, offset, length)
+        tokens = self.sources[i].read(doc, offset, length)
+        if self.vocab_size is not None and tokens.size:
+            self._refuse_beyond_vocabulary(self.sources[i], int(tokens.max()))
+        return tokens
 
 
 # -- writing indexed datasets (tests, smoke runs, quick experiments) -------------------------------------

@@ -59,7 +59,7 @@ if TYPE_CHECKING:  # the package imports neither torch nor Megatron until apply(
     from megatron_wlb.megatron.data import RankMicroBatch, WlbDataIterator
 
 __all__ = ["WlbSettings", "apply", "build_train_iterator", "cp_sharding_from_args", "iterations_for",
-           "pinned_tp_rank_batch", "reader_from_args", "runtime", "stream_tokens_for"]
+           "pinned_tp_rank_batch", "pretrain_gpt_batch", "reader_from_args", "runtime", "stream_tokens_for"]
 
 #: Megatron training-code modules apply() hooks (all present at the pinned commit)
 TRAINING_MODULES = ("arguments", "initialize", "training", "checkpointing", "utils", "global_vars")
@@ -107,11 +107,16 @@ def reader_from_args(args: Any, split_name: str = "train") -> DocumentReader:
     seed = int(getattr(args, "seed", 1234))
     own = getattr(args, f"{split_name}_data_path", None)
     if own:
-        return DocumentReader.from_data_path(own, split="1,0,0", split_name="train", seed=seed, mmap=mmap)
-    if not getattr(args, "data_path", None):
+        reader = DocumentReader.from_data_path(own, split="1,0,0", split_name="train", seed=seed, mmap=mmap)
+    elif not getattr(args, "data_path", None):
         raise ValueError("WLB-LLM reads Megatron indexed datasets: give --data-path [WEIGHT] PREFIX ...")
-    return DocumentReader.from_data_path(args.data_path, split=_split(args), split_name=split_name, seed=seed,
-                                         mmap=mmap)
+    else:
+        reader = DocumentReader.from_data_path(args.data_path, split=_split(args), split_name=split_name, seed=seed,
+                                               mmap=mmap)
+    vocab = getattr(args, "padded_vocab_size", None)  # the embedding's rows (set by Megatron's tokenizer build)
+    if vocab:
+        reader.check_vocabulary(int(vocab), "--vocab-size / the tokenizer")
+    return reader
 
 
 def _split(args: Any) -> str:
@@ -433,6 +438,25 @@ def pinned_tp_rank_batch(batch: RankMicroBatch) -> dict[str, Any]:
     return {**data, "cu_seqlens": params, "max_seqlen": torch.tensor([params.max_seqlen_q], dtype=torch.int32)}
 
 
+def pretrain_gpt_batch(data_iterator: Any, keys: list[str]) -> list[Any]:
+    """This rank's next micro-batch for a core 0.19 ``pretrain_gpt.get_batch`` (patched: ``patches/core_v0.19.0``),
+    as the values of its ``BATCH_KEYS`` in order: tokens, labels, loss_mask and position_ids uploaded once;
+    ``cu_seqlens`` holds our ``WlbPackedSeqParams`` (the patched ``forward_step`` passes them to the model);
+    attention_mask, cu_seqlens_padded, max_seqlen, hybrid_cp_group and local_cp_size are None. Every rank
+    reads its own copy (no TP broadcast), middle pipeline stages included."""
+    from megatron_wlb.megatron.cp_hooks import upload_micro_batch
+
+    batch, params = upload_micro_batch(next(data_iterator))
+    fields = {**batch, "cu_seqlens": params}
+    unknown = sorted(set(keys) - set(fields) - {"attention_mask", "cu_seqlens_padded", "max_seqlen",
+                                                 "hybrid_cp_group", "local_cp_size"})
+    if unknown:
+        raise RuntimeError(f"megatron_wlb: this pretrain_gpt.py's get_batch returns {', '.join(unknown)}, which "
+                           "WLB-LLM's micro-batches do not carry; use the patch of its release (patches/) or "
+                           "python -m megatron_wlb.megatron.launcher")
+    return [fields.get(key) for key in keys]
+
+
 def _wrap_get_batch_on_this_tp_rank(original: Callable) -> Callable:
     from megatron_wlb.megatron.data import WlbDataIterator
 
@@ -462,20 +486,43 @@ def _is_rank0() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
-def _import_training_modules() -> dict[str, Any]:
-    from megatron_wlb.megatron.version import PINNED_MEGATRON_COMMIT, PINNED_MEGATRON_TAG
+def training_import_error(module: str, exc: ImportError) -> str:
+    """The one-line reason ``megatron.training.<module>`` failed to import, naming the real cause: the training
+    code itself missing (a megatron-core wheel before 0.19), or a module or name it imports."""
+    from megatron_wlb.megatron.version import PINNED_MEGATRON_COMMIT, PINNED_MEGATRON_TAG, TESTED_RELEASES
 
+    missing = getattr(exc, "name", None) if isinstance(exc, ModuleNotFoundError) else None
+    if missing in ("megatron", "megatron.training", f"megatron.training.{module}"):
+        return (f"megatron_wlb.megatron.apply() hooks Megatron-LM's training code (megatron.training.{module}), "
+                "which is not importable here: pip install --no-deps megatron-core=="
+                f"{TESTED_RELEASES[-1]} (its wheel ships megatron/training; earlier wheels do not), or put a "
+                f"Megatron-LM checkout at {PINNED_MEGATRON_TAG} ({PINNED_MEGATRON_COMMIT[:12]}) on PYTHONPATH "
+                f"(import error: {exc})")
+    if missing:
+        return (f"megatron.training.{module} failed to import: it needs the module {missing!r}, which is not "
+                f"installed: pip install {missing.split('.')[0]} (megatron_wlb's [megatron] extra lists what "
+                f"Megatron's training code imports) (import error: {exc})")
+    return f"megatron.training.{module} failed to import: {exc}"
+
+
+def _import_training_modules() -> dict[str, Any]:
     mods = {}
     for name in TRAINING_MODULES:
         try:
             mods[name] = importlib.import_module(f"megatron.training.{name}")
         except ImportError as exc:
-            raise RuntimeError(
-                f"megatron_wlb.megatron.apply() hooks Megatron-LM's training code (megatron.training.{name}), "
-                "which the megatron-core wheel does not ship: run from a Megatron-LM checkout at "
-                f"{PINNED_MEGATRON_TAG} ({PINNED_MEGATRON_COMMIT}) or put it on PYTHONPATH "
-                f"(import error: {exc})") from exc
+            raise RuntimeError(training_import_error(name, exc)) from exc
     return mods
+
+
+#: why apply() alone cannot serve a core >= 0.18 script's get_batch, and the ways in
+ENTRY_POINT_REFUSAL = (
+    "megatron_wlb.megatron.apply(): from megatron-core 0.18 on, pretrain_gpt.py's get_batch reads the data "
+    "iterator on TP rank 0 only, skips middle pipeline stages and rebuilds PackedSeqParams from cu_seqlens, so "
+    "WLB-LLM's packed micro-batches cannot pass through it with apply() alone (its first step would fail). Ways "
+    "in: a core_v0.19.0 checkout patched with scripts/apply_patches.sh (its own pretrain_gpt.py, builders and "
+    "loss), or python -m megatron_wlb.megatron.launcher; a get_batch of your own that reads the iterator on "
+    "every rank (megatron_wlb.megatron.launcher.get_batch) says so with apply(middle_stage_batches=True)")
 
 
 def apply(*, check_version: bool = True, middle_stage_batches: bool = False) -> Runtime:
@@ -483,13 +530,18 @@ def apply(*, check_version: bool = True, middle_stage_batches: bool = False) -> 
 
     ``middle_stage_batches``: say True only if the caller's ``get_batch`` gives middle pipeline stages
     (and virtual stages) the micro-batch's packed-sequence params, as ``megatron_wlb.megatron.launcher``
-    and the patched ``pretrain_gpt.py`` do; otherwise runs with middle stages are refused at start-up.
+    and the patched ``pretrain_gpt.py`` do; otherwise runs with middle stages are refused at start-up, and
+    on megatron-core >= 0.18 apply() itself refuses (``ENTRY_POINT_REFUSAL``: that script's get_batch cannot
+    carry our micro-batches unpatched).
 
-    Raises RuntimeError when megatron-core is outside ``version.SUPPORTED_CORE`` or Megatron's
+    Raises RuntimeError when megatron-core is outside ``version.SUPPORTED_SERIES`` or Megatron's
     training code is not importable.
     """
+    from megatron_wlb.megatron.compat import install_python_shims, refuse_spawned_reimport
     from megatron_wlb.megatron.version import check_core_version
 
+    refuse_spawned_reimport()
+    install_python_shims()  # before anything imports megatron-core (0.19 needs typing.override)
     if check_version:
         check_core_version()
     _RUNTIME.middle_stage_batches = middle_stage_batches
@@ -517,7 +569,8 @@ def apply(*, check_version: bool = True, middle_stage_batches: bool = False) -> 
         "save_checkpoint": (mods["checkpointing"].save_checkpoint,
                             lambda f: wrap_save_checkpoint(f, _RUNTIME.registry, get_args, _is_rank0, settings_dict)),
         "load_checkpoint": (mods["checkpointing"].load_checkpoint,
-                            lambda f: wrap_load_checkpoint(f, _RUNTIME.registry, get_args, settings_dict)),
+                            lambda f: wrap_load_checkpoint(f, _RUNTIME.registry, get_args, settings_dict,
+                                                           _print_rank0)),
         "train_step": (mods["training"].train_step,
                        lambda f: wrap_train_step(f, _first_train_iterator, _RUNTIME.agreed)),
         "training_log": (mods["training"].training_log,
@@ -528,6 +581,8 @@ def apply(*, check_version: bool = True, middle_stage_batches: bool = False) -> 
     # From core_v0.18 that function moved to megatron.core.utils with another signature, and our
     # launcher (megatron_wlb.megatron.launcher) reads the iterator on every rank itself.
     legacy_tp = getattr(mods["utils"], "get_batch_on_this_tp_rank", None)
+    if legacy_tp is None and not middle_stage_batches:
+        raise RuntimeError(ENTRY_POINT_REFUSAL)
     if legacy_tp is not None:
         replacements["get_batch_on_this_tp_rank"] = (legacy_tp, _wrap_get_batch_on_this_tp_rank)
     for name, (original, wrap) in replacements.items():

@@ -75,6 +75,11 @@ def add_wlb_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         options = choices.get(name) or (knob.choices if knob and knob.choices else None)
         g.add_argument(flag, type=kind, choices=options, default=None, metavar=metavars.get(name),
                        help=f"{text} (default {default})".replace("%", "%%"))
+    # an action on resume, not a setting (it is neither saved nor compared): megatron_wlb.megatron.checkpoint
+    g.add_argument("--wlb-reset-data-stream", action="store_true",
+                   help="on resume (--load), restart only the data stream at its first document, with the "
+                        "--wlb-* settings given now; the optimizer, iteration and LR schedule resume from the "
+                        "checkpoint (--finetune resets them too). Counted in the checkpoint and logged")
     return parser
 
 
@@ -136,9 +141,22 @@ def compose_providers(*providers: ArgsProvider | None) -> ArgsProvider:
     return provider
 
 
+def escape_help_percents(parser: Any) -> Any:
+    """Double every lone ``%`` in the parser's help texts, which argparse would read as a format (megatron-core
+    0.19.2's ``--moe-paged-stash-buffer-size-factor-cuda`` says "10%)", so ``--help`` died in argparse)."""
+    import re
+
+    for action in parser._actions:
+        if isinstance(action.help, str):
+            action.help = re.sub(r"%%|%\(\w+\)[a-zA-Z]|%", lambda m: "%%" if m.group() == "%" else m.group(),
+                                 action.help)
+    return parser
+
+
 def wlb_extra_args_provider(existing: ArgsProvider | None = None) -> ArgsProvider:
-    """Megatron's provider slot filled with ``existing`` (if any) followed by ours."""
-    return compose_providers(existing, add_wlb_args)
+    """Megatron's provider slot filled with ``existing`` (if any) followed by ours (and help texts that
+    ``--help`` can print: ``escape_help_percents``)."""
+    return compose_providers(existing, add_wlb_args, escape_help_percents)
 
 
 # -- resolving and validating ------------------------------------------------------------------------

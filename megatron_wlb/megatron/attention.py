@@ -257,11 +257,17 @@ def wlb_apply_rotary_pos_emb(original: Callable) -> Callable:
     from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
 
     @wrapping(original)
-    def apply_rotary_pos_emb(t, freqs, config, cu_seqlens=None, mscale=1.0, cp_group=None):
+    def apply_rotary_pos_emb(t, freqs, config, cu_seqlens=None, mscale=1.0, cp_group=None, **extra):
+        # extra: keywords newer Megatron passes (main: mla_rotary_interleaved, inverse,
+        # mla_output_remove_interleaving, max_seqlen), handed to Megatron's function as given
         wlb = _ACTIVE.get()
         meta = wlb.attention if wlb is not None else None
         if meta is None or (cu_seqlens is not meta.cu_seqlens_q and cu_seqlens is not meta.cu_seqlens_k):
-            return original(t, freqs, config, cu_seqlens=cu_seqlens, mscale=mscale, cp_group=cp_group)
+            return original(t, freqs, config, cu_seqlens=cu_seqlens, mscale=mscale, cp_group=cp_group, **extra)
+        unsupported = sorted(k for k in ("inverse", "mla_rotary_interleaved", "mla_output_remove_interleaving")
+                             if extra.get(k))
+        if unsupported:
+            raise ValueError(f"RoPE: {', '.join(unsupported)} is not supported for WLB packed micro-batches")
         if wlb.rope_positions.shape[0] != t.shape[0]:
             raise ValueError(f"RoPE: {wlb.rope_positions.shape[0]} position ids for {t.shape[0]} local tokens")
         if wlb.rope_length > freqs.shape[0]:

@@ -27,7 +27,7 @@ from megatron_wlb.megatron.rebind import wrapping
 SIDECAR_NAME = "wlb_packer_state.json"
 #: 2: the sidecar carries ``sha256``, the checksum of its other contents (``sidecar_checksum``)
 SIDECAR_VERSION = 2
-SIDECAR_KEYS = ("version", "iteration", "settings", "data")
+SIDECAR_KEYS = ("version", "iteration", "settings", "data", "data_stream_resets")
 
 
 def iteration_dir(checkpoints_path: str, iteration: int, release: bool = False) -> str:
@@ -36,11 +36,12 @@ def iteration_dir(checkpoints_path: str, iteration: int, release: bool = False) 
 
 
 def save_data_state(directory: str, iteration: int, data_state: dict[str, Any],
-                    settings: dict[str, Any] | None = None) -> str:
-    """Write the sidecar atomically (temp file + rename) into ``directory``; returns its path."""
+                    settings: dict[str, Any] | None = None, data_stream_resets: int = 0) -> str:
+    """Write the sidecar atomically (temp file + rename) into ``directory``; returns its path.
+    ``data_stream_resets``: how often this training's data stream was restarted (``--wlb-reset-data-stream``)."""
     os.makedirs(directory, exist_ok=True)
     payload: dict[str, Any] = {"version": SIDECAR_VERSION, "iteration": int(iteration), "settings": settings,
-                               "data": data_state}
+                               "data": data_state, "data_stream_resets": int(data_stream_resets)}
     payload["sha256"] = sidecar_checksum(payload)
     path = os.path.join(directory, SIDECAR_NAME)
     fd, tmp = tempfile.mkstemp(prefix=".wlb_state.", dir=directory)
@@ -93,6 +94,8 @@ class DataStateRegistry:
     iterators: list[WlbDataIterator] = field(default_factory=list)
     pending: dict[str, Any] | None = None
     pending_iteration: int | None = None
+    #: data-stream restarts in this training's history (``--wlb-reset-data-stream``), saved with every sidecar
+    data_stream_resets: int = 0
 
     def register(self, iterator: WlbDataIterator) -> None:
         """Track ``iterator``; restore a state loaded earlier into it."""
@@ -143,7 +146,7 @@ def wrap_save_checkpoint(original: Callable, registry: DataStateRegistry, get_ar
                 else:  # local (per-node) checkpoints: keep the sidecar beside the persistent ones
                     save_dir = os.path.join(margs.save, "wlb_non_persistent_local")
             save_data_state(iteration_dir(save_dir, iteration, kwargs.get("release", False)), iteration, state,
-                            settings())
+                            settings(), registry.data_stream_resets)
         return out
 
     return save_checkpoint
@@ -173,14 +176,46 @@ def settings_difference(saved: dict[str, Any] | None, now: dict[str, Any] | None
             if k not in RESUMABLE_SETTINGS and saved.get(k) != now.get(k)]
 
 
+#: the flag that restarts only the data stream on resume (optimizer, iteration and LR schedule are kept)
+RESET_FLAG = "--wlb-reset-data-stream"
+
+
+def micro_batches_per_rank(margs: Any) -> tuple[int, int]:
+    """(DP size, micro-batches per DP rank per iteration) of Megatron's ``args``."""
+    dp = int(getattr(margs, "data_parallel_size", 1) or 1)
+    gbs, mbs = int(getattr(margs, "global_batch_size", 0) or 0), int(getattr(margs, "micro_batch_size", 1) or 1)
+    return dp, max(1, gbs // (mbs * dp))
+
+
+def plan_layout_refusal(data_state: dict[str, Any], margs: Any) -> str | None:
+    """Why the checkpoint's plans cannot continue on this run's layout, with the exact remedy (None if they can:
+    the same number of micro-batches per iteration, whatever the DP size)."""
+    saved = (data_state.get("packer") or {}).get("config") or {}
+    if "dp" not in saved or not getattr(margs, "global_batch_size", None):
+        return None
+    dp, n = micro_batches_per_rank(margs)
+    planned = int(saved["dp"]) * int(saved["n"])
+    if planned == dp * n:
+        return None
+    mbs = int(getattr(margs, "micro_batch_size", 1) or 1)
+    return (f"the checkpoint planned {planned} micro-batches per iteration (DP {saved['dp']} x {saved['n']}), this "
+            f"run {dp * n} (DP {dp} x {n}): resume with --global-batch-size {planned * mbs} (now "
+            f"{getattr(margs, 'global_batch_size', None)}), which any DP size dividing {planned} continues exactly, "
+            f"or pass {RESET_FLAG} to restart the data stream at its first document")
+
+
 def wrap_load_checkpoint(original: Callable, registry: DataStateRegistry, get_args: Callable[[], Any],
-                         settings: Callable[[], dict | None] = lambda: None) -> Callable:
+                         settings: Callable[[], dict | None] = lambda: None,
+                         log: Callable[[str], None] = print) -> Callable:
     """Megatron's ``load_checkpoint(model, optimizer, scheduler, load_arg='load', ...)``, then our sidecar.
 
-    Resuming at iteration > 0 without a sidecar is an error (the data position would be lost),
-    unless ``--finetune`` (Megatron then restarts at iteration 0 and so does the stream). So is
-    resuming with other ``--wlb-*`` settings than the checkpoint was saved with (the queues and
-    thresholds it holds belong to those), named setting by setting.
+    Resuming at iteration > 0 without a sidecar is an error (the data position would be lost), and so is
+    resuming with other ``--wlb-*`` settings than the checkpoint was saved with (the queues and thresholds
+    it holds belong to those), named setting by setting, or with another number of micro-batches per
+    iteration; another DP size at the same global batch resumes exactly (the saved plans, re-dealt).
+    ``--wlb-reset-data-stream`` lifts all three: the data stream restarts at its first document with these
+    settings, while Megatron keeps the optimizer, iteration and LR schedule (unlike ``--finetune``); the
+    restarts are counted in the sidecar and logged.
     """
 
     @wrapping(original)
@@ -191,19 +226,31 @@ def wrap_load_checkpoint(original: Callable, registry: DataStateRegistry, get_ar
         load_arg = kwargs.get("load_arg", args[3] if len(args) > 3 else "load")
         if iteration <= 0 or load_arg != "load":
             return out
-        for directory in candidate_dirs(margs, load_arg, iteration):
-            payload = load_data_state(directory, iteration)
-            if payload is not None:
-                changed = settings_difference(payload.get("settings"), settings())
-                if changed:
-                    raise RuntimeError(f"megatron_wlb: the checkpoint at iteration {iteration} was saved with other "
-                                       f"WLB settings ({'; '.join(changed)}); resume with the saved --wlb-* flags, "
-                                       "or pass --finetune to restart the data stream")
-                registry.set_pending(payload["data"], iteration)
-                return out
-        raise RuntimeError(f"megatron_wlb: the checkpoint in {getattr(margs, load_arg)} resumes at iteration "
-                           f"{iteration} but holds no {SIDECAR_NAME}, so the packer's queues and stream position "
-                           "are unknown; resume from a checkpoint saved with megatron_wlb applied, or pass "
-                           "--finetune to restart the data stream at iteration 0")
+        payload = next((p for p in (load_data_state(d, iteration) for d in candidate_dirs(margs, load_arg, iteration))
+                        if p is not None), None)
+        if getattr(margs, "wlb_reset_data_stream", False):
+            registry.data_stream_resets = int((payload or {}).get("data_stream_resets", 0)) + 1
+            log(f"> megatron_wlb: {RESET_FLAG}: the data stream restarts at its first document at iteration "
+                f"{iteration} (data-stream reset {registry.data_stream_resets} of this training); optimizer, "
+                "iteration and learning-rate schedule resume from the checkpoint")
+            return out
+        if payload is None:
+            raise RuntimeError(f"megatron_wlb: the checkpoint in {getattr(margs, load_arg)} resumes at iteration "
+                               f"{iteration} but holds no {SIDECAR_NAME}, so the packer's queues and stream position "
+                               "are unknown; resume from a checkpoint saved with megatron_wlb applied, or pass "
+                               f"{RESET_FLAG} to restart the data stream (the optimizer, iteration and LR "
+                               "schedule resume)")
+        registry.data_stream_resets = int(payload.get("data_stream_resets", 0))
+        changed = settings_difference(payload.get("settings"), settings())
+        if changed:
+            raise RuntimeError(f"megatron_wlb: the checkpoint at iteration {iteration} was saved with other "
+                               f"WLB settings ({'; '.join(changed)}); resume with the saved --wlb-* flags, or pass "
+                               f"{RESET_FLAG} to restart the data stream with the new ones (the optimizer, "
+                               "iteration and LR schedule resume)")
+        refusal = plan_layout_refusal(payload["data"], margs)
+        if refusal:
+            raise RuntimeError(f"megatron_wlb: {refusal}")
+        registry.set_pending(payload["data"], iteration)
+        return out
 
     return load_checkpoint

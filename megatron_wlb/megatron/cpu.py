@@ -45,8 +45,8 @@ REDIRECTS: tuple[tuple[str, str], ...] = (
      "initialize calls it unconditionally; it only runs nvcc -V (no CUDA toolkit here) and builds nothing"),
     ("initialize_megatron(allow_no_cuda=True)",
      "initialize asserts torch.cuda.is_available() unless asked not to, and pretrain() does not ask"),
-    ("Python 3.11: typing.override", "megatron-core >= 0.19 imports typing.override (3.12); "
-     "typing_extensions.override stands in"),
+    ("Python 3.11: typing.override (not CUDA; compat.install_python_shims, which apply() also calls)",
+     "megatron-core >= 0.19 imports typing.override (3.12); typing_extensions.override stands in"),
     ("WrappedTorchNorm under --sequence-parallel (not CUDA: apex is missing)",
      "apex's and TE's norms mark their weights sequence_parallel, so Megatron sums their gradients over "
      "TP; the local spec's torch fallback refuses SP instead. Here it builds the torch norm and marks it "
@@ -140,9 +140,11 @@ def install_cpu_redirects() -> None:
     global _INSTALLED
     if _INSTALLED:
         return
-    import typing
-
     import torch
+
+    from megatron_wlb.megatron.compat import install_python_shims, refuse_spawned_reimport
+
+    refuse_spawned_reimport()
 
     if not torch.cuda.is_initialized():
         # CPU mode on a GPU machine: hide its GPUs from this process (read when CUDA initialises), so
@@ -151,10 +153,7 @@ def install_cpu_redirects() -> None:
     if torch.cuda.is_available():
         raise RuntimeError("install_cpu_redirects() must run before this process uses CUDA (it already has): "
                            "call it first, or run Megatron on the GPU normally")
-    if not hasattr(typing, "override"):
-        import typing_extensions
-
-        typing.override = typing_extensions.override  # type: ignore[attr-defined]
+    install_python_shims()
 
     # Not a CUDA redirect: Megatron's jit_fuser wraps small fusions in torch.compile, which on the CPU
     # compiles C++ with inductor in every process at start-up (minutes on 2 cores); eager mode computes
@@ -245,6 +244,50 @@ TINY_GPT_ARGS: tuple[str, ...] = (
     "--eval-interval", "1000", "--clip-grad", "0", "--log-interval", "1", "--calculate-per-token-loss",
     "--distributed-backend", "gloo",
 )
+
+#: the data-path flags whose prefixes the tiny GPT's vocabulary must cover
+DATA_PATH_FLAGS = ("--data-path", "--train-data-path", "--valid-data-path", "--test-data-path")
+
+
+def _flag_values(argv: Sequence[str], flag: str) -> list[list[str]]:
+    """The values of every occurrence of ``flag`` (up to the next ``--`` flag)."""
+    out = []
+    for i, arg in enumerate(argv):
+        if arg == flag:
+            values = []
+            for value in argv[i + 1:]:
+                if value.startswith("--"):
+                    break
+                values.append(value)
+            out.append(values)
+    return out
+
+
+def tiny_gpt_vocab_flags(argv: Sequence[str]) -> list[str]:
+    """``--vocab-size`` for the tiny GPT from the data in ``argv``: none when its default (300) covers the
+    largest token id, else that id + 1; a ``--vocab-size`` given in ``argv`` that does not cover it is
+    refused (SystemExit naming the largest id and the flag)."""
+    from megatron_wlb.data.reader import IndexedSource, weighted_prefixes
+
+    # argparse keeps a flag's last occurrence (train_cpu.sh puts its default --data-path first)
+    prefixes = sorted({p for flag in DATA_PATH_FLAGS for values in _flag_values(argv, flag)[-1:] if values
+                       for p, _ in weighted_prefixes(values)})
+    if not prefixes:
+        return []
+    try:
+        top, where = max((IndexedSource.open(p).max_token_id(), p) for p in prefixes)
+    except ValueError as exc:
+        raise SystemExit(f"megatron_wlb.megatron.cpu: {exc}") from None
+    given = _flag_values(argv, "--vocab-size")
+    if given:
+        vocab = given[-1][0] if given[-1] else ""
+        if not vocab.isdigit() or top >= int(vocab):
+            raise SystemExit(f"megatron_wlb.megatron.cpu: --vocab-size {vocab}: {where} holds token id {top}; give "
+                             f"--vocab-size {top + 1} or more (or leave it out: the tiny GPT takes it from the data)")
+        return []
+    default = int(TINY_GPT_ARGS[TINY_GPT_ARGS.index("--vocab-size") + 1])
+    return [] if top < default else ["--vocab-size", str(top + 1)]
+
 
 #: Environment variables that give the layout, and their defaults.
 LAYOUT_VARIABLES = {"TP": 1, "CP": 1, "PP": 1, "VPP": 1, "DP": 1}
@@ -347,7 +390,8 @@ def pin_to_core(environ: Any = None) -> int | None:
 def main(argv: Sequence[str] | None = None) -> None:
     """Entry point: ``--write-corpus PREFIX``, or train: redirects, then the thin launcher or
     ``--pretrain-gpt PATH`` as ``__main__``. ``--tiny-gpt`` puts ``TINY_GPT_ARGS`` and the layout of
-    the environment (``layout_from_env``) before the given flags."""
+    the environment (``layout_from_env``) and a vocabulary covering the data (``tiny_gpt_vocab_flags``)
+    before the given flags."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--write-corpus"]:
         if len(argv) != 2:
@@ -369,12 +413,15 @@ def main(argv: Sequence[str] | None = None) -> None:
             _, layout_flags = layout_from_env()
         except ValueError as exc:
             raise SystemExit(f"megatron_wlb.megatron.cpu: {exc}") from None
-        argv = [*TINY_GPT_ARGS, *layout_flags, *argv[1:]]
+        argv = [*TINY_GPT_ARGS, *layout_flags, *tiny_gpt_vocab_flags(argv[1:]), *argv[1:]]
     elif "--distributed-backend" not in argv:
         argv = [*argv, "--distributed-backend", "gloo"]
     install_cpu_redirects()
     if script is not None:
+        from megatron_wlb.megatron.compat import spawn_children_import_this_module
+
         sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+        spawn_children_import_this_module(script)  # the torch_dist writer's children must not re-run the script
         install_megatron_redirects()
         sys.argv = [script, *argv]
         runpy.run_path(script, run_name="__main__")

@@ -21,7 +21,7 @@ import json
 import os
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -130,8 +130,10 @@ class WlbDataIterator(Iterator[RankMicroBatch]):
         self.stream = stream
         self.packer = packer
         self.dp_rank = int(dp_rank)
-        if not 0 <= self.dp_rank < packer.config.dp:
-            raise ValueError(f"dp_rank {dp_rank} is outside [0, {packer.config.dp}) of the packer's config")
+        #: the run's DP size: the packer's, unless a checkpoint planned for another one (``load_state_dict``)
+        self.dp_size = int(packer.config.dp)
+        if not 0 <= self.dp_rank < self.dp_size:
+            raise ValueError(f"dp_rank {dp_rank} is outside [0, {self.dp_size}) of the packer's config")
         self.on_batch = on_batch
         self.yielded = 0
         #: the micro-batch yielded last (what the step timing attributes a forward step to), and the
@@ -146,7 +148,8 @@ class WlbDataIterator(Iterator[RankMicroBatch]):
 
     @property
     def n(self) -> int:
-        return self.packer.config.n
+        """Micro-batches per DP rank per iteration (of this run's DP size)."""
+        return self.packer.config.micro_batches_per_iteration // self.dp_size
 
     def _next_batch(self) -> GlobalBatch:
         if self._batches is None:
@@ -155,7 +158,9 @@ class WlbDataIterator(Iterator[RankMicroBatch]):
             self._batches = self.packer.pack_source(self._source)
         batch = next(self._batches)  # StopIteration ends training data
         self.current = batch
-        self._mine = batch.for_dp_rank(self.dp_rank)
+        # this rank's share of the global plan: the packer's own deal, or (a checkpoint planned for another
+        # DP size at the same global batch) the same plan in its order, cut into dp_size equal shares
+        self._mine = batch.micro_batches[self.dp_rank * self.n:(self.dp_rank + 1) * self.n]
         self._cursor = 0
         if self.on_batch is not None:
             self.on_batch(batch)
@@ -245,12 +250,39 @@ class WlbDataIterator(Iterator[RankMicroBatch]):
             raise ValueError(f"this run's document stream does not start with the {position} documents the "
                              "checkpoint consumed; resume with the same data, split, seed and an equal or larger "
                              "--train-iters")
+        self._adopt_planned_layout(state["packer"].get("config") or {})
         self.packer.load_state_dict(state["packer"])
         self._source = source
         self._batches = None
         self.current = None
         self._mine = ()
         self._cursor = 0
+
+
+    def _adopt_planned_layout(self, saved: dict[str, Any]) -> None:
+        """Keep planning for the checkpoint's (dp, n) when this run has another DP size at the same global
+        batch (dp * n micro-batches per iteration): the packer then makes the plans the saved run would have,
+        and each rank takes its share of them. Another global batch is refused (``PlanLayoutError``)."""
+        config = self.packer.config
+        if "dp" not in saved or (int(saved["dp"]), int(saved["n"])) == (config.dp, config.n):
+            return
+        planned = int(saved["dp"]) * int(saved["n"])
+        if planned != config.micro_batches_per_iteration:
+            raise PlanLayoutError(int(saved["dp"]), int(saved["n"]), self.dp_size,
+                                  config.micro_batches_per_iteration // self.dp_size)
+        from megatron_wlb.packing import make_packer
+
+        self.packer = make_packer(self.packer.name, replace(config, dp=int(saved["dp"]), n=int(saved["n"])),
+                                  self.packer.cost)
+
+
+class PlanLayoutError(ValueError):
+    """A checkpoint's plans cannot continue on this run's layout: another number of micro-batches per iteration."""
+
+    def __init__(self, saved_dp: int, saved_n: int, dp: int, n: int):
+        self.saved_dp, self.saved_n, self.dp, self.n = saved_dp, saved_n, dp, n
+        super().__init__(f"the checkpoint planned {saved_dp * saved_n} micro-batches per iteration (DP {saved_dp} x "
+                         f"{saved_n}), this run {dp * n} (DP {dp} x {n}): its plans cannot be dealt to this layout")
 
 
 def _reader_key(described: dict[str, Any]) -> dict[str, Any]:

@@ -1,14 +1,18 @@
 """The Megatron-LM releases this adapter supports (those CI trains with), and the version check.
 
-Two ways in, each tested by running Megatron's own training loop (tests/test_megatron_train.py):
+Four ways in, each tested by running Megatron's own training loop (tests/test_megatron_train.py):
 
 - megatron-core **0.19.x** (0.19.2 on the package index ships ``megatron/training``): our launcher
   ``python -m megatron_wlb.megatron.launcher`` over ``megatron.training.pretrain``;
-- Megatron-LM **core_v0.16.1** (``PINNED_MEGATRON_COMMIT``), a checkout patched with ``patches/``:
+- a Megatron-LM **core_v0.19.0** checkout, patched with ``patches/core_v0.19.0``: its own ``pretrain_gpt.py``
+  (its model builders, MTP/ModelOpt hooks and loss) with our data and CP hooks;
+- a Megatron-LM **core_v0.16.1** checkout (``PINNED_MEGATRON_COMMIT``), patched with ``patches/core_v0.16.1``:
   its own ``pretrain_gpt.py`` (the megatron-core 0.16.1 wheel has no ``megatron/training``).
 
+- Megatron-LM **main** (core 0.20.0 at ``MAIN_COMMIT``), a checkout on ``PYTHONPATH``: our launcher.
+
 Releases 0.17 and 0.18 are not admitted: nothing trains with them in CI (0.18 changed the CP and
-batch functions the patch hooks, and the launcher is tested on 0.19 only).
+batch functions the patch hooks, and the launcher is tested on 0.19 and main only).
 """
 
 from __future__ import annotations
@@ -17,11 +21,21 @@ from packaging.version import InvalidVersion, Version
 
 PINNED_MEGATRON_COMMIT = "55ac7082517c3878ae653c07c09c534b8aed49f6"
 PINNED_MEGATRON_TAG = "core_v0.16.1"
+#: the Megatron-LM checkouts ``scripts/apply_patches.sh`` patches: tag -> commit (``patches/<tag>/PINNED_COMMIT``)
+PATCHED_CHECKOUTS = {PINNED_MEGATRON_TAG: PINNED_MEGATRON_COMMIT,
+                     "core_v0.19.0": "5be9626709af2722333bf54797c954c09edeada3"}
+#: Megatron-LM main as CI trains it (core 0.20.0, 2026-08-22): our launcher over the checkout
+MAIN_COMMIT = "d98e8a64ddf34856e74b24714e3bedb2f5a39553"
+#: series admitted only as a checkout (no wheel of it is trained, so pip's [megatron] extra does not install it)
+CHECKOUT_ONLY_SERIES = frozenset({(0, 20)})
 #: (major, minor) release series admitted, and how each is run
 SUPPORTED_SERIES = {(0, 16): f"a Megatron-LM checkout at {PINNED_MEGATRON_TAG}, patched (scripts/apply_patches.sh)",
-                    (0, 19): "the megatron-core 0.19 wheel with megatron_wlb.megatron.launcher"}
+                    (0, 19): "the megatron-core 0.19 wheel with megatron_wlb.megatron.launcher, or a Megatron-LM "
+                             "checkout at core_v0.19.0, patched (scripts/apply_patches.sh)",
+                    (0, 20): f"a Megatron-LM main checkout (trained at {MAIN_COMMIT[:12]}) on PYTHONPATH with "
+                             "megatron_wlb.megatron.launcher"}
 #: the release of each series that CI trains with
-TESTED_RELEASES = ("0.16.1", "0.19.2")
+TESTED_RELEASES = ("0.16.1", "0.19.2", "0.20.0")
 
 
 def _parse(version: str) -> Version:
@@ -61,5 +75,5 @@ def check_core_version(version: str | None = None) -> str:
     if not is_supported(version):
         ways = "; ".join(f"{major}.{minor}.x: {how}" for (major, minor), how in SUPPORTED_SERIES.items())
         raise RuntimeError(f"megatron-core {version} is not supported by megatron_wlb.megatron; supported: {ways} "
-                           f"(CI trains with {' and '.join(TESTED_RELEASES)})")
+                           f"(CI trains with {', '.join(TESTED_RELEASES)})")
     return version

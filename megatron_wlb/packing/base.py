@@ -15,6 +15,7 @@ would, which is how a Megatron checkpoint keeps the documents waiting in queues.
 from __future__ import annotations
 
 import dataclasses
+import re
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
@@ -332,10 +333,17 @@ def settings_fingerprint(config: PackingConfig, cost: CostModel | None) -> dict[
 
 
 def fingerprint_difference(saved: dict[str, Any], now: dict[str, Any]) -> str:
-    """'' when equal, else one line naming each differing setting: ``name: saved X, now Y``."""
+    """'' when equal, else one line naming each differing setting: ``name: saved X, now Y``.
+
+    The cost model's description names its layout; its DP size is left out of the comparison (a micro-batch
+    costs the same at any DP size, and ``cost_probe`` compares the latencies themselves), so the saved plans
+    can continue at another DP size (``megatron.data.WlbDataIterator``); ``dp`` and ``n`` are compared."""
+    def comparable(key: str, value: Any) -> Any:
+        return re.sub(r"-DP\d+", "", value) if key == "cost" and isinstance(value, str) else value
+
     keys = sorted(set(saved) | set(now))
     parts = [f"{k}: saved {saved.get(k, '<absent>')!r}, now {now.get(k, '<absent>')!r}"
-             for k in keys if saved.get(k, "<absent>") != now.get(k, "<absent>")]
+             for k in keys if comparable(k, saved.get(k, "<absent>")) != comparable(k, now.get(k, "<absent>"))]
     return "; ".join(parts)
 
 
