@@ -294,6 +294,14 @@ class WlbPacker(Packer):
                 if cfg.cut_policy != "none":
                     early = self._cut_early(early, forced + candidates, l1, per_token)
                 candidates.extend(early)
+        read_ahead = not final and cfg.fill_target > 0 and cfg.max_delay > 0  # max_delay 0: nothing may wait
+        if read_ahead:
+            # (h) the ordinary documents a full iteration needs are read before the placement, so they are
+            # placed with the rest, largest first (read after it, a long one could only land on top of an
+            # already balanced micro-batch)
+            have = sum(p.length for p in forced) + sum(p.length for p in candidates)
+            candidates.extend(self._read_ahead_ordinary(cfg.fill_target * cfg.tokens_per_iteration - have,
+                                                        waiting, l1))
         # Forced pieces first, in a pass of their own: one that fits nowhere whole is cut into the
         # micro-batches with most room *before* any newer piece can take that room, so the delay
         # bound holds whenever one iteration's intake fits in dp * n * max_seq_len.
@@ -315,7 +323,7 @@ class WlbPacker(Packer):
                     self._split_forced(p, bins, work, toks, cap, waiting)
                 else:
                     waiting.append(p)
-        if not final and cfg.fill_target > 0 and cfg.max_delay > 0:  # max_delay 0: nothing may wait
+        if read_ahead:
             self._read_ahead_fill(bins, work, toks, cap, waiting, l1)
         if not final and waiting and cfg.min_fill > 0:
             self._fill_guard(bins, work, toks, cap, waiting)
@@ -383,30 +391,44 @@ class WlbPacker(Packer):
         self._hist_tokens += np.bincount(bins_, weights=lens, minlength=HIST_BINS).astype(np.int64)
         self._hist_work += np.bincount(bins_, weights=piece_latency(self.cost, lens), minlength=HIST_BINS)
 
-    def _read_ahead_fill(self, bins: list[list[DocPiece]], work: list[float], toks: list[int], cap: int,
-                         waiting: list[DocPiece], l1: int) -> None:
-        """Full iterations (h): while the iteration holds less than ``fill_target`` x the token budget
-        (delayed outliers left room), read ordinary documents ahead from the stream and place them,
-        least-loaded micro-batch first. They arrive now (no delay); outliers read on the way join the
-        queues; the tokens read are credited against later budgets, so the stream rate is unchanged.
-        Stops at the target, at the end of the stream, or when a piece read fits nowhere (it waits).
-
-        The delay bound (b) holds as before: the pieces of this iteration's arrival that may wait
-        (queued outliers, pieces that fit nowhere) are kept within what one iteration holds
-        (``dp * n * max_seq_len``), so the iteration that forces them can take them."""
-        need = self.config.fill_target * self.config.tokens_per_iteration
+    def _read_ahead_ordinary(self, tokens: float, waiting: list[DocPiece], l1: int) -> list[DocPiece]:
+        """Full iterations (h): read documents ahead from the stream until their ordinary pieces (below
+        ``L_1``) hold ``tokens`` and return those to be placed; outliers read on the way join ``waiting``.
+        They arrive now (no delay); the tokens read are credited against later budgets, so the stream
+        rate is unchanged. The delay bound (b) holds as before: what this iteration's arrivals may leave
+        waiting (all it reads, at worst) is kept within what one iteration holds (``dp * n *
+        max_seq_len``), so the iteration that forces them can take them."""
         room = self.capacity * self.config.micro_batches_per_iteration - \
             sum(p.length for p in waiting if p.arrival == self.iteration)
-        while (have := sum(toks)) < need and room > 0:
-            new = self._read_ahead(int(need - have), room)
+        ordinary: list[DocPiece] = []
+        got = 0
+        while got < tokens and room > 0:
+            new = self._read_ahead(int(tokens - got), room)
             if not new:
-                return
+                break
             self._observe(new)
-            ordinary = sort_largest_first([p for p in new if p.length < l1])
-            outliers = [p for p in new if p.length >= l1]
-            waiting.extend(outliers)
-            room -= sum(p.length for p in outliers)  # a read never exceeds the room: all of it may wait
-            self.read_ahead_tokens += sum(p.length for p in new)
+            read = sum(p.length for p in new)
+            self.read_ahead_tokens += read
+            room -= read
+            for p in new:
+                if p.length >= l1:
+                    waiting.append(p)
+                else:
+                    ordinary.append(p)
+                    got += p.length
+        return ordinary
+
+    def _read_ahead_fill(self, bins: list[list[DocPiece]], work: list[float], toks: list[int], cap: int,
+                         waiting: list[DocPiece], l1: int) -> None:
+        """(h) after the placement: while the iteration is still short of ``fill_target`` x the token
+        budget (ordinary pieces read before it did not all fit, or outliers came with them), read more
+        ordinary documents and place them, least-loaded micro-batch first, until the target, the end of
+        the stream, or a piece that fits nowhere (it waits)."""
+        need = self.config.fill_target * self.config.tokens_per_iteration
+        while (have := sum(toks)) < need:
+            ordinary = sort_largest_first(self._read_ahead_ordinary(need - have, waiting, l1))
+            if not ordinary:
+                return
             lengths = [p.length for p in ordinary]
             where = place_greedy(lengths, piece_latency(self.cost, lengths).tolist(), work, toks, cap)
             for p, j in zip(ordinary, where):
@@ -414,7 +436,6 @@ class WlbPacker(Packer):
                     bins[j].append(p)
                 else:
                     waiting.append(p)
-                    room -= p.length
             if min(where, default=0) < 0:
                 return
 
