@@ -295,7 +295,8 @@ def test_apply_inside_the_pinned_training_code(tmp_path):
     # the data hook: our iterator for training (same first micro-batch as built directly), our valid
     # iterator over the valid split, Megatron's test loader where the test share (1/1000) holds no document
     hook = out["hook"]
-    assert hook["train"] == "WlbDataIterator" and hook["valid"] == "WlbDataIterator"
+    # (training reads through the prefetching wrapper, megatron/prefetch.py; validation reads it directly)
+    assert hook["train"] == "PrefetchingIterator" and hook["valid"] == "WlbDataIterator"
     assert hook["test"] == "megatron-test" and hook["same_as_direct"] and hook["registered"] == 1
     assert hook["logged"]
 
