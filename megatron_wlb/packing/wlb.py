@@ -310,19 +310,9 @@ class WlbPacker(Packer):
         work = [0.0] * m
         toks = [0] * m
         bins: list[list[DocPiece]] = [[] for _ in range(m)]
-        for group, is_forced in ((forced, True), (candidates, False)):
-            if not group:
-                continue
-            lengths = [p.length for p in group]
-            weights = piece_latency(self.cost, lengths).tolist()
-            where = place_greedy(lengths, weights, work, toks, cap)
-            for p, j in zip(group, where):
-                if j >= 0:
-                    bins[j].append(p)
-                elif is_forced:
-                    self._split_forced(p, bins, work, toks, cap, waiting)
-                else:
-                    waiting.append(p)
+        for p in self._place(forced, bins, work, toks, cap):
+            self._split_forced(p, bins, work, toks, cap, waiting)
+        waiting.extend(self._place(candidates, bins, work, toks, cap))
         if read_ahead:
             self._read_ahead_fill(bins, work, toks, cap, waiting, l1)
         if not final and waiting and cfg.min_fill > 0:
@@ -391,6 +381,22 @@ class WlbPacker(Packer):
         self._hist_tokens += np.bincount(bins_, weights=lens, minlength=HIST_BINS).astype(np.int64)
         self._hist_work += np.bincount(bins_, weights=piece_latency(self.cost, lens), minlength=HIST_BINS)
 
+    def _place(self, pieces: list[DocPiece], bins: list[list[DocPiece]], work: list[float], toks: list[int],
+               cap: int) -> list[DocPiece]:
+        """Place ``pieces`` in order, each into the micro-batch of least work with room (``place_greedy``;
+        ``bins``, ``work`` and ``toks`` updated); returns the pieces that fit nowhere, in order."""
+        if not pieces:
+            return []
+        lengths = [p.length for p in pieces]
+        where = place_greedy(lengths, piece_latency(self.cost, lengths).tolist(), work, toks, cap)
+        unplaced = []
+        for p, j in zip(pieces, where):
+            if j >= 0:
+                bins[j].append(p)
+            else:
+                unplaced.append(p)
+        return unplaced
+
     def _read_ahead_ordinary(self, tokens: float, waiting: list[DocPiece], l1: int) -> list[DocPiece]:
         """Full iterations (h): read documents ahead from the stream until their ordinary pieces (below
         ``L_1``) hold ``tokens`` and return those to be placed; outliers read on the way join ``waiting``.
@@ -429,14 +435,9 @@ class WlbPacker(Packer):
             ordinary = sort_largest_first(self._read_ahead_ordinary(need - have, waiting, l1))
             if not ordinary:
                 return
-            lengths = [p.length for p in ordinary]
-            where = place_greedy(lengths, piece_latency(self.cost, lengths).tolist(), work, toks, cap)
-            for p, j in zip(ordinary, where):
-                if j >= 0:
-                    bins[j].append(p)
-                else:
-                    waiting.append(p)
-            if min(where, default=0) < 0:
+            unplaced = self._place(ordinary, bins, work, toks, cap)
+            if unplaced:
+                waiting.extend(unplaced)
                 return
 
     def _closable(self, lengths: list[int], per_token: float) -> bool:
@@ -617,12 +618,8 @@ class WlbPacker(Packer):
         for doc_pieces in docs.values():
             if sum(toks) >= need:
                 break
-            lengths = [p.length for p in doc_pieces]
-            where = place_greedy(lengths, piece_latency(self.cost, lengths).tolist(), work, toks, cap)
-            for p, j in zip(doc_pieces, where):
-                if j >= 0:
-                    bins[j].append(p)
-                    placed.add(p)
+            unplaced = self._place(doc_pieces, bins, work, toks, cap)
+            placed.update(p for p in doc_pieces if p not in unplaced)
         self.fill_releases += len(placed)
         waiting[:] = [p for p in waiting if p not in placed]
 
