@@ -105,13 +105,28 @@ class Packer(ABC):
         #: during ``_plan``: read documents worth at least ``tokens`` more from the stream, at most
         #: ``limit`` (they arrive this iteration; credited against later budgets); [] at the end
         self._read_ahead: Callable[[int, int], list[DocPiece]] = _nothing_to_read
+        self._latency_table: np.ndarray | None = None  # ``latency`` of every length up to capacity
 
     def set_cost(self, cost: CostModel, state: dict[str, Any]) -> None:
         """Balance ``cost`` from the next plan on (the online refit); ``state`` rebuilds it on resume
         (``costmodel.cost_model_from_state`` over the configured model), so a resumed packer plans with
         the cost model the saved one had. Work statistics kept in the old model's seconds are rescaled."""
         old, self.cost, self._refit = self.cost, cost, state
+        self._latency_table = None
         self._cost_changed(old)
+
+    def latency(self, lengths: np.ndarray | Sequence[int]) -> np.ndarray:
+        """``piece_latency`` under this packer's cost model, looked up in a table of every length up to
+        the capacity (built on first use, per cost model): the planning loops price the same lengths
+        many times, and one lookup costs less than one pass through the cost model's arithmetic.
+        Elementwise the same numbers as ``piece_latency`` (tested)."""
+        d = np.asarray(lengths, dtype=np.int64)
+        table = self._latency_table
+        if table is None:
+            table = self._latency_table = piece_latency(self.cost, np.arange(self.capacity + 1))
+        if d.size and (int(d.max()) >= table.size or int(d.min()) < 0):
+            return piece_latency(self.cost, d)  # beyond the table (an oversize piece), or invalid: the model says
+        return table[d]
 
     def _cost_changed(self, old: CostModel | None) -> None:  # noqa: B027 - a hook: most packers keep no such state
         """Hook: bring state kept in the old cost model's units over to ``self.cost``."""

@@ -99,7 +99,7 @@ class FixedWindowPacker(Packer):
         """Greedy plan: carried pieces first (oldest first), then new ones by workload, descending."""
         pieces = placement_order(carried, new)
         lengths = [p.length for p in pieces]
-        weights = piece_latency(self.cost, lengths).tolist() if pieces else []
+        weights = self.latency(lengths).tolist() if pieces else []
         where = place_greedy(lengths, weights, [0.0] * bins, [0] * bins, self.config.seq_len)
         out: list[list[DocPiece]] = [[] for _ in range(bins)]
         left: list[DocPiece] = []

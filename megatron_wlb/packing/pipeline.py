@@ -82,6 +82,19 @@ class ScheduleTimer:
             end[k] = (ea if ea > eb else eb) + dur[d]
         return max(end[i] for i in self._ends)
 
+    def makespans(self, fwd: np.ndarray, bwd: np.ndarray) -> np.ndarray:
+        """``makespan`` of many orders at once: row r of ``fwd``/``bwd`` is one order's stage times.
+        The same float operations in the same sequence, so each entry equals ``makespan`` of that row
+        bit for bit; one numpy step per operation instead of one Python loop per order."""
+        v = self.virtual_stages
+        dur = np.concatenate([fwd, bwd], axis=1).T
+        if v > 1:
+            dur = dur / v
+        end = np.zeros((len(self._ops) + 1, dur.shape[1]))  # end[-1] stays 0: "no predecessor"
+        for k, (d, a, b) in enumerate(self._ops):
+            np.add(np.maximum(end[a], end[b]), dur[d], out=end[k])
+        return end[self._ends].max(axis=0)
+
 
 @lru_cache(maxsize=64)
 def schedule_timer(stages: int, micro_batches: int, virtual_stages: int = 1) -> ScheduleTimer:
@@ -141,11 +154,13 @@ def best_order(members: Sequence[int], fwd: Sequence[float], bwd: Sequence[float
 
     members = list(members)
     if len(members) <= EXHAUSTIVE_MAX_N:
+        orders = np.asarray(members, dtype=np.int64)[_permutations(len(members))]
+        costs = timer.makespans(np.asarray(fwd, dtype=np.float64)[orders],
+                                np.asarray(bwd, dtype=np.float64)[orders]).tolist()
         best, best_cost = members, cost(members)
-        for o in itertools.permutations(members):
-            c = cost(o)
+        for k, c in enumerate(costs):  # the first strict improvement over the running best, as before
             if c < best_cost * (1 - 1e-12):
-                best, best_cost = list(o), c
+                best, best_cost = orders[k].tolist(), c
         return best
     order = fixed_order(totals, members)
     if len(members) <= SEARCH_MAX_N:
@@ -153,6 +168,12 @@ def best_order(members: Sequence[int], fwd: Sequence[float], bwd: Sequence[float
     else:
         c = cost(order)
     return order if c < cost(members) * (1 - 1e-12) else members
+
+
+@lru_cache(maxsize=8)
+def _permutations(n: int) -> np.ndarray:
+    """Every order of ``n`` positions, in ``itertools.permutations`` order (rows)."""
+    return np.asarray(list(itertools.permutations(range(n))), dtype=np.int64).reshape(-1, n)
 
 
 def deal_and_order(fwd: Sequence[float], bwd: Sequence[float], dp: int, n: int, stages: int,

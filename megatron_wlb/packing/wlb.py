@@ -187,11 +187,12 @@ class WlbPacker(Packer):
     def _cost_changed(self, old: CostModel | None) -> None:
         """Rescale the per-bin work (kept in the old model's seconds) to the new cost model, each bin at
         its mean length: exact for a bin of one length, and a bin spans a 2**(1/HIST_PER_OCTAVE) ratio."""
+        self._grid_w = self.latency(self._grid)  # L_1's search grid, in the new model's seconds
         used = self._hist > 0
         if not used.any():
             return
         mean = np.maximum(1, np.rint(self._hist_tokens[used] / self._hist[used])).astype(np.int64)
-        before, after = piece_latency(old, mean), piece_latency(self.cost, mean)
+        before, after = piece_latency(old, mean), self.latency(mean)
         self._hist_work[used] *= np.where(before > 0, after / np.where(before > 0, before, 1.0), 0.0)
 
     def _ordinary_work_per_token(self, limit: int) -> float:
@@ -344,12 +345,12 @@ class WlbPacker(Packer):
         big = np.sort(np.asarray([p.length for p in placed if p.length >= l1], dtype=np.int64))[::-1]
         in_hand = sum(p.length for p in placed if p.length < l1)
         bw, bt = np.zeros(m), np.zeros(m, dtype=np.int64)
-        for d, x in zip(big.tolist(), piece_latency(self.cost, big).tolist()):
+        for d, x in zip(big.tolist(), self.latency(big).tolist()):
             j = int(np.argmin(bw))
             bw[j] += x
             bt[j] += d
         outlier_tokens = int(big.sum())
-        weights = piece_latency(self.cost, [p.length for p in queued]).tolist()
+        weights = self.latency([p.length for p in queued]).tolist()
         out: list[DocPiece] = []
         for p, x in zip(queued, weights):
             j = int(np.argmin(bw))
@@ -379,7 +380,7 @@ class WlbPacker(Packer):
         bins_ = _hist_bin(lens)
         self._hist += np.bincount(bins_, minlength=HIST_BINS)
         self._hist_tokens += np.bincount(bins_, weights=lens, minlength=HIST_BINS).astype(np.int64)
-        self._hist_work += np.bincount(bins_, weights=piece_latency(self.cost, lens), minlength=HIST_BINS)
+        self._hist_work += np.bincount(bins_, weights=self.latency(lens), minlength=HIST_BINS)
 
     def _place(self, pieces: list[DocPiece], bins: list[list[DocPiece]], work: list[float], toks: list[int],
                cap: int) -> list[DocPiece]:
@@ -388,7 +389,7 @@ class WlbPacker(Packer):
         if not pieces:
             return []
         lengths = [p.length for p in pieces]
-        where = place_greedy(lengths, piece_latency(self.cost, lengths).tolist(), work, toks, cap)
+        where = place_greedy(lengths, self.latency(lengths).tolist(), work, toks, cap)
         unplaced = []
         for p, j in zip(pieces, where):
             if j >= 0:
@@ -454,7 +455,7 @@ class WlbPacker(Packer):
         d = np.zeros(m, dtype=np.int64)
         d[:k] = lengths
         w = np.zeros(m)
-        w[:k] = piece_latency(self.cost, d[:k])
+        w[:k] = self.latency(d[:k])
         ordinary = max(0, self.config.tokens_per_iteration - int(d.sum()))
         mean = (float(w.sum()) + per_token * ordinary) / m
         return bool(w.max() <= mean * (1 + CLOSE_TOLERANCE) and
@@ -526,7 +527,7 @@ class WlbPacker(Packer):
             return True
         order = np.argsort(-np.asarray(lengths, dtype=np.int64), kind="stable")
         lens = np.asarray(lengths, dtype=np.int64)[order]
-        w = piece_latency(self.cost, lens)
+        w = self.latency(lens)
         bw = np.zeros(m)
         bt = np.zeros(m, dtype=np.int64)
         for d, x in zip(lens.tolist(), w.tolist()):
@@ -655,7 +656,7 @@ class WlbPacker(Packer):
             take = min(room, left)
             bins[j].append(DocPiece(p.doc_id, off, take, p.arrival))
             toks[j] += take
-            work[j] += float(piece_latency(self.cost, [take])[0])
+            work[j] += float(self.latency([take])[0])
             off += take
             left -= take
         self.forced_splits += 1
