@@ -137,12 +137,17 @@ def _delay_fill(r: dict | None) -> str:
     return "" if r is None else f"{r['mean_delay']:.2f} / {r['fill_p5']:.2f}"
 
 
+def _ratio(x: float | None) -> str:
+    return "" if x is None else f"{x:.3f}"
+
+
 def summary_table(result: dict) -> str:
     """The README table: slowest-rank 1F1B time / balanced per stream and DP; mean delay and the 5th
     percentile of tokens per iteration / budget of the default wlb and the balanced concat-and-cut."""
-    head = "| stream | DP | " + " | ".join(c for c, _ in SUMMARY_COLUMNS) + \
-        " | wlb delay / fill p5 | balanced c&c delay / fill p5 |"
-    lines = [head, "|---|---|" + "---|" * len(SUMMARY_COLUMNS) + "---|---|"]
+    columns = [c for c, _ in SUMMARY_COLUMNS]
+    columns.insert(columns.index("**wlb (default)**") + 1, "its whole-document floor")
+    head = "| stream | DP | " + " | ".join(columns) + " | wlb delay / fill p5 | balanced c&c delay / fill p5 |"
+    lines = [head, "|---|---|" + "---|" * len(columns) + "---|---|"]
     for t in sorted(result["tables"], key=lambda t: (t["dp"], STREAMS.index(t["stream"]) if t["stream"] in STREAMS
                                                       else 99)):
         by = {r["label"]: r for r in t["rows"]}
@@ -151,7 +156,10 @@ def summary_table(result: dict) -> str:
             r = by.get(label)
             v = "" if r is None else f"{r['schedule_ratio']:.3f}"
             cells.append(f"**{v}**" if col.startswith("**") and v else v)
-        tail = f"{_delay_fill(by.get('wlb, max_delay 8'))} | {_delay_fill(by.get(CUT_WLB))}"
+        default = by.get("wlb, max_delay 8")
+        cells.insert([c for c, _ in SUMMARY_COLUMNS].index("**wlb (default)**") + 1,
+                     "" if default is None else _ratio(default.get("schedule_floor")))
+        tail = f"{_delay_fill(default)} | {_delay_fill(by.get(CUT_WLB))}"
         lines.append(f"| {t['stream']} | {t['dp']} | " + " | ".join(cells) + f" | {tail} |")
     return "\n".join(lines) + "\n"
 
@@ -173,7 +181,10 @@ def to_markdown(result: dict) -> str:
              "(per DP rank); global = max / mean over all DP x N micro-batches; delay = mean iterations per "
              "token; fill = an iteration's tokens / (DP x N x seq_len) (min and percentiles over the "
              "iterations); pairs / token = causal attention (query, key) pairs per token of the plan's pieces "
-             "(the attention work; equal for every row that trains concat-and-cut's pieces); plan = ms per "
+             "(the attention work; equal for every row that trains concat-and-cut's pieces); whole-piece floor = the "
+             "schedule of the best balance the row's own pieces allow while each stays whole (water-filling: a piece "
+             "heavier than the level alone, the rest shared evenly; `metrics.whole_piece_floor_time`): a row at its "
+             "floor loses nothing to packing, only to pieces no micro-batch can match; plan = ms per "
              "global batch (CPU time).", "", "Summary (schedule = slowest rank's 1F1B time / balanced; "
              "max_delay 8; c&c = concat-and-cut's own pieces, `pieces: concat-and-cut`):", "",
              summary_table(result), "![frontier](../img/packing_frontier.png)", ""]
@@ -182,10 +193,11 @@ def to_markdown(result: dict) -> str:
                   f"{t['max_seq_len']})", "",
                   f"{t['documents']} documents" + (f", stream repeated up to {t['repeats']}x (seeded shuffles)"
                                                    if t["repeats"] > 1 else "") + ".", "",
-                  "| method | schedule | worst iter | imbalance | global | mean delay | max delay | "
-                  "fill min / p5 / p50 / p95 | pairs / token | plan ms |", "|---|---|---|---|---|---|---|---|---|---|"]
+                  "| method | schedule | whole-piece floor | worst iter | imbalance | global | mean delay | max delay | "
+                  "fill min / p5 / p50 / p95 | pairs / token | plan ms |", "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in t["rows"]:
-            lines.append(f"| {r['label']} | {r['schedule_ratio']:.3f} | {r['schedule_ratio_max']:.2f} | "
+            lines.append(f"| {r['label']} | {r['schedule_ratio']:.3f} | {_ratio(r.get('schedule_floor'))} | "
+                         f"{r['schedule_ratio_max']:.2f} | "
                          f"{r['imbalance']:.3f} | {r['imbalance_global']:.3f} | {r['mean_delay']:.2f} | "
                          f"{r['max_delay']} | {r['min_fill']:.2f} / {r['fill_p5']:.2f} / {r['fill_p50']:.2f} / "
                          f"{r['fill_p95']:.2f} | {r['pairs_per_token']:,.0f} | {r['plan_cpu_ms_mean']:.2f} |")

@@ -240,3 +240,72 @@ def test_cut_policy_cuts_what_the_fill_rule_releases_into_an_unbalanced_iteratio
     else:
         assert set(lonely) == {1}  # documents within S_max are cut only by "any"
         assert max(ratios) > 3
+
+
+@pytest.mark.parametrize("p, m, v", [(4, 4, 1), (4, 3, 1), (2, 6, 3), (8, 16, 1)])
+def test_batched_makespans_equal_the_scalar_timer_bit_for_bit(p, m, v):
+    """``makespans`` (the exhaustive order search's one vectorised pass) gives exactly ``makespan``
+    per row, so the orders it picks, and the plans, are the scalar loop's."""
+    rng = np.random.default_rng(p + m + v)
+    timer = ScheduleTimer(p, m, v)
+    f = rng.pareto(1.5, size=(30, m)) + 0.1
+    b = f * rng.uniform(1.5, 3.0, size=(30, m))
+    got = timer.makespans(f, b)
+    assert got.tolist() == [timer.makespan(f[r].tolist(), b[r].tolist()) for r in range(30)]
+
+
+def test_packer_latency_table_equals_the_cost_model():
+    """The packer's latency lookup gives the cost model's numbers, inside the table and beyond it."""
+    run = load_config("7b_128k")
+    cost = build_cost_model(run.model, run.layout)
+    packer = make_packer("wlb", run.packing, cost)
+    probe = np.array([0, 1, 2, 4095, 131072, packer.capacity, packer.capacity + 1, 10 * packer.capacity])
+    from megatron_wlb.packing.metrics import piece_latency
+    assert packer.latency(probe).tolist() == piece_latency(cost, probe).tolist()
+    assert packer.latency([]).size == 0
+    other = build_cost_model(run.model, dataclasses.replace(run.layout, tp=run.layout.tp * 2))
+    packer.set_cost(other, {})
+    assert packer.latency(probe).tolist() == piece_latency(other, probe).tolist()  # the table follows the model
+
+
+def test_whole_piece_floor():
+    """The floor equals the balanced schedule when no piece outweighs the mean; a dominant piece sits
+    alone at its own latency and the rest share evenly, and no arrangement of the real micro-batches
+    with that piece whole beats it."""
+    from megatron_wlb.packing.metrics import balanced_schedule_time, whole_piece_floor_time
+
+    even = GlobalBatch(0, tuple(MicroBatch((DocPiece(i, 0, 100, 0),), 1000) for i in range(4)), 1, 4)
+    assert whole_piece_floor_time(None, even) == pytest.approx(balanced_schedule_time(None, even), rel=1e-12)
+    big = [MicroBatch((DocPiece(0, 0, 900, 0),), 1000)] + \
+        [MicroBatch(tuple(DocPiece(10 * j + k, 0, 100, 0) for k in range(3)), 1000) for j in range(1, 4)]
+    batch = GlobalBatch(0, tuple(big), 1, 4)
+    floor = whole_piece_floor_time(None, batch)
+    assert floor > balanced_schedule_time(None, batch) * 1.2  # 900**2 dwarfs the mean
+    timer = ScheduleTimer(4, 4)
+    w = [900.0 ** 2] + [3 * 100.0 ** 2] * 3
+    best = min(timer.makespan([w[i] / 3 for i in o], [2 * w[i] / 3 for i in o]) for o in itertools.permutations(range(4)))
+    assert floor == pytest.approx(best, rel=1e-12)  # the real plan already is the floor here
+    m = summarize([batch], None, 1000)
+    assert m.schedule_floor == pytest.approx(floor / balanced_schedule_time(None, batch), rel=1e-12)
+    assert m.schedule_ratio >= m.schedule_floor * (1 - 1e-12)
+
+
+def test_outlier_threshold_follows_a_refitted_cost_model():
+    """After ``set_cost`` the auto L_1 is the one a packer built with the new model derives from the
+    same stream (one length per histogram bin: the work rescale is exact), not the old model's."""
+    run = load_config("7b_128k")
+    old = build_cost_model(run.model, run.layout)
+    new = build_cost_model(run.model, dataclasses.replace(run.layout, cp=run.layout.cp * 4))
+    cfg = dataclasses.replace(run.packing, max_delay=4)
+    lengths = np.tile(np.array([700, 3000, 9000, 20000, 70000, 150000], dtype=np.int64), 300)
+    refit = make_packer("wlb", cfg, old)
+    plans = refit.pack(lengths)
+    for _ in range(6):
+        next(plans)
+    fresh = make_packer("wlb", cfg, new)
+    plans_fresh = fresh.pack(lengths)
+    for _ in range(6):
+        next(plans_fresh)
+    assert refit.thresholds() != fresh.thresholds()  # the two models disagree on what is an outlier
+    refit.set_cost(new, {})
+    assert refit.thresholds() == fresh.thresholds()

@@ -172,6 +172,10 @@ METRIC_LEGEND: dict[str, tuple[str, str]] = {
                                               "micro-batch at the mean, summed over iterations (what the job "
                                               "waits for), under the schedule named above"),
     "schedule_ratio_max": ("ratio, 1 = balanced", "the worst iteration of schedule_ratio"),
+    "schedule_floor": ("ratio, 1 = balanced", "schedule_ratio of the best balance the plan's own pieces allow "
+                                              "while each stays whole: schedule_ratio - schedule_floor is what "
+                                              "packing loses; schedule_floor - 1 belongs to pieces heavier than "
+                                              "a balanced micro-batch (only cutting them removes it)"),
     "min_fill": ("fraction of the budget", "the emptiest iteration's tokens / budget, over every iteration "
                                            "packed, including the last ones that drain the packer after the "
                                            "stream ends; the README's 'min fill >= 0.50' is over iterations "

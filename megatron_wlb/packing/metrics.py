@@ -143,6 +143,10 @@ class PackingMetrics:
     #: causal attention (query, key) pairs per token, sum of d (d + 1) / 2 over pieces / tokens: the
     #: attention work the plan's pieces imply (equal for plans of the same pieces)
     pairs_per_token: float = float("nan")
+    #: the whole-piece floor: ``schedule_ratio`` of the best balance the iterations' pieces allow while
+    #: each stays whole (``whole_piece_floor_time``); what schedule_ratio loses above it is the packer's,
+    #: what the floor itself is above 1 belongs to pieces no micro-batch can match (cutting removes it)
+    schedule_floor: float = float("nan")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -157,7 +161,7 @@ def summarize(batches: Sequence[GlobalBatch], cost: CostModel | None, seq_len: i
     if not batches:
         raise ValueError("summarize needs at least one global batch")
     per_rank, per_rank_fwd, glob = [], [], []
-    slowest, balanced = [], []
+    slowest, balanced, floor = [], [], []
     cap = tokens = 0
     for b in batches:
         lat = batch_latencies(cost, b)
@@ -168,6 +172,7 @@ def summarize(batches: Sequence[GlobalBatch], cost: CostModel | None, seq_len: i
             worst, ideal = slowest_rank_schedule_time(cost, b, stages, virtual_stages)
             slowest.append(worst)
             balanced.append(ideal)
+            floor.append(whole_piece_floor_time(cost, b, stages, virtual_stages))
         cap += sum(mb.capacity for mb in b.micro_batches)
         tokens += b.tokens
     pr = np.asarray(per_rank, dtype=np.float64)
@@ -205,6 +210,7 @@ def summarize(batches: Sequence[GlobalBatch], cost: CostModel | None, seq_len: i
         fill_p95=float(np.percentile(fills, 95)),
         pairs_per_token=float(sum(float((mb.lengths * (mb.lengths + 1)).sum()) / 2
                                   for b in batches for mb in b.micro_batches) / max(1, tokens)),
+        schedule_floor=float(np.sum(floor) / np.sum(balanced)) if slowest else float("nan"),
     )
 
 
@@ -257,3 +263,38 @@ def slowest_rank_schedule_time(cost: CostModel | None, batch: GlobalBatch, stage
     waits for and its ideal; the Megatron adapter logs their ratio as ``wlb/schedule_ratio``."""
     return float(schedule_times(cost, batch, stages, virtual_stages).max()), \
         balanced_schedule_time(cost, batch, stages, virtual_stages)
+
+
+def whole_piece_floor_time(cost: CostModel | None, batch: GlobalBatch, stages: int | None = None,
+                           virtual_stages: int = 1) -> float:
+    """The schedule time of the best balance this iteration's pieces allow while each stays whole.
+
+    Water-filling over the ``dp * n`` micro-batches: a piece heavier than the level sits alone at its
+    own latency, the others share the rest evenly (ignoring capacity, so no plan of these pieces is
+    better balanced); dealt to ranks and ordered by ``pipeline.deal_and_order``, then played through
+    the simulator like ``schedule_times``. Equals the balanced time when no piece outweighs the mean.
+    """
+    from megatron_wlb.packing.pipeline import deal_and_order
+    from megatron_wlb.sim.schedule import simulate_pipeline
+
+    p = batch.n if stages is None else stages
+    m = batch.dp * batch.n
+    lengths = np.concatenate([mb.lengths for mb in batch.micro_batches]) if m else np.zeros(0, np.int64)
+    lat = piece_latency(cost, lengths)
+    fwd_piece = lat / 3.0 if cost is None else piece_forward(cost, lengths)
+    order = np.argsort(-lat, kind="stable")
+    lat, fwd_piece = lat[order], fwd_piece[order]
+    total, total_fwd = float(lat.sum()), float(fwd_piece.sum())
+    alone = 0
+    while alone < min(m - 1, lat.size) and lat[alone] > (total - float(lat[:alone].sum())) / (m - alone):
+        alone += 1
+    shared = m - alone
+    level = (total - float(lat[:alone].sum())) / shared
+    level_fwd = (total_fwd - float(fwd_piece[:alone].sum())) / shared
+    latency = np.concatenate([lat[:alone], np.full(shared, level)])
+    forward = np.concatenate([fwd_piece[:alone], np.full(shared, level_fwd)])
+    fwd, bwd = microbatch_seconds(cost, latency, None if cost is None else forward)
+    perm = deal_and_order(fwd.tolist(), bwd.tolist(), batch.dp, batch.n, p, virtual_stages)
+    fwd, bwd = fwd[perm].reshape(batch.dp, batch.n), bwd[perm].reshape(batch.dp, batch.n)
+    return max(simulate_pipeline(np.broadcast_to(fwd[r], (p, batch.n)), np.broadcast_to(bwd[r], (p, batch.n)),
+                                 virtual_stages=virtual_stages, keep_events=False).makespan for r in range(batch.dp))
