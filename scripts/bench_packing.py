@@ -193,8 +193,8 @@ def to_markdown(result: dict) -> str:
                   f"{t['max_seq_len']})", "",
                   f"{t['documents']} documents" + (f", stream repeated up to {t['repeats']}x (seeded shuffles)"
                                                    if t["repeats"] > 1 else "") + ".", "",
-                  "| method | schedule | whole-piece floor | worst iter | imbalance | global | mean delay | max delay | "
-                  "fill min / p5 / p50 / p95 | pairs / token | plan ms |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "| method | schedule | whole-piece floor | worst iter | imbalance | global | mean delay | "
+                  "max delay | fill min / p5 / p50 / p95 | pairs / token | plan ms |", "|---" * 11 + "|"]
         for r in t["rows"]:
             lines.append(f"| {r['label']} | {r['schedule_ratio']:.3f} | {_ratio(r.get('schedule_floor'))} | "
                          f"{r['schedule_ratio_max']:.2f} | "

@@ -283,7 +283,8 @@ def test_whole_piece_floor():
     assert floor > balanced_schedule_time(None, batch) * 1.2  # 900**2 dwarfs the mean
     timer = ScheduleTimer(4, 4)
     w = [900.0 ** 2] + [3 * 100.0 ** 2] * 3
-    best = min(timer.makespan([w[i] / 3 for i in o], [2 * w[i] / 3 for i in o]) for o in itertools.permutations(range(4)))
+    best = min(timer.makespan([w[i] / 3 for i in o], [2 * w[i] / 3 for i in o])
+               for o in itertools.permutations(range(4)))
     assert floor == pytest.approx(best, rel=1e-12)  # the real plan already is the floor here
     m = summarize([batch], None, 1000)
     assert m.schedule_floor == pytest.approx(floor / balanced_schedule_time(None, batch), rel=1e-12)

@@ -170,7 +170,9 @@ class PackingConfig:
     release_when_balanced: bool = True
     #: wlb: every iteration trains at least this fraction of the token budget while the stream lasts:
     #: when delayed outliers leave room, ordinary documents are read ahead from the stream to fill it
-    #: (they arrive at once, so no delay; later budgets read that much less); 0 = off
+    #: (they arrive at once, so no delay; later budgets read that much less); where that runs out of room
+    #: for the outliers it would queue, waiting pieces are released early to reach it and the iteration
+    #: is placed again; 0 = off
     fill_target: float = 0.95
     #: fixed-solver: HiGHS branch-and-bound nodes per window (0 = root node only); deterministic
     solver_nodes: int = 0

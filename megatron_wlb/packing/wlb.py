@@ -47,7 +47,10 @@ Extensions beyond the paper (docs/packing.md has the measurements):
     it waits, within the delay bound.
 (f) ``min_fill``: while pieces wait, every iteration holds at least ``min_fill`` x the token
     budget unless no waiting piece fits: the intake reads that much even while repaying an
-    overshoot, and waiting pieces are released early, shortest first.
+    overshoot, and waiting pieces are released early, shortest first. With the read-ahead fill (h)
+    on, the guard tops up to ``fill_target`` instead, from the waiting pieces, when the read-ahead
+    stopped for lack of room for the outliers it would queue, and then places the whole iteration
+    again so the released pieces are balanced with the rest (``_fill_guard``).
 (g) ``cut_policy`` (opt-in): a forced outlier whose group cannot be balanced is cut into the
     fewest pieces that can ("overlong": only pieces of documents longer than S_max; "any"), and
     so are the outliers the fill rule (f) releases early into an iteration whose ordinary
@@ -317,7 +320,7 @@ class WlbPacker(Packer):
         if read_ahead:
             self._read_ahead_fill(bins, work, toks, cap, waiting, l1)
         if not final and waiting and cfg.min_fill > 0:
-            self._fill_guard(bins, work, toks, cap, waiting)
+            self._fill_guard(bins, work, toks, cap, waiting, forced, full=read_ahead)
         waiting.sort(key=oldest_first_key)
         self._waiting = waiting
         if self._overlong_docs:
@@ -604,11 +607,16 @@ class WlbPacker(Packer):
         return out
 
     def _fill_guard(self, bins: list[list[DocPiece]], work: list[float], toks: list[int], cap: int,
-                    waiting: list[DocPiece]) -> None:
+                    waiting: list[DocPiece], forced: list[DocPiece], full: bool) -> None:
         """No near-empty iterations: while pieces wait, place waiting ones (oldest first, all the
         waiting pieces of a document together) until the iteration holds ``min_fill`` x the token
-        budget or nothing more fits. ``waiting`` is updated in place."""
-        need = self.config.min_fill * self.config.tokens_per_iteration
+        budget, or ``fill_target`` x when ``full`` (the read-ahead fill (h) is on and ran out of room
+        for the outliers it would queue), or nothing more fits. The iteration is then placed again from
+        scratch, forced pieces first, the rest largest first, so the released pieces are balanced with
+        the others rather than stacked on already balanced micro-batches (kept only if every piece fits
+        again). ``bins``, ``work``, ``toks`` and ``waiting`` are updated in place."""
+        cfg = self.config
+        need = max(cfg.min_fill, cfg.fill_target if full else 0.0) * cfg.tokens_per_iteration
         if sum(toks) >= need:
             return
         waiting.sort(key=oldest_first_key)
@@ -620,9 +628,36 @@ class WlbPacker(Packer):
             if sum(toks) >= need:
                 break
             unplaced = self._place(doc_pieces, bins, work, toks, cap)
+            if unplaced and full and self._replace_all(bins, work, toks, cap, forced, unplaced, balanced=True):
+                unplaced = []  # fits once the iteration is placed again with it
             placed.update(p for p in doc_pieces if p not in unplaced)
         self.fill_releases += len(placed)
         waiting[:] = [p for p in waiting if p not in placed]
+        if placed and full:
+            self._replace_all(bins, work, toks, cap, forced)
+
+    def _replace_all(self, bins: list[list[DocPiece]], work: list[float], toks: list[int], cap: int,
+                     forced: list[DocPiece], extra: list[DocPiece] | None = None, balanced: bool = False) -> bool:
+        """Place the iteration's pieces (and ``extra``) again from empty micro-batches: forced first
+        (the delay bound's pass), then the rest, each largest first. Adopted, returning True, only if
+        every piece fits, so nothing that was placed waits (a forced piece split to fit stays split),
+        and, with ``balanced``, only if the heaviest micro-batch is no heavier than before or within
+        ``CLOSE_TOLERANCE`` of the new mean (an extra piece must not unbalance the iteration)."""
+        first = set(forced)
+        pieces = [p for b in bins for p in b] + list(extra or ())
+        m = len(bins)
+        new_bins: list[list[DocPiece]] = [[] for _ in range(m)]
+        new_work, new_toks = [0.0] * m, [0] * m
+        left = self._place(sort_largest_first([p for p in pieces if p in first]), new_bins, new_work, new_toks, cap)
+        if not left:
+            left = self._place(sort_largest_first([p for p in pieces if p not in first]), new_bins, new_work,
+                               new_toks, cap)
+        if left:
+            return False
+        if balanced and max(new_work) > max(max(work), sum(new_work) / m * (1 + CLOSE_TOLERANCE)):
+            return False
+        bins[:], work[:], toks[:] = new_bins, new_work, new_toks
+        return True
 
     def _deal(self, bins: list[list[DocPiece]], work: list[float]) -> list[list[DocPiece]]:
         """Deal the micro-batches to DP ranks and order them for the pipeline schedule (d)."""
