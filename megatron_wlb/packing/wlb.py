@@ -66,12 +66,13 @@ had to wait whole).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from megatron_wlb.costmodel import CostModel
-from megatron_wlb.packing.base import Packer, pieces_from_state, pieces_to_state, register_packer
+from megatron_wlb.packing.base import Packer, pieces_from_state, pieces_to_state, register_packer, validate_lengths
 from megatron_wlb.packing.greedy import place_greedy
 from megatron_wlb.packing.metrics import microbatch_seconds, piece_forward, piece_latency
 from megatron_wlb.packing.pipeline import deal_and_order
@@ -89,6 +90,84 @@ HIST_PER_OCTAVE = 16
 HIST_BINS = 48 * HIST_PER_OCTAVE  # lengths up to 2**48 tokens
 #: a group of outliers is closable when its heaviest member stays within this of the balanced mean
 CLOSE_TOLERANCE = 0.02
+
+
+def place_pieces(pieces: list[DocPiece], bins: list[list[DocPiece]], work: list[float], toks: list[int], cap: int,
+                 cost: CostModel | None) -> list[DocPiece]:
+    """Place ``pieces`` in order, each into the micro-batch of least work with room (``place_greedy``;
+    ``bins``, ``work`` and ``toks`` updated); returns the pieces that fit nowhere, in order."""
+    if not pieces:
+        return []
+    lengths = [p.length for p in pieces]
+    where = place_greedy(lengths, piece_latency(cost, lengths).tolist(), work, toks, cap)
+    unplaced = []
+    for p, j in zip(pieces, where):
+        if j >= 0:
+            bins[j].append(p)
+        else:
+            unplaced.append(p)
+    return unplaced
+
+
+def deal_micro_batches(bins: list[list[DocPiece]], work: list[float], cost: CostModel | None, dp: int, n: int,
+                       stages: int, virtual_stages: int = 1) -> list[list[DocPiece]]:
+    """``dp * n`` placed micro-batches (``work``: each one's summed ``piece_latency``) dealt to DP ranks and
+    ordered within each for the pipeline schedule (``pipeline.deal_and_order``): rank r runs positions
+    ``[r * n, (r + 1) * n)`` of the result."""
+    m = len(bins)
+    forward = None
+    if cost is not None:
+        counts = [len(b) for b in bins]
+        lengths = piece_lengths([p for b in bins for p in b])
+        forward = np.bincount(np.repeat(np.arange(m), counts), weights=piece_forward(cost, lengths), minlength=m)
+    fwd_arr, bwd_arr = microbatch_seconds(cost, np.asarray(work, dtype=np.float64), forward)
+    perm = deal_and_order(fwd_arr.tolist(), bwd_arr.tolist(), dp, n, stages, virtual_stages)
+    return [bins[i] for i in perm]
+
+
+def place_whole_batch(lengths: Sequence[int] | np.ndarray, dp: int, window: int, cost: CostModel | None,
+                      stages: int = 1, virtual_stages: int = 1, multiple: int = 1) -> list[list[list[int]]]:
+    """wlb's placement of one whole global batch, for a scheduler that must place every item of it now
+    (Megatron-LM main's ``data_schedule``: no outlier delay, documents whole).
+
+    The items (lengths, by index) go largest first into the micro-batch of least work with room under
+    ``window`` (``place_pieces``), over ``dp * n`` variable-length micro-batches; ``n`` per DP rank is
+    the smallest multiple of ``multiple`` at which every item fits. An item longer than ``window`` cannot
+    be cut here: it gets a micro-batch of its own. The micro-batches are then dealt to DP ranks and
+    ordered for the 1F1B schedule (``deal_micro_batches``). Returns ``plan[r][k]``: the item indices of
+    DP rank r's k-th micro-batch (ascending), every index exactly once, no micro-batch empty.
+    """
+    d = validate_lengths(lengths, "sample lengths")
+    for name, value in (("dp", dp), ("window", window), ("stages", stages), ("virtual_stages", virtual_stages),
+                        ("multiple", multiple)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            raise ValueError(f"{name}={value!r}: must be an integer >= 1")
+    if d.size == 0:
+        raise ValueError("the global batch holds no samples: nothing to place")
+    pieces = sort_largest_first([DocPiece(i, 0, int(x), 0) for i, x in enumerate(d.tolist())])
+    alone = [p for p in pieces if p.length > window]
+    fitting = [p for p in pieces if p.length <= window]
+    total = int(d[d <= window].sum())
+    n = max(1, -(-len(alone) // dp), -(-total // (dp * window)))
+    n = -(-n // multiple) * multiple
+    while True:
+        m = dp * n
+        if m > d.size:
+            raise ValueError(f"{d.size} samples cannot fill dp * n = {dp} x {n} micro-batches (every micro-batch "
+                             f"needs a sample; n is a multiple of {multiple}): give the global batch at least "
+                             f"{m} samples")
+        bins: list[list[DocPiece]] = [[] for _ in range(m)]
+        work = [0.0] * m
+        toks = [0] * m
+        for j, p in enumerate(alone):
+            bins[j].append(p)
+            work[j] = float(piece_latency(cost, [p.length])[0])
+            toks[j] = window
+        if not place_pieces(fitting, bins, work, toks, window, cost):
+            break
+        n += multiple
+    dealt = deal_micro_batches(bins, work, cost, dp, n, stages, virtual_stages) if m > 1 else bins
+    return [[sorted(p.doc_id for p in b) for b in dealt[r * n:(r + 1) * n]] for r in range(dp)]
 
 
 def _hist_bin(lengths: np.ndarray) -> np.ndarray:
@@ -383,19 +462,8 @@ class WlbPacker(Packer):
 
     def _place(self, pieces: list[DocPiece], bins: list[list[DocPiece]], work: list[float], toks: list[int],
                cap: int) -> list[DocPiece]:
-        """Place ``pieces`` in order, each into the micro-batch of least work with room (``place_greedy``;
-        ``bins``, ``work`` and ``toks`` updated); returns the pieces that fit nowhere, in order."""
-        if not pieces:
-            return []
-        lengths = [p.length for p in pieces]
-        where = place_greedy(lengths, piece_latency(self.cost, lengths).tolist(), work, toks, cap)
-        unplaced = []
-        for p, j in zip(pieces, where):
-            if j >= 0:
-                bins[j].append(p)
-            else:
-                unplaced.append(p)
-        return unplaced
+        """``place_pieces`` with this packer's cost model."""
+        return place_pieces(pieces, bins, work, toks, cap, self.cost)
 
     def _read_ahead_ordinary(self, tokens: float, waiting: list[DocPiece], l1: int) -> list[DocPiece]:
         """Full iterations (h): read documents ahead from the stream until their ordinary pieces (below
@@ -626,17 +694,7 @@ class WlbPacker(Packer):
     def _deal(self, bins: list[list[DocPiece]], work: list[float]) -> list[list[DocPiece]]:
         """Deal the micro-batches to DP ranks and order them for the pipeline schedule (d)."""
         cfg = self.config
-        m = len(bins)
-        forward = None
-        if self.cost is not None:
-            counts = [len(b) for b in bins]
-            lengths = piece_lengths([p for b in bins for p in b])
-            forward = np.bincount(np.repeat(np.arange(m), counts), weights=piece_forward(self.cost, lengths),
-                                  minlength=m)
-        fwd_arr, bwd_arr = microbatch_seconds(self.cost, np.asarray(work, dtype=np.float64), forward)
-        fwd, bwd = fwd_arr.tolist(), bwd_arr.tolist()
-        perm = deal_and_order(fwd, bwd, cfg.dp, cfg.n, cfg.stages, cfg.virtual_stages)
-        return [bins[i] for i in perm]
+        return deal_micro_batches(bins, work, self.cost, cfg.dp, cfg.n, cfg.stages, cfg.virtual_stages)
 
     def _split_forced(self, p: DocPiece, bins: list[list[DocPiece]], work: list[float], toks: list[int],
                       cap: int, waiting: list[DocPiece]) -> None:
