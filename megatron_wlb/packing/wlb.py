@@ -75,7 +75,7 @@ from megatron_wlb.costmodel import CostModel
 from megatron_wlb.packing.base import Packer, pieces_from_state, pieces_to_state, register_packer, validate_lengths
 from megatron_wlb.packing.greedy import place_greedy
 from megatron_wlb.packing.metrics import microbatch_seconds, piece_forward, piece_latency
-from megatron_wlb.packing.pipeline import deal_and_order
+from megatron_wlb.packing.pipeline import deal_and_order, schedule_timer
 from megatron_wlb.packing.types import (
     DocPiece,
     MicroBatch,
@@ -126,48 +126,83 @@ def deal_micro_batches(bins: list[list[DocPiece]], work: list[float], cost: Cost
 
 
 def place_whole_batch(lengths: Sequence[int] | np.ndarray, dp: int, window: int, cost: CostModel | None,
-                      stages: int = 1, virtual_stages: int = 1, multiple: int = 1) -> list[list[list[int]]]:
+                      stages: int = 1, virtual_stages: int = 1, multiple: int = 1,
+                      max_factor: float = 2.0) -> list[list[list[int]]]:
     """wlb's placement of one whole global batch, for a scheduler that must place every item of it now
     (Megatron-LM main's ``data_schedule``: no outlier delay, documents whole).
 
-    The items (lengths, by index) go largest first into the micro-batch of least work with room under
-    ``window`` (``place_pieces``), over ``dp * n`` variable-length micro-batches; ``n`` per DP rank is
-    the smallest multiple of ``multiple`` at which every item fits. An item longer than ``window`` cannot
-    be cut here: it gets a micro-batch of its own. The micro-batches are then dealt to DP ranks and
-    ordered for the 1F1B schedule (``deal_micro_batches``). Returns ``plan[r][k]``: the item indices of
-    DP rank r's k-th micro-batch (ascending), every index exactly once, no micro-batch empty.
+    For a number ``n`` of micro-batches per DP rank, the items (lengths, by index) go largest first into the
+    micro-batch of least work with room under ``window`` (``place_pieces``), over ``dp * n`` variable-length
+    micro-batches, which are then dealt to DP ranks and ordered for the pipeline schedule
+    (``deal_micro_batches``). ``n`` is free here: from the smallest multiple of ``multiple`` at which every
+    item fits up to ``max_factor`` times that, the plan whose slowest DP rank has the shortest (interleaved)
+    1F1B time under the cost model wins (fewer micro-batches on a tie): more micro-batches shrink the pipeline
+    bubble and give the placement room, each costs the cost model's per-micro-batch overhead. An item longer
+    than ``window`` cannot be cut here: it gets a micro-batch of its own.
+
+    Returns ``plan[r][k]``: the item indices of DP rank r's k-th micro-batch (ascending), every index exactly
+    once, no micro-batch empty.
     """
     d = validate_lengths(lengths, "sample lengths")
     for name, value in (("dp", dp), ("window", window), ("stages", stages), ("virtual_stages", virtual_stages),
                         ("multiple", multiple)):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
             raise ValueError(f"{name}={value!r}: must be an integer >= 1")
+    if not max_factor >= 1:
+        raise ValueError(f"max_factor={max_factor!r}: must be >= 1")
     if d.size == 0:
         raise ValueError("the global batch holds no samples: nothing to place")
     pieces = sort_largest_first([DocPiece(i, 0, int(x), 0) for i, x in enumerate(d.tolist())])
     alone = [p for p in pieces if p.length > window]
     fitting = [p for p in pieces if p.length <= window]
-    total = int(d[d <= window].sum())
-    n = max(1, -(-len(alone) // dp), -(-total // (dp * window)))
-    n = -(-n // multiple) * multiple
-    while True:
+    weights = piece_latency(cost, [p.length for p in alone]).tolist()
+
+    def place(n: int) -> tuple[list[list[DocPiece]], list[float]] | None:
         m = dp * n
-        if m > d.size:
-            raise ValueError(f"{d.size} samples cannot fill dp * n = {dp} x {n} micro-batches (every micro-batch "
-                             f"needs a sample; n is a multiple of {multiple}): give the global batch at least "
-                             f"{m} samples")
         bins: list[list[DocPiece]] = [[] for _ in range(m)]
         work = [0.0] * m
         toks = [0] * m
-        for j, p in enumerate(alone):
+        for j, (p, w) in enumerate(zip(alone, weights)):
             bins[j].append(p)
-            work[j] = float(piece_latency(cost, [p.length])[0])
+            work[j] = w
             toks[j] = window
-        if not place_pieces(fitting, bins, work, toks, window, cost):
+        return None if place_pieces(fitting, bins, work, toks, window, cost) else (bins, work)
+
+    n = max(1, -(-len(alone) // dp), -(-int(d[d <= window].sum()) // (dp * window)))
+    n = -(-n // multiple) * multiple
+    while True:
+        if dp * n > d.size:
+            raise ValueError(f"{d.size} samples cannot fill dp * n = {dp} x {n} micro-batches (every micro-batch "
+                             f"needs a sample; n is a multiple of {multiple}): give the global batch at least "
+                             f"{dp * n} samples")
+        placed = place(n)
+        if placed is not None:
             break
         n += multiple
-    dealt = deal_micro_batches(bins, work, cost, dp, n, stages, virtual_stages) if m > 1 else bins
+    best: tuple[float, list[list[DocPiece]], int] | None = None
+    last = min(int(n * max_factor), d.size // dp)
+    while n <= last:
+        if placed is not None:
+            bins, work = placed
+            dealt = deal_micro_batches(bins, work, cost, dp, n, stages, virtual_stages) if dp * n > 1 else bins
+            time = _slowest_rank_time(dealt, cost, dp, n, stages, virtual_stages)
+            if best is None or time < best[0] * (1 - 1e-9):
+                best = (time, dealt, n)
+        n += multiple
+        placed = place(n) if n <= last else None
+    assert best is not None
+    _, dealt, n = best
     return [[sorted(p.doc_id for p in b) for b in dealt[r * n:(r + 1) * n]] for r in range(dp)]
+
+
+def _slowest_rank_time(bins: list[list[DocPiece]], cost: CostModel | None, dp: int, n: int, stages: int,
+                       virtual_stages: int) -> float:
+    """The slowest DP rank's (interleaved) 1F1B time of dealt micro-batches (rank r: ``bins[r*n:(r+1)*n]``)."""
+    latency = np.array([piece_latency(cost, piece_lengths(b)).sum() for b in bins])
+    forward = None if cost is None else np.array([piece_forward(cost, piece_lengths(b)).sum() for b in bins])
+    fwd, bwd = microbatch_seconds(cost, latency, forward)
+    timer = schedule_timer(stages, n, virtual_stages)
+    return max(timer.makespan(fwd[r * n:(r + 1) * n].tolist(), bwd[r * n:(r + 1) * n].tolist()) for r in range(dp))
 
 
 def _hist_bin(lengths: np.ndarray) -> np.ndarray:
