@@ -155,7 +155,9 @@ def place_whole_batch(lengths: Sequence[int] | np.ndarray, dp: int, window: int,
     pieces = sort_largest_first([DocPiece(i, 0, int(x), 0) for i, x in enumerate(d.tolist())])
     alone = [p for p in pieces if p.length > window]
     fitting = [p for p in pieces if p.length <= window]
-    weights = piece_latency(cost, [p.length for p in alone]).tolist()
+    item_latency = piece_latency(cost, d)
+    item_forward = None if cost is None else piece_forward(cost, d)
+    weights = [float(item_latency[p.doc_id]) for p in alone]
 
     def place(n: int) -> tuple[list[list[DocPiece]], list[float]] | None:
         m = dp * n
@@ -185,7 +187,7 @@ def place_whole_batch(lengths: Sequence[int] | np.ndarray, dp: int, window: int,
         if placed is not None:
             bins, work = placed
             dealt = deal_micro_batches(bins, work, cost, dp, n, stages, virtual_stages) if dp * n > 1 else bins
-            time = _slowest_rank_time(dealt, cost, dp, n, stages, virtual_stages)
+            time = _slowest_rank_time(dealt, item_latency, item_forward, cost, dp, n, stages, virtual_stages)
             if best is None or time < best[0] * (1 - 1e-9):
                 best = (time, dealt, n)
         n += multiple
@@ -195,12 +197,16 @@ def place_whole_batch(lengths: Sequence[int] | np.ndarray, dp: int, window: int,
     return [[sorted(p.doc_id for p in b) for b in dealt[r * n:(r + 1) * n]] for r in range(dp)]
 
 
-def _slowest_rank_time(bins: list[list[DocPiece]], cost: CostModel | None, dp: int, n: int, stages: int,
-                       virtual_stages: int) -> float:
-    """The slowest DP rank's (interleaved) 1F1B time of dealt micro-batches (rank r: ``bins[r*n:(r+1)*n]``)."""
-    latency = np.array([piece_latency(cost, piece_lengths(b)).sum() for b in bins])
-    forward = None if cost is None else np.array([piece_forward(cost, piece_lengths(b)).sum() for b in bins])
-    fwd, bwd = microbatch_seconds(cost, latency, forward)
+def _slowest_rank_time(bins: list[list[DocPiece]], latency: np.ndarray, forward: np.ndarray | None,
+                       cost: CostModel | None, dp: int, n: int, stages: int, virtual_stages: int) -> float:
+    """The slowest DP rank's (interleaved) 1F1B time of dealt micro-batches (rank r: ``bins[r*n:(r+1)*n]``);
+    ``latency`` / ``forward``: every item's ``piece_latency`` / ``piece_forward``, by ``doc_id``."""
+    counts = [len(b) for b in bins]
+    where = np.repeat(np.arange(len(bins)), counts)
+    ids = np.fromiter((p.doc_id for b in bins for p in b), dtype=np.int64, count=int(sum(counts)))
+    work = np.bincount(where, weights=latency[ids], minlength=len(bins))
+    fwd_work = None if forward is None else np.bincount(where, weights=forward[ids], minlength=len(bins))
+    fwd, bwd = microbatch_seconds(cost, work, fwd_work)
     timer = schedule_timer(stages, n, virtual_stages)
     return max(timer.makespan(fwd[r * n:(r + 1) * n].tolist(), bwd[r * n:(r + 1) * n].tolist()) for r in range(dp))
 
