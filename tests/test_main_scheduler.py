@@ -116,6 +116,8 @@ def main_checkout(tmp_path_factory) -> Path:
 SELECTION = """
 from megatron_wlb.megatron.compat import install_python_shims
 install_python_shims()
+from megatron.core.datasets import data_schedule as D
+old_enum = D.PackingSchedulerEnum
 import megatron_wlb.megatron as W
 from megatron_wlb.megatron import main_schedule
 W.apply(middle_stage_batches=True)   # what a main user's launcher calls
@@ -127,7 +129,16 @@ assert cls is main_schedule.scheduler_class() and issubclass(cls, D.BasePackingS
 assert D.scheduler_map[D.PackingSchedulerEnum["DP_BALANCED"]] is D.DpBalancedScheduler
 assert [m.value for m in D.PackingSchedulerEnum] == ["dp_balanced", "wlb"]
 ids = [(i, n) for i, n in enumerate([900, 40, 700, 80, 300, 60, 500, 20, 650, 100, 30, 250])]
-print("groups", cls(1000, 1, 2, None).get_groups_and_subsamples(ids))
+assert D.scheduler_map[old_enum.DP_BALANCED] is D.DpBalancedScheduler   # code holding the old enum still resolves
+assert cls(1000, 1, 2, None).cost is None   # no Megatron args: the d**2 weight
+from types import SimpleNamespace
+from megatron.training import global_vars
+global_vars._GLOBAL_ARGS = SimpleNamespace(num_attention_heads=8, hidden_size=256, num_layers=4, ffn_hidden_size=1024,
+    padded_vocab_size=1000, tensor_model_parallel_size=1, context_parallel_size=1, pipeline_model_parallel_size=2,
+    virtual_pipeline_model_parallel_size=None, data_parallel_size=2)
+scheduler = cls(1000, 1, 2, None)   # as wrap_data_iterator constructs it, inside a Megatron run
+assert scheduler.cost is not None and scheduler.stages == 2, (scheduler.cost, scheduler.stages)
+print("groups", scheduler.get_groups_and_subsamples(ids))
 print("OK")
 """
 
