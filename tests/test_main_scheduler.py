@@ -240,3 +240,28 @@ def test_mains_run_path_at_dp2(main_checkout):
     from conftest import run_world
 
     run_world(_run_worker, 2, checkout=str(main_checkout))
+
+
+@pytest.mark.slow
+def test_bench_main_scheduler_one_command(main_checkout, tmp_path):
+    """scripts/bench_main_scheduler.py end to end on one stream (main's dp_balanced from the checkout
+    $MEGATRON_LM names): both plans checked and scored, the Markdown table written."""
+    env = {**os.environ, "MEGATRON_LM": str(main_checkout), "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore"}
+    out = tmp_path / "main_scheduler"
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_main_scheduler.py"), "--iterations", "2",
+                           "--streams", "wlbllm", "--dp", "2", "--out", str(out)], capture_output=True, text=True,
+                          env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    import json
+
+    result = json.loads(out.with_suffix(".json").read_text())
+    (row,) = result["rows"]
+    assert result["megatron_commit"] == main_checkout_commit(main_checkout)
+    assert 0.9 < row["wlb"]["schedule_ratio"] < 3 and 0.9 < row["dp_balanced"]["schedule_ratio"] < 3
+    assert row["dp_balanced_over_wlb"] == pytest.approx(row["dp_balanced"]["slowest_s"] / row["wlb"]["slowest_s"])
+    assert "| wlbllm | 2 |" in out.with_suffix(".md").read_text()
+
+
+def main_checkout_commit(checkout: Path) -> str:
+    return subprocess.run(["git", "-C", str(checkout), "rev-parse", "HEAD"], capture_output=True,
+                          text=True).stdout.strip()
