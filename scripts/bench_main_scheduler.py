@@ -123,27 +123,45 @@ def run(streams: list[str], dps: list[int], iterations: int) -> dict:
                 row: dict = {"stream": stream, "dp": dp, "documents": docs, "global_batches": iterations}
                 schedulers = {"dp_balanced": DpBalanced(window // cp, cp, dp, None),
                               "wlb": Wlb(window // cp, cp, dp, None, cost=cost, stages=pp)}
-                for name, scheduler in schedulers.items():
-                    slowest = balanced = 0.0
-                    micro, plan_s = [], 0.0
-                    for batch in global_batches(lengths, budget, iterations):
+                stats = {name: {"slowest_s": 0.0, "balanced_s": 0.0, "micro_batches": [], "plan_s": 0.0,
+                                "refused": 0, "refusal": ""} for name in schedulers}
+                scored = 0
+                for batch in global_batches(lengths, budget, iterations):
+                    plans = {}
+                    for name, scheduler in schedulers.items():
                         t0 = time.perf_counter()
-                        groups = scheduler.get_groups_and_subsamples(list(enumerate(batch.tolist())))
-                        plan_s += time.perf_counter() - t0
+                        try:
+                            groups = scheduler.get_groups_and_subsamples(list(enumerate(batch.tolist())))
+                        except (AssertionError, ValueError) as exc:  # main's empty-micro-batch limit: both refuse
+                            stats[name]["refused"] += 1
+                            stats[name]["refusal"] = f"{type(exc).__name__}: {exc}"
+                            continue
+                        finally:
+                            stats[name]["plan_s"] += time.perf_counter() - t0
                         check_plan(groups, batch.size, dp, cp, name)
+                        plans[name] = groups
+                    if len(plans) < len(schedulers):
+                        continue  # scored only where both planned: the same batches for both
+                    scored += 1
+                    for name, groups in plans.items():
                         worst, ideal = slowest_rank_schedule_time(cost, as_global_batch(groups, batch, dp, cp, window),
                                                                   stages=pp)
-                        slowest += worst
-                        balanced += ideal
-                        micro.append(len(groups))
-                    row[name] = {"slowest_s": slowest, "balanced_s": balanced, "schedule_ratio": slowest / balanced,
-                                 "micro_batches_per_rank": float(np.mean(micro)),
-                                 "plan_ms": 1e3 * plan_s / iterations}
+                        stats[name]["slowest_s"] += worst
+                        stats[name]["balanced_s"] += ideal
+                        stats[name]["micro_batches"].append(len(groups))
+                row["scored_batches"] = scored
+                for name, st in stats.items():
+                    row[name] = {"slowest_s": st["slowest_s"], "balanced_s": st["balanced_s"],
+                                 "schedule_ratio": st["slowest_s"] / st["balanced_s"],
+                                 "micro_batches_per_rank": float(np.mean(st["micro_batches"])),
+                                 "plan_ms": 1e3 * st["plan_s"] / iterations, "refused": st["refused"],
+                                 "refusal": st["refusal"]}
                 row["dp_balanced_over_wlb"] = row["dp_balanced"]["slowest_s"] / row["wlb"]["slowest_s"]
                 print(f"dp {dp} {stream:8s} dp_balanced {row['dp_balanced']['schedule_ratio']:.3f} "
                       f"({row['dp_balanced']['micro_batches_per_rank']:.1f} mb) wlb {row['wlb']['schedule_ratio']:.3f} "
                       f"({row['wlb']['micro_batches_per_rank']:.1f} mb) time dp_balanced / wlb "
-                      f"{row['dp_balanced_over_wlb']:.3f}", file=sys.stderr, flush=True)
+                      f"{row['dp_balanced_over_wlb']:.3f}; refused {row['dp_balanced']['refused']} / "
+                      f"{row['wlb']['refused']} of {iterations}", file=sys.stderr, flush=True)
                 tables.append(row)
     return {"machine": machine(), "command": "python scripts/bench_main_scheduler.py", "config": CONFIG,
             "megatron_commit": commit, "window": window, "cp": cp, "pp": pp, "iterations": iterations,
@@ -152,14 +170,15 @@ def run(streams: list[str], dps: list[int], iterations: int) -> dict:
 
 def summary_table(result: dict) -> str:
     lines = ["| stream | DP | dp_balanced: slowest rank / balanced | micro-batches per rank | "
-             "**wlb**: slowest rank / balanced | micro-batches per rank | iteration time dp_balanced / wlb |",
-             "|---|---|---|---|---|---|---|"]
+             "**wlb**: slowest rank / balanced | micro-batches per rank | iteration time dp_balanced / wlb | "
+             "global batches refused (dp_balanced / wlb) |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in sorted(result["rows"], key=lambda r: (r["dp"], STREAMS.index(r["stream"]) if r["stream"] in STREAMS
                                                     else 99)):
         a, b = r["dp_balanced"], r["wlb"]
         lines.append(f"| {r['stream']} | {r['dp']} | {a['schedule_ratio']:.3f} | {a['micro_batches_per_rank']:.1f} | "
                      f"**{b['schedule_ratio']:.3f}** | {b['micro_batches_per_rank']:.1f} | "
-                     f"{r['dp_balanced_over_wlb']:.3f} |")
+                     f"{r['dp_balanced_over_wlb']:.3f} | {a['refused']} / {b['refused']} |")
     return "\n".join(lines) + "\n"
 
 
@@ -175,12 +194,17 @@ def to_markdown(result: dict) -> str:
         "balanced = sum over global batches of the slowest DP rank's 1F1B time over the same with every "
         "micro-batch at the batch's mean (`packing.metrics.slowest_rank_schedule_time`; each plan against its own "
         "ideal, so it also shows the bubble of fewer micro-batches); iteration time dp_balanced / wlb = the ratio "
-        "of the summed slowest-rank 1F1B times (> 1: wlb's iterations are shorter by the cost model).", "",
+        "of the summed slowest-rank 1F1B times (> 1: wlb's iterations are shorter by the cost model). Main packs "
+        "samples whole and needs every DP rank to run the same number of non-empty micro-batches, so a global batch "
+        "of fewer samples than that takes (a long document cut into window-sized pieces) cannot be planned: "
+        "dp_balanced asserts, wlb refuses with a ValueError; rows are scored over the batches both planned.", "",
         summary_table(result),
         f"iteration time dp_balanced / wlb: {min(ratios):.3f} to {max(ratios):.3f} (geo-mean "
         f"{float(np.exp(np.mean(np.log(ratios)))):.3f}). Plan time per global batch: dp_balanced "
         f"{np.mean([r['dp_balanced']['plan_ms'] for r in result['rows']]):.1f} ms, wlb "
-        f"{np.mean([r['wlb']['plan_ms'] for r in result['rows']]):.1f} ms (mean over rows, one CPU thread).", ""])
+        f"{np.mean([r['wlb']['plan_ms'] for r in result['rows']]):.1f} ms (mean over rows, one CPU thread).", ""]
+        + [f"- {r['stream']}, DP {r['dp']}: {name} refused {r[name]['refused']} ({r[name]['refusal']})"
+           for r in result["rows"] for name in ("dp_balanced", "wlb") if r[name]["refused"]] + [""])
 
 
 def main(argv: list[str] | None = None) -> int:
