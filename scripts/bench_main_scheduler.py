@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -182,6 +183,24 @@ def summary_table(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def readme_table(result: dict) -> str:
+    """The README's compact table: per stream and DP size, slowest rank / balanced of dp_balanced and wlb, and
+    the iteration-time ratio dp_balanced / wlb."""
+    dps = sorted({r["dp"] for r in result["rows"]})
+    by = {(r["stream"], r["dp"]): r for r in result["rows"]}
+    streams = sorted({r["stream"] for r in result["rows"]}, key=lambda s: STREAMS.index(s) if s in STREAMS else 99)
+    lines = ["| stream | " + " | ".join(f"DP {dp}: dp_balanced / **wlb** (time ratio)" for dp in dps) + " |",
+             "|---|" + "---|" * len(dps)]
+    for stream in streams:
+        cells = []
+        for dp in dps:
+            r = by.get((stream, dp))
+            cells.append("" if r is None else f"{r['dp_balanced']['schedule_ratio']:.2f} / "
+                         f"**{r['wlb']['schedule_ratio']:.2f}** ({r['dp_balanced_over_wlb']:.2f}x)")
+        lines.append(f"| {stream} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def to_markdown(result: dict) -> str:
     ratios = [r["dp_balanced_over_wlb"] for r in result["rows"]]
     return "\n".join([
@@ -210,15 +229,19 @@ def to_markdown(result: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--iterations", type=int, default=50, help="global batches per stream and DP size")
+    ap.add_argument("--render", default=None, help="only re-render the Markdown (and README table) from this JSON")
     ap.add_argument("--streams", default=",".join(STREAMS))
     ap.add_argument("--dp", default="1,2,4,8")
     ap.add_argument("--out", default=str(ROOT / "docs" / "results" / "main_scheduler"))
     ap.add_argument("--readme", action="store_true", help=f"also write the summary table after {README_MARK}")
     args = ap.parse_args(argv)
-    result = run(args.streams.split(","), [int(x) for x in args.dp.split(",")], args.iterations)
+    if args.render:
+        result = json.loads(Path(args.render).read_text())
+    else:
+        result = run(args.streams.split(","), [int(x) for x in args.dp.split(",")], args.iterations)
     write_result(args.out, result, to_markdown)
     if args.readme:
-        replace_readme_table(ROOT / "README.md", README_MARK, summary_table(result))
+        replace_readme_table(ROOT / "README.md", README_MARK, readme_table(result))
     return 0
 
 
