@@ -63,7 +63,7 @@ def missing_registry() -> str:
     """Why the installed Megatron has no sequence-packing scheduler registry to join ("" if it has one)."""
     try:
         found = importlib.util.find_spec(DATA_SCHEDULE_MODULE) is not None
-    except ModuleNotFoundError:  # no megatron.core at all
+    except (ImportError, ValueError):  # no megatron.core at all (or a stand-in module without a spec)
         found = False
     if not found:
         return f"this Megatron has no {DATA_SCHEDULE_MODULE}"
