@@ -34,6 +34,9 @@ version and replaces, in Megatron's training code (pinned: ``version.PINNED_MEGA
   digest compared over the whole world; a rank that planned otherwise stops every rank, named;
 - ``save_checkpoint`` / ``load_checkpoint``: the packer + stream state sidecar (``checkpoint.py``);
 - ``training_log``: the per-iteration packing metrics (``wlb_logging.py``);
+- Megatron-LM main's own sequence-packing scheduler registry (``main_schedule.py``, where the installed
+  Megatron has ``megatron/core/datasets/data_schedule.py``): ``sequence_packing_scheduler = "wlb"`` selects
+  our packer in main's ``wrap_data_iterator`` (``runtime().main_scheduler`` says whether it was registered);
 - start-up builds (``startup.py``): the dataset-helper ``make`` and core 0.16's ``fused_kernels.load``
   are skipped, saying so, where the machine lacks the toolchain (or the helpers are prebuilt).
 
@@ -83,6 +86,9 @@ class Runtime:
     #: the plan agreement checks run (``agreement.wrap_train_step``): how many, and their seconds in all
     agreement_checks: int = 0
     agreement_s: float = 0.0
+    #: Megatron-LM main's own sequence-packing scheduler: whether ``wlb`` was registered there, or why not
+    #: (``main_schedule.register``)
+    main_scheduler: str = ""
 
     def agreed(self, seconds: float) -> None:
         self.agreement_checks += 1
@@ -544,6 +550,11 @@ def apply(*, check_version: bool = True, middle_stage_batches: bool = False) -> 
     install_python_shims()  # before anything imports megatron-core (0.19 needs typing.override)
     if check_version:
         check_core_version()
+    from megatron_wlb.megatron.main_schedule import register as register_main_scheduler
+
+    # main's own packing path (data_schedule.wrap_data_iterator) gets sequence_packing_scheduler="wlb";
+    # a no-op, saying why, where this Megatron has no data_schedule
+    _RUNTIME.main_scheduler = register_main_scheduler()
     _RUNTIME.middle_stage_batches = middle_stage_batches
     if _RUNTIME.installed:
         return _RUNTIME

@@ -9,7 +9,8 @@ Four ways in, each tested by running Megatron's own training loop (tests/test_me
 - a Megatron-LM **core_v0.16.1** checkout (``PINNED_MEGATRON_COMMIT``), patched with ``patches/core_v0.16.1``:
   its own ``pretrain_gpt.py`` (the megatron-core 0.16.1 wheel has no ``megatron/training``).
 
-- Megatron-LM **main** (core 0.20.0 at ``MAIN_COMMIT``), a checkout on ``PYTHONPATH``: our launcher.
+- Megatron-LM **main** (core 0.20.0 at ``MAIN_COMMIT``), a checkout on ``PYTHONPATH``: our launcher, or main's own
+  sequence-packing path with ``sequence_packing_scheduler = "wlb"`` (``main_schedule.py``).
 
 Releases 0.17 and 0.18 are not admitted: nothing trains with them in CI (0.18 changed the CP and
 batch functions the patch hooks, and the launcher is tested on 0.19 and main only).

@@ -62,6 +62,10 @@ Extensions beyond the paper (docs/packing.md has the measurements):
 (i) ``release_when_balanced``: delay only when it pays. A queued outlier goes out as soon as the
     iteration can still be balanced with it, not only in a group of R (``_balanced_release``).
 
+``place_whole_batch`` is the placement (4) and dealing (5) alone, for one whole global batch that must be
+placed now with documents whole (Megatron-LM main's own sequence-packing scheduler API,
+``megatron/main_schedule.py``): no delay, and the number of micro-batches chosen by the 1F1B objective.
+
 With ``PackingConfig.pieces="concat-and-cut"`` the pieces are Megatron's concat-and-cut pieces
 (the base class's intake) and are never cut further (``delay_overruns`` counts forced pieces that
 had to wait whole).
@@ -69,15 +73,17 @@ had to wait whole).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import numpy as np
 
 from megatron_wlb.costmodel import CostModel
-from megatron_wlb.packing.base import Packer, pieces_from_state, pieces_to_state, register_packer
+from megatron_wlb.packing.base import Packer, pieces_from_state, pieces_to_state, register_packer, validate_lengths
 from megatron_wlb.packing.greedy import place_greedy
 from megatron_wlb.packing.metrics import microbatch_seconds, piece_forward, piece_latency
-from megatron_wlb.packing.pipeline import deal_and_order
+from megatron_wlb.packing.pipeline import deal_and_order, schedule_timer
 from megatron_wlb.packing.types import (
     DocPiece,
     MicroBatch,
@@ -92,6 +98,126 @@ HIST_PER_OCTAVE = 16
 HIST_BINS = 48 * HIST_PER_OCTAVE  # lengths up to 2**48 tokens
 #: a group of outliers is closable when its heaviest member stays within this of the balanced mean
 CLOSE_TOLERANCE = 0.02
+
+
+def place_pieces(pieces: list[DocPiece], bins: list[list[DocPiece]], work: list[float], toks: list[int], cap: int,
+                 latency: Callable[[list[int]], np.ndarray]) -> list[DocPiece]:
+    """Place ``pieces`` in order, each into the micro-batch of least work with room (``place_greedy``;
+    ``bins``, ``work`` and ``toks`` updated), a piece's work being ``latency`` of its length (the cost
+    model's ``piece_latency``); returns the pieces that fit nowhere, in order."""
+    if not pieces:
+        return []
+    lengths = [p.length for p in pieces]
+    where = place_greedy(lengths, latency(lengths).tolist(), work, toks, cap)
+    unplaced = []
+    for p, j in zip(pieces, where):
+        if j >= 0:
+            bins[j].append(p)
+        else:
+            unplaced.append(p)
+    return unplaced
+
+
+def deal_micro_batches(bins: list[list[DocPiece]], work: list[float], cost: CostModel | None, dp: int, n: int,
+                       stages: int, virtual_stages: int = 1) -> list[list[DocPiece]]:
+    """``dp * n`` placed micro-batches (``work``: each one's summed ``piece_latency``) dealt to DP ranks and
+    ordered within each for the pipeline schedule (``pipeline.deal_and_order``): rank r runs positions
+    ``[r * n, (r + 1) * n)`` of the result."""
+    m = len(bins)
+    forward = None
+    if cost is not None:
+        counts = [len(b) for b in bins]
+        lengths = piece_lengths([p for b in bins for p in b])
+        forward = np.bincount(np.repeat(np.arange(m), counts), weights=piece_forward(cost, lengths), minlength=m)
+    fwd_arr, bwd_arr = microbatch_seconds(cost, np.asarray(work, dtype=np.float64), forward)
+    perm = deal_and_order(fwd_arr.tolist(), bwd_arr.tolist(), dp, n, stages, virtual_stages)
+    return [bins[i] for i in perm]
+
+
+def place_whole_batch(lengths: Sequence[int] | np.ndarray, dp: int, window: int, cost: CostModel | None,
+                      stages: int = 1, virtual_stages: int = 1, multiple: int = 1,
+                      max_factor: float = 2.0) -> list[list[list[int]]]:
+    """wlb's placement of one whole global batch, for a scheduler that must place every item of it now
+    (Megatron-LM main's ``data_schedule``: no outlier delay, documents whole).
+
+    For a number ``n`` of micro-batches per DP rank, the items (lengths, by index) go largest first into the
+    micro-batch of least work with room under ``window`` (``place_pieces``), over ``dp * n`` variable-length
+    micro-batches, which are then dealt to DP ranks and ordered for the pipeline schedule
+    (``deal_micro_batches``). ``n`` is free here: from the smallest multiple of ``multiple`` at which every
+    item fits up to ``max_factor`` times that, the plan whose slowest DP rank has the shortest (interleaved)
+    1F1B time under the cost model wins (fewer micro-batches on a tie): more micro-batches shrink the pipeline
+    bubble and give the placement room, each costs the cost model's per-micro-batch overhead. An item longer
+    than ``window`` cannot be cut here: it gets a micro-batch of its own.
+
+    Returns ``plan[r][k]``: the item indices of DP rank r's k-th micro-batch (ascending), every index exactly
+    once, no micro-batch empty.
+    """
+    d = validate_lengths(lengths, "sample lengths")
+    for name, value in (("dp", dp), ("window", window), ("stages", stages), ("virtual_stages", virtual_stages),
+                        ("multiple", multiple)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            raise ValueError(f"{name}={value!r}: must be an integer >= 1")
+    if not max_factor >= 1:
+        raise ValueError(f"max_factor={max_factor!r}: must be >= 1")
+    if d.size == 0:
+        raise ValueError("the global batch holds no samples: nothing to place")
+    pieces = sort_largest_first([DocPiece(i, 0, int(x), 0) for i, x in enumerate(d.tolist())])
+    alone = [p for p in pieces if p.length > window]
+    fitting = [p for p in pieces if p.length <= window]
+    item_latency = piece_latency(cost, d)
+    item_forward = None if cost is None else piece_forward(cost, d)
+    weights = [float(item_latency[p.doc_id]) for p in alone]
+
+    def place(n: int) -> tuple[list[list[DocPiece]], list[float]] | None:
+        m = dp * n
+        bins: list[list[DocPiece]] = [[] for _ in range(m)]
+        work = [0.0] * m
+        toks = [0] * m
+        for j, (p, w) in enumerate(zip(alone, weights)):
+            bins[j].append(p)
+            work[j] = w
+            toks[j] = window
+        return None if place_pieces(fitting, bins, work, toks, window, partial(piece_latency, cost)) else (bins, work)
+
+    n = max(1, -(-len(alone) // dp), -(-int(d[d <= window].sum()) // (dp * window)))
+    n = -(-n // multiple) * multiple
+    while True:
+        if dp * n > d.size:
+            raise ValueError(f"{d.size} samples cannot fill dp * n = {dp} x {n} micro-batches (every micro-batch "
+                             f"needs a sample; n is a multiple of {multiple}): give the global batch at least "
+                             f"{dp * n} samples")
+        placed = place(n)
+        if placed is not None:
+            break
+        n += multiple
+    best: tuple[float, list[list[DocPiece]], int] | None = None
+    last = min(int(n * max_factor), d.size // dp)
+    while n <= last:
+        if placed is not None:
+            bins, work = placed
+            dealt = deal_micro_batches(bins, work, cost, dp, n, stages, virtual_stages) if dp * n > 1 else bins
+            time = _slowest_rank_time(dealt, item_latency, item_forward, cost, dp, n, stages, virtual_stages)
+            if best is None or time < best[0] * (1 - 1e-9):
+                best = (time, dealt, n)
+        n += multiple
+        placed = place(n) if n <= last else None
+    assert best is not None
+    _, dealt, n = best
+    return [[sorted(p.doc_id for p in b) for b in dealt[r * n:(r + 1) * n]] for r in range(dp)]
+
+
+def _slowest_rank_time(bins: list[list[DocPiece]], latency: np.ndarray, forward: np.ndarray | None,
+                       cost: CostModel | None, dp: int, n: int, stages: int, virtual_stages: int) -> float:
+    """The slowest DP rank's (interleaved) 1F1B time of dealt micro-batches (rank r: ``bins[r*n:(r+1)*n]``);
+    ``latency`` / ``forward``: every item's ``piece_latency`` / ``piece_forward``, by ``doc_id``."""
+    counts = [len(b) for b in bins]
+    where = np.repeat(np.arange(len(bins)), counts)
+    ids = np.fromiter((p.doc_id for b in bins for p in b), dtype=np.int64, count=int(sum(counts)))
+    work = np.bincount(where, weights=latency[ids], minlength=len(bins))
+    fwd_work = None if forward is None else np.bincount(where, weights=forward[ids], minlength=len(bins))
+    fwd, bwd = microbatch_seconds(cost, work, fwd_work)
+    timer = schedule_timer(stages, n, virtual_stages)
+    return max(timer.makespan(fwd[r * n:(r + 1) * n].tolist(), bwd[r * n:(r + 1) * n].tolist()) for r in range(dp))
 
 
 def _hist_bin(lengths: np.ndarray) -> np.ndarray:
@@ -387,19 +513,8 @@ class WlbPacker(Packer):
 
     def _place(self, pieces: list[DocPiece], bins: list[list[DocPiece]], work: list[float], toks: list[int],
                cap: int) -> list[DocPiece]:
-        """Place ``pieces`` in order, each into the micro-batch of least work with room (``place_greedy``;
-        ``bins``, ``work`` and ``toks`` updated); returns the pieces that fit nowhere, in order."""
-        if not pieces:
-            return []
-        lengths = [p.length for p in pieces]
-        where = place_greedy(lengths, self.latency(lengths).tolist(), work, toks, cap)
-        unplaced = []
-        for p, j in zip(pieces, where):
-            if j >= 0:
-                bins[j].append(p)
-            else:
-                unplaced.append(p)
-        return unplaced
+        """``place_pieces`` priced by this packer's latency table."""
+        return place_pieces(pieces, bins, work, toks, cap, self.latency)
 
     def _read_ahead_ordinary(self, tokens: float, waiting: list[DocPiece], l1: int) -> list[DocPiece]:
         """Full iterations (h): read documents ahead from the stream until their ordinary pieces (below
@@ -662,17 +777,7 @@ class WlbPacker(Packer):
     def _deal(self, bins: list[list[DocPiece]], work: list[float]) -> list[list[DocPiece]]:
         """Deal the micro-batches to DP ranks and order them for the pipeline schedule (d)."""
         cfg = self.config
-        m = len(bins)
-        forward = None
-        if self.cost is not None:
-            counts = [len(b) for b in bins]
-            lengths = piece_lengths([p for b in bins for p in b])
-            forward = np.bincount(np.repeat(np.arange(m), counts), weights=piece_forward(self.cost, lengths),
-                                  minlength=m)
-        fwd_arr, bwd_arr = microbatch_seconds(self.cost, np.asarray(work, dtype=np.float64), forward)
-        fwd, bwd = fwd_arr.tolist(), bwd_arr.tolist()
-        perm = deal_and_order(fwd, bwd, cfg.dp, cfg.n, cfg.stages, cfg.virtual_stages)
-        return [bins[i] for i in perm]
+        return deal_micro_batches(bins, work, self.cost, cfg.dp, cfg.n, cfg.stages, cfg.virtual_stages)
 
     def _split_forced(self, p: DocPiece, bins: list[list[DocPiece]], work: list[float], toks: list[int],
                       cap: int, waiting: list[DocPiece]) -> None:

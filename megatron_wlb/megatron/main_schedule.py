@@ -1,0 +1,169 @@
+"""megatron-wlb as Megatron-LM main's own sequence-packing scheduler (``sequence_packing_scheduler = "wlb"``).
+
+Megatron-LM main (core 0.20.0, ``version.MAIN_COMMIT``) ships a sequence-packing data path of its own,
+``megatron/core/datasets/data_schedule.py``: ``wrap_data_iterator(data_iterator, config, num_microbatches)``
+gathers the sample lengths of one global batch over the DP group, asks a scheduler picked by
+``config.sequence_packing_scheduler`` (a string, upper-cased into ``PackingSchedulerEnum`` and looked up in
+``scheduler_map``) to group them, reroutes the samples and packs THD micro-batches. Main's one scheduler,
+``dp_balanced`` (``DpBalancedScheduler``), packs next-fit in arrival order and deals round robin to DP.
+
+``register()`` adds ``wlb``: ``WLB`` in main's enum and ``WlbPackingScheduler`` in ``scheduler_map``, so
+``config.sequence_packing_scheduler = "wlb"`` makes main's own ``wrap_data_iterator`` plan with our packer.
+``megatron_wlb.megatron.apply()`` calls it; a process that uses main's packing path without the rest of
+our hooks calls it alone. Where the installed Megatron has no ``data_schedule`` (0.16, 0.19) it is a no-op
+that says why (core 0.19's data_schedule holds only the hybrid-CP scheduler, no registry).
+
+The scheduler subclasses main's ``DpBalancedScheduler`` (a ``BasePackingScheduler``) and replaces only
+``get_groups_and_subsamples``: main's ``run()`` (gather, reroute, pack, broadcast) and its required sample keys
+stay main's. The grouping is wlb's placement of one whole global batch (``packing.wlb.place_whole_batch``):
+variable-length micro-batches up to main's window (``max_seqlen_per_dp_cp_rank * cp_size`` per DP rank, as
+``dp_balanced``), balanced over all DP ranks by the cost model's latency, dealt and ordered for 1F1B. Main's
+API hands a scheduler one global batch that it must place whole, so wlb's outlier delay across iterations does
+not apply here; a sample longer than the window runs alone, as under ``dp_balanced``. The CP layout follows
+``dp_balanced``: every CP rank of a DP rank gets that DP rank's sample ids.
+
+The cost model: in a Megatron process whose global args are set (``megatron.training.get_args``), the model
+and layout of those args with our settings (``--wlb-cost-profile`` included, ``args.cost_model_from_args``),
+and the pipeline of those args; otherwise (no Megatron args, e.g. main's unit tests) the attention-only
+``d**2`` weight and one stage. ``WlbPackingScheduler(..., cost=..., stages=...)`` overrides both.
+
+Extending ``PackingSchedulerEnum``: an ``enum.Enum`` cannot gain members through a public API, and writing into
+its private member tables depends on the Python version. ``register()`` instead rebinds the module attribute to
+a new enum built with the functional API (main's members, same names and values, plus ``WLB``) and keys
+``scheduler_map`` by the new members *and* the old ones, so code that imported the old class still finds its
+schedulers; ``wrap_data_iterator`` reads the module attribute at call time, so it sees ``WLB``.
+"""
+
+from __future__ import annotations
+
+import enum
+import importlib
+import importlib.util
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from megatron_wlb.costmodel import CostModel
+
+__all__ = ["DATA_SCHEDULE_MODULE", "SCHEDULER_NAME", "register", "scheduler_class", "scheduler_cost_model"]
+
+#: main's sequence-packing scheduler module
+DATA_SCHEDULE_MODULE = "megatron.core.datasets.data_schedule"
+#: the value of ``config.sequence_packing_scheduler`` that selects our scheduler (enum member ``WLB``)
+SCHEDULER_NAME = "wlb"
+
+_CLASS: type | None = None
+
+
+#: what main's registry is made of (core 0.19 has a data_schedule module too, with only the hybrid-CP scheduler)
+REGISTRY_NAMES = ("BasePackingScheduler", "DpBalancedScheduler", "PackingSchedulerEnum", "scheduler_map",
+                  "wrap_data_iterator")
+
+
+def missing_registry() -> str:
+    """Why the installed Megatron has no sequence-packing scheduler registry to join ("" if it has one)."""
+    try:
+        found = importlib.util.find_spec(DATA_SCHEDULE_MODULE) is not None
+    except (ImportError, ValueError):  # no megatron.core at all (or a stand-in module without a spec)
+        found = False
+    if not found:
+        return f"this Megatron has no {DATA_SCHEDULE_MODULE}"
+    module = importlib.import_module(DATA_SCHEDULE_MODULE)
+    absent = [name for name in REGISTRY_NAMES if not hasattr(module, name)]
+    return f"this Megatron's {DATA_SCHEDULE_MODULE} has no {', '.join(absent)}" if absent else ""
+
+
+def scheduler_cost_model() -> tuple[CostModel | None, int, int]:
+    """(cost model, pipeline stages, virtual stages) for a scheduler main constructs: from Megatron's global
+    args where they are set (our settings from ``apply()``, else the args' ``--wlb-*`` values), else
+    ``(None, 1, 1)`` (the ``d**2`` weight, one stage)."""
+    try:
+        from megatron.training import global_vars
+    except ImportError:
+        return None, 1, 1
+    args = getattr(global_vars, "_GLOBAL_ARGS", None)
+    if args is None or not getattr(args, "num_attention_heads", None):
+        return None, 1, 1
+    from megatron_wlb.megatron import runtime
+    from megatron_wlb.megatron.args import cost_model_from_args, settings_from_args
+
+    settings = runtime().settings or settings_from_args(args)
+    stages = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
+    virtual = int(getattr(args, "virtual_pipeline_model_parallel_size", None) or 1)
+    return cost_model_from_args(args, settings), stages, virtual
+
+
+def scheduler_class() -> type:
+    """``WlbPackingScheduler``, a subclass of main's ``DpBalancedScheduler`` (built once; needs main's
+    ``data_schedule``)."""
+    global _CLASS
+    if _CLASS is not None:
+        return _CLASS
+    data_schedule = importlib.import_module(DATA_SCHEDULE_MODULE)
+
+    class WlbPackingScheduler(data_schedule.DpBalancedScheduler):  # type: ignore[name-defined]
+        """Main's packing pipeline (``run``) with megatron-wlb's balanced placement as the grouping."""
+
+        def __init__(self, max_seqlen_per_dp_cp_rank: int, cp_size: int, dp_size: int,
+                     microbatch_group_size_per_vp_stage: int | None, *, cost: CostModel | None = None,
+                     stages: int | None = None, virtual_stages: int | None = None) -> None:
+            super().__init__(max_seqlen_per_dp_cp_rank, cp_size, dp_size, microbatch_group_size_per_vp_stage)
+            if cost is None and stages is None:
+                cost, found_stages, found_virtual = scheduler_cost_model()
+                stages = found_stages
+                virtual_stages = virtual_stages or found_virtual
+            self.cost = cost
+            self.stages = int(stages or 1)
+            self.virtual_stages = int(virtual_stages or 1)
+
+        def get_groups_and_subsamples(self, sample_id_seqlens: Any) -> list[list[list[int]]]:
+            """Per micro-batch, one list of sample ids per DPxCP rank (rank ``j`` belongs to DP rank
+            ``j // cp_size``, as under ``dp_balanced``); every sample exactly once."""
+            return plan_sample_groups(sample_id_seqlens, self.max_seq_len_all_ranks, self.dp_size, self.cp_size,
+                                      self.cost, self.stages, self.virtual_stages,
+                                      self.microbatch_group_size_per_vp_stage or 1)
+
+    WlbPackingScheduler.__module__ = __name__
+    WlbPackingScheduler.__qualname__ = "WlbPackingScheduler"
+    _CLASS = WlbPackingScheduler
+    return _CLASS
+
+
+def plan_sample_groups(sample_id_seqlens: Any, window: int, dp: int, cp: int, cost: CostModel | None,
+                       stages: int = 1, virtual_stages: int = 1, multiple: int = 1) -> list[list[list[int]]]:
+    """``get_groups_and_subsamples``'s answer for ``(sample id, length)`` pairs: ``groups[k][j]`` holds the
+    sample ids of micro-batch k on DPxCP rank j (DP rank ``j // cp``), torch-free."""
+    from megatron_wlb.packing.wlb import place_whole_batch
+
+    pairs = [(int(i), int(n)) for i, n in sample_id_seqlens]
+    plan = place_whole_batch([n for _, n in pairs], dp, window, cost, stages, virtual_stages, multiple)
+    n_micro = len(plan[0])
+    return [[[pairs[i][0] for i in plan[j // cp][k]] for j in range(dp * cp)] for k in range(n_micro)]
+
+
+def register() -> str:
+    """Make ``wlb`` one of main's sequence-packing schedulers (idempotent). Returns what was done, or why
+    nothing was (no ``data_schedule`` in this Megatron); raises if main already has another ``WLB``."""
+    why = missing_registry()
+    if why:
+        return (f"not registered: {why} (Megatron-LM main's own sequence-packing scheduler registry, core 0.20); "
+                "our packer runs through our data iterator instead")
+    data_schedule = importlib.import_module(DATA_SCHEDULE_MODULE)
+    cls = scheduler_class()
+    old = data_schedule.PackingSchedulerEnum
+    key = SCHEDULER_NAME.upper()
+    if key in old.__members__:
+        current = data_schedule.scheduler_map.get(old[key])
+        if current is cls:
+            return f"registered: sequence_packing_scheduler={SCHEDULER_NAME!r} (already)"
+        raise RuntimeError(f"Megatron's PackingSchedulerEnum already has {key} (scheduler {current!r}); "
+                           f"megatron-wlb will not replace it")
+    members = {m.name: m.value for m in old}
+    members[key] = SCHEDULER_NAME
+    new = enum.Enum(old.__name__, members, module=old.__module__, qualname=old.__qualname__)  # type: ignore[misc]
+    new.__doc__ = old.__doc__
+    schedulers = data_schedule.scheduler_map
+    for member in old:
+        schedulers[new[member.name]] = schedulers[member]  # the old members stay keys too
+    schedulers[new[key]] = cls
+    setattr(data_schedule, "PackingSchedulerEnum", new)  # noqa: B010 - the module attribute wrap_data_iterator reads
+    return f"registered: sequence_packing_scheduler={SCHEDULER_NAME!r} ({cls.__qualname__})"
