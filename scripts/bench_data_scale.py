@@ -61,6 +61,29 @@ def status_kib(field: str) -> int:
     return 0
 
 
+class PeakSampler:
+    """The largest RssAnon and RssFile of this process, sampled every ``interval`` seconds in a thread
+    (``VmHWM`` counts both together: mapped file pages, shared and reclaimable, and private memory)."""
+
+    def __init__(self, interval: float = 0.01):
+        import threading
+
+        self.peak = {"RssAnon": 0, "RssFile": 0}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(interval,), daemon=True)
+        self._thread.start()
+
+    def _run(self, interval: float) -> None:
+        while not self._stop.wait(interval):
+            for field in self.peak:
+                self.peak[field] = max(self.peak[field], status_kib(field))
+
+    def stop(self) -> dict[str, int]:
+        self._stop.set()
+        self._thread.join()
+        return self.peak
+
+
 def measure_rank(prefix: str, tokens: int, cache: str | None = None) -> dict:
     """One rank's start-up (run in a fresh process); ``cache``: the epoch order cache directory."""
     from megatron_wlb.config import load_config
@@ -69,6 +92,7 @@ def measure_rank(prefix: str, tokens: int, cache: str | None = None) -> dict:
     from megatron_wlb.packing import make_packer
 
     before = status_kib("VmRSS")
+    sampler = PeakSampler()
     start = time.perf_counter()
     reader = DocumentReader([(prefix, 1.0)], split="1,0,0", seed=1234, order_cache=cache)
     opened = time.perf_counter() - start
@@ -84,7 +108,9 @@ def measure_rank(prefix: str, tokens: int, cache: str | None = None) -> dict:
     t = time.perf_counter()
     state = iterator.state_dict()
     checkpoint = time.perf_counter() - t
-    return {"open_s": opened, "first_plan_s": first_plan, "plan_20_s": later_plan, "checkpoint_state_s": checkpoint,
+    peak = sampler.stop()
+    return {"peak_anon_mib": peak["RssAnon"] / 1024, "peak_file_mib": peak["RssFile"] / 1024,
+            "open_s": opened, "first_plan_s": first_plan, "plan_20_s": later_plan, "checkpoint_state_s": checkpoint,
             "peak_rss_mib": status_kib("VmHWM") / 1024, "rss_before_mib": before / 1024,
             "rss_anon_mib": status_kib("RssAnon") / 1024, "rss_file_mib": status_kib("RssFile") / 1024,
             "window_documents": int(iterator._source.ids.size) if iterator._source is not None else 0,
@@ -95,13 +121,14 @@ def to_markdown(result: dict) -> str:
     lines = [f"Data path at scale: one rank, {result['config']} wlb packer, stream of one epoch; "
              f"{result['machine']}.", "",
              "| documents | epoch order | .idx | open (validate) | first plan | 20th plan | checkpoint state "
-             "| peak RSS | private RSS | file pages (shared) |",
-             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| peak RSS | peak private | private at end | peak file pages (shared) |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for row in result["rows"]:
         lines.append(f"| {row['documents']:.0e} | {row['order']} | {row['idx_mib']:.0f} MiB | {row['open_s']:.1f} s | "
                      f"{row['first_plan_s']:.1f} s | {row['plan_20_s'] * 1e3:.0f} ms | "
                      f"{row['checkpoint_state_s']:.2f} s | {row['peak_rss_mib']:.0f} MiB | "
-                     f"{row['rss_anon_mib']:.0f} MiB | {row['rss_file_mib']:.0f} MiB |")
+                     f"{row['peak_anon_mib']:.0f} MiB | {row['rss_anon_mib']:.0f} MiB | "
+                     f"{row['peak_file_mib']:.0f} MiB |")
     return "\n".join(lines) + "\n"
 
 

@@ -206,27 +206,34 @@ def _body_sha256(f: Any, documents: int, itemsize: int) -> bytes:
 def check_order_file(path: str, seed: int, dataset: int, epoch: int, documents: int) -> str | None:
     """Why the order file at ``path`` cannot be used (None: it can): missing, wrong size, a header
     that is not ours, for another seed/dataset/epoch/size, damaged, or an order whose checksum fails."""
+    return _map_order_file(path, seed, dataset, epoch, documents)[1]
+
+
+def _map_order_file(path: str, seed: int, dataset: int, epoch: int, documents: int
+                    ) -> tuple[np.ndarray | None, str | None]:
+    """(the order memory-mapped, None) from the file checked, or (None, why it cannot be used)."""
     itemsize = order_dtype(documents).itemsize
     try:
-        with open(path, "rb") as f:
+        with open(path, "rb") as f:  # checked and mapped through one descriptor: the same file
             size = os.fstat(f.fileno()).st_size
             if size != ORDER_HEADER_BYTES + documents * itemsize:
-                return f"it has {size} bytes, expected {ORDER_HEADER_BYTES + documents * itemsize}"
+                return None, f"it has {size} bytes, expected {ORDER_HEADER_BYTES + documents * itemsize}"
             head = f.read(ORDER_HEADER_BYTES)
             fields = head[:_ORDER_FIELDS.size]
             if hashlib.sha256(fields).digest()[:16] != head[_ORDER_FIELDS.size:_ORDER_FIELDS.size + 16]:
-                return "the header checksum fails"
+                return None, "the header checksum fails"
             magic, *key, body = _ORDER_FIELDS.unpack(fields)
             if magic != ORDER_MAGIC or key != [seed, dataset, epoch, documents, itemsize]:
-                return (f"its header is for seed, dataset, epoch, documents, bytes = {key[:5]}, expected "
-                        f"{[seed, dataset, epoch, documents, itemsize]}")
+                return None, (f"its header is for seed, dataset, epoch, documents, bytes = {key[:5]}, expected "
+                              f"{[seed, dataset, epoch, documents, itemsize]}")
             if _body_sha256(f, documents, itemsize) != body:
-                return "the order's checksum fails"
+                return None, "the order's checksum fails"
+            return np.memmap(f, dtype=order_dtype(documents), mode="r", offset=ORDER_HEADER_BYTES,
+                             shape=(documents,)), None
     except FileNotFoundError:
-        return "missing"
+        return None, "missing"
     except OSError as exc:
-        return f"it cannot be read ({exc.strerror})"
-    return None
+        return None, f"it cannot be read ({exc.strerror})"
 
 
 def _write_order_file(path: str, seed: int, dataset: int, epoch: int, documents: int) -> None:
@@ -264,22 +271,27 @@ def cached_order(directory: str, seed: int, dataset: int, epoch: int, documents:
     import warnings
 
     path = order_cache_file(directory, seed, dataset, epoch, documents)
-    problem = check_order_file(path, seed, dataset, epoch, documents)
-    if problem is not None:
-        try:
-            os.makedirs(directory, exist_ok=True)
-            lock = open(path + ".lock", "a+b")
-        except OSError as exc:
-            raise ValueError(f"--data-cache-path {directory}: cannot write the epoch order cache there ({exc}); "
-                             "give a writable directory, or none to keep the orders in memory") from None
-        with lock:
-            fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
-            problem = check_order_file(path, seed, dataset, epoch, documents)  # built while we waited?
-            if problem is not None:
-                if problem != "missing":
-                    warnings.warn(f"epoch order cache {path}: {problem}; rebuilding it", stacklevel=2)
-                _write_order_file(path, seed, dataset, epoch, documents)
-    return np.memmap(path, dtype=order_dtype(documents), mode="r", offset=ORDER_HEADER_BYTES, shape=(documents,))
+    order, problem = _map_order_file(path, seed, dataset, epoch, documents)
+    if order is not None:
+        return order
+    try:
+        os.makedirs(directory, exist_ok=True)
+        lock = open(path + ".lock", "a+b")
+    except OSError as exc:
+        raise ValueError(f"--data-cache-path {directory}: cannot write the epoch order cache there ({exc}); "
+                         "give a writable directory, or none to keep the orders in memory") from None
+    with lock:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+        order, problem = _map_order_file(path, seed, dataset, epoch, documents)  # built while we waited?
+        if order is None:
+            if problem != "missing":
+                warnings.warn(f"epoch order cache {path}: {problem}; rebuilding it", stacklevel=2)
+            _write_order_file(path, seed, dataset, epoch, documents)
+            order, problem = _map_order_file(path, seed, dataset, epoch, documents)
+    if order is None:
+        raise ValueError(f"epoch order cache {path}: {problem} right after it was written; check the file system "
+                         "of --data-cache-path")
+    return order
 
 
 class DocumentStream:
