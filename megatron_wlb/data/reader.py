@@ -337,8 +337,8 @@ class DocumentStream:
 
 class _DatasetCursor:
     """One dataset's documents in stream order: epoch-shuffled, each scheduled at its start time
-    (``blend.start_times``), up to virtual time ``tokens``; one epoch's order (4 bytes a document)
-    is held at a time."""
+    (``blend.start_times``), up to virtual time ``tokens``; one epoch's order (4 bytes a document, or
+    memory-mapped from the order cache) is held at a time, none in file order (``shuffle`` off)."""
 
     def __init__(self, reader: DocumentReader, i: int, tokens: int):
         self.reader, self.i, self.tokens = reader, i, tokens
@@ -351,9 +351,13 @@ class _DatasetCursor:
 
     def next_chunk(self, size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(start times, stream ids, lengths) of up to ``size`` next documents (within one epoch)."""
-        if self.order is None:
-            self.order = self.reader._epoch_order(self.i, self.epoch)
-        local = self.order[self.at:self.at + size]
+        count = self.end - self.begin
+        if not self.reader.shuffle:  # file order: computed a chunk at a time, nothing held
+            local = np.arange(self.at, min(count, self.at + size), dtype=np.int64)
+        else:
+            if self.order is None:
+                self.order = self.reader._epoch_order(self.i, self.epoch)
+            local = self.order[self.at:self.at + size]
         docs = local.astype(np.int64) + self.begin
         lengths = np.asarray(self.reader.sources[self.i].lengths[docs], dtype=np.int64)
         keys = start_times(lengths, self.weight, self.before)
@@ -364,7 +368,7 @@ class _DatasetCursor:
         self.before += int(lengths.sum())
         ids = self.epoch * self.reader.num_documents + int(self.reader.offsets[self.i]) + docs
         self.at += local.size
-        if self.at >= self.order.size:
+        if self.at >= count:
             self.epoch, self.at, self.order = self.epoch + 1, 0, None
         return keys, ids, lengths
 
