@@ -25,6 +25,7 @@ from megatron_wlb.packing import (
     validate_lengths,
 )
 from megatron_wlb.packing.metrics import piece_latency
+from megatron_wlb.packing.solver import decode_counts, length_groups, model_columns
 
 
 @pytest.fixture(scope="module")
@@ -134,6 +135,67 @@ def test_solver_optimal_on_small_instances(seed):
     got = np.bincount(choice, weights=weights, minlength=bins).max()
     assert got <= np.bincount(start, weights=weights, minlength=bins).max() + 1e-9
     assert got == pytest.approx(brute_force_max(lengths, weights, bins, cap), rel=1e-6)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_solver_optimal_with_repeated_lengths(seed):
+    # Pieces of equal length are one group with an integer count per bin; still optimal, and
+    # every piece is assigned exactly once.
+    rng = np.random.default_rng(10 + seed)
+    lengths = np.sort(rng.choice([7, 12, 20, 31], size=8))[::-1].copy()
+    weights = lengths.astype(float) ** 2
+    bins, cap = 3, int(lengths.sum() / 3 * 1.2)
+    greedy = place_greedy(lengths.tolist(), weights.tolist(), [0.0] * bins, [0] * bins, cap)
+    relabel = {}
+    start = np.array([relabel.setdefault(j, len(relabel)) for j in greedy])
+    stats = {}
+    choice, status, _ = solve_assignment(lengths, weights, bins, cap, start=start, node_limit=100000,
+                                         rel_gap=0.0, stats=stats)
+    assert status == "Optimal" and stats["groups"] == np.unique(lengths).size
+    assert choice is not None and choice.shape == lengths.shape and choice.min() >= 0 and choice.max() < bins
+    assert np.bincount(choice, weights=lengths, minlength=bins).max() <= cap
+    got = np.bincount(choice, weights=weights, minlength=bins).max()
+    assert got == pytest.approx(brute_force_max(lengths, weights, bins, cap), rel=1e-6)
+
+
+def test_solver_model_is_per_piece_when_lengths_are_distinct():
+    # Distinct lengths: one group per piece, piece i in bins 0..i (the per-piece model of Eq. 1).
+    lengths = np.arange(40, 10, -1)
+    assert model_columns(lengths, 7) == int(np.minimum(np.arange(lengths.size) + 1, 7).sum())
+    assert model_columns(np.ones(224, dtype=np.int64), 70) == 70
+
+
+def test_solver_bounded_on_a_window_of_equal_pieces():
+    # Issue 22: 224 one-token documents into 70 bins was a 13K-binary model taking ~60 s of CPU
+    # per plan at solver_nodes >= 1. Grouped, it is 70 columns solved in a handful of nodes and
+    # simplex iterations, so a column cap of 1,000 no longer skips it.
+    packing = PackingConfig(seq_len=4, n=10, dp=7, window=1, solver_nodes=5, solver_max_columns=1000)
+    packer = make_packer("fixed-solver", packing)
+    batches = first(packer, np.ones(224, dtype=np.int64), 1)
+    assert packer.skipped_windows == 0 and packer.solver_status == {"Optimal": 1}
+    pieces = [p for mb in batches[0].micro_batches for p in mb.pieces]
+    assert sorted(p.doc_id for p in pieces) == list(range(224))
+    assert max(mb.tokens for mb in batches[0].micro_batches) == 4
+    stats = {}
+    choice, status, _ = solve_assignment(np.ones(224), np.ones(224), 70, 4, start=np.arange(224) % 70,
+                                         node_limit=5, stats=stats)
+    assert choice is not None and np.bincount(choice, minlength=70).max() == 4
+    assert stats["columns"] == 70 and stats["nodes"] <= 5 and stats["simplex_iterations"] < 1000
+
+
+def test_solver_decode_keeps_pieces_in_their_warm_start_bins():
+    # Counts per (length group, bin) -> bin per piece: the greedy bins where the counts allow.
+    group, _, _ = length_groups(np.array([5, 5, 5, 3, 3, 3, 3, 1]))
+    start = np.array([0, 1, 2, 2, 1, 0, 2, 1])
+    same = np.zeros((3, 3), dtype=np.int64)
+    np.add.at(same, (group, start), 1)
+    assert np.array_equal(decode_counts(group, same, start), start)
+    moved = same.copy()
+    moved[1] = [2, 1, 1]  # one 3-token piece moves from bin 2 to bin 0
+    choice = decode_counts(group, moved, start)
+    got = np.zeros((3, 3), dtype=np.int64)
+    np.add.at(got, (group, choice), 1)
+    assert np.array_equal(got, moved) and (choice != start).sum() == 1
 
 
 def test_solver_packer_reports_highs_status(run7b):

@@ -100,3 +100,13 @@ def test_resume_reads_on_exactly_from_a_lazy_stream(blend):
     with pytest.raises(ValueError, match="does not start with the"):
         WlbDataIterator(other, other.stream(30 * cfg.tokens_per_iteration), make_packer("wlb", cfg), 0
                         ).load_state_dict(state)
+
+
+def test_file_order_holds_no_epoch_order(tmp_path):
+    """With ``shuffle`` off the documents come in file order, computed a chunk at a time: no epoch
+    order (4 bytes a document) is held."""
+    reader = DocumentReader([(synthetic(tmp_path, "plain", np.full(1000, 30)), 1.0)], split="1,0,0", shuffle=False)
+    cursor = StreamCursor(reader, 30 * 2500, chunk=64)
+    lengths, ids = cursor.window(0, 2400)
+    assert np.array_equal(ids, np.arange(2400)) and (lengths == 30).all()  # epochs 0, 1, 2 in file order
+    assert all(d.order is None for d in cursor.datasets)

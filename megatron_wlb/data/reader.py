@@ -11,6 +11,10 @@ with neither torch nor megatron-core (``indexed.read_index`` parses the index):
   run with more iterations replays the same documents. The stream is lazy: a packer reads it
   through a ``StreamCursor``, a window generated a chunk at a time, so a rank holds the window,
   one epoch's order per dataset (4 bytes a document) and views of the ``.idx``, not the stream.
+  With an order cache directory (``order_cache``; Megatron's ``--data-cache-path``) a large
+  dataset's epoch order is built once into a file there and memory-mapped by every rank of the
+  node (page cache, shared and reclaimable), so a rank's private memory no longer grows with the
+  corpus; the order, and so the stream, is the same as without the cache.
 - Stream ids are global and stable: ``epoch * num_documents + global_doc``, where ``global_doc`` is
   the dataset's offset (datasets in ``--data-path`` order) plus the document's index in its .idx.
 - ``write_indexed_dataset`` writes such files with megatron-core's own builder (tests, smoke runs).
@@ -20,7 +24,10 @@ from __future__ import annotations
 
 import hashlib
 import math
+import mmap
 import os
+import struct
+import tempfile
 from collections.abc import Sequence
 from typing import Any
 
@@ -147,6 +154,146 @@ class IndexedSource:
 STREAM_CHUNK = 1 << 18
 
 
+# -- epoch orders: in memory, or built once into a file shared by the ranks of a node ---------------------
+#: an epoch order of fewer documents than this stays in memory even with an order cache (4 MB as int32)
+ORDER_CACHE_MIN_DOCUMENTS = 1_000_000
+ORDER_MAGIC = b"WLBORDR1"
+#: magic, seed, dataset index, epoch, documents, bytes a document, sha256 of the order
+_ORDER_FIELDS = struct.Struct("<8sqqqqq32s")
+#: the header: the fields, the first 16 bytes of their sha256, zero padding (the order starts aligned)
+ORDER_HEADER_BYTES = 128
+#: documents written or hashed at a time while building or checking an order file
+_ORDER_IO_CHUNK = 1 << 24
+
+
+def order_dtype(documents: int) -> np.dtype:
+    """int32 while it fits (4 bytes a document), else int64."""
+    return np.dtype(np.int32 if documents < 2**31 else np.int64)
+
+
+def shuffled_order(seed: int, dataset: int, epoch: int, documents: int) -> np.ndarray:
+    """``0..documents-1`` shuffled by ``numpy.random.default_rng([seed, dataset, epoch])``, in memory."""
+    docs = np.arange(documents, dtype=order_dtype(documents))
+    np.random.default_rng([seed, dataset, epoch]).shuffle(docs)
+    return docs
+
+
+def order_cache_file(directory: str, seed: int, dataset: int, epoch: int, documents: int) -> str:
+    """The file of one epoch order: it depends only on these four numbers (not on the tokens)."""
+    return os.path.join(directory, f"wlb-order-seed{seed}-dataset{dataset}-epoch{epoch}-docs{documents}.bin")
+
+
+def _order_header(seed: int, dataset: int, epoch: int, documents: int, body_sha256: bytes) -> bytes:
+    fields = _ORDER_FIELDS.pack(ORDER_MAGIC, seed, dataset, epoch, documents, order_dtype(documents).itemsize,
+                                body_sha256)
+    return (fields + hashlib.sha256(fields).digest()[:16]).ljust(ORDER_HEADER_BYTES, b"\0")
+
+
+def _body_sha256(f: Any, documents: int, itemsize: int) -> bytes:
+    """sha256 of an order file's body, read (not mapped) a chunk at a time."""
+    h = hashlib.sha256()
+    f.seek(ORDER_HEADER_BYTES)
+    left = documents * itemsize
+    while left:
+        block = f.read(min(left, _ORDER_IO_CHUNK * itemsize))
+        if not block:
+            break
+        h.update(block)
+        left -= len(block)
+    return h.digest()
+
+
+def check_order_file(path: str, seed: int, dataset: int, epoch: int, documents: int) -> str | None:
+    """Why the order file at ``path`` cannot be used (None: it can): missing, wrong size, a header
+    that is not ours, for another seed/dataset/epoch/size, damaged, or an order whose checksum fails."""
+    return _map_order_file(path, seed, dataset, epoch, documents)[1]
+
+
+def _map_order_file(path: str, seed: int, dataset: int, epoch: int, documents: int
+                    ) -> tuple[np.ndarray | None, str | None]:
+    """(the order memory-mapped, None) from the file checked, or (None, why it cannot be used)."""
+    itemsize = order_dtype(documents).itemsize
+    try:
+        with open(path, "rb") as f:  # checked and mapped through one descriptor: the same file
+            size = os.fstat(f.fileno()).st_size
+            if size != ORDER_HEADER_BYTES + documents * itemsize:
+                return None, f"it has {size} bytes, expected {ORDER_HEADER_BYTES + documents * itemsize}"
+            head = f.read(ORDER_HEADER_BYTES)
+            fields = head[:_ORDER_FIELDS.size]
+            if hashlib.sha256(fields).digest()[:16] != head[_ORDER_FIELDS.size:_ORDER_FIELDS.size + 16]:
+                return None, "the header checksum fails"
+            magic, *key, body = _ORDER_FIELDS.unpack(fields)
+            if magic != ORDER_MAGIC or key != [seed, dataset, epoch, documents, itemsize]:
+                return None, (f"its header is for seed, dataset, epoch, documents, bytes = {key[:5]}, expected "
+                              f"{[seed, dataset, epoch, documents, itemsize]}")
+            if _body_sha256(f, documents, itemsize) != body:
+                return None, "the order's checksum fails"
+            return np.memmap(f, dtype=order_dtype(documents), mode="r", offset=ORDER_HEADER_BYTES,
+                             shape=(documents,)), None
+    except FileNotFoundError:
+        return None, "missing"
+    except OSError as exc:
+        return None, f"it cannot be read ({exc.strerror})"
+
+
+def _write_order_file(path: str, seed: int, dataset: int, epoch: int, documents: int) -> None:
+    """Shuffle the order inside a temporary file's memory map (page cache, not private memory), then
+    rename it to ``path`` atomically: readers see the whole file or none."""
+    dtype = order_dtype(documents)
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", prefix=os.path.basename(path) + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w+b") as f:
+            f.truncate(ORDER_HEADER_BYTES + documents * dtype.itemsize)
+            with mmap.mmap(f.fileno(), 0) as mm:
+                body = np.frombuffer(mm, dtype=dtype, count=documents, offset=ORDER_HEADER_BYTES)
+                for at in range(0, documents, _ORDER_IO_CHUNK):
+                    body[at:at + _ORDER_IO_CHUNK] = np.arange(at, min(documents, at + _ORDER_IO_CHUNK), dtype=dtype)
+                np.random.default_rng([seed, dataset, epoch]).shuffle(body)  # as ``shuffled_order``
+                del body  # the map cannot close while an array views it
+                mm.flush()
+            digest = _body_sha256(f, documents, dtype.itemsize)
+            f.seek(0)
+            f.write(_order_header(seed, dataset, epoch, documents, digest))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def cached_order(directory: str, seed: int, dataset: int, epoch: int, documents: int) -> np.ndarray:
+    """The epoch order of ``shuffled_order``, memory-mapped from ``directory`` (built there first if
+    missing or unusable). Ranks starting together take turns on a lock file, so one of them builds and
+    the others map its file; a file that fails its check is rebuilt (a warning names it and why)."""
+    import fcntl
+    import warnings
+
+    path = order_cache_file(directory, seed, dataset, epoch, documents)
+    order, problem = _map_order_file(path, seed, dataset, epoch, documents)
+    if order is not None:
+        return order
+    try:
+        os.makedirs(directory, exist_ok=True)
+        lock = open(path + ".lock", "a+b")
+    except OSError as exc:
+        raise ValueError(f"--data-cache-path {directory}: cannot write the epoch order cache there ({exc}); "
+                         "give a writable directory, or none to keep the orders in memory") from None
+    with lock:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+        order, problem = _map_order_file(path, seed, dataset, epoch, documents)  # built while we waited?
+        if order is None:
+            if problem != "missing":
+                warnings.warn(f"epoch order cache {path}: {problem}; rebuilding it", stacklevel=2)
+            _write_order_file(path, seed, dataset, epoch, documents)
+            order, problem = _map_order_file(path, seed, dataset, epoch, documents)
+    if order is None:
+        raise ValueError(f"epoch order cache {path}: {problem} right after it was written; check the file system "
+                         "of --data-cache-path")
+    return order
+
+
 class DocumentStream:
     """The reader's order of documents up to virtual time ``tokens``: stable stream ids and lengths in
     arrival order, generated lazily. ``cursor()`` reads it through a moving window (what a packer
@@ -190,8 +337,8 @@ class DocumentStream:
 
 class _DatasetCursor:
     """One dataset's documents in stream order: epoch-shuffled, each scheduled at its start time
-    (``blend.start_times``), up to virtual time ``tokens``; one epoch's order (4 bytes a document)
-    is held at a time."""
+    (``blend.start_times``), up to virtual time ``tokens``; one epoch's order (4 bytes a document, or
+    memory-mapped from the order cache) is held at a time, none in file order (``shuffle`` off)."""
 
     def __init__(self, reader: DocumentReader, i: int, tokens: int):
         self.reader, self.i, self.tokens = reader, i, tokens
@@ -204,9 +351,13 @@ class _DatasetCursor:
 
     def next_chunk(self, size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(start times, stream ids, lengths) of up to ``size`` next documents (within one epoch)."""
-        if self.order is None:
-            self.order = self.reader._epoch_order(self.i, self.epoch)
-        local = self.order[self.at:self.at + size]
+        count = self.end - self.begin
+        if not self.reader.shuffle:  # file order: computed a chunk at a time, nothing held
+            local = np.arange(self.at, min(count, self.at + size), dtype=np.int64)
+        else:
+            if self.order is None:
+                self.order = self.reader._epoch_order(self.i, self.epoch)
+            local = self.order[self.at:self.at + size]
         docs = local.astype(np.int64) + self.begin
         lengths = np.asarray(self.reader.sources[self.i].lengths[docs], dtype=np.int64)
         keys = start_times(lengths, self.weight, self.before)
@@ -217,7 +368,7 @@ class _DatasetCursor:
         self.before += int(lengths.sum())
         ids = self.epoch * self.reader.num_documents + int(self.reader.offsets[self.i]) + docs
         self.at += local.size
-        if self.at >= self.order.size:
+        if self.at >= count:
             self.epoch, self.at, self.order = self.epoch + 1, 0, None
         return keys, ids, lengths
 
@@ -307,10 +458,14 @@ class DocumentReader:
     order, so each dataset contributes tokens in proportion to its weight. Within a dataset, the
     documents of the chosen split range are visited in a fresh permutation every epoch
     (``numpy.random.default_rng([seed, dataset, epoch])``), or in file order if ``shuffle`` is off.
+    ``order_cache``: a directory where the epoch orders of datasets with at least
+    ``ORDER_CACHE_MIN_DOCUMENTS`` documents are built once and memory-mapped (``cached_order``); None
+    keeps them in memory. The order is the same either way.
     """
 
     def __init__(self, sources: Sequence[tuple[IndexedSource | str, float]], split: str = DEFAULT_SPLIT,
-                 split_name: str = "train", seed: int = 1234, shuffle: bool = True, mmap: bool = True):
+                 split_name: str = "train", seed: int = 1234, shuffle: bool = True, mmap: bool = True,
+                 order_cache: str | None = None):
         if not sources:
             raise ValueError("DocumentReader needs at least one (source, weight)")
         if split_name not in SPLIT_NAMES:
@@ -330,6 +485,8 @@ class DocumentReader:
         self.split_name = split_name
         self.seed = int(seed)
         self.shuffle = shuffle
+        self.order_cache = order_cache
+        self._mapped_orders: dict[tuple[int, int], np.ndarray] = {}  # checked once, then shared by cursors
         #: set by ``check_vocabulary``: every read then refuses token ids at or beyond it
         self.vocab_size: int | None = None
         self.vocab_flag = "--vocab-size"
@@ -380,12 +537,16 @@ class DocumentReader:
 
     def _epoch_order(self, i: int, epoch: int) -> np.ndarray:
         """Dataset ``i``'s split range in epoch ``epoch``'s order, relative to the range's start: a
-        ``numpy.random.default_rng([seed, i, epoch])`` shuffle (int32 while it fits: 4 bytes a document)."""
+        ``numpy.random.default_rng([seed, i, epoch])`` shuffle (int32 while it fits: 4 bytes a document),
+        memory-mapped from the order cache when there is one and the range is large."""
         b, e = self.ranges[i]
-        docs = np.arange(e - b, dtype=np.int32 if e - b < 2**31 else np.int64)
-        if self.shuffle:
-            np.random.default_rng([self.seed, i, epoch]).shuffle(docs)
-        return docs
+        if not self.shuffle:
+            return np.arange(e - b, dtype=order_dtype(e - b))
+        if self.order_cache is not None and e - b >= ORDER_CACHE_MIN_DOCUMENTS:
+            if (i, epoch) not in self._mapped_orders:
+                self._mapped_orders[(i, epoch)] = cached_order(self.order_cache, self.seed, i, epoch, e - b)
+            return self._mapped_orders[(i, epoch)]
+        return shuffled_order(self.seed, i, epoch, e - b)
 
     def stream(self, tokens: int) -> DocumentStream:
         """The documents scheduled before virtual time ``tokens`` (about that many tokens), lazily."""

@@ -106,19 +106,22 @@ def runtime() -> Runtime:
 # -- building the data path from Megatron's args --------------------------------------------------------
 def reader_from_args(args: Any, split_name: str = "train") -> DocumentReader:
     """A ``DocumentReader`` for one split: ``--{train,valid,test}-data-path`` (all of it) if given, else
-    ``--data-path`` with ``--split``."""
+    ``--data-path`` with ``--split``. Megatron's ``--data-cache-path``, when given, also holds the epoch
+    orders of large datasets (built once, memory-mapped by the ranks of a node; ``reader.cached_order``)."""
     from megatron_wlb.data.reader import DocumentReader
 
     mmap = bool(getattr(args, "mmap_bin_files", True))
     seed = int(getattr(args, "seed", 1234))
+    cache = getattr(args, "data_cache_path", None) or None
     own = getattr(args, f"{split_name}_data_path", None)
     if own:
-        reader = DocumentReader.from_data_path(own, split="1,0,0", split_name="train", seed=seed, mmap=mmap)
+        reader = DocumentReader.from_data_path(own, split="1,0,0", split_name="train", seed=seed, mmap=mmap,
+                                               order_cache=cache)
     elif not getattr(args, "data_path", None):
         raise ValueError("WLB-LLM reads Megatron indexed datasets: give --data-path [WEIGHT] PREFIX ...")
     else:
         reader = DocumentReader.from_data_path(args.data_path, split=_split(args), split_name=split_name, seed=seed,
-                                               mmap=mmap)
+                                               mmap=mmap, order_cache=cache)
     vocab = getattr(args, "padded_vocab_size", None)  # the embedding's rows (set by Megatron's tokenizer build)
     if vocab:
         reader.check_vocabulary(int(vocab), "--vocab-size / the tokenizer")

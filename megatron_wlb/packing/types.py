@@ -176,8 +176,8 @@ class PackingConfig:
     fill_target: float = 0.95
     #: fixed-solver: HiGHS branch-and-bound nodes per window (0 = root node only); deterministic
     solver_nodes: int = 0
-    #: fixed-solver: windows whose MILP has more binary columns than this keep the greedy plan
-    #: (a deterministic work bound: plans never depend on wall time)
+    #: fixed-solver: windows whose MILP has more integer columns (one per piece length and bin it
+    #: may use) than this keep the greedy plan (a deterministic work bound: plans never depend on wall time)
     solver_max_columns: int = 20_000
     #: wlb: deal each iteration's micro-batches to DP ranks and order them within a rank to
     #: minimise the slowest rank's pipeline-schedule time (contents and delays unchanged)
