@@ -11,9 +11,9 @@ import types
 
 import numpy as np
 import pytest
+from test_stream_scale import synthetic  # the sparse synthetic corpus, one definition
 
 from megatron_wlb.data import reader as reader_module
-from megatron_wlb.data.indexed import write_index
 from megatron_wlb.data.reader import (
     ORDER_HEADER_BYTES,
     DocumentReader,
@@ -24,13 +24,6 @@ from megatron_wlb.data.reader import (
 )
 from megatron_wlb.megatron.data import WlbDataIterator
 from megatron_wlb.packing import PackingConfig, make_packer
-
-
-def synthetic(tmp_path, name: str, lengths: np.ndarray) -> str:
-    prefix = write_index(tmp_path / name, lengths)
-    with open(f"{prefix}.bin", "wb") as f:
-        f.truncate(int(np.sum(lengths, dtype=np.int64)) * 2)
-    return str(prefix)
 
 
 @pytest.fixture
