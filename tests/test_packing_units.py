@@ -185,7 +185,7 @@ def test_solver_bounded_on_a_window_of_equal_pieces():
 
 def test_solver_decode_keeps_pieces_in_their_warm_start_bins():
     # Counts per (length group, bin) -> bin per piece: the greedy bins where the counts allow.
-    group, _, _ = length_groups(np.array([5, 5, 5, 3, 3, 3, 3, 1]))
+    group, _, _, _ = length_groups(np.array([5, 5, 5, 3, 3, 3, 3, 1]))
     start = np.array([0, 1, 2, 2, 1, 0, 2, 1])
     same = np.zeros((3, 3), dtype=np.int64)
     np.add.at(same, (group, start), 1)

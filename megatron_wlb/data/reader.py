@@ -486,7 +486,9 @@ class DocumentReader:
         self.seed = int(seed)
         self.shuffle = shuffle
         self.order_cache = order_cache
-        self._mapped_orders: dict[tuple[int, int], np.ndarray] = {}  # checked once, then shared by cursors
+        #: per dataset, the latest mapped epoch order (epoch, order): checked once, shared by its cursors;
+        #: an older epoch's map is released when the next one is mapped
+        self._mapped_orders: dict[int, tuple[int, np.ndarray]] = {}
         #: set by ``check_vocabulary``: every read then refuses token ids at or beyond it
         self.vocab_size: int | None = None
         self.vocab_flag = "--vocab-size"
@@ -538,14 +540,14 @@ class DocumentReader:
     def _epoch_order(self, i: int, epoch: int) -> np.ndarray:
         """Dataset ``i``'s split range in epoch ``epoch``'s order, relative to the range's start: a
         ``numpy.random.default_rng([seed, i, epoch])`` shuffle (int32 while it fits: 4 bytes a document),
-        memory-mapped from the order cache when there is one and the range is large."""
+        memory-mapped from the order cache when there is one and the range is large. Only with
+        ``shuffle`` on: in file order the cursors compute the positions and hold no order."""
         b, e = self.ranges[i]
-        if not self.shuffle:
-            return np.arange(e - b, dtype=order_dtype(e - b))
         if self.order_cache is not None and e - b >= ORDER_CACHE_MIN_DOCUMENTS:
-            if (i, epoch) not in self._mapped_orders:
-                self._mapped_orders[(i, epoch)] = cached_order(self.order_cache, self.seed, i, epoch, e - b)
-            return self._mapped_orders[(i, epoch)]
+            held = self._mapped_orders.get(i)
+            if held is None or held[0] != epoch:
+                held = self._mapped_orders[i] = (epoch, cached_order(self.order_cache, self.seed, i, epoch, e - b))
+            return held[1]
         return shuffled_order(self.seed, i, epoch, e - b)
 
     def stream(self, tokens: int) -> DocumentStream:

@@ -281,19 +281,17 @@ def whole_piece_floor_time(cost: CostModel | None, batch: GlobalBatch, stages: i
     m = batch.dp * batch.n
     lengths = np.concatenate([mb.lengths for mb in batch.micro_batches]) if m else np.zeros(0, np.int64)
     lat = piece_latency(cost, lengths)
-    fwd_piece = lat / 3.0 if cost is None else piece_forward(cost, lengths)
     order = np.argsort(-lat, kind="stable")
-    lat, fwd_piece = lat[order], fwd_piece[order]
-    total, total_fwd = float(lat.sum()), float(fwd_piece.sum())
+    lat = lat[order]
     alone = 0
-    while alone < min(m - 1, lat.size) and lat[alone] > (total - float(lat[:alone].sum())) / (m - alone):
+    while alone < min(m - 1, lat.size) and lat[alone] > float(lat[alone:].sum()) / (m - alone):
         alone += 1
-    shared = m - alone
-    level = (total - float(lat[:alone].sum())) / shared
-    level_fwd = (total_fwd - float(fwd_piece[:alone].sum())) / shared
-    latency = np.concatenate([lat[:alone], np.full(shared, level)])
-    forward = np.concatenate([fwd_piece[:alone], np.full(shared, level_fwd)])
-    fwd, bwd = microbatch_seconds(cost, latency, None if cost is None else forward)
+
+    def water_filled(x: np.ndarray) -> np.ndarray:  # the heaviest ``alone`` pieces alone, the rest shared evenly
+        return np.concatenate([x[:alone], np.full(m - alone, float(x[alone:].sum()) / (m - alone))])
+
+    forward = None if cost is None else water_filled(piece_forward(cost, lengths[order]))
+    fwd, bwd = microbatch_seconds(cost, water_filled(lat), forward)
     perm = deal_and_order(fwd.tolist(), bwd.tolist(), batch.dp, batch.n, p, virtual_stages)
     fwd, bwd = fwd[perm].reshape(batch.dp, batch.n), bwd[perm].reshape(batch.dp, batch.n)
     return max(simulate_pipeline(np.broadcast_to(fwd[r], (p, batch.n)), np.broadcast_to(bwd[r], (p, batch.n)),

@@ -51,8 +51,8 @@ from megatron_wlb.packing.types import DocPiece, PackingConfig
 DEFAULT_NODE_LIMIT: int = PackingConfig.solver_nodes  # the one default, in PackingConfig
 
 
-def length_groups(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Pieces of equal length, in order of first appearance: (group per item, count per group,
+def length_groups(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Pieces of equal length, in order of first appearance: (group per item, count per group, first and
     last item position per group). Equal lengths mean equal weights, so such pieces are interchangeable."""
     lengths = np.asarray(lengths, dtype=np.int64)
     uniq, first, inverse = np.unique(lengths, return_index=True, return_inverse=True)
@@ -61,14 +61,14 @@ def length_groups(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarr
     group = rank[inverse]
     last = np.zeros(uniq.size, dtype=np.int64)
     np.maximum.at(last, group, np.arange(lengths.size))
-    return group, np.bincount(group, minlength=uniq.size), last
+    return group, np.bincount(group, minlength=uniq.size), np.sort(first), last
 
 
 def model_columns(lengths: np.ndarray, bins: int) -> int:
     """Integer columns of the aggregated model: group g (last item at position e) may use bins 0..e."""
     if np.asarray(lengths).size == 0:
         return 0
-    _, _, last = length_groups(lengths)
+    _, _, _, last = length_groups(lengths)
     return int(np.minimum(last + 1, bins).sum())
 
 
@@ -95,10 +95,8 @@ def solve_assignment(lengths: np.ndarray, weights: np.ndarray, bins: int, cap: i
     w = np.asarray(weights, dtype=np.float64)
     scale = w.sum() / bins if w.sum() > 0 else 1.0
     w = w / scale
-    group, count, last = length_groups(lengths)
+    group, count, first, last = length_groups(lengths)
     ng = count.size
-    first = np.full(ng, p, dtype=np.int64)
-    np.minimum.at(first, group, np.arange(p))
     g_len, g_w = lengths[first], w[first]
     # Columns: y_(g, j) = pieces of group g in bin j, for j <= min(last_g, bins - 1), then z.
     nj = np.minimum(last, bins - 1) + 1
