@@ -41,6 +41,8 @@ def other_value(knob, seq_len: int = 8192):
         candidates = [(1000, 3000)]
     elif hint is bool:
         candidates = [not d]
+    elif bool in args:
+        candidates = [False, True]
     elif hint is float or float in args:
         base = d if isinstance(d, float) else 1.0
         candidates = [base / 2, base * 2 + 0.5, 0.25, 0.9, 2.0, 10.0]

@@ -45,6 +45,7 @@ Importing this package needs neither torch nor Megatron; ``apply()`` imports the
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import time
@@ -179,19 +180,32 @@ def build_train_iterator(args: Any, settings: WlbSettings, dp_rank: int, cp_rank
                          split_name: str = "train") -> WlbDataIterator:
     """This rank's ``WlbDataIterator`` for Megatron's ``args`` (pure: same inputs, same plans, any rank).
 
-    ``split_name`` "valid"/"test" builds the evaluation iterators the same way over those splits.
+    ``split_name`` "valid"/"test" builds the evaluation iterators the same way over those splits. With
+    ``--wlb-pieces concat-and-cut`` the training split reads Megatron's own GPTDataset samples
+    (``gpt_samples``) unless a ``reader`` is given; evaluation keeps the document reader.
     """
     from megatron_wlb.megatron.args import cost_model_from_args, packing_config_from_args
     from megatron_wlb.megatron.data import WlbDataIterator
     from megatron_wlb.packing import make_packer
 
-    reader = reader if reader is not None else reader_from_args(args, split_name)
     config = packing_config_from_args(args, settings)
+    megatron_samples = config.pieces == "concat-and-cut" and split_name == "train" and reader is None
+    if megatron_samples and config.read_ahead is None:  # no sample before the iteration Megatron's sampler gives it
+        config = dataclasses.replace(config, read_ahead=False)
     cost = cost_model_from_args(args, settings)
     packer = make_packer(settings.packing, config, cost)
-    stream = reader.stream(stream_tokens_for(args, config, split_name))
-    return WlbDataIterator(reader, stream, packer, dp_rank, cp_sharding_from_args(args, settings, cp_rank, cost),
-                           on_batch=on_batch)
+    sharding = cp_sharding_from_args(args, settings, cp_rank, cost)
+    if megatron_samples:
+        # Megatron's own GPTDataset samples, from the sample its sampler would give next (a resumed stock
+        # job's consumed samples; a resumed balanced one opens its saved position instead)
+        from megatron_wlb.megatron.gpt_samples import MegatronSamples, build_train_dataset
+
+        samples = MegatronSamples(build_train_dataset(args))
+        return WlbDataIterator(None, samples.stream(int(getattr(args, "consumed_train_samples", 0) or 0)), packer,
+                               dp_rank, sharding, on_batch=on_batch, read_piece=samples.piece)
+    reader = reader if reader is not None else reader_from_args(args, split_name)
+    return WlbDataIterator(reader, reader.stream(stream_tokens_for(args, config, split_name)), packer, dp_rank,
+                           sharding, on_batch=on_batch)
 
 
 def _ranks() -> tuple[int, int]:

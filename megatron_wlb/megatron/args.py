@@ -293,6 +293,15 @@ def validate_wlb_args(args: Any, *, te_available: bool | None = None, highspy_av
         if getattr(args, attr, False):
             problems.append(f"{flag} replaces the data path WLB installs; remove {flag} or do not call "
                             "megatron_wlb.megatron.apply()")
+    if settings.pieces == "concat-and-cut":
+        from megatron_wlb.megatron.gpt_samples import masking_problem
+
+        problem = masking_problem(args)
+        if problem:
+            problems.append(problem)
+        if getattr(args, "dataloader_type", "single") == "cyclic":
+            problems.append("--wlb-pieces concat-and-cut follows MegatronPretrainingSampler's order (--dataloader-type "
+                            "single); --dataloader-type cyclic reshuffles samples differently: use single")
     if getattr(args, "dataloader_type", "single") == "external":
         problems.append("--dataloader-type external: WLB supplies the training iterator itself; use single or cyclic")
     if settings.config:

@@ -234,6 +234,11 @@ def wrap_load_checkpoint(original: Callable, registry: DataStateRegistry, get_ar
                 f"{iteration} (data-stream reset {registry.data_stream_resets} of this training); optimizer, "
                 "iteration and learning-rate schedule resume from the checkpoint")
             return out
+        if payload is None and (settings() or {}).get("pieces") == "concat-and-cut":
+            log(f"> megatron_wlb: the checkpoint at iteration {iteration} holds no {SIDECAR_NAME} (a stock Megatron "
+                "run): --wlb-pieces concat-and-cut continues with Megatron's samples from its consumed_train_samples "
+                f"({int(getattr(margs, 'consumed_train_samples', 0) or 0)})")
+            return out
         if payload is None:
             raise RuntimeError(f"megatron_wlb: the checkpoint in {getattr(margs, load_arg)} resumes at iteration "
                                f"{iteration} but holds no {SIDECAR_NAME}, so the packer's queues and stream position "

@@ -11,7 +11,9 @@ and its ``RankPlan``. ``cp_hooks.upload_micro_batch`` moves it to the device onc
 Token convention (see ``docs/megatron.md``): a piece of d tokens gives d input tokens; ``labels[i]``
 is the next token of the same piece; the last token of every piece has ``loss_mask`` 0 (label 0);
 position ids restart at 0 for every piece (also for the later pieces of a split document); padding
-segments hold token 0 with loss_mask 0.
+segments hold token 0 with loss_mask 0. The balanced concat-and-cut intake (``gpt_samples``) reads
+each piece's tokens, labels and loss mask from Megatron's own samples instead (``PieceReadFn``):
+the label of a window's last input is then the window's next token, as in a stock job.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import numpy as np
 
 from megatron_wlb.cp.plan import CPSharding, RankPlan, micro_batch_lengths, plan_rank
 from megatron_wlb.data.reader import DocumentReader, DocumentStream, StreamCursor
+from megatron_wlb.data.samples import SamplePieceCursor, SampleStream
 from megatron_wlb.packing.types import GlobalBatch, MicroBatch
 
 STREAM_STATE_VERSION = 2  # 2: the stream digest hashes ids and lengths apart (a lazy stream)
@@ -43,15 +46,30 @@ class PackedTokens:
     loss_mask: np.ndarray
 
 
-def pack_tokens(read: ReadFn, micro_batch: MicroBatch, segment_lengths: np.ndarray) -> PackedTokens:
+#: (doc_id, offset, length) -> a piece's tokens, labels and loss mask, as the data source gives them
+PieceReadFn = Callable[[int, int, int], "PackedTokens"]
+
+
+def pack_tokens(read: ReadFn, micro_batch: MicroBatch, segment_lengths: np.ndarray,
+                read_piece: PieceReadFn | None = None) -> PackedTokens:
     """The micro-batch's tokens over ``segment_lengths`` (its pieces, then padding segments, as
-    ``cp.plan.micro_batch_lengths`` gives them). ``read(doc_id, offset, length)`` returns a piece's tokens."""
+    ``cp.plan.micro_batch_lengths`` gives them). ``read(doc_id, offset, length)`` returns a piece's tokens
+    (labels: the next token of the piece, the last one masked); ``read_piece`` (when given) returns its
+    tokens, labels and loss mask whole."""
     size = int(np.sum(segment_lengths))
     tokens = np.zeros(size, dtype=np.int64)
     labels = np.zeros(size, dtype=np.int64)
     loss_mask = np.zeros(size, dtype=np.float32)
     at = 0
     for p in micro_batch.pieces:
+        if read_piece is not None:
+            got = read_piece(p.doc_id, p.offset, p.length)
+            if got.tokens.size != p.length:
+                raise ValueError(f"piece {p.doc_id}: read {got.tokens.size} tokens for a piece of {p.length}")
+            tokens[at:at + p.length], labels[at:at + p.length] = got.tokens, got.labels
+            loss_mask[at:at + p.length] = got.loss_mask
+            at += p.length
+            continue
         chunk = read(p.doc_id, p.offset, p.length)
         if chunk.size != p.length:
             raise ValueError(f"document {p.doc_id}: read {chunk.size} tokens for a piece of {p.length}")
@@ -81,12 +99,12 @@ class RankMicroBatch:
 
 
 def rank_micro_batch(read: ReadFn, micro_batch: MicroBatch, sharding: CPSharding,
-                     verify_layout: bool = False) -> RankMicroBatch:
+                     verify_layout: bool = False, read_piece: PieceReadFn | None = None) -> RankMicroBatch:
     """Plan ``micro_batch`` for ``sharding``'s CP rank and take that rank's rows of its tokens."""
     segments = micro_batch_lengths([p.length for p in micro_batch.pieces], sharding.sequence_multiple,
                                    sharding.empty_tokens)
     plan = plan_rank(segments, sharding)
-    whole = pack_tokens(read, micro_batch, segments)
+    whole = pack_tokens(read, micro_batch, segments, read_piece)
     return RankMicroBatch(micro_batch, plan, plan.take(whole.tokens)[None], plan.take(whole.labels)[None],
                           plan.take(whole.loss_mask)[None], plan.positions[None], verify_layout)
 
@@ -117,15 +135,18 @@ class WlbDataIterator(Iterator[RankMicroBatch]):
     rank's micro-batches are cut over its CP group (default: no CP).
     """
 
-    def __init__(self, reader: DocumentReader | None, stream: DocumentStream, packer: Any, dp_rank: int,
-                 sharding: CPSharding | None = None, on_batch: Callable[[GlobalBatch], None] | None = None,
-                 read: ReadFn | None = None):
-        if read is None:
+    def __init__(self, reader: DocumentReader | None, stream: DocumentStream | SampleStream, packer: Any,
+                 dp_rank: int, sharding: CPSharding | None = None,
+                 on_batch: Callable[[GlobalBatch], None] | None = None, read: ReadFn | None = None,
+                 read_piece: PieceReadFn | None = None):
+        if read is None and read_piece is None:
             if reader is None:
                 raise ValueError("WlbDataIterator needs a DocumentReader or a read(doc_id, offset, length) function")
             read = reader.read
         self.reader = reader
-        self.read: ReadFn = read
+        self.read: ReadFn = read if read is not None else _no_token_read
+        #: Megatron's own samples (the balanced concat-and-cut intake): pieces read with their labels and loss mask
+        self.read_piece = read_piece
         self.sharding = sharding if sharding is not None else CPSharding()
         self.stream = stream
         self.packer = packer
@@ -144,7 +165,7 @@ class WlbDataIterator(Iterator[RankMicroBatch]):
         self._mine: tuple[MicroBatch, ...] = ()
         self._cursor = 0
         self._batches: Iterator[GlobalBatch] | None = None
-        self._source: StreamCursor | None = None  # the stream window the packer reads
+        self._source: StreamCursor | SamplePieceCursor | None = None  # the stream window the packer reads
 
     @property
     def n(self) -> int:
@@ -209,7 +230,8 @@ class WlbDataIterator(Iterator[RankMicroBatch]):
         mb = self._mine[self._cursor]
         self._cursor += 1
         self.yielded += 1
-        return rank_micro_batch(self.read, mb, self.sharding, verify_layout=self.yielded <= AGREEMENT_CHECKS)
+        return rank_micro_batch(self.read, mb, self.sharding, verify_layout=self.yielded <= AGREEMENT_CHECKS,
+                                read_piece=self.read_piece)
 
     def __next__(self) -> RankMicroBatch:
         start = time.perf_counter()
@@ -245,8 +267,12 @@ class WlbDataIterator(Iterator[RankMicroBatch]):
                              f"{state['reader']}, now {self.reader.describe()}; resume with the same --data-path, "
                              "--split and --seed")
         position = int(state["stream_position"])
-        source = self.stream.cursor()  # read on from the saved position (the documents before it are hashed)
-        if source.digest(position) != state["stream_digest"]:
+        source: StreamCursor | SamplePieceCursor
+        if isinstance(self.stream, SampleStream):  # Megatron's samples: open a cursor at the saved sample and piece
+            source = self.stream.resume_cursor(position, state["stream_digest"])
+        else:  # read on from the saved position (the documents before it are hashed)
+            source = self.stream.cursor()
+        if not isinstance(source, SamplePieceCursor) and source.digest(position) != state["stream_digest"]:
             raise ValueError(f"this run's document stream does not start with the {position} documents the "
                              "checkpoint consumed; resume with the same data, split, seed and an equal or larger "
                              "--train-iters")
@@ -274,6 +300,10 @@ class WlbDataIterator(Iterator[RankMicroBatch]):
 
         self.packer = make_packer(self.packer.name, replace(config, dp=int(saved["dp"]), n=int(saved["n"])),
                                   self.packer.cost)
+
+
+def _no_token_read(doc_id: int, offset: int, length: int) -> np.ndarray:
+    raise RuntimeError("this iterator reads whole pieces (read_piece), not document tokens")
 
 
 class PlanLayoutError(ValueError):

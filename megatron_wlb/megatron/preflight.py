@@ -79,7 +79,10 @@ def check_training_args(args: Any, *, middle_stage_batches: bool) -> list[str]:
             problems.append("--transformer-impl local without apex normalises with WrappedTorchNorm, which "
                             "refuses persist_layer_norm (Megatron's default): add --no-persist-layer-norm")
     implied = [flag for attr, flag in IMPLIED_FLAGS.items() if getattr(args, attr, False)]
-    if implied:
+    if getattr(args, "wlb_pieces", None) == "concat-and-cut":
+        notes.append("--wlb-pieces concat-and-cut: training Megatron's own GPTDataset samples (labels, loss mask and "
+                     "position ids as its flags make them), regrouped per document into balanced micro-batches")
+    elif implied:
         notes.append(f"{', '.join(implied)}: implied by WLB packing (positions restart at every document, attention "
                      "stays inside documents, a document's last token has no label); nothing else to do")
     if problems:

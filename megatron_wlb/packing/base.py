@@ -207,7 +207,8 @@ class Packer(ABC):
             if final and not new and self.pending() == 0:
                 return
             start, cpu_start = time.perf_counter(), time.thread_time()
-            self._read_ahead = lambda tokens, limit: self._read_more(source, tokens, limit)
+            if self.config.read_ahead is not False:
+                self._read_ahead = lambda tokens, limit: self._read_more(source, tokens, limit)
             try:
                 micro_batches = self._plan(new, final)
             finally:

@@ -174,6 +174,10 @@ class PackingConfig:
     #: for the outliers it would queue, waiting pieces are released early to reach it and the iteration
     #: is placed again; 0 = off
     fill_target: float = 0.95
+    #: wlb: whether fill_target may read ahead of the iteration's budget; None = yes, except for
+    #: Megatron's own samples in training (``--wlb-pieces concat-and-cut``), where it is off so that no
+    #: sample is trained before the iteration Megatron's sampler gives it; false = never
+    read_ahead: bool | None = None
     #: fixed-solver: HiGHS branch-and-bound nodes per window (0 = root node only); deterministic
     solver_nodes: int = 0
     #: fixed-solver: windows whose MILP has more integer columns (one per piece length and bin it

@@ -1,0 +1,211 @@
+"""The balanced concat-and-cut intake: Megatron's own GPTDataset samples, regrouped for balance.
+
+With ``--wlb-pieces concat-and-cut`` the training iterator does not read documents itself: it builds
+megatron-core's ``GPTDataset`` (a ``BlendedDataset`` for a blend) with ``BlendedMegatronDatasetBuilder``
+from the same ``GPTDatasetConfig`` fields, train-sample count, split, blend and ``--data-cache-path``
+as ``pretrain_gpt.py`` (so the cached ``.npy`` indices are shared with the stock job), and reads the
+samples ``MegatronPretrainingSampler`` would give: iteration i gets training positions
+``[i * global_batch, (i + 1) * global_batch)``. Each sample is cut into pieces where Megatron's own
+sample restarts its position ids (after every EOD token with ``--reset-position-ids``; at every
+document with ``--dataloader-inter-document-masking``), and each piece's tokens, labels and loss mask
+are Megatron's own (``dataset[j]``: the label of a window's last input is its ``seq_length + 1``-th
+token; ``--eod-mask-loss`` as Megatron applies it). The packer only regroups the pieces into
+variable-length micro-batches, deals them to DP ranks and orders them, with its bounded delay.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import OrderedDict
+from typing import Any
+
+import numpy as np
+
+from megatron_wlb.data.samples import SAMPLE_CHUNK, GptIndices, SampleOrder, SampleStream, piece_sample
+from megatron_wlb.megatron.data import PackedTokens
+
+#: samples whose arrays the piece reader keeps (a micro-batch's pieces come from many samples)
+SAMPLE_CACHE = 256
+#: tokens a cursor cuts at a time when it reads samples to find their pieces
+SEGMENT_TOKENS = 1 << 22
+
+#: how a stock job's flags make Megatron's samples attend per document (what the balanced mode needs)
+MASKING_FLAGS = "--reset-attention-mask --reset-position-ids (or --dataloader-inter-document-masking)"
+
+
+def masking_problem(args: Any) -> str | None:
+    """Why ``args`` do not mask attention per document the way the balanced concat-and-cut needs, or None.
+
+    Without per-document masking every window of a stock job attends across its documents and costs
+    the same, so there is nothing to balance, and pieces that attend only within themselves would be
+    a silent change of the training."""
+    inter = bool(getattr(args, "dataloader_inter_document_masking", False))
+    reset_mask = bool(getattr(args, "reset_attention_mask", False))
+    reset_pos = bool(getattr(args, "reset_position_ids", False))
+    if inter or (reset_mask and reset_pos):
+        return None
+    if reset_mask:
+        return ("--wlb-pieces concat-and-cut with --reset-attention-mask but not --reset-position-ids: Megatron's "
+                "position ids then run on across documents, which pieces that restart at 0 cannot reproduce; add "
+                "--reset-position-ids (or use --dataloader-inter-document-masking)")
+    return ("--wlb-pieces concat-and-cut trains Megatron's samples regrouped per document, but this job attends "
+            "across documents (every window then costs the same: nothing to balance); add " + MASKING_FLAGS +
+            " to mask per document, or drop --wlb-pieces concat-and-cut")
+
+
+def gpt_dataset_config(args: Any, tokenizer: Any) -> Any:
+    """megatron-core's ``GPTDatasetConfig`` as ``pretrain_gpt.core_gpt_dataset_config_from_args`` builds it
+    (the fields this release's config has), with no dense attention mask (we never use it)."""
+    from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
+
+    blend, blend_per_split = _blends(args)
+    values: dict[str, Any] = {
+        "random_seed": int(args.seed), "sequence_length": int(args.seq_length), "blend": blend,
+        "blend_per_split": blend_per_split, "split": getattr(args, "split", None),
+        "multiple_validation_sets": getattr(args, "multiple_validation_sets", None),
+        "full_validation": getattr(args, "full_validation", None),
+        "num_dataset_builder_threads": getattr(args, "num_dataset_builder_threads", None),
+        "path_to_cache": getattr(args, "data_cache_path", None),
+        "mmap_bin_files": getattr(args, "mmap_bin_files", None), "tokenizer": tokenizer,
+        "reset_position_ids": bool(getattr(args, "reset_position_ids", False)),
+        "reset_attention_mask": bool(getattr(args, "reset_attention_mask", False)),
+        "eod_mask_loss": bool(getattr(args, "eod_mask_loss", False)), "create_attention_mask": False,
+        "object_storage_cache_path": getattr(args, "object_storage_cache_path", None),
+        "mid_level_dataset_surplus": getattr(args, "mid_level_dataset_surplus", None),
+        "allow_ambiguous_pad_tokens": getattr(args, "allow_ambiguous_pad_tokens", None),
+        "context_parallel_size": getattr(args, "context_parallel_size", None),
+        "data_parallel_size": getattr(args, "data_parallel_size", None),
+        "sequence_parallel_size": int(getattr(args, "tensor_model_parallel_size", 1) or 1)
+        * bool(getattr(args, "sequence_parallel", False)),
+        "inter_document_masking": bool(getattr(args, "dataloader_inter_document_masking", False)),
+        "defer_npy_index_mmap": getattr(args, "defer_npy_index_mmap", None),
+        "fast_cache_load": getattr(args, "fast_cache_load", None),
+    }
+    keep_none = {"blend", "blend_per_split", "split", "path_to_cache"}
+    accepted = {f.name for f in dataclasses.fields(GPTDatasetConfig) if f.init}
+    return GPTDatasetConfig(**{k: v for k, v in values.items() if k in accepted and (v is not None or k in keep_none)})
+
+
+def _blends(args: Any) -> tuple[Any, Any]:
+    try:
+        from megatron.training.utils import get_blend_and_blend_per_split
+    except ImportError:  # pragma: no cover - every supported release has it
+        from megatron.core.datasets.utils import get_blend_from_list
+
+        per_split = [get_blend_from_list(getattr(args, f"{s}_data_path", None)) for s in ("train", "valid", "test")]
+        return get_blend_from_list(args.data_path), (per_split if any(per_split) else None)
+    return get_blend_and_blend_per_split(args)
+
+
+def megatron_num_samples(args: Any) -> tuple[int, Any, Any]:
+    """(train, valid, test) samples, as Megatron's ``get_train_valid_test_num_samples`` computes them."""
+    try:
+        from megatron.training.training import get_train_valid_test_num_samples
+
+        train, valid, test = get_train_valid_test_num_samples()
+        return int(train), valid, test
+    except (ImportError, AttributeError, AssertionError):
+        gbs = int(args.global_batch_size)
+        train = int(args.train_samples) if getattr(args, "train_samples", None) else int(args.train_iters) * gbs
+        eval_iters = int(getattr(args, "eval_iters", 0) or 0)
+        return train, eval_iters * gbs, eval_iters * gbs
+
+
+def build_train_dataset(args: Any, tokenizer: Any = None, num_samples: tuple[int, Any, Any] | None = None) -> Any:
+    """Megatron's train dataset of this job (``GPTDataset`` or ``BlendedDataset``), built on every rank."""
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset
+
+    if tokenizer is None:
+        from megatron.training import get_tokenizer
+
+        tokenizer = get_tokenizer()
+    sizes = list(num_samples if num_samples is not None else megatron_num_samples(args))
+    train, _, _ = BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True,
+                                                gpt_dataset_config(args, tokenizer)).build()
+    if train is None:
+        raise ValueError("megatron_wlb: Megatron built no train dataset from --data-path / --split; give the train "
+                         "split documents")
+    return train
+
+
+def _loaded(dataset: Any) -> Any:
+    """``dataset`` with its index arrays loaded (``--defer-npy-index-mmap`` loads them on first read)."""
+    if getattr(dataset, "shuffle_index", None) is None and len(dataset):
+        dataset._query_document_sample_shuffle_indices(0)
+    return dataset
+
+
+def sample_order(dataset: Any) -> SampleOrder:
+    """megatron-core's index arrays of ``dataset`` (a ``GPTDataset`` or a ``BlendedDataset`` of them)."""
+    parts = list(dataset.datasets) if hasattr(dataset, "dataset_index") else [dataset]
+    indices = tuple(GptIndices(d.document_index, d.sample_index, d.shuffle_index, d.dataset.sequence_lengths)
+                    for d in map(_loaded, parts))
+    seq_len = int(parts[0].config.sequence_length)
+    if hasattr(dataset, "dataset_index"):
+        if dataset.dataset_index is None and len(dataset):
+            dataset[0]  # loads the deferred blend indices
+        return SampleOrder(indices, seq_len, dataset.dataset_index, dataset.dataset_sample_index)
+    return SampleOrder(indices, seq_len)
+
+
+class MegatronSamples:
+    """Megatron's train samples read through ``dataset[j]``: how each is cut into pieces (where its
+    position ids restart) and each piece's tokens, labels and loss mask, Megatron's own."""
+
+    def __init__(self, dataset: Any, cache: int = SAMPLE_CACHE):
+        self.dataset = dataset
+        self.seq_len = int((dataset.datasets[0] if hasattr(dataset, "dataset_index") else dataset)
+                           .config.sequence_length)
+        self.cache = int(cache)
+        self._samples: OrderedDict[int, tuple[np.ndarray, ...]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def sample(self, position: int) -> tuple[np.ndarray, ...]:
+        """(tokens, labels, loss_mask, position_ids) of the sample at training ``position``."""
+        held = self._samples.get(position)
+        if held is not None:
+            self._samples.move_to_end(position)
+            return held
+        item = self.dataset[int(position)]
+        held = tuple(np.asarray(item[k].numpy() if hasattr(item[k], "numpy") else item[k])
+                     for k in ("tokens", "labels", "loss_mask", "position_ids"))
+        self._samples[position] = held
+        if len(self._samples) > self.cache:
+            self._samples.popitem(last=False)
+        return held
+
+    def segments(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``SegmentFn``: each sample's pieces start where its position ids restart at 0."""
+        counts, lengths = [], []
+        for j in np.asarray(positions, dtype=np.int64).tolist():
+            item = self.dataset[int(j)]
+            pos = np.asarray(item["position_ids"])
+            starts = np.flatnonzero(pos == 0)
+            if not starts.size or starts[0] != 0:
+                raise ValueError(f"Megatron's sample {j} does not start at position 0; its position ids cannot "
+                                 "be regrouped per document (check " + MASKING_FLAGS + ")")
+            counts.append(starts.size)
+            lengths.append(np.diff(np.append(starts, pos.size)))
+        return np.asarray(counts, dtype=np.int64), np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
+
+    def piece(self, stream_id: int, offset: int, length: int) -> PackedTokens:
+        """Tokens, labels and loss mask of ``length`` tokens from ``offset`` of the piece ``stream_id``."""
+        j, start = piece_sample(stream_id, self.seq_len)
+        tokens, labels, loss_mask, positions = self.sample(j)
+        a, b = start + offset, start + offset + length
+        if b > tokens.size:
+            raise ValueError(f"piece {stream_id} ({length} tokens at {a}) runs past sample {j} of {tokens.size}")
+        if positions[a] != offset or not np.array_equal(positions[a:b], np.arange(offset, offset + length)):
+            raise ValueError(f"piece {stream_id} of sample {j}: Megatron's position ids do not run 0, 1, ... "
+                             "over it (its document boundaries moved)")
+        return PackedTokens(tokens[a:b].astype(np.int64), labels[a:b].astype(np.int64),
+                            loss_mask[a:b].astype(np.float32))
+
+    def stream(self, first_sample: int, fingerprint: str | None = None) -> SampleStream:
+        """Megatron's samples from training position ``first_sample`` (a resumed job's consumed samples)."""
+        name = fingerprint if fingerprint is not None else str(getattr(self.dataset, "unique_description_hash", ""))
+        return SampleStream(self.segments, self.seq_len, int(first_sample), len(self), name,
+                            chunk=max(1, min(SAMPLE_CHUNK, SEGMENT_TOKENS // self.seq_len)))
