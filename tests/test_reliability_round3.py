@@ -59,3 +59,44 @@ def _world_refit(rank: int, world: int, disagree: bool) -> None:
 @pytest.mark.parametrize("disagree", [False, True])
 def test_the_refit_agreement_fires_over_gloo_when_ranks_trained_other_plans(disagree):
     run_world(_world_refit, 2, start_method="fork", disagree=disagree)
+
+
+# -- D3: token ids checked both ways -----------------------------------------------------------------------
+def _corpus(tmp_path, name: str, tokens: np.ndarray, lengths: list[int]) -> str:
+    from megatron_wlb.data.indexed import write_index
+
+    prefix = write_index(tmp_path / name, np.asarray(lengths), tokens.dtype.type)
+    tokens.tofile(f"{prefix}.bin")
+    return str(prefix)
+
+
+def test_an_int8_corpus_with_negative_ids_is_refused_at_start_up(tmp_path):
+    from megatron_wlb.data.reader import DocumentReader, IndexedSource
+
+    raw = np.frombuffer(bytes([10, 20, 30, 200, 40, 50, 60, 70]), dtype=np.int8)  # byte 200 reads as -56
+    prefix = _corpus(tmp_path, "bytes", raw, [4, 4])
+    assert IndexedSource.open(prefix).token_id_range() == (-56, 70)
+    reader = DocumentReader([(prefix, 1.0)], split="1,0,0")
+    with pytest.raises(ValueError, match=r"bytes: token id -56 is outside the model's vocabulary of 300 "
+                       r"\(ids 0\.\.299\): its \.bin holds int8 ids") as caught:
+        reader.check_vocabulary(300)
+    assert "\n" not in str(caught.value)
+
+
+def test_a_negative_id_beyond_the_start_up_scan_stops_the_run_when_read(tmp_path, monkeypatch):
+    import megatron_wlb.data.reader as reader_mod
+    from megatron_wlb.data.reader import DocumentReader
+
+    tokens = np.arange(40, dtype=np.int16)
+    tokens[33] = -7
+    prefix = _corpus(tmp_path, "signed", tokens, [10, 10, 10, 10])
+    monkeypatch.setattr(reader_mod, "VOCAB_SCAN_TOKENS", 16)
+    reader = DocumentReader([(prefix, 1.0)], split="1,0,0", shuffle=False)
+    reader.check_vocabulary(1000)  # the scanned prefix is sound
+    assert reader.read(0, 0, 10).tolist() == list(range(10))
+    with pytest.raises(ValueError, match=r"signed: token id -7 is outside the model's vocabulary of 1000 "
+                       r"\(ids 0\.\.999\)"):
+        reader.read(3, 0, 10)
+    monkeypatch.setattr(reader_mod, "VOCAB_SCAN_TOKENS", 1 << 28)
+    with pytest.raises(ValueError, match=r"token id -7 is outside"):
+        DocumentReader([(prefix, 1.0)], split="1,0,0").check_vocabulary(1000)

@@ -39,7 +39,7 @@ from megatron_wlb.data.indexed import check_bin_matches_idx, document_lengths, r
 #: Megatron's default ``--split`` (train, valid, test weights)
 DEFAULT_SPLIT = "969,30,1"
 SPLIT_NAMES: tuple[str, ...] = ("train", "valid", "test")
-#: tokens read at a time when scanning a .bin for its largest token id
+#: tokens read at a time when scanning a .bin for its smallest and largest token ids
 SCAN_CHUNK_TOKENS = 1 << 24
 #: tokens of each dataset ``check_vocabulary`` scans at start-up (1 GiB of int32 ids); reads check the rest
 VOCAB_SCAN_TOKENS = 1 << 28
@@ -98,7 +98,7 @@ class IndexedSource:
         self.starts = starts          # where each document starts in ``tokens``, in units of ``itemsize`` bytes
         self.tokens = tokens
         self.itemsize = int(itemsize)
-        self._max_token_id: int | None = None
+        self._token_range: tuple[int, int] | None = None
 
     @classmethod
     def open(cls, prefix: str, mmap: bool = True) -> IndexedSource:
@@ -125,21 +125,33 @@ class IndexedSource:
     def num_documents(self) -> int:
         return int(self.lengths.size)
 
-    def max_token_id(self, limit: int | None = None) -> int:
-        """The largest token id in ``PREFIX.bin`` (-1 if empty), or in its first ``limit`` tokens: a
-        chunked pass over the file, so memory stays constant whatever its size; the whole file's is
-        remembered for this source."""
+    def token_id_range(self, limit: int | None = None) -> tuple[int, int]:
+        """(smallest, largest) token id in ``PREFIX.bin`` ((0, -1) if empty), or in its first ``limit``
+        tokens: one chunked pass over the file, so memory stays constant whatever its size; the whole
+        file's is remembered for this source."""
         if limit is not None and limit < self.tokens.size:
             return self._scan(int(limit))
-        if self._max_token_id is None:
-            self._max_token_id = self._scan(int(self.tokens.size))
-        return self._max_token_id
+        if self._token_range is None:
+            self._token_range = self._scan(int(self.tokens.size))
+        return self._token_range
 
-    def _scan(self, count: int) -> int:
-        top = -1
+    def max_token_id(self, limit: int | None = None) -> int:
+        """The largest token id (-1 if empty), of the whole file or its first ``limit`` tokens."""
+        return self.token_id_range(limit)[1]
+
+    def min_token_id(self, limit: int | None = None) -> int:
+        """The smallest token id (0 if empty): negative in a signed ``.bin`` (an int8 corpus's bytes >= 128)."""
+        return self.token_id_range(limit)[0]
+
+    def _scan(self, count: int) -> tuple[int, int]:
+        if count <= 0:
+            return 0, -1
+        low, top = None, -1
         for at in range(0, count, SCAN_CHUNK_TOKENS):
-            top = max(top, int(np.max(self.tokens[at:min(count, at + SCAN_CHUNK_TOKENS)])))
-        return top
+            chunk = self.tokens[at:min(count, at + SCAN_CHUNK_TOKENS)]
+            low = int(np.min(chunk)) if low is None else min(low, int(np.min(chunk)))
+            top = max(top, int(np.max(chunk)))
+        return (0 if low is None else low), top
 
     def read(self, doc: int, offset: int, length: int) -> np.ndarray:
         """Tokens ``[offset, offset + length)`` of document ``doc`` (its sequences are contiguous)."""
@@ -514,22 +526,33 @@ class DocumentReader:
         return max(src.max_token_id() for src in self.sources)
 
     def check_vocabulary(self, vocab_size: int, flag: str = "--vocab-size") -> None:
-        """Refuse data whose token ids the model's embedding (``vocab_size`` rows) cannot look up, naming
-        the dataset, its largest id and the vocabulary; ``flag`` is what sets it. At start-up each
-        dataset's first ``VOCAB_SCAN_TOKENS`` tokens are scanned (the whole file when smaller: start-up
-        must not read a trillion-token corpus); from then on every ``read`` checks the tokens it returns,
-        so an id beyond the vocabulary anywhere stops the run when it is read, with the same message."""
+        """Refuse data whose token ids the model's embedding (``vocab_size`` rows) cannot look up (negative,
+        or ``vocab_size`` and up), naming the dataset, the id and the valid range; ``flag`` is what sets it.
+        At start-up each dataset's first ``VOCAB_SCAN_TOKENS`` tokens are scanned (the whole file when
+        smaller: start-up must not read a trillion-token corpus); from then on every ``read`` checks the
+        tokens it returns, so a bad id anywhere stops the run when it is read, with the same message."""
         self.vocab_size, self.vocab_flag = int(vocab_size), flag
         for src in self.sources:
-            if np.issubdtype(src.tokens.dtype, np.integer) and np.iinfo(src.tokens.dtype).max < vocab_size:
+            dtype = src.tokens.dtype
+            if np.issubdtype(dtype, np.integer) and np.iinfo(dtype).min >= 0 and np.iinfo(dtype).max < vocab_size:
                 continue  # the file's dtype cannot hold an id outside the vocabulary: nothing to scan
-            self._refuse_beyond_vocabulary(src, src.max_token_id(VOCAB_SCAN_TOKENS))
+            self._refuse_outside_vocabulary(src, *src.token_id_range(VOCAB_SCAN_TOKENS))
 
-    def _refuse_beyond_vocabulary(self, src: IndexedSource, top: int) -> None:
-        if self.vocab_size is not None and top >= self.vocab_size:
-            raise ValueError(f"{src.prefix}: token id {top} is outside the model's vocabulary of {self.vocab_size} "
-                             f"(ids 0..{self.vocab_size - 1}): set {self.vocab_flag} to at least {top + 1} (or the "
-                             "tokenizer the data was made with)")
+    def _refuse_outside_vocabulary(self, src: IndexedSource, low: int, top: int) -> None:
+        """One line naming the dataset, its first bad id (``low`` if negative, else ``top`` if too large)
+        and the valid ids."""
+        vocab = self.vocab_size
+        if vocab is None:
+            return
+        valid = f"the model's vocabulary of {vocab} (ids 0..{vocab - 1})"
+        if low < 0:
+            dtype = np.dtype(src.tokens.dtype)
+            raise ValueError(f"{src.prefix}: token id {low} is outside {valid}: its .bin holds {dtype.name} ids, and "
+                             "a negative id indexes no embedding row; rebuild the dataset with an unsigned or wider "
+                             "dtype (megatron-core picks uint16 for vocabularies under 65500, else int32)")
+        if top >= vocab:
+            raise ValueError(f"{src.prefix}: token id {top} is outside {valid}: set {self.vocab_flag} to at least "
+                             f"{top + 1} (or the tokenizer the data was made with)")
 
     def describe(self) -> dict[str, Any]:
         """What determines the stream (saved with checkpoints, compared on resume)."""
@@ -566,7 +589,7 @@ class DocumentReader:
         _, i, doc = self.locate(stream_id)
         tokens = self.sources[i].read(doc, offset, length)
         if self.vocab_size is not None and tokens.size:
-            self._refuse_beyond_vocabulary(self.sources[i], int(tokens.max()))
+            self._refuse_outside_vocabulary(self.sources[i], int(tokens.min()), int(tokens.max()))
         return tokens
 
 
