@@ -248,37 +248,180 @@ def _map_order_file(path: str, seed: int, dataset: int, epoch: int, documents: i
         return None, f"it cannot be read ({exc.strerror})"
 
 
+def _umask() -> int:
+    """This process's umask (``/proc/self/status``; else set and restored, as nothing else reads it)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def cache_modes() -> tuple[int, int]:
+    """(order file mode, lock file mode) under this process's umask. An order file is readable as any
+    new file (0644 under umask 022) and never written after its rename; the lock is also writable by
+    the group when the group may read it (0664 under 022), so a team sharing ``--data-cache-path`` can
+    take it; a private umask (077) keeps both private (0600)."""
+    umask = _umask()
+    lock = 0o666 & ~umask
+    return 0o644 & ~umask, lock | 0o020 if lock & 0o040 else lock
+
+
+def _free_bytes(directory: str) -> int:
+    """Bytes an unprivileged user may still write in ``directory``'s file system (-1 if unknown)."""
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return -1
+    return int(st.f_bavail) * int(st.f_frsize)
+
+
+def _memory_available() -> int:
+    """Bytes of memory the kernel reports available (``MemAvailable``; 0 where unknown)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+#: an order of at most this share of the available memory is shuffled in memory and written a chunk at a
+#: time (as fast as ``shuffled_order``: the random swaps of a shuffle inside the file's map are several
+#: times slower at 1e9 documents); a larger one is shuffled in the map (page cache, not private memory)
+ORDER_IN_MEMORY_SHARE = 0.5
+
+
+def _reserve(fd: int, size: int, path: str) -> None:
+    """Reserve ``size`` bytes for the order file being built at ``path`` before anything is written, so
+    a full disk is a message here, not a SIGBUS in every rank's map later: one line naming
+    ``--data-cache-path``, the bytes needed and free."""
+    import errno
+
+    directory = os.path.dirname(path) or "."
+    try:
+        os.posix_fallocate(fd, 0, size)
+        return
+    except OSError as exc:
+        failure = exc
+    try:
+        os.ftruncate(fd, 0)  # give back what a partial reservation took, so ``free`` is what it is
+    except OSError:
+        pass
+    free = _free_bytes(directory)
+    if failure.errno in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL) and free >= size:
+        os.ftruncate(fd, size)  # this file system cannot reserve, but the space is there
+        return
+    raise ValueError(f"--data-cache-path {directory}: the epoch order {os.path.basename(path)} needs {size} bytes "
+                     f"and {free} are free there ({failure.strerror}); free space, give another --data-cache-path, "
+                     "or none to keep the orders in memory")
+
+
 def _write_order_file(path: str, seed: int, dataset: int, epoch: int, documents: int) -> None:
-    """Shuffle the order inside a temporary file's memory map (page cache, not private memory), then
-    rename it to ``path`` atomically: readers see the whole file or none."""
+    """Build the order in a temporary file (its space reserved first, ``_reserve``; mode ``cache_modes``),
+    hashed as it is written, then rename it to ``path`` atomically: readers see the whole file or none.
+    The shuffle runs in memory when the order fits ``ORDER_IN_MEMORY_SHARE`` of the available memory,
+    else inside the file's memory map; the result is ``shuffled_order`` either way."""
     dtype = order_dtype(documents)
+    size = ORDER_HEADER_BYTES + documents * dtype.itemsize
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", prefix=os.path.basename(path) + ".", suffix=".tmp")
     try:
         with os.fdopen(fd, "w+b") as f:
-            f.truncate(ORDER_HEADER_BYTES + documents * dtype.itemsize)
-            with mmap.mmap(f.fileno(), 0) as mm:
-                body = np.frombuffer(mm, dtype=dtype, count=documents, offset=ORDER_HEADER_BYTES)
+            os.fchmod(f.fileno(), cache_modes()[0])
+            _reserve(f.fileno(), size, path)
+            digest = hashlib.sha256()
+            if documents * dtype.itemsize <= ORDER_IN_MEMORY_SHARE * _memory_available():
+                order = shuffled_order(seed, dataset, epoch, documents)
+                f.seek(ORDER_HEADER_BYTES)
                 for at in range(0, documents, _ORDER_IO_CHUNK):
-                    body[at:at + _ORDER_IO_CHUNK] = np.arange(at, min(documents, at + _ORDER_IO_CHUNK), dtype=dtype)
-                np.random.default_rng([seed, dataset, epoch]).shuffle(body)  # as ``shuffled_order``
-                del body  # the map cannot close while an array views it
-                mm.flush()
-            digest = _body_sha256(f, documents, dtype.itemsize)
+                    block = order[at:at + _ORDER_IO_CHUNK].data  # contiguous: a view, no copy
+                    digest.update(block)
+                    f.write(block)
+                del order
+            else:
+                with mmap.mmap(f.fileno(), 0) as mm:
+                    body = np.frombuffer(mm, dtype=dtype, count=documents, offset=ORDER_HEADER_BYTES)
+                    for at in range(0, documents, _ORDER_IO_CHUNK):
+                        body[at:at + _ORDER_IO_CHUNK] = np.arange(at, min(documents, at + _ORDER_IO_CHUNK),
+                                                                  dtype=dtype)
+                    np.random.default_rng([seed, dataset, epoch]).shuffle(body)  # as ``shuffled_order``
+                    for at in range(0, documents, _ORDER_IO_CHUNK):
+                        digest.update(body[at:at + _ORDER_IO_CHUNK].data)
+                    del body  # the map cannot close while an array views it
+                    mm.flush()
             f.seek(0)
-            f.write(_order_header(seed, dataset, epoch, documents, digest))
+            f.write(_order_header(seed, dataset, epoch, documents, digest.digest()))
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        if os.path.exists(tmp):
+        try:
             os.unlink(tmp)
+        except OSError:
+            pass
         raise
+
+
+def _remove_stale_temps(path: str) -> list[str]:
+    """Remove the temporary files builds of ``path`` that were killed left behind (each as large as the
+    order); call it holding the order's lock, when no build of it can be running. Returns their names."""
+    directory, name = os.path.split(path)
+    removed: list[str] = []
+    try:
+        entries = os.listdir(directory or ".")
+    except OSError:
+        return removed
+    for entry in entries:
+        if entry.startswith(name + ".") and entry.endswith(".tmp"):
+            try:
+                os.unlink(os.path.join(directory, entry))
+                removed.append(entry)
+            except OSError:
+                pass
+    return removed
+
+
+def _open_lock(path: str) -> tuple[int, bool]:
+    """(a descriptor of the lock file ``path``, whether it is read-only). A missing lock is created with
+    ``cache_modes``'s lock mode; an existing one is opened whoever created it, read-only when this user
+    may not write it (``flock`` needs no write access)."""
+    mode = cache_modes()[1]
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, mode)
+    except FileExistsError:
+        pass
+    else:
+        try:
+            os.fchmod(fd, mode)  # creation applied the umask; the group's write bit is the point
+        except OSError:
+            pass
+        return fd, False
+    try:
+        return os.open(path, os.O_RDWR), False
+    except PermissionError:
+        return os.open(path, os.O_RDONLY), True
+
+
+def _cannot(exc: OSError) -> str:
+    """An OSError as a short reason: what failed and on which file."""
+    what = exc.strerror or str(exc)
+    return f"{what}: {exc.filename}" if exc.filename else what
 
 
 def cached_order(directory: str, seed: int, dataset: int, epoch: int, documents: int) -> np.ndarray:
     """The epoch order of ``shuffled_order``, memory-mapped from ``directory`` (built there first if
     missing or unusable). Ranks starting together take turns on a lock file, so one of them builds and
-    the others map its file; a file that fails its check is rebuilt (a warning names it and why)."""
+    the others map its file; a file that fails its check is rebuilt (a warning names it and why), and
+    temporary files a killed build left are removed first. Any user who may write the directory can
+    take the lock and rebuild (``cache_modes``: files team-readable, the lock group-writable). Every
+    refusal is one ``ValueError`` line naming ``--data-cache-path``, why, and why the file was unusable."""
     import fcntl
     import warnings
 
@@ -286,19 +429,39 @@ def cached_order(directory: str, seed: int, dataset: int, epoch: int, documents:
     order, problem = _map_order_file(path, seed, dataset, epoch, documents)
     if order is not None:
         return order
+    flag = f"--data-cache-path {directory}"
+    if os.path.isdir(path):
+        raise ValueError(f"{flag}: {path} is a directory, where the epoch order file belongs; remove it, or give "
+                         "another --data-cache-path")
+    found = f"{os.path.basename(path)}: {problem}"
+    advice = "give a writable directory, or none to keep the orders in memory"
     try:
         os.makedirs(directory, exist_ok=True)
-        lock = open(path + ".lock", "a+b")
+        fd, read_only = _open_lock(path + ".lock")
     except OSError as exc:
-        raise ValueError(f"--data-cache-path {directory}: cannot write the epoch order cache there ({exc}); "
-                         "give a writable directory, or none to keep the orders in memory") from None
-    with lock:
-        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+        raise ValueError(f"{flag}: cannot write the epoch order cache there ({_cannot(exc)}; {found}); "
+                         f"{advice}") from None
+    with os.fdopen(fd, "rb" if read_only else "r+b") as lock:
+        if read_only:
+            warnings.warn(f"epoch order cache lock {path}.lock is not writable by this user: locking it read-only "
+                          "(make it group-writable, or remove it, to share the cache)", stacklevel=2)
+        try:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+        except OSError as exc:
+            how = ", opened read-only as this user may not write it" if read_only else ""
+            raise ValueError(f"{flag}: cannot lock {path}.lock ({exc.strerror}{how}; {found}); make the lock "
+                             f"writable by this user, or {advice}") from None
         order, problem = _map_order_file(path, seed, dataset, epoch, documents)  # built while we waited?
         if order is None:
+            found = f"{os.path.basename(path)}: {problem}"
             if problem != "missing":
                 warnings.warn(f"epoch order cache {path}: {problem}; rebuilding it", stacklevel=2)
-            _write_order_file(path, seed, dataset, epoch, documents)
+            _remove_stale_temps(path)
+            try:
+                _write_order_file(path, seed, dataset, epoch, documents)
+            except OSError as exc:
+                raise ValueError(f"{flag}: cannot write the epoch order cache there ({_cannot(exc)}; {found}); "
+                                 f"{advice}") from None
             order, problem = _map_order_file(path, seed, dataset, epoch, documents)
     if order is None:
         raise ValueError(f"epoch order cache {path}: {problem} right after it was written; check the file system "
