@@ -1,5 +1,5 @@
-"""Issue 37 (reliability round 3): the refit agreement over a real gloo world (D5), token ids checked both ways
-(D3) and the epoch order cache's space, modes, lock, temp files and messages (D4, D8-D11)."""
+"""Issue 37 (reliability round 3): the refit agreement over a real gloo world (D5) and token ids checked both
+ways (D3). The epoch order cache's items (D4, D8-D11) are in test_order_cache.py."""
 
 from __future__ import annotations
 
