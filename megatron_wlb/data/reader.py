@@ -14,7 +14,9 @@ with neither torch nor megatron-core (``indexed.read_index`` parses the index):
   With an order cache directory (``order_cache``; Megatron's ``--data-cache-path``) a large
   dataset's epoch order is built once into a file there and memory-mapped by every rank of the
   node (page cache, shared and reclaimable), so a rank's private memory no longer grows with the
-  corpus; the order, and so the stream, is the same as without the cache.
+  corpus; the order, and so the stream, is the same as without the cache. A file's space is reserved
+  before it is written (a full disk is a one-line refusal, not a SIGBUS), its modes let a team share
+  the directory (``cache_modes``), and every refusal names ``--data-cache-path`` and why.
 - Stream ids are global and stable: ``epoch * num_documents + global_doc``, where ``global_doc`` is
   the dataset's offset (datasets in ``--data-path`` order) plus the document's index in its .idx.
 - ``write_indexed_dataset`` writes such files with megatron-core's own builder (tests, smoke runs).
@@ -39,7 +41,7 @@ from megatron_wlb.data.indexed import check_bin_matches_idx, document_lengths, r
 #: Megatron's default ``--split`` (train, valid, test weights)
 DEFAULT_SPLIT = "969,30,1"
 SPLIT_NAMES: tuple[str, ...] = ("train", "valid", "test")
-#: tokens read at a time when scanning a .bin for its largest token id
+#: tokens read at a time when scanning a .bin for its smallest and largest token ids
 SCAN_CHUNK_TOKENS = 1 << 24
 #: tokens of each dataset ``check_vocabulary`` scans at start-up (1 GiB of int32 ids); reads check the rest
 VOCAB_SCAN_TOKENS = 1 << 28
@@ -98,7 +100,7 @@ class IndexedSource:
         self.starts = starts          # where each document starts in ``tokens``, in units of ``itemsize`` bytes
         self.tokens = tokens
         self.itemsize = int(itemsize)
-        self._max_token_id: int | None = None
+        self._token_range: tuple[int, int] | None = None
 
     @classmethod
     def open(cls, prefix: str, mmap: bool = True) -> IndexedSource:
@@ -125,21 +127,33 @@ class IndexedSource:
     def num_documents(self) -> int:
         return int(self.lengths.size)
 
-    def max_token_id(self, limit: int | None = None) -> int:
-        """The largest token id in ``PREFIX.bin`` (-1 if empty), or in its first ``limit`` tokens: a
-        chunked pass over the file, so memory stays constant whatever its size; the whole file's is
-        remembered for this source."""
+    def token_id_range(self, limit: int | None = None) -> tuple[int, int]:
+        """(smallest, largest) token id in ``PREFIX.bin`` ((0, -1) if empty), or in its first ``limit``
+        tokens: one chunked pass over the file, so memory stays constant whatever its size; the whole
+        file's is remembered for this source."""
         if limit is not None and limit < self.tokens.size:
             return self._scan(int(limit))
-        if self._max_token_id is None:
-            self._max_token_id = self._scan(int(self.tokens.size))
-        return self._max_token_id
+        if self._token_range is None:
+            self._token_range = self._scan(int(self.tokens.size))
+        return self._token_range
 
-    def _scan(self, count: int) -> int:
-        top = -1
+    def max_token_id(self, limit: int | None = None) -> int:
+        """The largest token id (-1 if empty), of the whole file or its first ``limit`` tokens."""
+        return self.token_id_range(limit)[1]
+
+    def min_token_id(self, limit: int | None = None) -> int:
+        """The smallest token id (0 if empty): negative in a signed ``.bin`` (an int8 corpus's bytes >= 128)."""
+        return self.token_id_range(limit)[0]
+
+    def _scan(self, count: int) -> tuple[int, int]:
+        if count <= 0:
+            return 0, -1
+        low, top = None, -1
         for at in range(0, count, SCAN_CHUNK_TOKENS):
-            top = max(top, int(np.max(self.tokens[at:min(count, at + SCAN_CHUNK_TOKENS)])))
-        return top
+            chunk = self.tokens[at:min(count, at + SCAN_CHUNK_TOKENS)]
+            low = int(np.min(chunk)) if low is None else min(low, int(np.min(chunk)))
+            top = max(top, int(np.max(chunk)))
+        return (0 if low is None else low), top
 
     def read(self, doc: int, offset: int, length: int) -> np.ndarray:
         """Tokens ``[offset, offset + length)`` of document ``doc`` (its sequences are contiguous)."""
@@ -236,37 +250,189 @@ def _map_order_file(path: str, seed: int, dataset: int, epoch: int, documents: i
         return None, f"it cannot be read ({exc.strerror})"
 
 
+def _umask() -> int:
+    """This process's umask (``/proc/self/status``; else set and restored, as nothing else reads it)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def cache_modes() -> tuple[int, int]:
+    """(order file mode, lock file mode) under this process's umask. An order file is readable as any
+    new file (0644 under umask 022) and never written after its rename; the lock is also writable by
+    the group when the group may read it (0664 under 022), so a team sharing ``--data-cache-path`` can
+    take it; a private umask (077) keeps both private (0600)."""
+    umask = _umask()
+    lock = 0o666 & ~umask
+    return 0o644 & ~umask, (lock | 0o020 if lock & 0o040 else lock)
+
+
+def _free_bytes(directory: str) -> int:
+    """Bytes an unprivileged user may still write in ``directory``'s file system (-1 if unknown)."""
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return -1
+    return int(st.f_bavail) * int(st.f_frsize)
+
+
+def _memory_available() -> int:
+    """Bytes of memory the kernel reports available (``MemAvailable``; 0 where unknown)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+#: an order of at most this share of the available memory is shuffled in memory and written a chunk at a
+#: time (as fast as ``shuffled_order``: the random swaps of a shuffle inside the file's map are several
+#: times slower at 1e9 documents: 426 s against 73 s in issue 37); a larger one is shuffled in the map (page cache, not
+#: private memory). The building rank holds the order privately only while it builds (4 GB at 1e9
+#: documents, freed before the file is mapped); 0 always shuffles in the map
+ORDER_IN_MEMORY_SHARE = 0.5
+
+
+def _reserve(fd: int, size: int, path: str) -> None:
+    """Reserve ``size`` bytes for the order file being built at ``path`` before anything is written, so
+    a full disk is a message here, not a SIGBUS in every rank's map later: one line naming
+    ``--data-cache-path``, the bytes needed and free."""
+    import errno
+
+    directory = os.path.dirname(path) or "."
+    fallocate = getattr(os, "posix_fallocate", None)
+    try:
+        if fallocate is None:
+            raise OSError(errno.EOPNOTSUPP, os.strerror(errno.EOPNOTSUPP))
+        fallocate(fd, 0, size)
+        return
+    except OSError as exc:
+        failure = exc
+    try:
+        os.ftruncate(fd, 0)  # give back what a partial reservation took, so ``free`` is what it is
+    except OSError:
+        pass
+    free = _free_bytes(directory)
+    if failure.errno in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL) and (free < 0 or free >= size):
+        os.ftruncate(fd, size)  # this file system cannot reserve: the free space was the check
+        return
+    have = f"{free} are free there" if free >= 0 else "the free space there is unknown"
+    raise ValueError(f"--data-cache-path {directory}: the epoch order {os.path.basename(path)} needs {size} bytes "
+                     f"and {have} ({failure.strerror}); free space, give another --data-cache-path, or none to keep "
+                     "the orders in memory")
+
+
+def _write_in_chunks(f: Any, order: np.ndarray, digest: Any) -> None:
+    """Write ``order`` after the header a chunk at a time, hashing each chunk into ``digest``."""
+    f.seek(ORDER_HEADER_BYTES)
+    for at in range(0, order.size, _ORDER_IO_CHUNK):
+        block = order[at:at + _ORDER_IO_CHUNK].data  # contiguous: a view, no copy
+        digest.update(block)
+        f.write(block)
+
+
 def _write_order_file(path: str, seed: int, dataset: int, epoch: int, documents: int) -> None:
-    """Shuffle the order inside a temporary file's memory map (page cache, not private memory), then
-    rename it to ``path`` atomically: readers see the whole file or none."""
+    """Build the order in a temporary file (its space reserved first, ``_reserve``; mode ``cache_modes``),
+    hashed as it is written, then rename it to ``path`` atomically: readers see the whole file or none.
+    The shuffle runs in memory when the order fits ``ORDER_IN_MEMORY_SHARE`` of the available memory,
+    else inside the file's memory map; the result is ``shuffled_order`` either way."""
     dtype = order_dtype(documents)
+    size = ORDER_HEADER_BYTES + documents * dtype.itemsize
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", prefix=os.path.basename(path) + ".", suffix=".tmp")
     try:
         with os.fdopen(fd, "w+b") as f:
-            f.truncate(ORDER_HEADER_BYTES + documents * dtype.itemsize)
-            with mmap.mmap(f.fileno(), 0) as mm:
-                body = np.frombuffer(mm, dtype=dtype, count=documents, offset=ORDER_HEADER_BYTES)
-                for at in range(0, documents, _ORDER_IO_CHUNK):
-                    body[at:at + _ORDER_IO_CHUNK] = np.arange(at, min(documents, at + _ORDER_IO_CHUNK), dtype=dtype)
-                np.random.default_rng([seed, dataset, epoch]).shuffle(body)  # as ``shuffled_order``
-                del body  # the map cannot close while an array views it
-                mm.flush()
-            digest = _body_sha256(f, documents, dtype.itemsize)
+            os.fchmod(f.fileno(), cache_modes()[0])
+            _reserve(f.fileno(), size, path)
+            digest = hashlib.sha256()
+            if documents * dtype.itemsize <= ORDER_IN_MEMORY_SHARE * _memory_available():
+                _write_in_chunks(f, shuffled_order(seed, dataset, epoch, documents), digest)  # freed on return
+            else:
+                with mmap.mmap(f.fileno(), 0) as mm:
+                    body = np.frombuffer(mm, dtype=dtype, count=documents, offset=ORDER_HEADER_BYTES)
+                    for at in range(0, documents, _ORDER_IO_CHUNK):
+                        body[at:at + _ORDER_IO_CHUNK] = np.arange(at, min(documents, at + _ORDER_IO_CHUNK),
+                                                                  dtype=dtype)
+                    np.random.default_rng([seed, dataset, epoch]).shuffle(body)  # as ``shuffled_order``
+                    for at in range(0, documents, _ORDER_IO_CHUNK):
+                        digest.update(body[at:at + _ORDER_IO_CHUNK].data)
+                    del body  # the map cannot close while an array views it
+                    mm.flush()
             f.seek(0)
-            f.write(_order_header(seed, dataset, epoch, documents, digest))
+            f.write(_order_header(seed, dataset, epoch, documents, digest.digest()))
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        if os.path.exists(tmp):
+        try:
             os.unlink(tmp)
+        except OSError:
+            pass
         raise
+
+
+def _remove_stale_temps(path: str) -> list[str]:
+    """Remove the temporary files builds of ``path`` that were killed left behind (each as large as the
+    order); call it holding the order's lock, when no build of it can be running. Returns their names."""
+    directory, name = os.path.split(path)
+    removed: list[str] = []
+    try:
+        entries = os.listdir(directory or ".")
+    except OSError:
+        return removed
+    for entry in entries:
+        if entry.startswith(name + ".") and entry.endswith(".tmp"):
+            try:
+                os.unlink(os.path.join(directory, entry))
+                removed.append(entry)
+            except OSError:
+                pass
+    return removed
+
+
+def _open_lock(path: str) -> tuple[int, bool]:
+    """(a descriptor of the lock file ``path``, whether it is read-only). A missing lock is created with
+    ``cache_modes``'s lock mode; an existing one is opened whoever created it, read-only when this user
+    may not write it (``flock`` needs no write access)."""
+    mode = cache_modes()[1]
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, mode)
+    except FileExistsError:
+        pass
+    else:
+        try:
+            os.fchmod(fd, mode)  # creation applied the umask; the group's write bit is the point
+        except OSError:
+            pass
+        return fd, False
+    try:
+        return os.open(path, os.O_RDWR), False
+    except PermissionError:
+        return os.open(path, os.O_RDONLY), True
+
+
+def _cannot(exc: OSError) -> str:
+    """An OSError as a short reason: what failed and on which file."""
+    what = exc.strerror or str(exc)
+    return f"{what}: {exc.filename}" if exc.filename else what
 
 
 def cached_order(directory: str, seed: int, dataset: int, epoch: int, documents: int) -> np.ndarray:
     """The epoch order of ``shuffled_order``, memory-mapped from ``directory`` (built there first if
     missing or unusable). Ranks starting together take turns on a lock file, so one of them builds and
-    the others map its file; a file that fails its check is rebuilt (a warning names it and why)."""
+    the others map its file; a file that fails its check is rebuilt (a warning names it and why), and
+    temporary files a killed build left are removed first. Any user who may write the directory can
+    take the lock and rebuild (``cache_modes``: files team-readable, the lock group-writable). Every
+    refusal is one ``ValueError`` line naming ``--data-cache-path``, why, and why the file was unusable."""
     import fcntl
     import warnings
 
@@ -274,19 +440,39 @@ def cached_order(directory: str, seed: int, dataset: int, epoch: int, documents:
     order, problem = _map_order_file(path, seed, dataset, epoch, documents)
     if order is not None:
         return order
+    flag = f"--data-cache-path {directory}"
+    if os.path.isdir(path):
+        raise ValueError(f"{flag}: {path} is a directory, where the epoch order file belongs; remove it, or give "
+                         "another --data-cache-path")
+    found = f"{os.path.basename(path)}: {problem}"
+    advice = "give a writable directory, or none to keep the orders in memory"
     try:
         os.makedirs(directory, exist_ok=True)
-        lock = open(path + ".lock", "a+b")
+        fd, read_only = _open_lock(path + ".lock")
     except OSError as exc:
-        raise ValueError(f"--data-cache-path {directory}: cannot write the epoch order cache there ({exc}); "
-                         "give a writable directory, or none to keep the orders in memory") from None
-    with lock:
-        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+        raise ValueError(f"{flag}: cannot write the epoch order cache there ({_cannot(exc)}; {found}); "
+                         f"{advice}") from None
+    with os.fdopen(fd, "rb" if read_only else "r+b") as lock:
+        if read_only:
+            warnings.warn(f"epoch order cache lock {path}.lock is not writable by this user: locking it read-only "
+                          "(make it group-writable, or remove it, to share the cache)", stacklevel=2)
+        try:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+        except OSError as exc:
+            how = ", opened read-only as this user may not write it" if read_only else ""
+            raise ValueError(f"{flag}: cannot lock {path}.lock ({exc.strerror}{how}; {found}); make the lock "
+                             f"writable by this user, or {advice}") from None
         order, problem = _map_order_file(path, seed, dataset, epoch, documents)  # built while we waited?
         if order is None:
+            found = f"{os.path.basename(path)}: {problem}"
             if problem != "missing":
                 warnings.warn(f"epoch order cache {path}: {problem}; rebuilding it", stacklevel=2)
-            _write_order_file(path, seed, dataset, epoch, documents)
+            _remove_stale_temps(path)
+            try:
+                _write_order_file(path, seed, dataset, epoch, documents)
+            except OSError as exc:
+                raise ValueError(f"{flag}: cannot write the epoch order cache there ({_cannot(exc)}; {found}); "
+                                 f"{advice}") from None
             order, problem = _map_order_file(path, seed, dataset, epoch, documents)
     if order is None:
         raise ValueError(f"epoch order cache {path}: {problem} right after it was written; check the file system "
@@ -514,22 +700,33 @@ class DocumentReader:
         return max(src.max_token_id() for src in self.sources)
 
     def check_vocabulary(self, vocab_size: int, flag: str = "--vocab-size") -> None:
-        """Refuse data whose token ids the model's embedding (``vocab_size`` rows) cannot look up, naming
-        the dataset, its largest id and the vocabulary; ``flag`` is what sets it. At start-up each
-        dataset's first ``VOCAB_SCAN_TOKENS`` tokens are scanned (the whole file when smaller: start-up
-        must not read a trillion-token corpus); from then on every ``read`` checks the tokens it returns,
-        so an id beyond the vocabulary anywhere stops the run when it is read, with the same message."""
+        """Refuse data whose token ids the model's embedding (``vocab_size`` rows) cannot look up (negative,
+        or ``vocab_size`` and up), naming the dataset, the id and the valid range; ``flag`` is what sets it.
+        At start-up each dataset's first ``VOCAB_SCAN_TOKENS`` tokens are scanned (the whole file when
+        smaller: start-up must not read a trillion-token corpus); from then on every ``read`` checks the
+        tokens it returns, so a bad id anywhere stops the run when it is read, with the same message."""
         self.vocab_size, self.vocab_flag = int(vocab_size), flag
         for src in self.sources:
-            if np.issubdtype(src.tokens.dtype, np.integer) and np.iinfo(src.tokens.dtype).max < vocab_size:
+            dtype = src.tokens.dtype
+            if np.issubdtype(dtype, np.integer) and np.iinfo(dtype).min >= 0 and np.iinfo(dtype).max < vocab_size:
                 continue  # the file's dtype cannot hold an id outside the vocabulary: nothing to scan
-            self._refuse_beyond_vocabulary(src, src.max_token_id(VOCAB_SCAN_TOKENS))
+            self._refuse_outside_vocabulary(src, *src.token_id_range(VOCAB_SCAN_TOKENS))
 
-    def _refuse_beyond_vocabulary(self, src: IndexedSource, top: int) -> None:
-        if self.vocab_size is not None and top >= self.vocab_size:
-            raise ValueError(f"{src.prefix}: token id {top} is outside the model's vocabulary of {self.vocab_size} "
-                             f"(ids 0..{self.vocab_size - 1}): set {self.vocab_flag} to at least {top + 1} (or the "
-                             "tokenizer the data was made with)")
+    def _refuse_outside_vocabulary(self, src: IndexedSource, low: int, top: int) -> None:
+        """One line naming the dataset, its first bad id (``low`` if negative, else ``top`` if too large)
+        and the valid ids."""
+        vocab = self.vocab_size
+        if vocab is None:
+            return
+        valid = f"the model's vocabulary of {vocab} (ids 0..{vocab - 1})"
+        if low < 0:
+            dtype = np.dtype(src.tokens.dtype)
+            raise ValueError(f"{src.prefix}: token id {low} is outside {valid}: its .bin holds {dtype.name} ids, and "
+                             "a negative id indexes no embedding row; rebuild the dataset with an unsigned or wider "
+                             "dtype (megatron-core picks uint16 for vocabularies under 65500, else int32)")
+        if top >= vocab:
+            raise ValueError(f"{src.prefix}: token id {top} is outside {valid}: set {self.vocab_flag} to at least "
+                             f"{top + 1} (or the tokenizer the data was made with)")
 
     def describe(self) -> dict[str, Any]:
         """What determines the stream (saved with checkpoints, compared on resume)."""
@@ -566,7 +763,7 @@ class DocumentReader:
         _, i, doc = self.locate(stream_id)
         tokens = self.sources[i].read(doc, offset, length)
         if self.vocab_size is not None and tokens.size:
-            self._refuse_beyond_vocabulary(self.sources[i], int(tokens.max()))
+            self._refuse_outside_vocabulary(self.sources[i], int(tokens.min()), int(tokens.max()))
         return tokens
 
 

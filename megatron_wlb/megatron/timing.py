@@ -390,16 +390,18 @@ def _backward_done(recorder: Recorder, args: tuple, kwargs: dict, out: Any, span
 
 
 def all_reduce(values: np.ndarray, op: str) -> np.ndarray:
-    """``values`` combined over every rank ("max", "min" or "sum"), on the training device, float64."""
+    """``values`` combined over every rank ("max", "min" or "sum"), on the training device, float64: a new
+    array every call (the caller's is never written, so the MIN and MAX of one array stay two results)."""
     import torch
     import torch.distributed as dist
 
     from megatron_wlb.megatron.cp_hooks import training_device
 
     if not dist.is_initialized():
-        return np.asarray(values, dtype=np.float64)
+        return np.array(values, dtype=np.float64)  # a copy, as on the distributed path
     ops = {"max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN, "sum": dist.ReduceOp.SUM}
-    tensor = torch.as_tensor(np.asarray(values, dtype=np.float64), device=training_device())
+    # torch.tensor copies (torch.as_tensor would share the caller's float64 array on a CPU device)
+    tensor = torch.tensor(np.asarray(values, dtype=np.float64), device=training_device())
     dist.all_reduce(tensor, op=ops[op])
     return tensor.cpu().numpy()
 
