@@ -4,6 +4,9 @@ The corpus is read whole (``--lengths``, ``--data-prefix`` or a ``--data-path`` 
 takes it), shuffled as Megatron's GPTDataset shuffles documents (numpy ``RandomState`` seeded with
 ``--seed`` + k for ordering k), and every method runs the same iterations of each ordering; the
 verdict is the mean and range over ``--shuffles`` orderings, so it does not hinge on the file order.
+The concat-and-cut baseline and the balanced concat-and-cut train megatron-core's own GPTDataset
+samples of the corpus (seed ``--seed`` + k), global batch after global batch as Megatron's sampler
+gives them (``megatron.sample_orders``); without megatron-core they cut the reader's order, said in one line.
 """
 
 from __future__ import annotations
