@@ -4,6 +4,9 @@ The corpus is read whole (``--lengths``, ``--data-prefix`` or a ``--data-path`` 
 takes it), shuffled as Megatron's GPTDataset shuffles documents (numpy ``RandomState`` seeded with
 ``--seed`` + k for ordering k), and every method runs the same iterations of each ordering; the
 verdict is the mean and range over ``--shuffles`` orderings, so it does not hinge on the file order.
+The concat-and-cut baseline and the balanced concat-and-cut train megatron-core's own GPTDataset
+samples of the corpus (seed ``--seed`` + k), global batch after global batch as Megatron's sampler
+gives them (``megatron.sample_orders``); without megatron-core they cut the reader's order, said in one line.
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ import argparse
 import json
 import sys
 import time
+
+import numpy as np
 
 from megatron_wlb.cli.common import (
     add_stream_args,
@@ -25,6 +30,7 @@ from megatron_wlb.cli.common import (
     tqdm_progress,
 )
 from megatron_wlb.data.blend import DEFAULT_SEED
+from megatron_wlb.data.samples import SampleStream
 from megatron_wlb.sim.experiments import DEFAULT_VIRTUAL_STAGES, EQUAL_DELAY_WINDOW
 
 #: Orderings per verdict. With k i.i.d. orderings each, two corpora of the same documents in
@@ -70,6 +76,38 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def gpt_samples(corpus: np.ndarray | list[str] | str, seq_len: int, num_samples: int, seeds: list[int]
+                ) -> tuple[list[SampleStream] | None, str]:
+    """Per ordering (seed), megatron-core's GPTDataset samples of ``corpus`` as a piece stream, and the
+    report's line saying so; without megatron-core (or torch), None and the line saying what that changes.
+
+    The concat-and-cut baseline and the balanced concat-and-cut then train exactly the samples the
+    user's ``pretrain_gpt.py`` job would, iteration by iteration, so the verdict is about that job."""
+    import warnings
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # megatron-core's import warns about optional kernels
+            import megatron.core.datasets.gpt_dataset  # noqa: F401
+    except ImportError as e:
+        return None, (f"megatron-core is not importable here ({e}): the concat-and-cut baseline and the balanced "
+                      "concat-and-cut follow this tool's document order, not Megatron GPTDataset's sample order; "
+                      "install megatron-core and torch (pip install megatron-core torch) for the exact order.")
+    from megatron_wlb.megatron.sample_orders import gpt_sample_order, sample_stream
+
+    streams = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for seed in seeds:
+            order, name = gpt_sample_order(corpus, seq_len, num_samples, seed)
+            streams.append(sample_stream(order, name))
+    return streams, (f"Concat-and-cut and balanced concat-and-cut train megatron-core's GPTDataset samples (its "
+                     f"document, sample and shuffle indices, --seed {seeds[0]}" + (f"..{seeds[-1]}" if len(seeds) > 1
+                                                                                   else "") +
+                     ", --split 1,0,0, per-document masking), global batch after global batch as Megatron's "
+                     "sampler gives them; the balanced one trains no sample before the iteration it is given.")
+
+
 def run(args: argparse.Namespace) -> int:
     from megatron_wlb.config import load_config
     from megatron_wlb.data import load_lengths
@@ -88,6 +126,7 @@ def run(args: argparse.Namespace) -> int:
     notes: list[str] = [schedule_note] if schedule_note else []
     if schedule_note:
         print(f"wlb analyze: note: {schedule_note}", file=sys.stderr)
+    lengths = np.zeros(0, dtype=np.int64)  # the file-order lengths (--lengths / --data-prefix / embedded)
     if args.data_path:
         from megatron_wlb.data.blend import read_blend
 
@@ -130,9 +169,15 @@ def run(args: argparse.Namespace) -> int:
     else:
         notes.append(f"A sample: the first {iterations} of the {available} full iterations the corpus gives, "
                      "in each ordering.")
+    # the corpus as megatron-core reads it: the prefix or blend itself (its IndexedDataset), or the lengths
+    corpus: np.ndarray | list[str] | str = args.data_path or args.data_prefix or lengths
+    samples, line = gpt_samples(corpus, cfg.seq_len, iterations * cfg.packing.micro_batches_per_iteration, seeds)
+    notes.append(line)
+    if samples is None:
+        print(f"wlb analyze: note: {line}", file=sys.stderr)
     start = time.perf_counter()
-    path, table, verdict = analyze(out, cfg, streams, iterations, profile=profile,
-                                   progress=tqdm_progress, source=source, reference=load_lengths(), notes=notes)
+    path, table, verdict = analyze(out, cfg, streams, iterations, profile=profile, progress=tqdm_progress,
+                                   source=source, reference=load_lengths(), notes=notes, samples=samples)
     print(f"{table.title}\n")
     print(table.to_markdown(digits=3))
     for line in recommendation(verdict):

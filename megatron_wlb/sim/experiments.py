@@ -24,6 +24,7 @@ import numpy as np
 from megatron_wlb.config import RunConfig, load_config
 from megatron_wlb.costmodel import CostModel, build_cost_model
 from megatron_wlb.cp.protocols import LayoutBuilder
+from megatron_wlb.data.samples import SampleStream
 from megatron_wlb.sim.iteration import Progress, RunSummary, simulate_stream
 
 __all__ = ["Progress"]  # re-exported: the callers of compare() and reproduce() name it from here
@@ -45,7 +46,9 @@ class Method:
     config's. ``order``: ``"heavy-first"`` runs each DP rank's micro-batches heaviest first (see
     ``IterationSimulator``). ``s_max_factor``: set ``max_seq_len`` (paper S_max) to this many
     times ``seq_len`` (rounded up to a multiple of 2 x cp) instead of the config's; only the
-    variable-length packer uses it.
+    variable-length packer uses it. ``on_samples``: None = the method reads documents; a tuple = it
+    trains Megatron's GPTDataset samples when ``compare`` is given them (``samples``), with these
+    further packing overrides (the concat-and-cut baseline and the balanced concat-and-cut).
     """
 
     name: str
@@ -55,6 +58,7 @@ class Method:
     s_max_factor: float | None = None
     order: str = "packer"
     virtual_stages: int | None = None
+    on_samples: tuple[tuple[str, object], ...] | None = None
 
     def packing_overrides(self, config: RunConfig) -> dict:
         out = dict(self.overrides)
@@ -64,7 +68,7 @@ class Method:
         return out
 
 
-PLAIN = Method("Plain-4D", "original", "per-sequence")
+PLAIN = Method("Plain-4D", "original", "per-sequence", on_samples=())
 #: The second baseline: documents kept whole (see ``megatron_wlb.packing.whole_document``).
 WHOLE = Method("Plain-4D whole-doc", "whole-document", "per-sequence")
 BASELINES = (PLAIN, WHOLE)
@@ -74,8 +78,11 @@ FIXED = Method("Fixed-4D", "fixed-greedy", "per-document")
 WLB = Method("WLB-LLM", "wlb", "adaptive")
 DYNCP = Method("Megatron dyn-CP", "fixed-greedy", "dynamic-cp")
 #: Megatron's own pieces (concat-and-cut's cut points), balanced by the wlb packer and the adaptive CP
-#: layout: the same data and attention work as PLAIN (``PackingConfig.pieces``; beyond the paper).
-BALANCED_CUT = Method("Balanced concat-and-cut", "wlb", "adaptive", overrides=(("pieces", "concat-and-cut"),))
+#: layout: the same data and attention work as PLAIN (``PackingConfig.pieces``; beyond the paper). On
+#: GPTDataset's samples it reads no sample before the iteration Megatron's sampler gives it (read_ahead
+#: off, as the training intake).
+BALANCED_CUT = Method("Balanced concat-and-cut", "wlb", "adaptive", overrides=(("pieces", "concat-and-cut"),),
+                      on_samples=(("read_ahead", False),))
 MAIN_METHODS = (PLAIN, WHOLE, FIXED, WLB, BALANCED_CUT, DYNCP)
 #: Global batches the equal-delay baseline packs together (mean delay about 0.6 iterations per token on
 #: the embedded stream, WLB-LLM's default about 0.5: the issue-24 target compares at no more delay).
@@ -175,13 +182,15 @@ def compare(config: RunConfig, lengths: np.ndarray, iterations: int, methods: Se
             *, cost: CostModel | None = None, profile: str | None = None, keep_events: bool = False,
             layout_builder: LayoutBuilder | None = None, split_at_window: bool = True,
             virtual_stages: int | None = None, sequence_parallel: bool = True,
-            progress: Progress | None = None) -> Comparison:
+            progress: Progress | None = None, samples: SampleStream | None = None) -> Comparison:
     """Simulate every method on ``config`` over the first ``iterations`` iterations of ``lengths``.
 
     With ``split_at_window`` documents longer than the window are cut into window-size pieces
     before packing, for every method alike (a 64K-context job attends at most 64K tokens back).
     ``virtual_stages`` overrides the config's schedule (a method's own ``virtual_stages`` wins);
-    ``sequence_parallel`` sets the PP send size (``CostModel.pp_send``).
+    ``sequence_parallel`` sets the PP send size (``CostModel.pp_send``). ``samples``: Megatron's
+    GPTDataset samples as a piece stream (``megatron.sample_orders.sample_stream``): the methods with
+    ``on_samples`` train them instead of cutting ``lengths`` (the user's real concat-and-cut job).
     """
     if not methods:
         raise ValueError("compare needs at least one method")
@@ -193,8 +202,11 @@ def compare(config: RunConfig, lengths: np.ndarray, iterations: int, methods: Se
             raise ValueError(f"{m.name}: interleaved 1F1B needs micro_batches ({config.micro_batches}) divisible "
                              f"by pp ({config.layout.pp})")
         cfg = config if v is None else config.with_virtual_stages(v)
-        runs[m.name] = simulate_stream(cfg, cost, m.packer, m.cp_layout, lengths, iterations,
-                                       packing_overrides=m.packing_overrides(config), layout_builder=layout_builder,
+        source = samples if m.on_samples is not None else None
+        overrides = {**m.packing_overrides(config), **dict(m.on_samples or ())} if source is not None \
+            else m.packing_overrides(config)
+        runs[m.name] = simulate_stream(cfg, cost, m.packer, m.cp_layout, lengths, iterations, source=source,
+                                       packing_overrides=overrides, layout_builder=layout_builder,
                                        keep_events=keep_events, progress=progress,
                                        progress_desc=f"{config.name} {m.name}", order=m.order,
                                        sequence_parallel=sequence_parallel,

@@ -33,6 +33,7 @@ import numpy as np
 from megatron_wlb.config import RunConfig
 from megatron_wlb.costmodel import CostModel
 from megatron_wlb.cp.protocols import Layout, LayoutBuilder
+from megatron_wlb.data.samples import SampleStream
 from megatron_wlb.packing.metrics import (
     batch_latencies,
     imbalance_global,
@@ -407,20 +408,23 @@ def simulate_stream(config: RunConfig, cost: CostModel, packer: str, cp_layout: 
                     iterations: int, *, packing_overrides: dict | None = None,
                     layout_builder: LayoutBuilder | None = None, keep_events: bool = False,
                     split_at: int | None = None, order: str = "packer", sequence_parallel: bool = True,
-                    progress: Progress | None = None, progress_desc: str | None = None) -> RunSummary:
+                    progress: Progress | None = None, progress_desc: str | None = None,
+                    source: SampleStream | None = None) -> RunSummary:
     """Pack ``lengths`` with ``packer`` and simulate its first ``iterations`` global batches.
 
     Every packer reads ``dp * n * seq_len`` new tokens per iteration, so the first K iterations of
     two methods cover the same documents up to what a packer holds back at the end. ``split_at``
     cuts documents longer than that into pieces of at most that many tokens before packing (see
     ``split_documents``), so every method trains the same attention spans. ``progress`` shows the
-    iterations under ``progress_desc`` (default: config, packer and layout names).
+    iterations under ``progress_desc`` (default: config, packer and layout names). ``source``: pack
+    Megatron's GPTDataset samples (their pieces in training order) instead of ``lengths``; they are
+    already cut at ``seq_len``, so ``split_at`` does not apply.
     """
     from megatron_wlb.packing.base import make_packer
 
     if iterations < 1:
         raise ValueError(f"iterations must be at least 1, got {iterations}")
-    if split_at is not None:
+    if split_at is not None and source is None:
         lengths = split_documents(lengths, split_at)
     # Not ``config.with_packer``: it knows only the packers a config file may name, and the
     # simulator also runs the whole-document baseline (``packing/whole_document.py``).
@@ -428,7 +432,8 @@ def simulate_stream(config: RunConfig, cost: CostModel, packer: str, cp_layout: 
     pk = make_packer(packer, cfg.packing, cost)
     sim = IterationSimulator(cfg, cost, cp_layout, layout_builder=layout_builder, keep_events=keep_events,
                              order=order, sequence_parallel=sequence_parallel)
-    batches: Iterable[GlobalBatch] = _take(pk.pack(lengths), iterations)
+    stream = pk.pack(lengths) if source is None else pk.pack_source(source.cursor())
+    batches: Iterable[GlobalBatch] = _take(stream, iterations)
     if progress is not None:
         batches = progress(batches, progress_desc or f"{config.name} {packer}+{cp_layout}", iterations)
     results = []

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from megatron_wlb.config import RunConfig
+from megatron_wlb.data.samples import SampleStream
 from megatron_wlb.sim.experiments import (
     ANALYZE_METHODS,
     BALANCED_CUT,
@@ -806,19 +807,25 @@ def fig_length_distribution(lengths: np.ndarray, reference: np.ndarray, path: Pa
 def analyze(out: str | Path, config: RunConfig, streams: Sequence[np.ndarray], iterations: int, *,
             profile: str | None = None, methods: Sequence[Method] = ANALYZE_METHODS,
             progress: Progress | None = None, source: str = "", virtual_stages: int | None = None,
-            reference: np.ndarray | None = None, notes: Sequence[str] = ()) -> tuple[Path, Table, Verdict]:
+            reference: np.ndarray | None = None, notes: Sequence[str] = (),
+            samples: Sequence[SampleStream] | None = None) -> tuple[Path, Table, Verdict]:
     """``wlb analyze``: compare the methods on one config over several orderings of the same corpus
     (``streams``, e.g. seeded shuffles), ``iterations`` each; write ``out/report.md`` and figures.
 
     ``reference``: lengths to plot beside the user's (the embedded distribution); ``notes``:
-    sentences the caller wants in the report (how the streams were made, warnings)."""
+    sentences the caller wants in the report (how the streams were made, warnings); ``samples``: per
+    ordering, Megatron's GPTDataset samples, which the concat-and-cut baseline and the balanced
+    concat-and-cut then train (``compare``'s ``samples``)."""
     if not streams:
         raise ValueError("analyze needs at least one stream")
+    if samples is not None and len(samples) != len(streams):
+        raise ValueError(f"analyze got {len(samples)} sample orders for {len(streams)} orderings; give one each")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     comps = [compare(config, s, iterations, methods, profile=profile, keep_events=k == 0,
-                     virtual_stages=virtual_stages, progress=progress) for k, s in enumerate(streams)]
+                     virtual_stages=virtual_stages, progress=progress,
+                     samples=None if samples is None else samples[k]) for k, s in enumerate(streams)]
     verdict = verdict_of(comps)
     vt = verdict_table(verdict)
     table = analyze_table(comps[0])
