@@ -348,6 +348,13 @@ class WlbPacker(Packer):
         return l1
 
     # -- planning --------------------------------------------------------------------------------
+    @property
+    def reads_ahead(self) -> bool:
+        """Whether the read-ahead fill (h) runs: ``fill_target`` on, pieces may wait (``max_delay`` > 0) and
+        ``read_ahead`` not off (Megatron's own samples are never read ahead of their iteration)."""
+        cfg = self.config
+        return cfg.fill_target > 0 and cfg.max_delay > 0 and cfg.read_ahead is not False
+
     def _plan(self, new: list[DocPiece], final: bool) -> list[MicroBatch]:
         cfg = self.config
         m = cfg.micro_batches_per_iteration
@@ -424,7 +431,7 @@ class WlbPacker(Packer):
                 if cfg.cut_policy != "none":
                     early = self._cut_early(early, forced + candidates, l1, per_token)
                 candidates.extend(early)
-        read_ahead = not final and cfg.fill_target > 0 and cfg.max_delay > 0  # max_delay 0: nothing may wait
+        read_ahead = not final and self.reads_ahead
         if read_ahead:
             # (h) the ordinary documents a full iteration needs are read before the placement, so they are
             # placed with the rest, largest first (read after it, a long one could only land on top of an
@@ -446,7 +453,9 @@ class WlbPacker(Packer):
         if read_ahead:
             self._read_ahead_fill(bins, work, toks, cap, waiting, l1)
         if not final and waiting and cfg.min_fill > 0:
-            self._fill_guard(bins, work, toks, cap, waiting, forced, full=read_ahead)
+            # without the read-ahead, the waiting pieces are all there is to fill the iteration with
+            self._fill_guard(bins, work, toks, cap, waiting, forced,
+                             full=read_ahead or (cfg.read_ahead is False and cfg.fill_target > 0))
         waiting.sort(key=oldest_first_key)
         self._waiting = waiting
         if self._overlong_docs:
@@ -470,7 +479,7 @@ class WlbPacker(Packer):
             return []
         cfg = self.config
         m, cap, budget = cfg.micro_batches_per_iteration, self.capacity, cfg.tokens_per_iteration
-        read_ahead = cfg.fill_target > 0 and cfg.max_delay > 0
+        read_ahead = self.reads_ahead
         big = np.sort(np.asarray([p.length for p in placed if p.length >= l1], dtype=np.int64))[::-1]
         in_hand = sum(p.length for p in placed if p.length < l1)
         bw, bt = np.zeros(m), np.zeros(m, dtype=np.int64)
