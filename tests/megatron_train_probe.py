@@ -10,6 +10,8 @@ writes, per rank, ``rank{R}.json``:
   each upload carries (``RankPlan.rows`` mapped to the pieces' documents);
 - ``plans``: every global plan the first iterator made: ``[[doc_id, length], ...]`` per iteration;
 - ``pieces``: the same plans' pieces as ``[doc_id, offset, length]``;
+- ``piece_data``: ``{doc_id: sha256 of its tokens, labels and loss mask}`` of every piece this rank's
+  first iterator fed (what the data path handed the model, before CP sharding);
 - ``agreement``: the plan agreement checks this rank ran before its training steps, and their seconds;
 - ``parallel``: this rank's tp/cp/pp/dp ranks; ``core_version``: the megatron-core that ran.
 
@@ -46,7 +48,7 @@ def main() -> None:
     RANK = int(os.environ.get("RANK", "0"))
     from megatron.core import package_info
 
-    record: dict = {"losses": {}, "doc_tokens": [], "plans": [], "pieces": [], "parallel": {},
+    record: dict = {"losses": {}, "doc_tokens": [], "plans": [], "pieces": [], "piece_data": {}, "parallel": {},
                     "core_version": str(package_info.__version__)}
     _iterator_index: dict[int, int] = {}
 
@@ -59,6 +61,19 @@ def main() -> None:
         out = _next(self)
         which = _iterator_index.setdefault(id(self), len(_iterator_index))
         _iterator_of[id(out)] = which
+        if which == 0:
+            import hashlib
+
+            whole = out.plan.take(np.arange(int(out.plan.segment_lengths.sum())), fill=-1)
+            at = 0
+            for piece in out.micro_batch.pieces:
+                rows = np.flatnonzero((whole >= at) & (whole < at + piece.length))
+                rows = rows[np.argsort(whole[rows])]
+                h = hashlib.sha256()
+                for arr in (out.tokens[0, rows], out.labels[0, rows], out.loss_mask[0, rows]):
+                    h.update(np.ascontiguousarray(arr, dtype=np.float64).tobytes())
+                record["piece_data"][str(piece.doc_id)] = h.hexdigest()
+                at += piece.length
         if which == 0 and self._cursor == 1:
             record["plans"].append([[p.doc_id, p.length] for m in self.current.micro_batches for p in m.pieces])
             record["pieces"].append([[p.doc_id, p.offset, p.length] for m in self.current.micro_batches

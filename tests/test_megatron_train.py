@@ -330,31 +330,119 @@ def test_checkpoint_resume_equals_an_uninterrupted_run(tmp_path, corpus, ckpt_fo
     assert [resumed.losses[1], resumed.losses[2]] == pytest.approx([full.losses[3], full.losses[4]], rel=1e-5)
 
 
-def test_concat_and_cut_pieces_balanced_train_megatrons_own_pieces_and_resume(tmp_path, corpus):
-    """``--wlb-pieces concat-and-cut`` through Megatron's loop at DP2: it trains, every planned token
-    reaches the model once, every piece it trains is one of the pieces concat-and-cut (``original``)
-    trains on the same stream (same cut points: only grouping and order differ), and a resume from
-    its checkpoint continues exactly."""
-    from collections import Counter
+@pytest.fixture(scope="module")
+def eod_corpus(tmp_path_factory) -> str:
+    """The stdlib corpus with every document ending in the tiny GPT tokenizer's own EOD (NullTokenizer,
+    vocabulary 300: EOD 299), so Megatron's --reset-* flags find the document boundaries."""
+    import sysconfig
 
+    from megatron_wlb.data.reader import byte_documents, write_indexed_dataset
+
+    prefix = str(tmp_path_factory.mktemp("eod_corpus") / "stdlib_eod_text_document")
+    paths = sorted(str(p) for p in Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+    write_indexed_dataset(prefix, byte_documents(paths, separator="\n\n", eod=299, max_bytes=600_000))
+    return prefix
+
+
+def stock_samples(corpus: str, tmp_path: Path, iterations: int, first: int = 0, dp: int = 2,
+                  eod_mask_loss: bool = True) -> dict[int, tuple]:
+    """What a stock job trains over ``iterations`` steps from ``first``: megatron-core's GPTDataset built as
+    the run built it, read in the order of Megatron's own ``MegatronPretrainingSampler`` at DP ``dp``:
+    piece id (position * seq_length + start) -> (iteration, sha256 of its tokens, labels and loss mask)."""
+    import hashlib
+    import types
+
+    import numpy as np
+
+    from megatron_wlb.megatron.compat import install_python_shims
+
+    install_python_shims()
+    from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer
+    from megatron.training.datasets.data_samplers import MegatronPretrainingSampler
+
+    from megatron_wlb.megatron.gpt_samples import MegatronSamples, build_train_dataset
+
+    seq, gbs, train_iters = 256, 4, 4
+    args = types.SimpleNamespace(seed=1234, seq_length=seq, data_path=[corpus], split="98,2,0",
+                                 data_cache_path=str(tmp_path / "stock_cache"), mmap_bin_files=True,
+                                 reset_position_ids=True, reset_attention_mask=True, eod_mask_loss=eod_mask_loss,
+                                 data_args_path=None, per_split_data_args_path=None, train_data_path=None,
+                                 valid_data_path=None, test_data_path=None)
+    samples = MegatronSamples(build_train_dataset(args, NullTokenizer(300), (train_iters * gbs, 0, 0)))
+    out = {}
+    for rank in range(dp):
+        sampler = iter(MegatronPretrainingSampler(len(samples), first * gbs, 1, rank, dp))
+        for _ in range(iterations * gbs // dp):
+            (j,) = next(sampler)
+            tokens, labels, mask, positions = samples.sample(j)
+            starts = np.flatnonzero(positions == 0)
+            for a, b in zip(starts.tolist(), np.append(starts[1:], seq).tolist()):
+                h = hashlib.sha256()
+                for arr in (tokens[a:b], labels[a:b], mask[a:b]):
+                    h.update(np.ascontiguousarray(arr, dtype=np.float64).tobytes())
+                out[j * seq + a] = (j // gbs, h.hexdigest())
+    return out
+
+
+def fed_pieces(run: Run) -> dict[int, str]:
+    """Every piece that reached the model in ``run`` (any rank): id -> digest of its data (ranks agree)."""
+    fed: dict[int, str] = {}
+    for record in run.ranks.values():
+        for doc, digest in record["piece_data"].items():
+            assert fed.setdefault(int(doc), digest) == digest
+    return fed
+
+
+def test_balanced_gptdataset_pp2_trains_the_stock_jobs_samples(tmp_path, eod_corpus):
+    """The same at PP2 (every stage plans alike; the last stage's loss is over Megatron's labels)."""
+    run = train(tmp_path, "pp2", eod_corpus, "--wlb-packing", "wlb", "--wlb-pieces", "concat-and-cut",
+                "--reset-attention-mask", "--reset-position-ids", env={"PP": "2"})
+    assert_trains(run)
+    assert_documents_once(run)
+    stock = stock_samples(eod_corpus, tmp_path, 4, dp=1, eod_mask_loss=False)
+    fed = fed_pieces(run)
+    assert fed and set(fed) <= set(stock) and all(fed[k] == stock[k][1] for k in fed)
+
+
+def test_balanced_gptdataset_through_megatrons_loop(tmp_path, eod_corpus):
+    """``--wlb-pieces concat-and-cut`` at DP2 through Megatron's loop trains the stock job's samples: every
+    piece that reached the model is a piece of a sample Megatron's GPTDataset + sampler give the same steps,
+    with Megatron's own tokens, labels and loss mask, at or after its step; the rest wait (bounded). A job
+    without per-document masking is refused in one line; a stock checkpoint (no WLB state) continues from
+    its consumed samples."""
     ckpt = tmp_path / "ckpt"
-    common = ("--wlb-packing", "wlb", "--wlb-pieces", "concat-and-cut", "--save", str(ckpt), "--save-interval", "2",
-              "--ckpt-format", "torch")
-    full = train(tmp_path, "cc", corpus, *common, env={"DP": "2"})
+    masking = ("--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss")
+    common = ("--wlb-packing", "wlb", "--wlb-pieces", "concat-and-cut", *masking, "--save", str(ckpt),
+              "--save-interval", "2", "--ckpt-format", "torch")
+    full = train(tmp_path, "balanced", eod_corpus, *common, env={"DP": "2"})
     assert_trains(full)
     assert_documents_once(full)
-    # 4 iterations read at most ~5.5 budgets (read-ahead is credited against later ones): 6 of concat-and-cut hold them
-    cut = train(tmp_path, "original", corpus, "--wlb-packing", "original", "--train-iters", "6", env={"DP": "2"})
-    pieces = Counter(tuple(p) for plan in next(r["pieces"] for r in full.ranks.values() if r["pieces"]) for p in plan)
-    reference = Counter(tuple(p) for plan in next(r["pieces"] for r in cut.ranks.values() if r["pieces"])
-                        for p in plan)
-    assert not pieces - reference, f"pieces concat-and-cut does not train: {sorted(pieces - reference)[:5]}"
-    assert any(plan != ref for plan, ref in zip(next(r["pieces"] for r in full.ranks.values() if r["pieces"]),
-                                                next(r["pieces"] for r in cut.ranks.values() if r["pieces"])))
+    stock = stock_samples(eod_corpus, tmp_path, 4)
+    fed = fed_pieces(full)
+    assert fed and set(fed) <= set(stock), f"pieces the stock job does not train: {sorted(set(fed) - set(stock))[:5]}"
+    assert all(fed[k] == stock[k][1] for k in fed), "a piece's tokens, labels or loss mask differ from Megatron's"
+    plans = next(r["pieces"] for r in full.ranks.values() if r["pieces"])
+    for it, plan in enumerate(plans):
+        assert all(stock[doc][0] <= it for doc, _, _ in plan), f"iteration {it} trained a later step's piece"
+    waiting = set(stock) - set(fed)
+    assert len(waiting) <= 4 * 4, f"{len(waiting)} of {len(stock)} pieces wait after 4 steps"
+
+    refused = train(tmp_path, "refused", eod_corpus, "--wlb-packing", "wlb", "--wlb-pieces", "concat-and-cut",
+                    env={"DP": "2"}, expect_ok=False)
+    assert refused.returncode != 0  # type: ignore[attr-defined]
+    assert re.search(r"--wlb-pieces concat-and-cut trains Megatron's samples regrouped per document, but this job "
+                     r"attends across documents[^\n]*--dataloader-inter-document-masking", refused.log)
+
+    # a stock checkpoint: the same files without our sidecar (what pretrain_gpt.py saves)
     shutil.rmtree(ckpt / "iter_0000004", ignore_errors=True)
+    (ckpt / "iter_0000002" / "wlb_packer_state.json").unlink()
     (ckpt / "latest_checkpointed_iteration.txt").write_text("2")
-    resumed = train(tmp_path, "resumed", corpus, *common, "--load", str(ckpt), env={"DP": "2"})
-    assert [resumed.losses[1], resumed.losses[2]] == pytest.approx([full.losses[3], full.losses[4]], rel=1e-5)
+    resumed = train(tmp_path, "from_stock", eod_corpus, *common, "--load", str(ckpt), env={"DP": "2"})
+    assert re.search(r"checkpoint at iteration 2: \d+ tokens of Megatron.s samples wait in the packer", full.log)
+    assert "holds no wlb_packer_state.json (a stock Megatron run)" in resumed.log
+    later = stock_samples(eod_corpus, tmp_path, 2, first=2)
+    pieces = {doc for plan in next(r["pieces"] for r in resumed.ranks.values() if r["pieces"]) for doc, _, _ in plan}
+    assert pieces and pieces <= set(later), "the resumed run trained pieces of samples the stock job already had"
 
 
 def test_dp_size_change_and_data_stream_reset_on_resume(tmp_path, corpus):

@@ -127,9 +127,12 @@ class DataStateRegistry:
 
 
 def wrap_save_checkpoint(original: Callable, registry: DataStateRegistry, get_args: Callable[[], Any],
-                         is_writer: Callable[[], bool], settings: Callable[[], dict | None] = lambda: None
-                         ) -> Callable:
-    """Megatron's ``save_checkpoint(iteration, model, optimizer, ...)``, then our sidecar."""
+                         is_writer: Callable[[], bool], settings: Callable[[], dict | None] = lambda: None,
+                         log: Callable[[str], None] = print) -> Callable:
+    """Megatron's ``save_checkpoint(iteration, model, optimizer, ...)``, then our sidecar. With Megatron's own
+    samples (``--wlb-pieces concat-and-cut``) it also says how many of their tokens wait in the packer: a
+    run resumed from this checkpoint without our flags (Megatron's sampler, from consumed_train_samples)
+    would skip them."""
 
     @wrapping(original)
     def save_checkpoint(iteration, *args, **kwargs):
@@ -147,6 +150,11 @@ def wrap_save_checkpoint(original: Callable, registry: DataStateRegistry, get_ar
                     save_dir = os.path.join(margs.save, "wlb_non_persistent_local")
             save_data_state(iteration_dir(save_dir, iteration, kwargs.get("release", False)), iteration, state,
                             settings(), registry.data_stream_resets)
+            if str(state.get("stream_digest", "")).startswith("samples:"):
+                waiting = int(registry.iterators[0].packer.pending())
+                log(f"> megatron_wlb: checkpoint at iteration {iteration}: {waiting} tokens of Megatron's samples wait "
+                    "in the packer (resumed with --wlb-pieces concat-and-cut they are trained; resumed without it, "
+                    "from consumed_train_samples, they would be skipped)")
         return out
 
     return save_checkpoint
