@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Balance targets of the balanced concat-and-cut in Megatron GPTDataset order, one command:
-``python scripts/bench_balanced_gptdataset.py [--iterations K] [--streams a,b] [--dp 1,4]``.
+``python scripts/bench_balanced_gptdataset.py [--iterations K] [--streams a,b] [--dp 1,4] [--readme]``.
 
 For every frontier stream (``bench_packing.STREAMS``: the embedded stand-in and docs/results/corpora)
 megatron-core's own ``GPTDataset`` indices are built over the stream's document lengths
@@ -193,6 +193,47 @@ def to_markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
+README_BEGIN, README_END = "<!-- balanced-gptdataset -->", "<!-- /balanced-gptdataset -->"
+
+
+def _span(values: list[float], digits: int) -> str:
+    lo, hi = f"{min(values):.{digits}f}", f"{max(values):.{digits}f}"
+    return lo if lo == hi else f"{lo}-{hi}"
+
+
+def readme_summary(result: dict) -> str:
+    """The README's sentences on the balance the training intake (read_ahead off) leaves, from ``result``."""
+    def rows(dp: int, k: int) -> list[dict]:
+        return [t["rows"][k] for t in result["tables"] if t["dp"] == dp]
+
+    dps = sorted({t["dp"] for t in result["tables"]})
+    lo, hi = dps[0], dps[-1]
+    off_all = [r for dp in dps for r in rows(dp, 1)]
+    on_all = [r for dp in dps for r in rows(dp, 2)]
+    short = [r["fill_p5"] for r in rows(lo, 1) if r["fill_p5"] < FILL_P5_TARGET]
+    return (f"slowest DP rank's 1F1B time over balanced {_span([r['schedule_ratio'] for r in rows(lo, 1)], 2)} at DP "
+            f"{lo} and {_span([r['schedule_ratio'] for r in rows(hi, 1)], 2)} at DP {hi} (concat-and-cut: "
+            f"{_span([r['schedule_ratio'] for r in rows(lo, 0)], 2)} and "
+            f"{_span([r['schedule_ratio'] for r in rows(hi, 0)], 2)}), mean delay "
+            f"{_span([r['mean_delay'] for r in off_all], 2)} iterations, at most {max(r['max_delay'] for r in off_all)}. "
+            "Because no sample is trained before its iteration (no read-ahead), an iteration whose outliers wait "
+            f"is short: the 5th percentile of tokens per iteration is {_span(short, 2) if short else 'never'} of the "
+            f"budget on {len(short)} of {len(rows(lo, 1))} streams at DP {lo}, "
+            f"{_span([r['fill_p5'] for r in rows(hi, 1)], 2)} at DP {hi}. With `--wlb-read-ahead true` the schedule is "
+            f"{_span([r['schedule_ratio'] for r in on_all], 2)} and the fill p5 "
+            f"{_span([r['fill_p5'] for r in on_all], 2)}, but up to {max(r['early_tokens'] for r in on_all):.0%} of a "
+            "stream's tokens are then trained before the iteration Megatron gives them.")
+
+
+def update_readme(result: dict, path: Path) -> None:
+    """Write ``readme_summary`` between the README's balanced-gptdataset markers."""
+    text = path.read_text()
+    begin, end = text.find(README_BEGIN), text.find(README_END)
+    if begin < 0 or end < begin:
+        raise SystemExit(f"{path}: no {README_BEGIN} ... {README_END} block to write the summary into")
+    path.write_text(text[:begin + len(README_BEGIN)] + "\n" + readme_summary(result) + "\n" + text[end:])
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--iterations", type=int, default=200, help="global batches per row (default 200)")
@@ -200,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dp", default="1,4", help="data-parallel sizes, comma-separated (default 1,4)")
     ap.add_argument("--out", default=str(ROOT / "docs" / "results" / "balanced_gptdataset"),
                     help="output path without suffix (.json and .md are written)")
+    ap.add_argument("--readme", action="store_true", help="also write the summary sentences into README.md")
     args = ap.parse_args(argv)
     if args.iterations < 1:
         raise SystemExit(f"--iterations must be >= 1, got {args.iterations}")
@@ -212,7 +254,10 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--dp must be comma-separated positive integers, got {args.dp!r}") from None
     if not dps or min(dps) < 1:
         raise SystemExit(f"--dp must be comma-separated positive integers, got {args.dp!r}")
-    write_result(args.out, run(streams, dps, args.iterations), to_markdown)
+    result = run(streams, dps, args.iterations)
+    write_result(args.out, result, to_markdown)
+    if args.readme:
+        update_readme(result, ROOT / "README.md")
     return 0
 
 

@@ -195,8 +195,8 @@ class PackingConfig:
     #: "any" (any such outlier); cuts are counted and reported
     cut_policy: CutPolicy = "none"
     #: what the packers place: "documents" (each document whole, split only by the oversize policy:
-    #: the paper's WLB-LLM) or "concat-and-cut" (exactly the pieces Megatron's GPTDataset trains: the
-    #: stream cut every seq_len tokens; same data and attention work as Megatron's default, balanced)
+    #: the paper's WLB-LLM) or "concat-and-cut" (the stream cut every seq_len tokens; in Megatron
+    #: training, megatron-core's own GPTDataset samples as its sampler gives them, regrouped for balance)
     pieces: PieceSource = "documents"
     #: the cost model the packer balances: "static" (the configured one: analytic, or a calibrated
     #: profile) or "online" (start from it; in Megatron's loop, refit W(d) every refit_interval
