@@ -37,6 +37,7 @@ import numpy as np
 
 from megatron_wlb.data.blend import interleave, parse_data_path, start_times
 from megatron_wlb.data.indexed import check_bin_matches_idx, document_lengths, read_index
+from megatron_wlb.data.window import MovingWindow
 
 #: Megatron's default ``--split`` (train, valid, test weights)
 DEFAULT_SPLIT = "969,30,1"
@@ -559,25 +560,18 @@ class _DatasetCursor:
         return keys, ids, lengths
 
 
-class StreamCursor:
+class StreamCursor(MovingWindow):
     """A ``DocumentStream`` read through a moving window (a ``packing.base.StreamSource``): datasets'
     documents are merged by start time (ties by dataset index, as ``blend.interleave``) a chunk at a
     time; ``window(start, stop)`` forgets what lies before ``start`` (hashed first, for ``digest``)."""
 
     def __init__(self, reader: DocumentReader, tokens: int, chunk: int = STREAM_CHUNK):
+        super().__init__()
         self.chunk = chunk
         self.datasets = [_DatasetCursor(reader, i, tokens) for i in range(len(reader.sources))]
         empty = (np.zeros(0), np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
         self.pending = [empty for _ in self.datasets]
-        self.ids = np.zeros(0, dtype=np.int64)
-        self.lengths = np.zeros(0, dtype=np.int64)
-        self.start = 0      # stream position of ids[0]
         self._ids_hash, self._lengths_hash = hashlib.sha256(), hashlib.sha256()
-
-    @property
-    def stop(self) -> int:
-        """Stream position after the last document generated so far."""
-        return self.start + int(self.ids.size)
 
     def generate(self) -> bool:
         """Merge the next chunk of documents into the window; False at the end of the stream."""
@@ -601,26 +595,11 @@ class StreamCursor:
         self.lengths = np.concatenate([self.lengths, np.concatenate([n for _, _, n in parts])[offsets]])
         return True
 
-    def _forget(self, before: int) -> None:
-        """Hash and drop the window's documents before stream position ``before``."""
-        drop = min(max(0, before - self.start), int(self.ids.size))
-        if drop:
-            self._ids_hash.update(np.ascontiguousarray(self.ids[:drop]).tobytes())
-            self._lengths_hash.update(np.ascontiguousarray(self.lengths[:drop]).tobytes())
-            self.ids, self.lengths = self.ids[drop:].copy(), self.lengths[drop:].copy()
-            self.start += drop
-
-    def window(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
-        """Lengths and stream ids of documents ``[start, stop)`` (fewer at the end)."""
-        if start < self.start:
-            raise ValueError(f"stream position {start} was already passed (the window starts at {self.start}); "
-                             "open a new cursor to read from the start")
-        if start - self.start > self.ids.size // 2:
-            self._forget(start)
-        while self.stop < stop and self.generate():
-            pass
-        a, b = start - self.start, stop - self.start
-        return self.lengths[a:b], self.ids[a:b]
+    def _drop(self, count: int) -> None:
+        """Hash the window's first ``count`` documents (for ``digest``), then drop them."""
+        self._ids_hash.update(np.ascontiguousarray(self.ids[:count]).tobytes())
+        self._lengths_hash.update(np.ascontiguousarray(self.lengths[:count]).tobytes())
+        super()._drop(count)
 
     def digest(self, count: int) -> str | None:
         """sha256 of the first ``count`` documents (ids, then lengths, each hashed in order), or None

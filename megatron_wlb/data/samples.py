@@ -31,6 +31,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from megatron_wlb.data.window import MovingWindow
+
 #: sample positions -> (pieces per sample, every piece's length, in order): how a sample is cut
 SegmentFn = Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]
 #: samples a cursor cuts at a time (its window grows by about this many samples' pieces)
@@ -138,7 +140,7 @@ def piece_sample(stream_id: int, seq_len: int) -> tuple[int, int]:
     return position, start
 
 
-class SamplePieceCursor:
+class SamplePieceCursor(MovingWindow):
     """The pieces of samples ``first_sample .. end_sample - 1``, in training order, as a
     ``StreamSource`` (``window(start, stop)`` by piece position). ``skip`` drops the first pieces
     of ``first_sample`` and ``position`` is the stream position of the first piece kept (a resumed
@@ -146,21 +148,15 @@ class SamplePieceCursor:
 
     def __init__(self, segment: SegmentFn, seq_len: int, first_sample: int, end_sample: int, *,
                  position: int = 0, skip: int = 0, chunk: int = SAMPLE_CHUNK, fingerprint: str = ""):
+        super().__init__(position)
         self.segment = segment
         self.fingerprint = fingerprint
         self.seq_len = int(seq_len)
         self.next_sample = int(first_sample)
         self.end_sample = int(end_sample)
         self.chunk = int(chunk)
-        self.start = int(position)  # stream position of ids[0]
         self._skip = int(skip)
-        self.ids = np.zeros(0, dtype=np.int64)
-        self.lengths = np.zeros(0, dtype=np.int64)
         self.piece_in_sample = np.zeros(0, dtype=np.int64)
-
-    @property
-    def stop(self) -> int:
-        return self.start + int(self.ids.size)
 
     def generate(self) -> bool:
         """Cut the next chunk of samples into the window; False past the last sample."""
@@ -191,23 +187,9 @@ class SamplePieceCursor:
         self.next_sample = int(positions[-1]) + 1
         return True
 
-    def _forget(self, before: int) -> None:
-        drop = min(max(0, before - self.start), int(self.ids.size))
-        if drop:
-            self.ids, self.lengths = self.ids[drop:].copy(), self.lengths[drop:].copy()
-            self.piece_in_sample = self.piece_in_sample[drop:].copy()
-            self.start += drop
-
-    def window(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
-        """Lengths and stream ids of pieces ``[start, stop)`` (fewer at the end)."""
-        if start < self.start:
-            raise ValueError(f"piece position {start} was already passed (the window starts at {self.start})")
-        if start - self.start > self.ids.size // 2:
-            self._forget(start)
-        while self.stop < stop and self.generate():
-            pass
-        a, b = start - self.start, stop - self.start
-        return self.lengths[a:b], self.ids[a:b]
+    def _drop(self, count: int) -> None:
+        super()._drop(count)
+        self.piece_in_sample = self.piece_in_sample[count:].copy()
 
     def anchor(self, position: int) -> tuple[int, int]:
         """(training position of the sample, index of the piece in it) of the piece at stream

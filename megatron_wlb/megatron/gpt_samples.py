@@ -137,7 +137,9 @@ def _loaded(dataset: Any) -> Any:
 
 
 def sample_order(dataset: Any) -> SampleOrder:
-    """megatron-core's index arrays of ``dataset`` (a ``GPTDataset`` or a ``BlendedDataset`` of them)."""
+    """megatron-core's index arrays of ``dataset`` (a ``GPTDataset`` or a ``BlendedDataset`` of them).
+    The arrays are views of the dataset's memory maps, which close when it is freed: keep ``dataset``
+    alive while the order is read (``MegatronSamples`` does; ``sample_orders`` copies the lengths)."""
     parts = list(dataset.datasets) if hasattr(dataset, "dataset_index") else [dataset]
     indices = tuple(GptIndices(d.document_index, d.sample_index, d.shuffle_index, d.dataset.sequence_lengths)
                     for d in map(_loaded, parts))
