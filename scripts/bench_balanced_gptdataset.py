@@ -73,10 +73,11 @@ def stream_lengths(name: str) -> np.ndarray:
     return np.load(path).astype(np.int64)
 
 
-def gptdataset_delays(batches: list[GlobalBatch], seq_len: int, global_batch: int) -> tuple[float, int, float]:
-    """(mean delay, max delay, share of tokens trained early), in iterations per token, counted from the
-    iteration Megatron's sampler gives each piece's sample (stream id // seq_len // global batch), not
-    from the packer's own arrival (a read-ahead piece arrives when it is read)."""
+def gptdataset_delays(batches: list[GlobalBatch], seq_len: int, global_batch: int
+                      ) -> tuple[float, int, float, int]:
+    """(mean delay, max delay, share of tokens trained early, most iterations early), in iterations per
+    token, counted from the iteration Megatron's sampler gives each piece's sample (stream id // seq_len //
+    global batch), not from the packer's own arrival (a read-ahead piece arrives when it is read)."""
     delay, tokens = [], []
     for b in batches:
         for p in b.pieces():
@@ -85,7 +86,7 @@ def gptdataset_delays(batches: list[GlobalBatch], seq_len: int, global_batch: in
     d, t = np.asarray(delay, dtype=np.int64), np.asarray(tokens, dtype=np.int64)
     total = max(1, int(t.sum()))
     return (float((np.maximum(d, 0) * t).sum() / total), max(0, int(d.max())) if d.size else 0,
-            float(t[d < 0].sum() / total))
+            float(t[d < 0].sum() / total), max(0, -int(d.min())) if d.size else 0)
 
 
 def versions() -> dict[str, str]:
@@ -133,11 +134,12 @@ def run(streams: list[str], dps: list[int], iterations: int) -> dict:
                     gc.enable()
                 wall = time.perf_counter() - t0
                 m = summarize(batches, cost, packing.seq_len)
-                delay, max_delay, early = gptdataset_delays(batches, packing.seq_len, global_batch)
+                delay, max_delay, early, most_early = gptdataset_delays(batches, packing.seq_len, global_batch)
                 rows.append({"label": label, "packer": packer_name, "overrides": over, "wall_s": wall,
                              "schedule_ratio": m.schedule_ratio, "schedule_ratio_max": m.schedule_ratio_max,
                              "imbalance": m.imbalance, "fill_p5": m.fill_p5, "min_fill": m.min_fill,
                              "mean_delay": delay, "max_delay": max_delay, "early_tokens": early,
+                             "max_early": most_early,
                              "packer_mean_delay": m.mean_delay, "pairs_per_token": m.pairs_per_token,
                              "plan_cpu_ms_mean": m.plan_cpu_ms_mean, "iterations": m.iterations})
                 print(f"dp {dp} {stream:8s} {label:58s} sched {m.schedule_ratio:.4f} fill p5 {m.fill_p5:.3f} "
@@ -175,18 +177,19 @@ def to_markdown(result: dict) -> str:
              "/ the same with every micro-batch at the iteration's mean (1.000 = balanced); fill p5 = 5th "
              "percentile of an iteration's tokens / (DP x N x seq_len); delay = iterations per token past the "
              "iteration the sampler gives the piece's sample, token-weighted (early = share of tokens trained "
-             "before it, read_ahead on only).", "",
+             "before it, and by at most how many iterations: read_ahead on only).", "",
              f"Targets: schedule <= {SCHEDULE_TARGET[1]} at DP 1 and <= {SCHEDULE_TARGET[4]} at DP 4, fill p5 >= "
              f"{FILL_P5_TARGET}, mean delay <= {DELAY_TARGET}.", "",
              "| stream | DP | concat-and-cut schedule | read_ahead off: schedule / fill p5 / delay / max delay | "
-             "meets | read_ahead on: schedule / fill p5 / delay / early | meets |", "|---|---|---|---|---|---|---|"]
+             "meets | read_ahead on: schedule / fill p5 / delay / early / max early | meets |",
+             "|---|---|---|---|---|---|---|"]
     for t in sorted(result["tables"], key=lambda t: (t["dp"], STREAMS.index(t["stream"]) if t["stream"] in STREAMS
                                                       else 99)):
         base, off, on = t["rows"]
         lines.append(f"| {t['stream']} | {t['dp']} | {base['schedule_ratio']:.3f} | {off['schedule_ratio']:.3f} / "
                      f"{off['fill_p5']:.3f} / {off['mean_delay']:.2f} / {off['max_delay']} | "
                      f"{'yes' if meets(off, t['dp']) else '**no**'} | {on['schedule_ratio']:.3f} / "
-                     f"{on['fill_p5']:.3f} / {on['mean_delay']:.2f} / {on['early_tokens']:.3f} | "
+                     f"{on['fill_p5']:.3f} / {on['mean_delay']:.2f} / {on['early_tokens']:.3f} / {on['max_early']} | "
                      f"{'yes' if meets(on, t['dp']) else '**no**'} |")
     lines += ["", "Streams: " + "; ".join(f"{t['stream']} {t['documents']:,} documents, {t['tokens']:,} tokens, "
                                           f"{t['epochs']} epochs at DP {t['dp']}" for t in result["tables"]) + ".", ""]
@@ -223,7 +226,8 @@ def readme_summary(result: dict) -> str:
             f"{_span([r['fill_p5'] for r in rows(hi, 1)], 2)} at DP {hi}. With `--wlb-read-ahead true` the schedule is "
             f"{_span([r['schedule_ratio'] for r in on_all], 2)} and the fill p5 "
             f"{_span([r['fill_p5'] for r in on_all], 2)}, but up to {max(r['early_tokens'] for r in on_all):.0%} of a "
-            "stream's tokens are then trained before the iteration Megatron gives them.")
+            "stream's tokens are then trained before the iteration Megatron gives them (at most "
+            f"{max(r['max_early'] for r in on_all)} iterations before).")
 
 
 def update_readme(result: dict, path: Path) -> None:
