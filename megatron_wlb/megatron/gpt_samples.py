@@ -53,12 +53,13 @@ def masking_problem(args: Any) -> str | None:
             " to mask per document, or drop --wlb-pieces concat-and-cut")
 
 
-def gpt_dataset_config(args: Any, tokenizer: Any) -> Any:
+def gpt_dataset_config(args: Any, tokenizer: Any, blends: tuple[Any, Any] | None = None) -> Any:
     """megatron-core's ``GPTDatasetConfig`` as ``pretrain_gpt.core_gpt_dataset_config_from_args`` builds it
-    (the fields this release's config has), with no dense attention mask (we never use it)."""
+    (the fields this release's config has), with no dense attention mask (we never use it). ``blends``
+    (blend, blend per split) replaces the ones ``args``' data paths give."""
     from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
 
-    blend, blend_per_split = _blends(args)
+    blend, blend_per_split = blends if blends is not None else _blends(args)
     values: dict[str, Any] = {
         "random_seed": int(args.seed), "sequence_length": int(args.seq_length), "blend": blend,
         "blend_per_split": blend_per_split, "split": getattr(args, "split", None),

@@ -68,13 +68,15 @@ def gpt_config(seq_len: int, seed: int, *, blend: tuple[list[str], list[float] |
                path_to_cache: str | None = None) -> Any:
     """The ``GPTDatasetConfig`` of a job that masks per document (``--reset-position-ids
     --reset-attention-mask``, what the balanced concat-and-cut requires), no dense mask."""
-    from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
+    import types
+
+    from megatron_wlb.megatron.gpt_samples import gpt_dataset_config
 
     if seq_len < 1:
         raise ValueError(f"seq_len must be a positive token count, got {seq_len}")
-    return GPTDatasetConfig(random_seed=int(seed), sequence_length=int(seq_len), blend=blend, split=split,
-                            path_to_cache=path_to_cache, tokenizer=null_tokenizer(), reset_position_ids=True,
-                            reset_attention_mask=True, eod_mask_loss=False, create_attention_mask=False)
+    job = types.SimpleNamespace(seed=int(seed), seq_length=int(seq_len), split=split, data_cache_path=path_to_cache,
+                                reset_position_ids=True, reset_attention_mask=True, eod_mask_loss=False)
+    return gpt_dataset_config(job, null_tokenizer(), blends=(blend, None))
 
 
 def lengths_dataset(lengths: np.ndarray | Sequence[int], seq_len: int, num_samples: int, seed: int, *,
