@@ -73,11 +73,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         f"{DEFAULT_VIRTUAL_STAGES}, the schedule of the README's headline and `wlb reproduce`, "
                         "whatever the config says; plain 1F1B where the config's pipeline cannot interleave)")
     p.add_argument("--json", metavar="FILE", help="also write the verdict as JSON")
+    p.add_argument("--split", default="1,0,0", metavar="S",
+                   help="with --data-prefix/--data-path: your job's --split (GPTDataset's train split; default 1,0,0)")
+    p.add_argument("--data-cache-path", default=None, metavar="DIR",
+                   help="with --data-prefix/--data-path: your job's --data-cache-path (GPTDataset's indices are shared "
+                        "with it; default: built in a temporary folder)")
     p.set_defaults(func=run)
 
 
-def gpt_samples(corpus: np.ndarray | list[str] | str, seq_len: int, num_samples: int, seeds: list[int]
-                ) -> tuple[list[SampleStream] | None, str]:
+def gpt_samples(corpus: np.ndarray | list[str] | str, seq_len: int, num_samples: int, seeds: list[int],
+                split: str = "1,0,0", cache: str | None = None) -> tuple[list[SampleStream] | None, str]:
     """Per ordering (seed), megatron-core's GPTDataset samples of ``corpus`` as a piece stream, and the
     report's line saying so; without megatron-core (or torch), None and the line saying what that changes.
 
@@ -99,12 +104,12 @@ def gpt_samples(corpus: np.ndarray | list[str] | str, seq_len: int, num_samples:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for seed in seeds:
-            order, name = gpt_sample_order(corpus, seq_len, num_samples, seed)
+            order, name = gpt_sample_order(corpus, seq_len, num_samples, seed, split=split, path_to_cache=cache)
             streams.append(sample_stream(order, name))
     return streams, (f"Concat-and-cut and balanced concat-and-cut train megatron-core's GPTDataset samples (its "
                      f"document, sample and shuffle indices, --seed {seeds[0]}" + (f"..{seeds[-1]}" if len(seeds) > 1
                                                                                    else "") +
-                     ", --split 1,0,0, per-document masking), global batch after global batch as Megatron's "
+                     f", --split {split}, per-document masking), global batch after global batch as Megatron's "
                      "sampler gives them; the balanced one trains no sample before the iteration it is given.")
 
 
@@ -171,7 +176,8 @@ def run(args: argparse.Namespace) -> int:
                      "in each ordering.")
     # the corpus as megatron-core reads it: the prefix or blend itself (its IndexedDataset), or the lengths
     corpus: np.ndarray | list[str] | str = args.data_path or args.data_prefix or lengths
-    samples, line = gpt_samples(corpus, cfg.seq_len, iterations * cfg.packing.micro_batches_per_iteration, seeds)
+    samples, line = gpt_samples(corpus, cfg.seq_len, iterations * cfg.packing.micro_batches_per_iteration, seeds,
+                                args.split, args.data_cache_path)
     notes.append(line)
     if samples is None:
         print(f"wlb analyze: note: {line}", file=sys.stderr)
