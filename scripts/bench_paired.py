@@ -1,0 +1,284 @@
+#!/usr/bin/env python
+"""Paired runs at equal work: two methods in one Megatron process, alternating ABBA, wall and replay.
+
+    python scripts/bench_paired.py            # the three comparisons (~15 min on 2 cores), README block
+    python scripts/bench_paired.py --quick    # a short smoke run of the same code (slow test lane)
+
+Each comparison is one training run of ``scripts/paired_train.py`` (Megatron's own loop through our
+launcher, gloo, ``WLB_PIN_CORES=1``: one process per core, one thread each): training steps 2k and
+2k + 1 train global batch k with method A and method B, in ABBA order, so the machine's drift
+cancels within each pair. Per pair the ratio of B's to A's time per token is taken three ways:
+
+- **wall**: ``perf_counter`` around Megatron's ``train_step``, the slowest rank's;
+- **replay**: the iteration's critical path replayed from the measured forward and backward thread
+  CPU times of every micro-batch (``WLB_TRACE_CLOCK=thread`` trace) through the schedule that ran
+  (1F1B per pipeline, the slowest DP rank): preemption and steal drop out, every duration is real;
+- **predicted**: the same replay with the cost model's times for the same micro-batches (what the
+  packer balanced), the simulator's prediction for these plans.
+
+A ratio is the geometric mean of the per-pair ratios with a bootstrap 95% interval over pairs (the
+first ``WARMUP_PAIRS`` pairs are dropped). The comparisons (the CPU configuration of issue 39: seq
+4096, the standard library's whole ``.py`` files up to the window, a model in which attention and
+the linear layers both matter):
+
+- ``users``  DP2: the balanced concat-and-cut (``--wlb-pieces concat-and-cut``) against stock Megatron's
+             grouping of the same GPTDataset samples (``original``: one sample a micro-batch, dealt as
+             ``MegatronPretrainingSampler`` deals them);
+- ``dp`` / ``pp``  DP2 and PP2: wlb against fixed-greedy, documents whole (both read the same stream);
+- ``cp``     CP2: the same wlb plans sharded per-document against per-sequence.
+
+Writes docs/results/paired.{json,md}; ``--readme`` also writes the README's paired block.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts"))
+
+from _results import write_result  # noqa: E402
+
+from megatron_wlb.cli.common import machine  # noqa: E402
+
+SEQ_LEN = 4096
+EOD = 299  # the tiny GPT's NullTokenizer (vocabulary 300) ends documents with 299
+MODEL_FLAGS = ("--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "4", "--ffn-hidden-size", "512",
+               "--seq-length", str(SEQ_LEN), "--max-position-embeddings", str(2 * SEQ_LEN), "--vocab-size", "300",
+               "--log-interval", "1000", "--split", "100,0,0", "--reset-attention-mask", "--reset-position-ids")
+WARMUP_PAIRS = 2
+README_BEGIN, README_END = "<!-- paired -->", "<!-- /paired -->"
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """One paired run: A is the run's flags, B the WlbSettings fields that differ (``paired_train``)."""
+
+    name: str
+    a: str
+    b: str
+    layout: dict[str, str]
+    global_batch: int
+    flags: tuple[str, ...]
+    b_fields: dict[str, Any]
+    megatron_deal: bool = False
+
+
+COMPARISONS = (
+    Comparison("users", "balanced concat-and-cut", "stock Megatron grouping", {"DP": "2"}, 4,
+               ("--wlb-packing", "wlb", "--wlb-pieces", "concat-and-cut", "--wlb-cp-sharding", "per-sequence"),
+               {"packing": "original"}, megatron_deal=True),
+    Comparison("dp", "wlb", "fixed-greedy", {"DP": "2"}, 4, ("--wlb-packing", "wlb", "--wlb-cp-sharding",
+                                                            "per-sequence"), {"packing": "fixed-greedy"}),
+    Comparison("pp", "wlb", "fixed-greedy", {"PP": "2"}, 4, ("--wlb-packing", "wlb", "--wlb-cp-sharding",
+                                                            "per-sequence"), {"packing": "fixed-greedy"}),
+    Comparison("cp", "per-document", "per-sequence", {"CP": "2"}, 2,
+               ("--wlb-packing", "wlb", "--wlb-cp-sharding", "per-document"), {"cp_sharding": "per-sequence"}),
+)
+
+
+def build_corpus(prefix: Path) -> dict[str, Any]:
+    """PREFIX.bin/.idx: the standard library's .py files whole, byte-level, each cut to the window (the
+    first SEQ_LEN - 1 bytes) and ended with the tokenizer's EOD. Reuses an existing corpus."""
+    import sysconfig
+
+    from megatron_wlb.data.reader import byte_documents, write_indexed_dataset
+
+    paths = sorted(str(p) for p in Path(sysconfig.get_paths()["stdlib"]).rglob("*.py")
+                   if "site-packages" not in p.parts and "test" not in p.parts)
+    docs = [np.append(d[:-1][:SEQ_LEN - 1], EOD) for d in byte_documents(paths, separator=None, eod=EOD)]
+    if not prefix.with_suffix(".idx").exists():
+        prefix.parent.mkdir(parents=True, exist_ok=True)
+        write_indexed_dataset(str(prefix), docs)
+    lengths = np.array([d.size for d in docs])
+    return {"source": f"{len(paths)} stdlib .py files (every package but tests) whole, byte-level, cut to {SEQ_LEN} "
+                      f"tokens (+EOD {EOD})",
+            "documents": int(lengths.size), "tokens": int(lengths.sum()), "median": float(np.median(lengths)),
+            "p90": float(np.percentile(lengths, 90)), "at_the_window": int((lengths >= SEQ_LEN).sum())}
+
+
+def train(c: Comparison, data: Path, out: Path, steps: int, log: Any) -> None:
+    """One paired training run of ``steps`` training steps (``steps / 2`` pairs)."""
+    out.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, **c.layout, "WLB_PIN_CORES": "1", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
+           "WLB_TRACE_CLOCK": "thread", "WLB_PAIRED_OUT": str(out), "WLB_PAIRED_B": json.dumps(c.b_fields),
+           "WLB_PAIRED_B_DEAL": "megatron" if c.megatron_deal else ""}
+    ranks = int(np.prod([int(v) for v in c.layout.values()]))
+    flags = [*MODEL_FLAGS, "--global-batch-size", str(c.global_batch), "--train-iters", str(steps), *c.flags,
+             "--wlb-trace", str(out / "trace.jsonl")]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc-per-node",
+           str(ranks), str(REPO / "scripts" / "paired_train.py"), "--tiny-gpt", "--data-path", str(data), *flags]
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, cwd=out, capture_output=True, text=True)
+    (out / "train.log").write_text(proc.stdout + proc.stderr)
+    if proc.returncode != 0:
+        raise SystemExit(f"{c.name}: training failed (rc {proc.returncode}), log {out / 'train.log'}:\n"
+                         f"{(proc.stdout + proc.stderr)[-3000:]}")
+    log(f"  {c.name}: {steps} steps in {time.perf_counter() - start:.0f} s")
+
+
+def replay(rows: list[Any], pp: int, predicted: bool) -> float:
+    """One training step's critical path from its micro-batch rows: per DP (and CP) rank, 1F1B over the PP
+    stages' forward and backward times (measured thread seconds, or the cost model's), then the slowest."""
+    from megatron_wlb.sim.schedule import simulate_pipeline
+
+    groups: dict[tuple[int, int], list[Any]] = defaultdict(list)
+    for r in rows:
+        if r.tp == 0:
+            groups[(r.dp, r.cp)].append(r)
+    worst = 0.0
+    for group in groups.values():
+        m = 1 + max(r.micro_batch for r in group)
+        fwd, bwd = np.zeros((pp, m)), np.zeros((pp, m))
+        for r in group:
+            fwd[r.pp, r.micro_batch] += r.pred_fwd_s if predicted else r.fwd_s
+            bwd[r.pp, r.micro_batch] += r.pred_bwd_s if predicted else r.bwd_s
+        worst = max(worst, simulate_pipeline(fwd, bwd, keep_events=False).makespan)
+    return worst
+
+
+def imbalance(rows: list[Any]) -> float:
+    """Measured compute of the slowest DP rank over the mean DP rank (thread seconds)."""
+    per: dict[int, float] = defaultdict(float)
+    for r in rows:
+        if r.tp == 0 and r.cp == 0:
+            per[r.dp] += r.fwd_s + r.bwd_s
+    values = np.array(list(per.values()))
+    return float(values.max() / values.mean()) if values.size and values.mean() > 0 else 1.0
+
+
+def geo_interval(ratios: np.ndarray, seed: int = 0, draws: int = 4000) -> tuple[float, float, float]:
+    """Geometric mean of ``ratios`` and its bootstrap 95% interval over the pairs."""
+    logs = np.log(ratios)
+    rng = np.random.default_rng(seed)
+    means = logs[rng.integers(0, logs.size, size=(draws, logs.size))].mean(axis=1)
+    return float(np.exp(logs.mean())), float(np.exp(np.percentile(means, 2.5))), float(np.exp(np.percentile(means, 97.5)))
+
+
+def analyse(c: Comparison, out: Path) -> dict[str, Any]:
+    """Per-pair ratios (B over A, time per token) from the run's step walls and trace."""
+    from megatron_wlb.costmodel.trace import read_trace
+
+    sys.path.insert(0, str(REPO / "scripts"))
+    from paired_train import method_of
+
+    walls: dict[int, float] = defaultdict(float)
+    tokens: dict[int, int] = {}
+    for path in out.glob("rank*.json"):
+        for s in json.loads(path.read_text())["steps"]:
+            walls[s["step"]] = max(walls[s["step"]], s["wall_s"])
+            tokens[s["step"]] = max(tokens.get(s["step"], 0), s["tokens"])
+    trace = read_trace(out / "trace.jsonl")
+    by_step: dict[int, list[Any]] = defaultdict(list)
+    for r in trace.micro_batches:
+        by_step[r.iteration].append(r)
+    pp = int(c.layout.get("PP", "1"))
+    pairs = sorted({s // 2 for s in walls if s // 2 >= WARMUP_PAIRS and {2 * (s // 2), 2 * (s // 2) + 1} <= set(walls)
+                    and {2 * (s // 2), 2 * (s // 2) + 1} <= set(by_step)})
+    kinds: dict[str, list[float]] = {"wall": [], "replay": [], "predicted": []}
+    stock_imbalance, a_imbalance = [], []
+    for k in pairs:
+        steps = {method_of(s): s for s in (2 * k, 2 * k + 1)}
+        a, b = steps["A"], steps["B"]
+        per_token = {s: max(1, tokens[s]) for s in (a, b)}
+        kinds["wall"].append((walls[b] / per_token[b]) / (walls[a] / per_token[a]))
+        kinds["replay"].append((replay(by_step[b], pp, False) / per_token[b])
+                               / (replay(by_step[a], pp, False) / per_token[a]))
+        kinds["predicted"].append((replay(by_step[b], pp, True) / per_token[b])
+                                  / (replay(by_step[a], pp, True) / per_token[a]))
+        stock_imbalance.append(imbalance(by_step[b]))
+        a_imbalance.append(imbalance(by_step[a]))
+    result: dict[str, Any] = {"name": c.name, "a": c.a, "b": c.b, "layout": c.layout, "global_batch": c.global_batch,
+                              "pairs": len(pairs), "flags": list(c.flags), "b_fields": c.b_fields,
+                              "measured_imbalance": {"a": float(np.mean(a_imbalance)) if a_imbalance else None,
+                                                     "b": float(np.mean(stock_imbalance)) if stock_imbalance else None},
+                              "seconds_per_step": float(np.median(list(walls.values()))) if walls else None}
+    for kind, values in kinds.items():
+        if values:
+            mean, lo, hi = geo_interval(np.asarray(values))
+            result[kind] = {"ratio": mean, "low": lo, "high": hi, "half_width": (hi - lo) / 2 / mean}
+    return result
+
+
+def to_markdown(result: dict) -> str:
+    lines = ["# Paired runs at equal work: B's time per token over A's, wall / replay / predicted", "",
+             f"Machine: {result['machine']}. Generated by `{result['command']}` ({result['steps']} training steps "
+             f"per comparison, the first {WARMUP_PAIRS} pairs dropped; {result['minutes']:.1f} min of benchmark).",
+             "", f"Corpus: {result['corpus']['source']}; {result['corpus']['documents']:,} documents, median "
+             f"{result['corpus']['median']:.0f}, p90 {result['corpus']['p90']:.0f} tokens.", "",
+             "A ratio above 1 means A is faster. Each is the geometric mean of per-pair ratios with its bootstrap "
+             "95% interval; replay = the critical path from measured thread times; predicted = the same from the "
+             "cost model the packer balanced.", "",
+             "| comparison | layout | A | B | pairs | wall | replay | predicted | measured imbalance A / B |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in result["comparisons"]:
+        def cell(kind: str, r: dict = r) -> str:
+            x = r.get(kind)
+            return "n/a" if not x else f"{x['ratio']:.3f} [{x['low']:.3f}, {x['high']:.3f}]"
+
+        imb = r["measured_imbalance"]
+        lines.append(f"| {r['name']} | {', '.join(f'{k}{v}' for k, v in r['layout'].items())} | {r['a']} | {r['b']} | "
+                     f"{r['pairs']} | {cell('wall')} | {cell('replay')} | {cell('predicted')} | "
+                     f"{imb['a']:.3f} / {imb['b']:.3f} |")
+    return "\n".join(lines) + "\n"
+
+
+def readme_summary(result: dict) -> str:
+    """The README's paired block, from ``result``."""
+    return to_markdown(result).split("\n", 2)[2].strip()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="a short smoke run (few steps)")
+    ap.add_argument("--steps", type=int, default=None, help="training steps per comparison (even; default 240, "
+                                                            "quick 12)")
+    ap.add_argument("--comparisons", default=",".join(c.name for c in COMPARISONS))
+    ap.add_argument("--work", default=str(REPO / "out" / "paired"), help="run folder (traces, logs)")
+    ap.add_argument("--out", default=str(REPO / "docs" / "results" / "paired"))
+    ap.add_argument("--readme", action="store_true", help="also write the README's paired block")
+    args = ap.parse_args(argv)
+    steps = args.steps or (12 if args.quick else 240)
+    if steps < 2 * (WARMUP_PAIRS + 1) or steps % 2:
+        raise SystemExit(f"--steps must be even and >= {2 * (WARMUP_PAIRS + 1)}, got {steps}")
+    names = [n for n in args.comparisons.split(",") if n]
+    known = {c.name: c for c in COMPARISONS}
+    unknown = sorted(set(names) - set(known))
+    if unknown:
+        raise SystemExit(f"--comparisons {','.join(unknown)}: unknown; valid: {', '.join(known)}")
+    work = Path(args.work)
+    data = work / "corpus" / "stdlib_files_text_document"
+    corpus = build_corpus(data)
+    start = time.perf_counter()
+    results = []
+    for name in names:
+        c = known[name]
+        train(c, data, work / name, steps, lambda s: print(s, file=sys.stderr, flush=True))
+        results.append(analyse(c, work / name))
+    result = {"machine": machine(), "command": "python scripts/bench_paired.py" + (" --quick" if args.quick else ""),
+              "steps": steps, "corpus": corpus, "minutes": (time.perf_counter() - start) / 60,
+              "comparisons": results}
+    write_result(args.out, result, to_markdown)
+    if args.readme:
+        readme = REPO / "README.md"
+        text = readme.read_text()
+        a, b = text.find(README_BEGIN), text.find(README_END)
+        if a < 0 or b < a:
+            raise SystemExit(f"{readme}: no {README_BEGIN} ... {README_END} block")
+        readme.write_text(text[:a + len(README_BEGIN)] + "\n" + readme_summary(result) + "\n" + text[b:])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
