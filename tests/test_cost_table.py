@@ -118,3 +118,20 @@ def test_conditioning_guard_gives_finite_non_negative_fits():
     assert tf.rel_err < 0.01
     with pytest.raises(ValueError, match="positive time"):
         fit_table(x, -y, knots=3, flat_cost=2e-8)
+
+
+def test_calibrate_from_trace_writes_the_table_and_knots_1_the_old_form(tmp_path, capsys):
+    from test_trace_fit import write_trace
+
+    from megatron_wlb.cli.main import main
+
+    trace = write_trace(tmp_path / "trace.jsonl")
+    assert main(["calibrate", "--from-trace", str(trace), "--out", str(tmp_path / "t.json")]) == 0
+    out = capsys.readouterr().out
+    profile = load_profile(tmp_path / "t.json")
+    table = profile["attention_table"]
+    assert len(table["lengths"]) >= 2 and len(table["per_pair_fwd_s"]) == len(table["lengths"])
+    assert profile["holdout"]["mape"] < 0.04 and "linear_in_pairs_mape" in profile["holdout"]
+    assert "attention table" in out and "condition number" in out
+    assert main(["calibrate", "--from-trace", str(trace), "--out", str(tmp_path / "o.json"), "--knots", "1"]) == 0
+    assert "attention_table" not in load_profile(tmp_path / "o.json")

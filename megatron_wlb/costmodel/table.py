@@ -86,7 +86,8 @@ def choose_knots(lengths: np.ndarray, pairs: np.ndarray, max_knots: int = MAX_KN
     order = np.argsort(q)
     q, w = q[order], w[order]
     cdf = np.cumsum(w) / w.sum()
-    lo, hi = float(q[np.searchsorted(cdf, 0.02)]), float(q[min(np.searchsorted(cdf, 0.98), q.size - 1)])
+    lo = float(q[int(np.searchsorted(cdf, 0.02))])
+    hi = float(q[min(int(np.searchsorted(cdf, 0.98)), q.size - 1)])
     count = int(min(max_knots, np.floor(np.log(max(hi / lo, 1.0)) / np.log(KNOT_RATIO) + 1e-9) + 1))
     knots = list(np.unique(np.round(np.geomspace(lo, hi, max(count, 1)))))
     while len(knots) > 1:
