@@ -61,6 +61,7 @@ from megatron_wlb.costmodel import (
     holdout_mape,
     load_profile,
 )
+from megatron_wlb.costmodel.table import MAX_KNOTS, choose_knots
 from megatron_wlb.cp.efficiency import EFFICIENCY_FORMAT, KernelEfficiency
 
 #: a line of progress to stderr
@@ -188,6 +189,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         "measuring kernels")
     p.add_argument("--holdout-every", type=int, default=5,
                    help="--from-trace: hold out iterations i with i %% K == K-1 for the MAPE (default 5)")
+    p.add_argument("--knots", type=int, default=MAX_KNOTS,
+                   help=f"attention's per-pair cost as a table over at most this many query-run lengths, "
+                        f"interpolated in log2 length (default {MAX_KNOTS}; 1: one cost per pair, the linear-in-pairs "
+                        "form of profiles written before the table)")
     p.add_argument("--smoke", action="store_true",
                    help="CPU, fp32, a tiny model and grid: exercises the code path (CI), measures nothing useful")
     p.set_defaults(func=run)
@@ -394,7 +399,8 @@ def measure_micro_batches(torch: Any, timer: Timer, layer: Layer, micro_batches:
                           log: Log) -> dict[str, list[Any]]:
     """Forward and backward seconds of one layer over each composite micro-batch (its documents through
     the GEMMs and causal varlen attention): the ``micro_batches`` section a fit is checked against."""
-    out: dict[str, list[Any]] = {"pairs": [], "tokens": [], "runs": [], "fwd_s": [], "bwd_s": []}
+    out: dict[str, list[Any]] = {"pairs": [], "tokens": [], "runs": [], "fwd_s": [], "bwd_s": [],
+                                 "run_lengths": [], "run_pairs": []}
     for docs in micro_batches:
         lengths = np.asarray(docs, dtype=np.int64)
         cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
@@ -413,6 +419,8 @@ def measure_micro_batches(torch: Any, timer: Timer, layer: Layer, micro_batches:
         out["fwd_s"].append(f)
         out["bwd_s"].append(b)
         out["runs"].append(len(docs))
+        out["run_lengths"].append([int(d) for d in docs])
+        out["run_pairs"].append([float(p) for p in causal_pairs(lengths, lengths)])
         log(f"held out t={int(cu[-1]):>7} ({len(docs):>3} documents): fwd {f * 1e3:9.3f} ms  bwd {b * 1e3:9.3f} ms")
     return out
 
@@ -566,6 +574,18 @@ def fit_line(fit: ProfileFit) -> str:
             f"bwd/fwd {fit.bwd_attention:.2f} (attention) {fit.bwd_linear:.2f} (linear)")
 
 
+def table_note(profile: dict[str, Any]) -> str:
+    """The attention table's knots, per-pair costs and conditioning, and the one-cost-per-pair fit's held-out
+    MAPE beside it ('' without a table)."""
+    table = profile.get("attention_table")
+    if table is None:
+        return ""
+    costs = ", ".join(f"{d:g}: {c:.3g}" for d, c in zip(table["lengths"], table["per_pair_fwd_s"]))
+    return (f"\nattention table (query-run length: forward s/pair) {costs}; condition number of the scaled fit "
+            f"{table['condition']:.3g} ({table['condition_regularised']:.3g} regularised); one cost per pair "
+            f"instead: held-out MAPE {profile['holdout']['linear_in_pairs_mape']:.1%}")
+
+
 def log(line: str) -> None:
     """A line of progress on stderr."""
     print(line, file=sys.stderr, flush=True)
@@ -610,7 +630,12 @@ def run(args: argparse.Namespace) -> int:
     }
     docs = composite_micro_batches(plan.holdout, plan.holdout_tokens, plan.lengths[-1], args.seed, plan.tokens[0])
     held = measure_micro_batches(torch, timer, layer, docs, plan.dtype, log)
+    attn = profile["attention"]
+    runs = np.asarray(attn["lengths"], dtype=np.float64) / np.asarray(attn["documents"], dtype=np.float64)
+    add_table(profile, runs, np.asarray(attn["documents"]) * causal_pairs(runs, runs), args.knots)
     profile["holdout"] = {**holdout_mape(profile, held), "measured": held}
+    if "attention_table" in profile:
+        profile["holdout"]["linear_in_pairs_mape"] = holdout_mape(without_table(profile), held)["mape"]
     efficiency = measure_efficiency(torch, timer, plan.model, plan.tp, plan.q_lens, plan.kv_lens, plan.table_tokens,
                                     plan.tile, plan.dtype, plan.backend, plan.device_name, log)
     out.write_text(json.dumps(profile, indent=1) + "\n")
@@ -624,10 +649,31 @@ def run(args: argparse.Namespace) -> int:
     print(fit_line(fit_profile(profile)))
     print(f"held-out MAPE {profile['holdout']['mape']:.1%} of forward + backward on {len(docs)} composite "
           f"micro-batches ({min(map(len, docs))}-{max(map(len, docs))} documents, "
-          f"{min(held['tokens'])}-{max(held['tokens'])} tokens; measured apart, not in the fit)")
+          f"{min(held['tokens'])}-{max(held['tokens'])} tokens; measured apart, not in the fit)" + table_note(profile))
     print(f"use: wlb analyze --profile {out} ...; Megatron: --wlb-cost-profile {out}; "
           f"wlb shard --profile {eff_out}")
     return 0
+
+
+def add_table(profile: dict[str, Any], run_lengths: np.ndarray, run_pairs: np.ndarray, knots: int) -> None:
+    """Give ``profile`` its attention table: knots placed on these query runs (``table.choose_knots``, at
+    most ``knots``) and the fitted forward seconds per pair at each, for the reader; none for ``knots`` 1
+    or when the runs span less than an octave (one knot: the linear-in-pairs form)."""
+    positive(knots, "--knots")
+    if knots == 1:
+        return
+    chosen = choose_knots(run_lengths, run_pairs, knots)
+    if len(chosen) < 2:
+        return
+    profile["attention_table"] = {"lengths": list(chosen)}
+    fit = fit_profile(profile)
+    profile["attention_table"].update(per_pair_fwd_s=list(fit.pair_costs), condition=fit.extra["table"]["condition"],
+                                      condition_regularised=fit.extra["table"]["condition_regularised"])
+
+
+def without_table(profile: dict[str, Any]) -> dict[str, Any]:
+    """``profile`` fitted the old way: one cost per pair (the comparison the output prints)."""
+    return {k: v for k, v in profile.items() if k != "attention_table"}
 
 
 def run_from_trace(args: argparse.Namespace, out: Path) -> int:
@@ -666,7 +712,12 @@ def run_from_trace(args: argparse.Namespace, out: Path) -> int:
     if (~mask).sum() < 3:
         raise ValueError(f"--from-trace {args.from_trace}: holding out {split} leaves {(~mask).sum()} rows to fit; "
                          "trace more iterations")
+    lengths, pairs = (np.concatenate([np.asarray(r, dtype=np.float64) for r in points[k]])
+                      for k in ("run_lengths", "run_pairs"))
+    add_table(profile, lengths, pairs, args.knots)
     profile["holdout"] = {**holdout_mape(profile, mask), "split": split}
+    if "attention_table" in profile:
+        profile["holdout"]["linear_in_pairs_mape"] = holdout_mape(without_table(profile), mask)["mape"]
     out.write_text(json.dumps(profile, indent=1) + "\n")
     load_profile(out)  # what --profile / --wlb-cost-profile will read: fail here, not in a later run
     CalibratedCostModel(profile, model, ParallelLayout(tp=tp))
@@ -676,7 +727,7 @@ def run_from_trace(args: argparse.Namespace, out: Path) -> int:
     print(fit_line(fit))
     held = profile["holdout"]
     print(f"held-out MAPE {held['mape']:.1%} of forward + backward on {held['micro_batches']} rows ({split}; fitted "
-          "without them; the written fit uses every row)")
+          "without them; the written fit uses every row)" + table_note(profile))
     print("no kernel-efficiency table: a trace times whole micro-batches, not kernel shapes (wlb shard keeps "
           "its shipped table, or measure one with `wlb calibrate`)")
     print(f"use: wlb analyze --profile {out} ...; Megatron: --wlb-cost-profile {out}")

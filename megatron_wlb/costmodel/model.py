@@ -192,14 +192,39 @@ class ProfileFit:
     form: str = "kernels"
     head_ratio: float = 0.0
     attn_per_run: float = 0.0
+    pair_lengths: tuple[float, ...] = ()
+    pair_costs: tuple[float, ...] = ()
 
-    def predict(self, pairs: Counts, tokens: Counts, head_tokens: Counts = 0.0,
-                runs: Counts = 1.0) -> tuple[np.ndarray, np.ndarray]:
+    def __post_init__(self) -> None:
+        # a checkpoint's JSON gives lists: hold tuples of floats, as a fit made here does
+        object.__setattr__(self, "pair_lengths", tuple(float(x) for x in self.pair_lengths))
+        object.__setattr__(self, "pair_costs", tuple(float(x) for x in self.pair_costs))
+        if len(self.pair_lengths) != len(self.pair_costs):
+            raise ValueError(f"attention table of {len(self.pair_lengths)} lengths and {len(self.pair_costs)} costs: "
+                             "give one forward cost per pair for each length")
+
+    def per_pair(self, q_len: Counts) -> np.ndarray:
+        """Forward seconds per causal pair of query runs of ``q_len`` queries: the table interpolated in
+        log2(length) (``costmodel.table``), or ``attn_per_pair`` for every length without a table."""
+        q = np.asarray(q_len, dtype=np.float64)
+        if not self.pair_lengths:
+            return np.full(q.shape, self.attn_per_pair)
+        from megatron_wlb.costmodel.table import pair_basis
+
+        return (pair_basis(q.ravel(), self.pair_lengths) @ np.asarray(self.pair_costs)).reshape(q.shape)
+
+    def predict(self, pairs: Counts, tokens: Counts, head_tokens: Counts = 0.0, runs: Counts = 1.0,
+                table: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """(forward, backward) seconds per layer of micro-batches with these causal (query, key) pairs, query
         tokens and query runs (documents) on one GPU (``head_tokens``: tokens whose LM head the point also
-        ran, per layer)."""
+        ran, per layer). ``table``: the points' ``table.table_columns`` at this fit's ``pair_lengths``, which
+        a fit with a table needs to price pairs by their runs' lengths (without it: ``attn_per_pair``)."""
         p, t, h, r = (np.asarray(x, dtype=np.float64) for x in (pairs, tokens, head_tokens, runs))
-        attn = self.attn_per_pair * p + self.attn_per_query * t + self.attn_per_run * r
+        if self.pair_lengths and table is not None:
+            pair_cost = np.asarray(table, dtype=np.float64) @ np.asarray(self.pair_costs)
+        else:
+            pair_cost = self.attn_per_pair * p
+        attn = pair_cost + self.attn_per_query * t + self.attn_per_run * r
         lin = self.linear_per_token * (t + self.head_ratio * h) + self.overhead
         return attn + lin, self.bwd_attention * attn + self.bwd_linear * lin
 
@@ -268,17 +293,60 @@ def _fit_kernels(profile: dict) -> ProfileFit:
     a_coef = _nnls_relative(a_x, ta)
     l_x = np.stack([t, np.ones_like(t)], axis=1)
     l_coef = _nnls_relative(l_x, tl)
+    table: dict[str, Any] = {}
+    knots = _knots(profile)
+    if knots:
+        from megatron_wlb.costmodel.table import fit_table, pair_basis
+
+        cols = pairs[:, None] * pair_basis(d / k, knots)
+        tf = fit_table(np.concatenate([cols, a_x[:, 1:]], axis=1), ta, len(knots), float(a_coef[0]))
+        costs = tf.coef[:len(knots)]
+        a_coef = np.concatenate([[float(cols.sum(axis=0) @ costs / cols.sum())], tf.coef[len(knots):]])
+        a_x = np.concatenate([cols, a_x[:, 1:]], axis=1)
+        a_coef_x = tf.coef
+        table = {"pair_lengths": knots, "pair_costs": tuple(float(c) for c in costs),
+                 "extra": {"table": _table_extra(tf)}}
+    else:
+        a_coef_x = a_coef
     return ProfileFit(
         attn_per_pair=float(a_coef[0]),
         attn_per_query=float(a_coef[1]),
         attn_per_run=float(a_coef[2]) if per_run else 0.0,
         linear_per_token=float(l_coef[0]),
         overhead=float(a_coef[-1] + l_coef[1]),
-        attn_rel_err=float(np.mean(np.abs(a_x @ a_coef - ta) / ta)),
+        attn_rel_err=float(np.mean(np.abs(a_x @ a_coef_x - ta) / ta)),
         linear_rel_err=float(np.mean(np.abs(l_x @ l_coef - tl) / tl)),
         bwd_attention=_bwd_ratio(attn, H100.bwd_attention),
         bwd_linear=_bwd_ratio(lin, H100.bwd_linear),
+        **table,
     )
+
+
+def _knots(profile: dict) -> tuple[float, ...]:
+    """The profile's attention-table knots (``"attention_table": {"lengths"}``), () without a table."""
+    from megatron_wlb.costmodel.table import check_knots
+
+    table = profile.get("attention_table")
+    return () if table is None else check_knots(table["lengths"])
+
+
+def _table_extra(tf: Any) -> dict[str, Any]:
+    """What a table fit reports beside its coefficients: its conditioning and its fitted error."""
+    return {"condition": tf.condition, "condition_regularised": tf.condition_regularised, "rel_err": tf.rel_err,
+            "coef": tf.coef.tolist()}
+
+
+def table_of(section: dict, fit: ProfileFit) -> np.ndarray | None:
+    """``table.table_columns`` of a ``micro_batches``-like section at ``fit``'s knots (None without a table);
+    a one-line error when the section lacks its runs (``run_lengths`` and ``run_pairs``)."""
+    if not fit.pair_lengths:
+        return None
+    from megatron_wlb.costmodel.table import table_columns
+
+    if "run_lengths" not in section or "run_pairs" not in section:
+        raise ValueError("micro-batches without run_lengths / run_pairs: a fit with an attention table prices "
+                         "each query run by its length; record them (costmodel.trace.profile_points does)")
+    return table_columns(section["run_lengths"], section["run_pairs"], fit.pair_lengths)
 
 
 def _fit_micro_batches(profile: dict) -> ProfileFit:
@@ -292,12 +360,36 @@ def _fit_micro_batches(profile: dict) -> ProfileFit:
         raise ValueError(f"a micro_batches profile needs >= 3 measured micro-batches, got {len(mb['fwd_s'])}")
     fit = RefitStats.of(mb, model).fit(model)
     x, f, b = design(mb, model)
-    pred_f, pred_b = fit.predict(mb["pairs"], mb["tokens"], mb.get("head_tokens", 0.0), mb.get("runs", 0.0))
+    knots = _knots(profile)
+    if knots:
+        fit = _table_micro_batches(fit, mb, x, f, b, knots)
+    pred_f, pred_b = fit.predict(mb["pairs"], mb["tokens"], mb.get("head_tokens", 0.0), mb.get("runs", 0.0),
+                                 table_of(mb, fit))
     err = float(np.mean(np.abs(pred_f + pred_b - (f + b)) / (f + b)))
     cf, cb = np.asarray(fit.extra["fwd"]), np.asarray(fit.extra["bwd"])
     extra = {**fit.extra, "fwd_rel_err": float(np.mean(np.abs(x @ cf - f) / f)),
              "bwd_rel_err": float(np.mean(np.abs(x @ cb - b) / b))}
     return replace(fit, attn_rel_err=err, linear_rel_err=err, extra=extra)
+
+
+def _table_micro_batches(base: ProfileFit, mb: dict, x: np.ndarray, f: np.ndarray, b: np.ndarray,
+                         knots: tuple[float, ...]) -> ProfileFit:
+    """The table form of a micro-batch fit: forward + backward = sum over knots of c_k x (pairs at knot k) +
+    per-token + per-run + per-micro-batch terms (``table.fit_table``), split into forward and backward by
+    ``base``'s (the one-knot fit's) bwd / fwd ratios, so the fitted total is priced exactly."""
+    from megatron_wlb.costmodel.table import fit_table, table_columns
+
+    cols = table_columns(mb["run_lengths"], mb["run_pairs"], knots)
+    keep = (f > 0) & (b > 0)
+    ba, bl = base.bwd_attention, base.bwd_linear
+    xt = np.concatenate([cols, x[:, 1:]], axis=1)
+    tf = fit_table(xt[keep], (f + b)[keep], len(knots), base.attn_per_pair * (1.0 + ba))
+    k = len(knots)
+    costs = tf.coef[:k] / (1.0 + ba)
+    mean_cost = float(cols.sum(axis=0) @ costs / cols.sum()) if cols.sum() > 0 else base.attn_per_pair
+    return replace(base, attn_per_pair=mean_cost, pair_lengths=knots, pair_costs=tuple(float(c) for c in costs),
+                   linear_per_token=float(tf.coef[k] / (1.0 + bl)), attn_per_run=float(tf.coef[k + 1] / (1.0 + ba)),
+                   overhead=float(tf.coef[k + 2] / (1.0 + bl)), extra={**base.extra, "table": _table_extra(tf)})
 
 
 def holdout_every(groups: Sequence[int] | np.ndarray, every: int = 5) -> tuple[np.ndarray, str]:
@@ -337,7 +429,7 @@ def holdout_mape(profile: dict, held_out: dict | np.ndarray) -> dict[str, Any]:
         raise ValueError("no held-out micro-batches to check the fit on")
     fit = fit_profile(fitted)
     pred_f, pred_b = fit.predict(test["pairs"], test["tokens"], test.get("head_tokens", 0.0),
-                                 test.get("documents", 1.0))
+                                 test.get("runs", test.get("documents", 1.0)), table_of(test, fit))
     measured = np.asarray(test["fwd_s"], dtype=np.float64) + np.asarray(test["bwd_s"], dtype=np.float64)
     return {"mape": float(np.mean(np.abs(pred_f + pred_b - measured) / measured)),
             "micro_batches": len(test["fwd_s"])}
@@ -366,7 +458,14 @@ def load_profile(path: str | Path) -> dict:
       ``"linear": {"tokens", "fwd_s", "bwd_s"}`` (the layer's GEMMs);
     - measured micro-batches: ``"micro_batches": {"pairs", "tokens", "fwd_s", "bwd_s"}`` (each one's causal
       (query, key) pairs and query tokens on that GPU and its seconds divided by the layers measured;
-      optional ``"head_tokens"``: the tokens whose LM head the time includes, also per layer).
+      optional ``"head_tokens"``: the tokens whose LM head the time includes, also per layer; ``"runs"``,
+      ``"run_lengths"`` and ``"run_pairs"``: its query runs' count, and each run's length and pairs).
+
+    Optional ``"attention_table": {"lengths": [knots]}``: attention's per-pair cost is then fitted per query
+    run length, interpolated in log2(length) between these knots (``costmodel.table``; the micro-batch form
+    then needs ``run_lengths`` and ``run_pairs``); without it, one cost per pair (a one-knot table: the
+    profiles written before the table load and price as they did). ``wlb calibrate`` also writes the fitted
+    ``"per_pair_fwd_s"`` beside the knots, for the reader (the fit is remade from the measurements).
 
     ``fit_profile`` fits the micro-batches when both are there. Every error is one line naming the field.
     """
@@ -413,6 +512,21 @@ def load_profile(path: str | Path) -> dict:
         counts = {k: _series(where, mb, k, low, strict) for k, low, strict in checks}
         if len(set(counts.values())) > 1:
             raise ValueError(f"{where}: {', '.join(counts)} differ in length ({', '.join(map(str, counts.values()))})")
+        for key in ("run_lengths", "run_pairs"):
+            runs = mb.get(key)
+            if runs is not None and (not isinstance(runs, list) or len(runs) != counts["fwd_s"] or not all(
+                    isinstance(r, list) for r in runs)):
+                raise ValueError(f"{where}.{key}: expected one list per micro-batch ({counts['fwd_s']} lists)")
+    if "attention_table" in profile:
+        table = profile["attention_table"]
+        if not isinstance(table, dict) or "lengths" not in table:
+            raise ValueError(f"{path}: attention_table {str(table)[:60]}: expected {{\"lengths\": [knot lengths]}}")
+        from megatron_wlb.costmodel.table import check_knots
+
+        check_knots(table["lengths"], f"{path}: attention_table.lengths")
+        if "micro_batches" in profile and not {"run_lengths", "run_pairs"} <= set(profile["micro_batches"]):
+            raise ValueError(f"{path}: attention_table needs micro_batches.run_lengths and run_pairs (each query "
+                             "run's length and pairs); drop the table for the linear-in-pairs fit")
     return profile
 
 
@@ -456,7 +570,8 @@ class CalibratedCostModel(CostModel):
 
     def attention_run(self, q_len: Counts, kv_len: Counts) -> np.ndarray:
         q = np.asarray(q_len, dtype=np.float64)
-        t = self.fit.attn_per_pair * causal_pairs(q_len, kv_len) + self.fit.attn_per_query * q
+        per_pair = self.fit.per_pair(q) if self.fit.pair_lengths else self.fit.attn_per_pair
+        t = per_pair * causal_pairs(q_len, kv_len) + self.fit.attn_per_query * q
         # the per-run constant is a call's fixed cost (launch, the reference kernel's loop): not rescaled
         return t * self._attn_scale + np.where(q > 0, self.fit.attn_per_run, 0.0)
 

@@ -8,7 +8,7 @@ Every rank writes its own file, ``trace_path_for_rank(PATH, rank)`` (``trace.jso
 rank's file. Each file starts with one ``header`` row, then per iteration the ``micro_batch`` rows
 of that rank and one ``iteration`` row::
 
-    {"kind": "header", "format": TRACE_FORMAT, "rank": 0, "device": "...", "clock": "cpu"|"cuda",
+    {"kind": "header", "format": TRACE_FORMAT, "rank": 0, "device": "...", "clock": "cpu"|"cpu-thread"|"cuda",
      "model": ModelShape fields, "layout": {"tp", "cp", "pp", "dp", "vpp"}, "n": micro-batches per DP rank
      and iteration, "cost_model": "...",
      "settings": {...}}
@@ -232,23 +232,31 @@ def trace_setup(trace: Trace) -> dict[str, Any]:
     return {"model": first["model"], "layout": first["layout"], "device": str(first.get("device", "unknown"))}
 
 
-def profile_points(rows: Iterable[MicroBatchRow], layout: dict[str, Any], clock: str = "cpu") -> dict[str, list[float]]:
+def profile_points(rows: Iterable[MicroBatchRow], layout: dict[str, Any], clock: str = "cpu") -> dict[str, list[Any]]:
     """The ``micro_batches`` section of a cost-model profile (``costmodel.load_profile``), one point per row
     with positive times and tokens: this CP rank's ``rank_pairs``, ``rank_tokens`` and ``rank_runs``, its
     ``fwd_s`` and ``bwd_s`` divided by ``layers`` (a profile is per layer), and ``iteration`` (for the
     held-out split). On the CPU clock (``clock``, the trace header's) the forward leaves out ``data_s``,
-    the host time our data iterator took inside it: the model's work, not the data path's.
+    the host time our data iterator took inside it: the model's work, not the data path's (on the thread
+    clock, ``WLB_TRACE_CLOCK=thread``, too: ``data_s`` is the iterator's wall, ~its thread time).
 
     ``head_tokens`` is ``rank_tokens / layers`` on the chunk that runs the LM head and loss (the last chunk
     of the last PP stage), else 0: the fit prices the head at ``head_ratio`` layers of GEMMs per token, as
     the simulator does, so a PP trace's last stage does not inflate every stage's per-token cost. The
     embedding (first chunk) is a lookup and stays in the per-layer coefficients.
+
+    ``run_lengths`` / ``run_pairs``: each query run's length and causal pairs on this rank, for a fit that
+    prices pairs by their run's length (``costmodel.table``). Without CP (``cp`` 1) the runs are the
+    documents (``lengths``), exact. With CP a row does not record its rank's pieces, so each document
+    stands as one run of ``length / cp`` queries holding its share of ``rank_pairs`` (in proportion to its
+    whole-document pairs): an approximation, said here.
     """
     last_pp, last_chunk = int(layout.get("pp", 1)) - 1, int(layout.get("vpp", 1) or 1) - 1
+    cp = max(1, int(layout.get("cp", 1)))
     keys = ("pairs", "tokens", "runs", "head_tokens", "fwd_s", "bwd_s", "iteration")
-    out: dict[str, list[float]] = {k: [] for k in keys}
+    out: dict[str, list[Any]] = {k: [] for k in (*keys, "run_lengths", "run_pairs")}
     for r in rows:
-        fwd = r.fwd_s - (r.data_s if clock == "cpu" else 0.0)
+        fwd = r.fwd_s - (r.data_s if clock in ("cpu", "cpu-thread") else 0.0)
         if r.layers < 1 or r.rank_tokens < 1 or not (fwd > 0 and r.bwd_s > 0):
             continue
         has_head = r.pp == last_pp and r.chunk == last_chunk
@@ -259,4 +267,8 @@ def profile_points(rows: Iterable[MicroBatchRow], layout: dict[str, Any], clock:
         out["fwd_s"].append(fwd / r.layers)
         out["bwd_s"].append(r.bwd_s / r.layers)
         out["iteration"].append(r.iteration)
+        whole = [d * (d + 1) / 2.0 for d in r.lengths]
+        share = r.rank_pairs / sum(whole) if cp > 1 and sum(whole) > 0 else 1.0
+        out["run_lengths"].append([d if cp == 1 else max(1, -(-d // cp)) for d in r.lengths])
+        out["run_pairs"].append([p * share for p in whole])
     return out

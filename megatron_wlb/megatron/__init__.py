@@ -48,6 +48,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -347,7 +348,9 @@ def _start_recorder(args: Any, settings: WlbSettings, n: int, cost: CostModel | 
     def chunk_of(iterator: Any) -> int | None:
         return next((i for i, it in enumerate(registry.iterators) if it is iterator), None)
 
-    recorder = timing.Recorder(timing.CudaClock() if cuda else timing.CpuClock(), ids, cost, n, chunk_of,
+    thread = os.environ.get("WLB_TRACE_CLOCK", "") == "thread"  # thread CPU seconds: for fitting a cost model
+    clock = timing.CudaClock() if cuda else timing.ThreadClock() if thread else timing.CpuClock()
+    recorder = timing.Recorder(clock, ids, cost, n, chunk_of,
                                trace=settings.trace, header=header)
     timing.activate(recorder)
     if settings.cost_model == "online" and cost is not None:

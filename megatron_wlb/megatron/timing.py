@@ -11,7 +11,8 @@
 - ``P2PCommunicator``'s send/receive methods: pipeline waits, charged to the next step;
 - ``finalize_model_grads``: the DP gradient reduction (a rank that finished early waits here).
 
-Timestamps come from a ``Clock``: ``CpuClock`` reads a monotonic clock; ``CudaClock`` records CUDA
+Timestamps come from a ``Clock``: ``CpuClock`` reads a monotonic clock (``ThreadClock``, with
+``WLB_TRACE_CLOCK=thread``: the thread's CPU time); ``CudaClock`` records CUDA
 events on the current stream and reads them only once they have completed (``query()``), so nothing
 synchronises on the critical path. ``Recorder.flush()`` (called from ``training_log`` every
 iteration) turns completed passes into ``costmodel.trace`` rows, writes them to this rank's trace file
@@ -87,6 +88,17 @@ class CpuClock:
 
     def seconds(self, start: Any, end: Any) -> float:
         return float(end - start)
+
+
+class ThreadClock(CpuClock):
+    """This thread's CPU time (``time.thread_time``): what the step itself computed, without the time the
+    process waited, was preempted or had its core stolen (``WLB_TRACE_CLOCK=thread``, for fitting a cost
+    model; its walls and waits are then thread seconds too, not the iteration's wall)."""
+
+    kind = "cpu-thread"
+
+    def stamp(self) -> float:
+        return time.thread_time()
 
 
 class CudaClock:
