@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Paired runs at equal work: two methods in one Megatron process, alternating ABBA, wall and replay.
 
-    python scripts/bench_paired.py            # the three comparisons (~15 min on 2 cores), README block
+    python scripts/bench_paired.py --readme   # the four paired runs (~17 min on 2 cores), README block
     python scripts/bench_paired.py --quick    # a short smoke run of the same code (slow test lane)
 
 Each comparison is one training run of ``scripts/paired_train.py`` (Megatron's own loop through our
@@ -18,8 +18,8 @@ cancels within each pair. Per pair the ratio of B's to A's time per token is tak
 
 A ratio is the geometric mean of the per-pair ratios with a bootstrap 95% interval over pairs (the
 first ``WARMUP_PAIRS`` pairs are dropped). The comparisons (the CPU configuration of issue 39: seq
-4096, the standard library's whole ``.py`` files up to the window, a model in which attention and
-the linear layers both matter):
+4096, the standard library's whole ``.py`` files up to the window, a tiny GPT (hidden 64, 2 layers) in
+which attention is most of a step):
 
 - ``users``  DP2: the balanced concat-and-cut (``--wlb-pieces concat-and-cut``) against stock Megatron's
              grouping of the same GPTDataset samples (``original``: one sample a micro-batch, dealt as
@@ -54,7 +54,7 @@ from megatron_wlb.cli.common import machine  # noqa: E402
 
 SEQ_LEN = 4096
 EOD = 299  # the tiny GPT's NullTokenizer (vocabulary 300) ends documents with 299
-MODEL_FLAGS = ("--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "4", "--ffn-hidden-size", "512",
+MODEL_FLAGS = ("--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--ffn-hidden-size", "256",
                "--seq-length", str(SEQ_LEN), "--max-position-embeddings", str(2 * SEQ_LEN), "--vocab-size", "300",
                "--log-interval", "1000", "--split", "100,0,0", "--reset-attention-mask", "--reset-position-ids")
 WARMUP_PAIRS = 2
@@ -89,23 +89,25 @@ COMPARISONS = (
 
 
 def build_corpus(prefix: Path) -> dict[str, Any]:
-    """PREFIX.bin/.idx: the standard library's .py files whole, byte-level, each cut to the window (the
-    first SEQ_LEN - 1 bytes) and ended with the tokenizer's EOD. Reuses an existing corpus."""
+    """PREFIX.bin/.idx: the standard library's .py files whole, byte-level, each ended with the tokenizer's
+    EOD, those up to the window (longer ones left out, counted): a heavy tail of lengths up to the window.
+    Reuses an existing corpus."""
     import sysconfig
 
     from megatron_wlb.data.reader import byte_documents, write_indexed_dataset
 
     paths = sorted(str(p) for p in Path(sysconfig.get_paths()["stdlib"]).rglob("*.py")
                    if "site-packages" not in p.parts and "test" not in p.parts)
-    docs = [np.append(d[:-1][:SEQ_LEN - 1], EOD) for d in byte_documents(paths, separator=None, eod=EOD)]
+    every = byte_documents(paths, separator=None, eod=EOD)
+    docs = [d for d in every if d.size <= SEQ_LEN]
     if not prefix.with_suffix(".idx").exists():
         prefix.parent.mkdir(parents=True, exist_ok=True)
         write_indexed_dataset(str(prefix), docs)
     lengths = np.array([d.size for d in docs])
-    return {"source": f"{len(paths)} stdlib .py files (every package but tests) whole, byte-level, cut to {SEQ_LEN} "
-                      f"tokens (+EOD {EOD})",
+    return {"source": f"{len(paths)} stdlib .py files (every package but tests) whole, byte-level (+EOD {EOD}), "
+                      f"those of at most {SEQ_LEN} tokens ({len(every) - len(docs)} longer ones left out)",
             "documents": int(lengths.size), "tokens": int(lengths.sum()), "median": float(np.median(lengths)),
-            "p90": float(np.percentile(lengths, 90)), "at_the_window": int((lengths >= SEQ_LEN).sum())}
+            "p90": float(np.percentile(lengths, 90)), "left_out": len(every) - len(docs)}
 
 
 def train(c: Comparison, data: Path, out: Path, steps: int, log: Any) -> None:
@@ -149,13 +151,13 @@ def replay(rows: list[Any], pp: int, predicted: bool) -> float:
 
 
 def imbalance(rows: list[Any]) -> float:
-    """Measured compute of the slowest DP rank over the mean DP rank (thread seconds)."""
+    """Measured compute of the slowest DP rank over the mean DP rank (thread seconds); NaN with one DP rank."""
     per: dict[int, float] = defaultdict(float)
     for r in rows:
         if r.tp == 0 and r.cp == 0:
             per[r.dp] += r.fwd_s + r.bwd_s
     values = np.array(list(per.values()))
-    return float(values.max() / values.mean()) if values.size and values.mean() > 0 else 1.0
+    return float(values.max() / values.mean()) if values.size > 1 and values.mean() > 0 else float("nan")
 
 
 def geo_interval(ratios: np.ndarray, seed: int = 0, draws: int = 4000) -> tuple[float, float, float]:
@@ -163,7 +165,8 @@ def geo_interval(ratios: np.ndarray, seed: int = 0, draws: int = 4000) -> tuple[
     logs = np.log(ratios)
     rng = np.random.default_rng(seed)
     means = logs[rng.integers(0, logs.size, size=(draws, logs.size))].mean(axis=1)
-    return float(np.exp(logs.mean())), float(np.exp(np.percentile(means, 2.5))), float(np.exp(np.percentile(means, 97.5)))
+    low, high = np.percentile(means, [2.5, 97.5])
+    return float(np.exp(logs.mean())), float(np.exp(low)), float(np.exp(high))
 
 
 def analyse(c: Comparison, out: Path) -> dict[str, Any]:
@@ -201,14 +204,18 @@ def analyse(c: Comparison, out: Path) -> dict[str, Any]:
         a_imbalance.append(imbalance(by_step[a]))
     result: dict[str, Any] = {"name": c.name, "a": c.a, "b": c.b, "layout": c.layout, "global_batch": c.global_batch,
                               "pairs": len(pairs), "flags": list(c.flags), "b_fields": c.b_fields,
-                              "measured_imbalance": {"a": float(np.mean(a_imbalance)) if a_imbalance else None,
-                                                     "b": float(np.mean(stock_imbalance)) if stock_imbalance else None},
+                              "measured_imbalance": {"a": _mean_or_none(a_imbalance),
+                                                     "b": _mean_or_none(stock_imbalance)},
                               "seconds_per_step": float(np.median(list(walls.values()))) if walls else None}
     for kind, values in kinds.items():
         if values:
             mean, lo, hi = geo_interval(np.asarray(values))
             result[kind] = {"ratio": mean, "low": lo, "high": hi, "half_width": (hi - lo) / 2 / mean}
     return result
+
+
+def _mean_or_none(values: list[float]) -> float | None:
+    return float(np.mean(values)) if values and not np.isnan(values).any() else None
 
 
 def to_markdown(result: dict) -> str:
@@ -220,17 +227,17 @@ def to_markdown(result: dict) -> str:
              "A ratio above 1 means A is faster. Each is the geometric mean of per-pair ratios with its bootstrap "
              "95% interval; replay = the critical path from measured thread times; predicted = the same from the "
              "cost model the packer balanced.", "",
-             "| comparison | layout | A | B | pairs | wall | replay | predicted | measured imbalance A / B |",
+             "| comparison | layout | A | B | pairs | wall | replay | predicted | measured DP imbalance A / B |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in result["comparisons"]:
         def cell(kind: str, r: dict = r) -> str:
             x = r.get(kind)
             return "n/a" if not x else f"{x['ratio']:.3f} [{x['low']:.3f}, {x['high']:.3f}]"
 
-        imb = r["measured_imbalance"]
+        imb = {k: "n/a" if v is None else f"{v:.3f}" for k, v in r["measured_imbalance"].items()}
         lines.append(f"| {r['name']} | {', '.join(f'{k}{v}' for k, v in r['layout'].items())} | {r['a']} | {r['b']} | "
                      f"{r['pairs']} | {cell('wall')} | {cell('replay')} | {cell('predicted')} | "
-                     f"{imb['a']:.3f} / {imb['b']:.3f} |")
+                     f"{imb['a']} / {imb['b']} |")
     return "\n".join(lines) + "\n"
 
 
@@ -242,14 +249,15 @@ def readme_summary(result: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="a short smoke run (few steps)")
-    ap.add_argument("--steps", type=int, default=None, help="training steps per comparison (even; default 240, "
+    ap.add_argument("--steps", type=int, default=None, help="training steps per comparison (even; default 80, "
                                                             "quick 12)")
     ap.add_argument("--comparisons", default=",".join(c.name for c in COMPARISONS))
     ap.add_argument("--work", default=str(REPO / "out" / "paired"), help="run folder (traces, logs)")
     ap.add_argument("--out", default=str(REPO / "docs" / "results" / "paired"))
     ap.add_argument("--readme", action="store_true", help="also write the README's paired block")
+    ap.add_argument("--reuse", action="store_true", help="analyse the runs already in --work again (no training)")
     args = ap.parse_args(argv)
-    steps = args.steps or (12 if args.quick else 240)
+    steps = args.steps or (12 if args.quick else 80)
     if steps < 2 * (WARMUP_PAIRS + 1) or steps % 2:
         raise SystemExit(f"--steps must be even and >= {2 * (WARMUP_PAIRS + 1)}, got {steps}")
     names = [n for n in args.comparisons.split(",") if n]
@@ -264,11 +272,17 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for name in names:
         c = known[name]
-        train(c, data, work / name, steps, lambda s: print(s, file=sys.stderr, flush=True))
+        if not (args.reuse and (work / name / "train.log").exists()):
+            train(c, data, work / name, steps, lambda s: print(s, file=sys.stderr, flush=True))
         results.append(analyse(c, work / name))
-    result = {"machine": machine(), "command": "python scripts/bench_paired.py" + (" --quick" if args.quick else ""),
-              "steps": steps, "corpus": corpus, "minutes": (time.perf_counter() - start) / 60,
-              "comparisons": results}
+    minutes = (time.perf_counter() - start) / 60
+    if args.reuse and Path(args.out).with_suffix(".json").exists():  # the training's machine and time, not this one's
+        before = json.loads(Path(args.out).with_suffix(".json").read_text())
+        machine_name, minutes = before["machine"], before["minutes"]
+    else:
+        machine_name = machine()
+    result = {"machine": machine_name, "command": "python scripts/bench_paired.py" + (" --quick" if args.quick else ""),
+              "steps": steps, "corpus": corpus, "minutes": minutes, "comparisons": results}
     write_result(args.out, result, to_markdown)
     if args.readme:
         readme = REPO / "README.md"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -15,6 +16,7 @@ def _script(name: str):
     spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod  # dataclasses look their module up
     spec.loader.exec_module(mod)
     return mod
 
@@ -32,3 +34,9 @@ def test_the_balanced_gptdataset_sentences_are_the_recorded_run():
     mod = _script("bench_balanced_gptdataset")
     block = README.split(mod.README_BEGIN, 1)[1].split(mod.README_END, 1)[0]
     assert block.strip() == mod.readme_summary(_result("balanced_gptdataset")).strip()
+
+
+def test_the_paired_block_is_the_recorded_run():
+    mod = _script("bench_paired")
+    block = README.split(mod.README_BEGIN, 1)[1].split(mod.README_END, 1)[0]
+    assert block.strip() == mod.readme_summary(_result("paired")).strip()

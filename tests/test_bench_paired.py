@@ -1,0 +1,95 @@
+"""scripts/bench_paired.py and scripts/paired_train.py: the ABBA order, Megatron's deal, the replay, and a
+short paired run through Megatron's loop (slow lane)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _script(name: str):
+    sys.path.insert(0, str(ROOT / "scripts"))
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod  # dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_pairs_alternate_abba():
+    paired = _script("paired_train")
+    assert "".join(paired.method_of(s) for s in range(8)) == "ABBAABBA"
+
+
+def test_megatron_deal_gives_rank_r_every_dp_th_micro_batch():
+    pytest.importorskip("torch")
+    paired = _script("paired_train")
+    from megatron_wlb.packing.types import DocPiece, GlobalBatch, MicroBatch
+
+    mbs = tuple(MicroBatch((DocPiece(j, 0, 1, 0),), 8) for j in range(6))
+    dealt = paired.megatron_deal(GlobalBatch(0, mbs, 2, 3))
+    # WlbDataIterator gives DP rank r the contiguous share [r*n, (r+1)*n): rank 0 samples 0, 2, 4
+    assert [mb.pieces[0].doc_id for mb in dealt.micro_batches] == [0, 2, 4, 1, 3, 5]
+
+
+@dataclass(frozen=True)
+class Row:
+    dp: int
+    pp: int
+    cp: int
+    tp: int
+    micro_batch: int
+    fwd_s: float
+    bwd_s: float
+    pred_fwd_s: float
+    pred_bwd_s: float
+
+
+def test_replay_is_the_slowest_pipelines_critical_path():
+    bench = _script("bench_paired")
+    from megatron_wlb.sim.schedule import simulate_pipeline
+
+    # DP2 without PP: the slower rank's compute
+    rows = [Row(0, 0, 0, 0, j, 1.0, 2.0, 0.1, 0.2) for j in range(2)] + \
+        [Row(1, 0, 0, 0, j, 2.0, 2.0, 0.1, 0.1) for j in range(2)]
+    assert bench.replay(rows, 1, False) == pytest.approx(8.0)
+    assert bench.replay(rows, 1, True) == pytest.approx(0.6)
+    assert bench.imbalance(rows) == pytest.approx(8.0 / 7.0)
+    # PP2: 1F1B over the two stages' times
+    fwd = np.array([[1.0, 3.0], [2.0, 1.0]])
+    bwd = 2 * fwd
+    rows = [Row(0, s, 0, 0, j, fwd[s, j], bwd[s, j], 0, 0) for s in range(2) for j in range(2)]
+    assert bench.replay(rows, 2, False) == pytest.approx(simulate_pipeline(fwd, bwd).makespan)
+
+
+def test_the_interval_holds_the_geometric_mean():
+    bench = _script("bench_paired")
+    ratios = np.exp(np.random.default_rng(0).normal(0.05, 0.02, 200))
+    mean, low, high = bench.geo_interval(ratios)
+    assert low < mean < high and mean == pytest.approx(float(np.exp(np.log(ratios).mean())))
+    assert high - low < 0.02
+
+
+@pytest.mark.slow
+def test_a_short_paired_run_through_megatrons_loop(tmp_path):
+    pytest.importorskip("torch")
+    bench = _script("bench_paired")
+    assert bench.main(["--steps", "8", "--comparisons", "users", "--work", str(tmp_path / "work"),
+                       "--out", str(tmp_path / "paired")]) == 0
+    result = json.loads((tmp_path / "paired.json").read_text())
+    (users,) = result["comparisons"]
+    assert users["pairs"] == 8 // 2 - bench.WARMUP_PAIRS
+    for kind in ("wall", "replay", "predicted"):
+        assert 0.3 < users[kind]["low"] <= users[kind]["ratio"] <= users[kind]["high"] < 3
+    steps = json.loads((tmp_path / "work" / "users" / "rank0.json").read_text())["steps"]
+    assert "".join(s["method"] for s in steps) == "ABBAABBA"
+    assert len({s["tokens"] for s in steps[:2]}) >= 1 and all(s["tokens"] > 0 for s in steps)
