@@ -9,6 +9,21 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def load_script(name: str):
+    """``scripts/<name>.py`` as a module (registered under ``name``, as dataclasses need; ``scripts/`` on
+    the path, as the scripts import ``_results`` and each other)."""
+    import importlib.util
+
+    if str(ROOT / "scripts") not in sys.path:
+        sys.path.insert(0, str(ROOT / "scripts"))
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 def fake_cluster(tmp_path: Path, nodes: tuple[str, ...] = ("node-a", "node-b"), nodelist: str = "node-[a-b]"
                  ) -> tuple[dict, Path]:
     """An environment whose PATH has stub ``srun`` (records ``srun`` and its argv in the returned file) and

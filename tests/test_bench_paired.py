@@ -3,36 +3,25 @@ short paired run through Megatron's loop (slow lane)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _script(name: str):
-    sys.path.insert(0, str(ROOT / "scripts"))
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod  # dataclasses look their module up
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_pairs_alternate_abba():
-    paired = _script("paired_train")
+    paired = load_script("paired_train")
     assert "".join(paired.method_of(s) for s in range(8)) == "ABBAABBA"
 
 
 def test_megatron_deal_gives_rank_r_every_dp_th_micro_batch():
     pytest.importorskip("torch")
-    paired = _script("paired_train")
+    paired = load_script("paired_train")
     from megatron_wlb.packing.types import DocPiece, GlobalBatch, MicroBatch
 
     mbs = tuple(MicroBatch((DocPiece(j, 0, 1, 0),), 8) for j in range(6))
@@ -55,7 +44,7 @@ class Row:
 
 
 def test_replay_is_the_slowest_pipelines_critical_path():
-    bench = _script("bench_paired")
+    bench = load_script("bench_paired")
     from megatron_wlb.sim.schedule import simulate_pipeline
 
     # DP2 without PP: the slower rank's compute
@@ -72,7 +61,7 @@ def test_replay_is_the_slowest_pipelines_critical_path():
 
 
 def test_the_interval_holds_the_geometric_mean():
-    bench = _script("bench_paired")
+    bench = load_script("bench_paired")
     ratios = np.exp(np.random.default_rng(0).normal(0.05, 0.02, 200))
     mean, low, high = bench.geo_interval(ratios)
     assert low < mean < high and mean == pytest.approx(float(np.exp(np.log(ratios).mean())))
@@ -82,7 +71,7 @@ def test_the_interval_holds_the_geometric_mean():
 @pytest.mark.slow
 def test_a_short_paired_run_through_megatrons_loop(tmp_path):
     pytest.importorskip("torch")
-    bench = _script("bench_paired")
+    bench = load_script("bench_paired")
     assert bench.main(["--steps", "8", "--comparisons", "users", "--work", str(tmp_path / "work"),
                        "--out", str(tmp_path / "paired")]) == 0
     result = json.loads((tmp_path / "paired.json").read_text())

@@ -3,22 +3,13 @@ latest recorded run fails here (rerun the benchmark with ``--readme``)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
+
+from conftest import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
-
-
-def _script(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod  # dataclasses look their module up
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def _result(name: str) -> dict:
@@ -26,17 +17,17 @@ def _result(name: str) -> dict:
 
 
 def test_the_verdict_table_is_the_recorded_run():
-    mod = _script("bench_verdict")
+    mod = load_script("bench_verdict")
     assert mod.summary_table(_result("verdict")).strip() in README
 
 
 def test_the_balanced_gptdataset_sentences_are_the_recorded_run():
-    mod = _script("bench_balanced_gptdataset")
+    mod = load_script("bench_balanced_gptdataset")
     block = README.split(mod.README_BEGIN, 1)[1].split(mod.README_END, 1)[0]
     assert block.strip() == mod.readme_summary(_result("balanced_gptdataset")).strip()
 
 
 def test_the_paired_block_is_the_recorded_run():
-    mod = _script("bench_paired")
+    mod = load_script("bench_paired")
     block = README.split(mod.README_BEGIN, 1)[1].split(mod.README_END, 1)[0]
     assert block.strip() == mod.readme_summary(_result("paired")).strip()
