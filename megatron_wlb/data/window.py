@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import numpy as np
 
 
-class MovingWindow:
+class MovingWindow(ABC):
     """Documents (or pieces) in stream order, generated a chunk at a time (``generate``) into a window
     (``ids``, ``lengths``; ``start`` is the stream position of ``ids[0]``) that forgets what lies before
     the ``start`` of the last ``window`` asked for, so memory grows with the window, not the stream."""
@@ -20,9 +22,9 @@ class MovingWindow:
         """Stream position after the last entry generated so far."""
         return self.start + int(self.ids.size)
 
+    @abstractmethod
     def generate(self) -> bool:
         """Append the next chunk to the window; False at the end of the stream."""
-        raise NotImplementedError
 
     def _drop(self, count: int) -> None:
         """Drop the window's first ``count`` entries (a subclass hashes them first, or drops its own arrays)."""
