@@ -183,6 +183,10 @@ def test_inter_document_masking_cuts_at_gptdatasets_own_boundaries(corpora):
     assert (counts, lengths) == tuple(map(np.asarray, (counts, lengths)))
     order_counts, order_lengths = sample_order(samples.dataset).segments(positions)
     assert np.array_equal(counts, order_counts) and np.array_equal(lengths, order_lengths)
+    # planning then reads no sample: the stream cuts from the index arrays, to the same pieces
+    cursor = samples.stream(0).cursor()
+    assert np.array_equal(cursor.window(0, lengths.size)[0], lengths)
+    assert cursor.segment != samples.segments
     for j in positions[:20]:
         cu = samples.dataset[int(j)]["cu_seqlens"].numpy()
         cu = cu[:int(np.flatnonzero(cu == SEQ)[0]) + 1]

@@ -208,7 +208,15 @@ class MegatronSamples:
                             loss_mask[a:b].astype(np.float32))
 
     def stream(self, first_sample: int, fingerprint: str | None = None) -> SampleStream:
-        """Megatron's samples from training position ``first_sample`` (a resumed job's consumed samples)."""
+        """Megatron's samples from training position ``first_sample`` (a resumed job's consumed samples).
+        Under ``--dataloader-inter-document-masking`` alone the pieces are the documents of megatron-core's
+        index arrays (``SampleOrder.segments``: no token is read to plan); under the ``--reset-*`` flags
+        the boundaries are EOD tokens, so planning reads each sample (``segments``)."""
         name = fingerprint if fingerprint is not None else str(getattr(self.dataset, "unique_description_hash", ""))
+        config = (self.dataset.datasets[0] if hasattr(self.dataset, "dataset_index") else self.dataset).config
+        if getattr(config, "inter_document_masking", False) and not (config.reset_position_ids
+                                                                     or config.reset_attention_mask):
+            return SampleStream(sample_order(self.dataset).segments, self.seq_len, int(first_sample), len(self),
+                                name)
         return SampleStream(self.segments, self.seq_len, int(first_sample), len(self), name,
                             chunk=max(1, min(SAMPLE_CHUNK, SEGMENT_TOKENS // self.seq_len)))
