@@ -54,6 +54,7 @@ from megatron_wlb.cli.common import machine  # noqa: E402
 from megatron_wlb.costmodel import ModelShape, ParallelLayout, build_cost_model  # noqa: E402
 from megatron_wlb.costmodel.measured import IterationTotals  # noqa: E402
 from megatron_wlb.costmodel.trace import Trace, read_trace  # noqa: E402
+from megatron_wlb.megatron.cpu import measurement_env  # noqa: E402
 
 SEQ_LEN = 1024
 #: the tiny GPT (on top of megatron_wlb.megatron.cpu.TINY_GPT_ARGS)
@@ -137,7 +138,7 @@ def train(run: Run, data: Path, out: Path, iters: int, profile: Path | None, log
     if reuse and (out / "train.log").exists():
         log(f"  {run.name}: reusing {out / 'train.log'}'s trace")
         return trace
-    env = {**os.environ, **run.layout, "WLB_PIN_CORES": "1", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    env = measurement_env(run.layout)
     flags = [*MODEL_FLAGS, "--train-iters", str(iters), *run.flags, "--wlb-trace", str(trace)]
     if run.calibrated and profile is not None:
         flags += ["--wlb-cost-profile", str(profile)]
@@ -202,9 +203,9 @@ def iterations_of(trace: Trace, warmup: int) -> dict[int, tuple[list[Any], list[
     for r in trace.micro_batches:
         if r.iteration >= warmup:
             out[r.iteration][0].append(r)
-    for r in trace.iterations:
-        if r.iteration >= warmup:
-            out[r.iteration][1].append(r)
+    for it in trace.iterations:
+        if it.iteration >= warmup:
+            out[it.iteration][1].append(it)
     return dict(sorted(out.items()))
 
 
@@ -353,7 +354,7 @@ def online_against_calibrated(results: list[RunResult], profile: dict[str, Any],
     trace = read_trace(calib_trace)
     points = profile_points(trace.after_warmup(warmup).micro_batches, trace.headers[0]["layout"])
     calibrated = fit_profile(profile)
-    args = (points["pairs"], points["tokens"], points["head_tokens"], points["runs"])
+    args = tuple(np.asarray(points[k], dtype=float) for k in ("pairs", "tokens", "head_tokens", "runs"))
     ref_f, ref_b = calibrated.predict(*args)
     measured = np.asarray(points["fwd_s"]) + np.asarray(points["bwd_s"])
     calibrated_mape = float(np.mean(np.abs(ref_f + ref_b - measured) / measured))

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
@@ -51,13 +50,17 @@ sys.path.insert(0, str(REPO / "scripts"))
 from _results import write_result  # noqa: E402
 
 from megatron_wlb.cli.common import machine  # noqa: E402
+from megatron_wlb.megatron.cpu import measurement_env  # noqa: E402
 
 SEQ_LEN = 4096
 EOD = 299  # the tiny GPT's NullTokenizer (vocabulary 300) ends documents with 299
 MODEL_FLAGS = ("--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--ffn-hidden-size", "256",
                "--seq-length", str(SEQ_LEN), "--max-position-embeddings", str(2 * SEQ_LEN), "--vocab-size", "300",
                "--log-interval", "1000", "--split", "100,0,0", "--reset-attention-mask", "--reset-position-ids")
-WARMUP_PAIRS = 2
+#: pairs dropped at the start: the heap grows to its high-water mark over the first steps (page faults)
+WARMUP_PAIRS = 3
+#: the calibration run's training steps (``wlb calibrate --from-trace`` drops its own warm-up)
+CALIBRATION_STEPS = 30
 README_BEGIN, README_END = "<!-- paired -->", "<!-- /paired -->"
 
 
@@ -110,15 +113,31 @@ def build_corpus(prefix: Path) -> dict[str, Any]:
             "p90": float(np.percentile(lengths, 90)), "left_out": len(every) - len(docs)}
 
 
-def train(c: Comparison, data: Path, out: Path, steps: int, log: Any) -> None:
-    """One paired training run of ``steps`` training steps (``steps / 2`` pairs)."""
+CALIBRATION = Comparison("calibration", "wlb", "wlb", {"DP": "2"}, 4, ("--wlb-packing", "wlb", "--wlb-cp-sharding",
+                                                                     "per-sequence"), {})
+
+
+def calibrate(data: Path, out: Path, steps: int, log: Any) -> tuple[Path, dict[str, Any]]:
+    """The cost profile of this machine: a DP2 wlb run (analytic model) traced on the thread clock, fitted by
+    ``wlb calibrate --from-trace``. Every comparison balances and predicts with it."""
+    import bench_measured as bm
+
+    train(CALIBRATION, data, out, steps, log)
+    profile = out / "profile.json"
+    fitted = bm.calibrate(out / "trace.jsonl", profile, log)
+    return profile, fitted
+
+
+def train(c: Comparison, data: Path, out: Path, steps: int, log: Any, profile: Path | None = None) -> None:
+    """One paired training run of ``steps`` training steps (``steps / 2`` pairs), balancing ``profile``."""
     out.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, **c.layout, "WLB_PIN_CORES": "1", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
-           "WLB_TRACE_CLOCK": "thread", "WLB_PAIRED_OUT": str(out), "WLB_PAIRED_B": json.dumps(c.b_fields),
-           "WLB_PAIRED_B_DEAL": "megatron" if c.megatron_deal else ""}
+    env = {**measurement_env(c.layout), "WLB_TRACE_CLOCK": "thread", "WLB_PAIRED_OUT": str(out),
+           "WLB_PAIRED_B": json.dumps(c.b_fields), "WLB_PAIRED_B_DEAL": "megatron" if c.megatron_deal else ""}
     ranks = int(np.prod([int(v) for v in c.layout.values()]))
     flags = [*MODEL_FLAGS, "--global-batch-size", str(c.global_batch), "--train-iters", str(steps), *c.flags,
              "--wlb-trace", str(out / "trace.jsonl")]
+    if profile is not None:
+        flags += ["--wlb-cost-profile", str(profile)]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc-per-node",
            str(ranks), str(REPO / "scripts" / "paired_train.py"), "--tiny-gpt", "--data-path", str(data), *flags]
     start = time.perf_counter()
@@ -169,8 +188,25 @@ def geo_interval(ratios: np.ndarray, seed: int = 0, draws: int = 4000) -> tuple[
     return float(np.exp(logs.mean())), float(np.exp(low)), float(np.exp(high))
 
 
+def step_work(rows: list[Any]) -> float:
+    """The step's work: the cost model's price of every micro-batch on every rank (TP rank 0), summed. A
+    document costs the same in any packing, so over the same documents both methods do equal work; per
+    step it weighs each token by what its document's attention costs (a long document's token costs
+    more), which a token count does not."""
+    return float(sum(r.pred_fwd_s + r.pred_bwd_s for r in rows if r.tp == 0))
+
+
+def idle(rows: list[Any], pp: int) -> float:
+    """Replayed idle seconds of the step: every rank waits from its own measured busy time to the critical
+    path (pipeline bubbles and DP/CP imbalance together)."""
+    busy = [r.fwd_s + r.bwd_s for r in rows if r.tp == 0]
+    ranks = len({(r.dp, r.cp, r.pp) for r in rows if r.tp == 0})
+    return replay(rows, pp, False) * ranks - float(sum(busy))
+
+
 def analyse(c: Comparison, out: Path) -> dict[str, Any]:
-    """Per-pair ratios (B over A, time per token) from the run's step walls and trace."""
+    """Per-pair ratios of B's time per unit of work over A's (``step_work``; per token beside it) from the
+    run's step walls and trace."""
     from megatron_wlb.costmodel.trace import read_trace
 
     sys.path.insert(0, str(REPO / "scripts"))
@@ -189,28 +225,38 @@ def analyse(c: Comparison, out: Path) -> dict[str, Any]:
     pp = int(c.layout.get("PP", "1"))
     pairs = sorted({s // 2 for s in walls if s // 2 >= WARMUP_PAIRS and {2 * (s // 2), 2 * (s // 2) + 1} <= set(walls)
                     and {2 * (s // 2), 2 * (s // 2) + 1} <= set(by_step)})
-    kinds: dict[str, list[float]] = {"wall": [], "replay": [], "predicted": []}
-    stock_imbalance, a_imbalance = [], []
+    kinds: dict[str, list[float]] = {"wall": [], "replay": [], "predicted": [], "replay_per_token": []}
+    per_method: dict[str, dict[str, list[float]]] = {m: {"imbalance": [], "idle_s": [], "work": [], "tokens": []}
+                                                    for m in ("a", "b")}
     for k in pairs:
         steps = {method_of(s): s for s in (2 * k, 2 * k + 1)}
         a, b = steps["A"], steps["B"]
-        per_token = {s: max(1, tokens[s]) for s in (a, b)}
-        kinds["wall"].append((walls[b] / per_token[b]) / (walls[a] / per_token[a]))
-        kinds["replay"].append((replay(by_step[b], pp, False) / per_token[b])
-                               / (replay(by_step[a], pp, False) / per_token[a]))
-        kinds["predicted"].append((replay(by_step[b], pp, True) / per_token[b])
-                                  / (replay(by_step[a], pp, True) / per_token[a]))
-        stock_imbalance.append(imbalance(by_step[b]))
-        a_imbalance.append(imbalance(by_step[a]))
+        work = {s: step_work(by_step[s]) for s in (a, b)}
+        measured = {s: replay(by_step[s], pp, False) for s in (a, b)}
+        kinds["wall"].append((walls[b] / work[b]) / (walls[a] / work[a]))
+        kinds["replay"].append((measured[b] / work[b]) / (measured[a] / work[a]))
+        kinds["predicted"].append((replay(by_step[b], pp, True) / work[b]) / (replay(by_step[a], pp, True) / work[a]))
+        kinds["replay_per_token"].append((measured[b] / max(1, tokens[b])) / (measured[a] / max(1, tokens[a])))
+        for m, s in (("a", a), ("b", b)):
+            per_method[m]["imbalance"].append(imbalance(by_step[s]))
+            per_method[m]["idle_s"].append(idle(by_step[s], pp))
+            per_method[m]["work"].append(work[s])
+            per_method[m]["tokens"].append(tokens[s])
     result: dict[str, Any] = {"name": c.name, "a": c.a, "b": c.b, "layout": c.layout, "global_batch": c.global_batch,
                               "pairs": len(pairs), "flags": list(c.flags), "b_fields": c.b_fields,
-                              "measured_imbalance": {"a": _mean_or_none(a_imbalance),
-                                                     "b": _mean_or_none(stock_imbalance)},
+                              "measured_imbalance": {m: _mean_or_none(v["imbalance"]) for m, v in per_method.items()},
+                              "replayed_idle_s": {m: _mean_or_none(v["idle_s"]) for m, v in per_method.items()},
+                              "work_total": {m: float(np.sum(v["work"])) for m, v in per_method.items()},
+                              "tokens_total": {m: int(np.sum(v["tokens"])) for m, v in per_method.items()},
                               "seconds_per_step": float(np.median(list(walls.values()))) if walls else None}
     for kind, values in kinds.items():
         if values:
             mean, lo, hi = geo_interval(np.asarray(values))
             result[kind] = {"ratio": mean, "low": lo, "high": hi, "half_width": (hi - lo) / 2 / mean}
+    if kinds["replay"]:
+        residual = np.log(np.asarray(kinds["replay"])) - np.log(np.asarray(kinds["predicted"]))
+        mean, lo, hi = geo_interval(np.exp(residual))
+        result["replay_over_predicted"] = {"ratio": mean, "low": lo, "high": hi}
     return result
 
 
@@ -219,25 +265,37 @@ def _mean_or_none(values: list[float]) -> float | None:
 
 
 def to_markdown(result: dict) -> str:
-    lines = ["# Paired runs at equal work: B's time per token over A's, wall / replay / predicted", "",
-             f"Machine: {result['machine']}. Generated by `{result['command']}` ({result['steps']} training steps "
-             f"per comparison, the first {WARMUP_PAIRS} pairs dropped; {result['minutes']:.1f} min of benchmark).",
-             "", f"Corpus: {result['corpus']['source']}; {result['corpus']['documents']:,} documents, median "
-             f"{result['corpus']['median']:.0f}, p90 {result['corpus']['p90']:.0f} tokens.", "",
-             "A ratio above 1 means A is faster. Each is the geometric mean of per-pair ratios with its bootstrap "
-             "95% interval; replay = the critical path from measured thread times; predicted = the same from the "
-             "cost model the packer balanced.", "",
-             "| comparison | layout | A | B | pairs | wall | replay | predicted | measured DP imbalance A / B |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    cal = result.get("calibration") or {}
+    lines = ["# Paired runs at equal work: B's time over A's per unit of work, wall / replay / predicted", "",
+             f"Machine: {result['machine']}; torch {result.get('torch', '?')}, megatron-core "
+             f"{result.get('megatron_core', '?')}. Generated by `{result['command']}` ({result['steps']} training "
+             f"steps per comparison, the first {WARMUP_PAIRS} pairs dropped; {result['minutes']:.1f} min of benchmark "
+             "including the calibration run).", "",
+             f"Corpus: {result['corpus']['source']}; {result['corpus']['documents']:,} documents, median "
+             f"{result['corpus']['median']:.0f}, p90 {result['corpus']['p90']:.0f} tokens.", ""]
+    if cal:
+        lines += [f"Cost model: `wlb calibrate --from-trace` on a {cal['steps']}-step DP2 run of this machine "
+                  f"(thread clock), held-out MAPE {cal['mape']:.1%}; every comparison balances and predicts with it.",
+                  ""]
+    lines += ["A ratio above 1 means A is faster. Each is the geometric mean over pairs of B's time per unit of work "
+              "over A's (work: the cost model's price of the step's micro-batches, equal for the same documents in "
+              "any packing), with its bootstrap 95% interval; replay = the critical path from measured thread "
+              "times; predicted = the same from the cost model; per token = replay per token instead of per unit "
+              "of work. Idle = replayed rank-seconds waiting per step (bubbles and imbalance).", "",
+              "| comparison | layout | A | B | pairs | wall | replay | predicted | replay per token | "
+              "DP imbalance A / B | idle s/step A / B |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["comparisons"]:
         def cell(kind: str, r: dict = r) -> str:
             x = r.get(kind)
             return "n/a" if not x else f"{x['ratio']:.3f} [{x['low']:.3f}, {x['high']:.3f}]"
 
-        imb = {k: "n/a" if v is None else f"{v:.3f}" for k, v in r["measured_imbalance"].items()}
+        def pair(key: str, r: dict = r) -> str:
+            return " / ".join("n/a" if v is None else f"{v:.3f}" for v in (r[key]["a"], r[key]["b"]))
+
         lines.append(f"| {r['name']} | {', '.join(f'{k}{v}' for k, v in r['layout'].items())} | {r['a']} | {r['b']} | "
                      f"{r['pairs']} | {cell('wall')} | {cell('replay')} | {cell('predicted')} | "
-                     f"{imb['a']} / {imb['b']} |")
+                     f"{cell('replay_per_token')} | {pair('measured_imbalance')} | {pair('replayed_idle_s')} |")
     return "\n".join(lines) + "\n"
 
 
@@ -249,7 +307,7 @@ def readme_summary(result: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="a short smoke run (few steps)")
-    ap.add_argument("--steps", type=int, default=None, help="training steps per comparison (even; default 80, "
+    ap.add_argument("--steps", type=int, default=None, help="training steps per comparison (even; default 110, "
                                                             "quick 12)")
     ap.add_argument("--comparisons", default=",".join(c.name for c in COMPARISONS))
     ap.add_argument("--work", default=str(REPO / "out" / "paired"), help="run folder (traces, logs)")
@@ -257,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--readme", action="store_true", help="also write the README's paired block")
     ap.add_argument("--reuse", action="store_true", help="analyse the runs already in --work again (no training)")
     args = ap.parse_args(argv)
-    steps = args.steps or (12 if args.quick else 80)
+    steps = args.steps or (12 if args.quick else 110)
     if steps < 2 * (WARMUP_PAIRS + 1) or steps % 2:
         raise SystemExit(f"--steps must be even and >= {2 * (WARMUP_PAIRS + 1)}, got {steps}")
     names = [n for n in args.comparisons.split(",") if n]
@@ -269,11 +327,21 @@ def main(argv: list[str] | None = None) -> int:
     data = work / "corpus" / "stdlib_files_text_document"
     corpus = build_corpus(data)
     start = time.perf_counter()
+
+    def log(s: str) -> None:
+        print(s, file=sys.stderr, flush=True)
+
+    profile = work / CALIBRATION.name / "profile.json"
+    calibration_steps = 12 if args.quick else CALIBRATION_STEPS
+    if args.reuse and profile.exists():
+        fitted = json.loads(profile.read_text())
+    else:
+        profile, fitted = calibrate(data, work / CALIBRATION.name, calibration_steps, log)
     results = []
     for name in names:
         c = known[name]
         if not (args.reuse and (work / name / "train.log").exists()):
-            train(c, data, work / name, steps, lambda s: print(s, file=sys.stderr, flush=True))
+            train(c, data, work / name, steps, log, profile)
         results.append(analyse(c, work / name))
     minutes = (time.perf_counter() - start) / 60
     if args.reuse and Path(args.out).with_suffix(".json").exists():  # the training's machine and time, not this one's
@@ -281,8 +349,15 @@ def main(argv: list[str] | None = None) -> int:
         machine_name, minutes = before["machine"], before["minutes"]
     else:
         machine_name = machine()
+    import megatron.core
+    import torch
+
+    holdout = fitted.get("holdout") or {}
     result = {"machine": machine_name, "command": "python scripts/bench_paired.py" + (" --quick" if args.quick else ""),
-              "steps": steps, "corpus": corpus, "minutes": minutes, "comparisons": results}
+              "torch": torch.__version__, "megatron_core": megatron.core.__version__,
+              "steps": steps, "corpus": corpus, "minutes": minutes,
+              "calibration": {"steps": calibration_steps, "mape": holdout.get("mape")} if holdout.get("mape") else None,
+              "comparisons": results}
     write_result(args.out, result, to_markdown)
     if args.readme:
         readme = REPO / "README.md"

@@ -367,6 +367,23 @@ def install_sequence_parallel_torch_norm() -> None:
 #: ``WLB_PIN_CORES=1``: each rank runs on one core of its own (measurements: no rank shares a core)
 PIN_VARIABLE = "WLB_PIN_CORES"
 
+#: glibc malloc settings for timed CPU runs: large tensors come from the heap and freed memory stays there,
+#: instead of an mmap, first-touch page faults and an munmap per attention score buffer. Without them the
+#: tiny GPT's ranks spent 40% of their thread time in the kernel and the same micro-batch's thread time
+#: varied 14-18% between repeats (issue 39's A/A run, 2-core VM). glibc reads them at process start, so a
+#: launcher sets them in the workers' environment (``measurement_env``).
+MEASUREMENT_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": str(1 << 34),
+                          "MALLOC_TOP_PAD_": str(1 << 28)}
+
+
+def measurement_env(layout: dict[str, str], environ: Any = None) -> dict[str, str]:
+    """The environment of a timed CPU training run: ``environ`` (default ``os.environ``), the layout
+    (TP/CP/PP/DP), one core and one thread per rank, no CUDA, and ``MEASUREMENT_MALLOC_ENV`` where the
+    environment does not set those variables itself."""
+    base = dict(os.environ if environ is None else environ)
+    return {**MEASUREMENT_MALLOC_ENV, **base, **layout, PIN_VARIABLE: "1", "OMP_NUM_THREADS": "1",
+            "CUDA_VISIBLE_DEVICES": ""}
+
 
 def pin_to_core(environ: Any = None) -> int | None:
     """With ``WLB_PIN_CORES=1``, bind this process to core ``LOCAL_RANK`` of the cores it may use, and
