@@ -1,13 +1,16 @@
 #!/usr/bin/env python
 """Paired runs at equal work: two methods in one Megatron process, alternating ABBA, wall and replay.
 
-    python scripts/bench_paired.py --readme   # the four paired runs (~17 min on 2 cores), README block
+    python scripts/bench_paired.py --readme   # calibration + the four paired runs (~15 min on 2 cores), README block
     python scripts/bench_paired.py --quick    # a short smoke run of the same code (slow test lane)
 
-Each comparison is one training run of ``scripts/paired_train.py`` (Megatron's own loop through our
-launcher, gloo, ``WLB_PIN_CORES=1``: one process per core, one thread each): training steps 2k and
-2k + 1 train global batch k with method A and method B, in ABBA order, so the machine's drift
-cancels within each pair. Per pair the ratio of B's to A's time per token is taken three ways:
+First a calibration run (DP2 wlb, thread clock) and ``wlb calibrate --from-trace`` give this machine's cost
+profile; every comparison balances and predicts with it. Each comparison is then one training run of
+``scripts/paired_train.py`` (Megatron's own loop through our launcher, gloo, ``measurement_env``: one process
+per core, one thread each, glibc's heap kept): training steps 2k and 2k + 1 train global batch k with
+method A and method B, in ABBA order, so the machine's drift cancels within each pair. Per pair, B's time
+per unit of work over A's is taken three ways (work: ``step_work``, the cost model's price of the step's
+micro-batches, which is the same for the same documents in any packing; per token beside it):
 
 - **wall**: ``perf_counter`` around Megatron's ``train_step``, the slowest rank's;
 - **replay**: the iteration's critical path replayed from the measured forward and backward thread
@@ -307,7 +310,7 @@ def readme_summary(result: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="a short smoke run (few steps)")
-    ap.add_argument("--steps", type=int, default=None, help="training steps per comparison (even; default 110, "
+    ap.add_argument("--steps", type=int, default=None, help="training steps per comparison (even; default 108, "
                                                             "quick 12)")
     ap.add_argument("--comparisons", default=",".join(c.name for c in COMPARISONS))
     ap.add_argument("--work", default=str(REPO / "out" / "paired"), help="run folder (traces, logs)")
@@ -315,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--readme", action="store_true", help="also write the README's paired block")
     ap.add_argument("--reuse", action="store_true", help="analyse the runs already in --work again (no training)")
     args = ap.parse_args(argv)
-    steps = args.steps or (12 if args.quick else 110)
+    steps = args.steps or (12 if args.quick else 108)
     if steps < 2 * (WARMUP_PAIRS + 1) or steps % 2:
         raise SystemExit(f"--steps must be even and >= {2 * (WARMUP_PAIRS + 1)}, got {steps}")
     names = [n for n in args.comparisons.split(",") if n]

@@ -60,6 +60,15 @@ def test_replay_is_the_slowest_pipelines_critical_path():
     assert bench.replay(rows, 2, False) == pytest.approx(simulate_pipeline(fwd, bwd).makespan)
 
 
+def test_work_and_idle_of_a_step():
+    bench = load_script("bench_paired")
+    # DP2: rank 0 busy 3 + 3, rank 1 busy 4; the critical path is 6, so rank 1 idles 2
+    rows = [Row(0, 0, 0, 0, j, 1.0, 2.0, 0.1, 0.2) for j in range(2)] + [Row(1, 0, 0, 0, 0, 2.0, 2.0, 0.3, 0.1)]
+    rows.append(Row(1, 0, 0, 1, 0, 9.0, 9.0, 9.0, 9.0))  # a TP rank > 0 repeats its TP group's work: not counted
+    assert bench.step_work(rows) == pytest.approx(0.3 + 0.3 + 0.4)
+    assert bench.idle(rows, 1) == pytest.approx(2 * 6.0 - 10.0)
+
+
 def test_the_interval_holds_the_geometric_mean():
     bench = load_script("bench_paired")
     ratios = np.exp(np.random.default_rng(0).normal(0.05, 0.02, 200))
@@ -72,13 +81,16 @@ def test_the_interval_holds_the_geometric_mean():
 def test_a_short_paired_run_through_megatrons_loop(tmp_path):
     pytest.importorskip("torch")
     bench = load_script("bench_paired")
-    assert bench.main(["--steps", "8", "--comparisons", "users", "--work", str(tmp_path / "work"),
+    assert bench.main(["--quick", "--steps", "10", "--comparisons", "users", "--work", str(tmp_path / "work"),
                        "--out", str(tmp_path / "paired")]) == 0
     result = json.loads((tmp_path / "paired.json").read_text())
     (users,) = result["comparisons"]
-    assert users["pairs"] == 8 // 2 - bench.WARMUP_PAIRS
-    for kind in ("wall", "replay", "predicted"):
+    assert users["pairs"] == 10 // 2 - bench.WARMUP_PAIRS
+    for kind in ("wall", "replay", "predicted", "replay_per_token"):
         assert 0.3 < users[kind]["low"] <= users[kind]["ratio"] <= users[kind]["high"] < 3
+    assert 0 < result["calibration"]["mape"] < 1 and result["calibration"]["steps"] == 12
+    assert (tmp_path / "work" / "calibration" / "profile.json").exists()
+    assert all(users["replayed_idle_s"][m] >= 0 and users["work_total"][m] > 0 for m in ("a", "b"))
     steps = json.loads((tmp_path / "work" / "users" / "rank0.json").read_text())["steps"]
-    assert "".join(s["method"] for s in steps) == "ABBAABBA"
+    assert "".join(s["method"] for s in steps) == "ABBAABBAAB"
     assert len({s["tokens"] for s in steps[:2]}) >= 1 and all(s["tokens"] > 0 for s in steps)
