@@ -37,15 +37,16 @@ from megatron_wlb.costmodel import PROFILE_FORMAT, ModelShape, fit_profile, hold
 from megatron_wlb.costmodel.table import MAX_KNOTS, choose_knots  # noqa: E402
 from megatron_wlb.costmodel.trace import profile_points, read_trace, trace_setup  # noqa: E402
 
-NOTE = ("The tiny GPT (hidden 64, 2 layers, seq 1,024) spends most of a micro-batch in per-token, per-document "
-        "and fixed costs, so attention pairs are a small share of its time: the table sees the per-pair cost rise "
-        "with the run's length but changes the held-out error little. The wall-clock trace's error is the "
-        "machine's noise (the same micro-batch varies 10-40% between repeats), which no cost model can fit; the "
-        "thread clock removes most of it. Conditioning: packed micro-batches of near-equal tokens make the "
-        "per-token and per-micro-batch columns nearly collinear, and neighbouring knots overlap; the fit scales "
-        "its columns to unit norm, penalises differences of neighbouring knot costs relative to the one-cost fit, "
-        "adds a 1e-7 ridge, and merges knots under 3% of the pairs (`costmodel.table`); the condition numbers "
-        "above are of the scaled normal equations without and with that regularisation.")
+NOTE = ("Both runs use `measurement_env` (one core and one thread per rank, glibc's heap kept): before it, the "
+        "ranks spent ~40% of their thread time in the kernel faulting in attention buffers, the same micro-batch "
+        "varied 10-40% between repeats, and these fits read 11.6% (thread) and 23.1% (wall) held out. The tiny GPT "
+        "(hidden 64, 2 layers, seq 1,024) spends much of a micro-batch in per-token, per-document and fixed "
+        "costs, so the table over query-run lengths changes the error little here. Conditioning: packed "
+        "micro-batches of near-equal tokens make the per-token and per-micro-batch columns nearly collinear, and "
+        "neighbouring knots overlap; the fit scales its columns to unit norm, penalises differences of "
+        "neighbouring knot costs relative to the one-cost fit, adds a 1e-7 ridge, and merges knots under 3% of "
+        "the pairs (`costmodel.table`); the condition numbers above are of the scaled normal equations without "
+        "and with that regularisation.")
 
 
 def within_iteration(profile: dict[str, Any], every: int) -> dict[str, Any]:
