@@ -81,7 +81,9 @@ def add_wlb_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--wlb-reset-data-stream", action="store_true",
                    help="on resume (--load), restart only the data stream at its first document, with the "
                         "--wlb-* settings given now; the optimizer, iteration and LR schedule resume from the "
-                        "checkpoint (--finetune resets them too). Counted in the checkpoint and logged")
+                        "checkpoint (--finetune resets them too). Counted in the checkpoint and logged. It "
+                        "applies once: resuming from a checkpoint saved after a reset given the same data flags "
+                        "and --wlb-* settings, it is ignored (logged), so a requeue script may keep it")
     return parser
 
 
