@@ -174,3 +174,35 @@ def test_recommendation_calls_documents_whole_only_when_it_clears_the_same_data(
     lines = recommendation(verdict([1.05, 1.20], [1.10, 1.12]))  # overlapping: the same data wins
     assert lines[-1].startswith("**Use `--wlb-pieces concat-and-cut`**") and "spread" in lines[-1]
     assert recommendation(Verdict({"Plain-4D": {"WLB-LLM": [1.0]}}, 1, 1)) == []
+
+
+def test_data_prefixes_holding_a_space_work_in_pack_bench_and_analyze(corpus, tmp_path, capsys):
+    """Issue 37 D12: a --data-path prefix in a folder whose name holds a space stays one prefix in every
+    subcommand (the stream name quotes it), on a real .bin/.idx corpus."""
+    import shlex
+
+    from megatron_wlb.cli.common import read_stream
+
+    root = sysconfig.get_paths()["stdlib"]
+    files = [f for f in text_files([root], "*.py") if os.path.dirname(f) == root]
+    spaced = tmp_path / "my corpus"
+    spaced.mkdir()
+    a, b = str(spaced / "part a"), str(spaced / "b")
+    lengths_a, lengths_b = write_corpus(a, files[:80]), write_corpus(b, files[80:160])
+    assert main(["pack", "--config", "550m_64k", "--data-path", "0.5", a, "0.5", b, "--json",
+                 "--iterations", "2"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["lengths"] == f"data-path:0.5 '{a}' 0.5 '{b}'" and report["iterations"] == 2
+    assert shlex.split(report["lengths"][len("data-path:"):]) == ["0.5", a, "0.5", b]
+    assert main(["pack", "--config", "550m_64k", "--data-path", a, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["documents_read"] == lengths_a.size
+    assert read_stream(f"data-path:{shlex.join([b])}").size == lengths_b.size
+    with pytest.raises(ValueError, match="No closing quotation.*quote a prefix holding a space"):
+        read_stream(f"data-path:1 '{a}")
+    assert main(["bench", "--config", "550m_64k", "--quick", "--iterations", "2", "--solver-iterations", "1",
+                 "--lengths", "", "--data-path", "1", a, "1", b]) == 0
+    assert f"data-path:1 '{a}' 1 '{b}'" in capsys.readouterr().out
+    js = spaced / "analyze.json"
+    assert main(["analyze", "--data-path", a, "--config", str(corpus / "small.yaml"), "--shuffles", "1",
+                 "--iterations", "2", "--out", str(spaced / "out"), "--json", str(js)]) == 0
+    assert json.loads(js.read_text())["iterations"] == 2

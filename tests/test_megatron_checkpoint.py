@@ -251,3 +251,91 @@ def test_another_dp_size_at_the_same_global_batch_continues_the_saved_plans(pref
     refusal = plan_layout_refusal(state, margs)
     assert refusal is not None and "resume with --global-batch-size 8 (now 4)" in refusal
     assert plan_layout_refusal(state, Namespace(data_parallel_size=4, global_batch_size=8, micro_batch_size=1)) is None
+
+
+# -- issue 37 D7: a job stopped between Megatron's tracker update and our sidecar ---------------------------
+def test_a_checkpoint_without_its_sidecar_names_the_ckpt_step_that_resumes(tmp_path):
+    """The tracker names iteration 4 but the job stopped before our sidecar: the refusal (one line) names
+    Megatron's --ckpt-step with the newest earlier iteration whose sidecar exists, the reset as the last resort."""
+    args = Namespace(save=str(tmp_path), load=str(tmp_path))
+    for it in (1, 2):
+        save_data_state(iteration_dir(args.save, it), it, {"stream_position": it})
+    os.makedirs(iteration_dir(args.save, 3))  # a checkpoint that lost its sidecar too
+    megatron_like_save(args.save)(4, None, None, None, 0)  # Megatron's save, then the kill
+    with pytest.raises(RuntimeError) as caught:
+        wrap_load_checkpoint(megatron_like_load(args.load), DataStateRegistry(), lambda: args)(None, None, None)
+    message = str(caught.value)
+    assert "\n" not in message and "iteration 4 but holds no wlb_packer_state.json" in message
+    assert "resume from iteration 2" in message and "--ckpt-step 2" in message
+    assert message.index("--ckpt-step 2") < message.index("last resort pass --wlb-reset-data-stream")
+    # --ckpt-step 2 (Megatron loads iteration 2): its sidecar resumes
+    registry = DataStateRegistry()
+    load_two = wrap_load_checkpoint(lambda *a, **k: (2, 0), registry, lambda: args)
+    assert load_two(None, None, None) == (2, 0) and registry.pending == {"stream_position": 2}
+    # no earlier checkpoint holds one: the generic --ckpt-step remedy, still one line
+    other = Namespace(save=str(tmp_path / "other"), load=str(tmp_path / "other"))
+    megatron_like_save(other.save)(3, None, None, None, 0)
+    with pytest.raises(RuntimeError) as caught:
+        wrap_load_checkpoint(megatron_like_load(other.load), DataStateRegistry(), lambda: other)(None, None, None)
+    message = str(caught.value)
+    assert "\n" not in message and "resume from iteration" not in message
+    assert "(--ckpt-step N); as a last resort pass --wlb-reset-data-stream" in message
+
+
+# -- issue 37 D15: --wlb-reset-data-stream left in a requeue script applies once ----------------------------
+def test_reset_data_stream_applies_once_and_is_ignored_after_it(tmp_path):
+    args = Namespace(save=str(tmp_path), load=str(tmp_path), wlb_reset_data_stream=True,
+                     data_path=["1.0", "/data/a_text_document"], split="98,2,0", seed=1234)
+    now = {"packing": "wlb", "max_delay": 4}
+    megatron_like_save(args.save)(3, None, None, None, 0)
+    save_data_state(iteration_dir(args.save, 3), 3, {"stream_position": 7}, {"packing": "wlb", "max_delay": 8})
+
+    def load(registry, lines):
+        return wrap_load_checkpoint(megatron_like_load(args.load), registry, lambda: args, lambda: now,
+                                    lines.append)(None, None, None)
+
+    first, lines = DataStateRegistry(), []
+    assert load(first, lines) == (3, 0) and first.pending is None and first.data_stream_resets == 1
+    assert first.data_stream_reset == {"iteration": 3, "data_flags": {
+        "data_path": ["1.0", "/data/a_text_document"], "train_data_path": None, "valid_data_path": None,
+        "test_data_path": None, "split": "98,2,0", "seed": 1234}}
+    assert len(lines) == 1 and "restarts at its first document" in lines[0]
+    # training goes on after the reset and saves at iteration 5: the sidecar records the reset
+    its = new_iterators_for(tmp_path)
+    first.register(its)
+    for _ in range(its.n):
+        next(its)
+    wrap_save_checkpoint(megatron_like_save(args.save), first, lambda: args, lambda: True, lambda: now)(
+        5, None, None, None, 0)
+    saved = load_data_state(iteration_dir(args.save, 5), 5)
+    assert saved["data_stream_reset"] == first.data_stream_reset and saved["data_stream_resets"] == 1
+    # the requeued job resumes from 5 with the same command line: the flag is ignored, the stream continues
+    again, lines = DataStateRegistry(), []
+    assert load(again, lines) == (5, 0)
+    assert again.pending == saved["data"] and again.data_stream_resets == 1
+    assert len(lines) == 1 and "--wlb-reset-data-stream ignored" in lines[0] and "iteration 3" in lines[0]
+    # with another data flag (or setting) the flag asks for a new reset, and gets it
+    args.seed = 99
+    changed, lines = DataStateRegistry(), []
+    assert load(changed, lines) == (5, 0) and changed.pending is None and changed.data_stream_resets == 2
+    assert changed.data_stream_reset["iteration"] == 5 and "ignored" not in lines[0]
+
+
+def test_version_2_sidecars_still_resume(tmp_path):
+    """Sidecars written before the reset record (version 2) keep resuming, checksum checked."""
+    import json
+
+    from megatron_wlb.megatron.checkpoint import VERSION_KEYS, sidecar_checksum
+
+    payload = {"version": 2, "iteration": 4, "settings": None, "data": {"stream_position": 3},
+               "data_stream_resets": 1}
+    payload["sha256"] = sidecar_checksum(payload)
+    assert payload["sha256"] != sidecar_checksum({**payload, "version": 3, "data_stream_reset": None})
+    path = tmp_path / SIDECAR_NAME
+    path.write_text(json.dumps(payload))
+    loaded = load_data_state(str(tmp_path), 4)
+    assert loaded["data"] == {"stream_position": 3} and loaded["data_stream_reset"] is None
+    path.write_text(json.dumps({**payload, "data_stream_resets": 0}))
+    with pytest.raises(ValueError, match="do not match its checksum"):
+        load_data_state(str(tmp_path), 4)
+    assert sorted(VERSION_KEYS) == [2, 3]

@@ -481,6 +481,14 @@ def test_dp_size_change_and_data_stream_reset_on_resume(tmp_path, corpus):
     assert "--wlb-reset-data-stream: the data stream restarts at its first document at iteration 2" in reset.log
     assert plans(reset)[0] == plans(full)[0]  # the documents start over ...
     assert "iteration        3/       4" in reset.log and "iteration        1/" not in reset.log  # ... the steps not
+    # issue 37 D15: the flag left in a requeue script, resumed from the checkpoint saved after the reset: ignored,
+    # the stream goes on where the reset run stopped (its third plan: the uninterrupted run's third)
+    again = train(tmp_path, "requeued", corpus, *common, "--load", str(tmp_path / "ckpt_reset"), "--train-iters", "5",
+                  "--override-opt_param-scheduler", "--save", str(tmp_path / "ckpt_requeued"),
+                  "--wlb-reset-data-stream", env={"DP": "2"})
+    assert "--wlb-reset-data-stream ignored: the checkpoint at iteration 4 was saved after the data-stream reset " \
+           "at iteration 2" in again.log
+    assert plans(again)[0] == plans(full)[2] != plans(full)[0]
 
 
 def test_own_corpus_with_token_ids_beyond_the_tiny_vocabulary(tmp_path):

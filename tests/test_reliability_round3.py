@@ -1,7 +1,11 @@
-"""Issue 37 (reliability round 3): the refit agreement over a real gloo world (D5) and token ids checked both
-ways (D3). The epoch order cache's items (D4, D8-D11) are in test_order_cache.py."""
+"""Issue 37 (reliability round 3): the refit agreement over a real gloo world (D5), token ids checked both
+ways (D3) and start-up problems in one line (D14). The epoch order cache's items (D4, D8-D11) are in
+test_order_cache.py; the checkpoint items (D7, D15) in test_megatron_checkpoint.py; data prefixes holding a
+space (D12) in test_analyze.py."""
 
 from __future__ import annotations
+
+import importlib.util
 
 import numpy as np
 import pytest
@@ -100,3 +104,60 @@ def test_a_negative_id_beyond_the_start_up_scan_stops_the_run_when_read(tmp_path
     monkeypatch.setattr(reader_mod, "VOCAB_SCAN_TOKENS", 1 << 28)
     with pytest.raises(ValueError, match=r"token id -7 is outside"):
         DocumentReader([(prefix, 1.0)], split="1,0,0").check_vocabulary(1000)
+
+
+# -- D14: start-up problems exit with one line, no traceback ----------------------------------------------------
+def _start(argv: list[str], tmp_path) -> tuple[int, str]:
+    """Run the CPU entry point (Megatron's loop through our launcher) in a fresh process: (exit code, stderr)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]),
+           "CUDA_VISIBLE_DEVICES": "", "PYTHONWARNINGS": "ignore"}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "WLB_PIN_CORES"):
+        env.pop(name, None)
+    proc = subprocess.run([sys.executable, "-m", "megatron_wlb.megatron.cpu", *argv], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    return proc.returncode, proc.stderr
+
+
+@pytest.fixture(scope="module")
+def real_prefix(tmp_path_factory) -> str:
+    from megatron_wlb.megatron.cpu import write_text_corpus
+
+    prefix = str(tmp_path_factory.mktemp("startup") / "text_document")
+    write_text_corpus(prefix, max_bytes=20_000)
+    return prefix
+
+
+def _one_line(stderr: str, needle: str) -> str:
+    assert "Traceback" not in stderr, stderr[-3000:]
+    lines = [line for line in stderr.splitlines() if needle in line]
+    assert len(lines) == 1, stderr[-3000:]
+    return lines[0]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("megatron.training") is None, reason="needs megatron.training")
+def test_start_up_problems_exit_with_one_line_and_no_traceback(real_prefix, tmp_path):
+    from megatron_wlb.megatron.cpu import TINY_GPT_ARGS
+
+    # bad blend weights, read by the harness (--tiny-gpt sizes the vocabulary from the data first)
+    rc, err = _start(["--tiny-gpt", "--data-path", "0.5", real_prefix, "nan", real_prefix], tmp_path)
+    assert rc == 1 and "weight 'nan' before" in _one_line(err, "weight 'nan'")
+    # missing data and a bad --wlb-* value, checked after Megatron's own validation: one line naming both
+    missing = str(tmp_path / "missing")
+    rc, err = _start([*TINY_GPT_ARGS, "--data-path", missing, "--wlb-max-seq-len", "100"], tmp_path)
+    line = _one_line(err, "invalid WLB-LLM configuration")
+    assert rc == 1 and "2 problems" in line and "--wlb-max-seq-len 100 is below --seq-length 256" in line
+    assert f"no {missing}.bin/.idx" in line
+    # a flag argparse rejects: its one-line error, without Megatron's usage of several hundred lines
+    rc, err = _start(["--tiny-gpt", "--data-path", real_prefix, "--wlb-packing", "best"], tmp_path)
+    assert rc == 2 and "invalid choice: 'best'" in _one_line(err, "--wlb-packing")
+    assert "usage:" not in err
+    # a flag Megatron's own validate_args asserts on: its message in one line, where it stands
+    rc, err = _start(["--tiny-gpt", "--data-path", real_prefix, "--tensor-model-parallel-size", "2"], tmp_path)
+    line = _one_line(err, "Megatron's validate_args rejects these flags")
+    assert rc == 1 and "world size (1) is not divisible" in line and "megatron/training/arguments.py:" in line

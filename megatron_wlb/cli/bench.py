@@ -26,10 +26,10 @@ from typing import Any
 import numpy as np
 
 from megatron_wlb.cli.common import (
-    DATA_PATH_SCHEME,
     DATA_PREFIX_SCHEME,
     METRIC_LEGEND,
     cost_profile,
+    data_path_stream,
     machine,
     output_dir,
     positive,
@@ -182,7 +182,7 @@ def run(args: argparse.Namespace) -> int:
     tables = []
     streams = [s.strip() for s in args.lengths.split(",") if s.strip()]
     streams += [DATA_PREFIX_SCHEME + prefix for prefix in args.data_prefix]
-    streams += [DATA_PATH_SCHEME + " ".join(tokens) for tokens in args.data_path]
+    streams += [data_path_stream(tokens) for tokens in args.data_path]
     # every stream is read (and a bad one refused) before the first row runs
     bases = {stream: read_stream(stream) for stream in streams}
     for stream in streams:

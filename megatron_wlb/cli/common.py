@@ -17,8 +17,9 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, TypeVar
 
@@ -228,6 +229,21 @@ DATA_PREFIX_SCHEME = "prefix:"
 DATA_PATH_SCHEME = "data-path:"
 
 
+def data_path_stream(tokens: Sequence[str]) -> str:
+    """The stream name of a ``--data-path`` blend: ``data-path:W1 P1 W2 P2``, each token shell-quoted where it
+    needs it (a prefix with a space stays one token); ``data_path_tokens`` reads it back."""
+    return DATA_PATH_SCHEME + shlex.join(tokens)
+
+
+def data_path_tokens(source: str) -> list[str]:
+    """The ``--data-path`` tokens of a ``data-path:...`` stream name (shell words: quote a prefix holding a space)."""
+    try:
+        return shlex.split(source[len(DATA_PATH_SCHEME):])
+    except ValueError as exc:
+        raise ValueError(f"length stream {source!r}: {exc}; quote a prefix holding a space or a quote "
+                         "('data-path:1 \"/my data/a\"')") from None
+
+
 def add_stream_args(parser: argparse.ArgumentParser, required: bool = False) -> argparse._MutuallyExclusiveGroup:
     """Add ``--lengths`` / ``--data-prefix`` as a mutually exclusive group; return the group."""
     group = parser.add_mutually_exclusive_group(required=required)
@@ -272,7 +288,7 @@ def read_stream(source: str) -> np.ndarray:
     elif source.startswith(DATA_PATH_SCHEME):
         from megatron_wlb.data.blend import read_blend
 
-        base, _, _ = read_blend(source[len(DATA_PATH_SCHEME):].split())
+        base, _, _ = read_blend(data_path_tokens(source))
     else:
         base = load_lengths(source)
     if base.size == 0:

@@ -15,9 +15,9 @@ import json
 from typing import Any
 
 from megatron_wlb.cli.common import (
-    DATA_PATH_SCHEME,
     DATA_PREFIX_SCHEME,
     cost_profile,
+    data_path_stream,
     legend_text,
     metric_line,
     output_file,
@@ -92,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
     name = args.packer or config.packer
     packer = make_packer(name, packing, cost)
     source = (DATA_PREFIX_SCHEME + args.data_prefix if args.data_prefix else
-              DATA_PATH_SCHEME + " ".join(args.data_path) if args.data_path else args.lengths)
+              data_path_stream(args.data_path) if args.data_path else args.lengths)
     out = output_file(args.out) if args.out else None
     lengths = resolve_lengths(source)
     if out is not None:

@@ -218,7 +218,7 @@ def _ranks() -> tuple[int, int]:
 
 # -- the hooks ---------------------------------------------------------------------------------------------
 def _wrap_parse_args(original: Callable) -> Callable:
-    from megatron_wlb.megatron.args import asks_for_help, wlb_extra_args_provider, wlb_help
+    from megatron_wlb.megatron.args import StartupError, asks_for_help, wlb_extra_args_provider, wlb_help
 
     @wrapping(original)
     def parse_args(extra_args_provider=None, ignore_unknown_args=False):
@@ -230,21 +230,26 @@ def _wrap_parse_args(original: Callable) -> Callable:
         args = original(wlb_extra_args_provider(extra_args_provider), ignore_unknown_args)
         if getattr(args, "yaml_cfg", None) is not None:
             # Megatron's YAML path replaces the parsed args and skips validate_args (and our checks)
-            raise ValueError("megatron_wlb: --yaml-cfg is not supported with WLB-LLM (Megatron's YAML path skips "
-                             "validate_args, where the --wlb-* flags are checked); pass the settings as flags")
+            raise StartupError("megatron_wlb: --yaml-cfg is not supported with WLB-LLM (Megatron's YAML path skips "
+                               "validate_args, where the --wlb-* flags are checked); pass the settings as flags")
         return args
 
     return parse_args
 
 
 def _wrap_validate_args(original: Callable) -> Callable:
-    from megatron_wlb.megatron.args import validate_wlb_args
+    from megatron_wlb.megatron.args import StartupError, rejected_by_megatron, validate_wlb_args
 
     @wrapping(original)
     def validate_args(args, defaults={}):  # noqa: B006 - Megatron's signature
         from megatron_wlb.megatron.preflight import check_training_args
 
-        out = original(args, defaults)
+        try:
+            out = original(args, defaults)
+        except StartupError:
+            raise
+        except (AssertionError, ValueError) as exc:  # Megatron's own flag checks: one line, no traceback
+            raise rejected_by_megatron(exc) from None
         settings = validate_wlb_args(args)
         for note in check_training_args(args, middle_stage_batches=_RUNTIME.middle_stage_batches):
             if _is_rank0():

@@ -12,10 +12,12 @@ per-micro-batch shapes.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import os
-from collections.abc import Callable
-from typing import Any
+import traceback
+from collections.abc import Callable, Iterator
+from typing import Any, NoReturn
 
 from megatron_wlb.config import PACKER_NAMES, Knob, RunConfig, cp_sharding_names, field_docs
 from megatron_wlb.costmodel import CostModel
@@ -79,7 +81,9 @@ def add_wlb_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--wlb-reset-data-stream", action="store_true",
                    help="on resume (--load), restart only the data stream at its first document, with the "
                         "--wlb-* settings given now; the optimizer, iteration and LR schedule resume from the "
-                        "checkpoint (--finetune resets them too). Counted in the checkpoint and logged")
+                        "checkpoint (--finetune resets them too). Counted in the checkpoint and logged. It "
+                        "applies once: resuming from a checkpoint saved after a reset given the same data flags "
+                        "and --wlb-* settings, it is ignored (logged), so a requeue script may keep it")
     return parser
 
 
@@ -153,10 +157,20 @@ def escape_help_percents(parser: Any) -> Any:
     return parser
 
 
+def one_line_errors(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """A bad flag exits with one line (``prog: error: ...``), without the usage: Megatron's runs to hundreds of
+    lines and hides the error."""
+    def error(message: str) -> NoReturn:
+        parser.exit(2, f"{parser.prog}: error: {message} (--help lists the --wlb-* flags)\n")
+
+    parser.error = error  # type: ignore[method-assign]
+    return parser
+
+
 def wlb_extra_args_provider(existing: ArgsProvider | None = None) -> ArgsProvider:
     """Megatron's provider slot filled with ``existing`` (if any) followed by ours (and help texts that
-    ``--help`` can print: ``escape_help_percents``)."""
-    return compose_providers(existing, add_wlb_args, escape_help_percents)
+    ``--help`` can print: ``escape_help_percents``; one-line flag errors: ``one_line_errors``)."""
+    return compose_providers(existing, add_wlb_args, escape_help_percents, one_line_errors)
 
 
 # -- resolving and validating ------------------------------------------------------------------------
@@ -205,9 +219,42 @@ def num_microbatches_from_args(args: Any) -> int:
     return gbs // (mbs * dp)
 
 
+class StartupError(ValueError):
+    """A start-up problem (flags, data): the entry points exit with its one-line message, no traceback."""
+
+
+def rejected_by_megatron(exc: BaseException) -> StartupError:
+    """Megatron's own argument check that failed (an ``assert`` or ValueError of its ``validate_args``) as one line:
+    its message (or the failed assertion's source line) and where it stands."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    last = frames[-1] if frames else None
+    what = " ".join(str(exc).split()) or (last.line if last is not None and last.line else type(exc).__name__)
+    path = last.filename.replace(os.sep, "/") if last is not None else ""
+    path = "megatron/" + path.rsplit("/megatron/", 1)[1] if "/megatron/" in path else os.path.basename(path)
+    where = f" ({path}:{last.lineno})" if last is not None else ""
+    return StartupError(f"megatron_wlb: Megatron's validate_args rejects these flags: {what}{where}")
+
+
+@contextlib.contextmanager
+def exit_on_startup_error() -> Iterator[None]:
+    """Turn a ``StartupError`` into ``SystemExit`` with its message: an entry point exits with one line."""
+    try:
+        yield
+    except StartupError as exc:
+        raise SystemExit(str(exc)) from None
+
+
+def configuration_error(problems: list[str], what: str = "invalid WLB-LLM configuration") -> StartupError:
+    """One line naming every problem (each says what to change)."""
+    listed = problems[0] if len(problems) == 1 else \
+        f"{len(problems)} problems: " + "; ".join(f"({i}) {p}" for i, p in enumerate(problems, 1))
+    return StartupError(f"megatron_wlb: {what}: {listed}")
+
+
 def validate_wlb_args(args: Any, *, te_available: bool | None = None, highspy_available: bool | None = None,
                       check_files: bool = True) -> WlbSettings:
-    """Check Megatron's validated ``args`` against the WLB settings; raise a ValueError saying what to change.
+    """Check Megatron's validated ``args`` against the WLB settings; raise a ``StartupError`` (a ValueError, one
+    line) saying what to change.
 
     With pipeline parallelism sets ``args.variable_seq_lengths = True`` (micro-batches differ in
     length, so stages exchange shapes; dense models also get the unused MoE dispatcher switched
@@ -215,7 +262,10 @@ def validate_wlb_args(args: Any, *, te_available: bool | None = None, highspy_av
     ``te_available`` / ``highspy_available`` default to import probes; ``check_files=False`` skips
     the check that every ``--data-path`` prefix has its .bin/.idx (flag-parsing tests).
     """
-    settings = settings_from_args(args)
+    try:
+        settings = settings_from_args(args)
+    except ValueError as exc:
+        raise configuration_error([str(exc)]) from None
     problems: list[str] = []
     seq_length = int(args.seq_length)
     tp = int(getattr(args, "tensor_model_parallel_size", 1))
@@ -304,8 +354,12 @@ def validate_wlb_args(args: Any, *, te_available: bool | None = None, highspy_av
                             "single); --dataloader-type cyclic reshuffles samples differently: use single")
     if getattr(args, "dataloader_type", "single") == "external":
         problems.append("--dataloader-type external: WLB supplies the training iterator itself; use single or cyclic")
-    if settings.config:
-        cfg = load_run_config(settings.config)
+    cfg: RunConfig | None = None
+    try:
+        cfg = load_run_config(settings.config) if settings.config else None
+    except ValueError as exc:
+        problems.append(str(exc))
+    if cfg is not None:
         lay = cfg.layout
         if (lay.tp, lay.cp, lay.pp, lay.dp) != (tp, cp, pp, dp) or cfg.seq_len != seq_length:
             problems.append(f"--wlb-config {settings.config} describes TP{lay.tp} CP{lay.cp} PP{lay.pp} DP{lay.dp} "
@@ -322,7 +376,7 @@ def validate_wlb_args(args: Any, *, te_available: bool | None = None, highspy_av
                         "Megatron's allgather MoE token dispatcher does not support; set "
                         "--moe-token-dispatcher-type alltoall")
     if problems:
-        raise ValueError("megatron_wlb: invalid WLB-LLM configuration:\n  - " + "\n  - ".join(problems))
+        raise configuration_error(problems)
     if pp > 1:
         # p2p must exchange each micro-batch's shape; Megatron's validate_args forces this off.
         args.variable_seq_lengths = True

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,9 +26,15 @@ from megatron_wlb.megatron.data import WlbDataIterator, dumps_state
 from megatron_wlb.megatron.rebind import wrapping
 
 SIDECAR_NAME = "wlb_packer_state.json"
-#: 2: the sidecar carries ``sha256``, the checksum of its other contents (``sidecar_checksum``)
-SIDECAR_VERSION = 2
-SIDECAR_KEYS = ("version", "iteration", "settings", "data", "data_stream_resets")
+#: 2: the sidecar carries ``sha256``, the checksum of its other contents (``sidecar_checksum``);
+#: 3: and ``data_stream_reset``, the last ``--wlb-reset-data-stream`` applied (``reset_record``)
+SIDECAR_VERSION = 3
+#: the keys the checksum covers, per version this build reads
+VERSION_KEYS = {2: ("version", "iteration", "settings", "data", "data_stream_resets"),
+                3: ("version", "iteration", "settings", "data", "data_stream_resets", "data_stream_reset")}
+SIDECAR_KEYS = VERSION_KEYS[SIDECAR_VERSION]
+#: Megatron's ``iter_0000100`` directory names
+ITERATION_DIR = re.compile(r"iter_(\d{7,})")
 
 
 def iteration_dir(checkpoints_path: str, iteration: int, release: bool = False) -> str:
@@ -36,12 +43,15 @@ def iteration_dir(checkpoints_path: str, iteration: int, release: bool = False) 
 
 
 def save_data_state(directory: str, iteration: int, data_state: dict[str, Any],
-                    settings: dict[str, Any] | None = None, data_stream_resets: int = 0) -> str:
+                    settings: dict[str, Any] | None = None, data_stream_resets: int = 0,
+                    data_stream_reset: dict[str, Any] | None = None) -> str:
     """Write the sidecar atomically (temp file + rename) into ``directory``; returns its path.
-    ``data_stream_resets``: how often this training's data stream was restarted (``--wlb-reset-data-stream``)."""
+    ``data_stream_resets``: how often this training's data stream was restarted (``--wlb-reset-data-stream``);
+    ``data_stream_reset``: the last restart (``reset_record``), None if there was none."""
     os.makedirs(directory, exist_ok=True)
     payload: dict[str, Any] = {"version": SIDECAR_VERSION, "iteration": int(iteration), "settings": settings,
-                               "data": data_state, "data_stream_resets": int(data_stream_resets)}
+                               "data": data_state, "data_stream_resets": int(data_stream_resets),
+                               "data_stream_reset": data_stream_reset}
     payload["sha256"] = sidecar_checksum(payload)
     path = os.path.join(directory, SIDECAR_NAME)
     fd, tmp = tempfile.mkstemp(prefix=".wlb_state.", dir=directory)
@@ -56,9 +66,16 @@ def save_data_state(directory: str, iteration: int, data_state: dict[str, Any],
     return path
 
 
+def sidecar_keys(payload: Any) -> tuple[str, ...]:
+    """The keys of ``payload``'s sidecar version (this build's for an unknown one)."""
+    version = payload.get("version") if isinstance(payload, dict) else None
+    return VERSION_KEYS.get(version, SIDECAR_KEYS) if isinstance(version, int) else SIDECAR_KEYS
+
+
 def sidecar_checksum(payload: dict[str, Any]) -> str:
-    """sha256 of the sidecar's contents (its ``SIDECAR_KEYS``, canonical JSON)."""
-    return hashlib.sha256(dumps_state({k: payload.get(k) for k in SIDECAR_KEYS}).encode()).hexdigest()
+    """sha256 of the sidecar's contents (the keys of its version, canonical JSON)."""
+    keys = sidecar_keys(payload)
+    return hashlib.sha256(dumps_state({k: payload.get(k) for k in keys}).encode()).hexdigest()
 
 
 def load_data_state(directory: str, iteration: int | None = None) -> dict[str, Any] | None:
@@ -73,18 +90,33 @@ def load_data_state(directory: str, iteration: int | None = None) -> dict[str, A
             payload = json.load(f)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ValueError(f"{path}: not valid JSON ({exc}); the WLB data state is corrupt: {fix}") from None
-    if not isinstance(payload, dict) or any(k not in payload for k in SIDECAR_KEYS):
-        raise ValueError(f"{path}: not a WLB data state (expected a JSON object with {', '.join(SIDECAR_KEYS)}); "
+    keys = sidecar_keys(payload)
+    if not isinstance(payload, dict) or any(k not in payload for k in keys):
+        raise ValueError(f"{path}: not a WLB data state (expected a JSON object with {', '.join(keys)}); "
                          f"{fix}")
-    if payload.get("version") != SIDECAR_VERSION:
-        raise ValueError(f"{path}: sidecar version {payload.get('version')!r}; this build reads {SIDECAR_VERSION}")
+    if payload.get("version") not in VERSION_KEYS:
+        raise ValueError(f"{path}: sidecar version {payload.get('version')!r}; this build reads "
+                         f"{', '.join(map(str, VERSION_KEYS))}")
     if payload.get("sha256") != sidecar_checksum(payload):
         raise ValueError(f"{path}: its contents do not match its checksum (the file was altered or damaged); "
                          f"resuming from it could skip or repeat documents: {fix}")
     if iteration is not None and int(payload["iteration"]) != int(iteration):
         raise ValueError(f"{path} was written at iteration {payload['iteration']}, but the checkpoint "
                          f"resumes at iteration {iteration}")
+    payload.setdefault("data_stream_reset", None)  # version 2 did not record it
     return payload
+
+
+def newest_sidecar_before(checkpoints_path: str, iteration: int) -> int | None:
+    """The newest iteration below ``iteration`` whose checkpoint directory in ``checkpoints_path`` holds a
+    sidecar (None if none does): the checkpoint to resume from (``--ckpt-step``) when the latest lacks one."""
+    try:
+        names = os.listdir(checkpoints_path)
+    except OSError:
+        return None
+    found = [int(m.group(1)) for m in map(ITERATION_DIR.fullmatch, names) if m and int(m.group(1)) < iteration]
+    return max((i for i in found if os.path.isfile(os.path.join(iteration_dir(checkpoints_path, i), SIDECAR_NAME))),
+               default=None)
 
 
 @dataclass
@@ -96,6 +128,8 @@ class DataStateRegistry:
     pending_iteration: int | None = None
     #: data-stream restarts in this training's history (``--wlb-reset-data-stream``), saved with every sidecar
     data_stream_resets: int = 0
+    #: the last restart (``reset_record``), saved with every sidecar
+    data_stream_reset: dict[str, Any] | None = None
 
     def register(self, iterator: WlbDataIterator) -> None:
         """Track ``iterator``; restore a state loaded earlier into it."""
@@ -149,7 +183,7 @@ def wrap_save_checkpoint(original: Callable, registry: DataStateRegistry, get_ar
                 else:  # local (per-node) checkpoints: keep the sidecar beside the persistent ones
                     save_dir = os.path.join(margs.save, "wlb_non_persistent_local")
             save_data_state(iteration_dir(save_dir, iteration, kwargs.get("release", False)), iteration, state,
-                            settings(), registry.data_stream_resets)
+                            settings(), registry.data_stream_resets, registry.data_stream_reset)
             if str(state.get("stream_digest", "")).startswith("samples:"):
                 waiting = int(registry.iterators[0].packer.pending())
                 log(f"> megatron_wlb: checkpoint at iteration {iteration}: {waiting} tokens of Megatron's samples wait "
@@ -212,6 +246,44 @@ def plan_layout_refusal(data_state: dict[str, Any], margs: Any) -> str | None:
             f"or pass {RESET_FLAG} to restart the data stream at its first document")
 
 
+#: Megatron's flags that choose the documents (with the ``--wlb-*`` settings, what a data-stream reset applied with)
+DATA_FLAGS = ("data_path", "train_data_path", "valid_data_path", "test_data_path", "split", "seed")
+
+
+def reset_record(iteration: int, margs: Any) -> dict[str, Any]:
+    """What the sidecar keeps of a ``--wlb-reset-data-stream``: the iteration it took effect at and Megatron's
+    data flags it was given with (JSON values)."""
+    flags = {name: getattr(margs, name, None) for name in DATA_FLAGS}
+    return {"iteration": int(iteration), "data_flags": json.loads(json.dumps(flags, default=str))}
+
+
+def stale_reset(payload: dict[str, Any], iteration: int, margs: Any, now: dict[str, Any] | None) -> str | None:
+    """Why ``--wlb-reset-data-stream`` does not apply to this resume (None if it does): the checkpoint was saved
+    after a reset given the same data flags and ``--wlb-*`` settings, and it resumes exactly without the flag
+    (a flag left in a requeue script would otherwise retrain the stream's first documents on every restart)."""
+    done = payload.get("data_stream_reset")
+    if not isinstance(done, dict) or reset_record(done.get("iteration", -1), margs) != done:
+        return None
+    if settings_difference(payload.get("settings"), now) or plan_layout_refusal(payload["data"], margs):
+        return None
+    return (f"the checkpoint at iteration {iteration} was saved after the data-stream reset at iteration "
+            f"{done['iteration']} with these same data flags and --wlb-* settings, so its stream resumes where it "
+            "stopped (a reset applies once: remove the flag from the job script)")
+
+
+def missing_sidecar_refusal(load_dir: str, iteration: int) -> str:
+    """The one-line refusal of a checkpoint at ``iteration`` > 0 without a sidecar, naming the ``--ckpt-step`` of
+    the newest earlier checkpoint that has one (a job killed between Megatron's save and ours leaves this)."""
+    earlier = newest_sidecar_before(load_dir, iteration)
+    remedy = (f"resume from iteration {earlier}, the newest earlier checkpoint that holds one, with --ckpt-step "
+              f"{earlier}" if earlier is not None else
+              "resume from a checkpoint saved with megatron_wlb applied (--ckpt-step N)")
+    return (f"megatron_wlb: the checkpoint in {load_dir} resumes at iteration {iteration} but holds no "
+            f"{SIDECAR_NAME}, so the packer's queues and stream position are unknown (a job stopped between "
+            f"Megatron's save and ours leaves this): {remedy}; as a last resort pass {RESET_FLAG} to restart the "
+            "data stream at its first document (the optimizer, iteration and LR schedule resume)")
+
+
 def wrap_load_checkpoint(original: Callable, registry: DataStateRegistry, get_args: Callable[[], Any],
                          settings: Callable[[], dict | None] = lambda: None,
                          log: Callable[[str], None] = print) -> Callable:
@@ -223,7 +295,8 @@ def wrap_load_checkpoint(original: Callable, registry: DataStateRegistry, get_ar
     iteration; another DP size at the same global batch resumes exactly (the saved plans, re-dealt).
     ``--wlb-reset-data-stream`` lifts all three: the data stream restarts at its first document with these
     settings, while Megatron keeps the optimizer, iteration and LR schedule (unlike ``--finetune``); the
-    restarts are counted in the sidecar and logged.
+    restarts are counted in the sidecar and logged. It applies once: resuming from a checkpoint saved after
+    a reset given the same flags, it is ignored (logged; ``stale_reset``).
     """
 
     @wrapping(original)
@@ -236,8 +309,14 @@ def wrap_load_checkpoint(original: Callable, registry: DataStateRegistry, get_ar
             return out
         payload = next((p for p in (load_data_state(d, iteration) for d in candidate_dirs(margs, load_arg, iteration))
                         if p is not None), None)
-        if getattr(margs, "wlb_reset_data_stream", False):
+        reset = bool(getattr(margs, "wlb_reset_data_stream", False))
+        stale = stale_reset(payload, iteration, margs, settings()) if reset and payload is not None else None
+        if stale:
+            log(f"> megatron_wlb: {RESET_FLAG} ignored: {stale}")
+            reset = False
+        if reset:
             registry.data_stream_resets = int((payload or {}).get("data_stream_resets", 0)) + 1
+            registry.data_stream_reset = reset_record(iteration, margs)
             log(f"> megatron_wlb: {RESET_FLAG}: the data stream restarts at its first document at iteration "
                 f"{iteration} (data-stream reset {registry.data_stream_resets} of this training); optimizer, "
                 "iteration and learning-rate schedule resume from the checkpoint")
@@ -248,12 +327,9 @@ def wrap_load_checkpoint(original: Callable, registry: DataStateRegistry, get_ar
                 f"({int(getattr(margs, 'consumed_train_samples', 0) or 0)})")
             return out
         if payload is None:
-            raise RuntimeError(f"megatron_wlb: the checkpoint in {getattr(margs, load_arg)} resumes at iteration "
-                               f"{iteration} but holds no {SIDECAR_NAME}, so the packer's queues and stream position "
-                               "are unknown; resume from a checkpoint saved with megatron_wlb applied, or pass "
-                               f"{RESET_FLAG} to restart the data stream (the optimizer, iteration and LR "
-                               "schedule resume)")
+            raise RuntimeError(missing_sidecar_refusal(getattr(margs, load_arg), iteration))
         registry.data_stream_resets = int(payload.get("data_stream_resets", 0))
+        registry.data_stream_reset = payload.get("data_stream_reset")
         changed = settings_difference(payload.get("settings"), settings())
         if changed:
             raise RuntimeError(f"megatron_wlb: the checkpoint at iteration {iteration} was saved with other "

@@ -269,12 +269,12 @@ def tiny_gpt_vocab_flags(argv: Sequence[str]) -> list[str]:
     refused (SystemExit naming the largest id and the flag)."""
     from megatron_wlb.data.reader import IndexedSource, weighted_prefixes
 
-    # argparse keeps a flag's last occurrence (train_cpu.sh puts its default --data-path first)
-    prefixes = sorted({p for flag in DATA_PATH_FLAGS for values in _flag_values(argv, flag)[-1:] if values
-                       for p, _ in weighted_prefixes(values)})
-    if not prefixes:
-        return []
     try:
+        # argparse keeps a flag's last occurrence (train_cpu.sh puts its default --data-path first)
+        prefixes = sorted({p for flag in DATA_PATH_FLAGS for values in _flag_values(argv, flag)[-1:] if values
+                           for p, _ in weighted_prefixes(values)})
+        if not prefixes:
+            return []
         top, where = max((IndexedSource.open(p).max_token_id(), p) for p in prefixes)
     except ValueError as exc:
         raise SystemExit(f"megatron_wlb.megatron.cpu: {exc}") from None
@@ -435,13 +435,15 @@ def main(argv: Sequence[str] | None = None) -> None:
         argv = [*argv, "--distributed-backend", "gloo"]
     install_cpu_redirects()
     if script is not None:
+        from megatron_wlb.megatron.args import exit_on_startup_error
         from megatron_wlb.megatron.compat import spawn_children_import_this_module
 
         sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
         spawn_children_import_this_module(script)  # the torch_dist writer's children must not re-run the script
         install_megatron_redirects()
         sys.argv = [script, *argv]
-        runpy.run_path(script, run_name="__main__")
+        with exit_on_startup_error():
+            runpy.run_path(script, run_name="__main__")
         return
     install_megatron_redirects()
     from megatron_wlb.megatron import launcher

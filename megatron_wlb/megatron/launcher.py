@@ -98,16 +98,23 @@ ARGS_DEFAULTS = {"tokenizer_type": "NullTokenizer"}
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """Apply the WLB-LLM hooks and run Megatron's ``pretrain`` with this module's providers."""
+    """Apply the WLB-LLM hooks and run Megatron's ``pretrain`` with this module's providers; a start-up problem
+    (flags, data) exits with its one-line message (``args.StartupError``)."""
     import sys
 
     if argv is not None:
         sys.argv = [sys.argv[0], *argv]
-    from megatron_wlb.megatron.args import asks_for_help, wlb_help
+    from megatron_wlb.megatron.args import asks_for_help, exit_on_startup_error, wlb_help
 
     if asks_for_help(sys.argv[1:]):  # ours only: Megatron's --help crashes on 0.19.2 (upstream)
         print(wlb_help("python -m megatron_wlb.megatron.launcher"), end="")
         return
+    with exit_on_startup_error():
+        _pretrain()
+
+
+def _pretrain() -> None:
+    """`apply()`, then Megatron's ``pretrain`` (the megatron-core >= 0.19 config container or the older API)."""
     import megatron_wlb.megatron as wlb
 
     wlb.apply(middle_stage_batches=True)  # also makes the dataset-helper build safe (startup.py)

@@ -3,8 +3,8 @@
 ``validate_wlb_args`` (args.py) checks the ``--wlb-*`` settings against Megatron's flags; this module
 checks the rest of the training loop: how the loss is normalised, whether middle pipeline stages
 get packed-sequence metadata, and flags that assume fixed-length samples. It runs after Megatron's
-own ``validate_args`` (``apply()``'s hook) and either adjusts a flag (saying so) or raises one
-ValueError listing every problem with what to change.
+own ``validate_args`` (``apply()``'s hook) and either adjusts a flag (saying so) or raises a
+one-line ValueError (``args.StartupError``) listing every problem with what to change.
 """
 
 from __future__ import annotations
@@ -86,5 +86,7 @@ def check_training_args(args: Any, *, middle_stage_batches: bool) -> list[str]:
         notes.append(f"{', '.join(implied)}: implied by WLB packing (positions restart at every document, attention "
                      "stays inside documents, a document's last token has no label); nothing else to do")
     if problems:
-        raise ValueError("megatron_wlb: this run cannot train packed micro-batches:\n  - " + "\n  - ".join(problems))
+        from megatron_wlb.megatron.args import configuration_error
+
+        raise configuration_error(problems, "this run cannot train packed micro-batches")
     return notes
