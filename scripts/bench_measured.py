@@ -54,7 +54,7 @@ from megatron_wlb.cli.common import machine  # noqa: E402
 from megatron_wlb.costmodel import ModelShape, ParallelLayout, build_cost_model  # noqa: E402
 from megatron_wlb.costmodel.measured import IterationTotals  # noqa: E402
 from megatron_wlb.costmodel.trace import Trace, read_trace  # noqa: E402
-from megatron_wlb.megatron.cpu import measurement_env  # noqa: E402
+from megatron_wlb.megatron.cpu import TINY_GPT_EOD, measurement_env  # noqa: E402
 
 SEQ_LEN = 1024
 #: the tiny GPT (on top of megatron_wlb.megatron.cpu.TINY_GPT_ARGS)
@@ -115,14 +115,14 @@ def build_corpus(prefix: Path, seq_len: int = SEQ_LEN) -> dict[str, Any]:
     from megatron_wlb.data.reader import byte_documents, write_indexed_dataset
 
     paths = sorted(str(p) for p in Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
-    docs = byte_documents(paths, separator="\n\n")
+    docs = byte_documents(paths, separator="\n\n", eod=TINY_GPT_EOD)  # the tokenizer's EOD: --reset-* cuts there
     kept = [d for d in docs if d.size <= seq_len]
     if not prefix.with_suffix(".idx").exists():
         prefix.parent.mkdir(parents=True, exist_ok=True)
         write_indexed_dataset(str(prefix), kept)
     lengths = np.array([d.size for d in kept])
     long = lengths >= seq_len // 2
-    return {"source": f"{len(paths)} stdlib .py files cut at blank lines, byte-level (+EOD)",
+    return {"source": f"{len(paths)} stdlib .py files cut at blank lines, byte-level (+EOD {TINY_GPT_EOD})",
             "documents": int(lengths.size), "left_out_longer_than_seq_len": len(docs) - len(kept),
             "tokens": int(lengths.sum()), "median": float(np.median(lengths)), "p90": float(np.percentile(lengths, 90)),
             "max": int(lengths.max()), "share_of_documents_over_half_seq": float(long.mean()),

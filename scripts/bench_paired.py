@@ -53,10 +53,10 @@ sys.path.insert(0, str(REPO / "scripts"))
 from _results import write_result  # noqa: E402
 
 from megatron_wlb.cli.common import machine  # noqa: E402
-from megatron_wlb.megatron.cpu import measurement_env  # noqa: E402
+from megatron_wlb.megatron.cpu import TINY_GPT_EOD, measurement_env  # noqa: E402
 
 SEQ_LEN = 4096
-EOD = 299  # the tiny GPT's NullTokenizer (vocabulary 300) ends documents with 299
+EOD = TINY_GPT_EOD
 MODEL_FLAGS = ("--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--ffn-hidden-size", "256",
                "--seq-length", str(SEQ_LEN), "--max-position-embeddings", str(2 * SEQ_LEN), "--vocab-size", "300",
                "--log-interval", "1000", "--split", "100,0,0", "--reset-attention-mask", "--reset-position-ids")

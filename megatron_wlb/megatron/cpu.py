@@ -245,6 +245,10 @@ TINY_GPT_ARGS: tuple[str, ...] = (
     "--distributed-backend", "gloo",
 )
 
+#: the end-of-document id of ``TINY_GPT_ARGS``'s NullTokenizer (vocabulary 300: its last id): a corpus for the
+#: tiny GPT ends its documents with it, or Megatron's ``--reset-*`` masking finds no document ends
+TINY_GPT_EOD = 299
+
 #: the data-path flags whose prefixes the tiny GPT's vocabulary must cover
 DATA_PATH_FLAGS = ("--data-path", "--train-data-path", "--valid-data-path", "--test-data-path")
 
