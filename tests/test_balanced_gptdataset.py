@@ -194,6 +194,18 @@ def test_inter_document_masking_cuts_at_gptdatasets_own_boundaries(corpora):
         assert np.array_equal(np.diff(cu), lengths[at:at + counts[j]])
 
 
+def test_a_corpus_without_the_tokenizers_eod_is_named(corpora, tmp_path):
+    from megatron_wlb.megatron.gpt_samples import eod_problem
+
+    assert eod_problem(_dataset(_args(corpora, True), 2)) is None
+    _corpus(str(tmp_path / "b"), 300, 3, 256)  # ends its documents with 256, the tokenizer's EOD is 299
+    mixed = types.SimpleNamespace(**{**vars(_args(corpora, True)), "data_path": [
+        "0.3", str(corpora / "a"), "0.7", str(tmp_path / "b")], "data_cache_path": str(tmp_path / "cache")})
+    problem = eod_problem(_dataset(mixed, 2))
+    assert problem is not None and "EOD id 299" in problem and str(tmp_path / "b") in problem
+    assert "last ids: 256" in problem and "\n" not in problem
+
+
 def test_a_job_that_attends_across_documents_is_refused(corpora):
     assert "--reset-attention-mask" in masking_problem(_args(corpora, False, reset_position_ids=False,
                                                              reset_attention_mask=False))

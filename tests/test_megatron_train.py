@@ -433,6 +433,20 @@ def test_balanced_gptdataset_through_megatrons_loop(tmp_path, eod_corpus):
     assert re.search(r"--wlb-pieces concat-and-cut trains Megatron's samples regrouped per document, but this job "
                      r"attends across documents[^\n]*--dataloader-inter-document-masking", refused.log)
 
+    # documents that end with another id than the tokenizer's EOD: --reset-* would find no document end
+    import sysconfig
+
+    from megatron_wlb.data.reader import BYTE_EOD, byte_documents, write_indexed_dataset
+
+    wrong = str(tmp_path / "wrong_eod_text_document")
+    paths = sorted(str(p) for p in Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+    write_indexed_dataset(wrong, byte_documents(paths, separator="\n\n", eod=BYTE_EOD, max_bytes=200_000))
+    no_eod = train(tmp_path, "no_eod", wrong, *common[:4], *masking, env={"DP": "2"}, expect_ok=False)
+    assert no_eod.returncode != 0  # type: ignore[attr-defined]
+    line = next(x for x in no_eod.log.splitlines() if "EOD id 299" in x)
+    assert f"last ids: {BYTE_EOD}" in line and wrong in line
+    assert not re.search(r'File "[^"]*megatron_wlb/', no_eod.log), "the refusal came with our traceback"
+
     # a stock checkpoint: the same files without our sidecar (what pretrain_gpt.py saves)
     shutil.rmtree(ckpt / "iter_0000004", ignore_errors=True)
     (ckpt / "iter_0000002" / "wlb_packer_state.json").unlink()

@@ -199,9 +199,15 @@ def build_train_iterator(args: Any, settings: WlbSettings, dp_rank: int, cp_rank
     if megatron_samples:
         # Megatron's own GPTDataset samples, from the sample its sampler would give next (a resumed stock
         # job's consumed samples; a resumed balanced one opens its saved position instead)
-        from megatron_wlb.megatron.gpt_samples import MegatronSamples, build_train_dataset
+        from megatron_wlb.megatron.args import StartupError
+        from megatron_wlb.megatron.gpt_samples import MegatronSamples, build_train_dataset, eod_problem
 
-        samples = MegatronSamples(build_train_dataset(args))
+        dataset = build_train_dataset(args)
+        if not getattr(args, "dataloader_inter_document_masking", False):
+            problem = eod_problem(dataset)
+            if problem is not None:
+                raise StartupError(f"megatron_wlb: {problem}")
+        samples = MegatronSamples(dataset)
         return WlbDataIterator(None, samples.stream(int(getattr(args, "consumed_train_samples", 0) or 0)), packer,
                                dp_rank, sharding, on_batch=on_batch, read_piece=samples.piece)
     reader = reader if reader is not None else reader_from_args(args, split_name)

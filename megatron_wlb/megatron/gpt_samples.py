@@ -53,6 +53,32 @@ def masking_problem(args: Any) -> str | None:
             " to mask per document, or drop --wlb-pieces concat-and-cut")
 
 
+#: documents per indexed dataset whose last token ``eod_problem`` reads (evenly spaced, first and last included)
+EOD_CHECK_DOCUMENTS = 64
+
+
+def eod_problem(dataset: Any) -> str | None:
+    """Why Megatron's ``--reset-*`` masking would find no document end in ``dataset``, or None.
+
+    Those flags cut a sample where a token equals the tokenizer's EOD id; a corpus whose documents end
+    with another id trains every window as one document, without a word, and there is nothing to
+    balance. Reads the last token of up to ``EOD_CHECK_DOCUMENTS`` documents of each indexed dataset and
+    compares it with the EOD id of the tokenizer the dataset was built with."""
+    parts = list(dataset.datasets) if hasattr(dataset, "dataset_index") else [dataset]
+    for part in parts:
+        indexed, eod = part.dataset, int(part.config.tokenizer.eod)
+        lengths = np.asarray(indexed.sequence_lengths)
+        picks = np.unique(np.linspace(0, lengths.size - 1, min(EOD_CHECK_DOCUMENTS, lengths.size)).astype(np.int64))
+        last = [int(indexed.get(int(i), offset=int(lengths[i]) - 1, length=1)[0]) for i in picks if lengths[i] > 0]
+        if last and eod not in last:
+            return (f"--reset-attention-mask --reset-position-ids cut documents at the tokenizer's EOD id {eod}, "
+                    f"but none of {len(last)} sampled documents of {indexed.path_prefix} ends with it (their last "
+                    f"ids: {', '.join(map(str, sorted(set(last))[:4]))}): every window would train as one document; "
+                    f"write the corpus with EOD {eod}, use the tokenizer it was written for, or mask with "
+                    "--dataloader-inter-document-masking (documents from the .idx)")
+    return None
+
+
 def gpt_dataset_config(args: Any, tokenizer: Any, blends: tuple[Any, Any] | None = None) -> Any:
     """megatron-core's ``GPTDatasetConfig`` as ``pretrain_gpt.core_gpt_dataset_config_from_args`` builds it
     (the fields this release's config has), with no dense attention mask (we never use it). ``blends``
