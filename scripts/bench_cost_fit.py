@@ -55,7 +55,7 @@ def within_iteration(profile: dict[str, Any], every: int) -> dict[str, Any]:
     other micro-batches. The packer compares micro-batches of one iteration with each other, so a speed
     shared by the whole iteration (the machine's drift) does not unbalance a plan; the spread of those
     speeds is reported as what no cost model can predict."""
-    from megatron_wlb.costmodel.model import table_of
+    from megatron_wlb.costmodel.model import select_points, table_of
 
     section = profile["micro_batches"]
     iteration = np.asarray(section["iteration"], dtype=np.int64)
@@ -65,10 +65,7 @@ def within_iteration(profile: dict[str, Any], every: int) -> dict[str, Any]:
         position[i] = seen.get(g, 0)
         seen[g] = position[i] + 1
     held = (position + iteration) % every == every - 1
-    n = iteration.size
-    fitted = {k: [x for x, h in zip(v, held) if not h] if isinstance(v, list) and len(v) == n else v
-              for k, v in section.items()}
-    fit = fit_profile({**profile, "micro_batches": fitted})
+    fit = fit_profile({**profile, "micro_batches": select_points(section, ~held)})
     f, b = fit.predict(section["pairs"], section["tokens"], section.get("head_tokens", 0.0),
                        section.get("runs", section.get("documents", 1.0)), table_of(section, fit))
     predicted = f + b

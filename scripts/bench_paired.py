@@ -200,12 +200,12 @@ def step_work(rows: list[Any]) -> float:
     return float(sum(r.pred_fwd_s + r.pred_bwd_s for r in rows if r.tp == 0))
 
 
-def idle(rows: list[Any], pp: int) -> float:
-    """Replayed idle seconds of the step: every rank waits from its own measured busy time to the critical
-    path (pipeline bubbles and DP/CP imbalance together)."""
+def idle(rows: list[Any], critical_path: float) -> float:
+    """Replayed idle seconds of the step: every rank waits from its own measured busy time to the step's
+    ``critical_path`` (``replay``): pipeline bubbles and DP/CP imbalance together."""
     busy = [r.fwd_s + r.bwd_s for r in rows if r.tp == 0]
     ranks = len({(r.dp, r.cp, r.pp) for r in rows if r.tp == 0})
-    return replay(rows, pp, False) * ranks - float(sum(busy))
+    return critical_path * ranks - float(sum(busy))
 
 
 def analyse(c: Comparison, out: Path) -> dict[str, Any]:
@@ -243,7 +243,7 @@ def analyse(c: Comparison, out: Path) -> dict[str, Any]:
         kinds["replay_per_token"].append((measured[b] / max(1, tokens[b])) / (measured[a] / max(1, tokens[a])))
         for m, s in (("a", a), ("b", b)):
             per_method[m]["imbalance"].append(imbalance(by_step[s]))
-            per_method[m]["idle_s"].append(idle(by_step[s], pp))
+            per_method[m]["idle_s"].append(idle(by_step[s], measured[s]))
             per_method[m]["work"].append(work[s])
             per_method[m]["tokens"].append(tokens[s])
     result: dict[str, Any] = {"name": c.name, "a": c.a, "b": c.b, "layout": c.layout, "global_batch": c.global_batch,

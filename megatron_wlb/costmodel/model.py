@@ -405,7 +405,7 @@ def holdout_every(groups: Sequence[int] | np.ndarray, every: int = 5) -> tuple[n
     return np.arange(g.size) % every == every - 1, f"every {every}th micro-batch"
 
 
-def _select(section: dict, mask: np.ndarray) -> dict:
+def select_points(section: dict, mask: np.ndarray) -> dict:
     """The points of a ``micro_batches`` section where ``mask`` is true (its per-point lists)."""
     n = mask.size
     return {k: [x for x, m in zip(v, mask) if m] if isinstance(v, list) and len(v) == n else v
@@ -424,7 +424,7 @@ def holdout_mape(profile: dict, held_out: dict | np.ndarray) -> dict[str, Any]:
         section = profile["micro_batches"]
         if mask.shape != (len(section["fwd_s"]),):
             raise ValueError(f"held-out mask of shape {mask.shape} for {len(section['fwd_s'])} micro-batches")
-        fitted, test = {**profile, "micro_batches": _select(section, ~mask)}, _select(section, mask)
+        fitted, test = {**profile, "micro_batches": select_points(section, ~mask)}, select_points(section, mask)
     if not len(test["fwd_s"]):
         raise ValueError("no held-out micro-batches to check the fit on")
     fit = fit_profile(fitted)
