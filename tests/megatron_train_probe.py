@@ -142,7 +142,8 @@ def main() -> None:
     def _save() -> None:
         from megatron_wlb.megatron import runtime
 
-        record["agreement"] = {"checks": runtime().agreement_checks, "seconds": runtime().agreement_s}
+        record["agreement"] = {"checks": runtime().agreement_checks, "seconds": runtime().agreement_s,
+                               "startup_seconds": runtime().startup_agreement_s}
         with open(os.path.join(OUT, f"rank{RANK}.json"), "w") as f:
             json.dump(record, f)
 
@@ -152,6 +153,12 @@ def main() -> None:
     rank_data = os.environ.get("WLB_PROBE_RANK_DATA", "")
     if rank_data and int(rank_data.split(":", 1)[0]) == RANK:
         argv[argv.index("--data-path") + 1] = rank_data.split(":", 1)[1]
+    # ``WLB_PROBE_RANK_FLAGS=R:FLAGS``: rank R is also given FLAGS (shell words; a later flag wins in argparse)
+    rank_flags = os.environ.get("WLB_PROBE_RANK_FLAGS", "")
+    if rank_flags and int(rank_flags.split(":", 1)[0]) == RANK:
+        import shlex
+
+        argv += shlex.split(rank_flags.split(":", 1)[1])
     cpu.main(argv)
     _save()
 

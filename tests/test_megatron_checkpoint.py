@@ -335,7 +335,8 @@ def test_version_2_sidecars_still_resume(tmp_path):
     path.write_text(json.dumps(payload))
     loaded = load_data_state(str(tmp_path), 4)
     assert loaded["data"] == {"stream_position": 3} and loaded["data_stream_reset"] is None
+    assert loaded["fingerprint"] is None
     path.write_text(json.dumps({**payload, "data_stream_resets": 0}))
     with pytest.raises(ValueError, match="do not match its checksum"):
         load_data_state(str(tmp_path), 4)
-    assert sorted(VERSION_KEYS) == [2, 3]
+    assert sorted(VERSION_KEYS) == [2, 3, 4]

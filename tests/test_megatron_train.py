@@ -276,24 +276,113 @@ def longer_copy(corpus: str, prefix: str) -> str:
     return prefix
 
 
+def _startup_stops(run: Run, part: str) -> list[str]:
+    """The start-up agreement's one-line refusals in ``run``'s log (every rank raises it) naming ``part``."""
+    assert run.returncode != 0  # type: ignore[attr-defined]
+    stops = [line for line in run.log.splitlines()
+             if "megatron_wlb: the ranks start with different settings or data" in line and part in line]
+    assert all(not r["losses"] for r in run.ranks.values()), "a rank trained a step"
+    assert " iteration        1/" not in run.log
+    return stops
+
+
 @pytest.mark.parametrize("layout", [{"DP": "2"}, {"TP": "2"}])
-def test_a_rank_reading_other_data_stops_every_rank_at_the_first_iteration(tmp_path, corpus, layout):
-    """Rank 1 reads a copy of the corpus whose documents are one token longer: before the first step,
-    every rank stops with one message naming the ranks and the first document they planned differently
-    (without the check, DP2 trained both plans silently and TP2 aborted inside gloo naming nothing)."""
+def test_a_rank_reading_other_data_stops_every_rank_at_start_up(tmp_path, corpus, layout):
+    """Rank 1 reads a copy of the corpus whose documents are one token longer: before the first step, every
+    rank stops with one line naming the dataset whose .idx differs and the ranks of each copy (without the
+    checks, DP2 trained both plans silently and TP2 aborted inside gloo naming nothing; the per-step plan
+    agreement behind it: ``test_plan_agreement.py``)."""
     other = longer_copy(corpus, str(tmp_path / "copy_text_document"))
     name = "_".join(f"{k}{v}" for k, v in layout.items())
     run = train(tmp_path, name, corpus, "--wlb-packing", "wlb", env={**layout, "WLB_PROBE_RANK_DATA": f"1:{other}"},
                 expect_ok=False)
-    assert run.returncode != 0  # type: ignore[attr-defined]
-    stops = re.findall(r"RuntimeError: megatron_wlb: the ranks planned 2 different global batches for iteration 0: "
-                       r"rank 1 vs rank 0, first difference at piece \d+: document (\d+) \(offset \d+, \d+ tokens, "
-                       r"micro-batch \d+\) on rank 1 vs document \1 ", run.log)
-    assert len(stops) == 2, run.log[-4000:]  # both ranks raise it, naming the same document (torchrun may then
-    # SIGTERM the slower one while it exits)
-    assert "Every rank must read the same data" in run.log
-    assert all(not r["losses"] for r in run.ranks.values()), "a rank trained a step"
-    assert " iteration        1/" not in run.log
+    stops = _startup_stops(run, "--data-path #1 .idx: ")
+    assert len(stops) >= 1 and re.search(r"\.idx: [0-9a-f]{16} \(stdlib_text_document\) on rank 0, [0-9a-f]{16} "
+                                         r"\(copy_text_document\) on rank 1", stops[0]), run.log[-4000:]
+    assert "Every rank must get the same flags and files" in stops[0]
+
+
+def zeroed_copy(corpus: str, prefix: str, fraction: float = 0.6) -> str:
+    """``corpus`` with the same .idx and a same-size .bin whose first ``fraction`` is zeros (a preallocating copy
+    interrupted midway)."""
+    import shutil
+
+    shutil.copyfile(f"{corpus}.idx", f"{prefix}.idx")
+    data = bytearray(Path(f"{corpus}.bin").read_bytes())
+    cut = int(len(data) * fraction)
+    data[:cut] = bytes(cut)
+    Path(f"{prefix}.bin").write_bytes(bytes(data))
+    return prefix
+
+
+def _profile(path: Path) -> str:
+    """A calibrated cost-model profile (micro-batch times of a made-up machine) for the tiny GPT."""
+    import numpy as np
+
+    from megatron_wlb.costmodel import PROFILE_FORMAT, ModelShape
+
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(500, 4000, 64).astype(float)
+    pairs, runs = tokens * rng.integers(100, 1500, 64), rng.integers(1, 6, 64).astype(float)
+    fwd = 3e-8 * pairs + 2e-5 * tokens + 1e-3 * runs
+    model = ModelShape("tiny", hidden=64, num_layers=2, num_heads=4, num_kv_heads=4, ffn_hidden=128, vocab=300)
+    path.write_text(json.dumps({"format": PROFILE_FORMAT, "device": "cpu", "model": model.to_dict(), "tp": 1,
+                                "micro_batches": {"pairs": pairs.tolist(), "tokens": tokens.tolist(),
+                                                  "head_tokens": tokens.tolist(), "runs": runs.tolist(),
+                                                  "fwd_s": fwd.tolist(), "bwd_s": (1.5 * fwd).tolist()}}))
+    return str(path)
+
+
+@pytest.mark.parametrize("case", ["cost-profile", "cp-sharding", "log-interval", "zeroed-bin"])
+def test_a_rank_started_otherwise_stops_every_rank_at_start_up(tmp_path, corpus, case):
+    """Issue 37: D1 (a CP rank with another --wlb-cost-profile or --wlb-cp-sharding laid some micro-batches out
+    differently and trained with rc 0), D6 (--wlb-log-interval on one rank: a hang or SIGABRT in gloo, no cause
+    named), D2 (a same-size .bin with its first 60% zeroed: one DP rank trained on zeros). Now every rank stops
+    before the first step naming what differs."""
+    layout = {"CP": "2"} if case in ("cost-profile", "cp-sharding") else {"DP": "2"}
+    env = dict(layout)
+    if case == "cost-profile":
+        env["WLB_PROBE_RANK_FLAGS"] = f"1:--wlb-cost-profile {_profile(tmp_path / 'profile.json')}"
+        part = "--wlb-cost-profile (content): none on rank 0, "
+    elif case == "cp-sharding":
+        env["WLB_PROBE_RANK_FLAGS"] = "1:--wlb-cp-sharding per-document"
+        part = "--wlb-cp-sharding: adaptive on rank 0, per-document on rank 1"
+    elif case == "log-interval":
+        env["WLB_PROBE_RANK_FLAGS"] = "1:--wlb-log-interval 2"
+        part = "--wlb-log-interval: 1 on rank 0, 2 on rank 1"
+    else:
+        env["WLB_PROBE_RANK_DATA"] = "1:" + zeroed_copy(corpus, str(tmp_path / "zeroed_text_document"))
+        part = ".bin: "
+    run = train(tmp_path, case, corpus, "--wlb-packing", "wlb", "--wlb-cp-sharding", "adaptive", env=env,
+                expect_ok=False)
+    stops = _startup_stops(run, part)
+    assert stops, run.log[-4000:]
+    if case == "zeroed-bin":
+        assert ".idx" not in stops[0] and "interrupted midway" in stops[0]
+    if case == "cost-profile":
+        assert "cost model: " in stops[0]
+
+
+def test_a_resume_onto_a_zeroed_copy_is_refused(tmp_path, corpus):
+    """D2 on resume: a checkpoint trained on the corpus, resumed with every rank reading a same-size copy whose
+    .bin is partly zeros, is refused at start-up naming the file (it was accepted); the same files resume."""
+    ckpt = tmp_path / "ckpt"
+    common = ("--wlb-packing", "wlb", "--train-iters", "4", "--save", str(ckpt), "--save-interval", "2",
+              "--ckpt-format", "torch")
+    first = train(tmp_path, "first", corpus, *common, env={"DP": "2"})
+    assert_trains(first)
+    sidecar = json.loads((ckpt / "iter_0000004" / "wlb_packer_state.json").read_text())
+    assert sidecar["version"] == 4 and any(name.endswith(".bin") for name in sidecar["fingerprint"])
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("2")
+    (tmp_path / "copy").mkdir()
+    zeroed = zeroed_copy(corpus, str(tmp_path / "copy" / Path(corpus).name))  # the same name on another mount
+    refused = train(tmp_path, "refused", zeroed, *common, "--load", str(ckpt), env={"DP": "2"}, expect_ok=False)
+    assert refused.returncode != 0  # type: ignore[attr-defined]
+    assert re.search(r"megatron_wlb: the data differs from what the checkpoint at iteration 2 trained on "
+                     r"\(--data-path #1 \.bin: [0-9a-f]{16} -> [0-9a-f]{16} \(stdlib_text_document\);", refused.log), \
+        refused.log[-4000:]
+    resumed = train(tmp_path, "resumed", corpus, *common, "--load", str(ckpt), env={"DP": "2"})
+    assert [resumed.losses[1], resumed.losses[2]] == pytest.approx([first.losses[3], first.losses[4]], rel=1e-5)
 
 
 def test_recomputation_leaves_the_losses_unchanged(tmp_path, corpus, cp_runs):

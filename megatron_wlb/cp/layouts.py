@@ -54,6 +54,7 @@ efficiency ~1, so a whole document costs what ``cost.attention_run(d, d)`` says.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -587,12 +588,12 @@ def build_layout(name: str, lengths, cp: int, *, cost: CostModel | None = None,
 
 def layout_digest(layout: ShardLayout) -> int:
     """A 63-bit digest of what every CP rank must agree on: the layout's name, the padded document
-    lengths and each rank's token indices (equal on all ranks that built the same layout)."""
-    import hashlib
-
+    lengths and each rank's ``[start, end)`` runs (which fix its tokens; run-level, so no rank's
+    token arrays are materialised). Equal on all ranks that built the same layout."""
     h = hashlib.blake2b(digest_size=8)
     h.update(layout.name.encode())
     h.update(np.ascontiguousarray(layout.padded_lengths, dtype=np.int64).tobytes())
     for shard in layout.ranks:
-        h.update(np.ascontiguousarray(shard.token_index, dtype=np.int64).tobytes())
+        h.update(b"|")
+        h.update(np.ascontiguousarray(shard.runs, dtype=np.int64).tobytes())
     return int.from_bytes(h.digest(), "little") >> 1

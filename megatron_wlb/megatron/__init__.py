@@ -13,9 +13,10 @@ One micro-batch, from the length stream to the kernel, is built once and uploade
     every layer                      WlbCoreAttention and RoPE read the same WlbVarlen device tensors
                                         (megatron/attention.py -> cp/attention.py varlen kernel)
 
-No step reads a device tensor back to the host; the only syncs are the plan agreement before every
-training step (``agreement.py``: one all-reduce of two int64 over the world) and the CP ranks' layout
-agreement check on the first ``data.AGREEMENT_CHECKS`` micro-batches.
+No step reads a device tensor back to the host; the only sync is the agreement before every training
+step (``agreement.py``: one all-reduce of ``2 + 2 * DP`` int64 over the world: the plan, and each CP
+group's layouts of the iteration). At start-up the ranks also agree on their settings, cost model and
+datasets (``agreement.check_startup_agreement``; the datasets also against a resumed checkpoint's).
 
 Call ``megatron_wlb.megatron.apply()`` in ``pretrain_gpt.py`` before ``pretrain(...)`` (the patch in
 ``patches/`` does this), then launch with ``--wlb-*`` flags. ``apply()`` checks the megatron-core
@@ -88,6 +89,8 @@ class Runtime:
     #: the plan agreement checks run (``agreement.wrap_train_step``): how many, and their seconds in all
     agreement_checks: int = 0
     agreement_s: float = 0.0
+    #: seconds the start-up agreement took (fingerprinting the settings and datasets, and comparing them)
+    startup_agreement_s: float = 0.0
     #: Megatron-LM main's own sequence-packing scheduler: whether ``wlb`` was registered there, or why not
     #: (``main_schedule.register``)
     main_scheduler: str = ""
@@ -310,6 +313,8 @@ def _wrap_build_iterators(original: Callable, mods: dict[str, Any]) -> Callable:
         first = not _RUNTIME.registry.iterators
         iterator = _prefetching(build_train_iterator(args, settings, *_ranks(),
                                                      on_batch=_RUNTIME.logger.on_batch if first else None))
+        if first:
+            _agree_at_startup(args, settings, iterator)
         _RUNTIME.registry.register(iterator)
         if first:
             _start_recorder(args, settings, iterator.n, _RUNTIME.logger.cost)
@@ -326,6 +331,35 @@ def _wrap_build_iterators(original: Callable, mods: dict[str, Any]) -> Callable:
         return RerunDataIterator(iterator), evals[0], evals[1]
 
     return build_train_valid_test_data_iterators
+
+
+def _agree_at_startup(args: Any, settings: WlbSettings, iterator: Any) -> None:
+    """Before the first plan: every rank must start with the same settings, cost model and datasets
+    (``agreement.check_startup_agreement``, one all-reduce over the world), and, resuming, with the datasets
+    the checkpoint trained on (its sidecar's fingerprint). Both stop every rank in one line naming what differs."""
+    import torch.distributed as dist
+
+    from megatron_wlb.megatron.agreement import (
+        check_startup_agreement,
+        dataset_parts,
+        resume_data_refusal,
+        run_fingerprint,
+    )
+    from megatron_wlb.megatron.args import StartupError
+
+    start = time.perf_counter()
+    fingerprint = run_fingerprint(args, settings, iterator.packer.config, iterator.packer.cost, dataset_parts(args))
+    registry = _RUNTIME.registry
+    registry.fingerprint = fingerprint.datasets()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        try:
+            check_startup_agreement(fingerprint)
+        except RuntimeError as exc:
+            raise StartupError(str(exc)) from None
+    refusal = resume_data_refusal(registry.saved_fingerprint, fingerprint, registry.pending_iteration or 0)
+    if refusal:
+        raise StartupError(refusal)
+    _RUNTIME.startup_agreement_s = time.perf_counter() - start
 
 
 def _start_recorder(args: Any, settings: WlbSettings, n: int, cost: CostModel | None) -> None:

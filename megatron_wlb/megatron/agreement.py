@@ -16,12 +16,20 @@ the schedule then reads are the ones agreed on.
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from megatron_wlb.megatron.rebind import wrapping
 from megatron_wlb.packing.types import GlobalBatch
+
+if TYPE_CHECKING:
+    from megatron_wlb.megatron.settings import WlbSettings
 
 #: keys are the first 62 bits of the plan's sha256: ``-key`` and the "no plan" key fit an int64
 KEY_BITS = 62
@@ -100,9 +108,43 @@ def _ranges(ranks: list[int]) -> str:
     return ",".join(out)
 
 
-def check_plan_agreement(batch: GlobalBatch | None, group: Any = None, device: Any = None) -> float:
+#: an all-reduce slot no rank writes stays here (larger than every key and every negated key)
+UNWRITTEN = (1 << 63) - 1
+
+Layouts = Sequence[tuple[str, int]]  # (layout name, layout digest) per micro-batch of one DP rank
+
+
+def layouts_key(layouts: Layouts) -> int:
+    """A 62-bit key of one DP rank's CP layouts of an iteration (``WlbDataIterator.layouts``)."""
+    h = hashlib.blake2b(digest_size=8)
+    for name, digest in layouts:
+        h.update(f"{name}:{digest};".encode())
+    return int.from_bytes(h.digest(), "little") >> (64 - KEY_BITS)
+
+
+def describe_layout_disagreement(iteration: int, dp_rank: int, every: Sequence[tuple[int, int, list]]) -> str:
+    """One line: the first micro-batch the CP ranks of ``dp_rank`` laid out differently, and how each did.
+    ``every``: (global rank, dp rank, [(layout name, digest), ...]) per rank of the world."""
+    ranks = [(rank, layouts) for rank, dp, layouts in every if dp == dp_rank]
+    at = next((m for m in range(max(len(layouts) for _, layouts in ranks))
+               if len({tuple(layouts[m]) if m < len(layouts) else None for _, layouts in ranks}) > 1), 0)
+    groups: dict[Any, list[int]] = {}
+    for rank, layouts in ranks:
+        groups.setdefault(tuple(layouts[at]) if at < len(layouts) else None, []).append(rank)
+    hows = "; ".join(f"{'none' if key is None else f'{key[0]} (digest {key[1]:x})'} on ranks {_ranges(sorted(r))}"
+                     for key, r in groups.items())
+    return (f"megatron_wlb: the CP ranks of DP rank {dp_rank} laid out micro-batch {at} of iteration {iteration} "
+            f"differently: {hows}. Each CP rank would compute tokens another also computes and skip others; every "
+            "rank must use the same --wlb-cp-sharding and cost model (--wlb-cost-profile, --wlb-cost-model)")
+
+
+def check_plan_agreement(batch: GlobalBatch | None, group: Any = None, device: Any = None, *, dp_rank: int = 0,
+                         dp_size: int = 1, layouts: Layouts = ()) -> float:
     """Raise RuntimeError on every rank of ``group`` (default: the world) unless all planned ``batch``
-    alike; returns the seconds the check took. One all-reduce of two int64 on the agreeing path."""
+    alike and the ranks of each DP rank laid out its micro-batches alike over CP (``layouts``: this rank's
+    (name, digest) per micro-batch of the iteration; empty without CP); returns the seconds the check
+    took. One all-reduce (MIN) of ``2 + 2 * dp_size`` int64 on the agreeing path: ``[key, -key]`` of the
+    plan, then one such pair per DP rank, written by that DP rank's ranks only."""
     import torch
     import torch.distributed as dist
 
@@ -112,15 +154,175 @@ def check_plan_agreement(batch: GlobalBatch | None, group: Any = None, device: A
 
         device = training_device()
     key = plan_key(batch)
-    both = torch.tensor([key, -key], dtype=torch.int64, device=device)
+    values = [UNWRITTEN] * (2 + 2 * dp_size)
+    values[0], values[1] = key, -key
+    layout = layouts_key(layouts)
+    values[2 + 2 * dp_rank], values[3 + 2 * dp_rank] = layout, -layout
+    both = torch.tensor(values, dtype=torch.int64, device=device)
     dist.all_reduce(both, op=dist.ReduceOp.MIN, group=group)
-    lowest, highest = both.tolist()
-    if lowest != key or -highest != key:
+    reduced = both.tolist()
+    if reduced[0] != key or -reduced[1] != key:
         mine = (batch.iteration if batch is not None else -1, key, plan_pieces(batch))
         every: list[Any] = [None] * dist.get_world_size(group)
         dist.all_gather_object(every, mine, group=group)
         raise RuntimeError(describe_disagreement(every))
+    differing = [d for d in range(dp_size) if reduced[2 + 2 * d] != UNWRITTEN
+                 and reduced[2 + 2 * d] != -reduced[3 + 2 * d]]
+    if differing:
+        gathered: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, (dist.get_rank(), dp_rank, [list(x) for x in layouts]), group=group)
+        raise RuntimeError(describe_layout_disagreement(batch.iteration if batch is not None else -1, differing[0],
+                                                        gathered))
     return time.perf_counter() - start
+
+
+# -- the start-up agreement: settings, cost model and datasets, before the first plan ---------------------
+#: Megatron's flags that shape what is trained beside ours (the data flags are also in the plan)
+MEGATRON_PARTS = ("seed", "split", "seq_length", "global_batch_size", "micro_batch_size", "padded_vocab_size",
+                  "reset_position_ids", "reset_attention_mask", "eod_mask_loss", "dataloader_inter_document_masking")
+#: Megatron's flags naming datasets, in the order their parts are listed
+DATA_PATH_ARGS = ("data_path", "train_data_path", "valid_data_path", "test_data_path")
+#: lengths of probe documents the cost model's fingerprint prices (one token to 128K)
+COST_PROBE = (1, 64, 1024, 8192, 65536, 131072)
+
+
+def _short(text: str | bytes) -> str:
+    return hashlib.sha256(text.encode() if isinstance(text, str) else text).hexdigest()[:16]
+
+
+def cost_fingerprint(cost: Any) -> str:
+    """16 hex digits of what the cost model prices (its description and its prices of probe documents,
+    bit for bit): equal exactly when the ranks balance and lay out with the same model."""
+    if cost is None:
+        return "none"
+    import numpy as np
+
+    probe = np.asarray(COST_PROBE, dtype=np.int64)
+    hw = cost.hardware
+    prices = np.concatenate([cost.workload(probe), cost.attention_run(probe, probe), cost.linear_compute(probe),
+                             [cost.microbatch_overhead, hw.bwd_attention, hw.bwd_linear]]).astype(np.float64)
+    return _short(cost.describe().encode() + prices.tobytes())
+
+
+def dataset_parts(args: Any) -> list[tuple[str, str, str]]:
+    """``(part name, digest, file name)`` for every dataset Megatron's data flags name: the ``.idx`` digest and
+    the sampled ``.bin`` digest of each (``data.fingerprint``), named by flag and position (each rank may read
+    its own copy at its own path, under its own name: only the digests are compared)."""
+    from megatron_wlb.data.blend import parse_data_path
+    from megatron_wlb.data.fingerprint import dataset_fingerprint
+
+    parts: list[tuple[str, str, str]] = []
+    for attr in DATA_PATH_ARGS:
+        given = getattr(args, attr, None)
+        if not given:
+            continue
+        for i, (prefix, _) in enumerate(parse_data_path(given)):
+            found, name = dataset_fingerprint(prefix), os.path.basename(prefix)
+            where = f"--{attr.replace('_', '-')} #{i + 1}"
+            parts += [(f"{where} .idx", found["idx"][:16], name), (f"{where} .bin", found["bin"][:16], name)]
+    return parts
+
+
+@dataclass(frozen=True)
+class RunFingerprint:
+    """What every rank of a job must start with alike, as named parts: ``--wlb-*`` settings and the packer's
+    resolved config, Megatron's flags that shape the samples, the cost model and its profile's content, and
+    every dataset's digests. ``key`` is what the ranks compare; the parts name what differs; ``files`` names
+    the file each dataset part read (shown, not compared)."""
+
+    parts: tuple[tuple[str, str], ...]
+    files: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def key(self) -> int:
+        return int(_short(json.dumps(self.parts)), 16) >> (64 - KEY_BITS)
+
+    def datasets(self) -> dict[str, str]:
+        """The dataset parts (what a resume compares against the checkpoint's)."""
+        return {name: value for name, value in self.parts if name.startswith(tuple(f"--{a.replace('_', '-')} #"
+                                                                                    for a in DATA_PATH_ARGS))}
+
+
+def run_fingerprint(args: Any, settings: WlbSettings, config: Any, cost: Any,
+                    datasets: Sequence[tuple[str, str, str]]) -> RunFingerprint:
+    """This rank's ``RunFingerprint`` (``config``: the resolved ``PackingConfig``; ``datasets``: ``dataset_parts``)."""
+    from dataclasses import asdict
+
+    from megatron_wlb.megatron.settings import FLAG_KNOBS
+
+    parts = [("--wlb-packing", settings.packing), ("--wlb-cp-sharding", settings.cp_sharding),
+             ("--wlb-log-interval", str(settings.log_interval)), ("--wlb-trace", "on" if settings.trace else "off")]
+    for name, value in sorted(asdict(config).items()):
+        flag = FLAG_KNOBS[name].flag() if name in FLAG_KNOBS else f"packing {name}"
+        parts.append((flag, repr(value)))
+    for name in MEGATRON_PARTS:
+        parts.append((f"--{name.replace('_', '-')}", repr(getattr(args, name, None))))
+    profile = settings.cost_profile
+    parts.append(("--wlb-cost-profile (content)", _short(Path(profile).read_bytes()) if profile else "none"))
+    parts.append(("cost model", cost_fingerprint(cost)))
+    parts += [(name, digest) for name, digest, _ in datasets]
+    return RunFingerprint(tuple(parts), tuple((name, file) for name, _, file in datasets))
+
+
+def describe_fingerprint_disagreement(every: Sequence[RunFingerprint]) -> str:
+    """One line naming each part that differs between the ranks (``every``: each rank's fingerprint, rank
+    order) and which ranks hold which value (with the file it read, for a dataset)."""
+    tables = [dict(f.parts) for f in every]
+    files = [dict(f.files) for f in every]
+    names = [name for name, _ in every[0].parts] + sorted({n for t in tables[1:] for n in t} - set(tables[0]))
+    clauses = []
+    for name in names:
+        holders: dict[str, list[int]] = {}
+        for rank, table in enumerate(tables):
+            shown = table.get(name, "(none)") + (f" ({files[rank][name]})" if name in files[rank] else "")
+            holders.setdefault(shown, []).append(rank)
+        if len({table.get(name) for table in tables}) > 1:  # the values differ (not only the files' names)
+            clauses.append(f"{name}: " + ", ".join(f"{value} on rank{'s' if len(r) > 1 else ''} {_ranges(r)}"
+                                                    for value, r in holders.items()))
+    datasets = any(" .bin" in c or " .idx" in c for c in clauses)
+    hint = (" A dataset's digests differ where a rank reads another copy (a stale or re-tokenised one, or a copy "
+            "interrupted midway): give every rank identical files." if datasets else "")
+    return (f"megatron_wlb: the ranks start with different settings or data, so they would train different plans, "
+            f"lay them out differently or wait in different collectives: {'; '.join(clauses)}. Every rank must get "
+            f"the same flags and files.{hint}")
+
+
+def check_startup_agreement(fingerprint: RunFingerprint, group: Any = None, device: Any = None) -> float:
+    """Raise RuntimeError on every rank of ``group`` (default: the world) unless every rank's
+    ``fingerprint`` is the same, naming each part that differs; returns the seconds the check took (one
+    all-reduce of two int64 on the agreeing path)."""
+    import torch
+    import torch.distributed as dist
+
+    start = time.perf_counter()
+    if device is None:
+        from megatron_wlb.megatron.cp_hooks import training_device
+
+        device = training_device()
+    key = fingerprint.key
+    both = torch.tensor([key, -key], dtype=torch.int64, device=device)
+    dist.all_reduce(both, op=dist.ReduceOp.MIN, group=group)
+    lowest, highest = both.tolist()
+    if lowest != key or -highest != key:
+        every: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(every, fingerprint, group=group)
+        raise RuntimeError(describe_fingerprint_disagreement(every))
+    return time.perf_counter() - start
+
+
+def resume_data_refusal(saved: dict[str, str] | None, now: RunFingerprint, iteration: int) -> str | None:
+    """Why this run's datasets are not the ones the checkpoint at ``iteration`` trained on (None if they are, or
+    the checkpoint predates fingerprints): the parts present in both that differ."""
+    if not saved:
+        return None
+    mine, files = now.datasets(), dict(now.files)
+    changed = [f"{name}: {saved[name]} -> {mine[name]} ({files.get(name, '?')})" for name in saved
+               if name in mine and mine[name] != saved[name]]
+    if not changed:
+        return None
+    return (f"megatron_wlb: the data differs from what the checkpoint at iteration {iteration} trained on "
+            f"({'; '.join(changed)}; .idx: the whole index, .bin: sampled pages): resume on the same files (a copy "
+            "of them must be identical), or pass --wlb-reset-data-stream to restart the data stream on these")
 
 
 def wrap_train_step(original: Callable, first_iterator: Callable[[], Any],
@@ -132,10 +334,14 @@ def wrap_train_step(original: Callable, first_iterator: Callable[[], Any],
     def train_step(*args, **kwargs):
         iterator = first_iterator()
         if iterator is not None:
-            on_checked(check_plan_agreement(iterator.prepare()))
+            batch = iterator.prepare()
+            on_checked(check_plan_agreement(batch, dp_rank=iterator.dp_rank, dp_size=iterator.dp_size,
+                                            layouts=iterator.layouts if batch is not None else ()))
         return original(*args, **kwargs)
 
     return train_step
 
 
-__all__ = ["check_plan_agreement", "describe_disagreement", "plan_key", "plan_pieces", "wrap_train_step"]
+__all__ = ["RunFingerprint", "check_plan_agreement", "check_startup_agreement", "cost_fingerprint", "dataset_parts",
+           "describe_disagreement", "describe_fingerprint_disagreement", "describe_layout_disagreement", "layouts_key",
+           "plan_key", "plan_pieces", "resume_data_refusal", "run_fingerprint", "wrap_train_step"]

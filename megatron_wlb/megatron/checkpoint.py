@@ -27,11 +27,14 @@ from megatron_wlb.megatron.rebind import wrapping
 
 SIDECAR_NAME = "wlb_packer_state.json"
 #: 2: the sidecar carries ``sha256``, the checksum of its other contents (``sidecar_checksum``);
-#: 3: and ``data_stream_reset``, the last ``--wlb-reset-data-stream`` applied (``reset_record``)
-SIDECAR_VERSION = 3
+#: 3: and ``data_stream_reset``, the last ``--wlb-reset-data-stream`` applied (``reset_record``);
+#: 4: and ``fingerprint``, the digests of the datasets trained on (``agreement.RunFingerprint.datasets``)
+SIDECAR_VERSION = 4
 #: the keys the checksum covers, per version this build reads
 VERSION_KEYS = {2: ("version", "iteration", "settings", "data", "data_stream_resets"),
-                3: ("version", "iteration", "settings", "data", "data_stream_resets", "data_stream_reset")}
+                3: ("version", "iteration", "settings", "data", "data_stream_resets", "data_stream_reset"),
+                4: ("version", "iteration", "settings", "data", "data_stream_resets", "data_stream_reset",
+                    "fingerprint")}
 SIDECAR_KEYS = VERSION_KEYS[SIDECAR_VERSION]
 #: Megatron's ``iter_0000100`` directory names
 ITERATION_DIR = re.compile(r"iter_(\d{7,})")
@@ -44,14 +47,15 @@ def iteration_dir(checkpoints_path: str, iteration: int, release: bool = False) 
 
 def save_data_state(directory: str, iteration: int, data_state: dict[str, Any],
                     settings: dict[str, Any] | None = None, data_stream_resets: int = 0,
-                    data_stream_reset: dict[str, Any] | None = None) -> str:
+                    data_stream_reset: dict[str, Any] | None = None, fingerprint: dict[str, str] | None = None) -> str:
     """Write the sidecar atomically (temp file + rename) into ``directory``; returns its path.
     ``data_stream_resets``: how often this training's data stream was restarted (``--wlb-reset-data-stream``);
-    ``data_stream_reset``: the last restart (``reset_record``), None if there was none."""
+    ``data_stream_reset``: the last restart (``reset_record``), None if there was none; ``fingerprint``: the
+    datasets' digests (compared on resume)."""
     os.makedirs(directory, exist_ok=True)
     payload: dict[str, Any] = {"version": SIDECAR_VERSION, "iteration": int(iteration), "settings": settings,
                                "data": data_state, "data_stream_resets": int(data_stream_resets),
-                               "data_stream_reset": data_stream_reset}
+                               "data_stream_reset": data_stream_reset, "fingerprint": fingerprint}
     payload["sha256"] = sidecar_checksum(payload)
     path = os.path.join(directory, SIDECAR_NAME)
     fd, tmp = tempfile.mkstemp(prefix=".wlb_state.", dir=directory)
@@ -104,6 +108,7 @@ def load_data_state(directory: str, iteration: int | None = None) -> dict[str, A
         raise ValueError(f"{path} was written at iteration {payload['iteration']}, but the checkpoint "
                          f"resumes at iteration {iteration}")
     payload.setdefault("data_stream_reset", None)  # version 2 did not record it
+    payload.setdefault("fingerprint", None)  # nor versions 2 and 3 this
     return payload
 
 
@@ -130,6 +135,10 @@ class DataStateRegistry:
     data_stream_resets: int = 0
     #: the last restart (``reset_record``), saved with every sidecar
     data_stream_reset: dict[str, Any] | None = None
+    #: this run's datasets' digests (``agreement.RunFingerprint.datasets``), saved with every sidecar
+    fingerprint: dict[str, str] | None = None
+    #: the resumed checkpoint's (None: a fresh start, a reset data stream, or a sidecar before version 4)
+    saved_fingerprint: dict[str, str] | None = None
 
     def register(self, iterator: WlbDataIterator) -> None:
         """Track ``iterator``; restore a state loaded earlier into it."""
@@ -183,7 +192,7 @@ def wrap_save_checkpoint(original: Callable, registry: DataStateRegistry, get_ar
                 else:  # local (per-node) checkpoints: keep the sidecar beside the persistent ones
                     save_dir = os.path.join(margs.save, "wlb_non_persistent_local")
             save_data_state(iteration_dir(save_dir, iteration, kwargs.get("release", False)), iteration, state,
-                            settings(), registry.data_stream_resets, registry.data_stream_reset)
+                            settings(), registry.data_stream_resets, registry.data_stream_reset, registry.fingerprint)
             if str(state.get("stream_digest", "")).startswith("samples:"):
                 waiting = int(registry.iterators[0].packer.pending())
                 log(f"> megatron_wlb: checkpoint at iteration {iteration}: {waiting} tokens of Megatron's samples wait "
@@ -339,6 +348,7 @@ def wrap_load_checkpoint(original: Callable, registry: DataStateRegistry, get_ar
         refusal = plan_layout_refusal(payload["data"], margs)
         if refusal:
             raise RuntimeError(f"megatron_wlb: {refusal}")
+        registry.saved_fingerprint = payload.get("fingerprint")
         registry.set_pending(payload["data"], iteration)
         return out
 

@@ -96,8 +96,6 @@ def upload_micro_batch(batch: RankMicroBatch, device: torch.device | None = None
         return staged_data, staged_params
     plan = batch.plan
     cp_group = _cp_group() if cp_group is None else cp_group
-    if batch.verify_layout and cp_group is not None and plan.layout.cp > 1:
-        check_layout_agreement(plan.layout, cp_group)
     pin = pin_memory and device.type == "cuda"
 
     def up(array: Any, dtype: torch.dtype) -> torch.Tensor:
@@ -154,11 +152,10 @@ _SIDE_STREAMS: dict[Any, Any] = {}
 
 def stage_upload(batch: RankMicroBatch, device: torch.device) -> RankMicroBatch:
     """``batch`` with its upload started on a side stream of ``device`` from pinned memory (run on the
-    prefetch thread); ``upload_micro_batch`` makes the compute stream wait for it. Not for batches that
-    verify the layout (a CP collective: the main thread's)."""
+    prefetch thread); ``upload_micro_batch`` makes the compute stream wait for it."""
     import dataclasses
 
-    if device.type != "cuda" or batch.verify_layout:
+    if device.type != "cuda":
         return batch
     torch.cuda.set_device(device)
     stream = _SIDE_STREAMS.setdefault(device, torch.cuda.Stream(device))
@@ -167,27 +164,6 @@ def stage_upload(batch: RankMicroBatch, device: torch.device) -> RankMicroBatch:
         event = torch.cuda.Event()
         event.record(stream)
     return dataclasses.replace(batch, staged=(device, event, data, params))
-
-
-def check_layout_agreement(layout: Any, group: Any) -> None:
-    """Raise on every rank if the CP ranks of ``group`` built different layouts of one micro-batch.
-
-    One all-gather of an 8-byte digest and one host sync: the data iterator asks for it on its first
-    ``data.AGREEMENT_CHECKS`` micro-batches only (start-up). Disagreeing ranks (other data, another
-    cost model) would otherwise attend to the wrong tokens silently, or hang when their counts differ.
-    """
-    import torch.distributed as dist
-
-    from megatron_wlb.cp.layouts import layout_digest
-
-    mine = torch.tensor([layout_digest(layout)], dtype=torch.int64, device=training_device())
-    every = torch.empty(dist.get_world_size(group), dtype=torch.int64, device=mine.device)
-    dist.all_gather_into_tensor(every, mine, group=group)
-    digests = every.tolist()
-    if len(set(digests)) > 1:
-        raise RuntimeError(f"CP ranks built different {layout.name} layouts of the same micro-batch (digests "
-                           f"{digests}): they read different documents or use different --wlb-* settings or cost "
-                           "profiles; give every rank the same data, flags and files")
 
 
 def get_thd_batch_on_this_cp_rank(batch: dict[str, Any], cu_seqlens: Any, cu_seqlens_padded: Any, max_seqlen: Any,
@@ -276,5 +252,5 @@ def uninstall() -> None:
     wlb_attention.install_core_attention(enabled=False)
 
 
-__all__ = ["WlbPackedSeqParams", "WlbVarlen", "check_layout_agreement", "get_thd_batch_on_this_cp_rank", "install",
+__all__ = ["WlbPackedSeqParams", "WlbVarlen", "get_thd_batch_on_this_cp_rank", "install",
            "packed_seq_params_from_iterator", "te_available", "training_device", "uninstall", "upload_micro_batch"]

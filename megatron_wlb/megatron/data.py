@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from megatron_wlb.cp.layouts import layout_digest
 from megatron_wlb.cp.plan import CPSharding, RankPlan, micro_batch_lengths, plan_rank
 from megatron_wlb.data.reader import DocumentReader, DocumentStream, StreamCursor
 from megatron_wlb.data.samples import SamplePieceCursor, SampleStream
@@ -84,8 +85,7 @@ def pack_tokens(read: ReadFn, micro_batch: MicroBatch, segment_lengths: np.ndarr
 class RankMicroBatch:
     """One micro-batch as this rank feeds it to the model, on the host: ``tokens``/``labels``/
     ``loss_mask``/``position_ids`` ``[1, R]`` are this CP rank's ``R`` rows (``plan.rows``), padding
-    rows zero; ``micro_batch`` is the packer's plan (document pieces); ``verify_layout`` asks the
-    upload to compare the CP ranks' layouts (the first ``AGREEMENT_CHECKS`` micro-batches)."""
+    rows zero; ``micro_batch`` is the packer's plan (document pieces)."""
 
     micro_batch: MicroBatch
     plan: RankPlan
@@ -93,24 +93,25 @@ class RankMicroBatch:
     labels: np.ndarray
     loss_mask: np.ndarray
     position_ids: np.ndarray
-    verify_layout: bool = False
     #: its upload, already started on a side stream by ``prefetch.PrefetchingIterator`` (None: not staged)
     staged: Any = None
 
 
-def rank_micro_batch(read: ReadFn, micro_batch: MicroBatch, sharding: CPSharding,
-                     verify_layout: bool = False, read_piece: PieceReadFn | None = None) -> RankMicroBatch:
-    """Plan ``micro_batch`` for ``sharding``'s CP rank and take that rank's rows of its tokens."""
+def plan_micro_batch(micro_batch: MicroBatch, sharding: CPSharding) -> RankPlan:
+    """``sharding``'s CP rank's plan of ``micro_batch``: its segments laid out over the CP group."""
     segments = micro_batch_lengths([p.length for p in micro_batch.pieces], sharding.sequence_multiple,
                                    sharding.empty_tokens)
-    plan = plan_rank(segments, sharding)
-    whole = pack_tokens(read, micro_batch, segments, read_piece)
+    return plan_rank(segments, sharding)
+
+
+def rank_micro_batch(read: ReadFn, micro_batch: MicroBatch, sharding: CPSharding,
+                     read_piece: PieceReadFn | None = None, plan: RankPlan | None = None) -> RankMicroBatch:
+    """Plan ``micro_batch`` for ``sharding``'s CP rank (unless its ``plan`` is given) and take that rank's
+    rows of its tokens."""
+    plan = plan_micro_batch(micro_batch, sharding) if plan is None else plan
+    whole = pack_tokens(read, micro_batch, plan.segment_lengths, read_piece)
     return RankMicroBatch(micro_batch, plan, plan.take(whole.tokens)[None], plan.take(whole.labels)[None],
-                          plan.take(whole.loss_mask)[None], plan.positions[None], verify_layout)
-
-
-#: micro-batches whose layout the CP ranks compare at start-up (``cp_hooks.check_layout_agreement``)
-AGREEMENT_CHECKS = 4
+                          plan.take(whole.loss_mask)[None], plan.positions[None])
 
 
 def plan_digest(batch: GlobalBatch) -> str:
@@ -163,6 +164,12 @@ class WlbDataIterator(Iterator[RankMicroBatch]):
         self.last_seconds = 0.0
         self.current: GlobalBatch | None = None
         self._mine: tuple[MicroBatch, ...] = ()
+        #: the CP plans of ``_mine`` (CP > 1: built with the iteration's plan, so that the CP ranks can agree on
+        #: their layouts before the step; empty: each is built with its micro-batch)
+        self._plans: tuple[RankPlan, ...] = ()
+        #: (layout name, ``cp.layouts.layout_digest``) of each of this rank's micro-batches of the current
+        #: iteration (CP > 1 only): what ``agreement.check_plan_agreement`` compares over each CP group
+        self.layouts: tuple[tuple[str, int], ...] = ()
         self._cursor = 0
         self._batches: Iterator[GlobalBatch] | None = None
         self._source: StreamCursor | SamplePieceCursor | None = None  # the stream window the packer reads
@@ -182,6 +189,9 @@ class WlbDataIterator(Iterator[RankMicroBatch]):
         # this rank's share of the global plan: the packer's own deal, or (a checkpoint planned for another
         # DP size at the same global batch) the same plan in its order, cut into dp_size equal shares
         self._mine = batch.micro_batches[self.dp_rank * self.n:(self.dp_rank + 1) * self.n]
+        if self.sharding.cp_size > 1:
+            self._plans = tuple(plan_micro_batch(mb, self.sharding) for mb in self._mine)
+            self.layouts = tuple((p.layout.name, layout_digest(p.layout)) for p in self._plans)
         self._cursor = 0
         if self.on_batch is not None:
             self.on_batch(batch)
@@ -227,11 +237,11 @@ class WlbDataIterator(Iterator[RankMicroBatch]):
         ``last`` (``prefetch.PrefetchingIterator`` builds one ahead on its thread)."""
         if self._cursor >= len(self._mine):
             self._next_batch()
-        mb = self._mine[self._cursor]
+        at = self._cursor
         self._cursor += 1
         self.yielded += 1
-        return rank_micro_batch(self.read, mb, self.sharding, verify_layout=self.yielded <= AGREEMENT_CHECKS,
-                                read_piece=self.read_piece)
+        return rank_micro_batch(self.read, self._mine[at], self.sharding, read_piece=self.read_piece,
+                                plan=self._plans[at] if self._plans else None)
 
     def __next__(self) -> RankMicroBatch:
         start = time.perf_counter()
@@ -282,6 +292,8 @@ class WlbDataIterator(Iterator[RankMicroBatch]):
         self._batches = None
         self.current = None
         self._mine = ()
+        self._plans = ()
+        self.layouts = ()
         self._cursor = 0
 
 

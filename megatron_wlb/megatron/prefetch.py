@@ -9,8 +9,8 @@ stream's event. The host can run ahead of the GPU.
 
 What stays on the critical path, on purpose: the first micro-batch of every iteration (it packs the
 iteration's global plan, which must follow the online cost-model refit of the iteration before and
-must not run ahead of a checkpoint's data state), and the first ``data.AGREEMENT_CHECKS`` micro-batches
-(their upload runs a CP collective, which belongs on the main thread). Plans and their order are
+must not run ahead of a checkpoint's data state; with CP it also lays out the iteration's micro-batches,
+whose layouts the CP ranks agree on before the step: ``agreement.py``). Plans and their order are
 exactly the wrapped iterator's: the same ``produce`` calls, in the same order, one at a time.
 
 ``last_seconds`` is the host time ``__next__`` spent on the critical path (waiting for the thread,
@@ -58,7 +58,7 @@ class PrefetchingIterator:
         with self._lock:
             batch = self.inner.produce()
             position = self.inner.position
-        if staged and self.stage is not None and not batch.verify_layout:
+        if staged and self.stage is not None:
             batch = self.stage(batch)
         return batch, position, time.perf_counter() - start
 
