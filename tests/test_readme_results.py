@@ -31,3 +31,9 @@ def test_the_paired_block_is_the_recorded_run():
     mod = load_script("bench_paired")
     block = README.split(mod.README_BEGIN, 1)[1].split(mod.README_END, 1)[0]
     assert block.strip() == mod.readme_summary(_result("paired")).strip()
+
+
+def test_the_agreement_table_is_the_recorded_run():
+    mod = load_script("bench_plan_agreement")
+    table = mod.readme_table(_result("plan_agreement")) + "\n" + mod.startup_table(_result("plan_agreement"))
+    assert README.split(mod.README_MARKER, 1)[1].lstrip("\n").startswith(table)
