@@ -174,3 +174,17 @@ def test_a_sample_is_uniform_and_in_file_order(tmp_path):
     assert abs(picked.mean() - lengths.mean()) < 0.03 * lengths.mean()
     assert np.array_equal(picked, src.sample_lengths(10_000, seed=5))
     assert src.sample_lengths().tolist() == lengths.tolist() and src.tokens_in() == int(lengths.sum())
+
+
+def test_an_index_written_a_chunk_at_a_time_is_the_same_file(tmp_path):
+    """``write_index_chunks`` (the benchmark's 1e9-document indexes) writes what ``write_index`` writes."""
+    from megatron_wlb.data.indexed import check_bin_matches_idx, write_index_chunks
+
+    lengths = lognormal(100_003, seed=6)
+    write_index(tmp_path / "whole", lengths)
+    assert write_index_chunks(tmp_path / "chunked", lambda: (lengths[i:i + 7000] for i in range(0, lengths.size,
+                                                                                                  7000))) == 100_003
+    assert (tmp_path / "whole.idx").read_bytes() == (tmp_path / "chunked.idx").read_bytes()
+    with open(tmp_path / "chunked.bin", "wb") as f:
+        f.truncate(2 * int(lengths.sum(dtype=np.int64)))
+    assert check_bin_matches_idx(tmp_path / "chunked").one_sequence_per_document
