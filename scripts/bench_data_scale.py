@@ -8,9 +8,10 @@ size: no tokens are written or read), then, in a fresh process per measurement:
   validation included), size the stream to cover one epoch of the corpus, and plan the first iteration
   with the wlb packer through ``WlbDataIterator``; three ways: the epoch order in memory (no
   ``--data-cache-path``), and with an order cache directory twice: the rank that builds the order file,
-  then a rank that finds it and maps it. Recorded: seconds to the first plan, of the reader's open and of
-  the epoch order alone, peak RSS (``VmHWM``), the peak and final anonymous (private) and file-backed
-  resident memory (the ``.idx`` pages and a cached order: page cache, shared by a node's ranks);
+  then a rank that finds it and maps it. Recorded: seconds to the first plan, of the reader's open
+  and of the epoch order alone ("order ready in": shuffled in memory; built and checked; checked), peak
+  RSS (``VmHWM``), the peak and final anonymous (private) and file-backed resident memory (the ``.idx``
+  pages and a cached order: page cache, shared by a node's ranks);
 - the CLI: ``wlb pack --data-prefix`` (``CLI_ITERATIONS`` global batches) and ``wlb analyze
   --data-prefix`` (its default sample of at most 1e6 documents, one ordering, ``ANALYZE_ITERATIONS``
   iterations): wall seconds and the same memory figures.
@@ -213,7 +214,7 @@ def measure_cli(command: str, prefix: str, workdir: str) -> dict:
 
 
 def training_table(result: dict) -> str:
-    lines = ["| documents | epoch order | .idx | open (validate) | epoch order | first plan | 20th plan "
+    lines = ["| documents | epoch order | .idx | open (validate) | order ready in | first plan | 20th plan "
              "| checkpoint state | peak RSS | peak private | private at end | peak file pages (shared) |",
              "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for row in result["rows"]:
