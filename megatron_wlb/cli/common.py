@@ -361,7 +361,7 @@ def corpus_sample(prefixes: Sequence[str], flag: str, max_documents: int | None,
 
 def load_stream(args: argparse.Namespace) -> tuple[np.ndarray, str]:
     """(lengths, description) from --lengths / --data-prefix (the whole corpus, read by the training
-    reader), the embedded stream by default."""
+    reader: checked, then materialised; ``wlb simulate`` / ``reproduce``), the embedded stream by default."""
     from megatron_wlb.data import load_lengths
 
     if getattr(args, "data_prefix", None):
