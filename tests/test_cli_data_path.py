@@ -188,3 +188,19 @@ def test_an_index_written_a_chunk_at_a_time_is_the_same_file(tmp_path):
     with open(tmp_path / "chunked.bin", "wb") as f:
         f.truncate(2 * int(lengths.sum(dtype=np.int64)))
     assert check_bin_matches_idx(tmp_path / "chunked").one_sequence_per_document
+
+
+def test_analyze_samples_each_dataset_of_a_blend_alike(capsys, tmp_path):
+    """A ``--data-path`` blend over ``--max-documents``: the same share of each dataset is sampled (odd
+    lengths tag dataset a), then blended and shuffled as without sampling."""
+    a = corpus(tmp_path / "a", 2 * (lognormal(20_000, seed=7) // 2) + 1)
+    b = corpus(tmp_path / "b", 2 * (lognormal(60_000, seed=8) // 2 + 1))
+    js = tmp_path / "v.json"
+    assert main(["analyze", "--config", "550m_64k", "--data-path", "0.25", a, "0.75", b, "--max-documents", "8000",
+                 "--shuffles", "1", "--iterations", "1", "--out", str(tmp_path / "out"), "--json", str(js)]) == 0
+    out, err = capsys.readouterr()
+    verdict = json.loads(js.read_text())
+    assert (verdict["documents_analyzed"], verdict["documents_in_corpus"]) == (8000, 80_000), verdict
+    assert "the same share of each dataset" in err and "a uniform sample of 8,000 of its 80,000 documents" in out
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert "(2,000 documents" in report and "(6,000 documents" in report, report[:2000]
