@@ -231,7 +231,7 @@ def test_no_subcommand_imports_another():
 #: (argv, substring of the one-line error, the work function that must not have started: module, name)
 BEFORE_WORK = [
     (["bench", "--lengths", "wlbllm", "--data-prefix", "{d}/missing", "--iterations", "2"],
-     "missing.idx does not exist", ("megatron_wlb.cli.bench", "run_packer")),
+     "--data-prefix {d}/missing: no {d}/missing.idx", ("megatron_wlb.cli.bench", "run_packer")),
     (["bench", "--lengths", "wlbllm,{d}/missing.json", "--iterations", "2"], "missing.json does not exist",
      ("megatron_wlb.cli.bench", "run_packer")),
     (["bench", "--data-path", "0.5", "{d}/garbage", "0.5", "{d}/garbage", "--iterations", "2"],

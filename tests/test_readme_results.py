@@ -37,3 +37,16 @@ def test_the_agreement_table_is_the_recorded_run():
     mod = load_script("bench_plan_agreement")
     table = mod.readme_table(_result("plan_agreement")) + "\n" + mod.startup_table(_result("plan_agreement"))
     assert README.split(mod.README_MARKER, 1)[1].lstrip("\n").startswith(table)
+
+
+def test_the_data_scale_tables_and_summary_are_the_recorded_run():
+    """Issue 37: the training and CLI tables and the targets' summary at the largest size (1e9 documents,
+    or what this machine allowed) are ``bench_data_scale.py``'s recorded run."""
+    mod = load_script("bench_data_scale")
+    result = _result("data_scale")
+    for marker, table in ((mod.README_MARK, mod.training_table(result)), (mod.README_CLI_MARK, mod.cli_table(result))):
+        after = README.split(marker + "\n", 1)[1]
+        assert after.startswith(table), f"README's table after {marker} is not docs/results/data_scale.json's"
+    block = README.split(mod.README_BEGIN, 1)[1].split(mod.README_END, 1)[0]
+    assert block.strip() == mod.readme_summary(result).strip()
+    assert max(row["documents"] for row in result["cli_rows"]) == max(row["documents"] for row in result["rows"])

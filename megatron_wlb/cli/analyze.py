@@ -1,8 +1,11 @@
 """``wlb analyze``: what WLB-LLM buys on your own data and layout, before spending a cluster on it.
 
 The corpus is read whole (``--lengths``, ``--data-prefix`` or a ``--data-path`` blend as Megatron
-takes it), shuffled as Megatron's GPTDataset shuffles documents (numpy ``RandomState`` seeded with
-``--seed`` + k for ordering k), and every method runs the same iterations of each ordering; the
+takes it; an indexed corpus through the training reader, checked and memory-mapped) or, past
+``--max-documents``, a uniform sample of its documents (said in the report and the JSON: how many of
+how many; the first documents of a uniformly shuffled corpus are such a sample), shuffled as
+Megatron's GPTDataset shuffles documents (numpy ``RandomState`` seeded with ``--seed`` + k for
+ordering k), and every method runs the same iterations of each ordering; the
 verdict is the mean and range over ``--shuffles`` orderings, so it does not hinge on the file order.
 The concat-and-cut baseline and the balanced concat-and-cut train megatron-core's own GPTDataset
 samples of the corpus (seed ``--seed`` + k), global batch after global batch as Megatron's sampler
@@ -20,6 +23,7 @@ import numpy as np
 
 from megatron_wlb.cli.common import (
     add_stream_args,
+    corpus_sample,
     cost_profile,
     headline_schedule,
     load_stream,
@@ -37,6 +41,9 @@ from megatron_wlb.sim.experiments import DEFAULT_VIRTUAL_STAGES, EQUAL_DELAY_WIN
 #: different file orders give disjoint [min, max] ranges with probability 2 (k!)^2 / (2k)!:
 #: 10% for k = 3, under 1% for k = 5.
 DEFAULT_SHUFFLES = 5
+#: documents of an indexed corpus analyzed at most: past it a uniform sample of that many is read (8 bytes a
+#: document per copy, a few copies; the simulation's time grows with it too)
+DEFAULT_MAX_DOCUMENTS = 1_000_000
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -73,6 +80,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         f"{DEFAULT_VIRTUAL_STAGES}, the schedule of the README's headline and `wlb reproduce`, "
                         "whatever the config says; plain 1F1B where the config's pipeline cannot interleave)")
     p.add_argument("--json", metavar="FILE", help="also write the verdict as JSON")
+    p.add_argument("--max-documents", type=int, default=DEFAULT_MAX_DOCUMENTS, metavar="N",
+                   help="with --data-prefix/--data-path: analyze at most N documents; a larger corpus is sampled "
+                        "uniformly (seeded by --seed; the same share of each dataset of a blend), and the report "
+                        f"says how many of how many (default {DEFAULT_MAX_DOCUMENTS:,})")
     p.add_argument("--split", default="1,0,0", metavar="S",
                    help="with --data-prefix/--data-path: your job's --split (GPTDataset's train split; default 1,0,0)")
     p.add_argument("--data-cache-path", default=None, metavar="DIR",
@@ -123,6 +134,7 @@ def run(args: argparse.Namespace) -> int:
     if args.iterations is not None:
         positive(args.iterations, "--iterations")
     positive(args.shuffles, "--shuffles")
+    positive(args.max_documents, "--max-documents")
     seeds = seeds_from(args.seed, 1 if args.no_shuffle else args.shuffles)
     cfg, schedule_note = headline_schedule(load_config(args.config), args.virtual_stages)
     profile = cost_profile(args.profile)
@@ -132,22 +144,51 @@ def run(args: argparse.Namespace) -> int:
     if schedule_note:
         print(f"wlb analyze: note: {schedule_note}", file=sys.stderr)
     lengths = np.zeros(0, dtype=np.int64)  # the file-order lengths (--lengths / --data-prefix / embedded)
+    # the corpus as megatron-core reads it: the prefix or blend itself (its IndexedDataset), or the lengths
+    corpus: np.ndarray | list[str] | str | None = args.data_path or args.data_prefix
+    sample: tuple[int, int] | None = None  # (documents read, documents in the corpus) when sampled
+    if args.data_path or args.data_prefix:
+        from megatron_wlb.data.blend import parse_data_path
+
+        prefixes = [prefix for prefix, _ in parse_data_path(args.data_path)] if args.data_path else [args.data_prefix]
+        flag = "--data-path" if args.data_path else "--data-prefix"
+        datasets, read, total = corpus_sample(prefixes, flag, args.max_documents, seeds[0])
+        if read < total:
+            sample = (read, total)
+            line = (f"A sample: {read:,} of the corpus' {total:,} documents ({read / total:.2%}, over "
+                    f"--max-documents {args.max_documents:,}), drawn uniformly without replacement (seed {seeds[0]}"
+                    f"{', the same share of each dataset' if len(prefixes) > 1 else ''}); every ordering and "
+                    "method reads that sample (the first documents of a uniformly shuffled corpus are such a sample).")
+            notes.append(line)
+            print(f"wlb analyze: note: {line}", file=sys.stderr)
     if args.data_path:
         from megatron_wlb.data.blend import read_blend
 
         streams = []
         for seed in seeds:
-            stream, desc, unused = read_blend(args.data_path, None if args.no_shuffle else seed)
+            stream, desc, unused = read_blend(args.data_path, None if args.no_shuffle else seed, datasets=datasets)
             streams.append(stream)
         source = f"blend {desc}"
         if unused:
             notes.append(f"The blend ends when its first dataset runs out (no document repeats), so {unused:,} "
                          "documents of the others are not read.")
+        if sample is not None:  # megatron-core samples the sample, blended (it shuffles it per seed itself)
+            corpus = read_blend(args.data_path, None, datasets=datasets)[0]
     else:
-        lengths, source = load_stream(args)
         from megatron_wlb.data.blend import shuffle_documents
 
+        if args.data_prefix:
+            lengths = datasets[0]
+            source = f"{args.data_prefix}.idx ({lengths.size:,} documents" + (
+                f" of {sample[1]:,}, a uniform sample)" if sample is not None else ")")
+            if sample is not None:
+                corpus = lengths
+        else:
+            lengths, source = load_stream(args)
+            corpus = lengths
         streams = [lengths] if args.no_shuffle else [shuffle_documents(lengths, seed) for seed in seeds]
+    # documents in the corpus (a blend: in all its datasets; it may read fewer, as noted)
+    documents = total if args.data_path or args.data_prefix else int(lengths.size)
     order = ("file order (not shuffled)" if args.no_shuffle else
              f"{len(seeds)} shuffles as Megatron's GPTDataset orders documents (numpy RandomState, seeds "
              f"{seeds[0]}..{seeds[-1]})")
@@ -174,10 +215,12 @@ def run(args: argparse.Namespace) -> int:
     else:
         notes.append(f"A sample: the first {iterations} of the {available} full iterations the corpus gives, "
                      "in each ordering.")
-    # the corpus as megatron-core reads it: the prefix or blend itself (its IndexedDataset), or the lengths
-    corpus: np.ndarray | list[str] | str = args.data_path or args.data_prefix or lengths
+    assert corpus is not None
+    if sample is not None and args.data_cache_path:
+        notes.append("--data-cache-path is not used for a sample (megatron-core's indices of the sample are built "
+                     "in a temporary folder).")
     samples, line = gpt_samples(corpus, cfg.seq_len, iterations * cfg.packing.micro_batches_per_iteration, seeds,
-                                args.split, args.data_cache_path)
+                                args.split, None if sample is not None else args.data_cache_path)
     notes.append(line)
     if samples is None:
         print(f"wlb analyze: note: {line}", file=sys.stderr)
@@ -188,9 +231,12 @@ def run(args: argparse.Namespace) -> int:
     print(table.to_markdown(digits=3))
     for line in recommendation(verdict):
         print(f"\n{line}")
-    print(f"\n{verdict.iterations} iterations x {verdict.shuffles} orderings per method, {verdict.schedule}; "
+    analyzed, in_corpus = sample if sample is not None else (documents, documents)
+    of = f", a uniform sample of {analyzed:,} of its {in_corpus:,} documents" if sample is not None else ""
+    print(f"\n{verdict.iterations} iterations x {verdict.shuffles} orderings per method, {verdict.schedule}{of}; "
           f"wrote {path} and its figures in {time.perf_counter() - start:.0f} s")
     if json_out is not None:
         with open(json_out, "w") as f:
-            json.dump({**verdict.to_json(), "recommendation": recommendation(verdict)}, f, indent=1)
+            json.dump({**verdict.to_json(), "documents_analyzed": analyzed, "documents_in_corpus": in_corpus,
+                       "sampled": sample is not None, "recommendation": recommendation(verdict)}, f, indent=1)
     return 0

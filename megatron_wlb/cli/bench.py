@@ -10,6 +10,10 @@ with max_delay 4; then wlb and the baselines at ``--scale-config`` (the 8K-GPU l
 ``DIR/packing_bench.md`` and ``.json`` (machine named). Streams shorter than the iterations need
 are repeated, each extra pass in a seeded random order (said in the table).
 
+``--data-prefix`` / ``--data-path`` corpora are read as wlb's training reader reads them (checked,
+memory-mapped, streamed through a moving window; see ``wlb pack --help``): a corpus that holds the
+iterations' tokens is never materialised.
+
 ``stdlib`` is a second, real distribution: the token lengths (bytes / 4) of the ``.py`` files of
 the running interpreter's standard library, collected at benchmark time.
 """
@@ -23,18 +27,17 @@ import sys
 import time
 from typing import Any
 
-import numpy as np
-
 from megatron_wlb.cli.common import (
     DATA_PREFIX_SCHEME,
     METRIC_LEGEND,
+    LengthStream,
+    add_cache_arg,
     cost_profile,
     data_path_stream,
     machine,
+    open_stream,
     output_dir,
     positive,
-    read_stream,
-    repeat_stream,
     run_packer,
 )
 from megatron_wlb.config import load_config
@@ -52,12 +55,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--solver-iterations", type=int, default=50, help="cap for the fixed-solver rows (default 50)")
     p.add_argument("--lengths", default="wlbllm", help="comma-separated streams: wlbllm, stdlib or files")
     p.add_argument("--data-prefix", metavar="PREFIX", action="append", default=[],
-                   help="also benchmark this Megatron indexed dataset (lengths from PREFIX.idx); repeatable")
+                   help="also benchmark this Megatron indexed dataset PREFIX.idx/.bin (file order); repeatable")
     p.add_argument("--data-path", nargs="+", metavar="W_OR_PREFIX", action="append", default=[],
                    help="also benchmark this Megatron --data-path blend ('W1 PREFIX1 W2 PREFIX2 ...'); repeatable")
     p.add_argument("--scale-config", default=None, help="also time wlb on this layout (e.g. 405b_128k_8k)")
     p.add_argument("--scale-iterations", type=int, default=100, help="global batches at --scale-config")
     p.add_argument("--profile", default=None, help="calibrated cost-model profile JSON (default: analytic)")
+    add_cache_arg(p)
     p.add_argument("--out", default=None, help="directory for packing_bench.md / .json (default: print only)")
     p.add_argument("--quick", action="store_true", help="fewer rows (for smoke tests)")
     p.add_argument("--label", default=None, help="command line to record in the output (default: wlb bench ...)")
@@ -92,18 +96,18 @@ def rows_for(seq_len: int, quick: bool) -> list[BenchRow]:
 
 
 def bench_one(config_name: str, stream: str, rows: list[BenchRow], iterations: int, solver_iterations: int,
-              profile: str | None, base: np.ndarray | None = None) -> dict[str, Any]:
-    """One table: every row on ``stream`` (its lengths ``base`` when the caller has read them)."""
+              profile: str | None, base: LengthStream | None = None) -> dict[str, Any]:
+    """One table: every row on ``stream`` (``base`` when the caller has opened it; each row reads its own
+    pass, lazily for a corpus that holds the iterations' tokens)."""
     config = load_config(config_name)
     cost = build_cost_model(config.model, config.layout, profile=profile)
     need = (iterations + 8) * config.packing.tokens_per_iteration
-    base = read_stream(stream) if base is None else base
-    lengths = repeat_stream(base, min_tokens=need)
-    base_docs = base.size
+    base = open_stream(stream) if base is None else base
+    repeats = max(1, -(-need // max(1, base.tokens)))  # passes of the stream the rows read (ceil)
     rows_out: list[dict[str, Any]] = []
     out = {"config": config.name, "layout": str(config.layout), "n": config.packing.n, "dp": config.packing.dp,
-           "seq_len": config.seq_len, "stream": stream, "documents": int(base_docs),
-           "stream_repeats": int(round(lengths.size / base_docs)), "cost_model": cost.describe(),
+           "seq_len": config.seq_len, "stream": stream, "documents": base.documents,
+           "stream_repeats": int(repeats), "cost_model": cost.describe(),
            "schedule": schedule_label(config.packing.virtual_stages), "rows": rows_out}
     for label, packer_name, over in rows:
         packing = dataclasses.replace(config.packing, **over)
@@ -112,7 +116,7 @@ def bench_one(config_name: str, stream: str, rows: list[BenchRow], iterations: i
         packer = make_packer(packer_name, packing, cost)
         its = min(iterations, solver_iterations) if capped else iterations
         t0 = time.perf_counter()
-        batches = run_packer(packer, lengths, its, progress=f"{stream} {label}")
+        batches = run_packer(packer, base.source(min_tokens=need), its, progress=f"{stream} {label}")
         wall = time.perf_counter() - t0
         m = summarize(batches, cost, packing.seq_len, stages=packing.stages, virtual_stages=packing.virtual_stages)
         row = {"label": label, "packer": packer_name, "overrides": {k: list(v) if isinstance(v, tuple) else v
@@ -183,8 +187,8 @@ def run(args: argparse.Namespace) -> int:
     streams = [s.strip() for s in args.lengths.split(",") if s.strip()]
     streams += [DATA_PREFIX_SCHEME + prefix for prefix in args.data_prefix]
     streams += [data_path_stream(tokens) for tokens in args.data_path]
-    # every stream is read (and a bad one refused) before the first row runs
-    bases = {stream: read_stream(stream) for stream in streams}
+    # every stream is opened and checked (a bad one refused) before the first row runs
+    bases = {stream: open_stream(stream, args.data_cache_path) for stream in streams}
     for stream in streams:
         tables.append(bench_one(args.config, stream, rows_for(config.seq_len, args.quick), args.iterations,
                                 args.solver_iterations, args.profile, base=bases[stream]))

@@ -3,7 +3,9 @@
 - checks: bad paths and numbers fail at once in one line naming the flag and the value, before any
   work is done (``output_file``, ``input_file``, ``positive``, ``cost_profile``, ...);
 - length streams: ``--lengths`` / ``--data-prefix`` options and readers (``add_stream_args``,
-  ``load_stream``, ``resolve_lengths``);
+  ``open_stream``, ``corpus_sample``, ``resolve_lengths``); an indexed corpus (``--data-prefix`` /
+  ``--data-path``) is read by the training reader (``data.reader``): memory-mapped, lazily, with the
+  ``.bin`` size and pointer checks training makes;
 - running: the progress bar (``tqdm_progress``, a ``sim.iteration.Progress``), ``run_packer`` and
   the benchmark's ``machine`` line.
 
@@ -27,7 +29,9 @@ if TYPE_CHECKING:
     import numpy as np
 
     from megatron_wlb.config import RunConfig
+    from megatron_wlb.data.reader import DocumentReader
     from megatron_wlb.packing import GlobalBatch, Packer
+    from megatron_wlb.packing.base import StreamSource
 
 _T = TypeVar("_T")
 
@@ -251,19 +255,117 @@ def add_stream_args(parser: argparse.ArgumentParser, required: bool = False) -> 
                        help="document lengths: .json / .npy / text, one per line ('wlbllm' = the embedded "
                             "stand-in distribution, published by the DistCA authors)")
     group.add_argument("--data-prefix", metavar="PREFIX",
-                       help="a Megatron indexed dataset PREFIX (lengths read from PREFIX.idx)")
+                       help="a Megatron indexed dataset PREFIX (PREFIX.idx/.bin, read as training reads them)")
     return group
 
 
+def add_cache_arg(parser: argparse.ArgumentParser) -> None:
+    """``--data-cache-path``: where a shuffled corpus's epoch orders are built once and memory-mapped."""
+    parser.add_argument("--data-cache-path", default=None, metavar="DIR",
+                        help="with --data-path: your job's --data-cache-path; the epoch order of a dataset of 1e6 "
+                             "documents or more is built there once and memory-mapped (page cache) instead of "
+                             "held in memory (4 bytes a document)")
+
+
+def corpus_reader(source: str, cache: str | None = None) -> DocumentReader:
+    """The training reader (``data.reader.DocumentReader``) over a ``prefix:PREFIX`` or ``data-path:...``
+    stream, the whole corpus (``--split 1,0,0``): memory-mapped and checked as training checks it (the
+    ``.bin`` size, the pointers; one-line errors naming the flag). A prefix is read in file order; a
+    ``--data-path`` is shuffled and blended as wlb's training reader does with ``--seed`` 1234 (unweighted
+    prefixes weigh the same), its epoch orders in ``cache`` when given (``--data-cache-path``)."""
+    from megatron_wlb.data.blend import DEFAULT_SEED
+    from megatron_wlb.data.reader import DocumentReader, IndexedSource, weighted_prefixes
+
+    if source.startswith(DATA_PREFIX_SCHEME):
+        prefix = source[len(DATA_PREFIX_SCHEME):]
+        return DocumentReader([(IndexedSource.open(prefix, flag="--data-prefix"), 1.0)], split="1,0,0",
+                              shuffle=False)
+    if not source.startswith(DATA_PATH_SCHEME):
+        raise ValueError(f"length stream {source!r} is not an indexed corpus ({DATA_PREFIX_SCHEME}PREFIX or "
+                         f"{DATA_PATH_SCHEME}...)")
+    parts = weighted_prefixes(data_path_tokens(source))
+    return DocumentReader([(IndexedSource.open(prefix, flag="--data-path"), w) for prefix, w in parts],
+                          split="1,0,0", seed=DEFAULT_SEED, shuffle=True, order_cache=cache)
+
+
+class LengthStream:
+    """A length stream as the packers read it: an array (``--lengths``, the embedded one), or an indexed
+    corpus read lazily through the training reader (``corpus_reader``): a packer then holds a moving window
+    of the stream and views of the ``.idx``, not a per-document array of the corpus."""
+
+    def __init__(self, name: str, lengths: np.ndarray | None = None, reader: DocumentReader | None = None):
+        self.name, self._lengths, self.reader = name, lengths, reader
+        self._tokens: int | None = None
+
+    @property
+    def documents(self) -> int:
+        """Documents of the corpus (an array: its length)."""
+        return int(self.reader.num_documents) if self.reader is not None else int(self._array().size)
+
+    @property
+    def tokens(self) -> int:
+        """Virtual time of one pass over the corpus (``DocumentReader.epoch_tokens``; an array: its tokens)."""
+        if self._tokens is None:
+            self._tokens = (self.reader.epoch_tokens() if self.reader is not None else int(self._array().sum()))
+        return self._tokens
+
+    def _array(self) -> np.ndarray:
+        if self._lengths is None:
+            assert self.reader is not None
+            self._lengths = self.reader.stream(self.tokens).collect()[1]
+        return self._lengths
+
+    def lengths(self) -> np.ndarray:
+        """The lengths of one pass, materialised (small streams, or callers that need the array)."""
+        return self._array()
+
+    def source(self, min_tokens: int = 0, seed: int = 0) -> StreamSource:
+        """A fresh ``StreamSource`` of the stream (each packer reads its own): one lazy pass over a corpus that
+        holds ``min_tokens``; else the pass materialised and repeated (``repeat_stream``) until it does."""
+        import numpy as np
+
+        from megatron_wlb.packing.base import ArraySource
+
+        if self.reader is not None and self._lengths is None and self.tokens >= min_tokens:
+            return self.reader.stream(self.tokens).cursor()
+        lengths = repeat_stream(self._array(), min_tokens, seed)
+        return ArraySource(lengths, np.arange(lengths.size, dtype=np.int64))
+
+
+def open_stream(source: str, cache: str | None = None) -> LengthStream:
+    """The stream named as ``resolve_lengths`` takes it, checked now (a missing file, a damaged corpus or an
+    empty stream is a one-line error naming it); an indexed corpus stays lazy (``LengthStream``)."""
+    if source.startswith((DATA_PREFIX_SCHEME, DATA_PATH_SCHEME)):
+        return LengthStream(source, reader=corpus_reader(source, cache))
+    return LengthStream(source, lengths=read_stream(source))
+
+
+def corpus_sample(prefixes: Sequence[str], flag: str, max_documents: int | None,
+                  seed: int) -> tuple[list[np.ndarray], int, int]:
+    """(per dataset its document lengths in file order, documents read, documents in the corpus), each
+    dataset opened by the training reader (``IndexedSource``: mapped, checked). All documents when the corpus
+    holds at most ``max_documents`` (None: no cap); else the same share of each dataset, drawn uniformly
+    without replacement (``IndexedSource.sample_lengths``, seeded): only those ``.idx`` entries are read."""
+    from megatron_wlb.data.reader import IndexedSource
+
+    sources = [IndexedSource.open(prefix, flag=flag) for prefix in prefixes]
+    total = sum(src.num_documents for src in sources)
+    if max_documents is None or total <= max_documents:
+        datasets = [src.sample_lengths() for src in sources]
+    else:
+        share = max_documents / total
+        datasets = [src.sample_lengths(max(1, round(share * src.num_documents)), seed + 7919 * i)
+                    for i, src in enumerate(sources)]
+    return datasets, int(sum(d.size for d in datasets)), int(total)
+
+
 def load_stream(args: argparse.Namespace) -> tuple[np.ndarray, str]:
-    """(lengths, description) from --lengths / --data-prefix, the embedded stream by default."""
+    """(lengths, description) from --lengths / --data-prefix (the whole corpus, read by the training
+    reader: checked, then materialised; ``wlb simulate`` / ``reproduce``), the embedded stream by default."""
     from megatron_wlb.data import load_lengths
 
     if getattr(args, "data_prefix", None):
-        from megatron_wlb.data.indexed import read_idx_lengths
-        from megatron_wlb.packing.base import validate_lengths
-
-        lengths = validate_lengths(read_idx_lengths(args.data_prefix), what=f"lengths in {args.data_prefix}.idx")
+        lengths = corpus_sample([args.data_prefix], "--data-prefix", None, 0)[0][0]
         return lengths, f"{args.data_prefix}.idx ({lengths.size:,} documents)"
     if getattr(args, "lengths", None):
         lengths = load_lengths(args.lengths)
@@ -276,19 +378,14 @@ def load_stream(args: argparse.Namespace) -> tuple[np.ndarray, str]:
 
 def read_stream(source: str) -> np.ndarray:
     """The lengths of a stream named as ``resolve_lengths`` takes it, once (a missing file or an empty
-    stream is a one-line error naming it)."""
+    stream is a one-line error naming it); an indexed corpus is read by the training reader
+    (``corpus_reader``) and materialised."""
     from megatron_wlb.data import load_lengths, stdlib_lengths
 
     if source == "stdlib":
         base = stdlib_lengths()
-    elif source.startswith(DATA_PREFIX_SCHEME):
-        from megatron_wlb.data.indexed import read_idx_lengths
-
-        base = read_idx_lengths(source[len(DATA_PREFIX_SCHEME):])
-    elif source.startswith(DATA_PATH_SCHEME):
-        from megatron_wlb.data.blend import read_blend
-
-        base, _, _ = read_blend(data_path_tokens(source))
+    elif source.startswith((DATA_PREFIX_SCHEME, DATA_PATH_SCHEME)):
+        base = open_stream(source).lengths()
     else:
         base = load_lengths(source)
     if base.size == 0:
@@ -323,9 +420,10 @@ def tqdm_progress(items: Iterable[_T], desc: str, total: int | None) -> Iterable
     return tqdm(items, desc=desc, total=total, file=sys.stderr, leave=False, disable=None)
 
 
-def run_packer(packer: Packer, lengths: np.ndarray, iterations: int | None, progress: str | None = None,
-               out: IO[str] | None = None) -> list[GlobalBatch]:
-    """Pack ``lengths`` (up to ``iterations`` global batches), with a progress bar named ``progress``
+def run_packer(packer: Packer, lengths: np.ndarray | StreamSource, iterations: int | None,
+               progress: str | None = None, out: IO[str] | None = None) -> list[GlobalBatch]:
+    """Pack ``lengths`` (an array, or a ``StreamSource`` such as ``LengthStream.source()``; up to
+    ``iterations`` global batches), with a progress bar named ``progress``
     on a terminal; ``out`` gets one JSON line per global batch (``wlb pack --out``).
 
     Python's cyclic garbage collector is paused while packing: plans hold no reference cycles
@@ -343,7 +441,10 @@ def run_packer(packer: Packer, lengths: np.ndarray, iterations: int | None, prog
     was_enabled = gc.isenabled()
     gc.disable()
     try:
-        for batch in packer.pack(lengths):
+        import numpy as np
+
+        batches_of = packer.pack(lengths) if isinstance(lengths, np.ndarray) else packer.pack_source(lengths)
+        for batch in batches_of:
             batches.append(batch)
             if out is not None:
                 out.write(json.dumps({"iteration": batch.iteration, "micro_batches": [

@@ -1,7 +1,11 @@
 """``wlb pack``: run one packer over a length stream, print its metrics, optionally write the plan.
 
-    wlb pack --lengths FILE|wlbllm|stdlib | --data-prefix PREFIX  --config NAME|YAML [--packer P]
-             [--iterations K] [--out plan.jsonl] [--wlb-* knob overrides]
+    wlb pack --lengths FILE|wlbllm|stdlib | --data-prefix PREFIX | --data-path W1 P1 ...  --config NAME|YAML
+             [--packer P] [--iterations K] [--out plan.jsonl] [--data-cache-path DIR] [--wlb-* knob overrides]
+
+An indexed corpus (``--data-prefix`` / ``--data-path``) is read as wlb's training reader reads it: checked
+at start (the ``.bin`` size and the ``.idx`` pointers), memory-mapped and streamed through a moving
+window, so memory does not grow with the corpus (the plans kept for the metrics grow with ``--iterations``).
 
 ``--out`` writes one JSON line per global batch: ``{"iteration": i, "micro_batches": [[[doc_id,
 offset, length], ...], ...]}`` (micro-batch ``r * n + k`` is DP rank r's k-th).
@@ -16,12 +20,13 @@ from typing import Any
 
 from megatron_wlb.cli.common import (
     DATA_PREFIX_SCHEME,
+    add_cache_arg,
     cost_profile,
     data_path_stream,
     legend_text,
     metric_line,
+    open_stream,
     output_file,
-    resolve_lengths,
     run_packer,
 )
 from megatron_wlb.config import PACKER_NAMES, RunConfig, load_config
@@ -38,15 +43,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     stream.add_argument("--lengths", default="wlbllm",
                         help="length file (.json/.npy/.txt), 'wlbllm' (embedded) or 'stdlib' (default wlbllm)")
     stream.add_argument("--data-prefix", metavar="PREFIX", default=None,
-                        help="a Megatron indexed dataset: document lengths read from PREFIX.idx")
+                        help="a Megatron indexed dataset PREFIX.idx/.bin, in file order (read as training "
+                             "reads it: checked, memory-mapped)")
     stream.add_argument("--data-path", nargs="+", metavar="W_OR_PREFIX", default=None,
-                        help="a Megatron --data-path: 'PREFIX ...' or 'W1 PREFIX1 W2 PREFIX2 ...', each dataset "
-                             "shuffled as Megatron's GPTDataset (seed 1234) and blended by weight")
+                        help="a Megatron --data-path: 'PREFIX ...' or 'W1 PREFIX1 W2 PREFIX2 ...', one pass of "
+                             "the stream wlb's training reader gives with --seed 1234 --split 1,0,0 (each dataset "
+                             "shuffled, blended by weight; no weights: equal weights)")
     p.add_argument("--config", default="7b_128k", help="shipped config name or a YAML path (default 7b_128k)")
     p.add_argument("--profile", default=None, help="calibrated cost-model profile JSON (default: analytic)")
     p.add_argument("--packer", choices=PACKER_NAMES, default=None, help="packer (default: the config's)")
     p.add_argument("--iterations", type=int, default=None, help="stop after K global batches (default: all)")
     p.add_argument("--out", default=None, help="write the plan as JSON lines")
+    add_cache_arg(p)
     add_knob_options(p)
     p.add_argument("--json", action="store_true", help="print the metrics as JSON")
     p.set_defaults(func=run)
@@ -94,12 +102,12 @@ def run(args: argparse.Namespace) -> int:
     source = (DATA_PREFIX_SCHEME + args.data_prefix if args.data_prefix else
               data_path_stream(args.data_path) if args.data_path else args.lengths)
     out = output_file(args.out) if args.out else None
-    lengths = resolve_lengths(source)
+    stream = open_stream(source, args.data_cache_path).source()
     if out is not None:
         with open(out, "w") as f:
-            batches = run_packer(packer, lengths, args.iterations, progress=name, out=f)
+            batches = run_packer(packer, stream, args.iterations, progress=name, out=f)
     else:
-        batches = run_packer(packer, lengths, args.iterations, progress=name)
+        batches = run_packer(packer, stream, args.iterations, progress=name)
     metrics = summarize(batches, cost, packing.seq_len, stages=packing.stages, virtual_stages=packing.virtual_stages)
     from megatron_wlb.sim.experiments import schedule_label
 

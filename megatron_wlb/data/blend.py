@@ -98,14 +98,21 @@ def blend(datasets: list[np.ndarray], weights: list[float] | None) -> tuple[np.n
     return stream, [int(k.size) for k in keys]
 
 
-def read_blend(data_path: Sequence[str] | str, seed: int | None = DEFAULT_SEED) -> tuple[np.ndarray, str, int]:
+def read_blend(data_path: Sequence[str] | str, seed: int | None = DEFAULT_SEED,
+               datasets: Sequence[np.ndarray] | None = None) -> tuple[np.ndarray, str, int]:
     """Document lengths of a ``--data-path`` blend, each dataset shuffled as Megatron does (``seed``
-    + 7919 x its index; None keeps file order): (stream, description, documents not read)."""
+    + 7919 x its index; None keeps file order): (stream, description, documents not read).
+    ``datasets``: each prefix's lengths (file order) when the caller has read them (``wlb analyze``
+    reads them through the training reader, or a sample of them); else read from each ``.idx``."""
     from megatron_wlb.data.indexed import read_idx_lengths
     from megatron_wlb.packing.base import validate_lengths
 
     parts = parse_data_path(data_path)
-    datasets = [validate_lengths(read_idx_lengths(prefix), what=f"lengths in {prefix}.idx") for prefix, _ in parts]
+    if datasets is None:
+        datasets = [validate_lengths(read_idx_lengths(prefix), what=f"lengths in {prefix}.idx") for prefix, _ in parts]
+    elif len(datasets) != len(parts):
+        raise ValueError(f"{len(datasets)} datasets' lengths for the {len(parts)} prefixes of --data-path")
+    datasets = list(datasets)
     if seed is not None:
         datasets = [shuffle_documents(d, seed + 7919 * i) for i, d in enumerate(datasets)]
     weights = normalised_weights(parts)

@@ -27,6 +27,7 @@ on them unless ``skip_empty`` is set. Every error is one line naming the file.
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -136,6 +137,32 @@ def write_index(prefix: str | Path, sequence_lengths: np.ndarray, dtype: type = 
         for array in (seq, np.asarray(sequence_pointers, dtype=np.int64), np.asarray(docs, dtype=np.int64)):
             array.tofile(f)
     return p
+
+
+def write_index_chunks(prefix: str | Path, chunks: Callable[[], Iterable[np.ndarray]], dtype: type = np.uint16) -> int:
+    """Write ``PREFIX.idx`` as ``write_index`` does (one sequence per document, megatron-core's pointers) from
+    lengths given a chunk at a time: ``chunks()`` is called twice (the lengths, then the pointers) and must
+    give the same chunks both times, so memory holds one chunk whatever the size (synthetic indexes of 1e9
+    documents). Returns the number of documents."""
+    p = dataset_prefix(prefix)
+    code = next(c for c, t in DTYPE_CODES.items() if t is dtype)
+    itemsize = np.dtype(dtype).itemsize
+    with open(_with_ext(p, ".idx"), "wb") as f:
+        f.seek(_HEADER_BYTES)
+        count = 0
+        for chunk in chunks():
+            np.asarray(chunk, dtype=np.int32).tofile(f)
+            count += int(np.size(chunk))
+        end = 0
+        for chunk in chunks():
+            ends = end + np.cumsum(np.asarray(chunk, dtype=np.int64)) * itemsize
+            (ends - np.asarray(chunk, dtype=np.int64) * itemsize).tofile(f)
+            end = int(ends[-1]) if ends.size else end
+        for at in range(0, count + 1, CHECK_CHUNK):
+            np.arange(at, min(count + 1, at + CHECK_CHUNK), dtype=np.int64).tofile(f)
+        f.seek(0)
+        f.write(IDX_MAGIC + struct.pack("<Q", 1) + struct.pack("<B", code) + struct.pack("<QQ", count, count + 1))
+    return count
 
 
 def parse_idx(prefix: str | Path) -> tuple[np.ndarray, np.ndarray]:

@@ -104,12 +104,16 @@ class IndexedSource:
         self._token_range: tuple[int, int] | None = None
 
     @classmethod
-    def open(cls, prefix: str, mmap: bool = True) -> IndexedSource:
-        """Open ``prefix.bin/.idx`` (checked to belong together: a truncated .bin fails here, named)."""
+    def open(cls, prefix: str, mmap: bool = True, flag: str = "--data-path") -> IndexedSource:
+        """Open ``prefix.bin/.idx`` (checked to belong together: a truncated .bin fails here, named);
+        ``flag`` is the option that named ``prefix`` (in the messages)."""
         missing = [ext for ext in (".idx", ".bin") if not os.path.isfile(prefix + ext)]
+        if ".idx" not in missing:
+            read_index(prefix)  # a damaged .idx is named as such, before a missing .bin
         if missing:
             hint = f" (drop the extension: {prefix[:-4]})" if prefix.endswith((".bin", ".idx")) else ""
-            raise ValueError(f"--data-path {prefix}: no {' / '.join(prefix + m for m in missing)}; give the "
+            only = " (only the .bin is there)" if missing == [".idx"] else ""
+            raise ValueError(f"{flag} {prefix}: no {' / '.join(prefix + m for m in missing)}{only}; give the "
                              f"prefix of a Megatron indexed dataset (PREFIX.bin + PREFIX.idx){hint}")
         checked = check_bin_matches_idx(prefix)
         index = read_index(prefix)
@@ -127,6 +131,25 @@ class IndexedSource:
     @property
     def num_documents(self) -> int:
         return int(self.lengths.size)
+
+    def sample_lengths(self, count: int | None = None, seed: int = 0) -> np.ndarray:
+        """Lengths (int64, file order) of every document, or of ``count`` of them drawn uniformly without
+        replacement (``numpy.random.default_rng(seed)``), kept in file order: only those entries of the
+        mapped ``.idx`` are read, so memory grows with ``count``, not with the corpus."""
+        n = self.num_documents
+        if count is None or count >= n:
+            return np.asarray(self.lengths, dtype=np.int64)
+        if count < 1:
+            raise ValueError(f"{self.prefix}: a sample needs at least 1 document, got {count}")
+        picked = np.sort(np.random.default_rng(seed).choice(n, size=int(count), replace=False))
+        return np.asarray(self.lengths[picked], dtype=np.int64)
+
+    def tokens_in(self, begin: int = 0, end: int | None = None) -> int:
+        """Tokens of documents ``[begin, end)`` (all by default), summed a chunk at a time (no copy of the
+        lengths)."""
+        stop = self.num_documents if end is None else min(int(end), self.num_documents)
+        return sum(int(np.sum(self.lengths[at:min(stop, at + STREAM_CHUNK)], dtype=np.int64))
+                   for at in range(int(begin), stop, STREAM_CHUNK))
 
     def token_id_range(self, limit: int | None = None) -> tuple[int, int]:
         """(smallest, largest) token id in ``PREFIX.bin`` ((0, -1) if empty), or in its first ``limit``
@@ -725,6 +748,13 @@ class DocumentReader:
                 held = self._mapped_orders[i] = (epoch, cached_order(self.order_cache, self.seed, i, epoch, e - b))
             return held[1]
         return shuffled_order(self.seed, i, epoch, e - b)
+
+    def epoch_tokens(self) -> int:
+        """The virtual time at which the blend's first dataset has been read once (its split range, in
+        its epoch's order): ``stream(epoch_tokens())`` is one pass over the corpus, no document repeated
+        (one dataset: every document once; a blend: as ``blend.blend``, the others up to that time)."""
+        return max(1, math.floor(min(src.tokens_in(b, e) / float(w)
+                                    for src, (b, e), w in zip(self.sources, self.ranges, self.weights, strict=True))))
 
     def stream(self, tokens: int) -> DocumentStream:
         """The documents scheduled before virtual time ``tokens`` (about that many tokens), lazily."""
