@@ -25,9 +25,10 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _results import replace_readme_table, write_result  # noqa: E402
+from _results import write_result  # noqa: E402
 
 README_MARKER = "<!-- agreement-table -->"
+README_END = "<!-- /agreement-table -->"
 CP = 2
 
 
@@ -136,6 +137,12 @@ def startup_table(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def readme_block(result: dict) -> str:
+    """What the README holds between its agreement markers."""
+    return (readme_table(result) + "\nAt start-up, the fingerprint of one dataset (per rank, once):\n\n"
+            + startup_table(result))
+
+
 def to_markdown(result: dict) -> str:
     return (f"Agreement per iteration ({result['config']} wlb plan, gloo on the CPU; layouts: adaptive over CP2, "
             f"once per iteration with the plan); {result['machine']}.\n\n{readme_table(result)}\n"
@@ -166,8 +173,10 @@ def main(argv: list[str] | None = None) -> None:
     result = {"config": args.config, "machine": machine(), "rows": rows, "startup": startup}
     write_result(args.out, result, to_markdown)
     if args.readme:
-        replace_readme_table(Path(__file__).resolve().parents[1] / "README.md", README_MARKER,
-                             readme_table(result) + "\n" + startup_table(result))
+        readme = Path(__file__).resolve().parents[1] / "README.md"
+        before, rest = readme.read_text().split(README_MARKER + "\n", 1)
+        after = rest.split(README_END, 1)[1]
+        readme.write_text(f"{before}{README_MARKER}\n{readme_block(result)}{README_END}{after}")
 
 
 if __name__ == "__main__":

@@ -35,8 +35,8 @@ def test_the_paired_block_is_the_recorded_run():
 
 def test_the_agreement_table_is_the_recorded_run():
     mod = load_script("bench_plan_agreement")
-    table = mod.readme_table(_result("plan_agreement")) + "\n" + mod.startup_table(_result("plan_agreement"))
-    assert README.split(mod.README_MARKER, 1)[1].lstrip("\n").startswith(table)
+    block = README.split(mod.README_MARKER + "\n", 1)[1].split(mod.README_END, 1)[0]
+    assert block == mod.readme_block(_result("plan_agreement"))
 
 
 def test_the_data_scale_tables_and_summary_are_the_recorded_run():
