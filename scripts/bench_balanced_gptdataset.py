@@ -40,12 +40,12 @@ from _results import write_result  # noqa: E402
 from bench_packing import CORPORA_DIR, STREAMS  # noqa: E402
 
 import megatron_wlb  # noqa: E402
-from megatron_wlb.cli.common import machine  # noqa: E402
 from megatron_wlb.config import load_config  # noqa: E402
 from megatron_wlb.costmodel import build_cost_model  # noqa: E402
 from megatron_wlb.data import load_lengths  # noqa: E402
 from megatron_wlb.packing import make_packer, summarize  # noqa: E402
 from megatron_wlb.packing.types import GlobalBatch  # noqa: E402
+from megatron_wlb.provenance import machine  # noqa: E402
 
 CONFIG = "7b_128k"
 SEED = 1234

@@ -54,12 +54,12 @@ def _median_ms(fn, reps: int) -> float:
 def run(layers: int, reps: int, step_ms: float = 100.0) -> dict:
     import torch
 
-    from megatron_wlb.cli.common import machine
     from megatron_wlb.cp.attention import CPAttentionMetadata
     from megatron_wlb.cp.plan import CPSharding
     from megatron_wlb.data import load_lengths
     from megatron_wlb.megatron.cp_hooks import upload_micro_batch
     from megatron_wlb.megatron.data import rank_micro_batch
+    from megatron_wlb.provenance import machine
 
     lengths = np.random.default_rng(0).permutation(load_lengths())
     rng = np.random.default_rng(1)

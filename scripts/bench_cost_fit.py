@@ -32,10 +32,10 @@ sys.path.insert(0, str(REPO / "scripts"))
 
 from _results import write_result  # noqa: E402
 
-from megatron_wlb.cli.common import machine  # noqa: E402
 from megatron_wlb.costmodel import PROFILE_FORMAT, ModelShape, fit_profile, holdout_every, holdout_mape  # noqa: E402
 from megatron_wlb.costmodel.table import MAX_KNOTS, choose_knots  # noqa: E402
 from megatron_wlb.costmodel.trace import profile_points, read_trace, trace_setup  # noqa: E402
+from megatron_wlb.provenance import machine  # noqa: E402
 
 NOTE = ("Both runs use `measurement_env` (one core and one thread per rank, glibc's heap kept): before it, the "
         "ranks spent ~40% of their thread time in the kernel faulting in attention buffers, the same micro-batch "

@@ -299,7 +299,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.cli:
         print(json.dumps(measure_cli(*args.cli)))
         return
-    from megatron_wlb.cli.common import machine
+    from megatron_wlb.provenance import machine
 
     rows, cli_rows, notes = [], [], []
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:

@@ -37,12 +37,12 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from _results import replace_readme_table, write_result  # noqa: E402
 from bench_packing import STREAMS, stream_lengths  # noqa: E402
 
-from megatron_wlb.cli.common import machine  # noqa: E402
 from megatron_wlb.config import load_config  # noqa: E402
 from megatron_wlb.costmodel import build_cost_model  # noqa: E402
 from megatron_wlb.megatron.version import MAIN_COMMIT  # noqa: E402
 from megatron_wlb.packing.metrics import slowest_rank_schedule_time  # noqa: E402
 from megatron_wlb.packing.types import DocPiece, GlobalBatch, MicroBatch  # noqa: E402
+from megatron_wlb.provenance import machine  # noqa: E402
 from megatron_wlb.sim.iteration import split_documents  # noqa: E402
 
 DEFAULT_MIRROR = "/work/.mirror/NVIDIA+Megatron-LM/repo"

@@ -50,11 +50,11 @@ sys.path.insert(0, str(REPO / "scripts"))
 
 from _results import write_result  # noqa: E402
 
-from megatron_wlb.cli.common import machine  # noqa: E402
 from megatron_wlb.costmodel import ModelShape, ParallelLayout, build_cost_model  # noqa: E402
 from megatron_wlb.costmodel.measured import IterationTotals  # noqa: E402
 from megatron_wlb.costmodel.trace import Trace, read_trace  # noqa: E402
 from megatron_wlb.megatron.cpu import TINY_GPT_EOD, measurement_env  # noqa: E402
+from megatron_wlb.provenance import machine  # noqa: E402
 
 SEQ_LEN = 1024
 #: the tiny GPT (on top of megatron_wlb.megatron.cpu.TINY_GPT_ARGS)

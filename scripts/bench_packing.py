@@ -35,11 +35,12 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from _results import replace_readme_table, write_result  # noqa: E402
 
-from megatron_wlb.cli.common import machine, resolve_lengths, run_packer  # noqa: E402
+from megatron_wlb.cli.common import resolve_lengths, run_packer  # noqa: E402
 from megatron_wlb.cli.main import main as wlb_main  # noqa: E402
 from megatron_wlb.config import load_config  # noqa: E402
 from megatron_wlb.costmodel import build_cost_model  # noqa: E402
 from megatron_wlb.packing import make_packer, summarize  # noqa: E402
+from megatron_wlb.provenance import machine  # noqa: E402
 
 CORPORA_DIR = ROOT / "docs" / "results" / "corpora"
 STREAMS = ("wlbllm", "stdlib", "pypkgs", "headers", "docs", "prose", "books", "logs", "data")

@@ -52,8 +52,8 @@ sys.path.insert(0, str(REPO / "scripts"))
 
 from _results import write_result  # noqa: E402
 
-from megatron_wlb.cli.common import machine  # noqa: E402
 from megatron_wlb.megatron.cpu import TINY_GPT_EOD, measurement_env  # noqa: E402
+from megatron_wlb.provenance import machine  # noqa: E402
 
 SEQ_LEN = 4096
 EOD = TINY_GPT_EOD

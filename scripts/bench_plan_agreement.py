@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", default="docs/results/plan_agreement")
     p.add_argument("--readme", action="store_true", help="also write the README's table")
     args = p.parse_args(argv)
-    from megatron_wlb.cli.common import machine
+    from megatron_wlb.provenance import machine
 
     worlds = [int(w) for w in args.worlds.split(",")]
     if any(w % CP for w in worlds):

@@ -28,8 +28,9 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from _results import replace_readme_table, write_result  # noqa: E402
 
-from megatron_wlb.cli.common import machine, resolve_lengths  # noqa: E402
+from megatron_wlb.cli.common import resolve_lengths  # noqa: E402
 from megatron_wlb.config import load_config  # noqa: E402
+from megatron_wlb.provenance import machine  # noqa: E402
 from megatron_wlb.sim.experiments import (  # noqa: E402
     BALANCED_CUT,
     DEFAULT_VIRTUAL_STAGES,

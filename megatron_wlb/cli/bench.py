@@ -34,7 +34,6 @@ from megatron_wlb.cli.common import (
     add_cache_arg,
     cost_profile,
     data_path_stream,
-    machine,
     open_stream,
     output_dir,
     positive,
@@ -43,6 +42,7 @@ from megatron_wlb.cli.common import (
 from megatron_wlb.config import load_config
 from megatron_wlb.costmodel import build_cost_model
 from megatron_wlb.packing import make_packer, summarize
+from megatron_wlb.provenance import machine
 from megatron_wlb.sim.experiments import schedule_label
 
 

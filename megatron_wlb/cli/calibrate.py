@@ -48,7 +48,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from megatron_wlb.cli.common import machine, output_file, positive
+from megatron_wlb.cli.common import output_file, positive
 from megatron_wlb.costmodel import (
     PROFILE_FORMAT,
     CalibratedCostModel,
@@ -63,6 +63,7 @@ from megatron_wlb.costmodel import (
 )
 from megatron_wlb.costmodel.table import MAX_KNOTS, choose_knots
 from megatron_wlb.cp.efficiency import EFFICIENCY_FORMAT, KernelEfficiency
+from megatron_wlb.provenance import machine
 
 #: a line of progress to stderr
 Log = Callable[[str], None]

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import shlex
 import sys
 from collections.abc import Iterable, Sequence
@@ -457,19 +455,3 @@ def run_packer(packer: Packer, lengths: np.ndarray | StreamSource, iterations: i
             gc.enable()
         bar.close()
     return batches
-
-
-def machine() -> str:
-    """One line naming this machine's CPU, cores, Python and load (benchmarks record it)."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    load = ""
-    if hasattr(os, "getloadavg"):
-        load = f", load average {os.getloadavg()[0]:.1f} at start (shared machine)"
-    return f"{cpu}, {os.cpu_count()} cores visible, Python {platform.python_version()}, {platform.system()}{load}"

@@ -367,9 +367,9 @@ def _start_recorder(args: Any, settings: WlbSettings, n: int, cost: CostModel | 
     import torch
     from megatron.core import package_info, parallel_state
 
-    from megatron_wlb.cli.common import machine
     from megatron_wlb.megatron import timing
     from megatron_wlb.megatron.cp_hooks import training_device
+    from megatron_wlb.provenance import machine
 
     pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
     vpp = int(getattr(args, "virtual_pipeline_model_parallel_size", None) or 1)
