@@ -1,11 +1,14 @@
 """Shared by the benchmark scripts: write a result as OUT.json and OUT.md (and print the Markdown), and
-write a summary table into the README after its marker."""
+write a summary table into the results page (``docs/results.md``, ``--page``) after its marker."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable
 from pathlib import Path
+
+#: the generated results page every benchmark's ``--page`` writes its block into (the README links it)
+RESULTS_PAGE = Path(__file__).resolve().parents[1] / "docs" / "results.md"
 
 
 def write_result(out: str | Path, result: dict, to_markdown: Callable[[dict], str]) -> None:
@@ -19,7 +22,7 @@ def write_result(out: str | Path, result: dict, to_markdown: Callable[[dict], st
 
 
 def replace_readme_table(path: Path, marker: str, table: str) -> None:
-    """Replace the Markdown table right after the line ``marker`` in the README at ``path`` with
+    """Replace the Markdown table right after the line ``marker`` in the page at ``path`` with
     ``table`` (the lines starting with ``|`` there; none is fine)."""
     lines = path.read_text().splitlines(keepends=True)
     start = next((i for i, line in enumerate(lines) if line.strip() == marker), None)

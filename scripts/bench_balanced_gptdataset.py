@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Balance targets of the balanced concat-and-cut in Megatron GPTDataset order, one command:
-``python scripts/bench_balanced_gptdataset.py [--iterations K] [--streams a,b] [--dp 1,4] [--readme]``.
+``python scripts/bench_balanced_gptdataset.py [--iterations K] [--streams a,b] [--dp 1,4] [--page]``.
 
 For every frontier stream (``bench_packing.STREAMS``: the embedded stand-in and docs/results/corpora)
 megatron-core's own ``GPTDataset`` indices are built over the stream's document lengths
@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from _results import write_result  # noqa: E402
+from _results import RESULTS_PAGE, write_result  # noqa: E402
 from bench_packing import CORPORA_DIR, STREAMS  # noqa: E402
 
 import megatron_wlb  # noqa: E402
@@ -205,7 +205,7 @@ def _span(values: list[float], digits: int) -> str:
 
 
 def readme_summary(result: dict) -> str:
-    """The README's sentences on the balance the training intake (read_ahead off) leaves, from ``result``."""
+    """The the results page's sentences on the balance the training intake (read_ahead off) leaves, from ``result``."""
     def rows(dp: int, k: int) -> list[dict]:
         return [t["rows"][k] for t in result["tables"] if t["dp"] == dp]
 
@@ -231,7 +231,7 @@ def readme_summary(result: dict) -> str:
 
 
 def update_readme(result: dict, path: Path) -> None:
-    """Write ``readme_summary`` between the README's balanced-gptdataset markers."""
+    """Write ``readme_summary`` between the results page's balanced-gptdataset markers."""
     text = path.read_text()
     begin, end = text.find(README_BEGIN), text.find(README_END)
     if begin < 0 or end < begin:
@@ -246,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dp", default="1,4", help="data-parallel sizes, comma-separated (default 1,4)")
     ap.add_argument("--out", default=str(ROOT / "docs" / "results" / "balanced_gptdataset"),
                     help="output path without suffix (.json and .md are written)")
-    ap.add_argument("--readme", action="store_true", help="also write the summary sentences into README.md")
+    ap.add_argument("--page", action="store_true", help="also write the summary sentences into docs/results.md")
     args = ap.parse_args(argv)
     if args.iterations < 1:
         raise SystemExit(f"--iterations must be >= 1, got {args.iterations}")
@@ -261,8 +261,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--dp must be comma-separated positive integers, got {args.dp!r}")
     result = run(streams, dps, args.iterations)
     write_result(args.out, result, to_markdown)
-    if args.readme:
-        update_readme(result, ROOT / "README.md")
+    if args.page:
+        update_readme(result, RESULTS_PAGE)
     return 0
 
 

@@ -20,7 +20,7 @@ A size that the disk or memory cannot hold (the ``.idx`` is 20 bytes a document,
 the in-memory order 4 bytes a document of memory) is replaced by the largest of ``FALLBACK_SIZES`` that
 fits, said in the result.
 
-    flock /work/bench.lock python scripts/bench_data_scale.py --readme
+    flock /work/bench.lock python scripts/bench_data_scale.py --page
     python scripts/bench_data_scale.py --sizes 1e5 --out /tmp/scale     # quick
 """
 
@@ -41,7 +41,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _results import replace_readme_table, write_result  # noqa: E402
+from _results import RESULTS_PAGE, replace_readme_table, write_result  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 README_MARK = "<!-- scale-table -->"
@@ -287,8 +287,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--sizes", default="1e6,1e7,1e8,1e9", help="documents per corpus, comma-separated")
     p.add_argument("--out", default="docs/results/data_scale", help="result path without suffix")
     p.add_argument("--workdir", default=None, help="where the synthetic corpora go (default: a temp dir)")
-    p.add_argument("--readme", action="store_true",
-                   help=f"also write the tables and the summary into README.md ({README_MARK}, {README_CLI_MARK}, "
+    p.add_argument("--page", action="store_true",
+                   help=f"also write the tables and summary into docs/results.md ({README_MARK}, {README_CLI_MARK}, "
                         f"{README_BEGIN})")
     p.add_argument("--rank", nargs="+", metavar="PREFIX TOKENS [CACHE]", help=argparse.SUPPRESS)
     p.add_argument("--cli", nargs=3, metavar="COMMAND PREFIX WORKDIR", help=argparse.SUPPRESS)
@@ -346,8 +346,8 @@ def main(argv: list[str] | None = None) -> None:
     result = {"config": CONFIG, "machine": machine(), "rows": rows, "cli_rows": cli_rows,
               "fallback": " ".join(notes)}
     write_result(args.out, result, to_markdown)
-    if args.readme:
-        readme = ROOT / "README.md"
+    if args.page:
+        readme = RESULTS_PAGE
         replace_readme_table(readme, README_MARK, training_table(result))
         replace_readme_table(readme, README_CLI_MARK, cli_table(result))
         replace_readme_block(readme, readme_summary(result))

@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """megatron-wlb against Megatron-LM main's own sequence-packing scheduler, one command:
-``python scripts/bench_main_scheduler.py [--iterations K] [--readme]``.
+``python scripts/bench_main_scheduler.py [--iterations K] [--page]``.
 
 Main's ``DpBalancedScheduler.get_groups_and_subsamples`` (``sequence_packing_scheduler = "dp_balanced"``, imported
 from a Megatron-LM main checkout: the work tree ``$MEGATRON_LM`` names, or a checkout of ``version.MAIN_COMMIT``
@@ -13,7 +13,7 @@ tokens per DP rank's micro-batch). A global batch is the documents, in arrival o
 since main's schedulers place samples whole. Every plan is scored with the project's scorer
 (``packing.metrics.slowest_rank_schedule_time``: the slowest DP rank's 1F1B time under the 7B cost model, and the
 same with every micro-batch at the iteration's mean); writes docs/results/main_scheduler.{json,md} and, with
-``--readme``, the summary table after README's ``<!-- main-scheduler-table -->``.
+``--page``, the summary table after the results page's ``<!-- main-scheduler-table -->``.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from _results import replace_readme_table, write_result  # noqa: E402
+from _results import RESULTS_PAGE, replace_readme_table, write_result  # noqa: E402
 from bench_packing import STREAMS, stream_lengths  # noqa: E402
 
 from megatron_wlb.config import load_config  # noqa: E402
@@ -184,7 +184,7 @@ def summary_table(result: dict) -> str:
 
 
 def readme_table(result: dict) -> str:
-    """The README's compact table: per stream and DP size, slowest rank / balanced of dp_balanced and wlb, and
+    """The the results page's compact table: per stream and DP size, slowest rank / balanced of dp_balanced and wlb, and
     the iteration-time ratio dp_balanced / wlb."""
     dps = sorted({r["dp"] for r in result["rows"]})
     by = {(r["stream"], r["dp"]): r for r in result["rows"]}
@@ -233,15 +233,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--streams", default=",".join(STREAMS))
     ap.add_argument("--dp", default="1,2,4,8")
     ap.add_argument("--out", default=str(ROOT / "docs" / "results" / "main_scheduler"))
-    ap.add_argument("--readme", action="store_true", help=f"also write the summary table after {README_MARK}")
+    ap.add_argument("--page", action="store_true", help=f"also write the summary table after {README_MARK}")
     args = ap.parse_args(argv)
     if args.render:
         result = json.loads(Path(args.render).read_text())
     else:
         result = run(args.streams.split(","), [int(x) for x in args.dp.split(",")], args.iterations)
     write_result(args.out, result, to_markdown)
-    if args.readme:
-        replace_readme_table(ROOT / "README.md", README_MARK, readme_table(result))
+    if args.page:
+        replace_readme_table(RESULTS_PAGE, README_MARK, readme_table(result))
     return 0
 
 

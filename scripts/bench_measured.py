@@ -3,7 +3,7 @@
 
     python scripts/bench_measured.py                 # the full benchmark (~25 min on 2 cores)
     python scripts/bench_measured.py --quick         # a ~3-minute smoke run of the same code
-    python scripts/bench_measured.py --readme README.md   # also writes the README's measured table
+    python scripts/bench_measured.py --page docs/results.md   # also writes the results page's measured table
 
 Megatron's training loop through our launcher on this machine's CPU (gloo; ``WLB_PIN_CORES=1``: one
 process per core, one thread each), a tiny GPT in which attention matters (hidden 64, 4 heads, 2
@@ -375,7 +375,7 @@ def online_against_calibrated(results: list[RunResult], profile: dict[str, Any],
 
 # -- output -----------------------------------------------------------------------------------------------
 def markdown(result: dict[str, Any]) -> str:
-    """The results page, and (first table) the README's summary."""
+    """The results page of this benchmark, and (first table) docs/results.md's summary."""
     lines = [table(result), "", "Ratios (tokens/s of each method over the first of its experiment; simulator "
              "with the calibrated profile on the same plans beside the measurement):", "",
              "| experiment | method | over | measured | predicted | prediction error |", "|---|---|---|---|---|---|"]
@@ -428,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=None, help="iterations not measured (default 6; quick 3)")
     ap.add_argument("--repeats", type=int, default=None, help="interleaved repeats (default 2; quick 1)")
     ap.add_argument("--experiments", default="cp,pp,dp,users,online")
-    ap.add_argument("--readme", type=Path, default=None, help="write the summary table into this README")
+    ap.add_argument("--page", type=Path, default=None, help="write the summary table into this page (docs/results.md)")
     ap.add_argument("--reuse-traces", action="store_true",
                     help="analyse the traces an earlier run left in --work again instead of training (same flags)")
     args = ap.parse_args(argv)
@@ -485,8 +485,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     write_result(args.out / "measured", result,
                  lambda r: "# Measured in Megatron's training loop\n\n" + markdown(r) + "\n")
-    if args.readme is not None:
-        write_readme(args.readme, table(result))
+    if args.page is not None:
+        write_readme(args.page, table(result))
     log(f"wrote {args.out / 'measured.json'} and measured.md")
     return 0
 

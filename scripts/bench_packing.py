@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from _results import replace_readme_table, write_result  # noqa: E402
+from _results import RESULTS_PAGE, replace_readme_table, write_result  # noqa: E402
 
 from megatron_wlb.cli.common import resolve_lengths, run_packer  # noqa: E402
 from megatron_wlb.cli.main import main as wlb_main  # noqa: E402
@@ -174,7 +174,7 @@ README_MARK = "<!-- packing-table -->"
 
 
 def update_readme(result: dict, path: Path) -> None:
-    """Replace the summary table right after README's ``<!-- packing-table -->`` marker with this run's."""
+    """Replace the summary table right after the results page's ``<!-- packing-table -->`` marker with this run's."""
     replace_readme_table(path, README_MARK, summary_table(result))
 
 
@@ -320,8 +320,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plot", default=str(ROOT / "docs" / "img" / "packing_frontier.png"))
     ap.add_argument("--table", action="store_true", help="also regenerate the Table 2 benchmark (wlb bench)")
     ap.add_argument("--render", default=None, help="only re-render the Markdown and plot from this JSON")
-    ap.add_argument("--readme", action="store_true",
-                    help="also write the summary table into README.md (after <!-- packing-table -->)")
+    ap.add_argument("--page", action="store_true",
+                    help="also write the summary table into docs/results.md (after <!-- packing-table -->)")
     ap.add_argument("--solver-cases", action="store_true",
                     help="only time the fixed-solver on windows of many equal pieces "
                          "(docs/results/packing_solver_cases)")
@@ -335,8 +335,8 @@ def main(argv: list[str] | None = None) -> int:
         result = frontier([s for s in args.streams.split(",") if s], [int(d) for d in args.dp.split(",")],
                           args.iterations, args.quick)
     write_result(args.out, result, to_markdown)
-    if args.readme:
-        update_readme(result, ROOT / "README.md")
+    if args.page:
+        update_readme(result, RESULTS_PAGE)
     if args.plot:
         plot(result, Path(args.plot))
     if args.table:

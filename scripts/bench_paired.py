@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Paired runs at equal work: two methods in one Megatron process, alternating ABBA, wall and replay.
 
-    python scripts/bench_paired.py --readme   # calibration + the four paired runs (~15 min on 2 cores), README block
+    python scripts/bench_paired.py --page   # calibration + the four paired runs (~15 min on 2 cores) + page block
     python scripts/bench_paired.py --quick    # a short smoke run of the same code (slow test lane)
 
 First a calibration run (DP2 wlb, thread clock) and ``wlb calibrate --from-trace`` give this machine's cost
@@ -30,7 +30,7 @@ which attention is most of a step):
 - ``dp`` / ``pp``  DP2 and PP2: wlb against fixed-greedy, documents whole (both read the same stream);
 - ``cp``     CP2: the same wlb plans sharded per-document against per-sequence.
 
-Writes docs/results/paired.{json,md}; ``--readme`` also writes the README's paired block.
+Writes docs/results/paired.{json,md}; ``--page`` also writes the results page's paired block.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
 
-from _results import write_result  # noqa: E402
+from _results import RESULTS_PAGE, write_result  # noqa: E402
 
 from megatron_wlb.megatron.cpu import TINY_GPT_EOD, measurement_env  # noqa: E402
 from megatron_wlb.provenance import machine  # noqa: E402
@@ -304,7 +304,7 @@ def to_markdown(result: dict) -> str:
 
 
 def readme_summary(result: dict) -> str:
-    """The README's paired block, from ``result``."""
+    """The the results page's paired block, from ``result``."""
     return to_markdown(result).split("\n", 2)[2].strip()
 
 
@@ -316,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--comparisons", default=",".join(c.name for c in COMPARISONS))
     ap.add_argument("--work", default=str(REPO / "out" / "paired"), help="run folder (traces, logs)")
     ap.add_argument("--out", default=str(REPO / "docs" / "results" / "paired"))
-    ap.add_argument("--readme", action="store_true", help="also write the README's paired block")
+    ap.add_argument("--page", action="store_true", help="also write the results page's paired block")
     ap.add_argument("--reuse", action="store_true", help="analyse the runs already in --work again (no training)")
     args = ap.parse_args(argv)
     steps = args.steps or (12 if args.quick else 100)
@@ -363,8 +363,8 @@ def main(argv: list[str] | None = None) -> int:
               "calibration": {"steps": calibration_steps, "mape": holdout.get("mape")} if holdout.get("mape") else None,
               "comparisons": results}
     write_result(args.out, result, to_markdown)
-    if args.readme:
-        readme = REPO / "README.md"
+    if args.page:
+        readme = RESULTS_PAGE
         text = readme.read_text()
         a, b = text.find(README_BEGIN), text.find(README_END)
         if a < 0 or b < a:

@@ -10,7 +10,7 @@ seconds of a call over every rank, the digest alone, and the layouts (once per i
 At start-up: the fingerprint of one dataset of 1e6 .. ``--docs`` documents (a synthetic ``.idx`` written whole,
 a sparse ``.bin``): the whole ``.idx``'s sha256 and the sampled ``.bin``'s, seconds (best of 3).
 
-    flock /work/bench.lock python scripts/bench_plan_agreement.py --readme
+    flock /work/bench.lock python scripts/bench_plan_agreement.py --page
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _results import write_result  # noqa: E402
+from _results import RESULTS_PAGE, write_result  # noqa: E402
 
 README_MARKER = "<!-- agreement-table -->"
 README_END = "<!-- /agreement-table -->"
@@ -120,7 +120,7 @@ def _timed(fn, *args) -> float:
 
 
 def readme_table(result: dict) -> str:
-    """The README's table: per-iteration rows, then the start-up fingerprint rows."""
+    """The the results page's table: per-iteration rows, then the start-up fingerprint rows."""
     lines = ["| ranks (DP x CP) | pieces in the plan | digest | layouts of a DP rank's micro-batches | check (digest + "
              "all-reduce), median | 90th percentile |", "|---:|---:|---:|---:|---:|---:|"]
     for row in result["rows"]:
@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--calls", type=int, default=200)
     p.add_argument("--docs", type=float, default=1e8, help="largest dataset of the start-up rows (documents)")
     p.add_argument("--out", default="docs/results/plan_agreement")
-    p.add_argument("--readme", action="store_true", help="also write the README's table")
+    p.add_argument("--page", action="store_true", help="also write the results page's table")
     args = p.parse_args(argv)
     from megatron_wlb.provenance import machine
 
@@ -172,8 +172,8 @@ def main(argv: list[str] | None = None) -> None:
             print(f"fingerprint at {n:.0e} documents: {startup[-1]['seconds']:.2f} s", flush=True)
     result = {"config": args.config, "machine": machine(), "rows": rows, "startup": startup}
     write_result(args.out, result, to_markdown)
-    if args.readme:
-        readme = Path(__file__).resolve().parents[1] / "README.md"
+    if args.page:
+        readme = RESULTS_PAGE
         before, rest = readme.read_text().split(README_MARKER + "\n", 1)
         after = rest.split(README_END, 1)[1]
         readme.write_text(f"{before}{README_MARKER}\n{readme_block(result)}{README_END}{after}")

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""What each packing buys on each corpus, one command: ``python scripts/bench_verdict.py [--readme]``.
+"""What each packing buys on each corpus, one command: ``python scripts/bench_verdict.py [--page]``.
 
 For every corpus (the embedded stand-in and the real corpora of ``scripts/build_corpora.py``) and
 every configuration of the paper's Table 1, the simulator runs concat-and-cut (Megatron's default),
@@ -7,8 +7,8 @@ the whole-document baseline, WLB-LLM (documents whole) and the balanced concat-a
 (``pieces: concat-and-cut``: concat-and-cut's own pieces, balanced) on the same stream, under the
 README headline's schedule (interleaved 1F1B, ``DEFAULT_VIRTUAL_STAGES``), and reports each
 method's simulated throughput over concat-and-cut, the geometric mean per corpus, and
-``recommendation()``'s advice. Writes docs/results/verdict.{md,json}; ``--readme`` also writes the
-per-corpus summary into README.md after ``<!-- verdict-table -->``.
+``recommendation()``'s advice. Writes docs/results/verdict.{md,json}; ``--page`` also writes the
+per-corpus summary into docs/results.md after ``<!-- verdict-table -->``.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from _results import replace_readme_table, write_result  # noqa: E402
+from _results import RESULTS_PAGE, replace_readme_table, write_result  # noqa: E402
 
 from megatron_wlb.cli.common import resolve_lengths  # noqa: E402
 from megatron_wlb.config import load_config  # noqa: E402
@@ -150,7 +150,7 @@ def to_markdown(result: dict) -> str:
 
 
 def update_readme(result: dict, path: Path) -> None:
-    """Replace the summary table right after README's ``<!-- verdict-table -->`` marker with this run's."""
+    """Replace the summary table right after the results page's ``<!-- verdict-table -->`` marker with this run's."""
     replace_readme_table(path, README_MARK, summary_table(result))
 
 
@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--streams", default="", help="comma-separated corpora (default: wlbllm and every built one)")
     ap.add_argument("--configs", default=",".join(TABLE1_CONFIGS))
     ap.add_argument("--out", default=str(ROOT / "docs" / "results" / "verdict"))
-    ap.add_argument("--readme", action="store_true", help="also write the summary into README.md")
+    ap.add_argument("--page", action="store_true", help="also write the summary into docs/results.md")
     args = ap.parse_args(argv)
     if args.iterations < 1:
         ap.error(f"--iterations must be >= 1, got {args.iterations}")
@@ -169,8 +169,8 @@ def main(argv: list[str] | None = None) -> int:
         load_config(c)  # an unknown name fails here, before any work
     result = run(corpora([s for s in args.streams.split(",") if s]), configs, args.iterations)
     write_result(args.out, result, to_markdown)
-    if args.readme:
-        update_readme(result, ROOT / "README.md")
+    if args.page:
+        update_readme(result, RESULTS_PAGE)
     return 0
 
 

@@ -88,7 +88,7 @@ def test_quick_run_end_to_end(tmp_path):
     readme = tmp_path / "README.md"
     readme.write_text("x\n<!-- measured-table -->\nSTALE TABLE\n<!-- /measured-table -->\ny\n")
     cmd = [sys.executable, str(REPO / "scripts" / "bench_measured.py"), "--quick", "--iterations", "6", "--warmup", "2",
-           "--experiments", "dp", "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work"), "--readme",
+           "--experiments", "dp", "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work"), "--page",
            str(readme)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]

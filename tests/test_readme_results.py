@@ -1,5 +1,6 @@
-"""README numbers come from their results files: a README number that drifts from its benchmark's
-latest recorded run fails here (rerun the benchmark with ``--readme``)."""
+"""Numbers come from their results files: a number of the results page (docs/results.md) that drifts from its
+benchmark's latest recorded run fails here (rerun the benchmark with ``--page``), and so does the README's
+headline table (``scripts/headline.py --write``)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 from conftest import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
-README = (ROOT / "README.md").read_text()
+README = (ROOT / "docs" / "results.md").read_text()  # the results page: every benchmark's block
 
 
 def _result(name: str) -> dict:
@@ -50,3 +51,15 @@ def test_the_data_scale_tables_and_summary_are_the_recorded_run():
     block = README.split(mod.README_BEGIN, 1)[1].split(mod.README_END, 1)[0]
     assert block.strip() == mod.readme_summary(result).strip()
     assert max(row["documents"] for row in result["cli_rows"]) == max(row["documents"] for row in result["rows"])
+
+
+def test_the_readme_headline_is_the_recorded_results():
+    mod = load_script("headline")
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split(mod.BEGIN + "\n", 1)[1].split(mod.END, 1)[0]
+    assert block == mod.current()
+
+
+def test_the_reproduce_block_is_the_recorded_report():
+    block = README.split("<!-- reproduce-table -->", 1)[1].split("<!-- /reproduce-table -->", 1)[0]
+    assert block.strip() == (ROOT / "docs" / "results" / "reproduce" / "readme.md").read_text().strip()

@@ -247,12 +247,12 @@ def test_cli_simulate_analyze_reproduce(tmp_path, capsys):
     readme = tmp_path / "README.md"
     readme.write_text("# x\nbefore\n<!-- reproduce-table -->\nold table\n<!-- /reproduce-table -->\nafter\n")
     assert main(["reproduce", "--out", str(tmp_path / "rep"), "--iterations", "1", "--configs", "550m_64k",
-                 "--lengths", str(lengths_file), "--readme", str(readme)]) == 0
+                 "--lengths", str(lengths_file), "--page", str(readme)]) == 0
     assert (tmp_path / "rep" / "report.md").exists()
     text = readme.read_text()
     assert "old table" not in text and text.startswith("# x\nbefore\n") and text.endswith("after\n")
     assert (tmp_path / "rep" / "readme.md").read_text().strip() in text
-    assert (tmp_path / "docs" / "img" / "reproduce_speedups.png").stat().st_size > 2000
+    assert (tmp_path / "img" / "reproduce_speedups.png").stat().st_size > 2000
 
 
 def test_calibrated_profile_drives_the_simulator(tmp_path, capsys):

@@ -24,9 +24,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def support_rows() -> list[list[str]]:
-    """The cells of the table under "## Using it with Megatron-LM" (header and rule left out)."""
+    """The cells of the table under "## Using it with your Megatron job" (header and rule left out)."""
     text = (ROOT / "README.md").read_text()
-    section = text[text.index("## Using it with Megatron-LM"):]
+    section = text[text.index("## Using it with your Megatron job"):]
     section = section[:section.index("\n## ", 1)]
     lines = [line for line in section.splitlines() if line.startswith("|")]
     assert len(lines) >= 3, "no support table in the README's Megatron section"

@@ -1,8 +1,8 @@
 """``wlb reproduce``: every experiment of the paper in the simulator, as DIR/report.md + PNGs.
 
-``--readme README.md`` also rewrites the README's block between ``<!-- reproduce-table -->`` and
-``<!-- /reproduce-table -->`` with the generated table and summary, and copies the speedup figure
-to ``docs/img/reproduce_speedups.png`` beside it, so the README's numbers come from this one command.
+``--page docs/results.md`` also rewrites that page's block between ``<!-- reproduce-table -->`` and
+``<!-- /reproduce-table -->`` with the generated table and summary, and copies the speedup figure to
+``img/reproduce_speedups.png`` beside it, so the page's numbers come from this one command.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from megatron_wlb.cli.common import cost_profile, load_stream, output_dir, tqdm_
 
 README_BEGIN = "<!-- reproduce-table -->"
 README_END = "<!-- /reproduce-table -->"
-README_FIGURE = "docs/img/reproduce_speedups.png"
+README_FIGURE = "img/reproduce_speedups.png"
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -33,8 +33,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--profile", metavar="JSON", help="calibrated cost-model profile instead of the analytic model")
     p.add_argument("--configs", nargs="+", metavar="CFG", help="Table 1 configs to run (default: all eight)")
     p.add_argument("--lengths", metavar="FILE", help="another length stream (default: the embedded one)")
-    p.add_argument("--readme", metavar="README",
-                   help=f"also rewrite README's block between {README_BEGIN} markers and {README_FIGURE}")
+    p.add_argument("--page", metavar="PAGE",
+                   help=f"also rewrite PAGE's block between {README_BEGIN} markers and {README_FIGURE} beside it "
+                        "(the results page: docs/results.md)")
     p.set_defaults(func=run)
 
 
@@ -42,7 +43,7 @@ def splice_readme(text: str, block: str) -> str:
     """``text`` with everything between the reproduce-table markers replaced by ``block``."""
     start, end = text.find(README_BEGIN), text.find(README_END)
     if start < 0 or end < start:
-        raise ValueError(f"README has no {README_BEGIN} ... {README_END} block to rewrite")
+        raise ValueError(f"the page has no {README_BEGIN} ... {README_END} block to rewrite")
     return text[:start + len(README_BEGIN)] + "\n" + block.strip("\n") + "\n" + text[end:]
 
 
@@ -64,9 +65,9 @@ def run(args: argparse.Namespace) -> int:
         if args.virtual_stages < 1:
             raise ValueError(f"--virtual-stages must be at least 1, got {args.virtual_stages}")
         settings = replace(settings, virtual_stages=args.virtual_stages)
-    readme = Path(args.readme) if args.readme else None
+    readme = Path(args.page) if args.page else None
     if readme is not None and not readme.exists():
-        raise FileNotFoundError(f"--readme {readme} does not exist")
+        raise FileNotFoundError(f"--page {readme} does not exist")
     configs = tuple(args.configs or TABLE1_CONFIGS)
     for name in (*configs, CASE_STUDY_CONFIG):  # a bad name or schedule fails now, not after minutes
         with_virtual_stages(load_config(name), settings.virtual_stages)
