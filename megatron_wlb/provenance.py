@@ -1,4 +1,5 @@
-"""Provenance of a measurement: which machine produced it (benchmarks, traces and reports record it).
+"""Provenance of a measurement: which machine produced it, and the result written where it can be reread
+(benchmarks, the GPU kit, traces and reports record them).
 
 A floor module: it imports nothing of the package, so the CLI, the Megatron adapter and the benchmark
 scripts all take it from here.
@@ -6,11 +7,13 @@ scripts all take it from here.
 
 from __future__ import annotations
 
+import json
 import os
 import platform
+from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["machine"]
+__all__ = ["machine", "write_result"]
 
 
 def machine() -> str:
@@ -27,3 +30,14 @@ def machine() -> str:
     if hasattr(os, "getloadavg"):
         load = f", load average {os.getloadavg()[0]:.1f} at start (shared machine)"
     return f"{cpu}, {os.cpu_count()} cores visible, Python {platform.python_version()}, {platform.system()}{load}"
+
+
+def write_result(out: str | Path, result: dict, to_markdown: Callable[[dict], str]) -> None:
+    """Write ``result`` as OUT.json and ``to_markdown(result)`` as OUT.md (and print it); ``out`` is a path without
+    suffix, its folder created if needed."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+    md = to_markdown(result)
+    out.with_suffix(".md").write_text(md)
+    print(md)

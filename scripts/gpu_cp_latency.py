@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Per-rank CP attention latency of each shard layout on real kernels, one GPU.
 
-    python scripts/gpu_cp_latency.py [--efficiency TABLE.json] [--bwd] --out docs/results/cp_gpu_latency
+    python scripts/gpu_cp_latency.py [--efficiency TABLE.json] [--bwd] --out benchmarks/results/cp_gpu_latency
     python scripts/gpu_cp_latency.py --smoke --out /tmp/cp_latency          # CPU, seconds
 
 Micro-batches: the embedded length stream (megatron_wlb/data/dist_wlbllm.json, published by the
@@ -29,7 +29,6 @@ if __package__ in (None, ""):  # run as a script from a checkout without `pip in
 
 import numpy as np
 import torch
-from _results import write_result
 from gpu_profile_attention import DTYPES, time_call
 
 from megatron_wlb.costmodel import AnalyticCostModel, ParallelLayout, get_model
@@ -37,6 +36,7 @@ from megatron_wlb.cp import LAYOUT_NAMES, KernelEfficiency, build_layout
 from megatron_wlb.cp.attention import resolve_backend, varlen_attention
 from megatron_wlb.cp.sampling import available, concat_and_cut
 from megatron_wlb.data import load_lengths
+from megatron_wlb.provenance import write_result
 
 
 def pick_micro_batches(seq_len: int, count: int) -> list[np.ndarray]:

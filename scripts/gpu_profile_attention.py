@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Measure achieved attention TFLOP/s over query/key shard shapes: the table behind ``adaptive``.
 
-    python scripts/gpu_profile_attention.py --out docs/results/cp_efficiency_h100.json
+    python scripts/gpu_profile_attention.py --out benchmarks/results/cp_efficiency_h100.json
     python scripts/gpu_profile_attention.py --smoke --out /tmp/eff.json      # CPU, seconds
 
 For every grid shape (q, kv) with q <= kv, packs ``max(1, tokens // kv)`` query runs of q queries

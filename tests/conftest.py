@@ -10,13 +10,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def load_script(name: str):
-    """``scripts/<name>.py`` as a module (registered under ``name``, as dataclasses need; ``scripts/`` on
-    the path, as the scripts import ``_results`` and each other)."""
+    """``benchmarks/<name>.py`` (the lab wing), or else ``scripts/<name>.py``, as a module (registered under
+    ``name``, as dataclasses need; its folder on the path, as the benchmarks import ``_results`` and each other)."""
     import importlib.util
 
-    if str(ROOT / "scripts") not in sys.path:
-        sys.path.insert(0, str(ROOT / "scripts"))
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    folder = ROOT / "benchmarks" if (ROOT / "benchmarks" / f"{name}.py").exists() else ROOT / "scripts"
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
+    spec = importlib.util.spec_from_file_location(name, folder / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module

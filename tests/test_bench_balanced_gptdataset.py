@@ -1,4 +1,4 @@
-"""scripts/bench_balanced_gptdataset.py: the balance targets in GPTDataset order (a short run on one stream)."""
+"""benchmarks/bench_balanced_gptdataset.py: the balance targets in GPTDataset order (a short run on one stream)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _module():
     spec = importlib.util.spec_from_file_location("bench_balanced_gptdataset",
-                                                  ROOT / "scripts" / "bench_balanced_gptdataset.py")
+                                                  ROOT / "benchmarks" / "bench_balanced_gptdataset.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

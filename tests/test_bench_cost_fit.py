@@ -1,4 +1,4 @@
-"""scripts/bench_cost_fit.py: the within-iteration error separates the machine's drift from the model's error."""
+"""benchmarks/bench_cost_fit.py: the within-iteration error separates the machine's drift from the model's error."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""scripts/bench_measured.py: its analysis on synthetic traces (fast), and a short end-to-end run of
+"""benchmarks/bench_measured.py: its analysis on synthetic traces (fast), and a short end-to-end run of
 Megatron's loop through it (slow)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "scripts"))
+sys.path.insert(0, str(REPO / "benchmarks"))
 
 import bench_measured as bm  # noqa: E402
 
@@ -87,7 +87,8 @@ def test_quick_run_end_to_end(tmp_path):
         pytest.skip("needs 2 cores (one per rank)")
     readme = tmp_path / "README.md"
     readme.write_text("x\n<!-- measured-table -->\nSTALE TABLE\n<!-- /measured-table -->\ny\n")
-    cmd = [sys.executable, str(REPO / "scripts" / "bench_measured.py"), "--quick", "--iterations", "6", "--warmup", "2",
+    cmd = [sys.executable, str(REPO / "benchmarks" / "bench_measured.py"), "--quick", "--iterations", "6",
+           "--warmup", "2",
            "--experiments", "dp", "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work"), "--page",
            str(readme)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)

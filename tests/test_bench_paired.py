@@ -1,4 +1,4 @@
-"""scripts/bench_paired.py and scripts/paired_train.py: the ABBA order, Megatron's deal, the replay, and a
+"""benchmarks/bench_paired.py and benchmarks/paired_train.py: the ABBA order, Megatron's deal, the replay, and a
 short paired run through Megatron's loop (slow lane)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""scripts/bench_verdict.py: the per-corpus verdict table (a short run on the embedded stream)."""
+"""benchmarks/bench_verdict.py: the per-corpus verdict table (a short run on the embedded stream)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("bench_verdict", ROOT / "scripts" / "bench_verdict.py")
+    spec = importlib.util.spec_from_file_location("bench_verdict", ROOT / "benchmarks" / "bench_verdict.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

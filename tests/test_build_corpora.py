@@ -1,5 +1,5 @@
-"""The corpora of scripts/build_corpora.py: how the new shapes are measured (HTML text of a book,
-sessions of a system log) and that docs/results/corpora/corpora.json describes the saved lengths."""
+"""The corpora of benchmarks/build_corpora.py: how the new shapes are measured (HTML text of a book,
+sessions of a system log) and that tests/data/corpora/corpora.json describes the saved lengths."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 import build_corpora  # noqa: E402
 
-CORPORA = ROOT / "docs" / "results" / "corpora"
+CORPORA = ROOT / "tests" / "data" / "corpora"
 
 
 def test_html_text_drops_markup_scripts_and_styles():

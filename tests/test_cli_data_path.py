@@ -5,7 +5,7 @@ the ``.bin`` size and the ``.idx`` pointers are checked as at training start-up 
 was read, so a truncated copy was packed silently), and the corpus is streamed through a moving window
 of memory-mapped views (before: ~31 bytes a document, 964 MiB at 3e7 documents). ``wlb analyze`` samples
 a corpus larger than ``--max-documents`` and says so. The memory numbers at 1e8-1e9 documents are
-``scripts/bench_data_scale.py``'s (docs/results/data_scale.md); here the same property is checked at a
+``benchmarks/bench_data_scale.py``'s (benchmarks/results/data_scale.md); here the same property is checked at a
 size a test can afford: no per-document array of the corpus is allocated.
 """
 

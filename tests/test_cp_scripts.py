@@ -16,7 +16,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _run(script: str, *args: str) -> str:
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / script), *args], capture_output=True, text=True,
+    folder = ROOT / "benchmarks" if (ROOT / "benchmarks" / script).exists() else ROOT / "scripts"
+    proc = subprocess.run([sys.executable, str(folder / script), *args], capture_output=True, text=True,
                           timeout=240, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout
@@ -89,13 +90,13 @@ def test_kernel_efficiency_state_is_declared():
 
 
 def test_batch_path_benchmark_times_every_layout(tmp_path):
-    """scripts/bench_batch_path.py: one row per (T, CP, layout), each rank's rows about T / CP."""
+    """benchmarks/bench_batch_path.py: one row per (T, CP, layout), each rank's rows about T / CP."""
     import importlib.util
 
     import pytest
 
     pytest.importorskip("megatron.core")
-    spec = importlib.util.spec_from_file_location("bench_batch_path", ROOT / "scripts" / "bench_batch_path.py")
+    spec = importlib.util.spec_from_file_location("bench_batch_path", ROOT / "benchmarks" / "bench_batch_path.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)  # in this process: torch and megatron.core are imported once per session
     bench.main(["--layers", "2", "--reps", "1", "--step-ms", "60", "--out", str(tmp_path / "bp")])

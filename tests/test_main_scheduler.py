@@ -244,11 +244,11 @@ def test_mains_run_path_at_dp2(main_checkout):
 
 @pytest.mark.slow
 def test_bench_main_scheduler_one_command(main_checkout, tmp_path):
-    """scripts/bench_main_scheduler.py end to end on one stream (main's dp_balanced from the checkout
+    """benchmarks/bench_main_scheduler.py end to end on one stream (main's dp_balanced from the checkout
     $MEGATRON_LM names): both plans checked and scored, the Markdown table written."""
     env = {**os.environ, "MEGATRON_LM": str(main_checkout), "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore"}
     out = tmp_path / "main_scheduler"
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_main_scheduler.py"), "--iterations", "2",
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_main_scheduler.py"), "--iterations", "2",
                            "--streams", "wlbllm", "--dp", "2", "--out", str(out)], capture_output=True, text=True,
                           env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -1,8 +1,8 @@
-"""The packer on the embedded stream and the corpora (docs/results/corpora), configs/7b_128k.yaml.
+"""The packer on the embedded stream and the corpora (tests/data/corpora), configs/7b_128k.yaml.
 
 The default packer's plans are pinned: a digest of every plan over the embedded stream and every
-corpus (docs/results/corpora) at DP = 1 and DP = 4 (configs/7b_128k.yaml, 200 global batches) must
-equal the one recorded in docs/results/packing_default_plans.json.
+corpus (tests/data/corpora) at DP = 1 and DP = 4 (configs/7b_128k.yaml, 200 global batches) must
+equal the one recorded in tests/data/packing_default_plans.json.
 
 The Megatron end-to-end losses in the README were measured with these plans; an opt-in knob
 (``cut_policy``, ...) must leave them byte-identical. When a change to the *default* is intended,
@@ -21,8 +21,8 @@ from typing import Any
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-RECORD = ROOT / "docs" / "results" / "packing_default_plans.json"
-CORPORA = ROOT / "docs" / "results" / "corpora"
+RECORD = ROOT / "tests" / "data" / "packing_default_plans.json"
+CORPORA = ROOT / "tests" / "data" / "corpora"
 STREAMS = ("wlbllm", "stdlib", "pypkgs", "headers", "docs", "prose", "books", "logs", "data")
 DPS = (1, 4)
 ITERATIONS = 200
@@ -36,7 +36,7 @@ def _run(stream: str, dp: int, iterations: int = ITERATIONS, **overrides: Any) -
     from megatron_wlb.packing import make_packer
 
     if stream != "wlbllm" and not (CORPORA / f"{stream}.npy").exists():
-        pytest.skip(f"corpus {stream} not built (python scripts/build_corpora.py)")
+        pytest.skip(f"corpus {stream} not built (python benchmarks/build_corpora.py)")
     run = load_config("7b_128k")
     packing = dataclasses.replace(run.packing, dp=dp, **overrides)
     cost = build_cost_model(run.model, dataclasses.replace(run.layout, dp=dp))

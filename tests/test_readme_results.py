@@ -1,6 +1,6 @@
-"""Numbers come from their results files: a number of the results page (docs/results.md) that drifts from its
+"""Numbers come from their results files: a number of the results page (benchmarks/results.md) that drifts from its
 benchmark's latest recorded run fails here (rerun the benchmark with ``--page``), and so does the README's
-headline table (``scripts/headline.py --write``)."""
+headline table (``benchmarks/headline.py --write``)."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ from pathlib import Path
 from conftest import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
-README = (ROOT / "docs" / "results.md").read_text()  # the results page: every benchmark's block
+README = (ROOT / "benchmarks" / "results.md").read_text()  # the results page: every benchmark's block
 
 
 def _result(name: str) -> dict:
-    return json.loads((ROOT / "docs" / "results" / f"{name}.json").read_text())
+    return json.loads((ROOT / "benchmarks" / "results" / f"{name}.json").read_text())
 
 
 def test_the_verdict_table_is_the_recorded_run():
@@ -47,7 +47,7 @@ def test_the_data_scale_tables_and_summary_are_the_recorded_run():
     result = _result("data_scale")
     for marker, table in ((mod.README_MARK, mod.training_table(result)), (mod.README_CLI_MARK, mod.cli_table(result))):
         after = README.split(marker + "\n", 1)[1]
-        assert after.startswith(table), f"README's table after {marker} is not docs/results/data_scale.json's"
+        assert after.startswith(table), f"README's table after {marker} is not benchmarks/results/data_scale.json's"
     block = README.split(mod.README_BEGIN, 1)[1].split(mod.README_END, 1)[0]
     assert block.strip() == mod.readme_summary(result).strip()
     assert max(row["documents"] for row in result["cli_rows"]) == max(row["documents"] for row in result["rows"])
@@ -62,4 +62,4 @@ def test_the_readme_headline_is_the_recorded_results():
 
 def test_the_reproduce_block_is_the_recorded_report():
     block = README.split("<!-- reproduce-table -->", 1)[1].split("<!-- /reproduce-table -->", 1)[0]
-    assert block.strip() == (ROOT / "docs" / "results" / "reproduce" / "readme.md").read_text().strip()
+    assert block.strip() == (ROOT / "benchmarks" / "results" / "reproduce" / "readme.md").read_text().strip()

@@ -1,7 +1,7 @@
 """The document stream scales: a packer reads it through a window (``StreamCursor``) generated a chunk at
 a time, so a rank holds the window and one epoch's order, not the stream; a many-epoch stream starts at
 once; the lazy stream is the same stream, chunk size or window notwithstanding; resume stays exact.
-(``scripts/bench_data_scale.py`` measures memory and start-up at 1e6..1e8 documents.)"""
+(``benchmarks/bench_data_scale.py`` measures memory and start-up at 1e6..1e8 documents.)"""
 
 from __future__ import annotations
 

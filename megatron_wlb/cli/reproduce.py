@@ -1,6 +1,6 @@
 """``wlb reproduce``: every experiment of the paper in the simulator, as DIR/report.md + PNGs.
 
-``--page docs/results.md`` also rewrites that page's block between ``<!-- reproduce-table -->`` and
+``--page benchmarks/results.md`` also rewrites that page's block between ``<!-- reproduce-table -->`` and
 ``<!-- /reproduce-table -->`` with the generated table and summary, and copies the speedup figure to
 ``img/reproduce_speedups.png`` beside it, so the page's numbers come from this one command.
 """
@@ -35,7 +35,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--lengths", metavar="FILE", help="another length stream (default: the embedded one)")
     p.add_argument("--page", metavar="PAGE",
                    help=f"also rewrite PAGE's block between {README_BEGIN} markers and {README_FIGURE} beside it "
-                        "(the results page: docs/results.md)")
+                        "(the results page: benchmarks/results.md)")
     p.set_defaults(func=run)
 
 

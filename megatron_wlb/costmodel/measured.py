@@ -2,7 +2,7 @@
 
 The same definitions serve the training log (``wlb/measured_*`` scalars: every rank reduces its own
 rows to an ``IterationTotals``, and two small all-reduces, MAX and SUM, combine them, so the cost
-does not grow with the number of ranks' rows) and ``scripts/bench_measured.py`` (whole traces):
+does not grow with the number of ranks' rows) and ``benchmarks/bench_measured.py`` (whole traces):
 
 - a micro-batch's *latency* on a DP rank is its forward + backward summed over the pipeline stages
   and model chunks, each (stage, chunk) taking the mean of its CP x TP ranks (they synchronise

@@ -20,7 +20,7 @@ iteration) turns completed passes into ``costmodel.trace`` rows, writes them to 
 with two small all-reduces (``costmodel.measured.IterationTotals``) into the ``wlb/measured_*`` scalars.
 
 Overhead: two clock reads per step and per pipeline call, one dict entry per micro-batch in flight,
-one JSON line per micro-batch at flush; measured in ``scripts/bench_measured.py``.
+one JSON line per micro-batch at flush; measured in ``benchmarks/bench_measured.py``.
 """
 
 from __future__ import annotations

@@ -1,0 +1,26 @@
+"""Shared by the benchmark scripts: write a result as OUT.json and OUT.md (and print the Markdown), and
+write a summary table into the results page (``benchmarks/results.md``, ``--page``) after its marker."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from megatron_wlb.provenance import write_result
+
+__all__ = ["RESULTS_PAGE", "replace_readme_table", "write_result"]
+
+#: the generated results page every benchmark's ``--page`` writes its block into (the README links it)
+RESULTS_PAGE = Path(__file__).resolve().parents[1] / "benchmarks" / "results.md"
+
+
+def replace_readme_table(path: Path, marker: str, table: str) -> None:
+    """Replace the Markdown table right after the line ``marker`` in the page at ``path`` with
+    ``table`` (the lines starting with ``|`` there; none is fine)."""
+    lines = path.read_text().splitlines(keepends=True)
+    start = next((i for i, line in enumerate(lines) if line.strip() == marker), None)
+    if start is None:
+        raise SystemExit(f"{path}: no {marker} line to write the table after")
+    stop = start + 1
+    while stop < len(lines) and lines[stop].startswith("|"):
+        stop += 1
+    path.write_text("".join(lines[:start + 1]) + table + "".join(lines[stop:]))

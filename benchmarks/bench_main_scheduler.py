@@ -1,0 +1,249 @@
+#!/usr/bin/env python
+"""megatron-wlb against Megatron-LM main's own sequence-packing scheduler, one command:
+``python benchmarks/bench_main_scheduler.py [--iterations K] [--page]``.
+
+Main's ``DpBalancedScheduler.get_groups_and_subsamples`` (``sequence_packing_scheduler = "dp_balanced"``, imported
+from a Megatron-LM main checkout: the work tree ``$MEGATRON_LM`` names, or a checkout of ``version.MAIN_COMMIT``
+from the repository it names, default the machine's mirror) and ours (``"wlb"``,
+``megatron_wlb.megatron.main_schedule``) group the same global batches of the same streams as bench_packing.py
+(the embedded WLB-LLM stand-in and the corpora of benchmarks/build_corpora.py), at DP 1, 2, 4, 8 with
+configs/7b_128k.yaml's model and layout (CP 2, PP 4: main's window ``max_seqlen_per_dp_cp_rank x cp`` = 128K
+tokens per DP rank's micro-batch). A global batch is the documents, in arrival order, of DP x 4 x 128K tokens
+(bench_packing's intake); documents longer than the window are cut at it beforehand (as the simulator does),
+since main's schedulers place samples whole. Every plan is scored with the project's scorer
+(``packing.metrics.slowest_rank_schedule_time``: the slowest DP rank's 1F1B time under the 7B cost model, and the
+same with every micro-batch at the iteration's mean); writes benchmarks/results/main_scheduler.{json,md} and, with
+``--page``, the summary table after the results page's ``<!-- main-scheduler-table -->``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from _results import RESULTS_PAGE, replace_readme_table, write_result  # noqa: E402
+from bench_packing import STREAMS, stream_lengths  # noqa: E402
+
+from megatron_wlb.config import load_config  # noqa: E402
+from megatron_wlb.costmodel import build_cost_model  # noqa: E402
+from megatron_wlb.megatron.version import MAIN_COMMIT  # noqa: E402
+from megatron_wlb.packing.metrics import slowest_rank_schedule_time  # noqa: E402
+from megatron_wlb.packing.types import DocPiece, GlobalBatch, MicroBatch  # noqa: E402
+from megatron_wlb.provenance import machine  # noqa: E402
+from megatron_wlb.sim.iteration import split_documents  # noqa: E402
+
+DEFAULT_MIRROR = "/work/.mirror/NVIDIA+Megatron-LM/repo"
+README_MARK = "<!-- main-scheduler-table -->"
+CONFIG = "7b_128k"
+
+
+def main_checkout(keep: Path) -> Path:
+    """A Megatron-LM main work tree: ``$MEGATRON_LM`` if it is one, else ``MAIN_COMMIT`` checked out from the
+    repository it names (default: the mirror) under ``keep``."""
+    source = os.environ.get("MEGATRON_LM") or DEFAULT_MIRROR
+    if (Path(source) / "megatron" / "core" / "datasets" / "data_schedule.py").exists():
+        return Path(source)
+    dest = keep / "Megatron-LM-main"
+    subprocess.run(["git", "clone", "-q", "--shared", "--no-checkout", source, str(dest)], check=True)
+    subprocess.run(["git", "-C", str(dest), "checkout", "-q", "--detach", MAIN_COMMIT], check=True)
+    return dest
+
+
+def import_schedulers(checkout: Path) -> tuple[type, type, str]:
+    """(main's DpBalancedScheduler, our WlbPackingScheduler, the checkout's commit)."""
+    sys.path.insert(0, str(checkout))
+    from megatron_wlb.megatron.compat import install_python_shims
+
+    install_python_shims()
+    from megatron.core.datasets import data_schedule
+
+    from megatron_wlb.megatron import main_schedule
+
+    print(main_schedule.register(), file=sys.stderr)
+    commit = subprocess.run(["git", "-C", str(checkout), "rev-parse", "HEAD"], capture_output=True,
+                            text=True).stdout.strip() or "unknown (not a git work tree)"
+    return data_schedule.DpBalancedScheduler, main_schedule.scheduler_class(), commit
+
+
+def global_batches(lengths: np.ndarray, budget: int, count: int) -> list[np.ndarray]:
+    """``count`` consecutive global batches: documents in arrival order until ``budget`` tokens (the document
+    crossing the budget included)."""
+    ends = np.cumsum(lengths)
+    out, start, used = [], 0, 0
+    for _ in range(count):
+        stop = int(np.searchsorted(ends, used + budget, side="left")) + 1
+        if stop > lengths.size:
+            raise ValueError(f"the stream ran out after {len(out)} global batches")
+        out.append(lengths[start:stop])
+        used, start = int(ends[stop - 1]), stop
+    return out
+
+
+def as_global_batch(groups: list, lengths: np.ndarray, dp: int, cp: int, window: int) -> GlobalBatch:
+    """Main's answer (per micro-batch, sample ids per DPxCP rank) as our GlobalBatch, DP rank r's micro-batches
+    in the order main runs them."""
+    n = len(groups)
+    mbs = tuple(MicroBatch(tuple(DocPiece(int(i), 0, int(lengths[i]), 0) for i in groups[k][r * cp]), window)
+                for r in range(dp) for k in range(n))
+    return GlobalBatch(0, mbs, dp, n)
+
+
+def check_plan(groups: list, size: int, dp: int, cp: int, name: str) -> None:
+    placed = sorted(int(i) for mb in groups for r in range(dp) for i in mb[r * cp])
+    if placed != list(range(size)) or any(len(mb) != dp * cp for mb in groups):
+        raise AssertionError(f"{name}: the plan does not place every sample exactly once over DP x CP ranks")
+
+
+def run(streams: list[str], dps: list[int], iterations: int) -> dict:
+    run_cfg = load_config(CONFIG)
+    window, cp, pp, n = run_cfg.packing.seq_len, run_cfg.layout.cp, run_cfg.layout.pp, run_cfg.packing.n
+    with tempfile.TemporaryDirectory() as keep:
+        checkout = main_checkout(Path(keep))
+        DpBalanced, Wlb, commit = import_schedulers(checkout)
+        tables = []
+        for dp in dps:
+            layout = dataclasses.replace(run_cfg.layout, dp=dp)
+            cost = build_cost_model(run_cfg.model, layout)
+            budget = dp * n * window
+            for stream in streams:
+                raw, docs = stream_lengths(stream, (iterations + 2) * budget)
+                lengths = split_documents(raw, window)
+                row: dict = {"stream": stream, "dp": dp, "documents": docs, "global_batches": iterations}
+                schedulers = {"dp_balanced": DpBalanced(window // cp, cp, dp, None),
+                              "wlb": Wlb(window // cp, cp, dp, None, cost=cost, stages=pp)}
+                stats = {name: {"slowest_s": 0.0, "balanced_s": 0.0, "micro_batches": [], "plan_s": 0.0,
+                                "refused": 0, "refusal": ""} for name in schedulers}
+                scored = 0
+                for batch in global_batches(lengths, budget, iterations):
+                    plans = {}
+                    for name, scheduler in schedulers.items():
+                        t0 = time.perf_counter()
+                        try:
+                            groups = scheduler.get_groups_and_subsamples(list(enumerate(batch.tolist())))
+                        except (AssertionError, ValueError) as exc:  # main's empty-micro-batch limit: both refuse
+                            stats[name]["refused"] += 1
+                            stats[name]["refusal"] = f"{type(exc).__name__}: {exc}"
+                            continue
+                        finally:
+                            stats[name]["plan_s"] += time.perf_counter() - t0
+                        check_plan(groups, batch.size, dp, cp, name)
+                        plans[name] = groups
+                    if len(plans) < len(schedulers):
+                        continue  # scored only where both planned: the same batches for both
+                    scored += 1
+                    for name, groups in plans.items():
+                        worst, ideal = slowest_rank_schedule_time(cost, as_global_batch(groups, batch, dp, cp, window),
+                                                                  stages=pp)
+                        stats[name]["slowest_s"] += worst
+                        stats[name]["balanced_s"] += ideal
+                        stats[name]["micro_batches"].append(len(groups))
+                row["scored_batches"] = scored
+                for name, st in stats.items():
+                    row[name] = {"slowest_s": st["slowest_s"], "balanced_s": st["balanced_s"],
+                                 "schedule_ratio": st["slowest_s"] / st["balanced_s"],
+                                 "micro_batches_per_rank": float(np.mean(st["micro_batches"])),
+                                 "plan_ms": 1e3 * st["plan_s"] / iterations, "refused": st["refused"],
+                                 "refusal": st["refusal"]}
+                row["dp_balanced_over_wlb"] = row["dp_balanced"]["slowest_s"] / row["wlb"]["slowest_s"]
+                print(f"dp {dp} {stream:8s} dp_balanced {row['dp_balanced']['schedule_ratio']:.3f} "
+                      f"({row['dp_balanced']['micro_batches_per_rank']:.1f} mb) wlb {row['wlb']['schedule_ratio']:.3f} "
+                      f"({row['wlb']['micro_batches_per_rank']:.1f} mb) time dp_balanced / wlb "
+                      f"{row['dp_balanced_over_wlb']:.3f}; refused {row['dp_balanced']['refused']} / "
+                      f"{row['wlb']['refused']} of {iterations}", file=sys.stderr, flush=True)
+                tables.append(row)
+    return {"machine": machine(), "command": "python benchmarks/bench_main_scheduler.py", "config": CONFIG,
+            "megatron_commit": commit, "window": window, "cp": cp, "pp": pp, "iterations": iterations,
+            "rows": tables}
+
+
+def summary_table(result: dict) -> str:
+    lines = ["| stream | DP | dp_balanced: slowest rank / balanced | micro-batches per rank | "
+             "**wlb**: slowest rank / balanced | micro-batches per rank | iteration time dp_balanced / wlb | "
+             "global batches refused (dp_balanced / wlb) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in sorted(result["rows"], key=lambda r: (r["dp"], STREAMS.index(r["stream"]) if r["stream"] in STREAMS
+                                                    else 99)):
+        a, b = r["dp_balanced"], r["wlb"]
+        lines.append(f"| {r['stream']} | {r['dp']} | {a['schedule_ratio']:.3f} | {a['micro_batches_per_rank']:.1f} | "
+                     f"**{b['schedule_ratio']:.3f}** | {b['micro_batches_per_rank']:.1f} | "
+                     f"{r['dp_balanced_over_wlb']:.3f} | {a['refused']} / {b['refused']} |")
+    return "\n".join(lines) + "\n"
+
+
+def readme_table(result: dict) -> str:
+    """The the results page's compact table: per stream and DP size, slowest rank / balanced of dp_balanced and wlb, and
+    the iteration-time ratio dp_balanced / wlb."""
+    dps = sorted({r["dp"] for r in result["rows"]})
+    by = {(r["stream"], r["dp"]): r for r in result["rows"]}
+    streams = sorted({r["stream"] for r in result["rows"]}, key=lambda s: STREAMS.index(s) if s in STREAMS else 99)
+    lines = ["| stream | " + " | ".join(f"DP {dp}: dp_balanced / **wlb** (time ratio)" for dp in dps) + " |",
+             "|---|" + "---|" * len(dps)]
+    for stream in streams:
+        cells = []
+        for dp in dps:
+            r = by.get((stream, dp))
+            cells.append("" if r is None else f"{r['dp_balanced']['schedule_ratio']:.2f} / "
+                         f"**{r['wlb']['schedule_ratio']:.2f}** ({r['dp_balanced_over_wlb']:.2f}x)")
+        lines.append(f"| {stream} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def to_markdown(result: dict) -> str:
+    ratios = [r["dp_balanced_over_wlb"] for r in result["rows"]]
+    return "\n".join([
+        "# Megatron-LM main's sequence-packing schedulers: dp_balanced vs wlb", "",
+        f"Machine: {result['machine']}. Generated by `{result['command']}` ({result['iterations']} global batches "
+        f"per row; Megatron-LM main at {result['megatron_commit']}; {result['config']}'s 7B cost model, CP "
+        f"{result['cp']}, PP {result['pp']}, window {result['window']} tokens per DP rank's micro-batch).", "",
+        "Both schedulers answer main's `get_groups_and_subsamples` for the same global batches (documents in "
+        "arrival order, DP x 4 x 128K tokens each, longer documents cut at the window beforehand). slowest rank / "
+        "balanced = sum over global batches of the slowest DP rank's 1F1B time over the same with every "
+        "micro-batch at the batch's mean (`packing.metrics.slowest_rank_schedule_time`; each plan against its own "
+        "ideal, so it also shows the bubble of fewer micro-batches); iteration time dp_balanced / wlb = the ratio "
+        "of the summed slowest-rank 1F1B times (> 1: wlb's iterations are shorter by the cost model). Main packs "
+        "samples whole and needs every DP rank to run the same number of non-empty micro-batches, so a global batch "
+        "of fewer samples than that takes (a long document cut into window-sized pieces) cannot be planned: "
+        "dp_balanced asserts, wlb refuses with a ValueError; rows are scored over the batches both planned.", "",
+        summary_table(result),
+        f"iteration time dp_balanced / wlb: {min(ratios):.3f} to {max(ratios):.3f} (geo-mean "
+        f"{float(np.exp(np.mean(np.log(ratios)))):.3f}). Plan time per global batch: dp_balanced "
+        f"{np.mean([r['dp_balanced']['plan_ms'] for r in result['rows']]):.1f} ms, wlb "
+        f"{np.mean([r['wlb']['plan_ms'] for r in result['rows']]):.1f} ms (mean over rows, one CPU thread).", ""]
+        + [f"- {r['stream']}, DP {r['dp']}: {name} refused {r[name]['refused']} ({r[name]['refusal']})"
+           for r in result["rows"] for name in ("dp_balanced", "wlb") if r[name]["refused"]] + [""])
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--iterations", type=int, default=50, help="global batches per stream and DP size")
+    ap.add_argument("--render", default=None, help="only re-render the Markdown (and README table) from this JSON")
+    ap.add_argument("--streams", default=",".join(STREAMS))
+    ap.add_argument("--dp", default="1,2,4,8")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "main_scheduler"))
+    ap.add_argument("--page", action="store_true", help=f"also write the summary table after {README_MARK}")
+    args = ap.parse_args(argv)
+    if args.render:
+        result = json.loads(Path(args.render).read_text())
+    else:
+        result = run(args.streams.split(","), [int(x) for x in args.dp.split(",")], args.iterations)
+    write_result(args.out, result, to_markdown)
+    if args.page:
+        replace_readme_table(RESULTS_PAGE, README_MARK, readme_table(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

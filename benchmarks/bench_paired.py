@@ -1,0 +1,378 @@
+#!/usr/bin/env python
+"""Paired runs at equal work: two methods in one Megatron process, alternating ABBA, wall and replay.
+
+    python benchmarks/bench_paired.py --page   # calibration + the four paired runs (~15 min on 2 cores) + page block
+    python benchmarks/bench_paired.py --quick    # a short smoke run of the same code (slow test lane)
+
+First a calibration run (DP2 wlb, thread clock) and ``wlb calibrate --from-trace`` give this machine's cost
+profile; every comparison balances and predicts with it. Each comparison is then one training run of
+``benchmarks/paired_train.py`` (Megatron's own loop through our launcher, gloo, ``measurement_env``: one process
+per core, one thread each, glibc's heap kept): training steps 2k and 2k + 1 train global batch k with
+method A and method B, in ABBA order, so the machine's drift cancels within each pair. Per pair, B's time
+per unit of work over A's is taken three ways (work: ``step_work``, the cost model's price of the step's
+micro-batches, which is the same for the same documents in any packing; per token beside it):
+
+- **wall**: ``perf_counter`` around Megatron's ``train_step``, the slowest rank's;
+- **replay**: the iteration's critical path replayed from the measured forward and backward thread
+  CPU times of every micro-batch (``WLB_TRACE_CLOCK=thread`` trace) through the schedule that ran
+  (1F1B per pipeline, the slowest DP rank): preemption and steal drop out, every duration is real;
+- **predicted**: the same replay with the cost model's times for the same micro-batches (what the
+  packer balanced), the simulator's prediction for these plans.
+
+A ratio is the geometric mean of the per-pair ratios with a bootstrap 95% interval over pairs (the
+first ``WARMUP_PAIRS`` pairs are dropped). The comparisons (the CPU configuration of issue 39: seq
+4096, the standard library's whole ``.py`` files up to the window, a tiny GPT (hidden 64, 2 layers) in
+which attention is most of a step):
+
+- ``users``  DP2: the balanced concat-and-cut (``--wlb-pieces concat-and-cut``) against stock Megatron's
+             grouping of the same GPTDataset samples (``original``: one sample a micro-batch, dealt as
+             ``MegatronPretrainingSampler`` deals them);
+- ``dp`` / ``pp``  DP2 and PP2: wlb against fixed-greedy, documents whole (both read the same stream);
+- ``cp``     CP2: the same wlb plans sharded per-document against per-sequence.
+
+Writes benchmarks/results/paired.{json,md}; ``--page`` also writes the results page's paired block.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from _results import RESULTS_PAGE, write_result  # noqa: E402
+
+from megatron_wlb.megatron.cpu import TINY_GPT_EOD, measurement_env  # noqa: E402
+from megatron_wlb.provenance import machine  # noqa: E402
+
+SEQ_LEN = 4096
+EOD = TINY_GPT_EOD
+MODEL_FLAGS = ("--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--ffn-hidden-size", "256",
+               "--seq-length", str(SEQ_LEN), "--max-position-embeddings", str(2 * SEQ_LEN), "--vocab-size", "300",
+               "--log-interval", "1000", "--split", "100,0,0", "--reset-attention-mask", "--reset-position-ids")
+#: pairs dropped at the start: the heap grows to its high-water mark over the first steps (page faults)
+WARMUP_PAIRS = 3
+#: the calibration run's training steps: at 30 (96 micro-batches) the fit lost its per-token cost (held-out MAPE 12.6%);
+#: the 108-step traces of the comparisons fit to 7.8-9.8% (``wlb calibrate --from-trace`` drops its own warm-up)
+CALIBRATION_STEPS = 70
+README_BEGIN, README_END = "<!-- paired -->", "<!-- /paired -->"
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """One paired run: A is the run's flags, B the WlbSettings fields that differ (``paired_train``)."""
+
+    name: str
+    a: str
+    b: str
+    layout: dict[str, str]
+    global_batch: int
+    flags: tuple[str, ...]
+    b_fields: dict[str, Any]
+    megatron_deal: bool = False
+
+
+COMPARISONS = (
+    Comparison("users", "balanced concat-and-cut", "stock Megatron grouping", {"DP": "2"}, 4,
+               ("--wlb-packing", "wlb", "--wlb-pieces", "concat-and-cut", "--wlb-cp-sharding", "per-sequence"),
+               {"packing": "original"}, megatron_deal=True),
+    Comparison("dp", "wlb", "fixed-greedy", {"DP": "2"}, 4, ("--wlb-packing", "wlb", "--wlb-cp-sharding",
+                                                            "per-sequence"), {"packing": "fixed-greedy"}),
+    Comparison("pp", "wlb", "fixed-greedy", {"PP": "2"}, 4, ("--wlb-packing", "wlb", "--wlb-cp-sharding",
+                                                            "per-sequence"), {"packing": "fixed-greedy"}),
+    Comparison("cp", "per-document", "per-sequence", {"CP": "2"}, 2,
+               ("--wlb-packing", "wlb", "--wlb-cp-sharding", "per-document"), {"cp_sharding": "per-sequence"}),
+)
+
+
+def build_corpus(prefix: Path) -> dict[str, Any]:
+    """PREFIX.bin/.idx: the standard library's .py files whole, byte-level, each ended with the tokenizer's
+    EOD, those up to the window (longer ones left out, counted): a heavy tail of lengths up to the window.
+    Reuses an existing corpus."""
+    import sysconfig
+
+    from megatron_wlb.data.reader import byte_documents, write_indexed_dataset
+
+    paths = sorted(str(p) for p in Path(sysconfig.get_paths()["stdlib"]).rglob("*.py")
+                   if "site-packages" not in p.parts and "test" not in p.parts)
+    every = byte_documents(paths, separator=None, eod=EOD)
+    docs = [d for d in every if d.size <= SEQ_LEN]
+    if not prefix.with_suffix(".idx").exists():
+        prefix.parent.mkdir(parents=True, exist_ok=True)
+        write_indexed_dataset(str(prefix), docs)
+    lengths = np.array([d.size for d in docs])
+    return {"source": f"{len(paths)} stdlib .py files (every package but tests) whole, byte-level (+EOD {EOD}), "
+                      f"those of at most {SEQ_LEN} tokens ({len(every) - len(docs)} longer ones left out)",
+            "documents": int(lengths.size), "tokens": int(lengths.sum()), "median": float(np.median(lengths)),
+            "p90": float(np.percentile(lengths, 90)), "left_out": len(every) - len(docs)}
+
+
+CALIBRATION = Comparison("calibration", "wlb", "wlb", {"DP": "2"}, 4, ("--wlb-packing", "wlb", "--wlb-cp-sharding",
+                                                                     "per-sequence"), {})
+
+
+def calibrate(data: Path, out: Path, steps: int, log: Any) -> tuple[Path, dict[str, Any]]:
+    """The cost profile of this machine: a DP2 wlb run (analytic model) traced on the thread clock, fitted by
+    ``wlb calibrate --from-trace``. Every comparison balances and predicts with it."""
+    import bench_measured as bm
+
+    train(CALIBRATION, data, out, steps, log)
+    profile = out / "profile.json"
+    fitted = bm.calibrate(out / "trace.jsonl", profile, log)
+    return profile, fitted
+
+
+def train(c: Comparison, data: Path, out: Path, steps: int, log: Any, profile: Path | None = None) -> None:
+    """One paired training run of ``steps`` training steps (``steps / 2`` pairs), balancing ``profile``."""
+    out.mkdir(parents=True, exist_ok=True)
+    env = {**measurement_env(c.layout), "WLB_TRACE_CLOCK": "thread", "WLB_PAIRED_OUT": str(out),
+           "WLB_PAIRED_B": json.dumps(c.b_fields), "WLB_PAIRED_B_DEAL": "megatron" if c.megatron_deal else ""}
+    ranks = int(np.prod([int(v) for v in c.layout.values()]))
+    flags = [*MODEL_FLAGS, "--global-batch-size", str(c.global_batch), "--train-iters", str(steps), *c.flags,
+             "--wlb-trace", str(out / "trace.jsonl")]
+    if profile is not None:
+        flags += ["--wlb-cost-profile", str(profile)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc-per-node",
+           str(ranks), str(REPO / "benchmarks" / "paired_train.py"), "--tiny-gpt", "--data-path", str(data), *flags]
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, cwd=out, capture_output=True, text=True)
+    (out / "train.log").write_text(proc.stdout + proc.stderr)
+    if proc.returncode != 0:
+        raise SystemExit(f"{c.name}: training failed (rc {proc.returncode}), log {out / 'train.log'}:\n"
+                         f"{(proc.stdout + proc.stderr)[-3000:]}")
+    log(f"  {c.name}: {steps} steps in {time.perf_counter() - start:.0f} s")
+
+
+def replay(rows: list[Any], pp: int, predicted: bool) -> float:
+    """One training step's critical path from its micro-batch rows: per DP (and CP) rank, 1F1B over the PP
+    stages' forward and backward times (measured thread seconds, or the cost model's), then the slowest."""
+    from megatron_wlb.sim.schedule import simulate_pipeline
+
+    groups: dict[tuple[int, int], list[Any]] = defaultdict(list)
+    for r in rows:
+        if r.tp == 0:
+            groups[(r.dp, r.cp)].append(r)
+    worst = 0.0
+    for group in groups.values():
+        m = 1 + max(r.micro_batch for r in group)
+        fwd, bwd = np.zeros((pp, m)), np.zeros((pp, m))
+        for r in group:
+            fwd[r.pp, r.micro_batch] += r.pred_fwd_s if predicted else r.fwd_s
+            bwd[r.pp, r.micro_batch] += r.pred_bwd_s if predicted else r.bwd_s
+        worst = max(worst, simulate_pipeline(fwd, bwd, keep_events=False).makespan)
+    return worst
+
+
+def imbalance(rows: list[Any]) -> float:
+    """Measured compute of the slowest DP rank over the mean DP rank (thread seconds); NaN with one DP rank."""
+    per: dict[int, float] = defaultdict(float)
+    for r in rows:
+        if r.tp == 0 and r.cp == 0:
+            per[r.dp] += r.fwd_s + r.bwd_s
+    values = np.array(list(per.values()))
+    return float(values.max() / values.mean()) if values.size > 1 and values.mean() > 0 else float("nan")
+
+
+def geo_interval(ratios: np.ndarray, seed: int = 0, draws: int = 4000) -> tuple[float, float, float]:
+    """Geometric mean of ``ratios`` and its bootstrap 95% interval over the pairs."""
+    logs = np.log(ratios)
+    rng = np.random.default_rng(seed)
+    means = logs[rng.integers(0, logs.size, size=(draws, logs.size))].mean(axis=1)
+    low, high = np.percentile(means, [2.5, 97.5])
+    return float(np.exp(logs.mean())), float(np.exp(low)), float(np.exp(high))
+
+
+def step_work(rows: list[Any]) -> float:
+    """The step's work: the cost model's price of every micro-batch on every rank (TP rank 0), summed. A
+    document costs the same in any packing, so over the same documents both methods do equal work; per
+    step it weighs each token by what its document's attention costs (a long document's token costs
+    more), which a token count does not."""
+    return float(sum(r.pred_fwd_s + r.pred_bwd_s for r in rows if r.tp == 0))
+
+
+def idle(rows: list[Any], critical_path: float) -> float:
+    """Replayed idle seconds of the step: every rank waits from its own measured busy time to the step's
+    ``critical_path`` (``replay``): pipeline bubbles and DP/CP imbalance together."""
+    busy = [r.fwd_s + r.bwd_s for r in rows if r.tp == 0]
+    ranks = len({(r.dp, r.cp, r.pp) for r in rows if r.tp == 0})
+    return critical_path * ranks - float(sum(busy))
+
+
+def analyse(c: Comparison, out: Path) -> dict[str, Any]:
+    """Per-pair ratios of B's time per unit of work over A's (``step_work``; per token beside it) from the
+    run's step walls and trace."""
+    from megatron_wlb.costmodel.trace import read_trace
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from paired_train import method_of
+
+    walls: dict[int, float] = defaultdict(float)
+    tokens: dict[int, int] = {}
+    for path in out.glob("rank*.json"):
+        for s in json.loads(path.read_text())["steps"]:
+            walls[s["step"]] = max(walls[s["step"]], s["wall_s"])
+            tokens[s["step"]] = max(tokens.get(s["step"], 0), s["tokens"])
+    trace = read_trace(out / "trace.jsonl")
+    by_step: dict[int, list[Any]] = defaultdict(list)
+    for r in trace.micro_batches:
+        by_step[r.iteration].append(r)
+    pp = int(c.layout.get("PP", "1"))
+    pairs = sorted({s // 2 for s in walls if s // 2 >= WARMUP_PAIRS and {2 * (s // 2), 2 * (s // 2) + 1} <= set(walls)
+                    and {2 * (s // 2), 2 * (s // 2) + 1} <= set(by_step)})
+    kinds: dict[str, list[float]] = {"wall": [], "replay": [], "predicted": [], "replay_per_token": []}
+    per_method: dict[str, dict[str, list[float]]] = {m: {"imbalance": [], "idle_s": [], "work": [], "tokens": []}
+                                                    for m in ("a", "b")}
+    for k in pairs:
+        steps = {method_of(s): s for s in (2 * k, 2 * k + 1)}
+        a, b = steps["A"], steps["B"]
+        work = {s: step_work(by_step[s]) for s in (a, b)}
+        measured = {s: replay(by_step[s], pp, False) for s in (a, b)}
+        kinds["wall"].append((walls[b] / work[b]) / (walls[a] / work[a]))
+        kinds["replay"].append((measured[b] / work[b]) / (measured[a] / work[a]))
+        kinds["predicted"].append((replay(by_step[b], pp, True) / work[b]) / (replay(by_step[a], pp, True) / work[a]))
+        kinds["replay_per_token"].append((measured[b] / max(1, tokens[b])) / (measured[a] / max(1, tokens[a])))
+        for m, s in (("a", a), ("b", b)):
+            per_method[m]["imbalance"].append(imbalance(by_step[s]))
+            per_method[m]["idle_s"].append(idle(by_step[s], measured[s]))
+            per_method[m]["work"].append(work[s])
+            per_method[m]["tokens"].append(tokens[s])
+    result: dict[str, Any] = {"name": c.name, "a": c.a, "b": c.b, "layout": c.layout, "global_batch": c.global_batch,
+                              "pairs": len(pairs), "flags": list(c.flags), "b_fields": c.b_fields,
+                              "measured_imbalance": {m: _mean_or_none(v["imbalance"]) for m, v in per_method.items()},
+                              "replayed_idle_s": {m: _mean_or_none(v["idle_s"]) for m, v in per_method.items()},
+                              "work_total": {m: float(np.sum(v["work"])) for m, v in per_method.items()},
+                              "tokens_total": {m: int(np.sum(v["tokens"])) for m, v in per_method.items()},
+                              "seconds_per_step": float(np.median(list(walls.values()))) if walls else None}
+    for kind, values in kinds.items():
+        if values:
+            mean, lo, hi = geo_interval(np.asarray(values))
+            result[kind] = {"ratio": mean, "low": lo, "high": hi, "half_width": (hi - lo) / 2 / mean}
+    if kinds["replay"]:
+        residual = np.log(np.asarray(kinds["replay"])) - np.log(np.asarray(kinds["predicted"]))
+        mean, lo, hi = geo_interval(np.exp(residual))
+        result["replay_over_predicted"] = {"ratio": mean, "low": lo, "high": hi}
+    return result
+
+
+def _mean_or_none(values: list[float]) -> float | None:
+    return float(np.mean(values)) if values and not np.isnan(values).any() else None
+
+
+def to_markdown(result: dict) -> str:
+    cal = result.get("calibration") or {}
+    lines = ["# Paired runs at equal work: B's time over A's per unit of work, wall / replay / predicted", "",
+             f"Machine: {result['machine']}; torch {result.get('torch', '?')}, megatron-core "
+             f"{result.get('megatron_core', '?')}. Generated by `{result['command']}` ({result['steps']} training "
+             f"steps per comparison, the first {WARMUP_PAIRS} pairs dropped; {result['minutes']:.1f} min of benchmark "
+             "including the calibration run).", "",
+             f"Corpus: {result['corpus']['source']}; {result['corpus']['documents']:,} documents, median "
+             f"{result['corpus']['median']:.0f}, p90 {result['corpus']['p90']:.0f} tokens.", ""]
+    if cal:
+        lines += [f"Cost model: `wlb calibrate --from-trace` on a {cal['steps']}-step DP2 run of this machine "
+                  f"(thread clock), held-out MAPE {cal['mape']:.1%}; every comparison balances and predicts with it.",
+                  ""]
+    lines += ["A ratio above 1 means A is faster. Each is the geometric mean over pairs of B's time per unit of work "
+              "over A's (work: the cost model's price of the step's micro-batches, equal for the same documents in "
+              "any packing), with its bootstrap 95% interval; replay = the critical path from measured thread "
+              "times; predicted = the same from the cost model; per token = replay per token instead of per unit "
+              "of work. Idle = replayed rank-seconds waiting per step (bubbles and imbalance).", "",
+              "| comparison | layout | A | B | pairs | wall | replay | predicted | replay per token | "
+              "DP imbalance A / B | idle s/step A / B |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in result["comparisons"]:
+        def cell(kind: str, r: dict = r) -> str:
+            x = r.get(kind)
+            return "n/a" if not x else f"{x['ratio']:.3f} [{x['low']:.3f}, {x['high']:.3f}]"
+
+        def pair(key: str, r: dict = r) -> str:
+            return " / ".join("n/a" if v is None else f"{v:.3f}" for v in (r[key]["a"], r[key]["b"]))
+
+        lines.append(f"| {r['name']} | {', '.join(f'{k}{v}' for k, v in r['layout'].items())} | {r['a']} | {r['b']} | "
+                     f"{r['pairs']} | {cell('wall')} | {cell('replay')} | {cell('predicted')} | "
+                     f"{cell('replay_per_token')} | {pair('measured_imbalance')} | {pair('replayed_idle_s')} |")
+    return "\n".join(lines) + "\n"
+
+
+def readme_summary(result: dict) -> str:
+    """The the results page's paired block, from ``result``."""
+    return to_markdown(result).split("\n", 2)[2].strip()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="a short smoke run (few steps)")
+    ap.add_argument("--steps", type=int, default=None, help="training steps per comparison (even; default 100, "
+                                                            "quick 12)")
+    ap.add_argument("--comparisons", default=",".join(c.name for c in COMPARISONS))
+    ap.add_argument("--work", default=str(REPO / "out" / "paired"), help="run folder (traces, logs)")
+    ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "paired"))
+    ap.add_argument("--page", action="store_true", help="also write the results page's paired block")
+    ap.add_argument("--reuse", action="store_true", help="analyse the runs already in --work again (no training)")
+    args = ap.parse_args(argv)
+    steps = args.steps or (12 if args.quick else 100)
+    if steps < 2 * (WARMUP_PAIRS + 1) or steps % 2:
+        raise SystemExit(f"--steps must be even and >= {2 * (WARMUP_PAIRS + 1)}, got {steps}")
+    names = [n for n in args.comparisons.split(",") if n]
+    known = {c.name: c for c in COMPARISONS}
+    unknown = sorted(set(names) - set(known))
+    if unknown:
+        raise SystemExit(f"--comparisons {','.join(unknown)}: unknown; valid: {', '.join(known)}")
+    work = Path(args.work)
+    data = work / "corpus" / "stdlib_files_text_document"
+    corpus = build_corpus(data)
+    start = time.perf_counter()
+
+    def log(s: str) -> None:
+        print(s, file=sys.stderr, flush=True)
+
+    profile = work / CALIBRATION.name / "profile.json"
+    calibration_steps = 12 if args.quick else CALIBRATION_STEPS
+    if args.reuse and profile.exists():
+        fitted = json.loads(profile.read_text())
+    else:
+        profile, fitted = calibrate(data, work / CALIBRATION.name, calibration_steps, log)
+    results = []
+    for name in names:
+        c = known[name]
+        if not (args.reuse and (work / name / "train.log").exists()):
+            train(c, data, work / name, steps, log, profile)
+        results.append(analyse(c, work / name))
+    minutes = (time.perf_counter() - start) / 60
+    if args.reuse and Path(args.out).with_suffix(".json").exists():  # the training's machine and time, not this one's
+        before = json.loads(Path(args.out).with_suffix(".json").read_text())
+        machine_name, minutes = before["machine"], before["minutes"]
+    else:
+        machine_name = machine()
+    import megatron.core
+    import torch
+
+    holdout = fitted.get("holdout") or {}
+    command = "python benchmarks/bench_paired.py" + (" --quick" if args.quick else "")
+    result = {"machine": machine_name, "command": command,
+              "torch": torch.__version__, "megatron_core": megatron.core.__version__,
+              "steps": steps, "corpus": corpus, "minutes": minutes,
+              "calibration": {"steps": calibration_steps, "mape": holdout.get("mape")} if holdout.get("mape") else None,
+              "comparisons": results}
+    write_result(args.out, result, to_markdown)
+    if args.page:
+        readme = RESULTS_PAGE
+        text = readme.read_text()
+        a, b = text.find(README_BEGIN), text.find(README_END)
+        if a < 0 or b < a:
+            raise SystemExit(f"{readme}: no {README_BEGIN} ... {README_END} block")
+        readme.write_text(text[:a + len(README_BEGIN)] + "\n" + readme_summary(result) + "\n" + text[b:])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,135 @@
+#!/usr/bin/env python
+"""Paired measurement: one Megatron training process trains two data plans alternately, ABBA.
+
+Run by ``benchmarks/bench_paired.py`` under torchrun, exactly as ``megatron_wlb.megatron.cpu`` runs (our
+launcher, Megatron's own loop), with one change: the training iterator is a ``PairedDataIterator``.
+Method A is the run's ``--wlb-*`` flags; method B the same with ``WLB_PAIRED_B`` (a JSON object of
+``WlbSettings`` fields, e.g. ``{"packing": "original"}``) and, with ``WLB_PAIRED_B_DEAL=megatron``, B's
+micro-batches dealt as Megatron's sampler deals samples (DP rank r takes r, r + DP, ...). Both read
+the same stream, each through its own cursor, so global batch k of A and of B come from the same
+samples (``--wlb-pieces concat-and-cut``) or the same documents. Training steps 2k and 2k + 1 are
+pair k: A then B for even k, B then A for odd k (ABBA), so the machine's drift cancels in each pair.
+The optimizer steps after both (it is a timing run: the model sees every global batch twice).
+
+Per rank it writes ``WLB_PAIRED_OUT/rank{R}.json``: every training step's wall seconds (perf_counter
+around Megatron's ``train_step``), its method and its tokens. The micro-batches' forward and backward
+times are in the ``--wlb-trace`` files (trace iteration = training step).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import time
+from typing import Any
+
+from megatron_wlb.megatron.data import WlbDataIterator
+from megatron_wlb.packing.types import GlobalBatch
+
+METHODS = ("A", "B")
+
+
+def method_of(step: int) -> str:
+    """Which method trains training step ``step`` (0-based): ABBA over pairs."""
+    pair, second = divmod(int(step), 2)
+    first = 0 if pair % 2 == 0 else 1
+    return METHODS[first if second == 0 else 1 - first]
+
+
+def megatron_deal(batch: GlobalBatch) -> GlobalBatch:
+    """The plan's micro-batches in the order that gives DP rank r micro-batches r, r + DP, ... (as
+    ``MegatronPretrainingSampler`` gives samples) under ``WlbDataIterator``'s contiguous shares."""
+    dp, n = batch.dp, batch.n
+    order = [j for r in range(dp) for j in range(r, dp * n, dp)]
+    return dataclasses.replace(batch, micro_batches=tuple(batch.micro_batches[j] for j in order))
+
+
+class PairedDataIterator(WlbDataIterator):
+    """A's iterator, whose plans alternate with B's (``method_of``): both plan global batch k from their
+    own cursor over the same stream; step 2k and 2k + 1 train them. Everything else (CP planning,
+    prefetch, timing, plan agreement) sees an ordinary ``WlbDataIterator`` whose plan iteration is
+    the training step."""
+
+    def __init__(self, a: WlbDataIterator, b: WlbDataIterator, deal_b: bool = False):
+        super().__init__(a.reader, a.stream, a.packer, a.dp_rank, a.sharding, a.on_batch, read=a.read,
+                         read_piece=a.read_piece)
+        if b.n != a.n or b.dp_size != a.dp_size:
+            raise ValueError(f"paired methods plan different layouts: A {a.dp_size} x {a.n}, B {b.dp_size} x {b.n}")
+        self.other = b
+        self.deal_b = deal_b
+        self.step = 0
+        self.method = ""
+        self._plans: dict[str, Any] = {}
+        self._pair: dict[str, GlobalBatch] = {}
+
+    def _next_batch(self) -> GlobalBatch:
+        if not self._plans:
+            self._plans = {m: it.packer.pack_source(it.stream.cursor()) for m, it in zip(METHODS, (self, self.other))}
+        if self.step % 2 == 0:
+            self._pair = {m: next(plans) for m, plans in self._plans.items()}  # StopIteration ends training
+        self.method = method_of(self.step)
+        batch = self._pair[self.method]
+        if self.method == "B" and self.deal_b:
+            batch = megatron_deal(batch)
+        batch = dataclasses.replace(batch, iteration=self.step)
+        source = self if self.method == "A" else self.other
+        self.sharding = source.sharding
+        self.current = batch
+        self._mine = batch.micro_batches[self.dp_rank * self.n:(self.dp_rank + 1) * self.n]
+        self._cursor = 0
+        self.step += 1
+        if self.on_batch is not None:
+            self.on_batch(batch)
+        return batch
+
+
+def main() -> None:
+    argv = sys.argv[1:]
+    from megatron_wlb.megatron import cpu
+
+    cpu.install_cpu_redirects()
+    from megatron.training import training
+
+    import megatron_wlb.megatron as wlb
+    from megatron_wlb.megatron.settings import WlbSettings
+
+    out = os.environ["WLB_PAIRED_OUT"]
+    rank = int(os.environ.get("RANK", "0"))
+    b_fields = json.loads(os.environ.get("WLB_PAIRED_B", "{}"))
+    deal_b = os.environ.get("WLB_PAIRED_B_DEAL", "") == "megatron"
+    build = wlb.build_train_iterator
+    built: list[PairedDataIterator] = []
+
+    def paired(args: Any, settings: WlbSettings, dp_rank: int, cp_rank: int = 0, **kwargs: Any) -> Any:
+        if kwargs.get("split_name", "train") != "train":
+            return build(args, settings, dp_rank, cp_rank, **kwargs)
+        a = build(args, settings, dp_rank, cp_rank, **kwargs)
+        b = build(args, dataclasses.replace(settings, **b_fields), dp_rank, cp_rank,
+                  **{**kwargs, "on_batch": None})
+        built.append(PairedDataIterator(a, b, deal_b))
+        return built[-1]
+
+    wlb.build_train_iterator = paired  # the iterator hook looks it up at call time
+    record: dict[str, Any] = {"steps": []}
+    train_step = training.train_step
+
+    def timed_step(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        result = train_step(*args, **kwargs)
+        wall = time.perf_counter() - start
+        it = built[0] if built else None
+        batch = it.current if it is not None else None
+        record["steps"].append({"step": len(record["steps"]), "method": it.method if it else "", "wall_s": wall,
+                                "tokens": batch.tokens if batch is not None else 0})
+        with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+            json.dump(record, f)
+        return result
+
+    training.train_step = timed_step
+    cpu.main(argv)
+
+
+if __name__ == "__main__":
+    main()
