@@ -399,6 +399,7 @@ def packing_config_from_args(args: Any, settings: WlbSettings) -> PackingConfig:
 
 def cost_model_from_args(args: Any, settings: WlbSettings) -> CostModel:
     """The cost model W(d) for this run's model flags and layout (calibrated if --wlb-cost-profile)."""
+    from megatron_wlb.config import megatron_moe_fields
     from megatron_wlb.costmodel import ModelShape, ParallelLayout, build_cost_model
 
     heads = int(args.num_attention_heads)
@@ -408,11 +409,12 @@ def cost_model_from_args(args: Any, settings: WlbSettings) -> CostModel:
     vocab = getattr(args, "padded_vocab_size", None) or getattr(args, "vocab_size", None) or 32000
     shape = ModelShape(name="megatron", hidden=int(args.hidden_size), num_layers=int(args.num_layers),
                        num_heads=heads, num_kv_heads=kv, ffn_hidden=int(ffn), vocab=int(vocab),
-                       swiglu=bool(getattr(args, "swiglu", False)))
+                       swiglu=bool(getattr(args, "swiglu", False)), **megatron_moe_fields(args))
     layout = ParallelLayout(tp=int(getattr(args, "tensor_model_parallel_size", 1)),
                             cp=int(getattr(args, "context_parallel_size", 1)),
                             pp=int(getattr(args, "pipeline_model_parallel_size", 1)),
-                            dp=int(getattr(args, "data_parallel_size", 1)))
+                            dp=int(getattr(args, "data_parallel_size", 1)),
+                            ep=int(getattr(args, "expert_model_parallel_size", 1) or 1))
     return build_cost_model(shape, layout, profile=settings.cost_profile)
 
 

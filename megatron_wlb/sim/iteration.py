@@ -238,7 +238,7 @@ class IterationSimulator:
                              f"{rank_tokens.shape}; expected ({cp},)")
         hw = cost.hardware
         gemm = np.asarray(cost.linear_compute(rank_tokens), dtype=np.float64)
-        comm = np.asarray(cost.tp_comm(rank_tokens), dtype=np.float64) + float(cost.cp_comm(tokens))
+        comm = np.asarray(cost.comm(rank_tokens, float(tokens)), dtype=np.float64)
         over = overhead_seconds(cost, backward=False)   # the packer's definition: backward scaled like GEMMs
         rank_fwd = attn + gemm + comm + over
         rank_bwd = cost.backward(attn, gemm) + comm + (overhead_seconds(cost) - over)
