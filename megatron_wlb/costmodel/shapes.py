@@ -8,7 +8,6 @@ from typing import Any
 
 import numpy as np
 
-
 #: ``ModelShape`` fields of a mixture-of-experts model; a dense shape leaves them at these defaults
 #: (and ``to_dict`` leaves them out, so a dense shape's dict is what it was before MoE)
 MOE_DEFAULTS: dict[str, Any] = {"num_experts": None, "moe_topk": 2, "moe_ffn_hidden": None,
