@@ -319,6 +319,14 @@ class RunConfig:
         return replace(self, virtual_stages=virtual_stages,
                        packing=replace(self.packing, virtual_stages=virtual_stages))
 
+    def dense_counterpart(self) -> RunConfig:
+        """The same job with the dense model of equal active parameters (``ModelShape.dense_counterpart``)
+        and no expert parallelism: what an MoE config is compared against; a dense config is its own."""
+        if not self.model.is_moe:
+            return self
+        return replace(self, name=f"{self.name}-dense", model=self.model.dense_counterpart(),
+                       layout=replace(self.layout, ep=1))
+
     def with_packer(self, packer: str, **packing_overrides: Any) -> RunConfig:
         """A copy with another packer and/or packing settings (for comparisons)."""
         if packer not in PACKERS:
