@@ -5,6 +5,9 @@ document's tokens reach the model exactly once."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 pytest.importorskip("torch")
@@ -19,13 +22,6 @@ MOE_FLAGS = ("--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-s
              "--moe-aux-loss-coeff", "1e-2")
 
 
-def _logged_model(run) -> dict:
-    import re
-
-    m = re.search(r"cost model AnalyticCostModel\((\w+), (\S+),", run.log)
-    return {"name": m.group(1), "layout": m.group(2)} if m else {}
-
-
 def test_tiny_moe_pp2_trains_with_wlb_packing(tmp_path, corpus):  # noqa: F811
     run = train(tmp_path, "moe_pp2", corpus, *MOE_FLAGS, "--wlb-packing", "wlb", env={"PP": "2"})
     assert_trains(run)
@@ -34,7 +30,37 @@ def test_tiny_moe_pp2_trains_with_wlb_packing(tmp_path, corpus):  # noqa: F811
 
 
 def test_tiny_moe_ep2_dp2_trains_with_wlb_packing(tmp_path, corpus):  # noqa: F811
+    trace = tmp_path / "moe_ep2" / "trace.jsonl"
     run = train(tmp_path, "moe_ep2", corpus, *MOE_FLAGS, "--expert-model-parallel-size", "2", "--wlb-packing",
-                "wlb", env={"DP": "2"})
+                "wlb", "--wlb-trace", str(trace), env={"DP": "2"})
     assert_trains(run)
     assert_documents_once(run)
+    header = json.loads(trace.read_text().splitlines()[0])  # the packer's cost model: MoE shape, EP 2
+    assert header["model"]["num_experts"] == 4 and header["model"]["moe_ffn_hidden"] == 64
+    assert "DP2-EP2" in header["cost_model"]
+
+
+def _calibrate(trace: Path, out: Path, capsys) -> tuple[dict, str]:
+    from megatron_wlb.cli.main import main
+
+    assert main(["calibrate", "--from-trace", str(trace), "--out", str(out), "--holdout-every", "3"]) == 0
+    return json.loads(out.read_text()), capsys.readouterr().out
+
+
+def test_moe_trace_fits_a_cost_model_beside_the_dense_one(tmp_path, corpus, capsys):  # noqa: F811
+    """``--wlb-trace`` times the MoE run and ``wlb calibrate --from-trace`` fits it (the experts, router and
+    dispatcher inside its per-token term), with a held-out MAPE beside the same run's dense model's."""
+    fits = {}
+    for name, flags in (("moe", MOE_FLAGS), ("dense", ())):
+        trace = tmp_path / name / "trace.jsonl"
+        run = train(tmp_path, name, corpus, *flags, "--train-iters", "14", "--wlb-packing", "wlb",
+                    "--wlb-trace", str(trace), env={"PP": "2", "WLB_TRACE_CLOCK": "thread"})
+        assert_trains(run, iterations=14)
+        fits[name] = _calibrate(trace, tmp_path / f"{name}.json", capsys)
+    moe, dense = fits["moe"][0], fits["dense"][0]
+    assert moe["model"]["num_experts"] == 4 and "num_experts" not in dense["model"]
+    for profile, printed in fits.values():
+        mape = profile["holdout"]["mape"]
+        assert 0 <= mape < 1.0, printed
+    with capsys.disabled():
+        print(f"\nheld-out MAPE of the trace fit: MoE {moe['holdout']['mape']:.1%}, dense {dense['holdout']['mape']:.1%}")
