@@ -218,3 +218,43 @@ def test_yaml_model_in_megatron_moe_names():
         (128, 256, 1.25)
     with pytest.raises(ValueError, match=r"moe.yaml: layout ep=16 does not divide num_experts=8"):
         config_from_dict({**base, "layout": {"tp": 2, "cp": 2, "pp": 2, "dp": 4, "ep": 16}}, source="moe.yaml")
+
+
+TINY_MOE_YAML = """
+model: {num_layers: 2, hidden_size: 64, num_attention_heads: 4, ffn_hidden_size: 256, vocab_size: 300,
+        num_experts: 4, moe_router_topk: 2, moe_ffn_hidden_size: 64, moe_shared_expert_intermediate_size: 32,
+        moe_layer_freq: [1, 0]}
+seq_len: 256
+layout: {tp: 1, cp: 1, pp: 1, dp: 2, ep: 2}
+"""
+
+
+def test_calibrate_measures_the_moe_layer(tmp_path, capsys):
+    """``wlb calibrate`` at an MoE config's shapes: the router, this EP rank's experts (num_experts / ep)
+    on top-k x tokens dispatched rows, the shared expert; the profile names the measured (all-MoE) layer."""
+    torch = pytest.importorskip("torch")
+    from megatron_wlb.cli.calibrate import Layer, measured_shape
+    from megatron_wlb.cli.main import main
+    from megatron_wlb.costmodel import load_profile
+
+    shape = ModelShape("m", hidden=64, num_layers=2, num_heads=4, num_kv_heads=4, ffn_hidden=256, vocab=300,
+                       num_experts=4, moe_topk=2, moe_ffn_hidden=64, moe_shared_expert_hidden=32,
+                       moe_layer_freq=(1, 0))
+    layer = Layer(torch, measured_shape(shape), 1, torch.float32, torch.device("cpu"), "reference", ep=2)
+    assert len(layer.experts) == 2 and layer.shared is not None and layer.router.shape == (4, 64)
+    x = torch.randn(10, 64, requires_grad=True)
+    y = layer(x)
+    y.sum().backward()
+    assert y.shape == (10, 64) and layer.router.grad is not None and layer.experts[1][1].grad is not None
+    path = tmp_path / "moe.yaml"
+    path.write_text(TINY_MOE_YAML)
+    out = tmp_path / "p.json"
+    assert main(["calibrate", "--config", str(path), "--device", "cpu", "--out", str(out), "--iters", "2",
+                 "--warmup", "0", "--min-seconds", "0", "--holdout", "3", "--threads", "1"]) == 0
+    profile = load_profile(out)
+    assert profile["model"]["num_experts"] == 4 and "moe_layer_freq" not in profile["model"]  # all MoE: measured
+    assert profile["holdout"]["mape"] >= 0
+    calibrated = CalibratedCostModel(profile, shape, ParallelLayout(dp=2, ep=2))
+    # the mixed pattern (half the layers dense) is priced from the MoE layer by FLOPs
+    assert calibrated._linear_scale == pytest.approx(shape.linear_flops_per_token()
+                                                     / measured_shape(shape).linear_flops_per_token())

@@ -63,4 +63,5 @@ def test_moe_trace_fits_a_cost_model_beside_the_dense_one(tmp_path, corpus, caps
         mape = profile["holdout"]["mape"]
         assert 0 <= mape < 1.0, printed
     with capsys.disabled():
-        print(f"\nheld-out MAPE of the trace fit: MoE {moe['holdout']['mape']:.1%}, dense {dense['holdout']['mape']:.1%}")
+        print(f"\nheld-out MAPE of the trace fit: MoE {moe['holdout']['mape']:.1%}, "
+              f"dense {dense['holdout']['mape']:.1%}")
