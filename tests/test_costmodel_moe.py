@@ -258,3 +258,17 @@ def test_calibrate_measures_the_moe_layer(tmp_path, capsys):
     # the mixed pattern (half the layers dense) is priced from the MoE layer by FLOPs
     assert calibrated._linear_scale == pytest.approx(shape.linear_flops_per_token()
                                                      / measured_shape(shape).linear_flops_per_token())
+
+
+def test_multi_latent_attention_is_refused_at_start_up_in_one_line():
+    from test_megatron_args import BASE, parse
+
+    from megatron_wlb.megatron.args import validate_wlb_args
+
+    args = parse(BASE)
+    args.multi_latent_attention = True  # Megatron's --multi-latent-attention
+    with pytest.raises(ValueError, match=r"--multi-latent-attention: multi-latent attention \(MLA.*not priced") as e:
+        validate_wlb_args(args, te_available=False, highspy_available=True, check_files=False)
+    assert "\n" not in str(e.value)
+    args.multi_latent_attention = False
+    validate_wlb_args(args, te_available=False, highspy_available=True, check_files=False)

@@ -19,7 +19,7 @@ import traceback
 from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
 
-from megatron_wlb.config import PACKER_NAMES, Knob, RunConfig, cp_sharding_names, field_docs
+from megatron_wlb.config import PACKER_NAMES, Knob, RunConfig, cp_sharding_names, field_docs, megatron_moe_fields
 from megatron_wlb.costmodel import CostModel
 from megatron_wlb.megatron.settings import FLAG_KNOBS, WlbSettings
 from megatron_wlb.packing.types import DEFAULT_MAX_SEQ_LEN_FACTOR, PackingConfig, resolve_max_seq_len
@@ -375,6 +375,10 @@ def validate_wlb_args(args: Any, *, te_available: bool | None = None, highspy_av
         problems.append("pipeline stages exchange variable-length activations (variable_seq_lengths), which "
                         "Megatron's allgather MoE token dispatcher does not support; set "
                         "--moe-token-dispatcher-type alltoall")
+    try:  # model flags the cost model cannot price (--multi-latent-attention)
+        megatron_moe_fields(args)
+    except ValueError as exc:
+        problems.append(str(exc))
     if problems:
         raise configuration_error(problems)
     if pp > 1:
@@ -399,7 +403,6 @@ def packing_config_from_args(args: Any, settings: WlbSettings) -> PackingConfig:
 
 def cost_model_from_args(args: Any, settings: WlbSettings) -> CostModel:
     """The cost model W(d) for this run's model flags and layout (calibrated if --wlb-cost-profile)."""
-    from megatron_wlb.config import megatron_moe_fields
     from megatron_wlb.costmodel import ModelShape, ParallelLayout, build_cost_model
 
     heads = int(args.num_attention_heads)
