@@ -69,3 +69,10 @@ def test_analyze_prints_the_moe_job_beside_its_dense_counterpart(tmp_path, capsy
     assert set(moe["dense_counterpart"]["speedup"]) == set(result["speedup"])
     report = (out / "report.md").read_text()
     assert "## MoE custom beside the dense model" in report and (out / "dense-counterpart" / "report.md").exists()
+
+
+def test_reproduce_runs_the_moe_configs(tmp_path, capsys):
+    out = tmp_path / "rep"
+    assert main(["reproduce", "--configs", "mixtral8x7b_64k", "--iterations", "2", "--out", str(out)]) == 0
+    report = (out / "report.md").read_text()
+    assert "| mixtral8x7b_64k | (2,2,4,4) | 64 |" in report

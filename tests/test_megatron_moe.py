@@ -6,12 +6,21 @@ document's tokens reach the model exactly once."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("torch")
-from test_megatron_train import assert_documents_once, assert_trains, corpus, train  # noqa: E402,F401
+from test_megatron_train import (  # noqa: E402,F401
+    assert_documents_once,
+    assert_trains,
+    corpus,
+    eod_corpus,
+    fed_pieces,
+    stock_samples,
+    train,
+)
 
 pytestmark = pytest.mark.slow  # Megatron training runs
 
@@ -65,3 +74,26 @@ def test_moe_trace_fits_a_cost_model_beside_the_dense_one(tmp_path, corpus, caps
     with capsys.disabled():
         print(f"\nheld-out MAPE of the trace fit: MoE {moe['holdout']['mape']:.1%}, "
               f"dense {dense['holdout']['mape']:.1%}")
+
+
+def test_tiny_moe_balanced_concat_and_cut_pp2_trains_the_stock_jobs_samples(tmp_path, eod_corpus):  # noqa: F811
+    """``--wlb-pieces concat-and-cut``: the MoE job trains megatron-core's own GPTDataset samples, balanced."""
+    run = train(tmp_path, "moe_cut", eod_corpus, *MOE_FLAGS, "--wlb-packing", "wlb", "--wlb-pieces", "concat-and-cut",
+                "--reset-attention-mask", "--reset-position-ids", env={"PP": "2"})
+    assert_trains(run)
+    assert_documents_once(run)
+    stock = stock_samples(eod_corpus, tmp_path, 4, dp=1, eod_mask_loss=False)
+    fed = fed_pieces(run)
+    assert fed and set(fed) <= set(stock) and all(fed[k] == stock[k][1] for k in fed)
+
+
+def test_tiny_moe_ep2_resume_equals_an_uninterrupted_run(tmp_path, corpus):  # noqa: F811
+    ckpt = tmp_path / "ckpt"
+    common = (*MOE_FLAGS, "--expert-model-parallel-size", "2", "--wlb-packing", "wlb", "--save", str(ckpt),
+              "--save-interval", "2", "--ckpt-format", "torch")
+    full = train(tmp_path, "full", corpus, *common, env={"DP": "2"})
+    shutil.rmtree(ckpt / "iter_0000004", ignore_errors=True)
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("2")
+    resumed = train(tmp_path, "resumed", corpus, *common, "--load", str(ckpt), env={"DP": "2"})
+    assert sorted(resumed.losses) == [1, 2], resumed.losses  # the probe counts steps from the restart
+    assert [resumed.losses[1], resumed.losses[2]] == pytest.approx([full.losses[3], full.losses[4]], rel=1e-5)
