@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -127,8 +128,9 @@ class ModelShape:
             return freq
         return tuple(1 if i % freq == 0 else 0 for i in range(self.num_layers))
 
-    @property
+    @cached_property
     def moe_layers(self) -> int:
+        """How many layers are MoE (cached: the per-token figures read it on every call)."""
         return sum(self.moe_layer_pattern())
 
     @property
