@@ -44,7 +44,9 @@ def test_tiny_moe_ep2_dp2_trains_with_wlb_packing(tmp_path, corpus):  # noqa: F8
                 "wlb", "--wlb-trace", str(trace), env={"DP": "2"})
     assert_trains(run)
     assert_documents_once(run)
-    header = json.loads(trace.read_text().splitlines()[0])  # the packer's cost model: MoE shape, EP 2
+    from megatron_wlb.costmodel.trace import read_trace
+
+    header = read_trace(trace).headers[0]  # the packer's cost model: MoE shape, EP 2
     assert header["model"]["num_experts"] == 4 and header["model"]["moe_ffn_hidden"] == 64
     assert "DP2-EP2" in header["cost_model"]
 
