@@ -118,7 +118,7 @@ class CostModel(ABC):
 
     def comm(self, rank_tokens: Counts, tokens: Counts) -> np.ndarray:
         """Every collective of one layer on a GPU holding ``rank_tokens`` of a micro-batch's (or a
-        document's) ``tokens``: TP, CP and, for MoE, EP; the one sum the packer and the simulator share."""
+        document's) ``tokens``: TP, CP and, for MoE, EP (the simulator's sum; ``linear`` adds the same terms)."""
         out = self.tp_comm(rank_tokens) + self.cp_comm(tokens)
         if self.layout.ep > 1 and self.model.is_moe:
             out = out + self.ep_comm(rank_tokens)

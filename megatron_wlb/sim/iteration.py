@@ -262,7 +262,7 @@ class IterationSimulator:
             experts = float(model.expert_parameters())
             dense_bytes = 2.0 * (model.parameters() - experts) / (lay.tp * lay.pp)
             expert_bytes = 2.0 * experts / (lay.tp * lay.ep * lay.pp)
-            expert_group = max(1, (lay.cp * lay.dp) // lay.ep)
+            expert_group = max(1.0, lay.cp * lay.dp / lay.ep)  # expert TP x EP x expert DP = tp x cp x dp
             seconds = 2.0 * (group - 1) / group * dense_bytes / (gbps * 1e9)
             if expert_group > 1:
                 seconds += 2.0 * (expert_group - 1) / expert_group * expert_bytes / (gbps * 1e9)
