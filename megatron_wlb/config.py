@@ -19,7 +19,7 @@ from importlib.abc import Traversable
 from pathlib import Path
 from typing import Any, Literal
 
-from megatron_wlb.costmodel import MODELS, ModelShape, ParallelLayout, get_model
+from megatron_wlb.costmodel import MODELS, ModelShape, ParallelLayout, check_expert_layout, get_model
 from megatron_wlb.packing.base import PACKERS
 from megatron_wlb.packing.types import PackingConfig
 from megatron_wlb.requirements import require
@@ -220,7 +220,41 @@ PACKING_KNOBS: dict[str, Knob] = dataclass_knobs(PackingConfig, exclude=set(RUN_
 #: Megatron-LM's argument names for a model shape (``hidden_size`` ...) -> ``ModelShape`` fields
 MEGATRON_MODEL_KEYS = {"hidden_size": "hidden", "num_attention_heads": "num_heads",
                        "num_query_groups": "num_kv_heads", "ffn_hidden_size": "ffn_hidden", "vocab_size": "vocab",
-                       "padded_vocab_size": "vocab"}
+                       "padded_vocab_size": "vocab", "moe_router_topk": "moe_topk",
+                       "moe_ffn_hidden_size": "moe_ffn_hidden",
+                       "moe_shared_expert_intermediate_size": "moe_shared_expert_hidden",
+                       "moe_expert_capacity_factor": "moe_capacity_factor"}
+#: Megatron-LM model flags the cost model cannot price: a config or a run that sets them is refused
+UNSUPPORTED_MODEL_KEYS = {"multi_latent_attention": "multi-latent attention (MLA, --multi-latent-attention) is not "
+                                                    "priced by the cost model; use standard attention (GQA/MHA)"}
+
+
+def megatron_moe_fields(args: Any) -> dict[str, Any]:
+    """The ``ModelShape`` fields beyond the dense ones from a Megatron-LM argument namespace: the MoE flags
+    (``--num-experts``, ``--moe-router-topk``, ``--moe-ffn-hidden-size``,
+    ``--moe-shared-expert-intermediate-size``, ``--moe-layer-freq``, ``--moe-expert-capacity-factor``) and
+    ``--kv-channels`` where it is not ``hidden / heads``; refuses the flags the cost model cannot price
+    (``UNSUPPORTED_MODEL_KEYS``) in one line. A dense run gives ``{}``."""
+    for key, why in UNSUPPORTED_MODEL_KEYS.items():
+        if getattr(args, key, None):
+            raise ValueError(f"--{key.replace('_', '-')}: {why}")
+    out: dict[str, Any] = {}
+    kv = getattr(args, "kv_channels", None)
+    heads, hidden = getattr(args, "num_attention_heads", None), getattr(args, "hidden_size", None)
+    if kv and heads and hidden and int(kv) * int(heads) != int(hidden):
+        out["kv_channels"] = int(kv)
+    if not getattr(args, "num_experts", None):
+        return out
+    out["num_experts"] = int(args.num_experts)
+    for megatron, name in (("moe_router_topk", "moe_topk"), ("moe_ffn_hidden_size", "moe_ffn_hidden"),
+                           ("moe_shared_expert_intermediate_size", "moe_shared_expert_hidden"),
+                           ("moe_expert_capacity_factor", "moe_capacity_factor")):
+        value = getattr(args, megatron, None)
+        if value is not None:
+            out[name] = value
+    freq = getattr(args, "moe_layer_freq", 1)
+    out["moe_layer_freq"] = tuple(int(f) for f in freq) if isinstance(freq, (list, tuple)) else int(freq)
+    return out
 
 
 def model_from_yaml(raw: Any, source: str) -> ModelShape:
@@ -235,6 +269,10 @@ def model_from_yaml(raw: Any, source: str) -> ModelShape:
     knobs = dataclass_knobs(ModelShape)
     values: dict[str, Any] = {"name": "custom"}
     for key, value in raw.items():
+        if key in UNSUPPORTED_MODEL_KEYS:
+            if value:
+                raise ValueError(f"{source}: model.{key}={value!r}: {UNSUPPORTED_MODEL_KEYS[key]}")
+            continue
         name = MEGATRON_MODEL_KEYS.get(key, key)
         if name not in knobs:
             raise ValueError(f"{source}: unknown model key {key!r}; valid: {', '.join(knobs)} (or Megatron's "
@@ -246,7 +284,8 @@ def model_from_yaml(raw: Any, source: str) -> ModelShape:
         values["num_kv_heads"] = values["num_heads"]  # Megatron: no --num-query-groups = no GQA
     if "vocab" not in values:
         values["vocab"] = 32000
-    missing = [k for k, knob in knobs.items() if k not in values and knob.default is None]
+    required = {f.name for f in fields(ModelShape) if f.default is MISSING and f.default_factory is MISSING}
+    missing = [k for k in knobs if k not in values and k in required]
     if missing:
         megatron = [m for m, f in MEGATRON_MODEL_KEYS.items() if f in missing and m != "padded_vocab_size"]
         raise ValueError(f"{source}: model is missing {', '.join(missing)}"
@@ -279,6 +318,14 @@ class RunConfig:
         and for the packer's schedule objective alike (``packing.virtual_stages``)."""
         return replace(self, virtual_stages=virtual_stages,
                        packing=replace(self.packing, virtual_stages=virtual_stages))
+
+    def dense_counterpart(self) -> RunConfig:
+        """The same job with the dense model of equal active parameters (``ModelShape.dense_counterpart``)
+        and no expert parallelism: what an MoE config is compared against; a dense config is its own."""
+        if not self.model.is_moe:
+            return self
+        return replace(self, name=f"{self.name}-dense", model=self.model.dense_counterpart(),
+                       layout=replace(self.layout, ep=1))
 
     def with_packer(self, packer: str, **packing_overrides: Any) -> RunConfig:
         """A copy with another packer and/or packing settings (for comparisons)."""
@@ -356,14 +403,22 @@ def config_from_dict(raw: dict, source: str = "<dict>") -> RunConfig:
         if key not in raw:
             raise ValueError(f"{source}: missing required key {key!r}")
     layout_raw = raw["layout"]
-    if not isinstance(layout_raw, dict) or set(layout_raw) - {"tp", "cp", "pp", "dp"}:
-        raise ValueError(f"{source}: layout must map tp/cp/pp/dp to positive integers, got {layout_raw!r}")
-    layout = ParallelLayout(**{k: _positive_int(v, f"{source}: layout.{k}", MAX_WORLD)
-                               for k, v in layout_raw.items()})
+    if not isinstance(layout_raw, dict) or set(layout_raw) - {"tp", "cp", "pp", "dp", "ep"}:
+        raise ValueError(f"{source}: layout must map tp/cp/pp/dp to positive integers (and ep, for MoE), "
+                         f"got {layout_raw!r}")
+    try:
+        layout = ParallelLayout(**{k: _positive_int(v, f"{source}: layout.{k}", MAX_WORLD)
+                                   for k, v in layout_raw.items()})
+    except ValueError as exc:
+        raise ValueError(exc if str(exc).startswith(source) else f"{source}: {exc}") from None
     world = layout.tp * layout.cp * layout.pp * layout.dp
     if world > MAX_WORLD:
         raise ValueError(f"{source}: layout {layout_raw} makes a world of {world} ranks; at most {MAX_WORLD}")
     model = model_from_yaml(raw["model"], source)
+    try:
+        check_expert_layout(model, layout)
+    except ValueError as exc:
+        raise ValueError(f"{source}: {exc}") from None
     packing_raw = raw.get("packing") or {}
     if not isinstance(packing_raw, dict):
         raise ValueError(f"{source}: packing must be a mapping of packer settings, got {packing_raw!r}")

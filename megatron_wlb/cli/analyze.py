@@ -18,6 +18,8 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -36,6 +38,10 @@ from megatron_wlb.cli.common import (
 from megatron_wlb.data.blend import DEFAULT_SEED
 from megatron_wlb.data.samples import SampleStream
 from megatron_wlb.sim.experiments import DEFAULT_VIRTUAL_STAGES, EQUAL_DELAY_WINDOW
+
+if TYPE_CHECKING:
+    from megatron_wlb.config import RunConfig
+    from megatron_wlb.sim.report import Verdict
 
 #: Orderings per verdict. With k i.i.d. orderings each, two corpora of the same documents in
 #: different file orders give disjoint [min, max] ranges with probability 2 (k!)^2 / (2k)!:
@@ -233,10 +239,40 @@ def run(args: argparse.Namespace) -> int:
         print(f"\n{line}")
     analyzed, in_corpus = sample if sample is not None else (documents, documents)
     of = f", a uniform sample of {analyzed:,} of its {in_corpus:,} documents" if sample is not None else ""
+    moe: dict | None = None
+    if cfg.model.is_moe:  # the same corpus, orderings and samples under the dense model of equal active parameters
+        moe = moe_beside_dense(out, cfg, streams, iterations, profile, source, notes, samples, path, verdict)
     print(f"\n{verdict.iterations} iterations x {verdict.shuffles} orderings per method, {verdict.schedule}{of}; "
           f"wrote {path} and its figures in {time.perf_counter() - start:.0f} s")
     if json_out is not None:
         with open(json_out, "w") as f:
             json.dump({**verdict.to_json(), "documents_analyzed": analyzed, "documents_in_corpus": in_corpus,
-                       "sampled": sample is not None, "recommendation": recommendation(verdict)}, f, indent=1)
+                       "sampled": sample is not None, "recommendation": recommendation(verdict),
+                       **({"moe": moe} if moe is not None else {})}, f, indent=1)
     return 0
+
+
+def moe_beside_dense(out: Path, cfg: RunConfig, streams: list[np.ndarray], iterations: int, profile: str | None,
+                     source: str, notes: list[str], samples: list[SampleStream] | None, report: Path,
+                     verdict: Verdict) -> dict:
+    """Simulate ``cfg``'s dense counterpart (``RunConfig.dense_counterpart``) on the same orderings and samples,
+    print the MoE job beside it (``sim.moe.moe_table``), append it to ``report`` and return it as JSON."""
+    from megatron_wlb.costmodel import build_cost_model
+    from megatron_wlb.sim.moe import attention_shares, moe_table, share_summary
+    from megatron_wlb.sim.report import analyze
+
+    dense = cfg.dense_counterpart()
+    _, _, dense_verdict = analyze(out / "dense-counterpart", dense, streams, iterations, profile=profile,
+                                  progress=tqdm_progress, source=source, notes=notes, samples=samples)
+    count = iterations * cfg.packing.micro_batches_per_iteration
+    shares = {c.name: attention_shares(build_cost_model(c.model, c.layout, profile), streams[0], c.seq_len, count)
+              for c in (cfg, dense)}
+    table = moe_table(cfg.model, dense.model, verdict, dense_verdict, shares[cfg.name], shares[dense.name])
+    print(f"\n{table.title}\n\n{table.to_markdown()}")
+    with open(report, "a") as f:
+        f.write(f"\n## {table.title}\n\n{table.to_markdown()}\n\nThe dense counterpart's own report: "
+                "dense-counterpart/report.md.\n")
+    return {"dense_counterpart": {"config": dense.name, "model": dense.model.to_dict(), "layout": str(dense.layout),
+                                  **dense_verdict.to_json()},
+            "active_parameters": cfg.model.active_parameters(), "parameters": cfg.model.parameters(),
+            "attention_share": {"moe": share_summary(shares[cfg.name]), "dense": share_summary(shares[dense.name])}}

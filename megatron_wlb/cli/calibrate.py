@@ -138,6 +138,8 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     min_seconds: float = 0.0
     threads: int | None = None
+    #: expert parallelism of an MoE config: the layer holds num_experts / ep experts
+    ep: int = 1
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -285,7 +287,7 @@ class Layer:
     the documents ``cu`` (a composite micro-batch), or, without ``cu`` (the linear sweep), the query
     columns standing in for its output."""
 
-    def __init__(self, torch: Any, model: ModelShape, tp: int, dtype: Any, device: Any, backend: str):
+    def __init__(self, torch: Any, model: ModelShape, tp: int, dtype: Any, device: Any, backend: str, ep: int = 1):
         self.torch, self.model, self.backend = torch, model, backend
         self.heads, self.kv_heads, self.dim = model.num_heads // tp, model.num_kv_heads // tp, model.head_dim
         h = model.hidden
@@ -293,10 +295,22 @@ class Layer:
         def weight(rows: int, cols: int) -> Any:
             return (torch.randn(rows, cols, device=device, dtype=dtype) / cols ** 0.5).requires_grad_(True)
 
+        def mlp(ffn: int) -> tuple[Any, Any]:
+            return weight((2 if model.swiglu else 1) * ffn // tp, h), weight(h, ffn // tp)
+
         q_cols, kv_cols = self.heads * self.dim, self.kv_heads * self.dim
         self.w_qkv, self.w_o = weight(q_cols + 2 * kv_cols, h), weight(h, q_cols)
-        self.w_up = weight((2 if model.swiglu else 1) * model.ffn_hidden // tp, h)
-        self.w_down = weight(h, model.ffn_hidden // tp)
+        self.experts: list[tuple[Any, Any]] = []
+        self.shared: tuple[Any, Any] | None = None
+        if model.is_moe:
+            # an MoE layer (every layer of the measured shape, ``measured_shape``): the router, this EP rank's
+            # num_experts / ep experts (expert TP = tp) and the shared expert
+            self.router = weight(model.num_experts or 1, h)
+            self.experts = [mlp(model.expert_ffn_hidden) for _ in range(max(1, (model.num_experts or 1) // ep))]
+            if model.moe_shared_expert_hidden:
+                self.shared = mlp(model.moe_shared_expert_hidden)
+        else:
+            self.w_up, self.w_down = mlp(model.ffn_hidden)
 
     def __call__(self, x: Any, cu: Any = None, longest: int | None = None) -> Any:
         """One layer over ``x``; ``cu``: the documents' offsets (a device tensor, uploaded before the timed
@@ -317,13 +331,52 @@ class Layer:
             v = qkv[:, q_cols + kv_cols:].reshape(t, self.kv_heads, self.dim)
             attn = varlen_attention(q, k, v, cu, cu, longest, longest, backend=self.backend).reshape(t, q_cols)
         y = F.linear(attn, self.w_o)
-        up = F.linear(x + y, self.w_up)
+        if self.experts:
+            return self.moe(x + y)
+        return self.mlp(x + y, self.w_up, self.w_down)
+
+    def mlp(self, x: Any, w_up: Any, w_down: Any) -> Any:
+        import torch.nn.functional as F
+
+        up = F.linear(x, w_up)
         if self.model.swiglu:
             gate, val = up.chunk(2, dim=-1)
             up = F.silu(gate) * val
         else:
             up = F.gelu(up)
-        return F.linear(up, self.w_down)
+        return F.linear(up, w_down)
+
+    def moe(self, x: Any) -> Any:
+        """The MoE MLP on one EP rank: router scores and top-k, the dispatcher's local permutation of
+        ``expert_load`` x tokens rows into expert order, each local expert on its even share of them (the
+        balanced expectation; the all-to-alls between EP ranks are priced analytically, as TP/CP's), the
+        weighted un-permutation back to the tokens, and the shared expert."""
+        torch, model = self.torch, self.model
+        import torch.nn.functional as F
+
+        t = x.shape[0]
+        probs = torch.softmax(F.linear(x, self.router).float(), dim=-1)
+        weights, _ = torch.topk(probs, model.moe_topk, dim=-1)
+        rows = max(1, int(round(t * model.expert_load)))
+        token = torch.arange(rows, device=x.device) % t  # each assignment's token
+        dispatched = x.index_select(0, token)
+        chunks = dispatched.tensor_split(len(self.experts))
+        out = torch.cat([self.mlp(c, up, down) for c, (up, down) in zip(chunks, self.experts)])
+        scale = weights.to(x.dtype).reshape(-1).repeat(rows // (t * model.moe_topk) + 1)[:rows, None]
+        combined = torch.zeros_like(x).index_add(0, token, out * scale)
+        if self.shared is not None:
+            combined = combined + self.mlp(x, *self.shared)
+        return combined
+
+
+def measured_shape(model: ModelShape) -> ModelShape:
+    """The shape ``Layer`` measures: an MoE model's MoE layer (a layer pattern with dense layers too is
+    priced from it by FLOPs, as other shapes are); a dense model as it is."""
+    if model.is_moe and model.moe_layer_freq != 1:
+        from dataclasses import replace
+
+        return replace(model, moe_layer_freq=1)
+    return model
 
 
 def attention_calls(lengths: list[int], split: int = 8, count: int = 3, shortest: int = 8) -> list[tuple[int, int]]:
@@ -510,10 +563,11 @@ def plan_measurement(args: argparse.Namespace, torch: Any) -> Plan:
                          "this machine's CPU")
     on_gpu = cuda and args.device != "cpu"
     config = load_config(args.config)
-    model, tp = config.model, args.tp or config.layout.tp
+    model, tp = measured_shape(config.model), args.tp or config.layout.tp
     positive(tp, "--tp")
     for what, n in (("num_heads", model.num_heads), ("num_kv_heads", model.num_kv_heads),
-                    ("ffn_hidden", model.ffn_hidden), ("hidden", model.hidden)):
+                    ("ffn_hidden", model.expert_ffn_hidden if model.is_moe else model.ffn_hidden),
+                    ("hidden", model.hidden)):
         if n % tp:
             raise ValueError(f"--tp {tp} does not divide the model's {what} ({n})")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[
@@ -560,7 +614,7 @@ def plan_measurement(args: argparse.Namespace, torch: Any) -> Plan:
                 args.tile, warmup if args.warmup is None else args.warmup, iters if args.iters is None else args.iters,
                 args.holdout, min(s_max, tokens[-1]), notes,
                 0.0 if on_gpu else (CPU.min_seconds if args.min_seconds is None else max(0.0, args.min_seconds)),
-                None if on_gpu else threads)
+                None if on_gpu else threads, config.layout.ep)
 
 
 def fit_line(fit: ProfileFit) -> str:
@@ -619,7 +673,7 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(plan.threads)
     torch.manual_seed(args.seed)
     timer = Timer(torch, plan.device, plan.warmup, plan.iters, plan.min_seconds)
-    layer = Layer(torch, plan.model, plan.tp, plan.dtype, plan.device, plan.backend)
+    layer = Layer(torch, plan.model, plan.tp, plan.dtype, plan.device, plan.backend, plan.ep)
     start = time.perf_counter()
     profile: dict[str, Any] = {
         "format": PROFILE_FORMAT, "device": plan.device_name, "model": plan.model.to_dict(), "tp": plan.tp,

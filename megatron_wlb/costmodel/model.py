@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from megatron_wlb.costmodel.shapes import H100, Hardware, ModelShape, ParallelLayout
+from megatron_wlb.costmodel.shapes import H100, Hardware, ModelShape, ParallelLayout, check_expert_layout
 
 PROFILE_FORMAT = "megatron-wlb-profile/1"
 #: token or pair counts: a number (fractional per-GPU shares too) or an array of them
@@ -61,6 +61,7 @@ class CostModel(ABC):
     measured_runs: bool = False
 
     def __init__(self, model: ModelShape, layout: ParallelLayout, hardware: Hardware = H100):
+        check_expert_layout(model, layout)
         self.model = model
         self.layout = layout
         self.hardware = hardware
@@ -79,6 +80,8 @@ class CostModel(ABC):
         """Fixed forward seconds per micro-batch and layer, independent of its size: the latency
         of the collectives (4 TP calls, 1 CP all-gather) plus any measured launch cost."""
         calls = 4 * (self.layout.tp > 1) + (self.layout.cp > 1)
+        if self.layout.ep > 1 and self.model.is_moe:  # 2 all-to-alls per MoE layer (mean over the layers)
+            return (calls + 2.0 * self.model.moe_fraction) * self.hardware.collective_latency_s
         return calls * self.hardware.collective_latency_s
 
     # -- communication ---------------------------------------------------------------------------
@@ -96,6 +99,30 @@ class CostModel(ABC):
         kv_heads_per_gpu = max(1.0, self.model.num_kv_heads / tp)
         bytes_per_gpu = (t / cp) * 2.0 * kv_heads_per_gpu * self.model.head_dim * 2.0
         return _ring_seconds(bytes_per_gpu, cp, self.hardware.link_gbps(tp * cp))
+
+    def ep_comm(self, tokens: Counts) -> np.ndarray:
+        """Expert parallelism's two all-to-alls of an MoE layer (dispatch and combine) for ``tokens`` tokens
+        on one GPU (its CP share), mean over the layers; zero for a dense model or EP 1.
+
+        Each GPU of the TP group routes its ``1 / tp`` of the tokens (sequence parallel), each to
+        ``model.expert_load`` experts, as bf16 ``hidden``-wide rows; ``(ep - 1) / ep`` of them leave for the
+        other EP ranks, which sit ``tp`` GPUs apart (Megatron's expert grid, expert TP = tp)."""
+        t = np.asarray(tokens, dtype=np.float64)
+        ep = self.layout.ep
+        if ep <= 1 or not self.model.is_moe:
+            return np.zeros_like(t)
+        tp = self.layout.tp
+        bytes_per_gpu = (t / tp) * self.model.expert_load * self.model.hidden * 2.0
+        one = (ep - 1) / ep * bytes_per_gpu / (self.hardware.link_gbps(tp * ep) * 1e9)
+        return 2.0 * self.model.moe_fraction * one
+
+    def comm(self, rank_tokens: Counts, tokens: Counts) -> np.ndarray:
+        """Every collective of one layer on a GPU holding ``rank_tokens`` of a micro-batch's (or a
+        document's) ``tokens``: TP, CP and, for MoE, EP (the simulator's sum; ``linear`` adds the same terms)."""
+        out = self.tp_comm(rank_tokens) + self.cp_comm(tokens)
+        if self.layout.ep > 1 and self.model.is_moe:
+            out = out + self.ep_comm(rank_tokens)
+        return out
 
     def pp_send(self, tokens: Counts, sequence_parallel: bool = True) -> np.ndarray:
         """Seconds to send a micro-batch's activations (or their gradients) to the next PP rank.
@@ -116,10 +143,13 @@ class CostModel(ABC):
         return self.attention_run(d, d) / self.layout.cp
 
     def linear(self, lengths: np.ndarray) -> np.ndarray:
-        """W_l per document: GEMMs and TP/CP collectives on its tokens, shared by the CP group."""
+        """W_l per document: GEMMs and TP/CP (and MoE's EP) collectives on its tokens, shared by the CP group."""
         d = _as_lengths(lengths).astype(np.float64)
         per_gpu = d / self.layout.cp
-        return self.linear_compute(per_gpu) + self.tp_comm(per_gpu) + self.cp_comm(d)
+        out = self.linear_compute(per_gpu) + self.tp_comm(per_gpu) + self.cp_comm(d)
+        if self.layout.ep > 1 and self.model.is_moe:
+            out = out + self.ep_comm(per_gpu)
+        return out
 
     def workload(self, lengths: np.ndarray) -> np.ndarray:
         """W(d) per document, forward seconds per layer per GPU."""
@@ -587,6 +617,11 @@ class CalibratedCostModel(CostModel):
         if self._collectives_measured:
             return np.zeros_like(np.asarray(tokens, dtype=np.float64))
         return super().cp_comm(tokens)
+
+    def ep_comm(self, tokens: Counts) -> np.ndarray:
+        if self._collectives_measured:
+            return np.zeros_like(np.asarray(tokens, dtype=np.float64))
+        return super().ep_comm(tokens)
 
     @property
     def microbatch_overhead(self) -> float:

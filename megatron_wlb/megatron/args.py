@@ -19,7 +19,7 @@ import traceback
 from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
 
-from megatron_wlb.config import PACKER_NAMES, Knob, RunConfig, cp_sharding_names, field_docs
+from megatron_wlb.config import PACKER_NAMES, Knob, RunConfig, cp_sharding_names, field_docs, megatron_moe_fields
 from megatron_wlb.costmodel import CostModel
 from megatron_wlb.megatron.settings import FLAG_KNOBS, WlbSettings
 from megatron_wlb.packing.types import DEFAULT_MAX_SEQ_LEN_FACTOR, PackingConfig, resolve_max_seq_len
@@ -375,6 +375,10 @@ def validate_wlb_args(args: Any, *, te_available: bool | None = None, highspy_av
         problems.append("pipeline stages exchange variable-length activations (variable_seq_lengths), which "
                         "Megatron's allgather MoE token dispatcher does not support; set "
                         "--moe-token-dispatcher-type alltoall")
+    try:  # model flags the cost model cannot price (--multi-latent-attention)
+        megatron_moe_fields(args)
+    except ValueError as exc:
+        problems.append(str(exc))
     if problems:
         raise configuration_error(problems)
     if pp > 1:
@@ -408,11 +412,12 @@ def cost_model_from_args(args: Any, settings: WlbSettings) -> CostModel:
     vocab = getattr(args, "padded_vocab_size", None) or getattr(args, "vocab_size", None) or 32000
     shape = ModelShape(name="megatron", hidden=int(args.hidden_size), num_layers=int(args.num_layers),
                        num_heads=heads, num_kv_heads=kv, ffn_hidden=int(ffn), vocab=int(vocab),
-                       swiglu=bool(getattr(args, "swiglu", False)))
+                       swiglu=bool(getattr(args, "swiglu", False)), **megatron_moe_fields(args))
     layout = ParallelLayout(tp=int(getattr(args, "tensor_model_parallel_size", 1)),
                             cp=int(getattr(args, "context_parallel_size", 1)),
                             pp=int(getattr(args, "pipeline_model_parallel_size", 1)),
-                            dp=int(getattr(args, "data_parallel_size", 1)))
+                            dp=int(getattr(args, "data_parallel_size", 1)),
+                            ep=int(getattr(args, "expert_model_parallel_size", 1) or 1))
     return build_cost_model(shape, layout, profile=settings.cost_profile)
 
 

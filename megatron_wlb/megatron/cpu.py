@@ -77,6 +77,11 @@ def _device_mode():
 
         def __torch_function__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
+            if getattr(func, "__name__", "") == "all_to_all_single":
+                # MoE's alltoall dispatcher moves its split sizes to host numpy only off a CUDA device
+                # (moe_utils.maybe_move_tensor_to_cpu); on the CPU they stay tensors, which gloo's binding refuses
+                kwargs = {k: v.tolist() if k.endswith("split_sizes") and torch.is_tensor(v) else v
+                          for k, v in kwargs.items()}
             if "device" in kwargs and _is_cuda(kwargs["device"]):
                 kwargs = {**kwargs, "device": "cpu"}
             if func is to and len(args) > 1 and _is_cuda(args[1]):

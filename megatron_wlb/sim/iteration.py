@@ -238,7 +238,7 @@ class IterationSimulator:
                              f"{rank_tokens.shape}; expected ({cp},)")
         hw = cost.hardware
         gemm = np.asarray(cost.linear_compute(rank_tokens), dtype=np.float64)
-        comm = np.asarray(cost.tp_comm(rank_tokens), dtype=np.float64) + float(cost.cp_comm(tokens))
+        comm = np.asarray(cost.comm(rank_tokens, float(tokens)), dtype=np.float64)
         over = overhead_seconds(cost, backward=False)   # the packer's definition: backward scaled like GEMMs
         rank_fwd = attn + gemm + comm + over
         rank_bwd = cost.backward(attn, gemm) + comm + (overhead_seconds(cost) - over)
@@ -250,13 +250,24 @@ class IterationSimulator:
                               head * hw.bwd_linear, p2p, (1.0 + hw.bwd_attention) * attn)
 
     def _dp_sync(self) -> float:
-        """Ring all-reduce of bf16 gradients over the DP x CP group, not overlapped with backward."""
+        """Ring all-reduce of bf16 gradients over the DP x CP group, not overlapped with backward (an MoE
+        model's routed experts: their 1 / (tp x ep) share over the expert-DP group, cp x dp / ep GPUs)."""
         lay = self.config.layout
         group = lay.dp * lay.cp
         if group <= 1:
             return 0.0
-        grad_bytes = 2.0 * self.config.model.parameters() / (lay.tp * lay.pp)
+        model = self.config.model
         gbps = self.cost.hardware.link_gbps(lay.world_size // lay.pp)
+        if model.is_moe:  # routed experts: 1 / (tp x ep) of them per GPU, reduced over the expert-DP group
+            experts = float(model.expert_parameters())
+            dense_bytes = 2.0 * (model.parameters() - experts) / (lay.tp * lay.pp)
+            expert_bytes = 2.0 * experts / (lay.tp * lay.ep * lay.pp)
+            expert_group = max(1.0, lay.cp * lay.dp / lay.ep)  # expert TP x EP x expert DP = tp x cp x dp
+            seconds = 2.0 * (group - 1) / group * dense_bytes / (gbps * 1e9)
+            if expert_group > 1:
+                seconds += 2.0 * (expert_group - 1) / expert_group * expert_bytes / (gbps * 1e9)
+            return seconds + self.cost.hardware.collective_latency_s
+        grad_bytes = 2.0 * model.parameters() / (lay.tp * lay.pp)
         return 2.0 * (group - 1) / group * grad_bytes / (gbps * 1e9) + self.cost.hardware.collective_latency_s
 
     # -- per iteration ----------------------------------------------------------------------------

@@ -22,6 +22,7 @@ as ``--wlb-*`` flags instead of ``--wlb-config`` (whose start-up check demands t
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -49,6 +50,20 @@ def model_args(run: RunConfig) -> list[str]:
         args += ["--group-query-attention", f"--num-query-groups {m.num_kv_heads}"]
     if m.swiglu:
         args.append("--swiglu")
+    if m.kv_channels is not None:
+        args.append(f"--kv-channels {m.kv_channels}")
+    if m.is_moe:  # alltoall: the dispatcher that takes PP's variable-length micro-batches
+        args += [f"--num-experts {m.num_experts}", f"--moe-router-topk {m.moe_topk}",
+                 f"--moe-ffn-hidden-size {m.expert_ffn_hidden}", "--moe-token-dispatcher-type alltoall",
+                 "--moe-router-load-balancing-type aux_loss", "--moe-aux-loss-coeff 1e-2"]
+        if m.moe_shared_expert_hidden is not None:
+            args.append(f"--moe-shared-expert-intermediate-size {m.moe_shared_expert_hidden}")
+        if m.moe_layer_freq != 1:
+            freq = m.moe_layer_freq
+            args.append(f"--moe-layer-freq {freq}" if isinstance(freq, int) else
+                        "--moe-layer-freq [" + ",".join(map(str, freq)) + "]")
+        if m.moe_capacity_factor is not None:
+            args.append(f"--moe-expert-capacity-factor {m.moe_capacity_factor}")
     return args
 
 
@@ -62,6 +77,8 @@ def parallel_args(run: RunConfig) -> list[str]:
     ]
     if lay.tp > 1:
         args.append("--sequence-parallel")
+    if lay.ep > 1:
+        args.append(f"--expert-model-parallel-size {lay.ep}")
     if run.virtual_stages > 1:
         per_stage = run.model.num_layers // (lay.pp * run.virtual_stages)
         args.append(f"--num-layers-per-virtual-pipeline-stage {per_stage}")
@@ -258,7 +275,8 @@ def scaled(run: RunConfig, nproc: int | None = None, tp: int | None = None, cp: 
     if run.model.num_heads % tp or run.model.num_layers % pp:
         raise ValueError(f"{run.name}: TP={tp} must divide {run.model.num_heads} heads and PP={pp} the "
                          f"{run.model.num_layers} layers")
-    layout = ParallelLayout(tp=tp, cp=cp, pp=pp, dp=nproc // (tp * cp * pp))
+    dp = nproc // (tp * cp * pp)
+    layout = ParallelLayout(tp=tp, cp=cp, pp=pp, dp=dp, ep=math.gcd(lay.ep, tp * cp * dp))  # EP as far as it fits
     return replace(run, layout=layout, packing=replace(run.packing, dp=layout.dp))
 
 

@@ -1,0 +1,101 @@
+"""A tiny mixture-of-experts GPT through Megatron-LM's own training loop on CPU (gloo) with the WLB-LLM hooks
+(issue 36): 4 experts, top-2, the alltoall token dispatcher, packed by ``--wlb-packing wlb`` with the cost model
+of the MoE shape (``cost_model_from_args`` maps Megatron's MoE flags): it trains, the loss falls, every planned
+document's tokens reach the model exactly once."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+from test_megatron_train import (  # noqa: E402,F401
+    assert_documents_once,
+    assert_trains,
+    corpus,
+    eod_corpus,
+    fed_pieces,
+    stock_samples,
+    train,
+)
+
+pytestmark = pytest.mark.slow  # Megatron training runs
+
+#: 4 experts of FFN 64, top-2, Megatron's alltoall dispatcher (the one that takes PP's variable-length
+#: micro-batches), the aux-loss router; every layer MoE
+MOE_FLAGS = ("--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "64",
+             "--moe-token-dispatcher-type", "alltoall", "--moe-router-load-balancing-type", "aux_loss",
+             "--moe-aux-loss-coeff", "1e-2")
+
+
+def test_tiny_moe_pp2_trains_with_wlb_packing(tmp_path, corpus):  # noqa: F811
+    run = train(tmp_path, "moe_pp2", corpus, *MOE_FLAGS, "--wlb-packing", "wlb", env={"PP": "2"})
+    assert_trains(run)
+    assert_documents_once(run)
+    assert "[wlb] iteration" in run.log
+
+
+def test_tiny_moe_ep2_dp2_trains_with_wlb_packing(tmp_path, corpus):  # noqa: F811
+    trace = tmp_path / "moe_ep2" / "trace.jsonl"
+    run = train(tmp_path, "moe_ep2", corpus, *MOE_FLAGS, "--expert-model-parallel-size", "2", "--wlb-packing",
+                "wlb", "--wlb-trace", str(trace), env={"DP": "2"})
+    assert_trains(run)
+    assert_documents_once(run)
+    from megatron_wlb.costmodel.trace import read_trace
+
+    header = read_trace(trace).headers[0]  # the packer's cost model: MoE shape, EP 2
+    assert header["model"]["num_experts"] == 4 and header["model"]["moe_ffn_hidden"] == 64
+    assert "DP2-EP2" in header["cost_model"]
+
+
+def _calibrate(trace: Path, out: Path, capsys) -> tuple[dict, str]:
+    from megatron_wlb.cli.main import main
+
+    assert main(["calibrate", "--from-trace", str(trace), "--out", str(out), "--holdout-every", "3"]) == 0
+    return json.loads(out.read_text()), capsys.readouterr().out
+
+
+def test_moe_trace_fits_a_cost_model_beside_the_dense_one(tmp_path, corpus, capsys):  # noqa: F811
+    """``--wlb-trace`` times the MoE run and ``wlb calibrate --from-trace`` fits it (the experts, router and
+    dispatcher inside its per-token term), with a held-out MAPE beside the same run's dense model's."""
+    fits = {}
+    for name, flags in (("moe", MOE_FLAGS), ("dense", ())):
+        trace = tmp_path / name / "trace.jsonl"
+        run = train(tmp_path, name, corpus, *flags, "--train-iters", "14", "--wlb-packing", "wlb",
+                    "--wlb-trace", str(trace), env={"PP": "2", "WLB_TRACE_CLOCK": "thread"})
+        assert_trains(run, iterations=14)
+        fits[name] = _calibrate(trace, tmp_path / f"{name}.json", capsys)
+    moe, dense = fits["moe"][0], fits["dense"][0]
+    assert moe["model"]["num_experts"] == 4 and "num_experts" not in dense["model"]
+    for profile, printed in fits.values():
+        mape = profile["holdout"]["mape"]
+        assert 0 <= mape < 1.0, printed
+    with capsys.disabled():
+        print(f"\nheld-out MAPE of the trace fit: MoE {moe['holdout']['mape']:.1%}, "
+              f"dense {dense['holdout']['mape']:.1%}")
+
+
+def test_tiny_moe_balanced_concat_and_cut_pp2_trains_the_stock_jobs_samples(tmp_path, eod_corpus):  # noqa: F811
+    """``--wlb-pieces concat-and-cut``: the MoE job trains megatron-core's own GPTDataset samples, balanced."""
+    run = train(tmp_path, "moe_cut", eod_corpus, *MOE_FLAGS, "--wlb-packing", "wlb", "--wlb-pieces", "concat-and-cut",
+                "--reset-attention-mask", "--reset-position-ids", env={"PP": "2"})
+    assert_trains(run)
+    assert_documents_once(run)
+    stock = stock_samples(eod_corpus, tmp_path, 4, dp=1, eod_mask_loss=False)
+    fed = fed_pieces(run)
+    assert fed and set(fed) <= set(stock) and all(fed[k] == stock[k][1] for k in fed)
+
+
+def test_tiny_moe_ep2_resume_equals_an_uninterrupted_run(tmp_path, corpus):  # noqa: F811
+    ckpt = tmp_path / "ckpt"
+    common = (*MOE_FLAGS, "--expert-model-parallel-size", "2", "--wlb-packing", "wlb", "--save", str(ckpt),
+              "--save-interval", "2", "--ckpt-format", "torch")
+    full = train(tmp_path, "full", corpus, *common, env={"DP": "2"})
+    shutil.rmtree(ckpt / "iter_0000004", ignore_errors=True)
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("2")
+    resumed = train(tmp_path, "resumed", corpus, *common, "--load", str(ckpt), env={"DP": "2"})
+    assert sorted(resumed.losses) == [1, 2], resumed.losses  # the probe counts steps from the restart
+    assert [resumed.losses[1], resumed.losses[2]] == pytest.approx([full.losses[3], full.losses[4]], rel=1e-5)
