@@ -99,3 +99,15 @@ def test_tiny_moe_ep2_resume_equals_an_uninterrupted_run(tmp_path, corpus):  # n
     resumed = train(tmp_path, "resumed", corpus, *common, "--load", str(ckpt), env={"DP": "2"})
     assert sorted(resumed.losses) == [1, 2], resumed.losses  # the probe counts steps from the restart
     assert [resumed.losses[1], resumed.losses[2]] == pytest.approx([full.losses[3], full.losses[4]], rel=1e-5)
+
+
+def test_tiny_moe_online_refit_at_ep2_agrees_and_trains(tmp_path, corpus):  # noqa: F811
+    """--wlb-cost-model online on the MoE job at EP2 x DP2: the refits run on schedule (every rank's coefficients
+    and plan digests checked equal inside), and the packer keeps planning with the refitted model."""
+    run = train(tmp_path, "moe_online", corpus, *MOE_FLAGS, "--expert-model-parallel-size", "2", "--wlb-packing",
+                "wlb", "--wlb-cost-model", "online", "--wlb-refit-interval", "2", "--train-iters", "6",
+                env={"DP": "2"})
+    assert_trains(run, iterations=6)
+    assert_documents_once(run)
+    refits = [line for line in run.log.splitlines() if "online cost model refit at iteration" in line]
+    assert [line.split("iteration ")[1].split()[0] for line in refits] == ["4", "6"], refits
