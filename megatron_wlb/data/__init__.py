@@ -13,6 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
+from megatron_wlb.data.lengths import validate_lengths
+
 EMBEDDED = Path(__file__).with_name("dist_wlbllm.json")
 EMBEDDED_NAME = "wlbllm"
 
@@ -52,8 +54,6 @@ def load_lengths(source: str | Path | None = None) -> np.ndarray:
     line (``.txt``, ``.csv`` with one column; ``#`` comments and blank lines skipped). A line with
     several fields is an error, not its first field silently.
     """
-    from megatron_wlb.packing.base import validate_lengths
-
     if source is None or str(source) == EMBEDDED_NAME:
         path = EMBEDDED
     else:

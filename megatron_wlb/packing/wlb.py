@@ -80,7 +80,8 @@ from typing import Any
 import numpy as np
 
 from megatron_wlb.costmodel import CostModel
-from megatron_wlb.packing.base import Packer, pieces_from_state, pieces_to_state, register_packer, validate_lengths
+from megatron_wlb.data.lengths import validate_lengths
+from megatron_wlb.packing.base import Packer, pieces_from_state, pieces_to_state, register_packer
 from megatron_wlb.packing.greedy import place_greedy
 from megatron_wlb.packing.metrics import microbatch_seconds, piece_forward, piece_latency
 from megatron_wlb.packing.pipeline import deal_and_order, schedule_timer
