@@ -4,6 +4,10 @@
 (OSDI'25, Figure 3). It was published by the DistCA authors (github hao-ai-lab/DistCA,
 ``distca/simulator/data/dist_wlbllm.json``) as a stand-in for the paper's data; it is not a
 real corpus.
+
+Below packing and cp: ``lengths.validate_lengths`` is the one check of a length array, ``cut`` is
+Megatron's concat-and-cut over a length stream (what ``original``, the ``pieces="concat-and-cut"``
+intake and the CP sampler cut with).
 """
 
 from __future__ import annotations

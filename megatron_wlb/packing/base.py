@@ -24,8 +24,8 @@ from typing import Any, ClassVar, Protocol
 import numpy as np
 
 from megatron_wlb.costmodel import CostModel, cost_model_from_state
+from megatron_wlb.data.cut import window_pieces
 from megatron_wlb.data.lengths import validate_lengths
-from megatron_wlb.packing.cut import window_pieces
 from megatron_wlb.packing.metrics import piece_latency
 from megatron_wlb.packing.types import DocPiece, GlobalBatch, MicroBatch, PackingConfig
 

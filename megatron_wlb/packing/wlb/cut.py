@@ -4,7 +4,7 @@ A forced outlier whose group cannot be balanced is cut into the fewest pieces th
 are the outliers the fill rule (f) releases early into an iteration whose ordinary documents cannot
 balance them (``cut_early``). Scope: ``"overlong"`` cuts only pieces of documents longer than S_max,
 ``"any"`` any piece. Every cut is counted in ``PlanCounts.cut_stats``. (Megatron's concat-and-cut, the
-``original`` packer's intake, is ``packing/cut.py``.)
+``original`` packer's intake, is ``data/cut.py``.)
 """
 
 from __future__ import annotations

@@ -59,11 +59,7 @@ class WlbPacker(Packer):
 
     def diagnostics(self) -> dict[str, Any]:
         """The current thresholds (``thresholds()``), forced splits, early releases and cuts."""
-        c = self.counts
-        return {"thresholds": list(self.thresholds()), "forced_splits": c.forced_splits,
-                "fill_releases": c.fill_releases, "cut_stats": dict(c.cut_stats),
-                "delay_overruns": c.delay_overruns, "read_ahead_tokens": c.read_ahead_tokens,
-                "balanced_releases": c.balanced_releases}
+        return {"thresholds": list(self.thresholds()), **self.counts.state()}
 
     # -- the stream ------------------------------------------------------------------------------------
     def _apply_oversize(self, lengths: np.ndarray, ids: np.ndarray, arrival: int) -> list[DocPiece]:
@@ -138,17 +134,11 @@ class WlbPacker(Packer):
 
     # -- state -----------------------------------------------------------------------------------------
     def _extra_state(self) -> dict[str, Any]:
-        c = self.counts
-        return {"waiting": pieces_to_state(self._waiting), **self.stats.state(),
-                "forced_splits": c.forced_splits, "fill_releases": c.fill_releases, "cut_stats": dict(c.cut_stats),
-                "delay_overruns": c.delay_overruns, "read_ahead_tokens": c.read_ahead_tokens,
-                "balanced_releases": c.balanced_releases, "overlong_docs": sorted(self._overlong_docs)}
+        return {"waiting": pieces_to_state(self._waiting), **self.stats.state(), **self.counts.state(),
+                "overlong_docs": sorted(self._overlong_docs)}
 
     def _load_extra_state(self, state: dict[str, Any]) -> None:
         self._waiting = pieces_from_state(state["waiting"])
         self.stats.load(state)
-        self.counts = PlanCounts(
-            forced_splits=int(state["forced_splits"]), fill_releases=int(state["fill_releases"]),
-            balanced_releases=int(state["balanced_releases"]), read_ahead_tokens=int(state["read_ahead_tokens"]),
-            delay_overruns=int(state["delay_overruns"]), cut_stats={k: int(v) for k, v in state["cut_stats"].items()})
+        self.counts = PlanCounts.from_state(state)
         self._overlong_docs = {int(d) for d in state["overlong_docs"]}

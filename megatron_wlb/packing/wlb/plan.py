@@ -11,7 +11,8 @@ running counts. The packer builds one per iteration, runs the policies over it, 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
 
 import numpy as np
 
@@ -68,14 +69,26 @@ class PlanCounts:
     forced_splits: int = 0
     #: pieces the fill rule released early (f)
     fill_releases: int = 0
-    #: queued outliers released because the iteration could balance them (i)
-    balanced_releases: int = 0
-    #: tokens read ahead of the budget to fill iterations (h)
-    read_ahead_tokens: int = 0
-    #: forced pieces that fit nowhere whole and were not cut (``pieces="concat-and-cut"``)
-    delay_overruns: int = 0
     #: the cut policy (g): cut points made, tokens of the cut pieces, pieces they became
     cut_stats: dict[str, int] = field(default_factory=_zero_cut_stats)
+    #: forced pieces that fit nowhere whole and were not cut (``pieces="concat-and-cut"``)
+    delay_overruns: int = 0
+    #: tokens read ahead of the budget to fill iterations (h)
+    read_ahead_tokens: int = 0
+    #: queued outliers released because the iteration could balance them (i)
+    balanced_releases: int = 0
+
+    def state(self) -> dict[str, Any]:
+        """JSON-ready, in this order (the cut statistics copied)."""
+        return asdict(self)
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> PlanCounts:
+        counts = cls(cut_stats={k: int(v) for k, v in state["cut_stats"].items()})
+        for f in fields(cls):
+            if f.name != "cut_stats":
+                setattr(counts, f.name, int(state[f.name]))
+        return counts
 
 
 @dataclass(eq=False)
