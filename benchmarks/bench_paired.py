@@ -156,7 +156,7 @@ def train(c: Comparison, data: Path, out: Path, steps: int, log: Any, profile: P
 def replay(rows: list[Any], pp: int, predicted: bool) -> float:
     """One training step's critical path from its micro-batch rows: per DP (and CP) rank, 1F1B over the PP
     stages' forward and backward times (measured thread seconds, or the cost model's), then the slowest."""
-    from megatron_wlb.sim.schedule import simulate_pipeline
+    from megatron_wlb.schedule import simulate_pipeline
 
     groups: dict[tuple[int, int], list[Any]] = defaultdict(list)
     for r in rows:

@@ -45,7 +45,7 @@ class Row:
 
 def test_replay_is_the_slowest_pipelines_critical_path():
     bench = load_script("bench_paired")
-    from megatron_wlb.sim.schedule import simulate_pipeline
+    from megatron_wlb.schedule import simulate_pipeline
 
     # DP2 without PP: the slower rank's compute
     rows = [Row(0, 0, 0, 0, j, 1.0, 2.0, 0.1, 0.2) for j in range(2)] + \

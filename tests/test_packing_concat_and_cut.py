@@ -14,8 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from megatron_wlb.costmodel import AnalyticCostModel, ParallelLayout, get_model
+from megatron_wlb.data.cut import concat_and_cut_flat, window_pieces
 from megatron_wlb.packing import PackingConfig, make_packer
-from megatron_wlb.packing.cut import concat_and_cut_flat, window_pieces
 
 COST = AnalyticCostModel(get_model("7b"), ParallelLayout(tp=2, cp=1, pp=2, dp=1))
 BALANCING = ("wlb", "fixed-greedy", "whole-document")

@@ -5,7 +5,9 @@ corpus (tests/data/corpora) at DP = 1 and DP = 4 (configs/7b_128k.yaml, 200 glob
 equal the one recorded in tests/data/packing_default_plans.json.
 
 The Megatron end-to-end losses in the README were measured with these plans; an opt-in knob
-(``cut_policy``, ...) must leave them byte-identical. When a change to the *default* is intended,
+(``cut_policy``, ...) must leave them byte-identical. The opt-in knobs' own plans are pinned the same
+way (``VARIANTS``: every policy path of ``packing/wlb/``, on three streams), so a refactor of the
+planner that changes any plan fails here. When a change to the *default* is intended,
 regenerate the record with ``python tests/test_packing_corpora.py --write`` and say so.
 """
 
@@ -26,6 +28,22 @@ CORPORA = ROOT / "tests" / "data" / "corpora"
 STREAMS = ("wlbllm", "stdlib", "pypkgs", "headers", "docs", "prose", "books", "logs", "data")
 DPS = (1, 4)
 ITERATIONS = 200
+#: opt-in settings whose plans are pinned too (each exercises a policy path of packing/wlb/)
+VARIANTS: dict[str, dict[str, Any]] = {
+    "cut_any": {"cut_policy": "any"},
+    "cut_overlong": {"cut_policy": "overlong"},
+    "release_rank": {"release": "rank"},
+    "paper_release": {"group_by_work": False, "release_when_balanced": False},
+    "no_fill_target": {"fill_target": 0.0},
+    "no_fill": {"fill_target": 0.0, "min_fill": 0.0},
+    "read_ahead_off_cut": {"read_ahead": False, "cut_policy": "any", "fill_target": 0.0},
+    "concat_and_cut": {"pieces": "concat-and-cut"},
+    "no_flush": {"flush_on_force": False, "max_delay": 3},
+    "fixed_thresholds": {"queue_thresholds": (40000, 90000), "schedule_order": False},
+    "three_queues_interleaved": {"num_queues": 3, "virtual_stages": 2},
+}
+VARIANT_STREAMS = (("wlbllm", 4), ("docs", 1), ("logs", 2))
+VARIANT_ITERATIONS = 100
 
 
 def _run(stream: str, dp: int, iterations: int = ITERATIONS, **overrides: Any) -> tuple[list, Any]:
@@ -45,13 +63,18 @@ def _run(stream: str, dp: int, iterations: int = ITERATIONS, **overrides: Any) -
     return run_packer(make_packer("wlb", packing, cost), lengths, iterations), cost
 
 
-def plan_digest(stream: str, dp: int, iterations: int = ITERATIONS) -> str:
+def plan_digest(stream: str, dp: int, iterations: int = ITERATIONS, **overrides: Any) -> str:
     """sha256 over every emitted piece (doc id, offset, length, arrival) per micro-batch, in order."""
     h = hashlib.sha256()
-    for batch in _run(stream, dp, iterations)[0]:
+    for batch in _run(stream, dp, iterations, **overrides)[0]:
         h.update(repr([[(p.doc_id, p.offset, p.length, p.arrival) for p in mb.pieces]
                        for mb in batch.micro_batches]).encode())
     return h.hexdigest()
+
+
+def variant_digests() -> dict[str, str]:
+    return {f"{_key(s, dp)}/{name}": plan_digest(s, dp, VARIANT_ITERATIONS, **over)
+            for s, dp in VARIANT_STREAMS for name, over in VARIANTS.items()}
 
 
 def _key(stream: str, dp: int) -> str:
@@ -65,6 +88,14 @@ def test_default_plans_are_unchanged(stream, dp):
     record = json.loads(RECORD.read_text())
     assert plan_digest(stream, dp) == record["digests"][_key(stream, dp)], \
         f"default wlb plans changed on {stream} at dp {dp}"
+
+
+@pytest.mark.parametrize("stream,dp", VARIANT_STREAMS)
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_opt_in_plans_are_unchanged(stream, dp, name):
+    record = json.loads(RECORD.read_text())
+    assert plan_digest(stream, dp, VARIANT_ITERATIONS, **VARIANTS[name]) == \
+        record["variants"][f"{_key(stream, dp)}/{name}"], f"{name} wlb plans changed on {stream} at dp {dp}"
 
 
 @pytest.mark.slow
@@ -96,6 +127,7 @@ if __name__ == "__main__":
     sys.path.insert(0, str(ROOT))
     digests = {_key(s, dp): plan_digest(s, dp) for dp in DPS for s in STREAMS}
     RECORD.write_text(json.dumps({"what": "digests of the default wlb plans (tests/test_packing_corpora.py)",
-                                  "config": "7b_128k", "iterations": ITERATIONS, "digests": digests},
+                                  "config": "7b_128k", "iterations": ITERATIONS, "digests": digests,
+                                  "variant_iterations": VARIANT_ITERATIONS, "variants": variant_digests()},
                                  indent=1) + "\n")
     print(f"wrote {RECORD}")

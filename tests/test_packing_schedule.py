@@ -16,7 +16,7 @@ from megatron_wlb.packing import PackingConfig, make_packer, summarize
 from megatron_wlb.packing.metrics import schedule_times, slowest_rank_schedule_time
 from megatron_wlb.packing.pipeline import ScheduleTimer, deal_and_order, fixed_order
 from megatron_wlb.packing.types import DocPiece, GlobalBatch, MicroBatch
-from megatron_wlb.sim.schedule import simulate_pipeline
+from megatron_wlb.schedule import simulate_pipeline
 
 
 @pytest.mark.parametrize("p, m, v", [(1, 1, 1), (2, 3, 1), (4, 4, 1), (4, 9, 1), (8, 4, 1), (4, 8, 2), (2, 6, 3)])

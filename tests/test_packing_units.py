@@ -14,6 +14,7 @@ from megatron_wlb.cli.main import main
 from megatron_wlb.config import load_config
 from megatron_wlb.costmodel import build_cost_model
 from megatron_wlb.data import load_lengths
+from megatron_wlb.data.lengths import validate_lengths
 from megatron_wlb.packing import (
     PackingConfig,
     imbalance_global,
@@ -22,7 +23,6 @@ from megatron_wlb.packing import (
     place_greedy,
     solve_assignment,
     summarize,
-    validate_lengths,
 )
 from megatron_wlb.packing.metrics import piece_latency
 from megatron_wlb.packing.solver import decode_counts, length_groups, model_columns

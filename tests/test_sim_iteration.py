@@ -9,9 +9,9 @@ import pytest
 from megatron_wlb.config import load_config
 from megatron_wlb.costmodel import AnalyticCostModel, Hardware, ParallelLayout, get_model
 from megatron_wlb.packing.types import DocPiece, GlobalBatch, MicroBatch
+from megatron_wlb.schedule import simulate_pipeline
 from megatron_wlb.sim.dyncp import doc_cp_sizes, dynamic_cp_layout
 from megatron_wlb.sim.iteration import IterationSimulator, split_documents, stage_layers
-from megatron_wlb.sim.schedule import simulate_pipeline
 
 
 def balanced(name, lengths, cp, cost):

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_wlb.sim.schedule import op_order, simulate_pipeline, textbook_1f1b
+from megatron_wlb.schedule import op_order, simulate_pipeline, textbook_1f1b
 
 
 @pytest.mark.parametrize("p,m,tf,tb", [(4, 4, 1.0, 2.0), (4, 8, 1.0, 1.0), (4, 8, 3.0, 1.0), (8, 16, 0.5, 1.1),

@@ -62,6 +62,7 @@ import numpy as np
 
 from megatron_wlb.costmodel import AnalyticCostModel, CostModel, ParallelLayout, get_model
 from megatron_wlb.cp.efficiency import KernelEfficiency
+from megatron_wlb.data.lengths import validate_lengths
 
 LAYOUT_NAMES: tuple[str, ...] = ("per-sequence", "per-document", "per-document-te", "adaptive", "hybrid")
 LAYOUT_ALIASES: dict[str, str] = {"per-document-choice": "hybrid"}
@@ -507,8 +508,6 @@ def _assemble(name: str, requested: str, cp: int, lengths: np.ndarray, padded: n
 
 
 def _validate(name: str, lengths, cp, tile) -> tuple[str, np.ndarray]:
-    from megatron_wlb.packing.base import validate_lengths
-
     canonical = LAYOUT_ALIASES.get(name, name)
     if canonical not in LAYOUT_NAMES:
         raise ValueError(f"unknown CP layout {name!r}; valid layouts: {', '.join(LAYOUT_NAMES)} "

@@ -6,13 +6,13 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from megatron_wlb.packing.cut import concat_and_cut as cut_stream
+from megatron_wlb.data.cut import concat_and_cut as cut_stream
 
 
 def concat_and_cut(lengths: np.ndarray, seq_len: int, count: int | None = None,
                    indices: Sequence[int] | None = None) -> list[np.ndarray]:
     """Micro-batches of exactly ``seq_len`` tokens, as Megatron's GPTDataset builds samples
-    (``packing.cut.concat_and_cut``: documents back to back, cut every ``seq_len`` tokens).
+    (``data.cut.concat_and_cut``: documents back to back, cut every ``seq_len`` tokens).
     Returns the first ``count`` micro-batches, or those numbered ``indices``, each as its piece
     lengths in order. ``available(lengths, seq_len)`` says how many there are."""
     lengths = np.asarray(lengths, dtype=np.int64)

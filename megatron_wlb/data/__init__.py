@@ -4,6 +4,10 @@
 (OSDI'25, Figure 3). It was published by the DistCA authors (github hao-ai-lab/DistCA,
 ``distca/simulator/data/dist_wlbllm.json``) as a stand-in for the paper's data; it is not a
 real corpus.
+
+Below packing and cp: ``lengths.validate_lengths`` is the one check of a length array, ``cut`` is
+Megatron's concat-and-cut over a length stream (what ``original``, the ``pieces="concat-and-cut"``
+intake and the CP sampler cut with).
 """
 
 from __future__ import annotations
@@ -12,6 +16,8 @@ import json
 from pathlib import Path
 
 import numpy as np
+
+from megatron_wlb.data.lengths import validate_lengths
 
 EMBEDDED = Path(__file__).with_name("dist_wlbllm.json")
 EMBEDDED_NAME = "wlbllm"
@@ -52,8 +58,6 @@ def load_lengths(source: str | Path | None = None) -> np.ndarray:
     line (``.txt``, ``.csv`` with one column; ``#`` comments and blank lines skipped). A line with
     several fields is an error, not its first field silently.
     """
-    from megatron_wlb.packing.base import validate_lengths
-
     if source is None or str(source) == EMBEDDED_NAME:
         path = EMBEDDED
     else:

@@ -8,6 +8,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from megatron_wlb.data.indexed import read_idx_lengths
+from megatron_wlb.data.lengths import validate_lengths
+
 #: Megatron GPTDataset's default shuffle seed
 DEFAULT_SEED = 1234
 
@@ -104,9 +107,6 @@ def read_blend(data_path: Sequence[str] | str, seed: int | None = DEFAULT_SEED,
     + 7919 x its index; None keeps file order): (stream, description, documents not read).
     ``datasets``: each prefix's lengths (file order) when the caller has read them (``wlb analyze``
     reads them through the training reader, or a sample of them); else read from each ``.idx``."""
-    from megatron_wlb.data.indexed import read_idx_lengths
-    from megatron_wlb.packing.base import validate_lengths
-
     parts = parse_data_path(data_path)
     if datasets is None:
         datasets = [validate_lengths(read_idx_lengths(prefix), what=f"lengths in {prefix}.idx") for prefix, _ in parts]

@@ -7,8 +7,9 @@ balancing), ``wlb`` (paper Algorithm 1: variable length with outlier delay, plus
 thresholds, a delay bound and global DP x N balance). ``metrics`` scores plans.
 """
 
+from megatron_wlb.costmodel import CostModel
 from megatron_wlb.packing import greedy, original, solver, whole_document, wlb  # noqa: F401  (register the packers)
-from megatron_wlb.packing.base import PACKERS, Packer, make_packer, register_packer, validate_lengths
+from megatron_wlb.packing.base import PACKERS, Packer, register_packer
 from megatron_wlb.packing.greedy import FixedGreedyPacker, place_greedy
 from megatron_wlb.packing.metrics import (
     PackingMetrics,
@@ -30,5 +31,13 @@ __all__ = [
     "Packer", "PackingConfig", "PackingMetrics", "WholeDocumentPacker", "WlbPacker", "batch_latencies",
     "imbalance_global",
     "imbalance_per_rank", "make_packer", "microbatch_latency", "piece_latency", "place_greedy", "register_packer",
-    "solve_assignment", "summarize", "validate_lengths",
+    "solve_assignment", "summarize",
 ]
+
+
+def make_packer(name: str, config: PackingConfig, cost: CostModel | None = None) -> Packer:
+    """Build a registered packer by name (``original``, ``fixed-greedy``, ``fixed-solver``, ``whole-document``,
+    ``wlb``)."""
+    if name not in PACKERS:
+        raise ValueError(f"unknown packer {name!r}; choose one of {', '.join(sorted(PACKERS))}")
+    return PACKERS[name](config, cost)

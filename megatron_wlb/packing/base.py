@@ -23,8 +23,9 @@ from typing import Any, ClassVar, Protocol
 
 import numpy as np
 
-from megatron_wlb.costmodel import CostModel
-from megatron_wlb.packing.cut import window_pieces
+from megatron_wlb.costmodel import CostModel, cost_model_from_state
+from megatron_wlb.data.cut import window_pieces
+from megatron_wlb.data.lengths import validate_lengths
 from megatron_wlb.packing.metrics import piece_latency
 from megatron_wlb.packing.types import DocPiece, GlobalBatch, MicroBatch, PackingConfig
 
@@ -35,26 +36,6 @@ STATE_VERSION = 4
 
 def _nothing_to_read(tokens: int, limit: int) -> list[DocPiece]:
     return []
-
-
-def validate_lengths(lengths: Sequence[int] | np.ndarray, what: str = "document lengths") -> np.ndarray:
-    """Return ``lengths`` as int64, or raise naming the first bad entry (zero, negative, non-integer)."""
-    arr = np.asarray(lengths)
-    if arr.ndim != 1:
-        raise ValueError(f"{what} must be a 1-D sequence, got shape {arr.shape}")
-    if arr.size == 0:
-        return arr.astype(np.int64)
-    if arr.dtype.kind == "f":
-        bad = np.flatnonzero(arr != np.floor(arr))
-        if bad.size:
-            raise ValueError(f"{what}[{bad[0]}] = {arr[bad[0]]!r} is not an integer; lengths count tokens")
-    elif arr.dtype.kind not in "iu":
-        raise ValueError(f"{what} must be integers, got dtype {arr.dtype}")
-    arr = arr.astype(np.int64)
-    bad = np.flatnonzero(arr < 1)
-    if bad.size:
-        raise ValueError(f"{what}[{bad[0]}] = {arr[bad[0]]}; every document needs at least 1 token")
-    return arr
 
 
 def pieces_to_state(pieces: Sequence[DocPiece]) -> list[list[int]]:
@@ -313,8 +294,6 @@ class Packer(ABC):
         if state.get("packer") != self.name:
             raise ValueError(f"state was saved by the {state.get('packer')!r} packer, not {self.name!r}")
         if state.get("cost") is not None:  # a refitted cost model: rebuild it before comparing fingerprints
-            from megatron_wlb.costmodel import cost_model_from_state
-
             if self.cost is None:
                 raise ValueError("packer state holds a refitted cost model, but this packer has none to refit")
             self.set_cost(cost_model_from_state(state["cost"], self.cost), state["cost"])
@@ -372,12 +351,3 @@ def register_packer(cls: type[Packer]) -> type[Packer]:
         raise ValueError(f"{cls.__name__} needs a non-empty name")
     PACKERS[cls.name] = cls
     return cls
-
-
-def make_packer(name: str, config: PackingConfig, cost: CostModel | None = None) -> Packer:
-    """Build a registered packer by name (``original``, ``fixed-greedy``, ``fixed-solver``, ``wlb``)."""
-    import megatron_wlb.packing  # noqa: F401  (registers the built-in packers)
-
-    if name not in PACKERS:
-        raise ValueError(f"unknown packer {name!r}; choose one of {', '.join(sorted(PACKERS))}")
-    return PACKERS[name](config, cost)

@@ -20,7 +20,9 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from megatron_wlb.costmodel import CostModel
+from megatron_wlb.packing.pipeline import deal_and_order
 from megatron_wlb.packing.types import GlobalBatch, MicroBatch
+from megatron_wlb.schedule import simulate_pipeline
 
 
 def piece_latency(cost: CostModel | None, lengths: np.ndarray | Sequence[int]) -> np.ndarray:
@@ -230,11 +232,9 @@ def schedule_times(cost: CostModel | None, batch: GlobalBatch, stages: int | Non
                    virtual_stages: int = 1) -> np.ndarray:
     """Pipeline-schedule seconds (per layer-stage) of every DP rank, played through the simulator.
 
-    ``stages`` defaults to ``n`` (the paper's N = PP). Uses ``megatron_wlb.sim.schedule``'s
+    ``stages`` defaults to ``n`` (the paper's N = PP). Uses ``megatron_wlb.schedule``'s
     (interleaved) 1F1B, the same code the iteration simulator runs.
     """
-    from megatron_wlb.sim.schedule import simulate_pipeline
-
     p = batch.n if stages is None else stages
     fwd, bwd = microbatch_stage_times(cost, batch)
     out = np.empty(batch.dp)
@@ -248,8 +248,6 @@ def schedule_times(cost: CostModel | None, batch: GlobalBatch, stages: int | Non
 def balanced_schedule_time(cost: CostModel | None, batch: GlobalBatch, stages: int | None = None,
                            virtual_stages: int = 1) -> float:
     """The schedule time if every micro-batch of the iteration carried the mean work (the ideal)."""
-    from megatron_wlb.sim.schedule import simulate_pipeline
-
     p = batch.n if stages is None else stages
     fwd, bwd = microbatch_stage_times(cost, batch)
     f = np.full((p, batch.n), float(fwd.mean()))
@@ -274,9 +272,6 @@ def whole_piece_floor_time(cost: CostModel | None, batch: GlobalBatch, stages: i
     better balanced); dealt to ranks and ordered by ``pipeline.deal_and_order``, then played through
     the simulator like ``schedule_times``. Equals the balanced time when no piece outweighs the mean.
     """
-    from megatron_wlb.packing.pipeline import deal_and_order
-    from megatron_wlb.sim.schedule import simulate_pipeline
-
     p = batch.n if stages is None else stages
     m = batch.dp * batch.n
     lengths = np.concatenate([mb.lengths for mb in batch.micro_batches]) if m else np.zeros(0, np.int64)

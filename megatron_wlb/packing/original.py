@@ -5,7 +5,7 @@ so a document may be split across micro-batches (and across iterations). Each pi
 for attention purposes. Every micro-batch is full except at the very end of the stream, where
 Megatron would drop the tail and we emit it (no token is lost).
 
-The cut itself is ``packing.cut.concat_and_cut``, a pure function over a length stream.
+The cut itself is ``data.cut.concat_and_cut``, a pure function over a length stream.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from typing import Any
 import numpy as np
 
 from megatron_wlb.costmodel import CostModel
+from megatron_wlb.data.cut import concat_and_cut_flat
 from megatron_wlb.packing.base import Packer, pieces_from_state, pieces_to_state, register_packer
-from megatron_wlb.packing.cut import concat_and_cut_flat
 from megatron_wlb.packing.types import DocPiece, MicroBatch, PackingConfig, piece_lengths
 
 

@@ -8,7 +8,7 @@ contents: in 1F1B a heavy micro-batch costs least in second position and most in
 - ``ScheduleTimer``: the exact makespan of Megatron's (interleaved) 1F1B order for micro-batches
   whose stage times are the same on every stage (the packer's view: each stage runs
   ``layers / pp`` identical layers), as a precomputed longest-path recurrence over the operation
-  DAG of ``megatron_wlb.sim.schedule.op_order``. It equals ``simulate_pipeline`` on such input
+  DAG of ``megatron_wlb.schedule.op_order``. It equals ``simulate_pipeline`` on such input
   (tested) at a fraction of the cost, which the packer needs in its inner loop.
 - ``deal_and_order``: assigns ``dp * n`` micro-batches to DP ranks (n each) and orders them within
   a rank to minimise the slowest rank's makespan; deterministic (ties by index, no wall time).
@@ -24,13 +24,13 @@ from functools import lru_cache
 
 import numpy as np
 
+from megatron_wlb.schedule import op_order
+
 
 class ScheduleTimer:
     """Makespan of one pipeline over ``micro_batches`` for per-micro-batch stage times."""
 
     def __init__(self, stages: int, micro_batches: int, virtual_stages: int = 1):
-        from megatron_wlb.sim.schedule import op_order
-
         p, m, v = stages, micro_batches, virtual_stages
         self.stages, self.micro_batches, self.virtual_stages = p, m, v
         orders = [op_order(s, p, m, v) for s in range(p)]
@@ -63,7 +63,7 @@ class ScheduleTimer:
 
     @staticmethod
     def _dependency(kind: str, c: int, s: int, j: int, p: int, v: int) -> tuple[str, int, int, int] | None:
-        """The operation whose output this one needs (mirrors ``sim.schedule._ready``)."""
+        """The operation whose output this one needs (mirrors ``schedule._ready``)."""
         if kind == "F":
             if s > 0:
                 return ("F", c, s - 1, j)

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from megatron_wlb.costmodel import CostModel
+from megatron_wlb.cp.efficiency import KernelEfficiency
+from megatron_wlb.cp.layouts import attention_work, build_layout
 
 
 @dataclass(frozen=True)
@@ -65,9 +67,6 @@ def dynamic_cp_layout(lengths: np.ndarray, cp: int, cost: CostModel,
         raise ValueError("lengths must be a 1-D array of positive token counts")
     if max_seqlen_per_rank is None:
         max_seqlen_per_rank = max(1, -(-int(d.sum()) // cp))
-    from megatron_wlb.cp.efficiency import KernelEfficiency
-    from megatron_wlb.cp.layouts import attention_work, build_layout
-
     sizes = doc_cp_sizes(d, cp, max_seqlen_per_rank)
     whole = attention_work(d, d, cost, KernelEfficiency.default(), tile)
     score = d.astype(np.float64) ** 2 / sizes

@@ -32,8 +32,10 @@ import numpy as np
 
 from megatron_wlb.config import RunConfig
 from megatron_wlb.costmodel import CostModel
+from megatron_wlb.cp.layouts import build_layout
 from megatron_wlb.cp.protocols import Layout, LayoutBuilder
 from megatron_wlb.data.samples import SampleStream
+from megatron_wlb.packing import make_packer
 from megatron_wlb.packing.metrics import (
     batch_latencies,
     imbalance_global,
@@ -42,7 +44,8 @@ from megatron_wlb.packing.metrics import (
     summarize,
 )
 from megatron_wlb.packing.types import GlobalBatch, MicroBatch
-from megatron_wlb.sim.schedule import PipelineResult, simulate_pipeline
+from megatron_wlb.schedule import PipelineResult, simulate_pipeline
+from megatron_wlb.sim.dyncp import dynamic_cp_layout
 
 ORDERS = ("packer", "heavy-first")
 
@@ -61,12 +64,8 @@ def default_layout_builder(name: str, lengths: np.ndarray, cp: int, cost: CostMo
     """The CP shard layouts of ``megatron_wlb.cp.layouts``, plus ``dynamic-cp`` (``sim.dyncp``,
     with ``max_seqlen_per_rank = seq_len / cp``)."""
     if name == "dynamic-cp":
-        from megatron_wlb.sim.dyncp import dynamic_cp_layout
-
         per_rank = None if seq_len is None else max(1, seq_len // cp)
         return dynamic_cp_layout(lengths, cp, cost, max_seqlen_per_rank=per_rank)
-    from megatron_wlb.cp.layouts import build_layout
-
     return build_layout(name, lengths, cp, cost=cost)
 
 
@@ -431,8 +430,6 @@ def simulate_stream(config: RunConfig, cost: CostModel, packer: str, cp_layout: 
     Megatron's GPTDataset samples (their pieces in training order) instead of ``lengths``; they are
     already cut at ``seq_len``, so ``split_at`` does not apply.
     """
-    from megatron_wlb.packing.base import make_packer
-
     if iterations < 1:
         raise ValueError(f"iterations must be at least 1, got {iterations}")
     if split_at is not None and source is None:

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from megatron_wlb.config import RunConfig
+from megatron_wlb.config import RunConfig, load_config
 from megatron_wlb.data.samples import SampleStream
 from megatron_wlb.sim.experiments import (
     ANALYZE_METHODS,
@@ -309,8 +309,6 @@ def run_reproduce(lengths: np.ndarray, settings: ReproduceSettings = ReproduceSe
                   configs: Sequence[str] = TABLE1_CONFIGS, profile: str | None = None,
                   progress: Progress | None = None) -> ReproduceResults:
     """Run every experiment of ``wlb reproduce`` (pure: no files)."""
-    from megatron_wlb.config import load_config
-
     if not configs:
         raise ValueError("reproduce needs at least one config")
     v = settings.virtual_stages

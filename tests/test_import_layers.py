@@ -1,0 +1,142 @@
+"""The package's floors only go down: the import graph of ``megatron_wlb`` read with ``ast`` (no import runs).
+
+Levels, lowest first: ``schedule`` and ``data``, ``costmodel``, ``packing``, ``cp``, ``sim``. A module imports
+only from a lower level (or its own package), every import among these packages sits at the top of its
+module (none placed inside a function to dodge a cycle), and their modules form no cycle (``CHECKED``). An import of
+``a.b.c`` also runs the ``__init__`` of ``a.b`` and ``a``, so those count as imported from another package.
+
+``python tests/test_import_layers.py`` prints the arrows between packages (who imports whom, how often).
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from collections import Counter
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "megatron_wlb"
+LEVELS = {"schedule": 0, "data": 0, "costmodel": 1, "packing": 2, "cp": 3, "sim": 4}
+#: the packages whose modules are checked for nested imports and cycles (costmodel's model <-> refit/table
+#: cycle is issue 35's ``costmodel/fit.py`` item, not yet done)
+CHECKED = {"schedule", "data", "packing", "cp", "sim"}
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports() -> list[tuple[str, str, bool, int]]:
+    """(importing module, imported module, inside a function, line) of every import within megatron_wlb."""
+    out = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        nested = {id(node) for fn in ast.walk(tree) if isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef)
+                  for node in ast.walk(fn) if isinstance(node, ast.Import | ast.ImportFrom)}
+        src = module_name(path)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                targets = [node.module]
+                # ``from megatron_wlb.packing import wlb`` imports the module megatron_wlb.packing.wlb
+                targets += [f"{node.module}.{a.name}" for a in node.names
+                            if (PACKAGE.parent / f"{node.module}.{a.name}".replace(".", "/")).with_suffix(".py")
+                            .exists()]
+            elif isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            else:
+                continue
+            out.extend((src, t, id(node) in nested, node.lineno) for t in targets
+                       if t == "megatron_wlb" or t.startswith("megatron_wlb."))
+    return out
+
+
+def package_of(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def graph(edges: list[tuple[str, str, bool, int]]) -> dict[str, set[str]]:
+    """Module -> modules it runs on import, parents' ``__init__`` included across packages."""
+    out: dict[str, set[str]] = {}
+    for src, dst, _, _ in edges:
+        parts = dst.split(".")
+        targets = {dst} | {".".join(parts[:k]) for k in range(2, len(parts))}
+        out.setdefault(src, set()).update(t for t in targets if t != src and not src.startswith(t + "."))
+    return out
+
+
+def cycles(g: dict[str, set[str]], nodes: set[str]) -> list[list[str]]:
+    """The strongly connected components of more than one module among ``nodes`` (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(g.get(v, set()) & nodes):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                found.append(sorted(comp))
+
+    for v in sorted(nodes):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def layered(module: str) -> bool:
+    return package_of(module) in LEVELS
+
+
+def checked(module: str) -> bool:
+    return package_of(module) in CHECKED
+
+
+def test_no_import_inside_a_function_among_the_layered_packages():
+    nested = [f"{s}:{line} imports {d}" for s, d, inside, line in imports() if inside and checked(s) and layered(d)]
+    assert nested == []
+
+
+def test_every_arrow_between_packages_goes_down():
+    up = sorted({f"{s}:{line} -> {d}" for s, d, _, line in imports()
+                 if layered(s) and layered(d) and package_of(s) != package_of(d)
+                 and LEVELS[package_of(d)] >= LEVELS[package_of(s)]})
+    assert up == []
+
+
+def test_no_cycle_among_the_layered_modules():
+    edges = imports()
+    nodes = {module_name(p) for p in PACKAGE.rglob("*.py")}
+    assert cycles(graph(edges), {m for m in nodes if checked(m)}) == []
+
+
+def test_the_checker_sees_a_cycle_and_an_import_inside_a_function():
+    g = {"megatron_wlb.packing.a": {"megatron_wlb.sim.b"}, "megatron_wlb.sim.b": {"megatron_wlb.packing.a"}}
+    assert cycles(g, set(g)) == [sorted(g)]
+    assert any(inside for s, d, inside, _ in imports() if s.startswith("megatron_wlb.megatron"))
+
+
+if __name__ == "__main__":
+    arrows = Counter((package_of(s) or "(root)", package_of(d) or "(root)") for s, d, _, _ in imports()
+                     if package_of(s) != package_of(d))
+    for (a, b), n in sorted(arrows.items()):
+        mark = " UP" if a in LEVELS and b in LEVELS and LEVELS[b] >= LEVELS[a] else ""
+        print(f"{a:>10} -> {b:<12} {n:3d}{mark}")
+    sys.exit(0)
