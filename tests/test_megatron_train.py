@@ -345,10 +345,11 @@ def eod_corpus(tmp_path_factory) -> str:
 
 
 def stock_samples(corpus: str, tmp_path: Path, iterations: int, first: int = 0, dp: int = 2,
-                  eod_mask_loss: bool = True) -> dict[int, tuple]:
+                  eod_mask_loss: bool = True, inter_document: bool = False) -> dict[int, tuple]:
     """What a stock job trains over ``iterations`` steps from ``first``: megatron-core's GPTDataset built as
     the run built it, read in the order of Megatron's own ``MegatronPretrainingSampler`` at DP ``dp``:
-    piece id (position * seq_length + start) -> (iteration, sha256 of its tokens, labels and loss mask)."""
+    piece id (position * seq_length + start) -> (iteration, sha256 of its tokens, labels and loss mask).
+    ``inter_document``: masked with ``--dataloader-inter-document-masking`` instead of the ``--reset-*`` flags."""
     import hashlib
     import types
 
@@ -364,8 +365,10 @@ def stock_samples(corpus: str, tmp_path: Path, iterations: int, first: int = 0, 
 
     seq, gbs, train_iters = 256, 4, 4
     args = types.SimpleNamespace(seed=1234, seq_length=seq, data_path=[corpus], split="98,2,0",
-                                 data_cache_path=str(tmp_path / "stock_cache"), mmap_bin_files=True,
-                                 reset_position_ids=True, reset_attention_mask=True, eod_mask_loss=eod_mask_loss,
+                                 data_cache_path=str(tmp_path / f"stock_cache{'_inter' * inter_document}"),
+                                 mmap_bin_files=True, reset_position_ids=not inter_document,
+                                 reset_attention_mask=not inter_document, eod_mask_loss=eod_mask_loss,
+                                 dataloader_inter_document_masking=inter_document,
                                  data_args_path=None, per_split_data_args_path=None, train_data_path=None,
                                  valid_data_path=None, test_data_path=None)
     samples = MegatronSamples(build_train_dataset(args, NullTokenizer(300), (train_iters * gbs, 0, 0)))
@@ -402,6 +405,24 @@ def test_balanced_gptdataset_pp2_trains_the_stock_jobs_samples(tmp_path, eod_cor
     stock = stock_samples(eod_corpus, tmp_path, 4, dp=1, eod_mask_loss=False)
     fed = fed_pieces(run)
     assert fed and set(fed) <= set(stock) and all(fed[k] == stock[k][1] for k in fed)
+
+
+def test_balanced_gptdataset_honours_inter_document_masking(tmp_path, corpus):
+    """``--dataloader-inter-document-masking`` (how megatron-core 0.19+ users ask for per-document masking) with
+    the balanced concat-and-cut intake at DP2 through Megatron's loop: the pieces that reach the model are the
+    stock job's samples cut at GPTDataset's own document boundaries (its per-document ``cu_seqlens`` and position
+    ids), with Megatron's tokens, labels and loss mask; a corpus whose documents do not end with the tokenizer's
+    EOD trains (boundaries come from the .idx, not from EOD tokens)."""
+    run = train(tmp_path, "inter_document", corpus, "--wlb-packing", "wlb", "--wlb-pieces", "concat-and-cut",
+                "--dataloader-inter-document-masking", env={"DP": "2"})
+    assert_trains(run)
+    assert_documents_once(run)
+    stock = stock_samples(corpus, tmp_path, 4, eod_mask_loss=False, inter_document=True)
+    fed = fed_pieces(run)
+    assert fed and set(fed) <= set(stock), f"pieces the stock job does not train: {sorted(set(fed) - set(stock))[:5]}"
+    assert all(fed[k] == stock[k][1] for k in fed), "a piece's tokens, labels or loss mask differ from Megatron's"
+    whole = {k for k in stock if k % 256 == 0}
+    assert len(stock) > len(whole), "GPTDataset cut no sample at a document boundary: nothing was masked"
 
 
 def test_balanced_gptdataset_through_megatrons_loop(tmp_path, eod_corpus):
