@@ -96,6 +96,19 @@ def _slowest_rank(plan: list[list[list[int]]], lengths: list[int], cost) -> floa
     return slowest_rank_schedule_time(cost, GlobalBatch(0, mbs, len(plan), n), stages=4)[0]
 
 
+@pytest.mark.parametrize("cap", [1, 2, 3])
+def test_max_num_seqs_caps_the_samples_of_a_micro_batch(cap):
+    """dev's ``max_num_seqs`` (``max_items`` here): no micro-batch holds more samples, every sample once."""
+    lengths = _lengths(60, seed=cap, high=900)
+    free = plan_sample_groups(list(enumerate(lengths)), 4096, 2, 1, None)
+    assert max(len(r) for mb in free for r in mb) > cap
+    groups = plan_sample_groups(list(enumerate(lengths)), 4096, 2, 1, None, max_items=cap)
+    assert max(len(r) for mb in groups for r in mb) <= cap
+    assert sorted(i for mb in groups for r in mb for i in r) == list(range(60))
+    with pytest.raises(ValueError, match="max_items=0: must be an integer >= 1 or None"):
+        plan_sample_groups(list(enumerate(lengths)), 4096, 2, 1, None, max_items=0)
+
+
 def test_too_few_samples_is_one_clear_error():
     with pytest.raises(ValueError, match="cannot fill dp \\* n = 4 x 1 micro-batches"):
         place_whole_batch([10, 10, 10], 4, 100, None)
@@ -111,6 +124,80 @@ def main_checkout(tmp_path_factory) -> Path:
     from megatron_wlb.megatron.version import MAIN_COMMIT
 
     return megatron_checkout(tmp_path_factory.mktemp("mlm") / "Megatron-LM-main", "main", commit=MAIN_COMMIT)
+
+
+#: the Megatron-LM commits whose own data_schedule takes our scheduler: the pinned main, main after PR #6742
+#: (the scheduler a flag, its name checked by the config), dev (scheduler_map keyed by strings, max_num_seqs=)
+MOVING = {"main": "MAIN_COMMIT", "main-6742": "MAIN_6742_COMMIT", "dev": "DEV_COMMIT"}
+
+
+@pytest.fixture(scope="module", params=sorted(MOVING))
+def moving_checkout(request, tmp_path_factory) -> tuple[str, Path]:
+    """(name, checkout) of each of ``MOVING`` from the repository MEGATRON_LM names (skipped, naming the commit,
+    without one)."""
+    from conftest import megatron_checkout
+
+    from megatron_wlb.megatron import version
+
+    commit = getattr(version, MOVING[request.param])
+    dest = tmp_path_factory.mktemp("mlm") / f"Megatron-LM-{request.param}"
+    return request.param, megatron_checkout(dest, request.param, commit=commit)
+
+
+MOVED = """
+import sys
+from megatron_wlb.megatron.compat import install_python_shims
+install_python_shims()
+from megatron_wlb.megatron import main_schedule
+print(main_schedule.register())
+print(main_schedule.register())
+from megatron.core.datasets import data_schedule as D
+key = D.PackingSchedulerEnum["WLB"] if hasattr(D, "PackingSchedulerEnum") else "wlb"   # main's / dev's lookup
+cls = D.scheduler_map[key]
+assert cls is main_schedule.scheduler_class(), cls
+ids = [(i, n) for i, n in enumerate([900, 40, 700, 80, 300, 60, 500, 20, 650, 100, 30, 250])]
+free = cls(1000, 1, 2, None, max_num_seqs=None).get_groups_and_subsamples(ids)   # dev passes max_num_seqs=
+capped = cls(1000, 1, 2, None, max_num_seqs=2).get_groups_and_subsamples(ids)
+assert max(len(r) for mb in free for r in mb) > 2 >= max(len(r) for mb in capped for r in mb), (free, capped)
+try:
+    cls(1000, 1, 2, None, min_cp_size=2)   # a keyword we do not know: refused naming it, no TypeError
+except ValueError as exc:
+    print("UNKNOWN", exc)
+import dataclasses
+from megatron.core.model_parallel_config import ModelParallelConfig
+if "sequence_packing_scheduler" in {f.name for f in dataclasses.fields(ModelParallelConfig)}:
+    print("CONFIG", ModelParallelConfig(sequence_packing_scheduler="wlb", max_seqlen_per_dp_cp_rank=1000)
+          .sequence_packing_scheduler)
+from megatron.training import arguments
+sys.argv = ["pretrain_gpt.py", "--sequence-packing-scheduler", "wlb", "--max-seqlen-per-dp-cp-rank", "1000"]
+try:
+    print("PARSED", getattr(arguments.parse_args(None, True), "sequence_packing_scheduler", "no flag"))
+except SystemExit as exc:
+    print("EXIT", exc)
+"""
+
+
+@pytest.mark.slow
+def test_registered_where_megatron_moved(moving_checkout):
+    """register() on each checkout: our class is what main's / dev's own lookup finds (dev keys scheduler_map by
+    strings: before, register() said "not registered"); dev's ``max_num_seqs=`` is taken and honoured (a cap on
+    a micro-batch's samples), an unknown keyword is refused naming it (not a TypeError); where the config checks
+    the name (main after #6742, dev) "wlb" passes it, and the flag's choices take "wlb", which without
+    TransformerEngine >= 2.9 (main's TransformerConfig requires it for any scheduler) exits in one line."""
+    name, checkout = moving_checkout
+    env = {**os.environ, "PYTHONPATH": f"{checkout}{os.pathsep}{ROOT}", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run([sys.executable, "-c", MOVED], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    out = proc.stdout
+    assert "registered: sequence_packing_scheduler='wlb' (WlbPackingScheduler)" in out and "(already)" in out, out
+    assert "UNKNOWN megatron_wlb's WlbPackingScheduler does not know the keyword(s) min_cp_size" in out, out
+    if name == "main":  # the pinned main: neither a config field nor a flag yet
+        assert "CONFIG" not in out and "EXIT" not in out, out
+    else:
+        assert "CONFIG wlb" in out, out
+        line = next(x for x in out.splitlines() if x.startswith("EXIT "))
+        assert "--sequence-packing-scheduler wlb" in line and "TransformerEngine >= 2.9.0" in line, line
+        assert "megatron_wlb.megatron.launcher" in line, line
 
 
 SELECTION = """

@@ -27,6 +27,12 @@ PATCHED_CHECKOUTS = {PINNED_MEGATRON_TAG: PINNED_MEGATRON_COMMIT,
                      "core_v0.19.0": "5be9626709af2722333bf54797c954c09edeada3"}
 #: Megatron-LM main as CI trains it (core 0.20.0, 2026-08-22): our launcher over the checkout
 MAIN_COMMIT = "d98e8a64ddf34856e74b24714e3bedb2f5a39553"
+#: Megatron-LM main after PR #6742 (``refs/pull/6742/merge``, 2026-08-22): ``--sequence-packing-scheduler`` is a flag
+#: (choices ``dp_balanced``), ``ModelParallelConfig`` checks the name, TransformerConfig requires TE >= 2.9
+MAIN_6742_COMMIT = "e8fef4ebb23ef4559b3ef43204a74cc2aa1cb414"
+#: Megatron-LM dev (``refs/heads/dev``, 2026-08-21): string-keyed ``scheduler_map``, ``max_num_seqs=``,
+#: ``--dynamic-context-parallel``; TransformerConfig requires ``cp_comm_type`` all_gather with local attention
+DEV_COMMIT = "d48bd6be0a85cc0d6d3cc71e8750cf357cc6bdb1"
 #: series admitted only as a checkout (no wheel of it is trained, so pip's [megatron] extra does not install it)
 CHECKOUT_ONLY_SERIES = frozenset({(0, 20)})
 #: (major, minor) release series admitted, and how each is run
