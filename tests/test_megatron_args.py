@@ -55,6 +55,7 @@ def megatron_like_parser(extra_args_provider=None) -> argparse.ArgumentParser:
     g.add_argument("--position-embedding-type", default="learned_absolute", choices=["learned_absolute", "rope"])
     g.add_argument("--max-position-embeddings", type=int, default=None)
     g.add_argument("--moe-token-dispatcher-type", default="allgather", choices=["allgather", "alltoall", "flex"])
+    g.add_argument("--cp-comm-type", nargs="+", type=str, default=["p2p"])
     if extra_args_provider is not None:
         parser = extra_args_provider(parser)
     return parser
@@ -187,6 +188,21 @@ def test_inter_document_masking_and_p2p_shape_flag_at_pp1_are_accepted():
     pp1 = [*BASE[:8], "--pipeline-model-parallel-size", "1", *BASE[10:], "--pipeline-p2p-fixed-shape"]
     refuse_bypassing_flags(parse(pp1))
     validate_wlb_args(parse(pp1), te_available=False, highspy_available=True, check_files=False)
+
+
+@pytest.mark.parametrize("sharding, expected", [("adaptive", "all_gather"), ("per-document", "all_gather"),
+                                                ("per-document-te", "p2p")])
+def test_cp_comm_type_is_what_our_attention_does(sharding, expected):
+    """With CP > 1 our CP attention all-gathers K/V: args.cp_comm_type says so (Megatron-LM dev's TransformerConfig
+    refuses local attention at CP > 1 otherwise); TransformerEngine's attention (per-document-te) keeps the flag."""
+    cp2 = [*BASE[:8], "--pipeline-model-parallel-size", "1", *BASE[10:], "--context-parallel-size", "2"]
+    args = parse(cp2 + ["--wlb-cp-sharding", sharding])
+    args.cp_comm_type = "p2p"  # Megatron's validate_args unwraps a one-element list
+    validate_wlb_args(args, te_available=True, highspy_available=True, check_files=False)
+    assert args.cp_comm_type == expected
+    args = parse(cp2 + ["--wlb-cp-sharding", sharding, "--cp-comm-type", "p2p", "a2a"])
+    validate_wlb_args(args, te_available=True, highspy_available=True, check_files=False)
+    assert args.cp_comm_type == ([expected] * 2 if expected == "all_gather" else ["p2p", "a2a"])
 
 
 def test_data_path_files_are_checked_at_start_up(tmp_path):

@@ -251,6 +251,9 @@ def configuration_error(problems: list[str], what: str = "invalid WLB-LLM config
     return StartupError(f"megatron_wlb: {what}: {listed}")
 
 
+#: ``cp_comm_type`` of our CP attention (``--wlb-cp-sharding`` other than per-document-te): K/V all-gathered
+CP_COMM_TYPE = "all_gather"
+
 #: Megatron flags (megatron-core 0.19, main after PR #6742, dev, PR #7000) whose own machinery would replace or
 #: bypass what our hooks feed: ``args`` attribute -> (flag, what it does, our equivalent). Each is refused at
 #: start-up (``bypass_problems``), before Megatron's own checks of it (``refuse_bypassing_flags``).
@@ -312,7 +315,8 @@ def validate_wlb_args(args: Any, *, te_available: bool | None = None, highspy_av
 
     With pipeline parallelism sets ``args.variable_seq_lengths = True`` (micro-batches differ in
     length, so stages exchange shapes; dense models also get the unused MoE dispatcher switched
-    to ``alltoall``, which TransformerConfig requires) and returns the resolved settings.
+    to ``alltoall``, which TransformerConfig requires); with CP > 1 and our CP attention sets
+    ``args.cp_comm_type`` to ``all_gather`` (what it does); returns the resolved settings.
     ``te_available`` / ``highspy_available`` default to import probes; ``check_files=False`` skips
     the check that every ``--data-path`` prefix has its .bin/.idx (flag-parsing tests).
     """
@@ -431,6 +435,11 @@ def validate_wlb_args(args: Any, *, te_available: bool | None = None, highspy_av
                         "--moe-token-dispatcher-type alltoall")
     if problems:
         raise configuration_error(problems)
+    comm = getattr(args, "cp_comm_type", None)
+    if cp > 1 and settings.cp_sharding != "per-document-te" and comm is not None:
+        # our CP attention all-gathers K/V (megatron_wlb.cp.attention), whatever --cp-comm-type says; Megatron-LM
+        # dev's TransformerConfig refuses local attention at CP > 1 with any other value
+        args.cp_comm_type = [CP_COMM_TYPE] * len(comm) if isinstance(comm, list) else CP_COMM_TYPE
     if pp > 1:
         # p2p must exchange each micro-batch's shape; Megatron's validate_args forces this off.
         args.variable_seq_lengths = True

@@ -30,7 +30,7 @@ REDIRECTS: tuple[tuple[str, str], ...] = (
      "random tensors asked for on the device draw from a generator of their own, as on a GPU"),
     ("Tensor.cuda / Module.cuda", "model build and batch code move tensors with .cuda(): identity"),
     ("torch.cuda.current_device / device_count / set_device / synchronize / get_device_properties / "
-     "memory queries / Stream / Event",
+     "memory queries / Stream / Event / is_current_stream_capturing",
      "initialization (it builds the model-parallel groups only when device_count() > 0), argument "
      "validation (device arch), timers and memory reporting query the CUDA runtime: answered as for "
      "one idle device 0 of arch 0.0"),
@@ -180,6 +180,7 @@ def install_cpu_redirects() -> None:
     cuda.empty_cache = lambda *a, **k: None
     cuda.memory_stats = lambda *a, **k: {}
     cuda.mem_get_info = lambda *a, **k: (0, 0)
+    cuda.is_current_stream_capturing = lambda: False  # Megatron-LM dev's p2p asks before each send
     cuda.Stream = _Stream
     cuda.Event = _Stream
     cuda.current_stream = lambda *a, **k: _Stream()
