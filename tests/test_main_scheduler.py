@@ -290,14 +290,24 @@ def _run_scheduler(rank: int, world: int, scheduler: str, wrap_data_iterator, ma
     import torch
     import torch.distributed as dist
 
+    from megatron.core.datasets import data_schedule
+
+    # main after #6742 and dev take unpacked samples (VarlenDataset's: their lengths, no cu_seqlens)
+    unpacked = "padded_seq_len" in data_schedule.DpBalancedScheduler(WINDOW, 1, world, None).get_required_sample_keys()
     samples = []
     for i, n in enumerate(_rank_lengths(rank)):
         gid = rank * LOCAL + i
         tokens = torch.full((n,), gid + 1, dtype=torch.int64)  # every token names its sample
-        samples.append({"tokens": tokens, "labels": tokens + 1, "loss_mask": torch.ones(n),
-                        "position_ids": torch.arange(n), "cu_seqlens": torch.tensor([0, n], dtype=torch.int32)})
+        sample = {"tokens": tokens, "labels": tokens + 1, "loss_mask": torch.ones(n), "position_ids": torch.arange(n)}
+        if unpacked:
+            sample.update(original_seq_len=torch.tensor([n], dtype=torch.int32),
+                          padded_seq_len=torch.tensor([n], dtype=torch.int32))
+        else:
+            sample["cu_seqlens"] = torch.tensor([0, n], dtype=torch.int32)
+        samples.append(sample)
     config = SimpleNamespace(max_seqlen_per_dp_cp_rank=WINDOW, microbatch_group_size_per_vp_stage=None,
-                             virtual_pipeline_model_parallel_size=None, sequence_packing_scheduler=scheduler)
+                             virtual_pipeline_model_parallel_size=None, sequence_packing_scheduler=scheduler,
+                             pipeline_model_parallel_layout=None, mtp_num_layers=None)  # dev reads the last two
     iterator, micro_batches, token_sum, _ = wrap_data_iterator(iter(samples), config, LOCAL)
     got = []
     for _ in range(micro_batches):
@@ -320,13 +330,14 @@ def _run_scheduler(rank: int, world: int, scheduler: str, wrap_data_iterator, ma
 
 
 @pytest.mark.slow
-def test_mains_run_path_at_dp2(main_checkout):
-    """main's wrap_data_iterator -> run() (gather, reroute, pack) at DP2 on gloo with
-    sequence_packing_scheduler="wlb": each rank's packed micro-batches carry exactly the samples our plan gives
-    it, every sample once; then "dp_balanced" on the same samples, which plans otherwise (so the check can fail)."""
+def test_mains_run_path_at_dp2(moving_checkout):
+    """main's (pinned, after PR #6742) and dev's wrap_data_iterator -> run() (gather, reroute, pack) at DP2 on gloo
+    with sequence_packing_scheduler="wlb": each rank's packed micro-batches carry exactly the samples our plan
+    gives it, every sample once; then "dp_balanced" on the same samples, which plans otherwise (so the check can
+    fail)."""
     from conftest import run_world
 
-    run_world(_run_worker, 2, checkout=str(main_checkout))
+    run_world(_run_worker, 2, checkout=str(moving_checkout[1]))
 
 
 @pytest.mark.slow
