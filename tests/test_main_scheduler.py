@@ -255,7 +255,7 @@ def test_register_without_data_schedule_says_why():
     if not version.startswith("0.19"):
         pytest.skip(f"the installed megatron-core is {version}, not 0.19")
     assert message.startswith("not registered: this Megatron's megatron.core.datasets.data_schedule has no "
-                              "BasePackingScheduler, DpBalancedScheduler, PackingSchedulerEnum"), message
+                              "BasePackingScheduler, DpBalancedScheduler, scheduler_map, wrap_data_iterator"), message
 
 
 WINDOW = 1000
@@ -289,7 +289,6 @@ def _run_scheduler(rank: int, world: int, scheduler: str, wrap_data_iterator, ma
 
     import torch
     import torch.distributed as dist
-
     from megatron.core.datasets import data_schedule
 
     # main after #6742 and dev take unpacked samples (VarlenDataset's: their lengths, no cu_seqlens)
