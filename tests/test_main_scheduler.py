@@ -22,6 +22,7 @@ from megatron_wlb.cli.common import resolve_lengths
 from megatron_wlb.config import load_config
 from megatron_wlb.costmodel import build_cost_model
 from megatron_wlb.megatron.main_schedule import plan_sample_groups
+from megatron_wlb.megatron.version import MOVING_CHECKOUTS
 from megatron_wlb.packing.metrics import slowest_rank_schedule_time
 from megatron_wlb.packing.types import DocPiece, GlobalBatch, MicroBatch
 from megatron_wlb.packing.wlb import place_whole_batch
@@ -126,22 +127,16 @@ def main_checkout(tmp_path_factory) -> Path:
     return megatron_checkout(tmp_path_factory.mktemp("mlm") / "Megatron-LM-main", "main", commit=MAIN_COMMIT)
 
 
-#: the Megatron-LM commits whose own data_schedule takes our scheduler: the pinned main, main after PR #6742
-#: (the scheduler a flag, its name checked by the config), dev (scheduler_map keyed by strings, max_num_seqs=)
-MOVING = {"main": "MAIN_COMMIT", "main-6742": "MAIN_6742_COMMIT", "dev": "DEV_COMMIT"}
-
-
-@pytest.fixture(scope="module", params=sorted(MOVING))
+# the Megatron-LM commits whose own data_schedule takes our scheduler (version.MOVING_CHECKOUTS): the pinned main,
+# main after PR #6742 (the scheduler a flag, its name checked by the config), dev (string-keyed scheduler_map)
+@pytest.fixture(scope="module", params=sorted(MOVING_CHECKOUTS))
 def moving_checkout(request, tmp_path_factory) -> tuple[str, Path]:
-    """(name, checkout) of each of ``MOVING`` from the repository MEGATRON_LM names (skipped, naming the commit,
-    without one)."""
+    """(name, checkout) of each of ``version.MOVING_CHECKOUTS`` from the repository MEGATRON_LM names (skipped,
+    naming the commit, without one)."""
     from conftest import megatron_checkout
 
-    from megatron_wlb.megatron import version
-
-    commit = getattr(version, MOVING[request.param])
     dest = tmp_path_factory.mktemp("mlm") / f"Megatron-LM-{request.param}"
-    return request.param, megatron_checkout(dest, request.param, commit=commit)
+    return request.param, megatron_checkout(dest, request.param, commit=MOVING_CHECKOUTS[request.param])
 
 
 MOVED = """

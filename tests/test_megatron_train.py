@@ -653,19 +653,17 @@ def test_apply_alone_is_refused_on_core_019_naming_the_ways_in():
 
 
 # --- Megatron-LM main (core 0.20.0 at version.MAIN_COMMIT), main after PR #6742, dev: our launcher over each ----
-@pytest.mark.parametrize("name, commit_name, series", [("main", "MAIN_COMMIT", (0, 20)),
-                                                       ("main-6742", "MAIN_6742_COMMIT", (0, 20)),
-                                                       ("dev", "DEV_COMMIT", (0, 19))])
-def test_launcher_over_a_main_checkout_cp2_pp2(tmp_path, corpus, name, commit_name, series):
+@pytest.mark.parametrize("name, series", [("main", (0, 20)), ("main-6742", (0, 20)), ("dev", (0, 19))])
+def test_launcher_over_a_main_checkout_cp2_pp2(tmp_path, corpus, name, series):
     """Our launcher with a Megatron-LM main (pinned, and after PR #6742) or dev checkout on PYTHONPATH (from the
     repository MEGATRON_LM names; skipped, naming the commit, without one). dev's TransformerConfig refuses local
     attention at CP > 1 unless cp_comm_type is all_gather, which is what our CP attention does: the launcher
     sets it (before, every rank died at start-up)."""
     from conftest import megatron_checkout
 
-    from megatron_wlb.megatron import version
+    from megatron_wlb.megatron.version import MOVING_CHECKOUTS
 
-    main = megatron_checkout(tmp_path / f"Megatron-LM-{name}", name, commit=getattr(version, commit_name))
+    main = megatron_checkout(tmp_path / f"Megatron-LM-{name}", name, commit=MOVING_CHECKOUTS[name])
     run = train(tmp_path, f"{name}_cp2_pp2", corpus, "--wlb-packing", "wlb", "--wlb-cp-sharding", "adaptive",
                 env=_pinned_env(main, CP="2", PP="2"))
     assert_trains(run)
@@ -673,22 +671,22 @@ def test_launcher_over_a_main_checkout_cp2_pp2(tmp_path, corpus, name, commit_na
     assert_documents_once(run)
 
 
-@pytest.mark.parametrize("name, commit_name, flags, named", [
-    ("dev", "DEV_COMMIT", ("--dynamic-context-parallel", "--max-seqlen-per-dp-cp-rank", "128"),
+@pytest.mark.parametrize("name, flags, named", [
+    ("dev", ("--dynamic-context-parallel", "--max-seqlen-per-dp-cp-rank", "128"),
      ("--dynamic-context-parallel", "--wlb-cp-sharding adaptive", "--max-seqlen-per-dp-cp-rank 128")),
-    ("main-6742", "MAIN_6742_COMMIT", ("--sequence-packing-scheduler", "wlb", "--use-varlen-dataset"),
+    ("main-6742", ("--sequence-packing-scheduler", "wlb", "--use-varlen-dataset"),
      ("--sequence-packing-scheduler wlb", "--wlb-packing wlb", "--use-varlen-dataset")),
 ])
-def test_flags_that_bypass_ours_are_refused_through_the_launcher(tmp_path, corpus, name, commit_name, flags, named):
+def test_flags_that_bypass_ours_are_refused_through_the_launcher(tmp_path, corpus, name, flags, named):
     """Megatron's own variable-length machinery asked for through our launcher (dev's dynamic CP; main's
     scheduler flag, whose choices take "wlb" once registered, and its varlen dataset): every rank stops at
     start-up with one line naming each flag and our equivalent, before Megatron's own checks and without a
     traceback of ours."""
     from conftest import megatron_checkout
 
-    from megatron_wlb.megatron import version
+    from megatron_wlb.megatron.version import MOVING_CHECKOUTS
 
-    checkout = megatron_checkout(tmp_path / f"Megatron-LM-{name}", name, commit=getattr(version, commit_name))
+    checkout = megatron_checkout(tmp_path / f"Megatron-LM-{name}", name, commit=MOVING_CHECKOUTS[name])
     run = train(tmp_path, f"{name}_refused", corpus, "--wlb-packing", "wlb", *flags,
                 env=_pinned_env(checkout, CP="2"), expect_ok=False)
     assert run.returncode != 0  # type: ignore[attr-defined]

@@ -7,8 +7,15 @@ gathers the sample lengths of one global batch over the DP group, asks a schedul
 ``scheduler_map``) to group them, reroutes the samples and packs THD micro-batches. Main's one scheduler,
 ``dp_balanced`` (``DpBalancedScheduler``), packs next-fit in arrival order and deals round robin to DP.
 
-``register()`` adds ``wlb``: ``WLB`` in main's enum and ``WlbPackingScheduler`` in ``scheduler_map``, so
+``register()`` adds ``wlb``: ``WLB`` in main's enum and ``WlbPackingScheduler`` in ``scheduler_map`` (dev keys
+``scheduler_map`` by the config's string and has no enum: there ``scheduler_map["wlb"]``), so
 ``config.sequence_packing_scheduler = "wlb"`` makes main's own ``wrap_data_iterator`` plan with our packer.
+Where Megatron-LM checks the name (main after PR #6742: ``--sequence-packing-scheduler`` with fixed choices,
+``ModelParallelConfig.__post_init__`` refusing other names; dev alike), ``widen_config_check`` lets ``wlb``
+through both; main's TransformerConfig then requires TransformerEngine >= 2.9 for any scheduler, so without it
+``--sequence-packing-scheduler wlb`` exits at start-up in one line (``refuse_without_te``). dev constructs
+schedulers with ``max_num_seqs=``: ours caps a micro-batch's samples at it; a keyword we do not know is refused
+naming it.
 ``megatron_wlb.megatron.apply()`` calls it; a process that uses main's packing path without the rest of
 our hooks calls it alone. Where the installed Megatron has no ``data_schedule`` (0.16, 0.19) it is a no-op
 that says why (core 0.19's data_schedule holds only the hybrid-CP scheduler, no registry).
