@@ -357,3 +357,46 @@ def test_bench_main_scheduler_one_command(main_checkout, tmp_path):
 def main_checkout_commit(checkout: Path) -> str:
     return subprocess.run(["git", "-C", str(checkout), "rev-parse", "HEAD"], capture_output=True,
                           text=True).stdout.strip()
+
+
+# -- Megatron-LM dev's default_dynamic_cp against ours (scripts/bench_main_scheduler.py --dynamic-cp) -----------
+def test_rank_groups_critical_path():
+    """A sample held by several ranks is one CP group: its latency split over them, and they start together;
+    ranks joined by nothing run as separate chains."""
+    from conftest import load_script
+
+    bench = load_script("bench_main_scheduler")
+    latency = np.array([4.0, 3.0, 1.0, 1.0, 4.0])
+    # micro-batch 0: sample 0 over both ranks (2 each); micro-batch 1: ranks alone (3 and 1)
+    assert bench.rank_groups_critical_path([[[0], [0]], [[1], [2]]], latency) == pytest.approx(5.0)
+    # separate chains: rank 0 does 4 + 1, rank 1 does 1 + 4
+    assert bench.rank_groups_critical_path([[[0], [3]], [[2], [4]]], latency) == pytest.approx(5.0)
+    # joined in micro-batch 1 by sample 1: rank 1 waits for rank 0 (4), then both do 1.5 (+ 1 more on rank 1)
+    assert bench.rank_groups_critical_path([[[0], [3]], [[1], [1, 2]]], latency) == pytest.approx(6.5)
+
+
+@pytest.mark.slow
+def test_bench_dynamic_cp_one_command(tmp_path):
+    """scripts/bench_main_scheduler.py --dynamic-cp end to end on one stream: dev's default_dynamic_cp (from a dev
+    checkout of the repository MEGATRON_LM names, skipped without one) and wlb plan the same global batches,
+    both checked (every sample placed over the DP x CP ranks) and scored; the Markdown table written."""
+    from conftest import megatron_checkout
+
+    from megatron_wlb.megatron.version import DEV_COMMIT
+
+    dev = megatron_checkout(tmp_path / "Megatron-LM-dev", "dev", commit=DEV_COMMIT)
+    env = {**os.environ, "MEGATRON_LM": str(dev), "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore"}
+    out = tmp_path / "dynamic_cp"
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_main_scheduler.py"), "--dynamic-cp",
+                           "--iterations", "2", "--streams", "wlbllm", "--dp", "2", "--out", str(out)],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    import json
+
+    result = json.loads(out.with_suffix(".json").read_text())
+    (row,) = result["rows"]
+    assert result["megatron_commit"] == DEV_COMMIT and result["pp"] == 1
+    for name in ("default_dynamic_cp", "wlb"):
+        assert 0.999 <= row[name]["over_ideal"] < 3 and row[name]["micro_batches"] >= 1
+    assert row["dynamic_over_wlb"] == pytest.approx(row["default_dynamic_cp"]["time_s"] / row["wlb"]["time_s"])
+    assert "| wlbllm |" in out.with_suffix(".md").read_text()

@@ -31,3 +31,10 @@ def test_the_paired_block_is_the_recorded_run():
     mod = load_script("bench_paired")
     block = README.split(mod.README_BEGIN, 1)[1].split(mod.README_END, 1)[0]
     assert block.strip() == mod.readme_summary(_result("paired")).strip()
+
+
+def test_the_main_scheduler_tables_are_the_recorded_runs():
+    """Main's dp_balanced and dev's default_dynamic_cp against wlb (scripts/bench_main_scheduler.py)."""
+    mod = load_script("bench_main_scheduler")
+    assert mod.readme_table(_result("main_scheduler")).strip() in README
+    assert mod.dynamic_readme_table(_result("dynamic_cp_scheduler")).strip() in README
