@@ -400,3 +400,34 @@ def test_bench_dynamic_cp_one_command(tmp_path):
         assert 0.999 <= row[name]["over_ideal"] < 3 and row[name]["micro_batches"] >= 1
     assert row["dynamic_over_wlb"] == pytest.approx(row["default_dynamic_cp"]["time_s"] / row["wlb"]["time_s"])
     assert "| wlbllm |" in out.with_suffix(".md").read_text()
+
+
+def test_wlb_attention_serves_megatrons_own_thd_batches():
+    """Main's packing path hands the core attention Megatron's own THD ``PackedSeqParams`` (no WLB shard): our
+    attention computes document-causal attention over its padded ``cu_seqlens`` (what Megatron's local attention
+    cannot), equal to causal attention run on each document alone."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from megatron_wlb.megatron.compat import install_python_shims
+
+    install_python_shims()
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from megatron_wlb.megatron.attention import WlbCoreAttention
+
+    torch.manual_seed(0)
+    cu = torch.tensor([0, 5, 12, 16], dtype=torch.int32)
+    q, k, v = (torch.randn(16, 1, 4, 8, dtype=torch.float64) for _ in range(3))
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu,
+                             cu_seqlens_kv_padded=cu, max_seqlen_q=7, max_seqlen_kv=7)
+    layer = SimpleNamespace(softmax_scale=8 ** -0.5, attn_mask_type=AttnMaskType.causal, cp_group=lambda: None)
+    out = WlbCoreAttention._megatron_thd(layer, q, k, v, None, params)
+    assert out.shape == (16, 1, 32)
+    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        doc = torch.nn.functional.scaled_dot_product_attention(
+            q[a:b, 0].transpose(0, 1), k[a:b, 0].transpose(0, 1), v[a:b, 0].transpose(0, 1), is_causal=True,
+            scale=8 ** -0.5).transpose(0, 1).reshape(b - a, 32)
+        assert torch.allclose(out[a:b, 0], doc, atol=1e-10), (a, b)

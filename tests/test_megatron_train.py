@@ -99,9 +99,10 @@ def corpus(tmp_path_factory) -> str:
     return prefix
 
 
-def train(tmp_path: Path, name: str, corpus: str, *flags: str, env: dict | None = None,
+def train(tmp_path: Path, name: str, corpus: str | None, *flags: str, env: dict | None = None,
           pretrain_gpt: str | None = None, expect_ok: bool = True) -> Run:
-    """Run the probe under torchrun with the layout in ``env`` (TP/CP/PP/VPP/DP) and ``flags``."""
+    """Run the probe under torchrun with the layout in ``env`` (TP/CP/PP/VPP/DP) and ``flags`` (no
+    ``--data-path`` where ``corpus`` is None: Megatron's mock data)."""
     from megatron_wlb.megatron.cpu import layout_from_env, world_size
 
     env = {**os.environ, **(env or {})}
@@ -113,7 +114,7 @@ def train(tmp_path: Path, name: str, corpus: str, *flags: str, env: dict | None 
     entry = ["--pretrain-gpt", pretrain_gpt] if pretrain_gpt else []
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
            "--nproc-per-node", str(world_size(layout)), str(PROBE), *entry, "--tiny-gpt",
-           "--data-path", corpus, *flags]
+           *(["--data-path", corpus] if corpus else []), *flags]
     proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=TIMEOUT)
     log = proc.stdout + proc.stderr
     (out / "train.log").write_text(log)
@@ -693,3 +694,30 @@ def test_flags_that_bypass_ours_are_refused_through_the_launcher(tmp_path, corpu
     line = next((x for x in run.log.splitlines() if "megatron_wlb: invalid WLB-LLM configuration" in x), "")
     assert all(part in line for part in named) and "our equivalent" in line, run.log[-4000:]
     assert not re.search(r'File "[^"]*megatron_wlb/', run.log), "the refusal came with our traceback"
+
+
+def test_mains_own_packing_path_with_wlb_trains_through_pretrain_gpt(tmp_path):
+    """Main after PR #6742, its own pretrain_gpt.py (no apply(), no patch) with ``--sequence-packing-scheduler wlb``
+    at DP2: main's train_step calls its wrap_data_iterator -> run() (gather the global batch's lengths over DP,
+    our plan, reroute, pack THD micro-batches) over its MockVarlenDataset samples (its VarlenDataset reads
+    HF/parquet/jsonl, not .bin/.idx), and the loss falls. With
+    ``--transformer-impl local`` our attention serves main's THD micro-batches (Megatron's local attention has
+    none), so TransformerConfig's TransformerEngine >= 2.9 check, which guards TE's THD attention, is lifted for
+    that case alone; with TE's layers and no TE >= 2.9 the run stops in one line."""
+    from conftest import megatron_checkout
+
+    from megatron_wlb.megatron.version import MOVING_CHECKOUTS
+
+    checkout = megatron_checkout(tmp_path / "Megatron-LM-main-6742", "main-6742", commit=MOVING_CHECKOUTS["main-6742"])
+    flags = ("--mock-data", "--use-varlen-dataset", "--sequence-packing-scheduler", "wlb",
+             "--max-seqlen-per-dp-cp-rank", "512", "--moe-token-dispatcher-type", "alltoall")
+    script = str(checkout / "pretrain_gpt.py")
+    run = train(tmp_path, "main6742_own_path", None, *flags, env=_pinned_env(checkout, DP="2"), pretrain_gpt=script)
+    assert_trains(run)
+    assert {Version(r["core_version"]).release[:2] for r in run.ranks.values()} == {(0, 20)}
+    assert "> megatron_wlb: Megatron's sequence-packing path plans with WlbPackingScheduler" in run.log
+    te = train(tmp_path, "main6742_te", None, *flags, "--transformer-impl", "transformer_engine",
+               env=_pinned_env(checkout, DP="2"), pretrain_gpt=script, expect_ok=False)
+    assert te.returncode != 0  # type: ignore[attr-defined]
+    line = next((x for x in te.log.splitlines() if x.startswith("megatron_wlb: --sequence-packing-scheduler wlb")), "")
+    assert "TransformerEngine >= 2.9.0" in line and "--transformer-impl local" in line, te.log[-3000:]

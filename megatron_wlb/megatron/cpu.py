@@ -446,6 +446,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
         spawn_children_import_this_module(script)  # the torch_dist writer's children must not re-run the script
         install_megatron_redirects()
+        from megatron_wlb.megatron import main_schedule
+
+        # what a main user's launcher does (main_schedule's module runner): "wlb" among the checkout's own
+        # sequence-packing schedulers, before its flags are parsed (a no-op, saying why, where it has none)
+        main_schedule.register()
         sys.argv = [script, *argv]
         with exit_on_startup_error():
             runpy.run_path(script, run_name="__main__")

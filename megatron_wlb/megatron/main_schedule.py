@@ -141,14 +141,32 @@ def scheduler_class() -> type:
         def get_groups_and_subsamples(self, sample_id_seqlens: Any) -> list[list[list[int]]]:
             """Per micro-batch, one list of sample ids per DPxCP rank (rank ``j`` belongs to DP rank
             ``j // cp_size``, as under ``dp_balanced``); every sample exactly once."""
-            return plan_sample_groups(sample_id_seqlens, self.max_seq_len_all_ranks, self.dp_size, self.cp_size,
-                                      self.cost, self.stages, self.virtual_stages,
-                                      self.microbatch_group_size_per_vp_stage or 1, max_items=self.max_num_seqs)
+            groups = plan_sample_groups(sample_id_seqlens, self.max_seq_len_all_ranks, self.dp_size, self.cp_size,
+                                        self.cost, self.stages, self.virtual_stages,
+                                        self.microbatch_group_size_per_vp_stage or 1, max_items=self.max_num_seqs)
+            _announce(len(sample_id_seqlens), len(groups))
+            return groups
 
     WlbPackingScheduler.__module__ = __name__
     WlbPackingScheduler.__qualname__ = "WlbPackingScheduler"
     _CLASS = WlbPackingScheduler
     return _CLASS
+
+
+_ANNOUNCED = False
+
+
+def _announce(samples: int, micro_batches: int) -> None:
+    """Say once per process (global rank 0) that main's packing path plans with our scheduler."""
+    global _ANNOUNCED
+    if _ANNOUNCED:
+        return
+    _ANNOUNCED = True
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized() or dist.get_rank() == 0:
+        print(f"> megatron_wlb: Megatron's sequence-packing path plans with WlbPackingScheduler (first global "
+              f"batch: {samples} samples into {micro_batches} micro-batches per DP rank)", flush=True)
 
 
 def _takes(function: Any, name: str) -> bool:
@@ -208,19 +226,70 @@ def te_problem() -> str:
         return f"TransformerEngine does not import ({type(exc).__name__}: {exc})"
 
 
-def refuse_without_te(args: Any) -> None:
-    """Exit in one line where ``args`` pick our scheduler on main's own path without the TransformerEngine
-    that main's TransformerConfig requires (under ``apply()`` the flag is refused by ``args.bypass_problems``)."""
+def prepare_main_path(args: Any) -> None:
+    """After main's flags are parsed with ``--sequence-packing-scheduler wlb`` (main's own path, without
+    ``apply()``, under which the flag is refused by ``args.bypass_problems``): with ``--transformer-impl local``
+    our core attention serves the THD micro-batches main packs (Megatron's local attention has no THD path;
+    ``attention.WlbCoreAttention``, CP 1), so TransformerConfig's TransformerEngine >= 2.9 requirement, which
+    guards TE's THD attention, does not apply (``widen_config_check`` lifts it for that case only); with
+    TransformerEngine's layers it stands, and without that TE the run exits in one line."""
     from megatron_wlb.megatron import runtime
 
     if getattr(args, "sequence_packing_scheduler", None) != SCHEDULER_NAME or runtime().installed:
+        return
+    if getattr(args, "transformer_impl", None) == "local":
+        from megatron_wlb.megatron.attention import install_core_attention
+
+        install_core_attention(True)
         return
     why = te_problem()
     if why:
         raise SystemExit(f"megatron_wlb: {SCHEDULER_FLAG} {SCHEDULER_NAME} runs Megatron's own sequence-packing path, "
                          f"whose TransformerConfig requires TransformerEngine >= {TE_MIN_VERSION}, but {why}; install "
-                         f"TransformerEngine >= {TE_MIN_VERSION}, or train through our data path without it: python -m "
+                         f"TransformerEngine >= {TE_MIN_VERSION}, use --transformer-impl local (our attention serves "
+                         "main's THD micro-batches at CP 1), or train through our data path: python -m "
                          "megatron_wlb.megatron.launcher <Megatron flags> --wlb-packing wlb")
+
+
+def _lift_te_check_for_local_attention() -> list[str]:
+    """Wrap ``TransformerConfig.__post_init__`` (where it checks TE for a scheduler, main after #6742 and dev) so
+    that ``sequence_packing_scheduler="wlb"`` with ``transformer_impl="local"`` passes its TransformerEngine >=
+    ``TE_MIN_VERSION`` check (only that version query answers yes, only during that call): no TE kernel runs
+    there, our attention serves the THD batches (``prepare_main_path``)."""
+    import inspect
+
+    from megatron.core.transformer import transformer_config as module
+
+    cls = module.TransformerConfig
+    post_init = cls.__dict__.get("__post_init__")
+    if post_init is None or not hasattr(module, "is_te_min_version"):
+        return []
+    try:
+        checks_te = "sequence_packing_scheduler" in inspect.getsource(post_init)
+    except (OSError, TypeError):
+        checks_te = False
+    if not checks_te:
+        return []
+    if not getattr(post_init, _MARK, False):
+        def __post_init__(self: Any) -> None:
+            if getattr(self, "sequence_packing_scheduler", None) != SCHEDULER_NAME or \
+                    getattr(self, "transformer_impl", None) != "local":
+                post_init(self)
+                return
+            original = module.is_te_min_version
+
+            def is_te_min_version(version: str, *args: Any, **kwargs: Any) -> bool:
+                return True if str(version) == TE_MIN_VERSION else original(version, *args, **kwargs)
+
+            module.is_te_min_version = is_te_min_version
+            try:
+                post_init(self)
+            finally:
+                module.is_te_min_version = original
+
+        setattr(__post_init__, _MARK, True)
+        cls.__post_init__ = __post_init__
+    return ["TransformerConfig TE check for local attention"]
 
 
 def widen_config_check() -> list[str]:
@@ -251,6 +320,7 @@ def widen_config_check() -> list[str]:
             setattr(__post_init__, _MARK, True)
             ModelParallelConfig.__post_init__ = __post_init__
         widened.append("ModelParallelConfig check")
+    widened += _lift_te_check_for_local_attention()
     try:
         from megatron.training import arguments
     except ImportError:
@@ -264,7 +334,7 @@ def widen_config_check() -> list[str]:
             @wrapping(parse_args)
             def widened_parse_args(extra_args_provider: Any = None, ignore_unknown_args: bool = False) -> Any:
                 args = parse_args(compose_providers(extra_args_provider, widen_flag_choices), ignore_unknown_args)
-                refuse_without_te(args)
+                prepare_main_path(args)
                 return args
 
             setattr(widened_parse_args, _MARK, True)
@@ -310,3 +380,32 @@ def register() -> str:
     schedulers[new[key]] = cls
     setattr(data_schedule, "PackingSchedulerEnum", new)  # noqa: B010 - the module attribute wrap_data_iterator reads
     return f"registered: sequence_packing_scheduler={SCHEDULER_NAME!r} ({cls.__qualname__})"
+
+
+def run_script(argv: list[str]) -> None:
+    """``python -m megatron_wlb.megatron.main_schedule PRETRAIN_GPT [FLAGS...]`` (under torchrun): a Megatron-LM
+    checkout's own ``pretrain_gpt.py`` with ``wlb`` registered before its flags are parsed, so that
+    ``--sequence-packing-scheduler wlb`` plans its packing path with our packer (``register()``)."""
+    import os
+    import runpy
+    import sys
+
+    if not argv or not os.path.isfile(argv[0]):
+        raise SystemExit("usage: python -m megatron_wlb.megatron.main_schedule PRETRAIN_GPT [FLAGS...] (a Megatron-LM "
+                         f"checkout's pretrain_gpt.py){'; no such file: ' + argv[0] if argv else ''}")
+    from megatron_wlb.megatron.compat import install_python_shims, spawn_children_import_this_module
+
+    install_python_shims()
+    sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
+    message = register()
+    if os.environ.get("RANK", "0") == "0":
+        print(f"> megatron_wlb: {message}", flush=True)
+    spawn_children_import_this_module(argv[0])
+    sys.argv = list(argv)
+    runpy.run_path(argv[0], run_name="__main__")
+
+
+if __name__ == "__main__":
+    import sys as _sys
+
+    run_script(_sys.argv[1:])
