@@ -696,27 +696,31 @@ def test_flags_that_bypass_ours_are_refused_through_the_launcher(tmp_path, corpu
     assert not re.search(r'File "[^"]*megatron_wlb/', run.log), "the refusal came with our traceback"
 
 
-def test_mains_own_packing_path_with_wlb_trains_through_pretrain_gpt(tmp_path):
-    """Main after PR #6742, its own pretrain_gpt.py (no apply(), no patch) with ``--sequence-packing-scheduler wlb``
-    at DP2: main's train_step calls its wrap_data_iterator -> run() (gather the global batch's lengths over DP,
-    our plan, reroute, pack THD micro-batches) over its MockVarlenDataset samples (its VarlenDataset reads
-    HF/parquet/jsonl, not .bin/.idx), and the loss falls. With
-    ``--transformer-impl local`` our attention serves main's THD micro-batches (Megatron's local attention has
-    none), so TransformerConfig's TransformerEngine >= 2.9 check, which guards TE's THD attention, is lifted for
-    that case alone; with TE's layers and no TE >= 2.9 the run stops in one line."""
+@pytest.mark.parametrize("name", ["main-6742", "dev"])
+def test_mains_own_packing_path_with_wlb_trains_through_pretrain_gpt(tmp_path, name):
+    """Main after PR #6742 and dev, each its own pretrain_gpt.py (no apply(), no patch) with
+    ``--sequence-packing-scheduler wlb`` at DP2: its train_step calls its wrap_data_iterator -> run() (gather
+    the global batch's lengths over DP, our plan, reroute, pack THD micro-batches) over its MockVarlenDataset
+    samples (its VarlenDataset reads HF/parquet/jsonl, not .bin/.idx), and the loss falls; evaluation goes the
+    same way. With ``--transformer-impl local`` our attention serves the THD micro-batches (Megatron's local
+    attention has none), so TransformerConfig's TransformerEngine >= 2.9 check, which guards TE's THD
+    attention, is lifted for that case alone; with TE's layers and no TE >= 2.9 the run stops in one line."""
     from conftest import megatron_checkout
 
     from megatron_wlb.megatron.version import MOVING_CHECKOUTS
 
-    checkout = megatron_checkout(tmp_path / "Megatron-LM-main-6742", "main-6742", commit=MOVING_CHECKOUTS["main-6742"])
+    checkout = megatron_checkout(tmp_path / f"Megatron-LM-{name}", name, commit=MOVING_CHECKOUTS[name])
+    # --eval-iters 1: evaluation goes through wrap_data_iterator too (and dev's mock data refuses an empty split)
     flags = ("--mock-data", "--use-varlen-dataset", "--sequence-packing-scheduler", "wlb",
-             "--max-seqlen-per-dp-cp-rank", "512", "--moe-token-dispatcher-type", "alltoall")
+             "--max-seqlen-per-dp-cp-rank", "512", "--moe-token-dispatcher-type", "alltoall", "--eval-iters", "1")
     script = str(checkout / "pretrain_gpt.py")
-    run = train(tmp_path, "main6742_own_path", None, *flags, env=_pinned_env(checkout, DP="2"), pretrain_gpt=script)
+    run = train(tmp_path, f"{name}_own_path", None, *flags, env=_pinned_env(checkout, DP="2"), pretrain_gpt=script)
     assert_trains(run)
-    assert {Version(r["core_version"]).release[:2] for r in run.ranks.values()} == {(0, 20)}
+    series = (0, 19) if name == "dev" else (0, 20)  # dev's package_info says 0.19.0
+    assert {Version(r["core_version"]).release[:2] for r in run.ranks.values()} == {series}
     assert "> megatron_wlb: Megatron's sequence-packing path plans with WlbPackingScheduler" in run.log
-    te = train(tmp_path, "main6742_te", None, *flags, "--transformer-impl", "transformer_engine",
+    assert "validation loss at iteration 4" in run.log
+    te = train(tmp_path, f"{name}_te", None, *flags, "--transformer-impl", "transformer_engine",
                env=_pinned_env(checkout, DP="2"), pretrain_gpt=script, expect_ok=False)
     assert te.returncode != 0  # type: ignore[attr-defined]
     line = next((x for x in te.log.splitlines() if x.startswith("megatron_wlb: --sequence-packing-scheduler wlb")), "")

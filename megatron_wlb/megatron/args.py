@@ -262,8 +262,9 @@ CP_COMM_TYPE = "all_gather"
 BYPASSING_FLAGS: dict[str, tuple[str, str, str]] = {
     "sequence_packing_scheduler": (
         "--sequence-packing-scheduler", "hands packing to Megatron's own data_schedule (wrap_data_iterator), which "
-        "our data iterator replaces", "--wlb-packing wlb (our packer through our iterator; main's own path takes "
-        "our scheduler as --sequence-packing-scheduler wlb without apply(): megatron_wlb.megatron.main_schedule)"),
+        "our data iterator replaces", "--wlb-packing wlb (our packer through our iterator); Megatron's own path "
+        "takes our scheduler without apply(): python -m megatron_wlb.megatron.main_schedule pretrain_gpt.py ... "
+        "--sequence-packing-scheduler wlb"),
     "use_varlen_dataset": (
         "--use-varlen-dataset", "builds Megatron's VarlenDataset (one unpacked document per sample for its "
         "scheduler), which our data path replaces", "--wlb-packing wlb with --data-path (whole documents packed "

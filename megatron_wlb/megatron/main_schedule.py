@@ -251,45 +251,50 @@ def prepare_main_path(args: Any) -> None:
                          "megatron_wlb.megatron.launcher <Megatron flags> --wlb-packing wlb")
 
 
-def _lift_te_check_for_local_attention() -> list[str]:
-    """Wrap ``TransformerConfig.__post_init__`` (where it checks TE for a scheduler, main after #6742 and dev) so
-    that ``sequence_packing_scheduler="wlb"`` with ``transformer_impl="local"`` passes its TransformerEngine >=
-    ``TE_MIN_VERSION`` check (only that version query answers yes, only during that call): no TE kernel runs
-    there, our attention serves the THD batches (``prepare_main_path``)."""
+def _wrap_transformer_config_check() -> list[str]:
+    """Wrap ``TransformerConfig.__post_init__`` where it checks the scheduler (main after #6742: TransformerEngine >=
+    ``TE_MIN_VERSION`` for any scheduler; dev: also the name): for ``sequence_packing_scheduler="wlb"`` its checks
+    run as for ``dp_balanced``, and with ``transformer_impl="local"`` the TE version query answers yes (only that
+    query, only during that call): no TE kernel runs there, our attention serves the THD batches
+    (``prepare_main_path``)."""
     import inspect
 
     from megatron.core.transformer import transformer_config as module
 
     cls = module.TransformerConfig
     post_init = cls.__dict__.get("__post_init__")
-    if post_init is None or not hasattr(module, "is_te_min_version"):
+    if post_init is None:
         return []
     try:
-        checks_te = "sequence_packing_scheduler" in inspect.getsource(post_init)
+        checks = "sequence_packing_scheduler" in inspect.getsource(post_init)
     except (OSError, TypeError):
-        checks_te = False
-    if not checks_te:
+        checks = False
+    if not checks:
         return []
     if not getattr(post_init, _MARK, False):
         def __post_init__(self: Any) -> None:
-            if getattr(self, "sequence_packing_scheduler", None) != SCHEDULER_NAME or \
-                    getattr(self, "transformer_impl", None) != "local":
+            if getattr(self, "sequence_packing_scheduler", None) != SCHEDULER_NAME:
                 post_init(self)
                 return
-            original = module.is_te_min_version
+            original: Any = getattr(module, "is_te_min_version", None)
+            local = getattr(self, "transformer_impl", None) == "local" and original is not None
 
             def is_te_min_version(version: str, *args: Any, **kwargs: Any) -> bool:
-                return True if str(version) == TE_MIN_VERSION else original(version, *args, **kwargs)
+                return True if str(version) == TE_MIN_VERSION else bool(original(version, *args, **kwargs))
 
-            module.is_te_min_version = is_te_min_version
+            self.sequence_packing_scheduler = "dp_balanced"
+            if local:
+                module.is_te_min_version = is_te_min_version
             try:
                 post_init(self)
             finally:
-                module.is_te_min_version = original
+                self.sequence_packing_scheduler = SCHEDULER_NAME
+                if local:
+                    module.is_te_min_version = original
 
         setattr(__post_init__, _MARK, True)
         cls.__post_init__ = __post_init__
-    return ["TransformerConfig TE check for local attention"]
+    return ["TransformerConfig check"]
 
 
 def widen_config_check() -> list[str]:
@@ -320,7 +325,7 @@ def widen_config_check() -> list[str]:
             setattr(__post_init__, _MARK, True)
             ModelParallelConfig.__post_init__ = __post_init__
         widened.append("ModelParallelConfig check")
-    widened += _lift_te_check_for_local_attention()
+    widened += _wrap_transformer_config_check()
     try:
         from megatron.training import arguments
     except ImportError:
