@@ -431,3 +431,27 @@ def test_wlb_attention_serves_megatrons_own_thd_batches():
             q[a:b, 0].transpose(0, 1), k[a:b, 0].transpose(0, 1), v[a:b, 0].transpose(0, 1), is_causal=True,
             scale=8 ** -0.5).transpose(0, 1).reshape(b - a, 32)
         assert torch.allclose(out[a:b, 0], doc, atol=1e-10), (a, b)
+
+
+@pytest.mark.slow
+def test_module_runner_registers_before_the_script(tmp_path):
+    """``python -m megatron_wlb.megatron.main_schedule SCRIPT`` runs a checkout's script (its directory first on
+    sys.path, as Python would) with ``wlb`` already registered; a missing script is one line naming it."""
+    from conftest import megatron_checkout
+
+    dev = megatron_checkout(tmp_path / "Megatron-LM-dev", "dev", commit=MOVING_CHECKOUTS["dev"])
+    script = dev / "probe_wlb.py"
+    script.write_text("import sys\nfrom megatron.core.datasets import data_schedule as D\n"
+                      "from megatron_wlb.megatron import main_schedule\n"
+                      "print(main_schedule.register())   # what apply() in the script does: the same class\n"
+                      "print('SCRIPT', D.scheduler_map.get('wlb').__qualname__, sys.argv[1:])\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run([sys.executable, "-m", "megatron_wlb.megatron.main_schedule", str(script), "--x", "1"],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "SCRIPT WlbPackingScheduler ['--x', '1']" in proc.stdout, proc.stdout
+    assert "registered: sequence_packing_scheduler='wlb' (already)" in proc.stdout, proc.stdout
+    assert "> megatron_wlb: registered: sequence_packing_scheduler='wlb'" in proc.stdout
+    missing = subprocess.run([sys.executable, "-m", "megatron_wlb.megatron.main_schedule", str(tmp_path / "nope.py")],
+                             capture_output=True, text=True, env=env, timeout=60)
+    assert missing.returncode != 0 and missing.stderr.count("\n") == 1 and "no such file" in missing.stderr

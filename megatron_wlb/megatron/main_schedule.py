@@ -413,4 +413,8 @@ def run_script(argv: list[str]) -> None:
 if __name__ == "__main__":
     import sys as _sys
 
-    run_script(_sys.argv[1:])
+    # the package's module, not this __main__ copy: one WlbPackingScheduler class, which a later register()
+    # (apply() in the script) finds already registered
+    from megatron_wlb.megatron.main_schedule import run_script as _run_script
+
+    _run_script(_sys.argv[1:])
