@@ -12,22 +12,36 @@
 #   run.sh          -> megatron-wlb/scripts/gpu_run.sh;  MANIFEST.json: what was staged, for which Python
 # Environment: MEGATRON_LM (a Megatron-LM git checkout or mirror holding the pinned commit; required),
 # TARGET_PYTHON (the interpreter whose version the wheels and the helper are built for; default python3.12
-# where it exists, else python3: the GPU machine runs 3.12), PLATFORM (manylinux2014_x86_64),
-# MAX_MB (40: refuse a larger kit).
+# where it runs, else python3: the GPU machine runs 3.12; a candidate that is on PATH but does not run, such
+# as a pyenv shim of a version not installed, is skipped, saying so), PLATFORM (manylinux2014_x86_64),
+# MAX_MB (40: refuse a larger kit). `scripts/gpu_stage.sh --which-python` prints the interpreter it would take.
 set -euo pipefail
 
 die() { echo "gpu_stage.sh: error: $*" >&2; exit 1; }
-[[ $# -eq 1 ]] || die "usage: MEGATRON_LM=/path/to/Megatron-LM $0 DIR"
+[[ $# -eq 1 ]] || die "usage: MEGATRON_LM=/path/to/Megatron-LM $0 DIR (or $0 --which-python)"
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+
+# the target interpreter: one that runs (`"$py" -c ''`), not merely one that `command -v` finds
+runs() { command -v "$1" >/dev/null 2>&1 && "$1" -c '' >/dev/null 2>&1; }
+if [[ -n ${TARGET_PYTHON:-} ]]; then
+    runs "$TARGET_PYTHON" || die "TARGET_PYTHON=$TARGET_PYTHON does not run (\`$TARGET_PYTHON -c ''\` failed or it is not on PATH)"
+    why="TARGET_PYTHON"
+else
+    why=""
+    for candidate in python3.12 python3; do
+        if runs "$candidate"; then TARGET_PYTHON=$candidate; break; fi
+        command -v "$candidate" >/dev/null 2>&1 \
+            && why+="$candidate is on PATH ($(command -v "$candidate")) but does not run; "
+    done
+    [[ -n ${TARGET_PYTHON:-} ]] || die "${why}no python3.12 or python3 that runs: set TARGET_PYTHON"
+    why+="default: python3.12 where it runs, else python3"
+fi
+echo "gpu_stage.sh: target Python: $TARGET_PYTHON ($(command -v "$TARGET_PYTHON"), $("$TARGET_PYTHON" -c 'import sys; print("%d.%d" % sys.version_info[:2])'); $why)"
+[[ $1 != --which-python ]] || exit 0
 : "${MEGATRON_LM:?set MEGATRON_LM to a Megatron-LM git checkout or mirror holding the pinned commit}"
 pinned=$(tr -d '[:space:]' < "$repo/patches/core_v0.16.1/PINNED_COMMIT")
 git -C "$MEGATRON_LM" cat-file -e "$pinned^{commit}" 2>/dev/null \
     || die "$MEGATRON_LM does not hold the pinned commit $pinned (Megatron-LM core_v0.16.1): git -C $MEGATRON_LM fetch"
-if [[ -z ${TARGET_PYTHON:-} ]]; then
-    TARGET_PYTHON=python3
-    command -v python3.12 >/dev/null 2>&1 && TARGET_PYTHON=python3.12
-fi
-command -v "$TARGET_PYTHON" >/dev/null 2>&1 || die "TARGET_PYTHON=$TARGET_PYTHON is not on PATH"
 PLATFORM=${PLATFORM:-manylinux2014_x86_64}
 mkdir -p "$1"
 DIR=$(cd "$1" && pwd)

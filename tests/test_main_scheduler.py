@@ -22,6 +22,7 @@ from megatron_wlb.cli.common import resolve_lengths
 from megatron_wlb.config import load_config
 from megatron_wlb.costmodel import build_cost_model
 from megatron_wlb.megatron.main_schedule import plan_sample_groups
+from megatron_wlb.megatron.version import MOVING_CHECKOUTS
 from megatron_wlb.packing.metrics import slowest_rank_schedule_time
 from megatron_wlb.packing.types import DocPiece, GlobalBatch, MicroBatch
 from megatron_wlb.packing.wlb import place_whole_batch
@@ -96,6 +97,19 @@ def _slowest_rank(plan: list[list[list[int]]], lengths: list[int], cost) -> floa
     return slowest_rank_schedule_time(cost, GlobalBatch(0, mbs, len(plan), n), stages=4)[0]
 
 
+@pytest.mark.parametrize("cap", [1, 2, 3])
+def test_max_num_seqs_caps_the_samples_of_a_micro_batch(cap):
+    """dev's ``max_num_seqs`` (``max_items`` here): no micro-batch holds more samples, every sample once."""
+    lengths = _lengths(60, seed=cap, high=900)
+    free = plan_sample_groups(list(enumerate(lengths)), 4096, 2, 1, None)
+    assert max(len(r) for mb in free for r in mb) > cap
+    groups = plan_sample_groups(list(enumerate(lengths)), 4096, 2, 1, None, max_items=cap)
+    assert max(len(r) for mb in groups for r in mb) <= cap
+    assert sorted(i for mb in groups for r in mb for i in r) == list(range(60))
+    with pytest.raises(ValueError, match="max_items=0: must be an integer >= 1 or None"):
+        plan_sample_groups(list(enumerate(lengths)), 4096, 2, 1, None, max_items=0)
+
+
 def test_too_few_samples_is_one_clear_error():
     with pytest.raises(ValueError, match="cannot fill dp \\* n = 4 x 1 micro-batches"):
         place_whole_batch([10, 10, 10], 4, 100, None)
@@ -111,6 +125,74 @@ def main_checkout(tmp_path_factory) -> Path:
     from megatron_wlb.megatron.version import MAIN_COMMIT
 
     return megatron_checkout(tmp_path_factory.mktemp("mlm") / "Megatron-LM-main", "main", commit=MAIN_COMMIT)
+
+
+# the Megatron-LM commits whose own data_schedule takes our scheduler (version.MOVING_CHECKOUTS): the pinned main,
+# main after PR #6742 (the scheduler a flag, its name checked by the config), dev (string-keyed scheduler_map)
+@pytest.fixture(scope="module", params=sorted(MOVING_CHECKOUTS))
+def moving_checkout(request, tmp_path_factory) -> tuple[str, Path]:
+    """(name, checkout) of each of ``version.MOVING_CHECKOUTS`` from the repository MEGATRON_LM names (skipped,
+    naming the commit, without one)."""
+    from conftest import megatron_checkout
+
+    dest = tmp_path_factory.mktemp("mlm") / f"Megatron-LM-{request.param}"
+    return request.param, megatron_checkout(dest, request.param, commit=MOVING_CHECKOUTS[request.param])
+
+
+MOVED = """
+import sys
+from megatron_wlb.megatron.compat import install_python_shims
+install_python_shims()
+from megatron_wlb.megatron import main_schedule
+print(main_schedule.register())
+print(main_schedule.register())
+from megatron.core.datasets import data_schedule as D
+key = D.PackingSchedulerEnum["WLB"] if hasattr(D, "PackingSchedulerEnum") else "wlb"   # main's / dev's lookup
+cls = D.scheduler_map[key]
+assert cls is main_schedule.scheduler_class(), cls
+ids = [(i, n) for i, n in enumerate([900, 40, 700, 80, 300, 60, 500, 20, 650, 100, 30, 250])]
+free = cls(1000, 1, 2, None, max_num_seqs=None).get_groups_and_subsamples(ids)   # dev passes max_num_seqs=
+capped = cls(1000, 1, 2, None, max_num_seqs=2).get_groups_and_subsamples(ids)
+assert max(len(r) for mb in free for r in mb) > 2 >= max(len(r) for mb in capped for r in mb), (free, capped)
+try:
+    cls(1000, 1, 2, None, min_cp_size=2)   # a keyword we do not know: refused naming it, no TypeError
+except ValueError as exc:
+    print("UNKNOWN", exc)
+import dataclasses
+from megatron.core.model_parallel_config import ModelParallelConfig
+if "sequence_packing_scheduler" in {f.name for f in dataclasses.fields(ModelParallelConfig)}:
+    print("CONFIG", ModelParallelConfig(sequence_packing_scheduler="wlb", max_seqlen_per_dp_cp_rank=1000)
+          .sequence_packing_scheduler)
+from megatron.training import arguments
+sys.argv = ["pretrain_gpt.py", "--sequence-packing-scheduler", "wlb", "--max-seqlen-per-dp-cp-rank", "1000"]
+try:
+    print("PARSED", getattr(arguments.parse_args(None, True), "sequence_packing_scheduler", "no flag"))
+except SystemExit as exc:
+    print("EXIT", exc)
+"""
+
+
+@pytest.mark.slow
+def test_registered_where_megatron_moved(moving_checkout):
+    """register() on each checkout: our class is what main's / dev's own lookup finds (dev keys scheduler_map by
+    strings: before, register() said "not registered"); dev's ``max_num_seqs=`` is taken and honoured (a cap on
+    a micro-batch's samples), an unknown keyword is refused naming it (not a TypeError); where the config checks
+    the name (main after #6742, dev) "wlb" passes it, and the flag's choices take "wlb", which without
+    TransformerEngine >= 2.9 (main's TransformerConfig requires it for any scheduler) exits in one line."""
+    name, checkout = moving_checkout
+    env = {**os.environ, "PYTHONPATH": f"{checkout}{os.pathsep}{ROOT}", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run([sys.executable, "-c", MOVED], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    out = proc.stdout
+    assert "registered: sequence_packing_scheduler='wlb' (WlbPackingScheduler)" in out and "(already)" in out, out
+    assert "UNKNOWN megatron_wlb's WlbPackingScheduler does not know the keyword(s) min_cp_size" in out, out
+    if name == "main":  # the pinned main: neither a config field nor a flag yet
+        assert "CONFIG" not in out and "EXIT" not in out, out
+    else:
+        assert "CONFIG wlb" in out, out
+        line = next(x for x in out.splitlines() if x.startswith("EXIT "))
+        assert "--sequence-packing-scheduler wlb" in line and "TransformerEngine >= 2.9.0" in line, line
+        assert "megatron_wlb.megatron.launcher" in line, line
 
 
 SELECTION = """
@@ -168,7 +250,7 @@ def test_register_without_data_schedule_says_why():
     if not version.startswith("0.19"):
         pytest.skip(f"the installed megatron-core is {version}, not 0.19")
     assert message.startswith("not registered: this Megatron's megatron.core.datasets.data_schedule has no "
-                              "BasePackingScheduler, DpBalancedScheduler, PackingSchedulerEnum"), message
+                              "BasePackingScheduler, DpBalancedScheduler, scheduler_map, wrap_data_iterator"), message
 
 
 WINDOW = 1000
@@ -202,15 +284,24 @@ def _run_scheduler(rank: int, world: int, scheduler: str, wrap_data_iterator, ma
 
     import torch
     import torch.distributed as dist
+    from megatron.core.datasets import data_schedule
 
+    # main after #6742 and dev take unpacked samples (VarlenDataset's: their lengths, no cu_seqlens)
+    unpacked = "padded_seq_len" in data_schedule.DpBalancedScheduler(WINDOW, 1, world, None).get_required_sample_keys()
     samples = []
     for i, n in enumerate(_rank_lengths(rank)):
         gid = rank * LOCAL + i
         tokens = torch.full((n,), gid + 1, dtype=torch.int64)  # every token names its sample
-        samples.append({"tokens": tokens, "labels": tokens + 1, "loss_mask": torch.ones(n),
-                        "position_ids": torch.arange(n), "cu_seqlens": torch.tensor([0, n], dtype=torch.int32)})
+        sample = {"tokens": tokens, "labels": tokens + 1, "loss_mask": torch.ones(n), "position_ids": torch.arange(n)}
+        if unpacked:
+            sample.update(original_seq_len=torch.tensor([n], dtype=torch.int32),
+                          padded_seq_len=torch.tensor([n], dtype=torch.int32))
+        else:
+            sample["cu_seqlens"] = torch.tensor([0, n], dtype=torch.int32)
+        samples.append(sample)
     config = SimpleNamespace(max_seqlen_per_dp_cp_rank=WINDOW, microbatch_group_size_per_vp_stage=None,
-                             virtual_pipeline_model_parallel_size=None, sequence_packing_scheduler=scheduler)
+                             virtual_pipeline_model_parallel_size=None, sequence_packing_scheduler=scheduler,
+                             pipeline_model_parallel_layout=None, mtp_num_layers=None)  # dev reads the last two
     iterator, micro_batches, token_sum, _ = wrap_data_iterator(iter(samples), config, LOCAL)
     got = []
     for _ in range(micro_batches):
@@ -233,13 +324,14 @@ def _run_scheduler(rank: int, world: int, scheduler: str, wrap_data_iterator, ma
 
 
 @pytest.mark.slow
-def test_mains_run_path_at_dp2(main_checkout):
-    """main's wrap_data_iterator -> run() (gather, reroute, pack) at DP2 on gloo with
-    sequence_packing_scheduler="wlb": each rank's packed micro-batches carry exactly the samples our plan gives
-    it, every sample once; then "dp_balanced" on the same samples, which plans otherwise (so the check can fail)."""
+def test_mains_run_path_at_dp2(moving_checkout):
+    """main's (pinned, after PR #6742) and dev's wrap_data_iterator -> run() (gather, reroute, pack) at DP2 on gloo
+    with sequence_packing_scheduler="wlb": each rank's packed micro-batches carry exactly the samples our plan
+    gives it, every sample once; then "dp_balanced" on the same samples, which plans otherwise (so the check can
+    fail)."""
     from conftest import run_world
 
-    run_world(_run_worker, 2, checkout=str(main_checkout))
+    run_world(_run_worker, 2, checkout=str(moving_checkout[1]))
 
 
 @pytest.mark.slow
@@ -265,3 +357,101 @@ def test_bench_main_scheduler_one_command(main_checkout, tmp_path):
 def main_checkout_commit(checkout: Path) -> str:
     return subprocess.run(["git", "-C", str(checkout), "rev-parse", "HEAD"], capture_output=True,
                           text=True).stdout.strip()
+
+
+# -- Megatron-LM dev's default_dynamic_cp against ours (benchmarks/bench_main_scheduler.py --dynamic-cp) -----------
+def test_rank_groups_critical_path():
+    """A sample held by several ranks is one CP group: its latency split over them, and they start together;
+    ranks joined by nothing run as separate chains."""
+    from conftest import load_script
+
+    bench = load_script("bench_main_scheduler")
+    latency = np.array([4.0, 3.0, 1.0, 1.0, 4.0])
+    # micro-batch 0: sample 0 over both ranks (2 each); micro-batch 1: ranks alone (3 and 1)
+    assert bench.rank_groups_critical_path([[[0], [0]], [[1], [2]]], latency) == pytest.approx(5.0)
+    # separate chains: rank 0 does 4 + 1, rank 1 does 1 + 4
+    assert bench.rank_groups_critical_path([[[0], [3]], [[2], [4]]], latency) == pytest.approx(5.0)
+    # joined in micro-batch 1 by sample 1: rank 1 waits for rank 0 (4), then both do 1.5 (+ 1 more on rank 1)
+    assert bench.rank_groups_critical_path([[[0], [3]], [[1], [1, 2]]], latency) == pytest.approx(6.5)
+
+
+@pytest.mark.slow
+def test_bench_dynamic_cp_one_command(tmp_path):
+    """benchmarks/bench_main_scheduler.py --dynamic-cp end to end on one stream: dev's default_dynamic_cp (from a dev
+    checkout of the repository MEGATRON_LM names, skipped without one) and wlb plan the same global batches,
+    both checked (every sample placed over the DP x CP ranks) and scored; the Markdown table written."""
+    from conftest import megatron_checkout
+
+    from megatron_wlb.megatron.version import DEV_COMMIT
+
+    dev = megatron_checkout(tmp_path / "Megatron-LM-dev", "dev", commit=DEV_COMMIT)
+    env = {**os.environ, "MEGATRON_LM": str(dev), "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore"}
+    out = tmp_path / "dynamic_cp"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_main_scheduler.py"), "--dynamic-cp",
+                           "--iterations", "2", "--streams", "wlbllm", "--dp", "2", "--out", str(out)],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    import json
+
+    result = json.loads(out.with_suffix(".json").read_text())
+    (row,) = result["rows"]
+    assert result["megatron_commit"] == DEV_COMMIT and result["pp"] == 1
+    for name in ("default_dynamic_cp", "wlb"):
+        assert 0.999 <= row[name]["over_ideal"] < 3 and row[name]["micro_batches"] >= 1
+    assert row["dynamic_over_wlb"] == pytest.approx(row["default_dynamic_cp"]["time_s"] / row["wlb"]["time_s"])
+    assert "| wlbllm |" in out.with_suffix(".md").read_text()
+
+
+def test_wlb_attention_serves_megatrons_own_thd_batches():
+    """Main's packing path hands the core attention Megatron's own THD ``PackedSeqParams`` (no WLB shard): our
+    attention computes document-causal attention over its padded ``cu_seqlens`` (what Megatron's local attention
+    cannot), equal to causal attention run on each document alone."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from megatron_wlb.megatron.compat import install_python_shims
+
+    install_python_shims()
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from megatron_wlb.megatron.attention import WlbCoreAttention
+
+    torch.manual_seed(0)
+    cu = torch.tensor([0, 5, 12, 16], dtype=torch.int32)
+    q, k, v = (torch.randn(16, 1, 4, 8, dtype=torch.float64) for _ in range(3))
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu,
+                             cu_seqlens_kv_padded=cu, max_seqlen_q=7, max_seqlen_kv=7)
+    layer = SimpleNamespace(softmax_scale=8 ** -0.5, attn_mask_type=AttnMaskType.causal, cp_group=lambda: None)
+    out = WlbCoreAttention._megatron_thd(layer, q, k, v, None, params)
+    assert out.shape == (16, 1, 32)
+    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        doc = torch.nn.functional.scaled_dot_product_attention(
+            q[a:b, 0].transpose(0, 1), k[a:b, 0].transpose(0, 1), v[a:b, 0].transpose(0, 1), is_causal=True,
+            scale=8 ** -0.5).transpose(0, 1).reshape(b - a, 32)
+        assert torch.allclose(out[a:b, 0], doc, atol=1e-10), (a, b)
+
+
+@pytest.mark.slow
+def test_module_runner_registers_before_the_script(tmp_path):
+    """``python -m megatron_wlb.megatron.main_schedule SCRIPT`` runs a checkout's script (its directory first on
+    sys.path, as Python would) with ``wlb`` already registered; a missing script is one line naming it."""
+    from conftest import megatron_checkout
+
+    dev = megatron_checkout(tmp_path / "Megatron-LM-dev", "dev", commit=MOVING_CHECKOUTS["dev"])
+    script = dev / "probe_wlb.py"
+    script.write_text("import sys\nfrom megatron.core.datasets import data_schedule as D\n"
+                      "from megatron_wlb.megatron import main_schedule\n"
+                      "print(main_schedule.register())   # what apply() in the script does: the same class\n"
+                      "print('SCRIPT', D.scheduler_map.get('wlb').__qualname__, sys.argv[1:])\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run([sys.executable, "-m", "megatron_wlb.megatron.main_schedule", str(script), "--x", "1"],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "SCRIPT WlbPackingScheduler ['--x', '1']" in proc.stdout, proc.stdout
+    assert "registered: sequence_packing_scheduler='wlb' (already)" in proc.stdout, proc.stdout
+    assert "> megatron_wlb: registered: sequence_packing_scheduler='wlb'" in proc.stdout
+    missing = subprocess.run([sys.executable, "-m", "megatron_wlb.megatron.main_schedule", str(tmp_path / "nope.py")],
+                             capture_output=True, text=True, env=env, timeout=60)
+    assert missing.returncode != 0 and missing.stderr.count("\n") == 1 and "no such file" in missing.stderr

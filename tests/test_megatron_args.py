@@ -43,11 +43,19 @@ def megatron_like_parser(extra_args_provider=None) -> argparse.ArgumentParser:
     g.add_argument("--ffn-hidden-size", type=int, default=None)
     g.add_argument("--swiglu", action="store_true")
     g.add_argument("--hybrid-context-parallel", action="store_true")
+    # main after PR #6742, dev, PR #7000 (tests/test_megatron_args.py::test_flags_that_bypass_ours_are_refused)
+    g.add_argument("--sequence-packing-scheduler", type=str, default=None, choices=["dp_balanced"])
+    g.add_argument("--use-varlen-dataset", action="store_true")
+    g.add_argument("--dynamic-context-parallel", action="store_true")
+    g.add_argument("--max-seqlen-per-dp-cp-rank", type=int, default=None)
+    g.add_argument("--pipeline-p2p-fixed-shape", action="store_true")
+    g.add_argument("--dataloader-inter-document-masking", action="store_true")
     g.add_argument("--dataloader-type", default=None, choices=["single", "cyclic", "external"])
     g.add_argument("--num-experts", type=int, default=None)
     g.add_argument("--position-embedding-type", default="learned_absolute", choices=["learned_absolute", "rope"])
     g.add_argument("--max-position-embeddings", type=int, default=None)
     g.add_argument("--moe-token-dispatcher-type", default="allgather", choices=["allgather", "alltoall", "flex"])
+    g.add_argument("--cp-comm-type", nargs="+", type=str, default=["p2p"])
     if extra_args_provider is not None:
         parser = extra_args_provider(parser)
     return parser
@@ -139,13 +147,62 @@ def test_config_supplies_defaults_and_flags_override_it():
      r"raise --max-position-embeddings to 6144"),
     (["--wlb-cost-profile", "/nonexistent/profile.json"], r"no such file"),
     (["--mock-data"], r"--mock-data has no documents"),
-    (["--hybrid-context-parallel"], r"remove --hybrid-context-parallel"),
+    (["--hybrid-context-parallel"], r"--hybrid-context-parallel picks .*; remove it \(our equivalent: "
+                                    r"--wlb-cp-sharding adaptive"),
     (["--dataloader-type", "external"], r"use single or cyclic"),
 ])
 def test_misconfigurations_fail_with_what_to_change(extra, match):
     args = parse(BASE + extra)
     with pytest.raises(ValueError, match=match):
         validate_wlb_args(args, te_available=False, highspy_available=True, check_files=False)
+
+
+@pytest.mark.parametrize("extra, equivalent", [
+    (["--sequence-packing-scheduler", "dp_balanced"], "--wlb-packing wlb"),
+    (["--use-varlen-dataset"], "--wlb-packing wlb with --data-path"),
+    (["--dynamic-context-parallel"], "--wlb-cp-sharding adaptive"),
+    (["--max-seqlen-per-dp-cp-rank", "2048"], "--wlb-max-seq-len"),
+    (["--pipeline-p2p-fixed-shape"], "nothing to set: WLB turns the shape exchange on"),
+])
+def test_flags_that_bypass_ours_are_refused(extra, equivalent):
+    """Flags of megatron-core 0.19 / main after #6742 / dev / PR #7000 that would replace or bypass what our hooks
+    feed: refused in one line naming the flag and our equivalent, before Megatron's own checks of them."""
+    from megatron_wlb.megatron.args import StartupError, refuse_bypassing_flags
+
+    args = parse(BASE + extra)
+    with pytest.raises(ValueError) as err:
+        validate_wlb_args(args, te_available=False, highspy_available=True, check_files=False)
+    text = str(err.value)
+    assert "\n" not in text and extra[0] in text and f"our equivalent: {equivalent}" in text, text
+    with pytest.raises(StartupError, match=extra[0]):
+        refuse_bypassing_flags(args)
+
+
+def test_inter_document_masking_and_p2p_shape_flag_at_pp1_are_accepted():
+    """--dataloader-inter-document-masking asks for per-document attention, which our micro-batches give (it is
+    honoured, not refused); the fixed-shape p2p flag means nothing without pipeline stages."""
+    from megatron_wlb.megatron.args import refuse_bypassing_flags
+
+    args = parse(BASE + ["--dataloader-inter-document-masking"])
+    assert validate_wlb_args(args, te_available=False, highspy_available=True, check_files=False).packing == "wlb"
+    pp1 = [*BASE[:8], "--pipeline-model-parallel-size", "1", *BASE[10:], "--pipeline-p2p-fixed-shape"]
+    refuse_bypassing_flags(parse(pp1))
+    validate_wlb_args(parse(pp1), te_available=False, highspy_available=True, check_files=False)
+
+
+@pytest.mark.parametrize("sharding, expected", [("adaptive", "all_gather"), ("per-document", "all_gather"),
+                                                ("per-document-te", "p2p")])
+def test_cp_comm_type_is_what_our_attention_does(sharding, expected):
+    """With CP > 1 our CP attention all-gathers K/V: args.cp_comm_type says so (Megatron-LM dev's TransformerConfig
+    refuses local attention at CP > 1 otherwise); TransformerEngine's attention (per-document-te) keeps the flag."""
+    cp2 = [*BASE[:8], "--pipeline-model-parallel-size", "1", *BASE[10:], "--context-parallel-size", "2"]
+    args = parse(cp2 + ["--wlb-cp-sharding", sharding])
+    args.cp_comm_type = "p2p"  # Megatron's validate_args unwraps a one-element list
+    validate_wlb_args(args, te_available=True, highspy_available=True, check_files=False)
+    assert args.cp_comm_type == expected
+    args = parse(cp2 + ["--wlb-cp-sharding", sharding, "--cp-comm-type", "p2p", "a2a"])
+    validate_wlb_args(args, te_available=True, highspy_available=True, check_files=False)
+    assert args.cp_comm_type == ([expected] * 2 if expected == "all_gather" else ["p2p", "a2a"])
 
 
 def test_data_path_files_are_checked_at_start_up(tmp_path):

@@ -99,9 +99,10 @@ def corpus(tmp_path_factory) -> str:
     return prefix
 
 
-def train(tmp_path: Path, name: str, corpus: str, *flags: str, env: dict | None = None,
+def train(tmp_path: Path, name: str, corpus: str | None, *flags: str, env: dict | None = None,
           pretrain_gpt: str | None = None, expect_ok: bool = True) -> Run:
-    """Run the probe under torchrun with the layout in ``env`` (TP/CP/PP/VPP/DP) and ``flags``."""
+    """Run the probe under torchrun with the layout in ``env`` (TP/CP/PP/VPP/DP) and ``flags`` (no
+    ``--data-path`` where ``corpus`` is None: Megatron's mock data)."""
     from megatron_wlb.megatron.cpu import layout_from_env, world_size
 
     env = {**os.environ, **(env or {})}
@@ -113,7 +114,7 @@ def train(tmp_path: Path, name: str, corpus: str, *flags: str, env: dict | None 
     entry = ["--pretrain-gpt", pretrain_gpt] if pretrain_gpt else []
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
            "--nproc-per-node", str(world_size(layout)), str(PROBE), *entry, "--tiny-gpt",
-           "--data-path", corpus, *flags]
+           *(["--data-path", corpus] if corpus else []), *flags]
     proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=TIMEOUT)
     log = proc.stdout + proc.stderr
     (out / "train.log").write_text(log)
@@ -434,10 +435,11 @@ def eod_corpus(tmp_path_factory) -> str:
 
 
 def stock_samples(corpus: str, tmp_path: Path, iterations: int, first: int = 0, dp: int = 2,
-                  eod_mask_loss: bool = True) -> dict[int, tuple]:
+                  eod_mask_loss: bool = True, inter_document: bool = False) -> dict[int, tuple]:
     """What a stock job trains over ``iterations`` steps from ``first``: megatron-core's GPTDataset built as
     the run built it, read in the order of Megatron's own ``MegatronPretrainingSampler`` at DP ``dp``:
-    piece id (position * seq_length + start) -> (iteration, sha256 of its tokens, labels and loss mask)."""
+    piece id (position * seq_length + start) -> (iteration, sha256 of its tokens, labels and loss mask).
+    ``inter_document``: masked with ``--dataloader-inter-document-masking`` instead of the ``--reset-*`` flags."""
     import hashlib
     import types
 
@@ -453,8 +455,10 @@ def stock_samples(corpus: str, tmp_path: Path, iterations: int, first: int = 0, 
 
     seq, gbs, train_iters = 256, 4, 4
     args = types.SimpleNamespace(seed=1234, seq_length=seq, data_path=[corpus], split="98,2,0",
-                                 data_cache_path=str(tmp_path / "stock_cache"), mmap_bin_files=True,
-                                 reset_position_ids=True, reset_attention_mask=True, eod_mask_loss=eod_mask_loss,
+                                 data_cache_path=str(tmp_path / f"stock_cache{'_inter' * inter_document}"),
+                                 mmap_bin_files=True, reset_position_ids=not inter_document,
+                                 reset_attention_mask=not inter_document, eod_mask_loss=eod_mask_loss,
+                                 dataloader_inter_document_masking=inter_document,
                                  data_args_path=None, per_split_data_args_path=None, train_data_path=None,
                                  valid_data_path=None, test_data_path=None)
     samples = MegatronSamples(build_train_dataset(args, NullTokenizer(300), (train_iters * gbs, 0, 0)))
@@ -491,6 +495,24 @@ def test_balanced_gptdataset_pp2_trains_the_stock_jobs_samples(tmp_path, eod_cor
     stock = stock_samples(eod_corpus, tmp_path, 4, dp=1, eod_mask_loss=False)
     fed = fed_pieces(run)
     assert fed and set(fed) <= set(stock) and all(fed[k] == stock[k][1] for k in fed)
+
+
+def test_balanced_gptdataset_honours_inter_document_masking(tmp_path, corpus):
+    """``--dataloader-inter-document-masking`` (how megatron-core 0.19+ users ask for per-document masking) with
+    the balanced concat-and-cut intake at DP2 through Megatron's loop: the pieces that reach the model are the
+    stock job's samples cut at GPTDataset's own document boundaries (its per-document ``cu_seqlens`` and position
+    ids), with Megatron's tokens, labels and loss mask; a corpus whose documents do not end with the tokenizer's
+    EOD trains (boundaries come from the .idx, not from EOD tokens)."""
+    run = train(tmp_path, "inter_document", corpus, "--wlb-packing", "wlb", "--wlb-pieces", "concat-and-cut",
+                "--dataloader-inter-document-masking", env={"DP": "2"})
+    assert_trains(run)
+    assert_documents_once(run)
+    stock = stock_samples(corpus, tmp_path, 4, eod_mask_loss=False, inter_document=True)
+    fed = fed_pieces(run)
+    assert fed and set(fed) <= set(stock), f"pieces the stock job does not train: {sorted(set(fed) - set(stock))[:5]}"
+    assert all(fed[k] == stock[k][1] for k in fed), "a piece's tokens, labels or loss mask differ from Megatron's"
+    whole = {k for k in stock if k % 256 == 0}
+    assert len(stock) > len(whole), "GPTDataset cut no sample at a document boundary: nothing was masked"
 
 
 def test_balanced_gptdataset_through_megatrons_loop(tmp_path, eod_corpus):
@@ -720,17 +742,75 @@ def test_apply_alone_is_refused_on_core_019_naming_the_ways_in():
     assert "scripts/apply_patches.sh" in proc.stdout and "megatron_wlb.megatron.launcher" in proc.stdout
 
 
-# --- Megatron-LM main (core 0.20.0 at version.MAIN_COMMIT): our launcher over the checkout ---------------------
-def test_launcher_over_a_main_checkout_cp2_pp2(tmp_path, corpus):
-    """Our launcher with a Megatron-LM main checkout on PYTHONPATH (from the repository MEGATRON_LM names;
-    skipped, naming the commit, without one)."""
+# --- Megatron-LM main (core 0.20.0 at version.MAIN_COMMIT), main after PR #6742, dev: our launcher over each ----
+@pytest.mark.parametrize("name, series", [("main", (0, 20)), ("main-6742", (0, 20)), ("dev", (0, 19))])
+def test_launcher_over_a_main_checkout_cp2_pp2(tmp_path, corpus, name, series):
+    """Our launcher with a Megatron-LM main (pinned, and after PR #6742) or dev checkout on PYTHONPATH (from the
+    repository MEGATRON_LM names; skipped, naming the commit, without one). dev's TransformerConfig refuses local
+    attention at CP > 1 unless cp_comm_type is all_gather, which is what our CP attention does: the launcher
+    sets it (before, every rank died at start-up)."""
     from conftest import megatron_checkout
 
-    from megatron_wlb.megatron.version import MAIN_COMMIT
+    from megatron_wlb.megatron.version import MOVING_CHECKOUTS
 
-    main = megatron_checkout(tmp_path / "Megatron-LM-main", "main", commit=MAIN_COMMIT)
-    run = train(tmp_path, "main_cp2_pp2", corpus, "--wlb-packing", "wlb", "--wlb-cp-sharding", "adaptive",
+    main = megatron_checkout(tmp_path / f"Megatron-LM-{name}", name, commit=MOVING_CHECKOUTS[name])
+    run = train(tmp_path, f"{name}_cp2_pp2", corpus, "--wlb-packing", "wlb", "--wlb-cp-sharding", "adaptive",
                 env=_pinned_env(main, CP="2", PP="2"))
     assert_trains(run)
-    assert {Version(r["core_version"]).release[:2] for r in run.ranks.values()} == {(0, 20)}
+    assert {Version(r["core_version"]).release[:2] for r in run.ranks.values()} == {series}
     assert_documents_once(run)
+
+
+@pytest.mark.parametrize("name, flags, named", [
+    ("dev", ("--dynamic-context-parallel", "--max-seqlen-per-dp-cp-rank", "128"),
+     ("--dynamic-context-parallel", "--wlb-cp-sharding adaptive", "--max-seqlen-per-dp-cp-rank 128")),
+    ("main-6742", ("--sequence-packing-scheduler", "wlb", "--use-varlen-dataset"),
+     ("--sequence-packing-scheduler wlb", "--wlb-packing wlb", "--use-varlen-dataset")),
+])
+def test_flags_that_bypass_ours_are_refused_through_the_launcher(tmp_path, corpus, name, flags, named):
+    """Megatron's own variable-length machinery asked for through our launcher (dev's dynamic CP; main's
+    scheduler flag, whose choices take "wlb" once registered, and its varlen dataset): every rank stops at
+    start-up with one line naming each flag and our equivalent, before Megatron's own checks and without a
+    traceback of ours."""
+    from conftest import megatron_checkout
+
+    from megatron_wlb.megatron.version import MOVING_CHECKOUTS
+
+    checkout = megatron_checkout(tmp_path / f"Megatron-LM-{name}", name, commit=MOVING_CHECKOUTS[name])
+    run = train(tmp_path, f"{name}_refused", corpus, "--wlb-packing", "wlb", *flags,
+                env=_pinned_env(checkout, CP="2"), expect_ok=False)
+    assert run.returncode != 0  # type: ignore[attr-defined]
+    line = next((x for x in run.log.splitlines() if "megatron_wlb: invalid WLB-LLM configuration" in x), "")
+    assert all(part in line for part in named) and "our equivalent" in line, run.log[-4000:]
+    assert not re.search(r'File "[^"]*megatron_wlb/', run.log), "the refusal came with our traceback"
+
+
+@pytest.mark.parametrize("name", ["main-6742", "dev"])
+def test_mains_own_packing_path_with_wlb_trains_through_pretrain_gpt(tmp_path, name):
+    """Main after PR #6742 and dev, each its own pretrain_gpt.py (no apply(), no patch) with
+    ``--sequence-packing-scheduler wlb`` at DP2: its train_step calls its wrap_data_iterator -> run() (gather
+    the global batch's lengths over DP, our plan, reroute, pack THD micro-batches) over its MockVarlenDataset
+    samples (its VarlenDataset reads HF/parquet/jsonl, not .bin/.idx), and the loss falls; evaluation goes the
+    same way. With ``--transformer-impl local`` our attention serves the THD micro-batches (Megatron's local
+    attention has none), so TransformerConfig's TransformerEngine >= 2.9 check, which guards TE's THD
+    attention, is lifted for that case alone; with TE's layers and no TE >= 2.9 the run stops in one line."""
+    from conftest import megatron_checkout
+
+    from megatron_wlb.megatron.version import MOVING_CHECKOUTS
+
+    checkout = megatron_checkout(tmp_path / f"Megatron-LM-{name}", name, commit=MOVING_CHECKOUTS[name])
+    # --eval-iters 1: evaluation goes through wrap_data_iterator too (and dev's mock data refuses an empty split)
+    flags = ("--mock-data", "--use-varlen-dataset", "--sequence-packing-scheduler", "wlb",
+             "--max-seqlen-per-dp-cp-rank", "512", "--moe-token-dispatcher-type", "alltoall", "--eval-iters", "1")
+    script = str(checkout / "pretrain_gpt.py")
+    run = train(tmp_path, f"{name}_own_path", None, *flags, env=_pinned_env(checkout, DP="2"), pretrain_gpt=script)
+    assert_trains(run)
+    series = (0, 19) if name == "dev" else (0, 20)  # dev's package_info says 0.19.0
+    assert {Version(r["core_version"]).release[:2] for r in run.ranks.values()} == {series}
+    assert "> megatron_wlb: Megatron's sequence-packing path plans with WlbPackingScheduler" in run.log
+    assert "validation loss at iteration 4" in run.log
+    te = train(tmp_path, f"{name}_te", None, *flags, "--transformer-impl", "transformer_engine",
+               env=_pinned_env(checkout, DP="2"), pretrain_gpt=script, expect_ok=False)
+    assert te.returncode != 0  # type: ignore[attr-defined]
+    line = next((x for x in te.log.splitlines() if x.startswith("megatron_wlb: --sequence-packing-scheduler wlb")), "")
+    assert "TransformerEngine >= 2.9.0" in line and "--transformer-impl local" in line, te.log[-3000:]

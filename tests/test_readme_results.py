@@ -63,3 +63,10 @@ def test_the_readme_headline_is_the_recorded_results():
 def test_the_reproduce_block_is_the_recorded_report():
     block = README.split("<!-- reproduce-table -->", 1)[1].split("<!-- /reproduce-table -->", 1)[0]
     assert block.strip() == (ROOT / "benchmarks" / "results" / "reproduce" / "readme.md").read_text().strip()
+
+
+def test_the_main_scheduler_tables_are_the_recorded_runs():
+    """Main's dp_balanced and dev's default_dynamic_cp against wlb (benchmarks/bench_main_scheduler.py)."""
+    mod = load_script("bench_main_scheduler")
+    assert mod.readme_table(_result("main_scheduler")).strip() in README
+    assert mod.dynamic_readme_table(_result("dynamic_cp_scheduler")).strip() in README

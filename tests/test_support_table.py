@@ -14,6 +14,7 @@ from packaging.version import Version
 from megatron_wlb.megatron.version import (
     CHECKOUT_ONLY_SERIES,
     MAIN_COMMIT,
+    MOVING_CHECKOUTS,
     PATCHED_CHECKOUTS,
     SUPPORTED_SERIES,
     TESTED_RELEASES,
@@ -50,6 +51,9 @@ def test_the_readme_table_lists_exactly_what_the_gate_admits():
         assert "apply_patches.sh" in row[1]
     (main,) = [r for r in rows if "**main**" in r[0]]
     assert MAIN_COMMIT in main[0] and "launcher" in main[1]
+    for name, commit in MOVING_CHECKOUTS.items():  # main after PR #6742 and dev: what CI trains the launcher over
+        (row,) = [r for r in rows if commit in r[0]]
+        assert "launcher" in row[1] and "CP2-PP2" in row[2], f"the {name} row does not say how CI trains it"
 
 
 def test_the_megatron_extra_installs_what_the_gate_admits():

@@ -251,8 +251,10 @@ def _wrap_validate_args(original: Callable) -> Callable:
 
     @wrapping(original)
     def validate_args(args, defaults={}):  # noqa: B006 - Megatron's signature
+        from megatron_wlb.megatron.args import refuse_bypassing_flags
         from megatron_wlb.megatron.preflight import check_training_args
 
+        refuse_bypassing_flags(args)  # before Megatron's own checks of those flags, which name no equivalent
         try:
             out = original(args, defaults)
         except StartupError:

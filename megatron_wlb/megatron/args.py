@@ -251,6 +251,64 @@ def configuration_error(problems: list[str], what: str = "invalid WLB-LLM config
     return StartupError(f"megatron_wlb: {what}: {listed}")
 
 
+#: ``cp_comm_type`` of our CP attention (``--wlb-cp-sharding`` other than per-document-te): K/V all-gathered
+CP_COMM_TYPE = "all_gather"
+
+#: Megatron flags (megatron-core 0.19, main after PR #6742, dev, PR #7000) whose own machinery would replace or
+#: bypass what our hooks feed: ``args`` attribute -> (flag, what it does, our equivalent). Each is refused at
+#: start-up (``bypass_problems``), before Megatron's own checks of it (``refuse_bypassing_flags``).
+#: ``--dataloader-inter-document-masking`` is not here: it is honoured (our micro-batches attend per document;
+#: the balanced concat-and-cut intake cuts Megatron's samples at GPTDataset's document boundaries).
+BYPASSING_FLAGS: dict[str, tuple[str, str, str]] = {
+    "sequence_packing_scheduler": (
+        "--sequence-packing-scheduler", "hands packing to Megatron's own data_schedule (wrap_data_iterator), which "
+        "our data iterator replaces", "--wlb-packing wlb (our packer through our iterator); Megatron's own path "
+        "takes our scheduler without apply(): python -m megatron_wlb.megatron.main_schedule pretrain_gpt.py ... "
+        "--sequence-packing-scheduler wlb"),
+    "use_varlen_dataset": (
+        "--use-varlen-dataset", "builds Megatron's VarlenDataset (one unpacked document per sample for its "
+        "scheduler), which our data path replaces", "--wlb-packing wlb with --data-path (whole documents packed "
+        "into variable-length micro-batches)"),
+    "dynamic_context_parallel": (
+        "--dynamic-context-parallel", "picks a CP group size per sample (default_dynamic_cp) over data our CP "
+        "sharding replaces", "--wlb-cp-sharding adaptive (per-sequence or per-document sharding chosen per "
+        "micro-batch over --context-parallel-size)"),
+    "hybrid_context_parallel": (
+        "--hybrid-context-parallel", "picks a CP group size per sample over data our CP sharding replaces",
+        "--wlb-cp-sharding adaptive (per-sequence or per-document sharding chosen per micro-batch over "
+        "--context-parallel-size)"),
+    "max_seqlen_per_dp_cp_rank": (
+        "--max-seqlen-per-dp-cp-rank", "caps what Megatron's own scheduler packs per rank, which our packer "
+        "replaces", "--wlb-max-seq-len (a micro-batch's tokens over all CP ranks: this value x CP)"),
+    "pipeline_p2p_fixed_shape": (
+        "--pipeline-p2p-fixed-shape", "skips the pipeline stages' shape exchange, but our micro-batches differ in "
+        "length", "nothing to set: WLB turns the shape exchange on (variable_seq_lengths) with PP > 1"),
+}
+
+
+def bypass_problems(args: Any) -> list[str]:
+    """One problem per ``BYPASSING_FLAGS`` flag that ``args`` sets (each naming our equivalent); the shape flag
+    only with pipeline parallelism, where shapes travel."""
+    problems = []
+    for attr, (flag, does, ours) in BYPASSING_FLAGS.items():
+        value = getattr(args, attr, None)
+        if value is None or value is False:
+            continue
+        if attr == "pipeline_p2p_fixed_shape" and int(getattr(args, "pipeline_model_parallel_size", 1) or 1) <= 1:
+            continue
+        given = flag if value is True else f"{flag} {value}"
+        problems.append(f"{given} {does}; remove it (our equivalent: {ours})")
+    return problems
+
+
+def refuse_bypassing_flags(args: Any) -> None:
+    """Raise a one-line ``StartupError`` naming every ``BYPASSING_FLAGS`` flag ``args`` sets (called before
+    Megatron's own validate_args, whose checks of these flags would not name our equivalent)."""
+    problems = bypass_problems(args)
+    if problems:
+        raise configuration_error(problems)
+
+
 def validate_wlb_args(args: Any, *, te_available: bool | None = None, highspy_available: bool | None = None,
                       check_files: bool = True) -> WlbSettings:
     """Check Megatron's validated ``args`` against the WLB settings; raise a ``StartupError`` (a ValueError, one
@@ -258,7 +316,8 @@ def validate_wlb_args(args: Any, *, te_available: bool | None = None, highspy_av
 
     With pipeline parallelism sets ``args.variable_seq_lengths = True`` (micro-batches differ in
     length, so stages exchange shapes; dense models also get the unused MoE dispatcher switched
-    to ``alltoall``, which TransformerConfig requires) and returns the resolved settings.
+    to ``alltoall``, which TransformerConfig requires); with CP > 1 and our CP attention sets
+    ``args.cp_comm_type`` to ``all_gather`` (what it does); returns the resolved settings.
     ``te_available`` / ``highspy_available`` default to import probes; ``check_files=False`` skips
     the check that every ``--data-path`` prefix has its .bin/.idx (flag-parsing tests).
     """
@@ -338,8 +397,8 @@ def validate_wlb_args(args: Any, *, te_available: bool | None = None, highspy_av
             if not (os.path.isfile(prefix + ".bin") and os.path.isfile(prefix + ".idx")):
                 problems.append(f"--{flag.replace('_', '-')}: no {prefix}.bin/.idx; give the prefix of a Megatron "
                                 "indexed dataset (made with tools/preprocess_data.py), without the extension")
-    for flag, attr in (("--hybrid-context-parallel", "hybrid_context_parallel"), ("--sft", "sft"),
-                       ("--fim-data", "fim_data")):
+    problems.extend(bypass_problems(args))
+    for flag, attr in (("--sft", "sft"), ("--fim-data", "fim_data")):
         if getattr(args, attr, False):
             problems.append(f"{flag} replaces the data path WLB installs; remove {flag} or do not call "
                             "megatron_wlb.megatron.apply()")
@@ -381,6 +440,11 @@ def validate_wlb_args(args: Any, *, te_available: bool | None = None, highspy_av
         problems.append(str(exc))
     if problems:
         raise configuration_error(problems)
+    comm = getattr(args, "cp_comm_type", None)
+    if cp > 1 and settings.cp_sharding != "per-document-te" and comm is not None:
+        # our CP attention all-gathers K/V (megatron_wlb.cp.attention), whatever --cp-comm-type says; Megatron-LM
+        # dev's TransformerConfig refuses local attention at CP > 1 with any other value
+        args.cp_comm_type = [CP_COMM_TYPE] * len(comm) if isinstance(comm, list) else CP_COMM_TYPE
     if pp > 1:
         # p2p must exchange each micro-batch's shape; Megatron's validate_args forces this off.
         args.variable_seq_lengths = True

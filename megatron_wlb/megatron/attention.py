@@ -151,6 +151,8 @@ class WlbCoreAttention(MegatronModule):
                 packed_seq_params: Any = None) -> torch.Tensor:
         """q [T, Hq, D] / k, v [T, Hkv, D] (THD) or [s, b=1, H, D]; returns [T, Hq*D] or [s, 1, Hq*D]."""
         wlb = getattr(packed_seq_params, "wlb", None)
+        if wlb is None and getattr(packed_seq_params, "qkv_format", None) == "thd":
+            return self._megatron_thd(query, key, value, attn_mask_type, packed_seq_params)
         if wlb is None or wlb.attention is None:
             if packed_seq_params is None and _every_batch_is_packed():
                 raise RuntimeError("a micro-batch reached the attention without packed-sequence params, but every "
@@ -172,6 +174,35 @@ class WlbCoreAttention(MegatronModule):
             raise ValueError("WLB-LLM attention takes no attention_bias")
         return wlb_attention_forward(query, key, value, wlb.attention, self.cp_group(), self.softmax_scale,
                                      local_pad=wlb.local_pad)
+
+
+    def _megatron_thd(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attn_mask_type: AttnMaskType | None, params: Any) -> torch.Tensor:
+        """Megatron's own THD micro-batch (``PackedSeqParams`` from its sequence-packing path, e.g. main's
+        ``wrap_data_iterator`` with our scheduler): document-causal varlen attention over its ``cu_seqlens``
+        (the padded ones where given, which cover every row) at CP 1, where the local attention has no THD path;
+        with CP > 1 Megatron shards THD rows with TransformerEngine, which this attention does not follow."""
+        from megatron_wlb.cp.attention import varlen_attention
+
+        group = self.cp_group()
+        if group is not None and torch.distributed.get_world_size(group) > 1:
+            raise ValueError("WLB-LLM attention got Megatron's own THD micro-batch at CP > 1 (sharded by "
+                             "TransformerEngine's thd_get_partitioned_indices); use TransformerEngine's attention "
+                             "there, or our data path (megatron_wlb.megatron.launcher) for CP")
+        mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+        if mask_type not in _CAUSAL:
+            raise ValueError(f"WLB-LLM attention is document-causal; got attn_mask_type={mask_type}")
+        padded = getattr(params, "cu_seqlens_q_padded", None) is not None
+        cu_q = params.cu_seqlens_q_padded if padded else params.cu_seqlens_q
+        cu_k = params.cu_seqlens_kv_padded if padded else params.cu_seqlens_kv
+        q, k, v = (t[:, 0] if t.dim() == 4 else t for t in (query, key, value))
+        if q.device.type == "cpu":  # the reference kernel takes host offsets
+            cu_q, cu_k = cu_q.cpu().numpy(), cu_k.cpu().numpy()
+        max_q = int(params.max_seqlen_q) if params.max_seqlen_q is not None else int((cu_q[1:] - cu_q[:-1]).max())
+        max_k = int(params.max_seqlen_kv) if params.max_seqlen_kv is not None else max_q
+        out = varlen_attention(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=self.softmax_scale)
+        out = out.reshape(out.shape[0], -1)
+        return out.unsqueeze(1) if query.dim() == 4 else out
 
 
 def _every_batch_is_packed() -> bool:

@@ -30,7 +30,7 @@ REDIRECTS: tuple[tuple[str, str], ...] = (
      "random tensors asked for on the device draw from a generator of their own, as on a GPU"),
     ("Tensor.cuda / Module.cuda", "model build and batch code move tensors with .cuda(): identity"),
     ("torch.cuda.current_device / device_count / set_device / synchronize / get_device_properties / "
-     "memory queries / Stream / Event",
+     "memory queries / Stream / Event / is_current_stream_capturing",
      "initialization (it builds the model-parallel groups only when device_count() > 0), argument "
      "validation (device arch), timers and memory reporting query the CUDA runtime: answered as for "
      "one idle device 0 of arch 0.0"),
@@ -185,6 +185,7 @@ def install_cpu_redirects() -> None:
     cuda.empty_cache = lambda *a, **k: None
     cuda.memory_stats = lambda *a, **k: {}
     cuda.mem_get_info = lambda *a, **k: (0, 0)
+    cuda.is_current_stream_capturing = lambda: False  # Megatron-LM dev's p2p asks before each send
     cuda.Stream = _Stream
     cuda.Event = _Stream
     cuda.current_stream = lambda *a, **k: _Stream()
@@ -450,6 +451,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
         spawn_children_import_this_module(script)  # the torch_dist writer's children must not re-run the script
         install_megatron_redirects()
+        from megatron_wlb.megatron import main_schedule
+
+        # what a main user's launcher does (main_schedule's module runner): "wlb" among the checkout's own
+        # sequence-packing schedulers, before its flags are parsed (a no-op, saying why, where it has none)
+        main_schedule.register()
         sys.argv = [script, *argv]
         with exit_on_startup_error():
             runpy.run_path(script, run_name="__main__")

@@ -7,8 +7,15 @@ gathers the sample lengths of one global batch over the DP group, asks a schedul
 ``scheduler_map``) to group them, reroutes the samples and packs THD micro-batches. Main's one scheduler,
 ``dp_balanced`` (``DpBalancedScheduler``), packs next-fit in arrival order and deals round robin to DP.
 
-``register()`` adds ``wlb``: ``WLB`` in main's enum and ``WlbPackingScheduler`` in ``scheduler_map``, so
+``register()`` adds ``wlb``: ``WLB`` in main's enum and ``WlbPackingScheduler`` in ``scheduler_map`` (dev keys
+``scheduler_map`` by the config's string and has no enum: there ``scheduler_map["wlb"]``), so
 ``config.sequence_packing_scheduler = "wlb"`` makes main's own ``wrap_data_iterator`` plan with our packer.
+Where Megatron-LM checks the name (main after PR #6742: ``--sequence-packing-scheduler`` with fixed choices,
+``ModelParallelConfig.__post_init__`` refusing other names; dev alike), ``widen_config_check`` lets ``wlb``
+through both; main's TransformerConfig then requires TransformerEngine >= 2.9 for any scheduler, so without it
+``--sequence-packing-scheduler wlb`` exits at start-up in one line (``refuse_without_te``). dev constructs
+schedulers with ``max_num_seqs=``: ours caps a micro-batch's samples at it; a keyword we do not know is refused
+naming it.
 ``megatron_wlb.megatron.apply()`` calls it; a process that uses main's packing path without the rest of
 our hooks calls it alone. Where the installed Megatron has no ``data_schedule`` (0.16, 0.19) it is a no-op
 that says why (core 0.19's data_schedule holds only the hybrid-CP scheduler, no registry).
@@ -54,9 +61,12 @@ SCHEDULER_NAME = "wlb"
 _CLASS: type | None = None
 
 
-#: what main's registry is made of (core 0.19 has a data_schedule module too, with only the hybrid-CP scheduler)
-REGISTRY_NAMES = ("BasePackingScheduler", "DpBalancedScheduler", "PackingSchedulerEnum", "scheduler_map",
-                  "wrap_data_iterator")
+#: what main's registry is made of (core 0.19 has a data_schedule module too, with only the hybrid-CP scheduler);
+#: main at the pin keys ``scheduler_map`` by ``PackingSchedulerEnum`` members, dev by strings (no enum)
+REGISTRY_NAMES = ("BasePackingScheduler", "DpBalancedScheduler", "scheduler_map", "wrap_data_iterator")
+#: the constructor arguments WlbPackingScheduler takes (main's four, dev's ``max_num_seqs``, and our own)
+SCHEDULER_ARGUMENTS = ("max_seqlen_per_dp_cp_rank", "cp_size", "dp_size", "microbatch_group_size_per_vp_stage",
+                       "max_num_seqs", "cost", "stages", "virtual_stages")
 
 
 def missing_registry() -> str:
@@ -104,9 +114,22 @@ def scheduler_class() -> type:
         """Main's packing pipeline (``run``) with megatron-wlb's balanced placement as the grouping."""
 
         def __init__(self, max_seqlen_per_dp_cp_rank: int, cp_size: int, dp_size: int,
-                     microbatch_group_size_per_vp_stage: int | None, *, cost: CostModel | None = None,
-                     stages: int | None = None, virtual_stages: int | None = None) -> None:
-            super().__init__(max_seqlen_per_dp_cp_rank, cp_size, dp_size, microbatch_group_size_per_vp_stage)
+                     microbatch_group_size_per_vp_stage: int | None, max_num_seqs: int | None = None, *,
+                     cost: CostModel | None = None, stages: int | None = None, virtual_stages: int | None = None,
+                     **unknown: Any) -> None:
+            if unknown:  # a newer Megatron's wrap_data_iterator passes what we would not honour: say so
+                raise ValueError(f"megatron_wlb's WlbPackingScheduler does not know the keyword(s) "
+                                 f"{', '.join(sorted(unknown))} that this Megatron's wrap_data_iterator passes; it "
+                                 f"takes {', '.join(SCHEDULER_ARGUMENTS)} (use sequence_packing_scheduler "
+                                 "'dp_balanced', or a megatron-wlb that knows them)")
+            if max_num_seqs is not None and (isinstance(max_num_seqs, bool) or int(max_num_seqs) < 1):
+                raise ValueError(f"max_num_seqs={max_num_seqs!r}: must be an integer >= 1 or None")
+            if _takes(data_schedule.BasePackingScheduler.__init__, "max_num_seqs"):  # dev's base stores it
+                super().__init__(max_seqlen_per_dp_cp_rank, cp_size, dp_size, microbatch_group_size_per_vp_stage,
+                                 max_num_seqs=max_num_seqs)
+            else:
+                super().__init__(max_seqlen_per_dp_cp_rank, cp_size, dp_size, microbatch_group_size_per_vp_stage)
+            self.max_num_seqs = None if max_num_seqs is None else int(max_num_seqs)
             if cost is None and stages is None:
                 cost, found_stages, found_virtual = scheduler_cost_model()
                 stages = found_stages
@@ -118,9 +141,11 @@ def scheduler_class() -> type:
         def get_groups_and_subsamples(self, sample_id_seqlens: Any) -> list[list[list[int]]]:
             """Per micro-batch, one list of sample ids per DPxCP rank (rank ``j`` belongs to DP rank
             ``j // cp_size``, as under ``dp_balanced``); every sample exactly once."""
-            return plan_sample_groups(sample_id_seqlens, self.max_seq_len_all_ranks, self.dp_size, self.cp_size,
-                                      self.cost, self.stages, self.virtual_stages,
-                                      self.microbatch_group_size_per_vp_stage or 1)
+            groups = plan_sample_groups(sample_id_seqlens, self.max_seq_len_all_ranks, self.dp_size, self.cp_size,
+                                        self.cost, self.stages, self.virtual_stages,
+                                        self.microbatch_group_size_per_vp_stage or 1, max_items=self.max_num_seqs)
+            _announce(len(sample_id_seqlens), len(groups))
+            return groups
 
     WlbPackingScheduler.__module__ = __name__
     WlbPackingScheduler.__qualname__ = "WlbPackingScheduler"
@@ -128,16 +153,199 @@ def scheduler_class() -> type:
     return _CLASS
 
 
+_ANNOUNCED = False
+
+
+def _announce(samples: int, micro_batches: int) -> None:
+    """Say once per process (global rank 0) that main's packing path plans with our scheduler."""
+    global _ANNOUNCED
+    if _ANNOUNCED:
+        return
+    _ANNOUNCED = True
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized() or dist.get_rank() == 0:
+        print(f"> megatron_wlb: Megatron's sequence-packing path plans with WlbPackingScheduler (first global "
+              f"batch: {samples} samples into {micro_batches} micro-batches per DP rank)", flush=True)
+
+
+def _takes(function: Any, name: str) -> bool:
+    """Whether ``function`` names the parameter ``name`` (by its signature, not by the Megatron version)."""
+    import inspect
+
+    try:
+        params = inspect.signature(function).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in params
+
+
 def plan_sample_groups(sample_id_seqlens: Any, window: int, dp: int, cp: int, cost: CostModel | None,
-                       stages: int = 1, virtual_stages: int = 1, multiple: int = 1) -> list[list[list[int]]]:
+                       stages: int = 1, virtual_stages: int = 1, multiple: int = 1,
+                       max_items: int | None = None) -> list[list[list[int]]]:
     """``get_groups_and_subsamples``'s answer for ``(sample id, length)`` pairs: ``groups[k][j]`` holds the
-    sample ids of micro-batch k on DPxCP rank j (DP rank ``j // cp``), torch-free."""
+    sample ids of micro-batch k on DPxCP rank j (DP rank ``j // cp``), at most ``max_items`` per micro-batch
+    (dev's ``max_num_seqs``), torch-free."""
     from megatron_wlb.packing.wlb import place_whole_batch
 
     pairs = [(int(i), int(n)) for i, n in sample_id_seqlens]
-    plan = place_whole_batch([n for _, n in pairs], dp, window, cost, stages, virtual_stages, multiple)
+    plan = place_whole_batch([n for _, n in pairs], dp, window, cost, stages, virtual_stages, multiple,
+                             max_items=max_items)
     n_micro = len(plan[0])
     return [[[pairs[i][0] for i in plan[j // cp][k]] for j in range(dp * cp)] for k in range(n_micro)]
+
+
+#: main's (after PR #6742) and dev's flag that picks the scheduler (``choices`` without ``wlb`` there)
+SCHEDULER_FLAG = "--sequence-packing-scheduler"
+#: TransformerConfig refuses any sequence-packing scheduler below this TransformerEngine (main after #6742, dev)
+TE_MIN_VERSION = "2.9.0"
+_MARK = "__wlb_widened__"
+
+
+def widen_flag_choices(parser: Any) -> Any:
+    """An ``extra_args_provider``: add ``wlb`` to the choices of ``--sequence-packing-scheduler`` where the
+    parser has that flag with a fixed list (main after #6742: ``['dp_balanced']``; dev: its config's Literal)."""
+    action = getattr(parser, "_option_string_actions", {}).get(SCHEDULER_FLAG)
+    if action is not None and action.choices is not None and SCHEDULER_NAME not in action.choices:
+        action.choices = [*action.choices, SCHEDULER_NAME]
+    return parser
+
+
+def te_problem() -> str:
+    """Why main's sequence-packing path cannot run here ("" if it can): its TransformerConfig requires
+    TransformerEngine >= ``TE_MIN_VERSION`` for any scheduler."""
+    from megatron_wlb.megatron.args import module_available
+
+    if not module_available("transformer_engine"):
+        return "transformer_engine is not installed"
+    try:
+        from megatron.core.utils import get_te_version, is_te_min_version
+
+        return "" if is_te_min_version(TE_MIN_VERSION) else f"TransformerEngine {get_te_version()} is installed"
+    except Exception as exc:  # noqa: BLE001 - a broken TE install is "not usable", said in one line
+        return f"TransformerEngine does not import ({type(exc).__name__}: {exc})"
+
+
+def prepare_main_path(args: Any) -> None:
+    """After main's flags are parsed with ``--sequence-packing-scheduler wlb`` (main's own path, without
+    ``apply()``, under which the flag is refused by ``args.bypass_problems``): with ``--transformer-impl local``
+    our core attention serves the THD micro-batches main packs (Megatron's local attention has no THD path;
+    ``attention.WlbCoreAttention``, CP 1), so TransformerConfig's TransformerEngine >= 2.9 requirement, which
+    guards TE's THD attention, does not apply (``widen_config_check`` lifts it for that case only); with
+    TransformerEngine's layers it stands, and without that TE the run exits in one line."""
+    from megatron_wlb.megatron import runtime
+
+    if getattr(args, "sequence_packing_scheduler", None) != SCHEDULER_NAME or runtime().installed:
+        return
+    if getattr(args, "transformer_impl", None) == "local":
+        from megatron_wlb.megatron.attention import install_core_attention
+
+        install_core_attention(True)
+        return
+    why = te_problem()
+    if why:
+        raise SystemExit(f"megatron_wlb: {SCHEDULER_FLAG} {SCHEDULER_NAME} runs Megatron's own sequence-packing path, "
+                         f"whose TransformerConfig requires TransformerEngine >= {TE_MIN_VERSION}, but {why}; install "
+                         f"TransformerEngine >= {TE_MIN_VERSION}, use --transformer-impl local (our attention serves "
+                         "main's THD micro-batches at CP 1), or train through our data path: python -m "
+                         "megatron_wlb.megatron.launcher <Megatron flags> --wlb-packing wlb")
+
+
+def _wrap_transformer_config_check() -> list[str]:
+    """Wrap ``TransformerConfig.__post_init__`` where it checks the scheduler (main after #6742: TransformerEngine >=
+    ``TE_MIN_VERSION`` for any scheduler; dev: also the name): for ``sequence_packing_scheduler="wlb"`` its checks
+    run as for ``dp_balanced``, and with ``transformer_impl="local"`` the TE version query answers yes (only that
+    query, only during that call): no TE kernel runs there, our attention serves the THD batches
+    (``prepare_main_path``)."""
+    import inspect
+
+    from megatron.core.transformer import transformer_config as module
+
+    cls = module.TransformerConfig
+    post_init = cls.__dict__.get("__post_init__")
+    if post_init is None:
+        return []
+    try:
+        checks = "sequence_packing_scheduler" in inspect.getsource(post_init)
+    except (OSError, TypeError):
+        checks = False
+    if not checks:
+        return []
+    if not getattr(post_init, _MARK, False):
+        def __post_init__(self: Any) -> None:
+            if getattr(self, "sequence_packing_scheduler", None) != SCHEDULER_NAME:
+                post_init(self)
+                return
+            original: Any = getattr(module, "is_te_min_version", None)
+            local = getattr(self, "transformer_impl", None) == "local" and original is not None
+
+            def is_te_min_version(version: str, *args: Any, **kwargs: Any) -> bool:
+                return True if str(version) == TE_MIN_VERSION else bool(original(version, *args, **kwargs))
+
+            self.sequence_packing_scheduler = "dp_balanced"
+            if local:
+                module.is_te_min_version = is_te_min_version
+            try:
+                post_init(self)
+            finally:
+                self.sequence_packing_scheduler = SCHEDULER_NAME
+                if local:
+                    module.is_te_min_version = original
+
+        setattr(__post_init__, _MARK, True)
+        cls.__post_init__ = __post_init__
+    return ["TransformerConfig check"]
+
+
+def widen_config_check() -> list[str]:
+    """Let ``sequence_packing_scheduler = "wlb"`` through Megatron's own checks (idempotent): the flag's choices
+    (``widen_flag_choices`` composed into ``megatron.training.arguments.parse_args``, with ``refuse_without_te``)
+    and ``ModelParallelConfig.__post_init__`` (main after #6742 and dev refuse any other name than theirs: its
+    checks run as for ``dp_balanced``, whose window and variable-length p2p ours share). Returns what it wrapped
+    (nothing where this Megatron's config has no ``sequence_packing_scheduler``)."""
+    import dataclasses
+
+    widened = []
+    from megatron.core.model_parallel_config import ModelParallelConfig
+
+    fields = {f.name for f in dataclasses.fields(ModelParallelConfig)}
+    post_init = ModelParallelConfig.__dict__.get("__post_init__")
+    if "sequence_packing_scheduler" in fields and post_init is not None:
+        if not getattr(post_init, _MARK, False):
+            def __post_init__(self: Any) -> None:
+                if getattr(self, "sequence_packing_scheduler", None) != SCHEDULER_NAME:
+                    post_init(self)
+                    return
+                self.sequence_packing_scheduler = "dp_balanced"
+                try:
+                    post_init(self)
+                finally:
+                    self.sequence_packing_scheduler = SCHEDULER_NAME
+
+            setattr(__post_init__, _MARK, True)
+            ModelParallelConfig.__post_init__ = __post_init__
+        widened.append("ModelParallelConfig check")
+    widened += _wrap_transformer_config_check()
+    try:
+        from megatron.training import arguments
+    except ImportError:
+        arguments = None
+    parse_args = getattr(arguments, "parse_args", None)
+    if parse_args is not None and "sequence_packing_scheduler" in fields:
+        if not getattr(parse_args, _MARK, False):
+            from megatron_wlb.megatron.args import compose_providers
+            from megatron_wlb.megatron.rebind import rebind, wrapping
+
+            @wrapping(parse_args)
+            def widened_parse_args(extra_args_provider: Any = None, ignore_unknown_args: bool = False) -> Any:
+                args = parse_args(compose_providers(extra_args_provider, widen_flag_choices), ignore_unknown_args)
+                prepare_main_path(args)
+                return args
+
+            setattr(widened_parse_args, _MARK, True)
+            rebind("parse_args", parse_args, widened_parse_args)
+        widened.append(f"{SCHEDULER_FLAG} choices")
+    return widened
 
 
 def register() -> str:
@@ -149,6 +357,16 @@ def register() -> str:
                 "our packer runs through our data iterator instead")
     data_schedule = importlib.import_module(DATA_SCHEDULE_MODULE)
     cls = scheduler_class()
+    widen_config_check()
+    if not hasattr(data_schedule, "PackingSchedulerEnum"):  # dev: scheduler_map keyed by the config's string
+        current = data_schedule.scheduler_map.get(SCHEDULER_NAME)
+        if current is cls:
+            return f"registered: sequence_packing_scheduler={SCHEDULER_NAME!r} (already)"
+        if current is not None:
+            raise RuntimeError(f"Megatron's scheduler_map already has {SCHEDULER_NAME!r} (scheduler {current!r}); "
+                               "megatron-wlb will not replace it")
+        data_schedule.scheduler_map[SCHEDULER_NAME] = cls
+        return f"registered: sequence_packing_scheduler={SCHEDULER_NAME!r} ({cls.__qualname__})"
     old = data_schedule.PackingSchedulerEnum
     key = SCHEDULER_NAME.upper()
     if key in old.__members__:
@@ -167,3 +385,36 @@ def register() -> str:
     schedulers[new[key]] = cls
     setattr(data_schedule, "PackingSchedulerEnum", new)  # noqa: B010 - the module attribute wrap_data_iterator reads
     return f"registered: sequence_packing_scheduler={SCHEDULER_NAME!r} ({cls.__qualname__})"
+
+
+def run_script(argv: list[str]) -> None:
+    """``python -m megatron_wlb.megatron.main_schedule PRETRAIN_GPT [FLAGS...]`` (under torchrun): a Megatron-LM
+    checkout's own ``pretrain_gpt.py`` with ``wlb`` registered before its flags are parsed, so that
+    ``--sequence-packing-scheduler wlb`` plans its packing path with our packer (``register()``)."""
+    import os
+    import runpy
+    import sys
+
+    if not argv or not os.path.isfile(argv[0]):
+        raise SystemExit("usage: python -m megatron_wlb.megatron.main_schedule PRETRAIN_GPT [FLAGS...] (a Megatron-LM "
+                         f"checkout's pretrain_gpt.py){'; no such file: ' + argv[0] if argv else ''}")
+    from megatron_wlb.megatron.compat import install_python_shims, spawn_children_import_this_module
+
+    install_python_shims()
+    sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
+    message = register()
+    if os.environ.get("RANK", "0") == "0":
+        print(f"> megatron_wlb: {message}", flush=True)
+    spawn_children_import_this_module(argv[0])
+    sys.argv = list(argv)
+    runpy.run_path(argv[0], run_name="__main__")
+
+
+if __name__ == "__main__":
+    import sys as _sys
+
+    # the package's module, not this __main__ copy: one WlbPackingScheduler class, which a later register()
+    # (apply() in the script) finds already registered
+    from megatron_wlb.megatron.main_schedule import run_script as _run_script
+
+    _run_script(_sys.argv[1:])

@@ -10,7 +10,9 @@ Four ways in, each tested by running Megatron's own training loop (tests/test_me
   its own ``pretrain_gpt.py`` (the megatron-core 0.16.1 wheel has no ``megatron/training``).
 
 - Megatron-LM **main** (core 0.20.0 at ``MAIN_COMMIT``), a checkout on ``PYTHONPATH``: our launcher, or main's own
-  sequence-packing path with ``sequence_packing_scheduler = "wlb"`` (``main_schedule.py``).
+  sequence-packing path with ``sequence_packing_scheduler = "wlb"`` (``main_schedule.py``);
+- Megatron-LM **main after PR #6742** (``MAIN_6742_COMMIT``, core 0.20.0) and **dev** (``DEV_COMMIT``, core 0.19.0
+  by its package_info), a checkout on ``PYTHONPATH``: our launcher (``MOVING_CHECKOUTS``).
 
 Releases 0.17 and 0.18 are not admitted: nothing trains with them in CI (0.18 changed the CP and
 batch functions the patch hooks, and the launcher is tested on 0.19 and main only).
@@ -27,6 +29,15 @@ PATCHED_CHECKOUTS = {PINNED_MEGATRON_TAG: PINNED_MEGATRON_COMMIT,
                      "core_v0.19.0": "5be9626709af2722333bf54797c954c09edeada3"}
 #: Megatron-LM main as CI trains it (core 0.20.0, 2026-08-22): our launcher over the checkout
 MAIN_COMMIT = "d98e8a64ddf34856e74b24714e3bedb2f5a39553"
+#: Megatron-LM main after PR #6742 (``refs/pull/6742/merge``, 2026-08-22): ``--sequence-packing-scheduler`` is a flag
+#: (choices ``dp_balanced``), ``ModelParallelConfig`` checks the name, TransformerConfig requires TE >= 2.9
+MAIN_6742_COMMIT = "e8fef4ebb23ef4559b3ef43204a74cc2aa1cb414"
+#: Megatron-LM dev (``refs/heads/dev``, 2026-08-21): string-keyed ``scheduler_map``, ``max_num_seqs=``,
+#: ``--dynamic-context-parallel``; TransformerConfig requires ``cp_comm_type`` all_gather with local attention
+DEV_COMMIT = "d48bd6be0a85cc0d6d3cc71e8750cf357cc6bdb1"
+#: the moving Megatron-LM checkouts CI trains our launcher over (name -> commit; tests/test_megatron_train.py), and
+#: whose own data_schedule takes our scheduler (tests/test_main_scheduler.py)
+MOVING_CHECKOUTS = {"main": MAIN_COMMIT, "main-6742": MAIN_6742_COMMIT, "dev": DEV_COMMIT}
 #: series admitted only as a checkout (no wheel of it is trained, so pip's [megatron] extra does not install it)
 CHECKOUT_ONLY_SERIES = frozenset({(0, 20)})
 #: (major, minor) release series admitted, and how each is run

@@ -102,7 +102,7 @@ def deal_micro_batches(bins: list[list[DocPiece]], work: list[float], cost: Cost
 
 def place_whole_batch(lengths: Sequence[int] | np.ndarray, dp: int, window: int, cost: CostModel | None,
                       stages: int = 1, virtual_stages: int = 1, multiple: int = 1,
-                      max_factor: float = 2.0) -> list[list[list[int]]]:
+                      max_factor: float = 2.0, max_items: int | None = None) -> list[list[list[int]]]:
     """wlb's placement of one whole global batch, for a scheduler that must place every item of it now
     (Megatron-LM main's ``data_schedule``: no outlier delay, documents whole).
 
@@ -113,7 +113,8 @@ def place_whole_batch(lengths: Sequence[int] | np.ndarray, dp: int, window: int,
     item fits up to ``max_factor`` times that, the plan whose slowest DP rank has the shortest (interleaved)
     1F1B time under the cost model wins (fewer micro-batches on a tie): more micro-batches shrink the pipeline
     bubble and give the placement room, each costs the cost model's per-micro-batch overhead. An item longer
-    than ``window`` cannot be cut here: it gets a micro-batch of its own.
+    than ``window`` cannot be cut here: it gets a micro-batch of its own. ``max_items`` caps the items of a
+    micro-batch (Megatron-LM dev's ``max_num_seqs``): a placement that exceeds it counts as not fitting.
 
     Returns ``plan[r][k]``: the item indices of DP rank r's k-th micro-batch (ascending), every index exactly
     once, no micro-batch empty.
@@ -125,6 +126,9 @@ def place_whole_batch(lengths: Sequence[int] | np.ndarray, dp: int, window: int,
             raise ValueError(f"{name}={value!r}: must be an integer >= 1")
     if not max_factor >= 1:
         raise ValueError(f"max_factor={max_factor!r}: must be >= 1")
+    if max_items is not None and (isinstance(max_items, bool) or not isinstance(max_items, (int, np.integer))
+                                  or max_items < 1):
+        raise ValueError(f"max_items={max_items!r}: must be an integer >= 1 or None")
     if d.size == 0:
         raise ValueError("the global batch holds no samples: nothing to place")
     pieces = sort_largest_first([DocPiece(i, 0, int(x), 0) for i, x in enumerate(d.tolist())])
@@ -143,15 +147,18 @@ def place_whole_batch(lengths: Sequence[int] | np.ndarray, dp: int, window: int,
             bins[j].append(p)
             work[j] = w
             toks[j] = window
-        return None if place_pieces(fitting, bins, work, toks, window, partial(piece_latency, cost)) else (bins, work)
+        if place_pieces(fitting, bins, work, toks, window, partial(piece_latency, cost)):
+            return None
+        return None if max_items is not None and max(map(len, bins)) > max_items else (bins, work)
 
     n = max(1, -(-len(alone) // dp), -(-int(d[d <= window].sum()) // (dp * window)))
     n = -(-n // multiple) * multiple
     while True:
         if dp * n > d.size:
-            raise ValueError(f"{d.size} samples cannot fill dp * n = {dp} x {n} micro-batches (every micro-batch "
-                             f"needs a sample; n is a multiple of {multiple}): give the global batch at least "
-                             f"{dp * n} samples")
+            cap = f" of at most {max_items} samples each" if max_items is not None else ""
+            raise ValueError(f"{d.size} samples cannot fill dp * n = {dp} x {n} micro-batches{cap} (every "
+                             f"micro-batch needs a sample; n is a multiple of {multiple}): give the global batch at "
+                             f"least {dp * n} samples")
         placed = place(n)
         if placed is not None:
             break
