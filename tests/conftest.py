@@ -6,6 +6,8 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -161,3 +163,61 @@ def megatron_checkout(dest: Path, tag: str = "core_v0.16.1", commit: str | None 
 def pinned_megatron_checkout(dest: Path) -> Path:
     """A fresh checkout of the pinned core_v0.16.1 commit at ``dest``, or the test is skipped."""
     return megatron_checkout(dest, "core_v0.16.1")
+
+
+# -- shared fixtures: defined once, one meaning each ------------------------------------------------------------
+@pytest.fixture(scope="module")
+def run7b():
+    """The paper's 7B-128K config (configs/7b_128k.yaml) and its analytic cost model at its own layout."""
+    from megatron_wlb.config import load_config
+    from megatron_wlb.costmodel import build_cost_model
+
+    config = load_config("7b_128k")
+    return config, build_cost_model(config.model, config.layout)
+
+
+@pytest.fixture(scope="module")
+def run7b_dp4():
+    """``run7b`` with its cost model at DP 4 (the schedule tests deal micro-batches to four DP ranks)."""
+    import dataclasses
+
+    from megatron_wlb.config import load_config
+    from megatron_wlb.costmodel import build_cost_model
+
+    config = load_config("7b_128k")
+    return config, build_cost_model(config.model, dataclasses.replace(config.layout, dp=4))
+
+
+@pytest.fixture(scope="module")
+def embedded_lengths():
+    """The embedded length distribution (megatron_wlb/data/dist_wlbllm.json)."""
+    from megatron_wlb.data import load_lengths
+
+    return load_lengths()
+
+
+@pytest.fixture(scope="session")
+def text_corpus(tmp_path_factory) -> str:
+    """A real Megatron .bin/.idx text corpus for the training tests: the standard library's text, byte tokens
+    (``megatron_wlb.megatron.cpu.write_text_corpus``); its prefix."""
+    from megatron_wlb.megatron.cpu import write_text_corpus
+
+    prefix = str(tmp_path_factory.mktemp("corpus") / "stdlib_text_document")
+    docs, tokens = write_text_corpus(prefix)
+    assert docs > 1000 and tokens > 500_000
+    return prefix
+
+
+@pytest.fixture(scope="session")
+def eod_corpus(tmp_path_factory) -> str:
+    """The stdlib corpus with every document ending in the tiny GPT tokenizer's own EOD (NullTokenizer,
+    vocabulary 300: EOD 299), so Megatron's --reset-* flags find the document boundaries."""
+    import sysconfig
+
+    from megatron_wlb.data.reader import byte_documents, write_indexed_dataset
+
+    prefix = str(tmp_path_factory.mktemp("eod_corpus") / "stdlib_eod_text_document")
+    paths = sorted(str(p) for p in Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+    write_indexed_dataset(prefix, byte_documents(paths, separator="\n\n", eod=299, max_bytes=600_000))
+    return prefix
+

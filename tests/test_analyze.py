@@ -23,7 +23,7 @@ from build_text_corpus import text_files, write_corpus  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
+def stdlib_corpora(tmp_path_factory):
     """The stdlib's top-level .py files as documents (4-byte tokens), in directory order and reversed,
     and a small config that gets a few dozen iterations out of them."""
     d = tmp_path_factory.mktemp("corpus")
@@ -77,18 +77,18 @@ def test_shuffle_is_seeded_megatron_style_permutation():
     assert np.array_equal(s1, x[order])
 
 
-def test_verdict_overlaps_across_file_orders_and_json(corpus, capsys):
-    cfg = str(corpus / "small.yaml")
+def test_verdict_overlaps_across_file_orders_and_json(stdlib_corpora, capsys):
+    cfg = str(stdlib_corpora / "small.yaml")
     verdicts = {}
     for name in ("fwd", "rev"):
-        js = corpus / f"{name}.json"
-        assert main(["analyze", "--data-prefix", str(corpus / name), "--config", cfg, "--shuffles", "5",
-                     "--out", str(corpus / f"out_{name}"), "--json", str(js)]) == 0
+        js = stdlib_corpora / f"{name}.json"
+        assert main(["analyze", "--data-prefix", str(stdlib_corpora / name), "--config", cfg, "--shuffles", "5",
+                     "--out", str(stdlib_corpora / f"out_{name}"), "--json", str(js)]) == 0
         verdicts[name] = json.loads(js.read_text())
-    lengths = read_idx_lengths(corpus / "fwd")
+    lengths = read_idx_lengths(stdlib_corpora / "fwd")
     for v in verdicts.values():
         assert v["shuffles"] == 5
-        assert v["iterations"] == int(split_documents(lengths, 16384).sum()) // (4 * 16384)  # the whole corpus
+        assert v["iterations"] == int(split_documents(lengths, 16384).sum()) // (4 * 16384)  # the whole stdlib_corpora
         assert set(v["speedup"]) == {"Plain-4D whole-doc", "Fixed-4D", "WLB-LLM", "Balanced concat-and-cut",
                                      "Megatron dyn-CP", "Fixed-greedy, window 4"}
         # the strongest baseline at equal delay is a baseline of the verdict, with every method's delay
@@ -104,54 +104,54 @@ def test_verdict_overlaps_across_file_orders_and_json(corpus, capsys):
     for method in ("WLB-LLM", "Fixed-4D"):
         a, b = verdicts["fwd"]["speedup"][method], verdicts["rev"]["speedup"][method]
         assert a["min"] <= b["max"] and b["min"] <= a["max"], (method, a, b)
-    report = (corpus / "out_fwd" / "report.md").read_text()
+    report = (stdlib_corpora / "out_fwd" / "report.md").read_text()
     assert verdicts["fwd"]["recommendation"][-1] in report
     out = capsys.readouterr().out
     verdict_title = next(line for line in out.splitlines() if line.startswith("Verdict:"))
     assert schedule_label(DEFAULT_VIRTUAL_STAGES) in verdict_title and "/ fixed-greedy, window 4" in out
     assert f"orderings per method, {schedule_label(DEFAULT_VIRTUAL_STAGES)}" in out
     assert "5 shuffles" in report and f"{verdicts['fwd']['iterations']} full iterations" in report
-    assert (corpus / "out_fwd" / "length_distribution.png").stat().st_size > 2000
+    assert (stdlib_corpora / "out_fwd" / "length_distribution.png").stat().st_size > 2000
     capsys.readouterr()
 
 
-def test_fewer_iterations_than_asked_are_reported(corpus, capsys):
-    cfg = str(corpus / "small.yaml")
-    js = corpus / "many.json"
-    assert main(["analyze", "--data-prefix", str(corpus / "half"), "--config", cfg, "--shuffles", "1",
-                 "--iterations", "100000", "--out", str(corpus / "out_many"), "--json", str(js)]) == 0
+def test_fewer_iterations_than_asked_are_reported(stdlib_corpora, capsys):
+    cfg = str(stdlib_corpora / "small.yaml")
+    js = stdlib_corpora / "many.json"
+    assert main(["analyze", "--data-prefix", str(stdlib_corpora / "half"), "--config", cfg, "--shuffles", "1",
+                 "--iterations", "100000", "--out", str(stdlib_corpora / "out_many"), "--json", str(js)]) == 0
     err = capsys.readouterr().err
     got = json.loads(js.read_text())["iterations"]
     assert got < 100000 and f"so {got} were run" in err
-    assert "**Warning:**" in (corpus / "out_many" / "report.md").read_text()
-    assert main(["analyze", "--data-prefix", str(corpus / "half"), "--config", cfg, "--shuffles", "1",
-                 "--iterations", "3", "--out", str(corpus / "out_3"), "--json", str(js)]) == 0
+    assert "**Warning:**" in (stdlib_corpora / "out_many" / "report.md").read_text()
+    assert main(["analyze", "--data-prefix", str(stdlib_corpora / "half"), "--config", cfg, "--shuffles", "1",
+                 "--iterations", "3", "--out", str(stdlib_corpora / "out_3"), "--json", str(js)]) == 0
     assert json.loads(js.read_text())["iterations"] == 3
-    assert "A sample: the first 3 of" in (corpus / "out_3" / "report.md").read_text()
+    assert "A sample: the first 3 of" in (stdlib_corpora / "out_3" / "report.md").read_text()
 
 
-def test_schedule_told_otherwise(corpus, capsys):
+def test_schedule_told_otherwise(stdlib_corpora, capsys):
     """``--virtual-stages 1`` runs plain 1F1B and says so in the verdict, the JSON and the report."""
-    js = corpus / "plain.json"
-    assert main(["analyze", "--data-prefix", str(corpus / "half"), "--config", str(corpus / "small.yaml"),
-                 "--shuffles", "1", "--iterations", "2", "--virtual-stages", "1", "--out", str(corpus / "out_plain"),
-                 "--json", str(js)]) == 0
+    js = stdlib_corpora / "plain.json"
+    assert main(["analyze", "--data-prefix", str(stdlib_corpora / "half"), "--config",
+                 str(stdlib_corpora / "small.yaml"), "--shuffles", "1", "--iterations", "2", "--virtual-stages", "1",
+                 "--out", str(stdlib_corpora / "out_plain"), "--json", str(js)]) == 0
     assert json.loads(js.read_text())["schedule"] == "plain 1F1B"
     assert "Verdict:" in capsys.readouterr().out
-    assert "shuffles of 2 iterations, plain 1F1B" in (corpus / "out_plain" / "report.md").read_text()
+    assert "shuffles of 2 iterations, plain 1F1B" in (stdlib_corpora / "out_plain" / "report.md").read_text()
 
 
-def test_blend_on_the_command_line(corpus, capsys):
-    cfg = str(corpus / "small.yaml")
-    js = corpus / "blend.json"
-    assert main(["analyze", "--data-path", "0.5", str(corpus / "fwd"), "0.5", str(corpus / "half"),
-                 "--config", cfg, "--shuffles", "3", "--iterations", "4", "--out", str(corpus / "out_b"),
+def test_blend_on_the_command_line(stdlib_corpora, capsys):
+    cfg = str(stdlib_corpora / "small.yaml")
+    js = stdlib_corpora / "blend.json"
+    assert main(["analyze", "--data-path", "0.5", str(stdlib_corpora / "fwd"), "0.5", str(stdlib_corpora / "half"),
+                 "--config", cfg, "--shuffles", "3", "--iterations", "4", "--out", str(stdlib_corpora / "out_b"),
                  "--json", str(js)]) == 0
     assert json.loads(js.read_text())["shuffles"] == 3
-    report = (corpus / "out_b" / "report.md").read_text()
+    report = (stdlib_corpora / "out_b" / "report.md").read_text()
     assert "blend 0.5 x" in report and "documents of the others are not read" in report
-    assert main(["analyze", "--data-path", "0.5", str(corpus / "fwd"), "0.5", "--config", cfg,
-                 "--out", str(corpus / "out_bad")]) == 2
+    assert main(["analyze", "--data-path", "0.5", str(stdlib_corpora / "fwd"), "0.5", "--config", cfg,
+                 "--out", str(stdlib_corpora / "out_bad")]) == 2
     assert "odd" in capsys.readouterr().err
 
 
@@ -176,16 +176,16 @@ def test_recommendation_calls_documents_whole_only_when_it_clears_the_same_data(
     assert recommendation(Verdict({"Plain-4D": {"WLB-LLM": [1.0]}}, 1, 1)) == []
 
 
-def test_data_prefixes_holding_a_space_work_in_pack_bench_and_analyze(corpus, tmp_path, capsys):
+def test_data_prefixes_holding_a_space_work_in_pack_bench_and_analyze(stdlib_corpora, tmp_path, capsys):
     """Issue 37 D12: a --data-path prefix in a folder whose name holds a space stays one prefix in every
-    subcommand (the stream name quotes it), on a real .bin/.idx corpus."""
+    subcommand (the stream name quotes it), on a real .bin/.idx stdlib_corpora."""
     import shlex
 
     from megatron_wlb.cli.common import read_stream
 
     root = sysconfig.get_paths()["stdlib"]
     files = [f for f in text_files([root], "*.py") if os.path.dirname(f) == root]
-    spaced = tmp_path / "my corpus"
+    spaced = tmp_path / "my stdlib_corpora"
     spaced.mkdir()
     a, b = str(spaced / "part a"), str(spaced / "b")
     lengths_a, lengths_b = write_corpus(a, files[:80]), write_corpus(b, files[80:160])
@@ -203,6 +203,6 @@ def test_data_prefixes_holding_a_space_work_in_pack_bench_and_analyze(corpus, tm
                  "--lengths", "", "--data-path", "1", a, "1", b]) == 0
     assert f"data-path:1 '{a}' 1 '{b}'" in capsys.readouterr().out
     js = spaced / "analyze.json"
-    assert main(["analyze", "--data-path", a, "--config", str(corpus / "small.yaml"), "--shuffles", "1",
+    assert main(["analyze", "--data-path", a, "--config", str(stdlib_corpora / "small.yaml"), "--shuffles", "1",
                  "--iterations", "2", "--out", str(spaced / "out"), "--json", str(js)]) == 0
     assert json.loads(js.read_text())["iterations"] == 2

@@ -25,7 +25,7 @@ SEED = 1234
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
+def labelled_corpus(tmp_path_factory):
     """A .bin/.idx whose every token names its document (document k holds tokens k + 1), heavy-tailed
     lengths, and a small config (seq_len 1024, N = 4, DP 1)."""
     from megatron_wlb.data.reader import write_indexed_dataset
@@ -86,14 +86,14 @@ def _run_analyze(corpus, monkeypatch, extra: list[str] = ()) -> list[list]:
     return packed
 
 
-def test_baseline_and_balanced_train_gptdataset_samples(corpus, monkeypatch, capsys, tmp_path):
+def test_baseline_and_balanced_train_gptdataset_samples(labelled_corpus, monkeypatch, capsys, tmp_path):
     from megatron_wlb.sim.experiments import ANALYZE_METHODS, BALANCED_CUT, PLAIN
 
-    packed = _run_analyze(corpus, monkeypatch)
+    packed = _run_analyze(labelled_corpus, monkeypatch)
     assert len(packed) == len(ANALYZE_METHODS)
     names = [m.name for m in ANALYZE_METHODS]
     baseline, balanced = packed[names.index(PLAIN.name)], packed[names.index(BALANCED_CUT.name)]
-    dataset = _megatron_dataset(str(corpus / "c"), ITERATIONS * MICRO_BATCHES, str(tmp_path))
+    dataset = _megatron_dataset(str(labelled_corpus / "c"), ITERATIONS * MICRO_BATCHES, str(tmp_path))
     assert len(baseline) == ITERATIONS
     samples: dict[int, list[int]] = {}
     for i, batch in enumerate(baseline):  # each micro-batch is one sample, in the sampler's order
@@ -114,28 +114,28 @@ def test_baseline_and_balanced_train_gptdataset_samples(corpus, monkeypatch, cap
              for s, n in zip(np.cumsum([0, *runs[:-1]]).tolist(), runs)}
     assert set(trained) <= given and len(trained) == len(set(trained))
     assert sum(n for _, _, n in trained) >= 0.9 * ITERATIONS * MICRO_BATCHES * SEQ_LEN
-    report = (corpus / "out" / "report.md").read_text()
+    report = (labelled_corpus / "out" / "report.md").read_text()
     assert "train megatron-core's GPTDataset samples" in report
     assert "not GPTDataset's" not in capsys.readouterr().err
 
 
-def test_without_megatron_core_one_line_says_the_order_differs(corpus, monkeypatch, capsys):
+def test_without_megatron_core_one_line_says_the_order_differs(labelled_corpus, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "megatron.core.datasets.gpt_dataset", None)  # import fails
-    packed = _run_analyze(corpus, monkeypatch)
+    packed = _run_analyze(labelled_corpus, monkeypatch)
     err = [line for line in capsys.readouterr().err.splitlines() if "GPTDataset" in line]
     assert len(err) == 1 and "not Megatron GPTDataset's sample order" in err[0] and "megatron-core" in err[0]
     assert len(packed[0]) == ITERATIONS  # the reader's order still runs
-    assert json.loads((corpus / "v.json").read_text())["iterations"] == ITERATIONS
+    assert json.loads((labelled_corpus / "v.json").read_text())["iterations"] == ITERATIONS
 
 
-def test_lengths_order_is_gptdatasets_own(corpus, tmp_path):
+def test_lengths_order_is_gptdatasets_own(labelled_corpus, tmp_path):
     """A bare lengths array gets the very indices megatron-core builds for a .bin/.idx of those documents."""
     from megatron_wlb.data.indexed import read_idx_lengths
     from megatron_wlb.megatron.sample_orders import LengthsDataset, gpt_sample_order
 
-    lengths = read_idx_lengths(corpus / "c")
+    lengths = read_idx_lengths(labelled_corpus / "c")
     order, _ = gpt_sample_order(np.asarray(lengths), SEQ_LEN, 50, SEED)
-    dataset = _megatron_dataset(str(corpus / "c"), 50, str(tmp_path))
+    dataset = _megatron_dataset(str(labelled_corpus / "c"), 50, str(tmp_path))
     for name in ("document_index", "sample_index", "shuffle_index"):
         assert np.array_equal(getattr(order.datasets[0], name), getattr(dataset, name)), name
     with pytest.raises(ValueError, match="non-empty 1-D array"):

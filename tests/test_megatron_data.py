@@ -33,7 +33,7 @@ def stdlib_files(start: int, stop: int) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
+def two_datasets(tmp_path_factory):
     """Two datasets of byte-level documents (stdlib files cut at blank-line pairs) and their documents."""
     d = tmp_path_factory.mktemp("idx")
     docs_a = byte_documents(stdlib_files(0, 16))
@@ -59,12 +59,12 @@ def test_flag_parsers():
     assert split_ranges(7, "1,1,1")[-1][1] == 7
 
 
-def test_documents_read_back_exactly(corpus, tmp_path):
-    src = IndexedSource.open(corpus["a"])
-    assert src.num_documents == len(corpus["docs_a"])
-    assert np.array_equal(src.lengths, [len(x) for x in corpus["docs_a"]])
+def test_documents_read_back_exactly(two_datasets, tmp_path):
+    src = IndexedSource.open(two_datasets["a"])
+    assert src.num_documents == len(two_datasets["docs_a"])
+    assert np.array_equal(src.lengths, [len(x) for x in two_datasets["docs_a"]])
     for k in (0, 3, src.num_documents - 1):
-        doc = corpus["docs_a"][k]
+        doc = two_datasets["docs_a"][k]
         assert np.array_equal(src.read(k, 0, len(doc)), doc)
         assert np.array_equal(src.read(k, 5, 7), doc[5:12])
         assert src.read(k, 0, len(doc))[-1] == BYTE_EOD
@@ -72,7 +72,7 @@ def test_documents_read_back_exactly(corpus, tmp_path):
     with open(stdlib_files(0, 1)[0]) as f:
         assert f.read().startswith(text)
     with pytest.raises(ValueError, match=r"drop the extension"):
-        IndexedSource.open(corpus["a"] + ".bin")
+        IndexedSource.open(two_datasets["a"] + ".bin")
     with pytest.raises(ValueError, match=r"no .*nowhere\.idx"):
         IndexedSource.open(str(tmp_path / "nowhere"))
     with pytest.raises(ValueError, match="outside document"):
@@ -93,8 +93,8 @@ def test_documents_read_back_exactly(corpus, tmp_path):
     assert multi.read(0, 1, 4).tolist() == [2, 3, 4, 5]
 
 
-def test_split_shuffle_and_epochs(corpus):
-    reader = DocumentReader([(corpus["a"], 1.0)], split="8,1,1", seed=7)
+def test_split_shuffle_and_epochs(two_datasets):
+    reader = DocumentReader([(two_datasets["a"], 1.0)], split="8,1,1", seed=7)
     (b, e), = reader.ranges
     n_train = e - b
     epoch_tokens = int(reader.sources[0].lengths[b:e].sum())
@@ -110,20 +110,20 @@ def test_split_shuffle_and_epochs(corpus):
     assert not np.array_equal(ids[:n_train] % reader.num_documents, ids[n_train:2 * n_train] % reader.num_documents)
     assert np.array_equal(stream.lengths, [reader.sources[0].lengths[reader.locate(i)[2]] for i in ids])
     # the same seed gives the same order; another seed another one
-    assert np.array_equal(DocumentReader([(corpus["a"], 1.0)], split="8,1,1", seed=7).stream(10_000).doc_ids,
+    assert np.array_equal(DocumentReader([(two_datasets["a"], 1.0)], split="8,1,1", seed=7).stream(10_000).doc_ids,
                           reader.stream(10_000).doc_ids)
-    assert not np.array_equal(DocumentReader([(corpus["a"], 1.0)], split="8,1,1", seed=8).stream(10_000).doc_ids,
+    assert not np.array_equal(DocumentReader([(two_datasets["a"], 1.0)], split="8,1,1", seed=8).stream(10_000).doc_ids,
                               reader.stream(10_000).doc_ids)
     # the valid split holds other documents than train
-    valid = DocumentReader([(corpus["a"], 1.0)], split="8,1,1", split_name="valid", seed=7)
+    valid = DocumentReader([(two_datasets["a"], 1.0)], split="8,1,1", split_name="valid", seed=7)
     valid_docs = {valid.locate(i)[2] for i in valid.stream(1000).doc_ids}
     assert valid_docs and not valid_docs & set(range(b, e))
     with pytest.raises(ValueError, match="holds no documents"):
-        DocumentReader([(corpus["a"], 1.0)], split="1,0,0", split_name="test")
+        DocumentReader([(two_datasets["a"], 1.0)], split="1,0,0", split_name="test")
 
 
-def test_blend_follows_weights_and_streams_are_prefix_stable(corpus):
-    reader = DocumentReader([(corpus["a"], 0.75), (corpus["b"], 0.25)], split="1,0,0", seed=3)
+def test_blend_follows_weights_and_streams_are_prefix_stable(two_datasets):
+    reader = DocumentReader([(two_datasets["a"], 0.75), (two_datasets["b"], 0.25)], split="1,0,0", seed=3)
     short, long = reader.stream(60_000), reader.stream(240_000)
     assert np.array_equal(long.doc_ids[:len(short)], short.doc_ids)
     assert np.array_equal(long.lengths[:len(short)], short.lengths)
@@ -135,8 +135,8 @@ def test_blend_follows_weights_and_streams_are_prefix_stable(corpus):
     # stream ids are global: dataset b's ids start after dataset a's documents
     assert all(i % reader.num_documents >= reader.sources[0].num_documents for i in long.doc_ids[which == 1])
     assert np.array_equal(reader.read(int(long.doc_ids[0]), 0, int(long.lengths[0])),
-                          (corpus["docs_a"] + corpus["docs_b"])[reader.locate(int(long.doc_ids[0]))[2]
-                                                                 + (which[0] == 1) * len(corpus["docs_a"])])
+                          (two_datasets["docs_a"] + two_datasets["docs_b"])[reader.locate(int(long.doc_ids[0]))[2]
+                                                                 + (which[0] == 1) * len(two_datasets["docs_a"])])
 
 
 def test_thd_micro_batch_convention():
@@ -167,8 +167,8 @@ def test_thd_micro_batch_convention():
 
 
 @pytest.mark.parametrize("packer_name", ["original", "fixed-greedy", "wlb"])
-def test_iterator_slices_cover_every_token_once(corpus, packer_name):
-    reader = DocumentReader([(corpus["a"], 0.5), (corpus["b"], 0.5)], split="1,0,0", seed=11)
+def test_iterator_slices_cover_every_token_once(two_datasets, packer_name):
+    reader = DocumentReader([(two_datasets["a"], 0.5), (two_datasets["b"], 0.5)], split="1,0,0", seed=11)
     cfg = PackingConfig(seq_len=2048, n=4, dp=2, max_seq_len=4096 if packer_name == "wlb" else None, max_delay=2)
     stream = reader.stream(12 * cfg.tokens_per_iteration)
     its = [WlbDataIterator(reader, stream, make_packer(packer_name, cfg), r) for r in range(cfg.dp)]
@@ -276,7 +276,7 @@ def test_logger_reports_true_throughput_over_packed_documents():
     assert tflops == pytest.approx(2 * shape.training_flops([30, 70]) / 2.0 / 2 / 1e12)  # 2 GPUs
 
 
-def test_prefetching_iterator_yields_the_same_micro_batches_built_on_its_thread(corpus):
+def test_prefetching_iterator_yields_the_same_micro_batches_built_on_its_thread(two_datasets):
     """issue 20, item 11: the next micro-batch of an iteration is built on the prefetch thread; the
     micro-batches, their plans and their order are the plain iterator's; the data state saves between
     iterations and resumes alike; the first micro-batch of each iteration (its packing) stays on the
@@ -285,7 +285,7 @@ def test_prefetching_iterator_yields_the_same_micro_batches_built_on_its_thread(
 
     from megatron_wlb.megatron import prefetch
 
-    reader = DocumentReader([(corpus["a"], 0.5), (corpus["b"], 0.5)], split="1,0,0", seed=11)
+    reader = DocumentReader([(two_datasets["a"], 0.5), (two_datasets["b"], 0.5)], split="1,0,0", seed=11)
     cfg = PackingConfig(seq_len=2048, n=4, dp=1, max_seq_len=4096, max_delay=2)
     stream = reader.stream(6 * cfg.tokens_per_iteration)
     sharding = CPSharding("per-document", 2, 1)

@@ -15,8 +15,6 @@ pytest.importorskip("torch")
 from test_megatron_train import (  # noqa: E402,F401
     assert_documents_once,
     assert_trains,
-    corpus,
-    eod_corpus,
     fed_pieces,
     stock_samples,
     train,
@@ -31,16 +29,16 @@ MOE_FLAGS = ("--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-s
              "--moe-aux-loss-coeff", "1e-2")
 
 
-def test_tiny_moe_pp2_trains_with_wlb_packing(tmp_path, corpus):  # noqa: F811
-    run = train(tmp_path, "moe_pp2", corpus, *MOE_FLAGS, "--wlb-packing", "wlb", env={"PP": "2"})
+def test_tiny_moe_pp2_trains_with_wlb_packing(tmp_path, text_corpus):  # noqa: F811
+    run = train(tmp_path, "moe_pp2", text_corpus, *MOE_FLAGS, "--wlb-packing", "wlb", env={"PP": "2"})
     assert_trains(run)
     assert_documents_once(run)
     assert "[wlb] iteration" in run.log
 
 
-def test_tiny_moe_ep2_dp2_trains_with_wlb_packing(tmp_path, corpus):  # noqa: F811
+def test_tiny_moe_ep2_dp2_trains_with_wlb_packing(tmp_path, text_corpus):  # noqa: F811
     trace = tmp_path / "moe_ep2" / "trace.jsonl"
-    run = train(tmp_path, "moe_ep2", corpus, *MOE_FLAGS, "--expert-model-parallel-size", "2", "--wlb-packing",
+    run = train(tmp_path, "moe_ep2", text_corpus, *MOE_FLAGS, "--expert-model-parallel-size", "2", "--wlb-packing",
                 "wlb", "--wlb-trace", str(trace), env={"DP": "2"})
     assert_trains(run)
     assert_documents_once(run)
@@ -58,13 +56,13 @@ def _calibrate(trace: Path, out: Path, capsys) -> tuple[dict, str]:
     return json.loads(out.read_text()), capsys.readouterr().out
 
 
-def test_moe_trace_fits_a_cost_model_beside_the_dense_one(tmp_path, corpus, capsys):  # noqa: F811
+def test_moe_trace_fits_a_cost_model_beside_the_dense_one(tmp_path, text_corpus, capsys):  # noqa: F811
     """``--wlb-trace`` times the MoE run and ``wlb calibrate --from-trace`` fits it (the experts, router and
     dispatcher inside its per-token term), with a held-out MAPE beside the same run's dense model's."""
     fits = {}
     for name, flags in (("moe", MOE_FLAGS), ("dense", ())):
         trace = tmp_path / name / "trace.jsonl"
-        run = train(tmp_path, name, corpus, *flags, "--train-iters", "14", "--wlb-packing", "wlb",
+        run = train(tmp_path, name, text_corpus, *flags, "--train-iters", "14", "--wlb-packing", "wlb",
                     "--wlb-trace", str(trace), env={"PP": "2", "WLB_TRACE_CLOCK": "thread"})
         assert_trains(run, iterations=14)
         fits[name] = _calibrate(trace, tmp_path / f"{name}.json", capsys)
@@ -89,22 +87,22 @@ def test_tiny_moe_balanced_concat_and_cut_pp2_trains_the_stock_jobs_samples(tmp_
     assert fed and set(fed) <= set(stock) and all(fed[k] == stock[k][1] for k in fed)
 
 
-def test_tiny_moe_ep2_resume_equals_an_uninterrupted_run(tmp_path, corpus):  # noqa: F811
+def test_tiny_moe_ep2_resume_equals_an_uninterrupted_run(tmp_path, text_corpus):  # noqa: F811
     ckpt = tmp_path / "ckpt"
     common = (*MOE_FLAGS, "--expert-model-parallel-size", "2", "--wlb-packing", "wlb", "--save", str(ckpt),
               "--save-interval", "2", "--ckpt-format", "torch")
-    full = train(tmp_path, "full", corpus, *common, env={"DP": "2"})
+    full = train(tmp_path, "full", text_corpus, *common, env={"DP": "2"})
     shutil.rmtree(ckpt / "iter_0000004", ignore_errors=True)
     (ckpt / "latest_checkpointed_iteration.txt").write_text("2")
-    resumed = train(tmp_path, "resumed", corpus, *common, "--load", str(ckpt), env={"DP": "2"})
+    resumed = train(tmp_path, "resumed", text_corpus, *common, "--load", str(ckpt), env={"DP": "2"})
     assert sorted(resumed.losses) == [1, 2], resumed.losses  # the probe counts steps from the restart
     assert [resumed.losses[1], resumed.losses[2]] == pytest.approx([full.losses[3], full.losses[4]], rel=1e-5)
 
 
-def test_tiny_moe_online_refit_at_ep2_agrees_and_trains(tmp_path, corpus):  # noqa: F811
+def test_tiny_moe_online_refit_at_ep2_agrees_and_trains(tmp_path, text_corpus):  # noqa: F811
     """--wlb-cost-model online on the MoE job at EP2 x DP2: the refits run on schedule (every rank's coefficients
     and plan digests checked equal inside), and the packer keeps planning with the refitted model."""
-    run = train(tmp_path, "moe_online", corpus, *MOE_FLAGS, "--expert-model-parallel-size", "2", "--wlb-packing",
+    run = train(tmp_path, "moe_online", text_corpus, *MOE_FLAGS, "--expert-model-parallel-size", "2", "--wlb-packing",
                 "wlb", "--wlb-cost-model", "online", "--wlb-refit-interval", "2", "--train-iters", "6",
                 env={"DP": "2"})
     assert_trains(run, iterations=6)

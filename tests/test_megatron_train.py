@@ -89,16 +89,6 @@ class Run:
         return planned
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> str:
-    from megatron_wlb.megatron.cpu import write_text_corpus
-
-    prefix = str(tmp_path_factory.mktemp("corpus") / "stdlib_text_document")
-    docs, tokens = write_text_corpus(prefix)
-    assert docs > 1000 and tokens > 500_000
-    return prefix
-
-
 def train(tmp_path: Path, name: str, corpus: str | None, *flags: str, env: dict | None = None,
           pretrain_gpt: str | None = None, expect_ok: bool = True) -> Run:
     """Run the probe under torchrun with the layout in ``env`` (TP/CP/PP/VPP/DP) and ``flags`` (no
@@ -180,8 +170,8 @@ def assert_trace(run: Run, ranks: int, chunks: int = 1, iterations: int = 4) -> 
 
 
 # --- the launcher over the installed megatron.training -------------------------------------------------------
-def test_tp2_pp2_trains_and_every_document_reaches_the_model_once(tmp_path, corpus):
-    run = train(tmp_path, "tp2pp2", corpus, "--wlb-packing", "wlb", "--wlb-cp-sharding", "per-document",
+def test_tp2_pp2_trains_and_every_document_reaches_the_model_once(tmp_path, text_corpus):
+    run = train(tmp_path, "tp2pp2", text_corpus, "--wlb-packing", "wlb", "--wlb-cp-sharding", "per-document",
                 env={"TP": "2", "PP": "2"})
     assert_trains(run)
     from megatron_wlb.megatron.version import is_supported
@@ -192,14 +182,14 @@ def test_tp2_pp2_trains_and_every_document_reaches_the_model_once(tmp_path, corp
 
 
 @pytest.fixture(scope="module")
-def cp_runs(tmp_path_factory, corpus):
+def cp_runs(tmp_path_factory, text_corpus):
     """CP=1 and CP=2 with every layout on the same plan. The plan comes from concat-and-cut packing, which
     does not depend on the layout (wlb weighs work with a cost model of the layout, so its plans may
     differ between CP=1 and CP=2); several documents share every micro-batch either way."""
     tmp = tmp_path_factory.mktemp("cp")
-    runs = {"cp1": train(tmp, "cp1", corpus, "--wlb-packing", "original", "--wlb-cp-sharding", "per-document")}
+    runs = {"cp1": train(tmp, "cp1", text_corpus, "--wlb-packing", "original", "--wlb-cp-sharding", "per-document")}
     for layout in ("per-sequence", "per-document", "adaptive", "hybrid"):
-        runs[layout] = train(tmp, layout, corpus, "--wlb-packing", "original", "--wlb-cp-sharding", layout,
+        runs[layout] = train(tmp, layout, text_corpus, "--wlb-packing", "original", "--wlb-cp-sharding", layout,
                              env={"CP": "2"})
     return runs
 
@@ -233,30 +223,30 @@ def test_cp_layouts_deliver_every_document_once(cp_runs):
 @pytest.mark.skipif(importlib.util.find_spec("transformer_engine") is None,
                     reason="TransformerEngine is not importable (it builds only with CUDA): per-document-te is "
                            "TE's own THD attention, run where TE is installed")
-def test_cp2_per_document_te_matches_cp1(tmp_path, corpus, cp_runs):
-    run = train(tmp_path, "te", corpus, "--wlb-packing", "original", "--wlb-cp-sharding", "per-document-te",
+def test_cp2_per_document_te_matches_cp1(tmp_path, text_corpus, cp_runs):
+    run = train(tmp_path, "te", text_corpus, "--wlb-packing", "original", "--wlb-cp-sharding", "per-document-te",
                 "--transformer-impl", "transformer_engine", env={"CP": "2"})
     assert run.losses[1] == pytest.approx(cp_runs["cp1"].losses[1], rel=1e-5)
 
 
-def test_pp4_variable_length_micro_batches(tmp_path, corpus):
+def test_pp4_variable_length_micro_batches(tmp_path, text_corpus):
     """Four stages, micro-batches of different lengths every step (shapes exchanged per micro-batch)."""
-    run = train(tmp_path, "pp4", corpus, "--num-layers", "4", "--wlb-packing", "wlb",
+    run = train(tmp_path, "pp4", text_corpus, "--num-layers", "4", "--wlb-packing", "wlb",
                 env={"PP": "4"})
     assert_trains(run)
     assert_documents_once(run)
 
 
-def test_interleaved_pipeline_vpp2(tmp_path, corpus):
-    run = train(tmp_path, "vpp2", corpus, "--num-layers", "4", "--wlb-packing", "wlb",
+def test_interleaved_pipeline_vpp2(tmp_path, text_corpus):
+    run = train(tmp_path, "vpp2", text_corpus, "--num-layers", "4", "--wlb-packing", "wlb",
                 "--wlb-trace", str(tmp_path / "vpp2" / "trace.jsonl"), env={"PP": "2", "VPP": "2"})
     assert_trains(run)
     assert_documents_once(run)  # each model chunk's iterator saw every planned document once
     assert_trace(run, ranks=2, chunks=2)
 
 
-def test_dp2_with_overlapped_grad_reduce(tmp_path, corpus):
-    run = train(tmp_path, "dp2", corpus, "--wlb-packing", "wlb", "--overlap-grad-reduce",
+def test_dp2_with_overlapped_grad_reduce(tmp_path, text_corpus):
+    run = train(tmp_path, "dp2", text_corpus, "--wlb-packing", "wlb", "--overlap-grad-reduce",
                 "--wlb-trace", str(tmp_path / "dp2" / "trace.jsonl"), env={"DP": "2"})
     assert_trains(run)
     assert_documents_once(run)
@@ -288,15 +278,15 @@ def _startup_stops(run: Run, part: str) -> list[str]:
 
 
 @pytest.mark.parametrize("layout", [{"DP": "2"}, {"TP": "2"}])
-def test_a_rank_reading_other_data_stops_every_rank_at_start_up(tmp_path, corpus, layout):
-    """Rank 1 reads a copy of the corpus whose documents are one token longer: before the first step, every
+def test_a_rank_reading_other_data_stops_every_rank_at_start_up(tmp_path, text_corpus, layout):
+    """Rank 1 reads a copy of the text_corpus whose documents are one token longer: before the first step, every
     rank stops with one line naming the dataset whose .idx differs and the ranks of each copy (without the
     checks, DP2 trained both plans silently and TP2 aborted inside gloo naming nothing; the per-step plan
     agreement behind it: ``test_plan_agreement.py``)."""
-    other = longer_copy(corpus, str(tmp_path / "copy_text_document"))
+    other = longer_copy(text_corpus, str(tmp_path / "copy_text_document"))
     name = "_".join(f"{k}{v}" for k, v in layout.items())
-    run = train(tmp_path, name, corpus, "--wlb-packing", "wlb", env={**layout, "WLB_PROBE_RANK_DATA": f"1:{other}"},
-                expect_ok=False)
+    run = train(tmp_path, name, text_corpus, "--wlb-packing", "wlb",
+                env={**layout, "WLB_PROBE_RANK_DATA": f"1:{other}"}, expect_ok=False)
     stops = _startup_stops(run, "--data-path #1 .idx: ")
     assert len(stops) >= 1 and re.search(r"\.idx: [0-9a-f]{16} \(stdlib_text_document\) on rank 0, [0-9a-f]{16} "
                                          r"\(copy_text_document\) on rank 1", stops[0]), run.log[-4000:]
@@ -335,7 +325,7 @@ def _profile(path: Path) -> str:
 
 
 @pytest.mark.parametrize("case", ["cost-profile", "cp-sharding", "log-interval", "zeroed-bin"])
-def test_a_rank_started_otherwise_stops_every_rank_at_start_up(tmp_path, corpus, case):
+def test_a_rank_started_otherwise_stops_every_rank_at_start_up(tmp_path, text_corpus, case):
     """Issue 37: D1 (a CP rank with another --wlb-cost-profile or --wlb-cp-sharding laid some micro-batches out
     differently and trained with rc 0), D6 (--wlb-log-interval on one rank: a hang or SIGABRT in gloo, no cause
     named), D2 (a same-size .bin with its first 60% zeroed: one DP rank trained on zeros). Now every rank stops
@@ -352,9 +342,9 @@ def test_a_rank_started_otherwise_stops_every_rank_at_start_up(tmp_path, corpus,
         env["WLB_PROBE_RANK_FLAGS"] = "1:--wlb-log-interval 2"
         part = "--wlb-log-interval: 1 on rank 0, 2 on rank 1"
     else:
-        env["WLB_PROBE_RANK_DATA"] = "1:" + zeroed_copy(corpus, str(tmp_path / "zeroed_text_document"))
+        env["WLB_PROBE_RANK_DATA"] = "1:" + zeroed_copy(text_corpus, str(tmp_path / "zeroed_text_document"))
         part = ".bin: "
-    run = train(tmp_path, case, corpus, "--wlb-packing", "wlb", "--wlb-cp-sharding", "adaptive", env=env,
+    run = train(tmp_path, case, text_corpus, "--wlb-packing", "wlb", "--wlb-cp-sharding", "adaptive", env=env,
                 expect_ok=False)
     stops = _startup_stops(run, part)
     assert stops, run.log[-4000:]
@@ -364,74 +354,60 @@ def test_a_rank_started_otherwise_stops_every_rank_at_start_up(tmp_path, corpus,
         assert "cost model: " in stops[0]
 
 
-def test_a_resume_onto_a_zeroed_copy_is_refused(tmp_path, corpus):
-    """D2 on resume: a checkpoint trained on the corpus, resumed with every rank reading a same-size copy whose
+def test_a_resume_onto_a_zeroed_copy_is_refused(tmp_path, text_corpus):
+    """D2 on resume: a checkpoint trained on the text_corpus, resumed with every rank reading a same-size copy whose
     .bin is partly zeros, is refused at start-up naming the file (it was accepted); the same files resume."""
     ckpt = tmp_path / "ckpt"
     common = ("--wlb-packing", "wlb", "--train-iters", "4", "--save", str(ckpt), "--save-interval", "2",
               "--ckpt-format", "torch")
-    first = train(tmp_path, "first", corpus, *common, env={"DP": "2"})
+    first = train(tmp_path, "first", text_corpus, *common, env={"DP": "2"})
     assert_trains(first)
     sidecar = json.loads((ckpt / "iter_0000004" / "wlb_packer_state.json").read_text())
     assert sidecar["version"] == 4 and any(name.endswith(".bin") for name in sidecar["fingerprint"])
     (ckpt / "latest_checkpointed_iteration.txt").write_text("2")
     (tmp_path / "copy").mkdir()
-    zeroed = zeroed_copy(corpus, str(tmp_path / "copy" / Path(corpus).name))  # the same name on another mount
+    zeroed = zeroed_copy(text_corpus, str(tmp_path / "copy" / Path(text_corpus).name))  # the same name on another mount
     refused = train(tmp_path, "refused", zeroed, *common, "--load", str(ckpt), env={"DP": "2"}, expect_ok=False)
     assert refused.returncode != 0  # type: ignore[attr-defined]
     assert re.search(r"megatron_wlb: the data differs from what the checkpoint at iteration 2 trained on "
                      r"\(--data-path #1 \.bin: [0-9a-f]{16} -> [0-9a-f]{16} \(stdlib_text_document\);", refused.log), \
         refused.log[-4000:]
-    resumed = train(tmp_path, "resumed", corpus, *common, "--load", str(ckpt), env={"DP": "2"})
+    resumed = train(tmp_path, "resumed", text_corpus, *common, "--load", str(ckpt), env={"DP": "2"})
     assert [resumed.losses[1], resumed.losses[2]] == pytest.approx([first.losses[3], first.losses[4]], rel=1e-5)
 
 
-def test_recomputation_leaves_the_losses_unchanged(tmp_path, corpus, cp_runs):
-    run = train(tmp_path, "recompute", corpus, "--wlb-packing", "original", "--wlb-cp-sharding", "per-document",
+def test_recomputation_leaves_the_losses_unchanged(tmp_path, text_corpus, cp_runs):
+    run = train(tmp_path, "recompute", text_corpus, "--wlb-packing", "original", "--wlb-cp-sharding", "per-document",
                 "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1")
     base = cp_runs["cp1"].losses
     assert run.losses == pytest.approx(base, rel=1e-5)
 
 
-def test_sequence_parallel_gives_the_losses_of_tp2_without_it(tmp_path, corpus):
+def test_sequence_parallel_gives_the_losses_of_tp2_without_it(tmp_path, text_corpus):
     """TP2 x CP2 with sequence parallelism: every CP rank's tokens padded to a multiple of TP (our
     local padding rows), the same losses as without SP."""
     flags = ("--wlb-packing", "wlb", "--wlb-cp-sharding", "adaptive")
-    plain = train(tmp_path, "tp2cp2", corpus, *flags, env={"TP": "2", "CP": "2"})
-    sp = train(tmp_path, "tp2cp2_sp", corpus, *flags, "--sequence-parallel", env={"TP": "2", "CP": "2"})
+    plain = train(tmp_path, "tp2cp2", text_corpus, *flags, env={"TP": "2", "CP": "2"})
+    sp = train(tmp_path, "tp2cp2_sp", text_corpus, *flags, "--sequence-parallel", env={"TP": "2", "CP": "2"})
     assert_trains(sp)
     assert sp.losses == pytest.approx(plain.losses, rel=1e-5)
     assert_documents_once(sp)
 
 
 @pytest.mark.parametrize("ckpt_format", ["torch", "torch_dist"])
-def test_checkpoint_resume_equals_an_uninterrupted_run(tmp_path, corpus, ckpt_format):
+def test_checkpoint_resume_equals_an_uninterrupted_run(tmp_path, text_corpus, ckpt_format):
     """torch_dist is Megatron's default format (its writer needs psutil, and spawns a process that re-imports
     the launching script: the probe keeps its training under the __main__ guard)."""
     ckpt = tmp_path / "ckpt"
     common = ("--wlb-packing", "wlb", "--save", str(ckpt), "--save-interval", "2", "--ckpt-format", ckpt_format)
-    full = train(tmp_path, "full", corpus, *common, env={"DP": "2"})
+    full = train(tmp_path, "full", text_corpus, *common, env={"DP": "2"})
     if ckpt_format == "torch_dist":
         assert (ckpt / "iter_0000002" / "metadata.json").is_file()  # Megatron's distributed checkpoint
     shutil.rmtree(ckpt / "iter_0000004", ignore_errors=True)
     (ckpt / "latest_checkpointed_iteration.txt").write_text("2")
-    resumed = train(tmp_path, "resumed", corpus, *common, "--load", str(ckpt), env={"DP": "2"})
+    resumed = train(tmp_path, "resumed", text_corpus, *common, "--load", str(ckpt), env={"DP": "2"})
     assert sorted(resumed.losses) == [1, 2], resumed.losses  # the probe counts steps from the restart
     assert [resumed.losses[1], resumed.losses[2]] == pytest.approx([full.losses[3], full.losses[4]], rel=1e-5)
-
-
-@pytest.fixture(scope="module")
-def eod_corpus(tmp_path_factory) -> str:
-    """The stdlib corpus with every document ending in the tiny GPT tokenizer's own EOD (NullTokenizer,
-    vocabulary 300: EOD 299), so Megatron's --reset-* flags find the document boundaries."""
-    import sysconfig
-
-    from megatron_wlb.data.reader import byte_documents, write_indexed_dataset
-
-    prefix = str(tmp_path_factory.mktemp("eod_corpus") / "stdlib_eod_text_document")
-    paths = sorted(str(p) for p in Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
-    write_indexed_dataset(prefix, byte_documents(paths, separator="\n\n", eod=299, max_bytes=600_000))
-    return prefix
 
 
 def stock_samples(corpus: str, tmp_path: Path, iterations: int, first: int = 0, dp: int = 2,
@@ -497,17 +473,17 @@ def test_balanced_gptdataset_pp2_trains_the_stock_jobs_samples(tmp_path, eod_cor
     assert fed and set(fed) <= set(stock) and all(fed[k] == stock[k][1] for k in fed)
 
 
-def test_balanced_gptdataset_honours_inter_document_masking(tmp_path, corpus):
+def test_balanced_gptdataset_honours_inter_document_masking(tmp_path, text_corpus):
     """``--dataloader-inter-document-masking`` (how megatron-core 0.19+ users ask for per-document masking) with
     the balanced concat-and-cut intake at DP2 through Megatron's loop: the pieces that reach the model are the
     stock job's samples cut at GPTDataset's own document boundaries (its per-document ``cu_seqlens`` and position
-    ids), with Megatron's tokens, labels and loss mask; a corpus whose documents do not end with the tokenizer's
+    ids), with Megatron's tokens, labels and loss mask; a text_corpus whose documents do not end with the tokenizer's
     EOD trains (boundaries come from the .idx, not from EOD tokens)."""
-    run = train(tmp_path, "inter_document", corpus, "--wlb-packing", "wlb", "--wlb-pieces", "concat-and-cut",
+    run = train(tmp_path, "inter_document", text_corpus, "--wlb-packing", "wlb", "--wlb-pieces", "concat-and-cut",
                 "--dataloader-inter-document-masking", env={"DP": "2"})
     assert_trains(run)
     assert_documents_once(run)
-    stock = stock_samples(corpus, tmp_path, 4, eod_mask_loss=False, inter_document=True)
+    stock = stock_samples(text_corpus, tmp_path, 4, eod_mask_loss=False, inter_document=True)
     fed = fed_pieces(run)
     assert fed and set(fed) <= set(stock), f"pieces the stock job does not train: {sorted(set(fed) - set(stock))[:5]}"
     assert all(fed[k] == stock[k][1] for k in fed), "a piece's tokens, labels or loss mask differ from Megatron's"
@@ -579,37 +555,37 @@ def test_balanced_gptdataset_through_megatrons_loop(tmp_path, eod_corpus):
     assert pieces and pieces <= set(later), "the resumed run trained pieces of samples the stock job already had"
 
 
-def test_dp_size_change_and_data_stream_reset_on_resume(tmp_path, corpus):
+def test_dp_size_change_and_data_stream_reset_on_resume(tmp_path, text_corpus):
     """Saved at DP2 (iteration 2 of 4): resumed at DP1 with the same global batch, the saved plans continue and
     the losses are the uninterrupted run's; another global batch is refused naming the one that continues;
     --wlb-reset-data-stream restarts the documents at the first plan while Megatron keeps its iteration."""
     ckpt = tmp_path / "ckpt"
     common = ("--wlb-packing", "wlb", "--save", str(ckpt), "--save-interval", "2", "--ckpt-format", "torch")
-    full = train(tmp_path, "full", corpus, *common, env={"DP": "2"})
+    full = train(tmp_path, "full", text_corpus, *common, env={"DP": "2"})
     shutil.rmtree(ckpt / "iter_0000004", ignore_errors=True)
     (ckpt / "latest_checkpointed_iteration.txt").write_text("2")
 
     def plans(run: Run) -> list:
         return next(r["plans"] for r in run.ranks.values() if r["plans"])
 
-    dp1 = train(tmp_path, "dp1", corpus, *common, "--load", str(ckpt), "--save", str(tmp_path / "ckpt_dp1"),
+    dp1 = train(tmp_path, "dp1", text_corpus, *common, "--load", str(ckpt), "--save", str(tmp_path / "ckpt_dp1"),
                 env={"DP": "1"})
     assert plans(dp1)[:2] == plans(full)[2:4]
     assert [dp1.losses[1], dp1.losses[2]] == pytest.approx([full.losses[3], full.losses[4]], rel=1e-5)
     # (Megatron's own LR-scheduler check refuses another global batch first unless told to override it)
-    refused = train(tmp_path, "gbs2", corpus, *common, "--load", str(ckpt), "--global-batch-size", "2",
+    refused = train(tmp_path, "gbs2", text_corpus, *common, "--load", str(ckpt), "--global-batch-size", "2",
                     "--override-opt_param-scheduler", env={"DP": "1"}, expect_ok=False)
     assert refused.returncode != 0  # type: ignore[attr-defined]
     assert "resume with --global-batch-size 4 (now 2)" in refused.log
-    reset = train(tmp_path, "reset", corpus, *common, "--load", str(ckpt), "--save", str(tmp_path / "ckpt_reset"),
+    reset = train(tmp_path, "reset", text_corpus, *common, "--load", str(ckpt), "--save", str(tmp_path / "ckpt_reset"),
                   "--wlb-reset-data-stream", env={"DP": "2"})
     assert "--wlb-reset-data-stream: the data stream restarts at its first document at iteration 2" in reset.log
     assert plans(reset)[0] == plans(full)[0]  # the documents start over ...
     assert "iteration        3/       4" in reset.log and "iteration        1/" not in reset.log  # ... the steps not
     # issue 37 D15: the flag left in a requeue script, resumed from the checkpoint saved after the reset: ignored,
     # the stream goes on where the reset run stopped (its third plan: the uninterrupted run's third)
-    again = train(tmp_path, "requeued", corpus, *common, "--load", str(tmp_path / "ckpt_reset"), "--train-iters", "5",
-                  "--override-opt_param-scheduler", "--save", str(tmp_path / "ckpt_requeued"),
+    again = train(tmp_path, "requeued", text_corpus, *common, "--load", str(tmp_path / "ckpt_reset"),
+                  "--train-iters", "5", "--override-opt_param-scheduler", "--save", str(tmp_path / "ckpt_requeued"),
                   "--wlb-reset-data-stream", env={"DP": "2"})
     assert "--wlb-reset-data-stream ignored: the checkpoint at iteration 4 was saved after the data-stream reset " \
            "at iteration 2" in again.log
@@ -634,19 +610,19 @@ def test_own_corpus_with_token_ids_beyond_the_tiny_vocabulary(tmp_path):
     assert "holds token id 1199; give --vocab-size 1200 or more" in refused.log
 
 
-def test_online_cost_model_refits_agree_and_resume_exactly(tmp_path, corpus):
+def test_online_cost_model_refits_agree_and_resume_exactly(tmp_path, text_corpus):
     """--wlb-cost-model online at DP2: the refits run (the ranks' coefficients and plan digests are checked
     equal inside), the packer plans with the refitted model, and a run resumed from a checkpoint taken
     after a refit plans (and trains) exactly what the uninterrupted run did until the next refit."""
     ckpt = tmp_path / "ckpt"
     common = ("--wlb-packing", "wlb", "--wlb-cost-model", "online", "--wlb-refit-interval", "2", "--train-iters", "6",
               "--save", str(ckpt), "--save-interval", "4", "--ckpt-format", "torch")
-    full = train(tmp_path, "full", corpus, *common, env={"DP": "2"})
+    full = train(tmp_path, "full", text_corpus, *common, env={"DP": "2"})
     assert_trains(full, iterations=6)
     refits = [line for line in full.log.splitlines() if "online cost model refit at iteration" in line]
     assert [line.split("iteration ")[1].split()[0] for line in refits] == ["4", "6"], refits
     (ckpt / "latest_checkpointed_iteration.txt").write_text("4")
-    resumed = train(tmp_path, "resumed", corpus, *common, "--load", str(ckpt), env={"DP": "2"})
+    resumed = train(tmp_path, "resumed", text_corpus, *common, "--load", str(ckpt), env={"DP": "2"})
     plans = {name: next(r["plans"] for r in run.ranks.values() if r["plans"]) for name, run in
              (("full", full), ("resumed", resumed))}
     # plans of iterations 5 and 6 use the refit of iteration 4 in both runs
@@ -676,17 +652,17 @@ def _pinned_env(checkout: Path, **layout: str) -> dict:
             "PYTHONPATH": f"{checkout}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
 
 
-def test_patched_pretrain_gpt_of_the_pinned_checkout_trains_pp4(tmp_path, corpus, pinned):
+def test_patched_pretrain_gpt_of_the_pinned_checkout_trains_pp4(tmp_path, text_corpus, pinned):
     """The pinned pretrain_gpt.py, patched: middle stages (PP=4) get their packed-sequence params."""
-    run = train(tmp_path, "pinned_pp4", corpus, "--num-layers", "4", "--wlb-packing", "wlb",
+    run = train(tmp_path, "pinned_pp4", text_corpus, "--num-layers", "4", "--wlb-packing", "wlb",
                 env=_pinned_env(pinned, PP="4"), pretrain_gpt=str(pinned / "pretrain_gpt.py"))
     assert_trains(run)
     assert {Version(r["core_version"]).base_version for r in run.ranks.values()} == {"0.16.1"}
 
 
-def test_launcher_over_the_pinned_checkout_cp2_pp2(tmp_path, corpus, pinned):
+def test_launcher_over_the_pinned_checkout_cp2_pp2(tmp_path, text_corpus, pinned):
     """apply() from our launcher (no patch) on core_v0.16.1's training code."""
-    run = train(tmp_path, "pinned_launcher", corpus, "--wlb-packing", "wlb", "--wlb-cp-sharding", "adaptive",
+    run = train(tmp_path, "pinned_launcher", text_corpus, "--wlb-packing", "wlb", "--wlb-cp-sharding", "adaptive",
                 env=_pinned_env(pinned, CP="2", PP="2"))
     assert_trains(run)
     assert {Version(r["core_version"]).base_version for r in run.ranks.values()} == {"0.16.1"}
@@ -705,10 +681,10 @@ def checkout_019(tmp_path_factory) -> Path:
     return dest
 
 
-def test_patched_pretrain_gpt_of_the_019_checkout_trains_pp4(tmp_path, corpus, checkout_019):
+def test_patched_pretrain_gpt_of_the_019_checkout_trains_pp4(tmp_path, text_corpus, checkout_019):
     """The checkout's own get_batch/forward_step/loss (patched), its gpt_builders, our data: PP4's middle
     stages get their packed-sequence params, and every planned document reaches the model once."""
-    run = train(tmp_path, "v019_pp4", corpus, "--num-layers", "4", "--wlb-packing", "wlb",
+    run = train(tmp_path, "v019_pp4", text_corpus, "--num-layers", "4", "--wlb-packing", "wlb",
                 env=_pinned_env(checkout_019, PP="4"), pretrain_gpt=str(checkout_019 / "pretrain_gpt.py"))
     assert_trains(run)
     assert {Version(r["core_version"]).release[:2] for r in run.ranks.values()} == {(0, 19)}
@@ -716,18 +692,18 @@ def test_patched_pretrain_gpt_of_the_019_checkout_trains_pp4(tmp_path, corpus, c
     assert_documents_once(run)
 
 
-def test_019_checkout_torch_dist_resume_with_cp2(tmp_path, corpus, checkout_019):
+def test_019_checkout_torch_dist_resume_with_cp2(tmp_path, text_corpus, checkout_019):
     """Megatron's default checkpoint format through the checkout's pretrain_gpt.py at CP2: resumed losses
     are the uninterrupted run's."""
     ckpt = tmp_path / "ckpt"
     common = ("--wlb-packing", "wlb", "--wlb-cp-sharding", "adaptive", "--save", str(ckpt), "--save-interval", "2",
               "--ckpt-format", "torch_dist")
     script = str(checkout_019 / "pretrain_gpt.py")
-    full = train(tmp_path, "full", corpus, *common, env=_pinned_env(checkout_019, CP="2"), pretrain_gpt=script)
+    full = train(tmp_path, "full", text_corpus, *common, env=_pinned_env(checkout_019, CP="2"), pretrain_gpt=script)
     shutil.rmtree(ckpt / "iter_0000004", ignore_errors=True)
     (ckpt / "latest_checkpointed_iteration.txt").write_text("2")
-    resumed = train(tmp_path, "resumed", corpus, *common, "--load", str(ckpt), env=_pinned_env(checkout_019, CP="2"),
-                    pretrain_gpt=script)
+    resumed = train(tmp_path, "resumed", text_corpus, *common, "--load", str(ckpt),
+                    env=_pinned_env(checkout_019, CP="2"), pretrain_gpt=script)
     assert [resumed.losses[1], resumed.losses[2]] == pytest.approx([full.losses[3], full.losses[4]], rel=1e-5)
 
 
@@ -744,7 +720,7 @@ def test_apply_alone_is_refused_on_core_019_naming_the_ways_in():
 
 # --- Megatron-LM main (core 0.20.0 at version.MAIN_COMMIT), main after PR #6742, dev: our launcher over each ----
 @pytest.mark.parametrize("name, series", [("main", (0, 20)), ("main-6742", (0, 20)), ("dev", (0, 19))])
-def test_launcher_over_a_main_checkout_cp2_pp2(tmp_path, corpus, name, series):
+def test_launcher_over_a_main_checkout_cp2_pp2(tmp_path, text_corpus, name, series):
     """Our launcher with a Megatron-LM main (pinned, and after PR #6742) or dev checkout on PYTHONPATH (from the
     repository MEGATRON_LM names; skipped, naming the commit, without one). dev's TransformerConfig refuses local
     attention at CP > 1 unless cp_comm_type is all_gather, which is what our CP attention does: the launcher
@@ -754,7 +730,7 @@ def test_launcher_over_a_main_checkout_cp2_pp2(tmp_path, corpus, name, series):
     from megatron_wlb.megatron.version import MOVING_CHECKOUTS
 
     main = megatron_checkout(tmp_path / f"Megatron-LM-{name}", name, commit=MOVING_CHECKOUTS[name])
-    run = train(tmp_path, f"{name}_cp2_pp2", corpus, "--wlb-packing", "wlb", "--wlb-cp-sharding", "adaptive",
+    run = train(tmp_path, f"{name}_cp2_pp2", text_corpus, "--wlb-packing", "wlb", "--wlb-cp-sharding", "adaptive",
                 env=_pinned_env(main, CP="2", PP="2"))
     assert_trains(run)
     assert {Version(r["core_version"]).release[:2] for r in run.ranks.values()} == {series}
@@ -767,7 +743,7 @@ def test_launcher_over_a_main_checkout_cp2_pp2(tmp_path, corpus, name, series):
     ("main-6742", ("--sequence-packing-scheduler", "wlb", "--use-varlen-dataset"),
      ("--sequence-packing-scheduler wlb", "--wlb-packing wlb", "--use-varlen-dataset")),
 ])
-def test_flags_that_bypass_ours_are_refused_through_the_launcher(tmp_path, corpus, name, flags, named):
+def test_flags_that_bypass_ours_are_refused_through_the_launcher(tmp_path, text_corpus, name, flags, named):
     """Megatron's own variable-length machinery asked for through our launcher (dev's dynamic CP; main's
     scheduler flag, whose choices take "wlb" once registered, and its varlen dataset): every rank stops at
     start-up with one line naming each flag and our equivalent, before Megatron's own checks and without a
@@ -777,7 +753,7 @@ def test_flags_that_bypass_ours_are_refused_through_the_launcher(tmp_path, corpu
     from megatron_wlb.megatron.version import MOVING_CHECKOUTS
 
     checkout = megatron_checkout(tmp_path / f"Megatron-LM-{name}", name, commit=MOVING_CHECKOUTS[name])
-    run = train(tmp_path, f"{name}_refused", corpus, "--wlb-packing", "wlb", *flags,
+    run = train(tmp_path, f"{name}_refused", text_corpus, "--wlb-packing", "wlb", *flags,
                 env=_pinned_env(checkout, CP="2"), expect_ok=False)
     assert run.returncode != 0  # type: ignore[attr-defined]
     line = next((x for x in run.log.splitlines() if "megatron_wlb: invalid WLB-LLM configuration" in x), "")

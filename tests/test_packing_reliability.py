@@ -54,12 +54,6 @@ def test_max_delay_holds_when_smax_is_barely_above_seq_len():
     assert checked == 600
 
 
-@pytest.fixture(scope="module")
-def run7b():
-    config = load_config("7b_128k")
-    return config, build_cost_model(config.model, config.layout)
-
-
 def _solver_plan(packing, cost, lengths, iterations=4):
     packer = make_packer("fixed-solver", packing, cost)
     plans = [[[(p.doc_id, p.offset, p.length) for p in mb.pieces] for mb in b.micro_batches]

@@ -75,18 +75,12 @@ def test_dealing_spreads_heavy_micro_batches_over_ranks():
     assert deal_and_order(f, b, dp, n, stages=4) == perm  # deterministic
 
 
-@pytest.fixture(scope="module")
-def run7b():
-    config = load_config("7b_128k")
-    return config, build_cost_model(config.model, dataclasses.replace(config.layout, dp=4))
-
-
 def _heavy_tailed(size=6000, seed=4):
     return (np.random.default_rng(seed).pareto(1.1, size=size) * 2500 + 30).astype(np.int64)
 
 
-def test_dealing_changes_placement_only_and_lowers_the_objective(run7b):
-    config, cost = run7b
+def test_dealing_changes_placement_only_and_lowers_the_objective(run7b_dp4):
+    config, cost = run7b_dp4
     cfg = dataclasses.replace(config.packing, dp=4)
     lengths = _heavy_tailed()
     on = list(islice(make_packer("wlb", cfg, cost).pack(lengths), 40))

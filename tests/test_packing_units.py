@@ -11,9 +11,6 @@ import numpy as np
 import pytest
 
 from megatron_wlb.cli.main import main
-from megatron_wlb.config import load_config
-from megatron_wlb.costmodel import build_cost_model
-from megatron_wlb.data import load_lengths
 from megatron_wlb.data.lengths import validate_lengths
 from megatron_wlb.packing import (
     PackingConfig,
@@ -26,12 +23,6 @@ from megatron_wlb.packing import (
 )
 from megatron_wlb.packing.metrics import piece_latency
 from megatron_wlb.packing.solver import decode_counts, length_groups, model_columns
-
-
-@pytest.fixture(scope="module")
-def run7b():
-    config = load_config("7b_128k")
-    return config, build_cost_model(config.model, config.layout), load_lengths()
 
 
 def first(packer, lengths, k):
@@ -96,8 +87,8 @@ def test_place_greedy_least_loaded_that_fits():
     assert place_greedy([10, 1], [100.0, 1.0], [0.0], [0], cap=10) == [0, -1]  # exactly full, then no room
 
 
-def test_fixed_packers_beat_original_on_embedded(run7b):
-    config, cost, lengths = run7b
+def test_fixed_packers_beat_original_on_embedded(run7b, embedded_lengths):
+    (config, cost), lengths = run7b, embedded_lengths
     orig = summarize(first(make_packer("original", config.packing, cost), lengths, 24), cost).imbalance
     greedy = summarize(first(make_packer("fixed-greedy", dataclasses.replace(config.packing, window=4), cost),
                              lengths, 24), cost).imbalance
@@ -198,8 +189,8 @@ def test_solver_decode_keeps_pieces_in_their_warm_start_bins():
     assert np.array_equal(got, moved) and (choice != start).sum() == 1
 
 
-def test_solver_packer_reports_highs_status(run7b):
-    config, cost, lengths = run7b
+def test_solver_packer_reports_highs_status(run7b, embedded_lengths):
+    (config, cost), lengths = run7b, embedded_lengths
     packer = make_packer("fixed-solver", dataclasses.replace(config.packing, window=2), cost)
     first(packer, lengths, 4)
     assert sum(packer.solver_status.values()) >= 1
@@ -247,8 +238,8 @@ def test_state_rejects_other_knobs():
 
 
 @pytest.mark.parametrize("max_delay", [0, 1, 3])
-def test_wlb_max_delay_never_exceeded(run7b, max_delay):
-    config, cost, lengths = run7b
+def test_wlb_max_delay_never_exceeded(run7b, embedded_lengths, max_delay):
+    (config, cost), lengths = run7b, embedded_lengths
     cfg = dataclasses.replace(config.packing, max_delay=max_delay)
     batches = first(make_packer("wlb", cfg, cost), lengths, 60)
     assert max(b.iteration - p.arrival for b in batches for p in b.pieces()) <= max_delay
@@ -278,10 +269,10 @@ def test_piece_orders_are_total_and_the_fast_sort_agrees(count):
     assert [p.arrival for p in sorted(pieces, key=oldest_first_key)] == sorted(p.arrival for p in pieces)
 
 
-def test_diagnostics_are_a_method_of_every_packer(run7b):
+def test_diagnostics_are_a_method_of_every_packer(run7b, embedded_lengths):
     """``Packer.diagnostics()``: nothing for the plain packers, wlb's thresholds and counts, the
     solver's HiGHS statuses; and ``wlb pack --json`` reports them."""
-    config, cost, lengths = run7b
+    (config, cost), lengths = run7b, embedded_lengths
     for name in ("original", "fixed-greedy"):
         packer = make_packer(name, config.packing, cost)
         first(packer, lengths, 2)
@@ -326,8 +317,8 @@ def test_auto_thresholds_shapes():
     assert sum(b.tokens for b in batches) == 200 * 3500
 
 
-def test_auto_thresholds_survive_resume(run7b):
-    config, cost, lengths = run7b
+def test_auto_thresholds_survive_resume(run7b, embedded_lengths):
+    (config, cost), lengths = run7b, embedded_lengths
     a = make_packer("wlb", config.packing, cost)
     first(a, lengths, 10)
     b = make_packer("wlb", config.packing, cost)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from megatron_wlb.costmodel import CostModel, ModelShape
-from megatron_wlb.packing.cut import concat_and_cut_flat
+from megatron_wlb.data.cut import concat_and_cut_flat
 from megatron_wlb.packing.metrics import overhead_seconds, piece_latency
 from megatron_wlb.sim.experiments import BALANCED_CUT, BASELINE_LABELS, PLAIN, WHOLE, WLB, Table
 from megatron_wlb.sim.report import Verdict
