@@ -76,13 +76,8 @@ class PairedDataIterator(WlbDataIterator):
         batch = dataclasses.replace(batch, iteration=self.step)
         source = self if self.method == "A" else self.other
         self.sharding = source.sharding
-        self.current = batch
-        self._mine = batch.micro_batches[self.dp_rank * self.n:(self.dp_rank + 1) * self.n]
-        self._cursor = 0
         self.step += 1
-        if self.on_batch is not None:
-            self.on_batch(batch)
-        return batch
+        return self._take(batch)
 
 
 def main() -> None:

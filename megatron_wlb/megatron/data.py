@@ -166,7 +166,7 @@ class WlbDataIterator(Iterator[RankMicroBatch]):
         self._mine: tuple[MicroBatch, ...] = ()
         #: the CP plans of ``_mine`` (CP > 1: built with the iteration's plan, so that the CP ranks can agree on
         #: their layouts before the step; empty: each is built with its micro-batch)
-        self._plans: tuple[RankPlan, ...] = ()
+        self._cp_plans: tuple[RankPlan, ...] = ()
         #: (layout name, ``cp.layouts.layout_digest``) of each of this rank's micro-batches of the current
         #: iteration (CP > 1 only): what ``agreement.check_plan_agreement`` compares over each CP group
         self.layouts: tuple[tuple[str, int], ...] = ()
@@ -184,14 +184,17 @@ class WlbDataIterator(Iterator[RankMicroBatch]):
             if self._source is None:
                 self._source = self.stream.cursor()
             self._batches = self.packer.pack_source(self._source)
-        batch = next(self._batches)  # StopIteration ends training data
+        return self._take(next(self._batches))  # StopIteration ends training data
+
+    def _take(self, batch: GlobalBatch) -> GlobalBatch:
+        """Make ``batch`` the iteration being read: this rank's share of it (the packer's own deal, or, for a
+        checkpoint planned for another DP size at the same global batch, the same plan in its order cut into
+        dp_size equal shares), with CP its micro-batches laid out now (``layouts``, agreed before the step)."""
         self.current = batch
-        # this rank's share of the global plan: the packer's own deal, or (a checkpoint planned for another
-        # DP size at the same global batch) the same plan in its order, cut into dp_size equal shares
         self._mine = batch.micro_batches[self.dp_rank * self.n:(self.dp_rank + 1) * self.n]
         if self.sharding.cp_size > 1:
-            self._plans = tuple(plan_micro_batch(mb, self.sharding) for mb in self._mine)
-            self.layouts = tuple((p.layout.name, layout_digest(p.layout)) for p in self._plans)
+            self._cp_plans = tuple(plan_micro_batch(mb, self.sharding) for mb in self._mine)
+            self.layouts = tuple((p.layout.name, layout_digest(p.layout)) for p in self._cp_plans)
         self._cursor = 0
         if self.on_batch is not None:
             self.on_batch(batch)
@@ -241,7 +244,7 @@ class WlbDataIterator(Iterator[RankMicroBatch]):
         self._cursor += 1
         self.yielded += 1
         return rank_micro_batch(self.read, self._mine[at], self.sharding, read_piece=self.read_piece,
-                                plan=self._plans[at] if self._plans else None)
+                                plan=self._cp_plans[at] if self._cp_plans else None)
 
     def __next__(self) -> RankMicroBatch:
         start = time.perf_counter()
@@ -292,7 +295,7 @@ class WlbDataIterator(Iterator[RankMicroBatch]):
         self._batches = None
         self.current = None
         self._mine = ()
-        self._plans = ()
+        self._cp_plans = ()
         self.layouts = ()
         self._cursor = 0
 
