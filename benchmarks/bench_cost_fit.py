@@ -55,7 +55,7 @@ def within_iteration(profile: dict[str, Any], every: int) -> dict[str, Any]:
     other micro-batches. The packer compares micro-batches of one iteration with each other, so a speed
     shared by the whole iteration (the machine's drift) does not unbalance a plan; the spread of those
     speeds is reported as what no cost model can predict."""
-    from megatron_wlb.costmodel.model import select_points, table_of
+    from megatron_wlb.costmodel.fit import select_points, table_of
 
     section = profile["micro_batches"]
     iteration = np.asarray(section["iteration"], dtype=np.int64)

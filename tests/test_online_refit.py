@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from megatron_wlb.costmodel import ParallelLayout, build_cost_model, fit_profile, get_model
-from megatron_wlb.costmodel.refit import RefitStats, cost_model_from_state, cost_state, rounded
+from megatron_wlb.costmodel.fit import RefitStats
+from megatron_wlb.costmodel.refit import cost_model_from_state, cost_state, rounded
 from megatron_wlb.packing import make_packer
 from megatron_wlb.packing.metrics import piece_latency
 from megatron_wlb.packing.types import PackingConfig

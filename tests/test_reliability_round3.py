@@ -42,7 +42,7 @@ def _world_refit(rank: int, world: int, disagree: bool) -> None:
     from test_online_refit import MODEL, synthetic_points
 
     from megatron_wlb.costmodel import ParallelLayout, build_cost_model
-    from megatron_wlb.costmodel.refit import RefitStats
+    from megatron_wlb.costmodel.fit import RefitStats
     from megatron_wlb.megatron import timing
     from megatron_wlb.megatron.online import OnlineRefit
 

@@ -359,3 +359,22 @@ class Hardware:
 
 
 H100 = Hardware()
+
+
+#: token or pair counts: a number (fractional per-GPU shares too) or an array of them
+Counts = np.ndarray | float
+
+
+def causal_pairs(q_len: Counts, kv_len: Counts) -> np.ndarray:
+    """(query, key) pairs a causal query run of ``q_len`` queries ending at key ``kv_len`` attends."""
+    q = np.asarray(q_len, dtype=np.float64)
+    kv = np.asarray(kv_len, dtype=np.float64)
+    if np.any(q > kv):
+        raise ValueError("a query run cannot be longer than the keys it ends at (q_len > kv_len)")
+    return q * kv - q * (q - 1.0) / 2.0
+
+
+def head_ratio(model: ModelShape) -> float:
+    """Forward FLOPs per token of the LM head over those of one layer's GEMMs: the simulator prices the
+    head at this many layers' ``linear_compute`` (``sim.iteration``), and the trace fit does the same."""
+    return 2.0 * model.hidden * model.vocab / model.linear_flops_per_token()

@@ -99,6 +99,29 @@ def choose_knots(lengths: np.ndarray, pairs: np.ndarray, max_knots: int = MAX_KN
     return tuple(float(k) for k in knots)
 
 
+def nnls_gram(gram: np.ndarray, rhs: np.ndarray, points: float) -> np.ndarray:
+    """Non-negative ``c`` minimising ``|A c - 1|^2`` from its normal equations alone (``gram = A^T A``,
+    ``rhs = A^T 1``, ``points`` = the rows), so statistics summed over ranks fit as the rows would. Exact
+    for the few columns here: the optimum is the unconstrained fit on its own support, so every support
+    is tried and the non-negative one with the least residual kept (columns scaled to unit norm first)."""
+    g, r = np.asarray(gram, dtype=np.float64), np.asarray(rhs, dtype=np.float64)
+    scale = np.sqrt(np.diag(g)).copy()
+    scale[scale == 0] = 1.0
+    g, r = g / np.outer(scale, scale), r / scale
+    best, best_res = np.zeros(r.size), float(points)
+    for support in range(1, 2 ** r.size):
+        cols = [j for j in range(r.size) if support >> j & 1]
+        sub = g[np.ix_(cols, cols)]
+        coef, *_ = np.linalg.lstsq(sub, r[cols], rcond=None)
+        if np.any(coef < 0):
+            continue
+        res = float(points - 2.0 * coef @ r[cols] + coef @ sub @ coef)
+        if res < best_res:
+            best, best_res = np.zeros(r.size), res
+            best[cols] = coef
+    return best / scale
+
+
 @dataclass(frozen=True)
 class TableFit:
     """Non-negative coefficients of ``[knot columns..., other columns...]`` and the scaled Gram matrix's
@@ -116,8 +139,6 @@ def fit_table(x: np.ndarray, y: np.ndarray, knots: int, flat_cost: float,
     ``table_columns``), penalising ``smoothing * points * sum(((c_k+1 - c_k) / flat_cost) ** 2)`` and
     ``ridge`` on every unit-scaled column (see the module docstring); ``flat_cost``: the one-knot fit's
     per-pair cost, the scale of the knot costs (its absolute value: a zero falls back to the mean)."""
-    from megatron_wlb.costmodel.model import nnls_gram
-
     x, y = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
     if x.ndim != 2 or x.shape[0] != y.size or not 0 < knots <= x.shape[1]:
         raise ValueError(f"fit_table: x of shape {x.shape} for {y.size} points and {knots} knot columns")

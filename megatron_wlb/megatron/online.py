@@ -1,7 +1,7 @@
 """``--wlb-cost-model online``: the packer's cost model refitted from the run's own measured steps.
 
 Every rank adds the micro-batch rows its ``timing.Recorder`` flushed (after ``WARMUP`` iterations,
-whose first steps pay one-off costs) to its ``costmodel.refit.RefitStats``. Every ``refit_interval``
+whose first steps pay one-off costs) to its ``costmodel.fit.RefitStats``. Every ``refit_interval``
 iterations one SUM all-reduce combines the ranks' statistics, every rank solves the same normal
 equations, and two more small all-reduces (MIN and MAX of the rounded coefficients and of the plan
 digest of the iteration just trained) prove that every rank holds the same coefficients and trained the
@@ -17,7 +17,8 @@ from typing import Any
 import numpy as np
 
 from megatron_wlb.costmodel import CostModel, ModelShape
-from megatron_wlb.costmodel.refit import RefitStats, cost_model_from_state, cost_state, rounded
+from megatron_wlb.costmodel.fit import RefitStats
+from megatron_wlb.costmodel.refit import cost_model_from_state, cost_state, rounded
 from megatron_wlb.costmodel.trace import MicroBatchRow, profile_points
 from megatron_wlb.megatron.data import plan_digest
 from megatron_wlb.packing.types import GlobalBatch

@@ -1,0 +1,427 @@
+"""Fitting the cost model to measurements: a profile's kernel sweeps or measured micro-batches, the online
+refit's normal equations (``RefitStats``, statistics that add across ranks), and the held-out error.
+
+The one module where measured seconds become coefficients (``ProfileFit``); ``model.CalibratedCostModel``
+prices with them and ``refit`` carries a refitted fit through a checkpoint. Pure: numpy only, no torch.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from megatron_wlb.costmodel.shapes import H100, Counts, ModelShape, causal_pairs, head_ratio
+from megatron_wlb.costmodel.table import check_knots, fit_table, nnls_gram, pair_basis, table_columns
+
+PROFILE_FORMAT = "megatron-wlb-profile/1"
+COLUMNS = 4  # causal pairs, tokens (the LM head's at its price in layers), query runs, 1 per micro-batch
+
+
+@dataclass(frozen=True)
+class ProfileFit:
+    """A fitted profile, per layer and GPU at the profile's own shape and TP: attention =
+    ``attn_per_pair`` x pairs + ``attn_per_query`` x queries + ``attn_per_run`` per query run (a document,
+    or its piece on a CP rank: the reference kernel's per-document loop), GEMMs = ``linear_per_token`` x
+    tokens, plus ``overhead`` per micro-batch; backward = ``bwd_attention`` x attention + ``bwd_linear`` x
+    (GEMMs + overhead), the convention of ``CalibratedCostModel`` and ``packing.metrics``.
+
+    ``form``: the section fitted, ``"kernels"`` (attention and GEMM sweeps) or ``"micro_batches"``
+    (measured whole micro-batches, collectives included); ``*_rel_err``: mean relative error on the
+    fitted points (kernels: of each sweep's forward; micro-batches: both of forward + backward);
+    ``head_ratio``: micro-batch points' LM-head tokens are priced at this many layers' GEMMs.
+    """
+
+    attn_per_pair: float
+    attn_per_query: float
+    linear_per_token: float
+    overhead: float
+    attn_rel_err: float
+    linear_rel_err: float
+    bwd_attention: float
+    bwd_linear: float
+    extra: dict = field(default_factory=dict)
+    form: str = "kernels"
+    head_ratio: float = 0.0
+    attn_per_run: float = 0.0
+    pair_lengths: tuple[float, ...] = ()
+    pair_costs: tuple[float, ...] = ()
+
+    def __post_init__(self) -> None:
+        # a checkpoint's JSON gives lists: hold tuples of floats, as a fit made here does
+        object.__setattr__(self, "pair_lengths", tuple(float(x) for x in self.pair_lengths))
+        object.__setattr__(self, "pair_costs", tuple(float(x) for x in self.pair_costs))
+        if len(self.pair_lengths) != len(self.pair_costs):
+            raise ValueError(f"attention table of {len(self.pair_lengths)} lengths and {len(self.pair_costs)} costs: "
+                             "give one forward cost per pair for each length")
+
+    def per_pair(self, q_len: Counts) -> np.ndarray:
+        """Forward seconds per causal pair of query runs of ``q_len`` queries: the table interpolated in
+        log2(length) (``costmodel.table``), or ``attn_per_pair`` for every length without a table."""
+        q = np.asarray(q_len, dtype=np.float64)
+        if not self.pair_lengths:
+            return np.full(q.shape, self.attn_per_pair)
+        return (pair_basis(q.ravel(), self.pair_lengths) @ np.asarray(self.pair_costs)).reshape(q.shape)
+
+    def predict(self, pairs: Counts, tokens: Counts, head_tokens: Counts = 0.0, runs: Counts = 1.0,
+                table: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """(forward, backward) seconds per layer of micro-batches with these causal (query, key) pairs, query
+        tokens and query runs (documents) on one GPU (``head_tokens``: tokens whose LM head the point also
+        ran, per layer). ``table``: the points' ``table.table_columns`` at this fit's ``pair_lengths``, which
+        a fit with a table needs to price pairs by their runs' lengths (without it: ``attn_per_pair``)."""
+        p, t, h, r = (np.asarray(x, dtype=np.float64) for x in (pairs, tokens, head_tokens, runs))
+        if self.pair_lengths and table is not None:
+            pair_cost = np.asarray(table, dtype=np.float64) @ np.asarray(self.pair_costs)
+        else:
+            pair_cost = self.attn_per_pair * p
+        attn = pair_cost + self.attn_per_query * t + self.attn_per_run * r
+        lin = self.linear_per_token * (t + self.head_ratio * h) + self.overhead
+        return attn + lin, self.bwd_attention * attn + self.bwd_linear * lin
+
+
+def _nnls_relative(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Non-negative ``c`` minimising ``sum(((x @ c - y) / y) ** 2)``: relative least squares, so short
+    measurements count as much as long ones (``nnls_gram`` on the rows ``x / y``, target 1)."""
+    a = x / y[:, None]
+    return nnls_gram(a.T @ a, a.sum(axis=0), float(y.size))
+
+
+def fit_profile(profile: dict) -> ProfileFit:
+    """Fit a measured profile (see ``load_profile``). A profile with both forms is fitted from its
+    ``micro_batches``: whole measured micro-batches are what the cost model predicts (kernels, launches,
+    collectives and all), so they win over the kernel sweeps of the same profile."""
+    if "micro_batches" in profile:
+        return _fit_micro_batches(profile)
+    return _fit_kernels(profile)
+
+
+def _bwd_ratio(section: dict, default: float) -> float:
+    if "bwd_s" not in section:
+        return default
+    return float(np.median(np.asarray(section["bwd_s"], dtype=np.float64) / np.asarray(section["fwd_s"])))
+
+
+def _fit_kernels(profile: dict) -> ProfileFit:
+    """attention fwd = a*pairs + b*queries (+ r*documents) + c_a over the sweep's calls (``lengths`` tokens
+    as ``documents`` equal documents, 1 when not given; the per-document term only when some call has
+    several), GEMMs fwd = c*t + c_l; backward ratios are the medians of the measured bwd / fwd."""
+    attn = profile["attention"]
+    lin = profile["linear"]
+    d = np.asarray(attn["lengths"], dtype=np.float64)
+    k = np.asarray(attn.get("documents", np.ones_like(d)), dtype=np.float64)
+    ta = np.asarray(attn["fwd_s"], dtype=np.float64)
+    t = np.asarray(lin["tokens"], dtype=np.float64)
+    tl = np.asarray(lin["fwd_s"], dtype=np.float64)
+    if d.size < 3 or t.size < 2:
+        raise ValueError(f"a profile needs >= 3 attention and >= 2 linear points, got {d.size} and {t.size}")
+    pairs = k * causal_pairs(d / k, d / k)
+    per_run = bool(np.any(k != k[0]))
+    a_x = np.stack([pairs, d, *([k] if per_run else []), np.ones_like(d)], axis=1)
+    a_coef = _nnls_relative(a_x, ta)
+    l_x = np.stack([t, np.ones_like(t)], axis=1)
+    l_coef = _nnls_relative(l_x, tl)
+    table: dict[str, Any] = {}
+    knots = _knots(profile)
+    if knots:
+        cols = pairs[:, None] * pair_basis(d / k, knots)
+        tf = fit_table(np.concatenate([cols, a_x[:, 1:]], axis=1), ta, len(knots), float(a_coef[0]))
+        costs = tf.coef[:len(knots)]
+        a_coef = np.concatenate([[float(cols.sum(axis=0) @ costs / cols.sum())], tf.coef[len(knots):]])
+        a_x = np.concatenate([cols, a_x[:, 1:]], axis=1)
+        a_coef_x = tf.coef
+        table = {"pair_lengths": knots, "pair_costs": tuple(float(c) for c in costs),
+                 "extra": {"table": _table_extra(tf)}}
+    else:
+        a_coef_x = a_coef
+    return ProfileFit(
+        attn_per_pair=float(a_coef[0]),
+        attn_per_query=float(a_coef[1]),
+        attn_per_run=float(a_coef[2]) if per_run else 0.0,
+        linear_per_token=float(l_coef[0]),
+        overhead=float(a_coef[-1] + l_coef[1]),
+        attn_rel_err=float(np.mean(np.abs(a_x @ a_coef_x - ta) / ta)),
+        linear_rel_err=float(np.mean(np.abs(l_x @ l_coef - tl) / tl)),
+        bwd_attention=_bwd_ratio(attn, H100.bwd_attention),
+        bwd_linear=_bwd_ratio(lin, H100.bwd_linear),
+        **table,
+    )
+
+
+def _knots(profile: dict) -> tuple[float, ...]:
+    """The profile's attention-table knots (``"attention_table": {"lengths"}``), () without a table."""
+    table = profile.get("attention_table")
+    return () if table is None else check_knots(table["lengths"])
+
+
+def _table_extra(tf: Any) -> dict[str, Any]:
+    """What a table fit reports beside its coefficients: its conditioning and its fitted error."""
+    return {"condition": tf.condition, "condition_regularised": tf.condition_regularised, "rel_err": tf.rel_err,
+            "coef": tf.coef.tolist()}
+
+
+def table_of(section: dict, fit: ProfileFit) -> np.ndarray | None:
+    """``table.table_columns`` of a ``micro_batches``-like section at ``fit``'s knots (None without a table);
+    a one-line error when the section lacks its runs (``run_lengths`` and ``run_pairs``)."""
+    if not fit.pair_lengths:
+        return None
+    if "run_lengths" not in section or "run_pairs" not in section:
+        raise ValueError("micro-batches without run_lengths / run_pairs: a fit with an attention table prices "
+                         "each query run by its length; record them (costmodel.trace.profile_points does)")
+    return table_columns(section["run_lengths"], section["run_pairs"], fit.pair_lengths)
+
+
+def _fit_micro_batches(profile: dict) -> ProfileFit:
+    """The fit of measured micro-batches (``RefitStats.fit``, the online refit's own, so
+    that both agree), with its mean relative error of forward + backward on the fitted points."""
+    mb = profile["micro_batches"]
+    model = ModelShape(**profile["model"])
+    if len(mb["fwd_s"]) < 3:
+        raise ValueError(f"a micro_batches profile needs >= 3 measured micro-batches, got {len(mb['fwd_s'])}")
+    fit = RefitStats.of(mb, model).fit(model)
+    x, f, b = design(mb, model)
+    knots = _knots(profile)
+    if knots:
+        fit = _table_micro_batches(fit, mb, x, f, b, knots)
+    pred_f, pred_b = fit.predict(mb["pairs"], mb["tokens"], mb.get("head_tokens", 0.0), mb.get("runs", 0.0),
+                                 table_of(mb, fit))
+    err = float(np.mean(np.abs(pred_f + pred_b - (f + b)) / (f + b)))
+    cf, cb = np.asarray(fit.extra["fwd"]), np.asarray(fit.extra["bwd"])
+    extra = {**fit.extra, "fwd_rel_err": float(np.mean(np.abs(x @ cf - f) / f)),
+             "bwd_rel_err": float(np.mean(np.abs(x @ cb - b) / b))}
+    return replace(fit, attn_rel_err=err, linear_rel_err=err, extra=extra)
+
+
+def _table_micro_batches(base: ProfileFit, mb: dict, x: np.ndarray, f: np.ndarray, b: np.ndarray,
+                         knots: tuple[float, ...]) -> ProfileFit:
+    """The table form of a micro-batch fit: forward + backward = sum over knots of c_k x (pairs at knot k) +
+    per-token + per-run + per-micro-batch terms (``table.fit_table``), split into forward and backward by
+    ``base``'s (the one-knot fit's) bwd / fwd ratios, so the fitted total is priced exactly."""
+    cols = table_columns(mb["run_lengths"], mb["run_pairs"], knots)
+    keep = (f > 0) & (b > 0)
+    ba, bl = base.bwd_attention, base.bwd_linear
+    xt = np.concatenate([cols, x[:, 1:]], axis=1)
+    tf = fit_table(xt[keep], (f + b)[keep], len(knots), base.attn_per_pair * (1.0 + ba))
+    k = len(knots)
+    costs = tf.coef[:k] / (1.0 + ba)
+    mean_cost = float(cols.sum(axis=0) @ costs / cols.sum()) if cols.sum() > 0 else base.attn_per_pair
+    return replace(base, attn_per_pair=mean_cost, pair_lengths=knots, pair_costs=tuple(float(c) for c in costs),
+                   linear_per_token=float(tf.coef[k] / (1.0 + bl)), attn_per_run=float(tf.coef[k + 1] / (1.0 + ba)),
+                   overhead=float(tf.coef[k + 2] / (1.0 + bl)), extra={**base.extra, "table": _table_extra(tf)})
+
+
+def holdout_every(groups: Sequence[int] | np.ndarray, every: int = 5) -> tuple[np.ndarray, str]:
+    """A deterministic held-out split: (mask, description). A point is held out when its group (a
+    training iteration: all ranks' rows of a micro-batch leave the fit together) is ``every - 1``
+    modulo ``every``; when that holds out none or all, every ``every``-th point instead."""
+    if every < 2:
+        raise ValueError(f"holdout every {every}: must be >= 2 (1 would hold out everything)")
+    g = np.asarray(groups, dtype=np.int64)
+    mask = g % every == every - 1
+    if mask.any() and not mask.all():
+        return mask, f"iterations i with i % {every} == {every - 1}"
+    return np.arange(g.size) % every == every - 1, f"every {every}th micro-batch"
+
+
+def select_points(section: dict, mask: np.ndarray) -> dict:
+    """The points of a ``micro_batches`` section where ``mask`` is true (its per-point lists)."""
+    n = mask.size
+    return {k: [x for x, m in zip(v, mask) if m] if isinstance(v, list) and len(v) == n else v
+            for k, v in section.items()}
+
+
+def holdout_mape(profile: dict, held_out: dict | np.ndarray) -> dict[str, Any]:
+    """``{"mape", "micro_batches"}``: the mean absolute percentage error of the fitted forward + backward
+    seconds of micro-batches left out of the fit. ``held_out`` is a ``micro_batches``-like section measured
+    apart from ``profile`` (then ``profile`` is fitted as it is), or a boolean mask over
+    ``profile["micro_batches"]`` (those points are taken out of the fit and predicted)."""
+    if isinstance(held_out, dict):
+        fitted, test = profile, held_out
+    else:
+        mask = np.asarray(held_out, dtype=bool)
+        section = profile["micro_batches"]
+        if mask.shape != (len(section["fwd_s"]),):
+            raise ValueError(f"held-out mask of shape {mask.shape} for {len(section['fwd_s'])} micro-batches")
+        fitted, test = {**profile, "micro_batches": select_points(section, ~mask)}, select_points(section, mask)
+    if not len(test["fwd_s"]):
+        raise ValueError("no held-out micro-batches to check the fit on")
+    fit = fit_profile(fitted)
+    pred_f, pred_b = fit.predict(test["pairs"], test["tokens"], test.get("head_tokens", 0.0),
+                                 test.get("runs", test.get("documents", 1.0)), table_of(test, fit))
+    measured = np.asarray(test["fwd_s"], dtype=np.float64) + np.asarray(test["bwd_s"], dtype=np.float64)
+    return {"mape": float(np.mean(np.abs(pred_f + pred_b - measured) / measured)),
+            "micro_batches": len(test["fwd_s"])}
+
+
+def _series(where: str, section: dict, key: str, minimum: float, strict: bool) -> int:
+    """Check ``section[key]`` is a non-empty list of finite numbers > (or >=) ``minimum``; its length."""
+    values = section.get(key)
+    if not isinstance(values, list) or not values or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and np.isfinite(v) for v in values):
+        raise ValueError(f"{where}.{key}: expected a non-empty list of numbers, got {str(values)[:60]}")
+    low = min(values)
+    if low < minimum or (strict and low == minimum):
+        raise ValueError(f"{where}.{key} holds {low}: every value must be {'>' if strict else '>='} {minimum:g}")
+    return len(values)
+
+
+def load_profile(path: str | Path) -> dict:
+    """Read and validate a profile JSON written by ``wlb calibrate`` (``megatron_wlb/cli/calibrate.py``).
+
+    Format ``megatron-wlb-profile/1``: ``{"format", "device": str, "model": ModelShape fields, "tp": int}``
+    and one or both forms of measurements, per layer on one GPU at that TP:
+
+    - kernel sweeps: ``"attention": {"lengths", "fwd_s", "bwd_s"}`` (one causal document of each length;
+      optional ``"documents"``: the call's ``lengths`` tokens were that many equal documents) and
+      ``"linear": {"tokens", "fwd_s", "bwd_s"}`` (the layer's GEMMs);
+    - measured micro-batches: ``"micro_batches": {"pairs", "tokens", "fwd_s", "bwd_s"}`` (each one's causal
+      (query, key) pairs and query tokens on that GPU and its seconds divided by the layers measured;
+      optional ``"head_tokens"``: the tokens whose LM head the time includes, also per layer; ``"runs"``,
+      ``"run_lengths"`` and ``"run_pairs"``: its query runs' count, and each run's length and pairs).
+
+    Optional ``"attention_table": {"lengths": [knots]}``: attention's per-pair cost is then fitted per query
+    run length, interpolated in log2(length) between these knots (``costmodel.table``; the micro-batch form
+    then needs ``run_lengths`` and ``run_pairs``); without it, one cost per pair (a one-knot table: the
+    profiles written before the table load and price as they did). ``wlb calibrate`` also writes the fitted
+    ``"per_pair_fwd_s"`` beside the knots, for the reader (the fit is remade from the measurements).
+
+    ``fit_profile`` fits the micro-batches when both are there. Every error is one line naming the field.
+    """
+    try:
+        with open(path) as f:
+            profile = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(profile, dict):
+        raise ValueError(f"{path}: expected a JSON object (format {PROFILE_FORMAT!r}), got a {type(profile).__name__}")
+    if profile.get("format") != PROFILE_FORMAT:
+        raise ValueError(f"{path}: format is {profile.get('format')!r}, expected {PROFILE_FORMAT!r}")
+    try:
+        ModelShape(**profile["model"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"{path}: model: expected a mapping of ModelShape fields ({exc})") from None
+    if not isinstance(profile.get("tp", 1), int) or profile.get("tp", 1) < 1:
+        raise ValueError(f"{path}: tp {profile.get('tp')!r}: must be a positive integer")
+    kernels = [s for s in ("attention", "linear") if s in profile]
+    if not kernels and "micro_batches" not in profile:
+        raise ValueError(f"{path}: no measurements: give the kernel sweeps (attention and linear) or "
+                         "micro_batches (measured micro-batches), or both")
+    for section, key in (("attention", "lengths"), ("linear", "tokens")) if kernels else ():
+        if not isinstance(profile.get(section), dict) or key not in profile[section] or "fwd_s" not in profile[section]:
+            raise ValueError(f"{path}: missing {section}.{key} or {section}.fwd_s")
+        where = f"{path}: {section}"
+        sizes = {_series(where, profile[section], key, 1, False), _series(where, profile[section], "fwd_s", 0, True)}
+        for optional, low in (("bwd_s", 0), ("documents", 1)):
+            if optional in profile[section]:
+                sizes.add(_series(where, profile[section], optional, low, optional == "bwd_s"))
+        if len(sizes) > 1:
+            raise ValueError(f"{path}: {section}.{key} and {section}.fwd_s / bwd_s / documents differ in length")
+        docs = profile[section].get("documents")
+        if docs is not None and any(n % k for n, k in zip(profile[section][key], docs)):
+            raise ValueError(f"{path}: {section}.documents must divide {section}.{key} (equal documents per call)")
+    if "micro_batches" in profile:
+        mb = profile["micro_batches"]
+        where = f"{path}: micro_batches"
+        if not isinstance(mb, dict):
+            raise ValueError(f"{where}: expected an object with pairs, tokens, fwd_s and bwd_s")
+        checks = [("pairs", 0, False), ("tokens", 0, True), ("fwd_s", 0, True), ("bwd_s", 0, True)]
+        if "head_tokens" in mb:
+            checks.append(("head_tokens", 0, False))
+        counts = {k: _series(where, mb, k, low, strict) for k, low, strict in checks}
+        if len(set(counts.values())) > 1:
+            raise ValueError(f"{where}: {', '.join(counts)} differ in length ({', '.join(map(str, counts.values()))})")
+        for key in ("run_lengths", "run_pairs"):
+            runs = mb.get(key)
+            if runs is not None and (not isinstance(runs, list) or len(runs) != counts["fwd_s"] or not all(
+                    isinstance(r, list) for r in runs)):
+                raise ValueError(f"{where}.{key}: expected one list per micro-batch ({counts['fwd_s']} lists)")
+    if "attention_table" in profile:
+        table = profile["attention_table"]
+        if not isinstance(table, dict) or "lengths" not in table:
+            raise ValueError(f"{path}: attention_table {str(table)[:60]}: expected {{\"lengths\": [knot lengths]}}")
+        check_knots(table["lengths"], f"{path}: attention_table.lengths")
+        if "micro_batches" in profile and not {"run_lengths", "run_pairs"} <= set(profile["micro_batches"]):
+            raise ValueError(f"{path}: attention_table needs micro_batches.run_lengths and run_pairs (each query "
+                             "run's length and pairs); drop the table for the linear-in-pairs fit")
+    return profile
+
+
+def design(points: dict[str, Any], model: ModelShape) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(x, forward, backward) of a ``micro_batches`` section (``costmodel.trace.profile_points``): columns
+    ``COLUMNS``; a section without ``runs`` (or ``head_tokens``) has that column 0, and its coefficient 0."""
+    p, t, f, b = (np.asarray(points[k], dtype=np.float64) for k in ("pairs", "tokens", "fwd_s", "bwd_s"))
+    head = np.asarray(points.get("head_tokens", np.zeros_like(t)), dtype=np.float64)
+    runs = np.asarray(points.get("runs", np.zeros_like(t)), dtype=np.float64)
+    x = np.stack([p, t + head_ratio(model) * head, runs, np.ones_like(t)], axis=1)
+    return x, f, b
+
+
+@dataclass(frozen=True)
+class RefitStats:
+    """Normal equations of the relative least-squares fits (rows of ``x / y``, target 1) of forward and
+    backward, and the sum of backward / forward ratios; ``vector()`` / ``from_vector`` for a SUM all-reduce."""
+
+    gram_fwd: np.ndarray
+    rhs_fwd: np.ndarray
+    gram_bwd: np.ndarray
+    rhs_bwd: np.ndarray
+    points: float
+    ratio_sum: float
+
+    SIZE = 2 * (COLUMNS * COLUMNS + COLUMNS) + 2
+
+    @classmethod
+    def empty(cls) -> RefitStats:
+        return cls.from_vector(np.zeros(cls.SIZE))
+
+    @classmethod
+    def of(cls, points: dict[str, Any], model: ModelShape) -> RefitStats:
+        """The statistics of measured micro-batches (points with positive times only)."""
+        x, f, b = design(points, model)
+        keep = (f > 0) & (b > 0)
+        x, f, b = x[keep], f[keep], b[keep]
+        af, ab = x / f[:, None], x / b[:, None]
+        return cls(af.T @ af, af.sum(axis=0), ab.T @ ab, ab.sum(axis=0), float(f.size), float((b / f).sum()))
+
+    def vector(self) -> np.ndarray:
+        return np.concatenate([self.gram_fwd.ravel(), self.rhs_fwd, self.gram_bwd.ravel(), self.rhs_bwd,
+                               [self.points, self.ratio_sum]])
+
+    @classmethod
+    def from_vector(cls, v: np.ndarray) -> RefitStats:
+        v = np.asarray(v, dtype=np.float64)
+        if v.shape != (cls.SIZE,):
+            raise ValueError(f"refit statistics: expected {cls.SIZE} numbers, got shape {v.shape}")
+        g = COLUMNS * COLUMNS
+        k = g + COLUMNS
+        return cls(v[:g].reshape(COLUMNS, COLUMNS), v[g:k], v[k:k + g].reshape(COLUMNS, COLUMNS),
+                   v[k + g:2 * k], float(v[-2]), float(v[-1]))
+
+    def __add__(self, other: RefitStats) -> RefitStats:
+        return RefitStats.from_vector(self.vector() + other.vector())
+
+    def fit(self, model: ModelShape) -> ProfileFit:
+        """The micro-batch fit (``fit_profile`` fits a profile's ``micro_batches`` section with it):
+        forward and backward each ``a*pairs + b*tokens + r*runs + c``, non-negative. bwd_attention = a_b /
+        a_f and bwd_linear = b_b / b_f (the mean measured ratio where a coefficient is 0). The cost model
+        charges the per-run and per-micro-batch constants forward and x bwd_attention / bwd_linear backward,
+        so they are set to (r_f + r_b) / (1 + bwd_attention) and (c_f + c_b) / (1 + bwd_linear): the
+        forward + backward the packer balances is the fitted one exactly, only its split is approximate."""
+        if self.points < 3:
+            raise ValueError(f"a micro-batch fit needs >= 3 measured micro-batches, got {self.points:g}")
+        cf = nnls_gram(self.gram_fwd, self.rhs_fwd, self.points)
+        cb = nnls_gram(self.gram_bwd, self.rhs_bwd, self.points)
+        mean_ratio = self.ratio_sum / self.points
+        guarded = [name for name, i in (("bwd_attention", 0), ("bwd_linear", 1)) if not (cf[i] > 0 and cb[i] > 0)]
+        bwd_attention = float(cb[0] / cf[0]) if "bwd_attention" not in guarded else mean_ratio
+        bwd_linear = float(cb[1] / cf[1]) if "bwd_linear" not in guarded else mean_ratio
+        return ProfileFit(attn_per_pair=float(cf[0]), attn_per_query=0.0, linear_per_token=float(cf[1]),
+                          overhead=float((cf[3] + cb[3]) / (1.0 + bwd_linear)), attn_rel_err=float("nan"),
+                          linear_rel_err=float("nan"), bwd_attention=bwd_attention, bwd_linear=bwd_linear,
+                          form="micro_batches", head_ratio=head_ratio(model),
+                          attn_per_run=float((cf[2] + cb[2]) / (1.0 + bwd_attention)),
+                          extra={"fwd": cf.tolist(), "bwd": cb.tolist(), "points": int(self.points),
+                                 "ratio_from_mean": guarded})
