@@ -3,11 +3,14 @@
 One micro-batch, from the length stream to the kernel, is built once and uploaded once::
 
     DocumentReader.stream()          document ids + lengths           (data/reader.py, host)
-    packer.pack() -> GlobalBatch     this DP rank's MicroBatch pieces (packing/, host, every rank alike)
-    WlbDataIterator.__next__         -> RankMicroBatch: cp.plan.plan_rank() lays the micro-batch out
-                                        over the CP group and keeps this rank's rows and RankPlan
-                                        (megatron/data.py, host; prefetch.py builds the next one of
-                                        the iteration on a thread and, on CUDA, uploads it on a side stream)
+    packer.pack() -> GlobalBatch     the iteration's MicroBatch pieces (packing/, host, every rank alike)
+    WlbDataIterator._take            this DP rank's share; with CP, each micro-batch laid out over the
+                                        CP group now (cp.plan.plan_rank -> RankPlan), so the layouts are
+                                        agreed before the step (megatron/data.py, host)
+    WlbDataIterator.__next__         -> RankMicroBatch: this rank's rows of the tokens, labels, loss mask
+                                        and positions, and its RankPlan (prefetch.py builds the next one
+                                        of the iteration on a thread and, on CUDA, uploads it on a side
+                                        stream)
     get_batch (launcher, or the pinned pretrain_gpt through get_batch_on_this_tp_rank)
       cp_hooks.upload_micro_batch    the one host -> device copy: tokens + WlbPackedSeqParams(wlb=WlbVarlen)
     every layer                      WlbCoreAttention and RoPE read the same WlbVarlen device tensors
