@@ -3,11 +3,12 @@ write a summary table into the results page (``benchmarks/results.md``, ``--page
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 from megatron_wlb.provenance import write_result
 
-__all__ = ["RESULTS_PAGE", "replace_readme_table", "write_result"]
+__all__ = ["RESULTS_PAGE", "record", "replace_readme_table", "write_result"]
 
 #: the generated results page every benchmark's ``--page`` writes its block into (the README links it)
 RESULTS_PAGE = Path(__file__).resolve().parents[1] / "benchmarks" / "results.md"
@@ -24,3 +25,13 @@ def replace_readme_table(path: Path, marker: str, table: str) -> None:
     while stop < len(lines) and lines[stop].startswith("|"):
         stop += 1
     path.write_text("".join(lines[:start + 1]) + table + "".join(lines[stop:]))
+
+
+def record(out: str | Path, result: dict, to_markdown: Callable[[dict], str],
+           write_page: Callable[[dict, Path], None] | None = None) -> int:
+    """Write ``result`` as OUT.json and OUT.md, and with ``write_page`` (a benchmark run with ``--page``)
+    its block into the results page; the benchmark's exit status (0)."""
+    write_result(out, result, to_markdown)
+    if write_page is not None:
+        write_page(result, RESULTS_PAGE)
+    return 0

@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from _results import RESULTS_PAGE, write_result  # noqa: E402
+from _results import record  # noqa: E402
 from bench_packing import CORPORA_DIR, STREAMS  # noqa: E402
 
 import megatron_wlb  # noqa: E402
@@ -260,10 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     if not dps or min(dps) < 1:
         raise SystemExit(f"--dp must be comma-separated positive integers, got {args.dp!r}")
     result = run(streams, dps, args.iterations)
-    write_result(args.out, result, to_markdown)
-    if args.page:
-        update_readme(result, RESULTS_PAGE)
-    return 0
+    return record(args.out, result, to_markdown, update_readme if args.page else None)
 
 
 if __name__ == "__main__":

@@ -188,22 +188,26 @@ def summary_table(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def readme_table(result: dict) -> str:
-    """The the results page's compact table: per stream and DP size, slowest rank / balanced of dp_balanced and wlb, and
-    the iteration-time ratio dp_balanced / wlb."""
+def compact_table(result: dict, peer: str, metric: str, ratio: str) -> str:
+    """Per stream and DP size: ``metric`` of ``peer`` and of wlb, and their iteration-time ratio ``ratio``."""
     dps = sorted({r["dp"] for r in result["rows"]})
     by = {(r["stream"], r["dp"]): r for r in result["rows"]}
     streams = sorted({r["stream"] for r in result["rows"]}, key=lambda s: STREAMS.index(s) if s in STREAMS else 99)
-    lines = ["| stream | " + " | ".join(f"DP {dp}: dp_balanced / **wlb** (time ratio)" for dp in dps) + " |",
+    lines = ["| stream | " + " | ".join(f"DP {dp}: {peer} / **wlb** (time ratio)" for dp in dps) + " |",
              "|---|" + "---|" * len(dps)]
     for stream in streams:
         cells = []
         for dp in dps:
             r = by.get((stream, dp))
-            cells.append("" if r is None else f"{r['dp_balanced']['schedule_ratio']:.2f} / "
-                         f"**{r['wlb']['schedule_ratio']:.2f}** ({r['dp_balanced_over_wlb']:.2f}x)")
+            cells.append("" if r is None else f"{r[peer][metric]:.2f} / **{r['wlb'][metric]:.2f}** ({r[ratio]:.2f}x)")
         lines.append(f"| {stream} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def readme_table(result: dict) -> str:
+    """The results page's compact table: per stream and DP size, slowest rank / balanced of dp_balanced and wlb,
+    and the iteration-time ratio dp_balanced / wlb."""
+    return compact_table(result, "dp_balanced", "schedule_ratio", "dp_balanced_over_wlb")
 
 
 def to_markdown(result: dict) -> str:
@@ -367,19 +371,7 @@ def run_dynamic(streams: list[str], dps: list[int], iterations: int) -> dict:
 
 def dynamic_readme_table(result: dict) -> str:
     """Per stream and DP size: critical path / ideal of default_dynamic_cp and wlb, and their time ratio."""
-    dps = sorted({r["dp"] for r in result["rows"]})
-    by = {(r["stream"], r["dp"]): r for r in result["rows"]}
-    streams = sorted({r["stream"] for r in result["rows"]}, key=lambda s: STREAMS.index(s) if s in STREAMS else 99)
-    lines = ["| stream | " + " | ".join(f"DP {dp}: default_dynamic_cp / **wlb** (time ratio)" for dp in dps) + " |",
-             "|---|" + "---|" * len(dps)]
-    for stream in streams:
-        cells = []
-        for dp in dps:
-            r = by.get((stream, dp))
-            cells.append("" if r is None else f"{r['default_dynamic_cp']['over_ideal']:.2f} / "
-                         f"**{r['wlb']['over_ideal']:.2f}** ({r['dynamic_over_wlb']:.2f}x)")
-        lines.append(f"| {stream} | " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+    return compact_table(result, "default_dynamic_cp", "over_ideal", "dynamic_over_wlb")
 
 
 def dynamic_markdown(result: dict) -> str:

@@ -30,14 +30,7 @@ from bench_verdict import corpora, gpt_samples  # noqa: E402
 from megatron_wlb.cli.common import resolve_lengths  # noqa: E402
 from megatron_wlb.config import load_config  # noqa: E402
 from megatron_wlb.provenance import machine  # noqa: E402
-from megatron_wlb.sim.experiments import (  # noqa: E402
-    BALANCED_CUT,
-    DEFAULT_VIRTUAL_STAGES,
-    PLAIN,
-    WLB,
-    compare,
-    geo_mean,
-)
+from megatron_wlb.sim.experiments import BALANCED_CUT, DEFAULT_VIRTUAL_STAGES, PLAIN, WLB, compare, geo_mean  # noqa: E402,I001
 from megatron_wlb.sim.moe import attention_shares, share_summary  # noqa: E402
 
 MOE_CONFIGS = ("mixtral8x7b_64k", "mixtral8x7b_128k", "qwen3_30b_a3b_64k", "qwen3_30b_a3b_128k")

@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from _results import RESULTS_PAGE, replace_readme_table, write_result  # noqa: E402
+from _results import record, replace_readme_table  # noqa: E402
 
 from megatron_wlb.cli.common import resolve_lengths  # noqa: E402
 from megatron_wlb.config import load_config  # noqa: E402
@@ -168,10 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     for c in configs:
         load_config(c)  # an unknown name fails here, before any work
     result = run(corpora([s for s in args.streams.split(",") if s]), configs, args.iterations)
-    write_result(args.out, result, to_markdown)
-    if args.page:
-        update_readme(result, RESULTS_PAGE)
-    return 0
+    return record(args.out, result, to_markdown, update_readme if args.page else None)
 
 
 if __name__ == "__main__":

@@ -14,8 +14,8 @@ import pytest
 pytest.importorskip("torch")
 from test_megatron_train import (  # noqa: E402,F401
     assert_documents_once,
+    assert_fed_stock_samples,
     assert_trains,
-    fed_pieces,
     stock_samples,
     train,
 )
@@ -82,9 +82,7 @@ def test_tiny_moe_balanced_concat_and_cut_pp2_trains_the_stock_jobs_samples(tmp_
                 "--reset-attention-mask", "--reset-position-ids", env={"PP": "2"})
     assert_trains(run)
     assert_documents_once(run)
-    stock = stock_samples(eod_corpus, tmp_path, 4, dp=1, eod_mask_loss=False)
-    fed = fed_pieces(run)
-    assert fed and set(fed) <= set(stock) and all(fed[k] == stock[k][1] for k in fed)
+    assert_fed_stock_samples(run, stock_samples(eod_corpus, tmp_path, 4, dp=1, eod_mask_loss=False))
 
 
 def test_tiny_moe_ep2_resume_equals_an_uninterrupted_run(tmp_path, text_corpus):  # noqa: F811

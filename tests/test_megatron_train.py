@@ -462,15 +462,22 @@ def fed_pieces(run: Run) -> dict[int, str]:
     return fed
 
 
+def assert_fed_stock_samples(run: Run, stock: dict[int, tuple[int, str]]) -> dict[int, str]:
+    """Every piece that reached the model in ``run`` is a piece of a ``stock`` sample (``stock_samples``), with
+    Megatron's own tokens, labels and loss mask; the pieces fed (``fed_pieces``)."""
+    fed = fed_pieces(run)
+    assert fed and set(fed) <= set(stock), f"pieces the stock job does not train: {sorted(set(fed) - set(stock))[:5]}"
+    assert all(fed[k] == stock[k][1] for k in fed), "a piece's tokens, labels or loss mask differ from Megatron's"
+    return fed
+
+
 def test_balanced_gptdataset_pp2_trains_the_stock_jobs_samples(tmp_path, eod_corpus):
     """The same at PP2 (every stage plans alike; the last stage's loss is over Megatron's labels)."""
     run = train(tmp_path, "pp2", eod_corpus, "--wlb-packing", "wlb", "--wlb-pieces", "concat-and-cut",
                 "--reset-attention-mask", "--reset-position-ids", env={"PP": "2"})
     assert_trains(run)
     assert_documents_once(run)
-    stock = stock_samples(eod_corpus, tmp_path, 4, dp=1, eod_mask_loss=False)
-    fed = fed_pieces(run)
-    assert fed and set(fed) <= set(stock) and all(fed[k] == stock[k][1] for k in fed)
+    assert_fed_stock_samples(run, stock_samples(eod_corpus, tmp_path, 4, dp=1, eod_mask_loss=False))
 
 
 def test_balanced_gptdataset_honours_inter_document_masking(tmp_path, text_corpus):
@@ -484,9 +491,7 @@ def test_balanced_gptdataset_honours_inter_document_masking(tmp_path, text_corpu
     assert_trains(run)
     assert_documents_once(run)
     stock = stock_samples(text_corpus, tmp_path, 4, eod_mask_loss=False, inter_document=True)
-    fed = fed_pieces(run)
-    assert fed and set(fed) <= set(stock), f"pieces the stock job does not train: {sorted(set(fed) - set(stock))[:5]}"
-    assert all(fed[k] == stock[k][1] for k in fed), "a piece's tokens, labels or loss mask differ from Megatron's"
+    assert_fed_stock_samples(run, stock)
     whole = {k for k in stock if k % 256 == 0}
     assert len(stock) > len(whole), "GPTDataset cut no sample at a document boundary: nothing was masked"
 
@@ -505,9 +510,7 @@ def test_balanced_gptdataset_through_megatrons_loop(tmp_path, eod_corpus):
     assert_trains(full)
     assert_documents_once(full)
     stock = stock_samples(eod_corpus, tmp_path, 4)
-    fed = fed_pieces(full)
-    assert fed and set(fed) <= set(stock), f"pieces the stock job does not train: {sorted(set(fed) - set(stock))[:5]}"
-    assert all(fed[k] == stock[k][1] for k in fed), "a piece's tokens, labels or loss mask differ from Megatron's"
+    fed = assert_fed_stock_samples(full, stock)
     plans = next(r["pieces"] for r in full.ranks.values() if r["pieces"])
     for it, plan in enumerate(plans):
         assert all(stock[doc][0] <= it for doc, _, _ in plan), f"iteration {it} trained a later step's piece"

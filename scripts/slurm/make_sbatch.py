@@ -163,6 +163,14 @@ LOG_DIR=${{LOG_DIR:-$PWD/logs/$WLB_NAME}}
 mkdir -p "$CKPT_DIR" "$LOG_DIR"
 read -r -a EXTRA <<< "${{EXTRA_ARGS:-}}"
 
+# One torchrun per node, NPROC processes each, rendezvous on the first node: launch NPROC ARGS...
+launch() {{
+    local nproc=$1; shift
+    srun --ntasks-per-node=1 --kill-on-bad-exit=1 \\
+        torchrun --nnodes "$NNODES" --nproc-per-node "$nproc" \\
+            --rdzv-id "${{SLURM_JOB_ID:-wlb}}" --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" "$@"
+}}
+
 if [[ $WLB_CPU != 0 ]]; then
     # CPU mode: Megatron's loop on gloo through megatron_wlb.megatron.cpu, the layout from TP/CP/PP/DP below
     export TP=1 CP=1 PP=1 DP=$(( NNODES * ${{WLB_CPU_NPROC_PER_NODE:-1}} ))
@@ -175,11 +183,9 @@ if [[ $WLB_CPU != 0 ]]; then
 {cpu_wlb_block}
     echo "wlb-{name} (CPU mode): $NNODES node(s) x ${{WLB_CPU_NPROC_PER_NODE:-1}} process(es), DP=$DP," \\
          "rendezvous $MASTER_ADDR:$MASTER_PORT"
-    srun --ntasks-per-node=1 --kill-on-bad-exit=1 \\
-        torchrun --nnodes "$NNODES" --nproc-per-node "${{WLB_CPU_NPROC_PER_NODE:-1}}" \\
-            --rdzv-id "${{SLURM_JOB_ID:-wlb}}" --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" \\
-            -m megatron_wlb.megatron.cpu ${{CPU_ENTRY[@]+"${{CPU_ENTRY[@]}}"}} --tiny-gpt --data-path $DATA_PATH \\
-            --train-iters ${{TRAIN_ITERS:-4}} "${{CPU_WLB_ARGS[@]}}" ${{EXTRA[@]+"${{EXTRA[@]}}"}}
+    launch "${{WLB_CPU_NPROC_PER_NODE:-1}}" \\
+        -m megatron_wlb.megatron.cpu ${{CPU_ENTRY[@]+"${{CPU_ENTRY[@]}}"}} --tiny-gpt --data-path $DATA_PATH \\
+        --train-iters ${{TRAIN_ITERS:-4}} "${{CPU_WLB_ARGS[@]}}" ${{EXTRA[@]+"${{EXTRA[@]}}"}}
     exit 0
 fi
 
@@ -225,12 +231,9 @@ TRAIN_ARGS=(
 
 echo "wlb-{name}: $NNODES node(s) x $GPUS_PER_NODE GPUs, TP=$TP CP=$CP PP=$PP DP=$DP," \\
      "rendezvous $MASTER_ADDR:$MASTER_PORT"
-srun --ntasks-per-node=1 --kill-on-bad-exit=1 \\
-    torchrun --nnodes "$NNODES" --nproc-per-node "$GPUS_PER_NODE" \\
-        --rdzv-id "${{SLURM_JOB_ID:-wlb}}" --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" \\
-        "${{ENTRY[@]}}" \\
-        "${{MODEL_ARGS[@]}}" "${{PARALLEL_ARGS[@]}}" "${{DATA_ARGS[@]}}" "${{TRAIN_ARGS[@]}}" "${{WLB_ARGS[@]}}" \\
-        ${{EXTRA[@]+"${{EXTRA[@]}}"}}
+launch "$GPUS_PER_NODE" "${{ENTRY[@]}}" \\
+    "${{MODEL_ARGS[@]}}" "${{PARALLEL_ARGS[@]}}" "${{DATA_ARGS[@]}}" "${{TRAIN_ARGS[@]}}" "${{WLB_ARGS[@]}}" \\
+    ${{EXTRA[@]+"${{EXTRA[@]}}"}}
 """
 
 
