@@ -68,49 +68,23 @@ LAYOUT_NAMES: tuple[str, ...] = ("per-sequence", "per-document", "per-document-t
 LAYOUT_ALIASES: dict[str, str] = {"per-document-choice": "hybrid"}
 
 
-class GatherMap:
-    """How the all-gathered K/V buffer (rank 0's tokens, then rank 1's, ...) maps to micro-batch
-    positions. Shared by all ranks of a layout. Holds every rank's query runs sorted by position,
-    with their owner and their offset in the owner's token order (O(runs)); the O(tokens)
-    ``position`` array is built only on first use."""
-
-    def __init__(self, start: np.ndarray, end: np.ndarray, owner: np.ndarray, local: np.ndarray,
-                 counts: tuple[int, ...]):
-        self._runs = (start, end, owner, local)     # in rank order; sorted by position on first use
-        self.counts = counts
-
-    @cached_property
-    def _sorted(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        start, end, owner, local = self._runs
-        order = np.argsort(start)
-        return start[order], end[order], owner[order], local[order]
-
-    @cached_property
-    def position(self) -> np.ndarray:
-        """position[p] = index of micro-batch position p in the (unpadded) gathered order."""
-        start, end, owner, local = self._sorted
-        offsets = np.concatenate([[0], np.cumsum(self.counts)])[:-1].astype(np.int64)
-        return _expand(offsets[owner] + local, end - start)                # runs tile 0..T in order
-
-    def pieces(self, seg_start: np.ndarray, seg_end: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
-        """(first row, length) of the contiguous pieces of a gather buffer whose rank blocks are
-        ``width`` rows apart that hold positions ``[seg_start[i], seg_end[i])``, in order over i.
-        O(pieces): a piece is the overlap of a segment with one query run of one rank."""
-        if seg_start.size == 0:
-            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
-        start, end, owner, local = self._sorted
-        j_lo = np.searchsorted(start, seg_start, side="right") - 1
-        j_hi = np.searchsorted(start, seg_end - 1, side="right") - 1
-        count = j_hi - j_lo + 1
-        j = _expand(j_lo, count)
-        seg = np.repeat(np.arange(seg_start.size), count)
-        ps = np.maximum(start[j], seg_start[seg])
-        pe = np.minimum(end[j], seg_end[seg])
-        return owner[j] * width + local[j] + (ps - start[j]), pe - ps
-
-    def rows(self, seg_start: np.ndarray, seg_end: np.ndarray, width: int) -> np.ndarray:
-        """The rows of :meth:`pieces`, expanded (O(rows))."""
-        return _expand(*self.pieces(seg_start, seg_end, width))
+def key_pieces(runs: np.ndarray, seg_start: np.ndarray, seg_end: np.ndarray,
+               width: int) -> tuple[np.ndarray, np.ndarray]:
+    """(first row, length) of the contiguous pieces of an all-gather buffer (rank ``r``'s tokens at rows
+    ``r * width`` on) that hold micro-batch positions ``[seg_start[i], seg_end[i])``, in order over i.
+    ``runs`` is the layout's runs sorted by position, ``[start, end, owner, offset in the owner's tokens]``
+    per row. O(pieces): a piece is the overlap of a segment with one run."""
+    if seg_start.size == 0:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    start, end, owner, local = runs.T
+    j_lo = np.searchsorted(start, seg_start, side="right") - 1
+    j_hi = np.searchsorted(start, seg_end - 1, side="right") - 1
+    count = j_hi - j_lo + 1
+    j = _expand(j_lo, count)
+    seg = np.repeat(np.arange(seg_start.size), count)
+    ps = np.maximum(start[j], seg_start[seg])
+    pe = np.minimum(end[j], seg_end[seg])
+    return owner[j] * width + local[j] + (ps - start[j]), pe - ps
 
 
 @dataclass(frozen=True, eq=False)
@@ -122,8 +96,10 @@ class RankShard:
     the all-gathered K/V in micro-batch order, concatenated per query run: ``[doc_start, run_end)``)
     and ``gather_position`` are materialised on first access, because each is O(tokens) and a
     training rank needs only its own. ``gather_position[p]`` is where micro-batch position ``p``
-    lands in the all-gathered buffer; ``rank_counts`` are all ranks' token counts, in rank order.
-    ``run_start`` / ``run_key_start`` are each query run's first position and its document's start.
+    lands in the all-gathered buffer (the inverse of every rank's ``token_index``); ``rank_counts``
+    are all ranks' token counts, in rank order. ``run_start`` / ``run_key_start`` are each query run's
+    first position and its document's start; ``owners`` is the whole layout's runs sorted by position
+    (``[start, end, owner, offset in the owner's tokens]``, shared by the ranks of a layout).
     """
 
     runs: np.ndarray
@@ -136,7 +112,7 @@ class RankShard:
     rank_counts: tuple[int, ...]
     run_start: np.ndarray = field(repr=False)
     run_key_start: np.ndarray = field(repr=False)
-    gather: GatherMap | None = field(default=None, repr=False)
+    owners: np.ndarray | None = field(default=None, repr=False)
 
     @classmethod
     def _fast(cls, **fields) -> RankShard:
@@ -161,17 +137,22 @@ class RankShard:
         """int64: each query run's key segment ``[doc_start, run_end)``, concatenated in run order."""
         return _expand(self.run_key_start, self.key_lengths)
 
-    @property
+    @cached_property
     def gather_position(self) -> np.ndarray | None:
-        return None if self.gather is None else self.gather.position
+        """int64 [T]: where each micro-batch position lands in the (unpadded) all-gathered order."""
+        if self.owners is None:
+            return None
+        start, end, owner, local = self.owners.T
+        offsets = np.concatenate([[0], np.cumsum(self.rank_counts)])[:-1].astype(np.int64)
+        return _expand(offsets[owner] + local, end - start)                 # runs tile 0..T in order
 
     def gather_pieces(self, width: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         """(first row, length) runs whose expansion is :meth:`gather_rows`; O(runs), so the O(keys)
-        expansion can happen on the accelerator (the attention does that)."""
-        if self.gather is None:
-            raise ValueError("RankShard.gather_rows needs the layout's GatherMap (build shards with build_layout)")
+        expansion can happen on the accelerator (the device upload does that)."""
+        if self.owners is None:
+            raise ValueError("RankShard.gather_rows needs the layout's runs (build shards with build_layout)")
         width = max(self.rank_counts) if width is None else int(width)
-        return self.gather.pieces(self.run_key_start, self.run_start + self.query_lengths, width)
+        return key_pieces(self.owners, self.run_key_start, self.run_start + self.query_lengths, width)
 
     def gather_rows(self, width: int | None = None) -> np.ndarray:
         """int64, aligned with ``kv_index``: the row of each key in an all-gather buffer whose rank
@@ -474,7 +455,8 @@ def _assemble(name: str, requested: str, cp: int, lengths: np.ndarray, padded: n
     m_bounds = np.concatenate([[0], np.cumsum(new)])[bounds]
     counts = tuple(int(x) for x in np.diff(cq[bounds]))
     local = cq[:-1] - cq[bounds[rank]]                                # offset within the owner's tokens
-    gather = GatherMap(start, end, rank, local, counts)
+    by_position = np.argsort(start)
+    owners = np.stack([start, end, rank, local], axis=1)[by_position]
     rank_work = np.bincount(rank, weights=work, minlength=cp)
     # Each rank's cu_seqlens start at 0: gather [a, b] per rank in one go, then take views.
     per_rank = np.diff(bounds) + 1
@@ -501,7 +483,7 @@ def _assemble(name: str, requested: str, cp: int, lengths: np.ndarray, padded: n
             rank_counts=counts,
             run_start=start[a:b],
             run_key_start=doc_start[a:b],
-            gather=gather,
+            owners=owners,
         ))
     return ShardLayout(name=name, requested=requested, cp=cp, lengths=lengths, padded_lengths=padded,
                        ranks=tuple(shards), estimates=estimates)

@@ -43,7 +43,7 @@ from megatron_wlb.costmodel.trace import (
     row_to_json,
     trace_path_for_rank,
 )
-from megatron_wlb.megatron.data import RankMicroBatch
+from megatron_wlb.cp.plan import RankMicroBatch
 from megatron_wlb.megatron.rebind import is_wrapper, wrapping
 from megatron_wlb.packing.metrics import microbatch_seconds, piece_forward, piece_latency
 
@@ -172,9 +172,8 @@ class RankIds:
 
 def rank_share(batch: RankMicroBatch) -> tuple[int, float, int]:
     """(query rows, causal (query, key) pairs, query runs) this CP rank's attention computes for ``batch``."""
-    shard = batch.plan.shard
-    q = np.diff(shard.cu_seqlens_q)
-    k = np.diff(shard.cu_seqlens_k)
+    q = np.diff(batch.cu_seqlens_q)
+    k = np.diff(batch.cu_seqlens_k)
     return int(q.sum()), float(causal_pairs(q, k).sum()) if q.size else 0.0, int((q > 0).sum())
 
 
@@ -238,7 +237,7 @@ class Recorder:
         batch = getattr(inner, "last", None)
         if chunk is None or not isinstance(batch, RankMicroBatch):
             return
-        lengths = tuple(p.length for p in batch.micro_batch.pieces)
+        lengths = tuple(p.length for p in batch.micro_batch.pieces) if batch.micro_batch is not None else ()
         pred_fwd = pred_bwd = 0.0
         if self.cost is not None and lengths:
             fwd, bwd = microbatch_seconds(self.cost, np.array([piece_latency(self.cost, lengths).sum()]),
