@@ -124,11 +124,12 @@ def upload(batch: RankMicroBatch, device: torch.device | str, *, tokens: bool = 
     for name, array in parts.items():
         offsets[name] = at
         at += -(-array.nbytes // _ALIGN) * _ALIGN
-    pin = device.type == "cuda" and torch.cuda.is_available()
-    host = torch.empty(max(at, _ALIGN), dtype=torch.uint8, pin_memory=pin)
-    flat = host.numpy()
+    flat = np.empty(max(at, _ALIGN), dtype=np.uint8)
     for name, array in parts.items():
         flat[offsets[name]:offsets[name] + array.nbytes] = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+    host = torch.from_numpy(flat)
+    if device.type == "cuda" and torch.cuda.is_available():
+        host = host.pin_memory()  # a non-blocking copy from pageable memory would sync; from pinned memory it does not
     on_device = host.to(device, non_blocking=True)
 
     def view(name: str, dtype: torch.dtype) -> torch.Tensor:
