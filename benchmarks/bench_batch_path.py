@@ -5,11 +5,11 @@ times, per CP layout and size:
 
 - ``plan``: ``data.rank_micro_batch`` in the data iterator: the CP layout of every rank, this
   rank's rows of tokens/labels/loss_mask, its RoPE positions (cp/plan.py), on the host;
-- ``upload``: ``cp_hooks.upload_micro_batch``: the host -> device copies (here device = CPU, so this
-  is the tensor building and the on-device expansion of the all-gather segment index);
-- ``per-layer before``: what each attention layer used to redo before the one-plan path
-  (``CPAttentionMetadata.from_shard``: segment index and cu_seqlens uploads), now done once per
-  micro-batch; ``saved`` is that times the model's layers per pipeline stage, minus one.
+- ``upload``: ``cp_hooks.upload_micro_batch``: the one host -> device copy (``cp.device.upload``; here
+  device = CPU, so this is the buffer building and the on-device expansion of the all-gather segment index);
+- ``per-layer before``: what each attention layer used to redo before the one-plan path (the
+  attention metadata: segment index and cu_seqlens, now ``upload(batch, tokens=False)``), done once
+  per micro-batch; ``saved`` is that times the model's layers per pipeline stage, minus one.
 
     python benchmarks/bench_batch_path.py [--layers 32] [--reps 5] [--out benchmarks/results/batch_path]
 
@@ -54,7 +54,7 @@ def _median_ms(fn, reps: int) -> float:
 def run(layers: int, reps: int, step_ms: float = 100.0) -> dict:
     import torch
 
-    from megatron_wlb.cp.attention import CPAttentionMetadata
+    from megatron_wlb.cp.device import upload
     from megatron_wlb.cp.plan import CPSharding
     from megatron_wlb.data import load_lengths
     from megatron_wlb.megatron.cp_hooks import upload_micro_batch
@@ -79,10 +79,10 @@ def run(layers: int, reps: int, step_ms: float = 100.0) -> dict:
                 batch = rank_micro_batch(read, mb, sharding)
                 plan_ms = _median_ms(lambda s=sharding, m=mb: rank_micro_batch(read, m, s), reps)
                 upload_ms = _median_ms(lambda b=batch: upload_micro_batch(b, cpu, cp_group=None), reps)
-                layer_ms = _median_ms(lambda b=batch: CPAttentionMetadata.from_shard(b.plan.shard, cpu), reps)
+                layer_ms = _median_ms(lambda b=batch: upload(b, cpu, tokens=False), reps)
                 rows.append({"tokens": int(sum(p.length for p in mb.pieces)), "documents": len(mb.pieces),
-                             "cp": cp, "layout": layout, "chosen": batch.plan.layout.name,
-                             "rank_rows": batch.plan.num_rows, "plan_ms": round(plan_ms, 3),
+                             "cp": cp, "layout": layout, "chosen": batch.layout.name,
+                             "rank_rows": batch.num_rows, "plan_ms": round(plan_ms, 3),
                              "upload_ms": round(upload_ms, 3), "per_layer_before_ms": round(layer_ms, 3),
                              "saved_ms": round(layer_ms * (layers - 1), 2)})
     return {"machine": f"{machine()}, torch {torch.__version__} ({torch.get_num_threads()} threads)",
