@@ -44,6 +44,7 @@ from megatron.core.transformer.module import MegatronModule
 
 from megatron_wlb.cp.attention import all_gather_cp_attention, varlen_attention
 from megatron_wlb.cp.device import DeviceBatch
+from megatron_wlb.megatron import runtime
 from megatron_wlb.megatron.rebind import is_wrapper, original_of, wrapping
 
 _CAUSAL = {AttnMaskType.causal, AttnMaskType.padding_causal}
@@ -176,7 +177,6 @@ class WlbCoreAttention(MegatronModule):
             raise ValueError("WLB-LLM attention takes no attention_bias")
         return wlb_attention_forward(query, key, value, wlb, self.cp_group(), self.softmax_scale)
 
-
     def _megatron_thd(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       attn_mask_type: AttnMaskType | None, params: Any) -> torch.Tensor:
         """Megatron's own THD micro-batch (``PackedSeqParams`` from its sequence-packing path, e.g. main's
@@ -206,8 +206,6 @@ class WlbCoreAttention(MegatronModule):
 
 def _every_batch_is_packed() -> bool:
     """Whether this process trains and evaluates on WLB iterators only (no Megatron loader in use)."""
-    from megatron_wlb.megatron import runtime
-
     rt = runtime()
     return rt.registry is not None and bool(rt.registry.iterators) and not rt.megatron_loaders
 

@@ -34,6 +34,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 
 from megatron_wlb.cp.device import DeviceBatch, upload
 from megatron_wlb.cp.plan import RankMicroBatch
+from megatron_wlb.megatron import attention as wlb_attention
 from megatron_wlb.megatron.rebind import rebind
 from megatron_wlb.megatron.settings import WlbSettings
 
@@ -42,7 +43,6 @@ from megatron_wlb.megatron.settings import WlbSettings
 class WlbPackedSeqParams(PackedSeqParams):
     """``PackedSeqParams`` plus this CP rank's ``DeviceBatch`` (None: not a WLB micro-batch): Megatron
     threads the params from ``forward_step`` through ``GPTModel`` to every layer."""
-
     wlb: DeviceBatch | None = None
 
 
@@ -171,7 +171,6 @@ def install(settings: WlbSettings) -> None:
     Raises ValueError for ``per-document-te`` without TransformerEngine (use ``per-document``: same
     balance, no padding, our all-gather attention).
     """
-    from megatron_wlb.megatron import attention as wlb_attention
 
     if not isinstance(settings, WlbSettings):
         raise TypeError(f"install() takes a WlbSettings, got {type(settings).__name__}")
@@ -194,8 +193,6 @@ def install(settings: WlbSettings) -> None:
 
 def uninstall() -> None:
     """Undo ``install`` (tests; a training process has no reason to)."""
-    from megatron_wlb.megatron import attention as wlb_attention
-
     state = _STATE.pop("cp", None)
     if state is None:
         return

@@ -33,6 +33,7 @@ from megatron_wlb.cp.layouts import ShardLayout, layout_digest
 from megatron_wlb.cp.plan import CPSharding, Packed, RankMicroBatch, layout_micro_batch, micro_batch_lengths, rank_batch
 from megatron_wlb.data.reader import DocumentReader, DocumentStream, StreamCursor
 from megatron_wlb.data.samples import SamplePieceCursor, SampleStream
+from megatron_wlb.packing import make_packer
 from megatron_wlb.packing.types import GlobalBatch, MicroBatch
 
 STREAM_STATE_VERSION = 2  # 2: the stream digest hashes ids and lengths apart (a lazy stream)
@@ -274,7 +275,6 @@ class WlbDataIterator(Iterator[RankMicroBatch]):
         self.layouts = ()
         self._cursor = 0
 
-
     def _adopt_planned_layout(self, saved: dict[str, Any]) -> None:
         """Keep planning for the checkpoint's (dp, n) when this run has another DP size at the same global
         batch (dp * n micro-batches per iteration): the packer then makes the plans the saved run would have,
@@ -286,7 +286,6 @@ class WlbDataIterator(Iterator[RankMicroBatch]):
         if planned != config.micro_batches_per_iteration:
             raise PlanLayoutError(int(saved["dp"]), int(saved["n"]), self.dp_size,
                                   config.micro_batches_per_iteration // self.dp_size)
-        from megatron_wlb.packing import make_packer
 
         self.packer = make_packer(self.packer.name, replace(config, dp=int(saved["dp"]), n=int(saved["n"])),
                                   self.packer.cost)
