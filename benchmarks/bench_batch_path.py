@@ -29,6 +29,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _results import write_result  # noqa: E402
 
+from megatron_wlb.provenance import markdown_table  # noqa: E402
+
 
 def _micro_batch(lengths: np.ndarray, tokens: int, start: int):
     from megatron_wlb.packing.types import DocPiece, MicroBatch
@@ -141,14 +143,13 @@ def to_markdown(result: dict) -> str:
              "layout + rows (host); `upload`: the one copy to the device (here the CPU); `per layer before`: "
              "the metadata each attention layer rebuilt before the one-plan path (on a GPU also host -> "
              "device copies and, before them, a device -> host read of cu_seqlens per micro-batch); `saved`: "
-             f"that x ({result['layers']} - 1) layers per micro-batch.", "",
-             "| T | docs | CP | layout (chosen) | rank rows | plan | upload | per layer before | saved |",
-             "|---:|---:|---:|---|---:|---:|---:|---:|---:|"]
-    for r in result["rows"]:
-        chosen = r["layout"] if r["chosen"] == r["layout"] else f"{r['layout']} ({r['chosen']})"
-        lines.append(f"| {r['tokens']:,} | {r['documents']} | {r['cp']} | {chosen} | {r['rank_rows']:,} | "
-                     f"{r['plan_ms']:.2f} | {r['upload_ms']:.2f} | {r['per_layer_before_ms']:.2f} | "
-                     f"{r['saved_ms']:.1f} |")
+             f"that x ({result['layers']} - 1) layers per micro-batch.", ""]
+    lines += markdown_table(
+        ["T", "docs", "CP", "layout (chosen)", "rank rows", "plan", "upload", "per layer before", "saved"],
+        ([f"{r['tokens']:,}", r["documents"], r["cp"],
+          r["layout"] if r["chosen"] == r["layout"] else f"{r['layout']} ({r['chosen']})", f"{r['rank_rows']:,}",
+          f"{r['plan_ms']:.2f}", f"{r['upload_ms']:.2f}", f"{r['per_layer_before_ms']:.2f}", f"{r['saved_ms']:.1f}"]
+         for r in result["rows"]), "rrrlrrrrr")
     lines += ["", "## What stays on the critical path (the training iterator's `next()`)", "",
               "Host ms per micro-batch that `next()` takes while the step waits, 128K-token micro-batches, "
               f"`adaptive` CP sharding, {result['critical'][0]['n']} micro-batches per iteration, a step of "
@@ -156,13 +157,12 @@ def to_markdown(result: dict) -> str:
               "computes). `first`: the first micro-batch of an iteration (packs the iteration: stays on the "
               "critical path); `rest`: the others (prefetched on a thread); `per micro-batch`: the mean. The "
               "upload is not in these numbers: on a GPU the prefetch thread also sends it from pinned memory on "
-              "a side stream (the CPU has none).", "",
-              "| T | CP | plain first | plain rest | plain per mb | prefetch first | prefetch rest | "
-              "prefetch per mb |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in result["critical"]:
-        lines.append(f"| {r['tokens']:,} | {r['cp']} | {r['plain_first_ms']:.2f} | {r['plain_rest_ms']:.2f} | "
-                     f"{r['plain_per_micro_batch_ms']:.2f} | {r['prefetch_first_ms']:.2f} | "
-                     f"{r['prefetch_rest_ms']:.2f} | {r['prefetch_per_micro_batch_ms']:.2f} |")
+              "a side stream (the CPU has none).", ""]
+    lines += markdown_table(
+        ["T", "CP", "plain first", "plain rest", "plain per mb", "prefetch first", "prefetch rest", "prefetch per mb"],
+        ([f"{r['tokens']:,}", r["cp"], *(f"{r[f'{k}_{m}_ms']:.2f}" for k in ("plain", "prefetch")
+                                           for m in ("first", "rest", "per_micro_batch"))] for r in result["critical"]),
+        "r" * 8)
     return "\n".join(lines) + "\n"
 
 
