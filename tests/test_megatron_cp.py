@@ -331,6 +331,14 @@ def _te_rank(lengths: list[int], rank: int, rank_multiple: int = 1):
     return upload_micro_batch(rows, torch.device("cpu"), cp_group=None)
 
 
+def test_te_padding_document_rows_are_padding():
+    """per-document-te under sequence parallelism: when the real documents need no TE padding but the ranks need a
+    padding document, that document's rows are padding (token 0, loss mask 0), not rows past the sequence."""
+    out, params = _te_rank([4], 0, rank_multiple=4)  # TE layout [4, 4]: rank 0 holds [0, 3] and [4, 7]
+    assert out["tokens"][0].tolist() == [1, 4, 0, 0] and out["loss_mask"][0].tolist() == [1.0, 1.0, 0.0, 0.0]
+    assert params.cu_seqlens_q.tolist() == [0, 4, 8] and params.wlb.te
+
+
 def test_te_params_describe_te_layout():
     """The TE path's params: real and padded offsets of TE's per-document layout (golden vectors)."""
     out, params = _te_rank([8, 8], 0)

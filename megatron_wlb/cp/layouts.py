@@ -89,30 +89,25 @@ def key_pieces(runs: np.ndarray, seg_start: np.ndarray, seg_end: np.ndarray,
 
 @dataclass(frozen=True, eq=False)
 class RankShard:
-    """What one CP rank owns and the varlen metadata for its attention (see the module docstring).
+    """What one CP rank owns, as runs; everything else is derived from them on first use.
 
-    Run-level metadata (``runs``, ``cu_seqlens_*``, ``max_seqlen_*``, ``work``) is computed with
-    the layout. The token-level arrays ``token_index``, ``position_ids``, ``kv_index`` (indices into
-    the all-gathered K/V in micro-batch order, concatenated per query run: ``[doc_start, run_end)``)
-    and ``gather_position`` are materialised on first access, because each is O(tokens) and a
-    training rank needs only its own. ``gather_position[p]`` is where micro-batch position ``p``
-    lands in the all-gathered buffer (the inverse of every rank's ``token_index``); ``rank_counts``
-    are all ranks' token counts, in rank order. ``run_start`` / ``run_key_start`` are each query run's
-    first position and its document's start; ``owners`` is the whole layout's runs sorted by position
-    (``[start, end, owner, offset in the owner's tokens]``, shared by the ranks of a layout).
+    ``query_runs`` ``[n, 3]``: this rank's query runs ``(start, end, document start)`` in its token
+    order (a run attends keys ``[document start, end)``); ``owners`` ``[m, 4]``: the whole layout's runs
+    sorted by position, ``(start, end, owner rank, offset in the owner's tokens)``, shared by its ranks;
+    ``rank_counts``: every rank's token count; ``work``: this rank's estimated attention seconds.
+
+    Derived (O(runs)): ``runs`` (maximal contiguous ``[start, end)`` runs, the ``wlb shard`` contract),
+    ``cu_seqlens_q`` / ``cu_seqlens_k`` (int32), ``max_seqlen_*``, ``gather_pieces``. Derived (O(tokens),
+    what a training rank needs of its own only): ``token_index`` (its positions in the micro-batch),
+    ``position_ids``, ``kv_index``, ``gather_rows`` and ``gather_position`` (where each micro-batch
+    position lands in the all-gathered buffer: the inverse of every rank's ``token_index``).
     """
 
-    runs: np.ndarray
-    cu_seqlens_q: np.ndarray
-    cu_seqlens_k: np.ndarray
-    max_seqlen_q: int
-    max_seqlen_k: int
-    work: float
     rank: int
+    work: float
     rank_counts: tuple[int, ...]
-    run_start: np.ndarray = field(repr=False)
-    run_key_start: np.ndarray = field(repr=False)
-    owners: np.ndarray | None = field(default=None, repr=False)
+    query_runs: np.ndarray = field(repr=False)
+    owners: np.ndarray = field(repr=False)
 
     @classmethod
     def _fast(cls, **fields) -> RankShard:
@@ -122,10 +117,56 @@ class RankShard:
         obj.__dict__.update(fields)
         return obj
 
+    @property
+    def run_start(self) -> np.ndarray:
+        return self.query_runs[:, 0]
+
+    @property
+    def run_key_start(self) -> np.ndarray:
+        return self.query_runs[:, 2]
+
+    @property
+    def query_lengths(self) -> np.ndarray:
+        return self.query_runs[:, 1] - self.query_runs[:, 0]
+
+    @property
+    def key_lengths(self) -> np.ndarray:
+        return self.query_runs[:, 1] - self.query_runs[:, 2]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.rank_counts[self.rank]
+
+    @cached_property
+    def cu_seqlens_q(self) -> np.ndarray:
+        return np.concatenate([[0], np.cumsum(self.query_lengths)]).astype(np.int32)
+
+    @cached_property
+    def cu_seqlens_k(self) -> np.ndarray:
+        return np.concatenate([[0], np.cumsum(self.key_lengths)]).astype(np.int32)
+
+    @property
+    def max_seqlen_q(self) -> int:
+        return int(self.query_lengths.max()) if self.query_runs.size else 0
+
+    @property
+    def max_seqlen_k(self) -> int:
+        return int(self.key_lengths.max()) if self.query_runs.size else 0
+
+    @cached_property
+    def runs(self) -> np.ndarray:
+        """int64 [k, 2]: maximal contiguous ``[start, end)`` runs, in this rank's order."""
+        start, end = self.query_runs[:, 0], self.query_runs[:, 1]
+        new = np.ones(start.size, dtype=bool)
+        new[1:] = start[1:] != end[:-1]
+        m_end = np.empty(int(new.sum()), dtype=np.int64)
+        m_end[np.cumsum(new) - 1] = end                                  # the last run of each group wins
+        return np.stack([start[new], m_end], axis=1).astype(np.int64, copy=False)
+
     @cached_property
     def token_index(self) -> np.ndarray:
         """int64 [T_r]: positions in the (padded) micro-batch, in this rank's order."""
-        return _expand(self.runs[:, 0], self.runs[:, 1] - self.runs[:, 0])
+        return _expand(self.run_start, self.query_lengths)
 
     @cached_property
     def position_ids(self) -> np.ndarray:
@@ -138,10 +179,8 @@ class RankShard:
         return _expand(self.run_key_start, self.key_lengths)
 
     @cached_property
-    def gather_position(self) -> np.ndarray | None:
+    def gather_position(self) -> np.ndarray:
         """int64 [T]: where each micro-batch position lands in the (unpadded) all-gathered order."""
-        if self.owners is None:
-            return None
         start, end, owner, local = self.owners.T
         offsets = np.concatenate([[0], np.cumsum(self.rank_counts)])[:-1].astype(np.int64)
         return _expand(offsets[owner] + local, end - start)                 # runs tile 0..T in order
@@ -149,8 +188,6 @@ class RankShard:
     def gather_pieces(self, width: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         """(first row, length) runs whose expansion is :meth:`gather_rows`; O(runs), so the O(keys)
         expansion can happen on the accelerator (the device upload does that)."""
-        if self.owners is None:
-            raise ValueError("RankShard.gather_rows needs the layout's runs (build shards with build_layout)")
         width = max(self.rank_counts) if width is None else int(width)
         return key_pieces(self.owners, self.run_key_start, self.run_start + self.query_lengths, width)
 
@@ -159,18 +196,6 @@ class RankShard:
         blocks are ``width`` rows apart (default ``max(rank_counts)``: every rank padded to the
         largest). Built from runs without searching per position."""
         return _expand(*self.gather_pieces(width))
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.cu_seqlens_q[-1]) if self.cu_seqlens_q.size else 0
-
-    @property
-    def query_lengths(self) -> np.ndarray:
-        return np.diff(self.cu_seqlens_q.astype(np.int64))
-
-    @property
-    def key_lengths(self) -> np.ndarray:
-        return np.diff(self.cu_seqlens_k.astype(np.int64))
 
 
 @dataclass(frozen=True, eq=False)
@@ -434,59 +459,22 @@ def _runs_hybrid(cu: np.ndarray, lengths: np.ndarray, cp: int, price, per_doc: t
 
 def _assemble(name: str, requested: str, cp: int, lengths: np.ndarray, padded: np.ndarray, cu: np.ndarray,
               runs: _Runs, work: np.ndarray, estimates: dict) -> ShardLayout:
-    """Sort runs into rank order and derive every rank's token indices and varlen metadata."""
+    """Sort the runs into rank order; each rank keeps its slice of them (the rest is derived on use)."""
     order = np.argsort(runs.rank * (int(cu[-1]) + 1) + runs.start)   # (rank, start); keys are unique
     rank, start, end, doc, work = runs.rank[order], runs.start[order], runs.end[order], runs.doc[order], work[order]
-    doc_start = cu[doc]
     q = end - start
-    kv = end - doc_start
     bounds = np.searchsorted(rank, np.arange(cp + 1))                 # run offsets per rank
     cq = np.concatenate([[0], np.cumsum(q)])
-    ck = np.concatenate([[0], np.cumsum(kv)])
-    # Maximal contiguous runs (the `wlb shard` contract): merge a run into the previous one of the
-    # same rank when it starts where that one ended.
-    new = np.ones(rank.size, dtype=bool)
-    if rank.size > 1:
-        new[1:] = (rank[1:] != rank[:-1]) | (start[1:] != end[:-1])
-    m_start = start[new]
-    m_end = np.empty(m_start.size, dtype=np.int64)
-    m_end[np.cumsum(new) - 1] = end                                  # the last run of each group wins
-    merged = np.stack([m_start, m_end], axis=1)
-    m_bounds = np.concatenate([[0], np.cumsum(new)])[bounds]
     counts = tuple(int(x) for x in np.diff(cq[bounds]))
     local = cq[:-1] - cq[bounds[rank]]                                # offset within the owner's tokens
-    by_position = np.argsort(start)
-    owners = np.stack([start, end, rank, local], axis=1)[by_position]
-    rank_work = np.bincount(rank, weights=work, minlength=cp)
-    # Each rank's cu_seqlens start at 0: gather [a, b] per rank in one go, then take views.
-    per_rank = np.diff(bounds) + 1
-    idx = _expand(bounds[:-1], per_rank)
-    base = np.repeat(bounds[:-1], per_rank)
-    cq_all = (cq[idx] - cq[base]).astype(np.int32)
-    ck_all = (ck[idx] - ck[base]).astype(np.int32)
-    off = np.concatenate([[0], np.cumsum(per_rank)]).tolist()
-    first = np.minimum(bounds[:-1], max(q.size - 1, 0))           # reduceat needs valid indices
-    qmax = np.maximum.reduceat(q, first).tolist() if q.size else [0] * cp
-    kmax = np.maximum.reduceat(kv, first).tolist() if kv.size else [0] * cp
-    b_list, mb_list, work_list = bounds.tolist(), m_bounds.tolist(), rank_work.tolist()
-    shards = []
-    for r in range(cp):
-        a, b = b_list[r], b_list[r + 1]
-        shards.append(RankShard._fast(
-            runs=merged[mb_list[r]:mb_list[r + 1]],
-            cu_seqlens_q=cq_all[off[r]:off[r + 1]],
-            cu_seqlens_k=ck_all[off[r]:off[r + 1]],
-            max_seqlen_q=qmax[r] if b > a else 0,
-            max_seqlen_k=kmax[r] if b > a else 0,
-            work=work_list[r],
-            rank=r,
-            rank_counts=counts,
-            run_start=start[a:b],
-            run_key_start=doc_start[a:b],
-            owners=owners,
-        ))
+    owners = np.stack([start, end, rank, local], axis=1)[np.argsort(start)]
+    query_runs = np.stack([start, end, cu[doc]], axis=1)
+    b_list, work_list = bounds.tolist(), np.bincount(rank, weights=work, minlength=cp).tolist()
+    shards = tuple(RankShard._fast(rank=r, work=work_list[r], rank_counts=counts,
+                                   query_runs=query_runs[b_list[r]:b_list[r + 1]], owners=owners)
+                   for r in range(cp))
     return ShardLayout(name=name, requested=requested, cp=cp, lengths=lengths, padded_lengths=padded,
-                       ranks=tuple(shards), estimates=estimates)
+                       ranks=shards, estimates=estimates)
 
 
 def _validate(name: str, lengths, cp, tile) -> tuple[str, np.ndarray]:

@@ -223,9 +223,9 @@ def rank_batch(segment_lengths: np.ndarray, sharding: CPSharding, *, layout: Sha
     padded = np.asarray(layout.padded_lengths, dtype=np.int64)
     token_index = shard.token_index
     positions = shard.position_ids
-    if np.array_equal(layout_lengths, padded):
+    if np.array_equal(lengths, padded):
         rows = token_index
-    else:  # TE padding: positions of the padded sequence -> real positions, -1 where TE pads
+    else:  # TE padding (its documents', its padding document): padded positions -> real ones, -1 where TE pads
         real = np.append(lengths, np.zeros(layout_lengths.size - lengths.size, dtype=np.int64))
         doc = np.searchsorted(_cu(padded), token_index, side="right") - 1
         within = token_index - _cu(padded)[doc]
