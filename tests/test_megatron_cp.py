@@ -309,6 +309,8 @@ def test_plan_errors_and_te_requirement():
         CPSharding("ring", 2, 0)
     with pytest.raises(ValueError, match=">= 1 token"):
         rank_batch(np.array([3, 0]), CPSharding())
+    with pytest.raises(ValueError, match="of \\[4, 4, 4\\] entries for a packed sequence of 3 tokens"):
+        rank_batch(np.array([3]), CPSharding(), packed=(np.zeros(4), np.zeros(4), np.zeros(4)))
     assert micro_batch_lengths([5, 4], 4).tolist() == [5, 4, 3]
     assert micro_batch_lengths([], 4, empty_tokens=6).tolist() == [8]
     if not cp_hooks.te_available():

@@ -218,6 +218,12 @@ def rank_batch(segment_lengths: np.ndarray, sharding: CPSharding, *, layout: Sha
     lengths = _segments(segment_lengths)
     rank = sharding.cp_rank
     layout = layout_micro_batch(lengths, sharding) if layout is None else layout
+    if layout.cp != sharding.cp_size:
+        raise ValueError(f"a layout over {layout.cp} CP ranks for a CP group of {sharding.cp_size}")
+    size = int(lengths.sum())
+    if packed is not None and any(np.size(a) != size for a in packed):
+        raise ValueError(f"tokens, labels and loss mask of {[np.size(a) for a in packed]} entries for a packed "
+                         f"sequence of {size} tokens")
     shard = layout.ranks[rank]
     layout_lengths = layout.lengths
     padded = np.asarray(layout.padded_lengths, dtype=np.int64)
@@ -236,7 +242,6 @@ def rank_batch(segment_lengths: np.ndarray, sharding: CPSharding, *, layout: Sha
         rows = np.append(rows, np.full(local_pad, -1, dtype=np.int64))
         positions = np.append(positions, np.zeros(local_pad, dtype=np.int64))
     if packed is None:
-        size = int(lengths.sum())
         packed = (np.zeros(size, np.int64), np.zeros(size, np.int64), np.zeros(size, np.float32))
     tokens, labels, loss_mask = (_take(rows, a)[None] for a in packed)
     if sharding.te_attention:
