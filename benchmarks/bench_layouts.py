@@ -149,11 +149,12 @@ def to_markdown(r: dict) -> str:
     t = r["timing"]
     out.append(f"\n## Build time, CP = {t['cp']}, {r['seq_len']}-token micro-batches ({t['micro_batches']} "
                "micro-batches x 5 repeats)\n")
-    out.append("`build` = `build_layout` for all ranks (runs, cu_seqlens, max lengths, work); `+ rank tokens` "
-               "additionally materialises the middle rank's token_index and position_ids and the O(runs) pieces "
-               "of its K/V gather index (what a training rank computes on the host each step; the attention "
-               "expands the pieces on the GPU). `build + host gather rows` instead expands that index "
-               "(O(keys), ~T entries) in numpy, for reference.\n")
+    out.append("`build` = `build_layout` for all ranks (every rank's runs and work; a rank's cu_seqlens and max "
+               "lengths are derived from its runs on use); `+ rank tokens` additionally materialises the middle "
+               "rank's token_index and position_ids and the O(runs) pieces of its K/V gather index (what a "
+               "training rank computes on the host each step; the device upload expands the pieces on the GPU). "
+               "`build + host gather rows` instead expands that index (O(keys), ~T entries) in numpy, for "
+               "reference.\n")
     out.append("Wall-clock medians/p90 include time the shared machine gave to other processes (its load "
                f"average was {t['load_average']:.1f} on 2 cores during the run); the CPU columns are this "
                "process's CPU time.\n")
