@@ -633,3 +633,22 @@ def test_rope_hook_passes_newer_megatron_keywords_through():
             hooked(x, torch.randn(int(segs.max()), 1, 1, 8), cfg, cu_seqlens=params.cu_seqlens_q, inverse=True)
     finally:
         attention._ACTIVE.reset(token)
+
+
+def test_the_device_record_is_one_buffer_copied_once():
+    """cp.device.upload: every array of the host record lands in one buffer (one host -> device copy, from pinned
+    memory on CUDA); the fields are views of it and equal the host record's; the TE path uses the same upload."""
+    from megatron_wlb.cp.device import upload
+
+    batch, data, params, _, _ = _planned(6, "per-document", 2, 1, rank_multiple=4)
+    device = params.wlb
+    views = [device.tokens, device.labels, device.loss_mask, device.position_ids, device.rope_positions,
+             device.cu_seqlens_q, device.cu_seqlens_k]
+    assert len({t.untyped_storage().data_ptr() for t in views}) == 1
+    assert device.tokens.tolist() == batch.tokens.tolist() and device.loss_mask.tolist() == batch.loss_mask.tolist()
+    assert device.cu_seqlens_k.tolist() == batch.cu_seqlens_k.tolist() and device.local_pad == batch.local_pad
+    assert device.segment_index.tolist() == batch.shard.gather_rows().tolist()
+    meta = upload(batch, "cpu", tokens=False)  # middle stages: the metadata only, from the same function
+    assert meta.tokens is None and meta.segment_index.tolist() == device.segment_index.tolist()
+    _, te = _te_rank([3, 3], 1)
+    assert te.wlb.te and te.cu_seqlens_q.untyped_storage().data_ptr() == te.wlb.tokens.untyped_storage().data_ptr()
