@@ -5,11 +5,11 @@ times, per CP layout and size:
 
 - ``plan``: ``data.rank_micro_batch`` in the data iterator: the CP layout of every rank, this
   rank's rows of tokens/labels/loss_mask, its RoPE positions (cp/plan.py), on the host;
-- ``upload``: ``cp_hooks.upload_micro_batch``: the host -> device copies (here device = CPU, so this
-  is the tensor building and the on-device expansion of the all-gather segment index);
-- ``per-layer before``: what each attention layer used to redo before the one-plan path
-  (``CPAttentionMetadata.from_shard``: segment index and cu_seqlens uploads), now done once per
-  micro-batch; ``saved`` is that times the model's layers per pipeline stage, minus one.
+- ``upload``: ``cp_hooks.upload_micro_batch``: the one host -> device copy (``cp.device.upload``; here
+  device = CPU, so this is the buffer building and the on-device expansion of the all-gather segment index);
+- ``per-layer before``: what each attention layer used to redo before the one-plan path (the
+  attention metadata: segment index and cu_seqlens, now ``upload(batch, tokens=False)``), done once
+  per micro-batch; ``saved`` is that times the model's layers per pipeline stage, minus one.
 
     python benchmarks/bench_batch_path.py [--layers 32] [--reps 5] [--out benchmarks/results/batch_path]
 
@@ -28,6 +28,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _results import write_result  # noqa: E402
+
+from megatron_wlb.provenance import markdown_table  # noqa: E402
 
 
 def _micro_batch(lengths: np.ndarray, tokens: int, start: int):
@@ -54,7 +56,7 @@ def _median_ms(fn, reps: int) -> float:
 def run(layers: int, reps: int, step_ms: float = 100.0) -> dict:
     import torch
 
-    from megatron_wlb.cp.attention import CPAttentionMetadata
+    from megatron_wlb.cp.device import upload
     from megatron_wlb.cp.plan import CPSharding
     from megatron_wlb.data import load_lengths
     from megatron_wlb.megatron.cp_hooks import upload_micro_batch
@@ -79,10 +81,10 @@ def run(layers: int, reps: int, step_ms: float = 100.0) -> dict:
                 batch = rank_micro_batch(read, mb, sharding)
                 plan_ms = _median_ms(lambda s=sharding, m=mb: rank_micro_batch(read, m, s), reps)
                 upload_ms = _median_ms(lambda b=batch: upload_micro_batch(b, cpu, cp_group=None), reps)
-                layer_ms = _median_ms(lambda b=batch: CPAttentionMetadata.from_shard(b.plan.shard, cpu), reps)
+                layer_ms = _median_ms(lambda b=batch: upload(b, cpu, tokens=False), reps)
                 rows.append({"tokens": int(sum(p.length for p in mb.pieces)), "documents": len(mb.pieces),
-                             "cp": cp, "layout": layout, "chosen": batch.plan.layout.name,
-                             "rank_rows": batch.plan.num_rows, "plan_ms": round(plan_ms, 3),
+                             "cp": cp, "layout": layout, "chosen": batch.layout.name,
+                             "rank_rows": batch.num_rows, "plan_ms": round(plan_ms, 3),
                              "upload_ms": round(upload_ms, 3), "per_layer_before_ms": round(layer_ms, 3),
                              "saved_ms": round(layer_ms * (layers - 1), 2)})
     return {"machine": f"{machine()}, torch {torch.__version__} ({torch.get_num_threads()} threads)",
@@ -141,14 +143,13 @@ def to_markdown(result: dict) -> str:
              "layout + rows (host); `upload`: the one copy to the device (here the CPU); `per layer before`: "
              "the metadata each attention layer rebuilt before the one-plan path (on a GPU also host -> "
              "device copies and, before them, a device -> host read of cu_seqlens per micro-batch); `saved`: "
-             f"that x ({result['layers']} - 1) layers per micro-batch.", "",
-             "| T | docs | CP | layout (chosen) | rank rows | plan | upload | per layer before | saved |",
-             "|---:|---:|---:|---|---:|---:|---:|---:|---:|"]
-    for r in result["rows"]:
-        chosen = r["layout"] if r["chosen"] == r["layout"] else f"{r['layout']} ({r['chosen']})"
-        lines.append(f"| {r['tokens']:,} | {r['documents']} | {r['cp']} | {chosen} | {r['rank_rows']:,} | "
-                     f"{r['plan_ms']:.2f} | {r['upload_ms']:.2f} | {r['per_layer_before_ms']:.2f} | "
-                     f"{r['saved_ms']:.1f} |")
+             f"that x ({result['layers']} - 1) layers per micro-batch.", ""]
+    lines += markdown_table(
+        ["T", "docs", "CP", "layout (chosen)", "rank rows", "plan", "upload", "per layer before", "saved"],
+        ([f"{r['tokens']:,}", r["documents"], r["cp"],
+          r["layout"] if r["chosen"] == r["layout"] else f"{r['layout']} ({r['chosen']})", f"{r['rank_rows']:,}",
+          f"{r['plan_ms']:.2f}", f"{r['upload_ms']:.2f}", f"{r['per_layer_before_ms']:.2f}", f"{r['saved_ms']:.1f}"]
+         for r in result["rows"]), "rrrlrrrrr")
     lines += ["", "## What stays on the critical path (the training iterator's `next()`)", "",
               "Host ms per micro-batch that `next()` takes while the step waits, 128K-token micro-batches, "
               f"`adaptive` CP sharding, {result['critical'][0]['n']} micro-batches per iteration, a step of "
@@ -156,13 +157,12 @@ def to_markdown(result: dict) -> str:
               "computes). `first`: the first micro-batch of an iteration (packs the iteration: stays on the "
               "critical path); `rest`: the others (prefetched on a thread); `per micro-batch`: the mean. The "
               "upload is not in these numbers: on a GPU the prefetch thread also sends it from pinned memory on "
-              "a side stream (the CPU has none).", "",
-              "| T | CP | plain first | plain rest | plain per mb | prefetch first | prefetch rest | "
-              "prefetch per mb |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in result["critical"]:
-        lines.append(f"| {r['tokens']:,} | {r['cp']} | {r['plain_first_ms']:.2f} | {r['plain_rest_ms']:.2f} | "
-                     f"{r['plain_per_micro_batch_ms']:.2f} | {r['prefetch_first_ms']:.2f} | "
-                     f"{r['prefetch_rest_ms']:.2f} | {r['prefetch_per_micro_batch_ms']:.2f} |")
+              "a side stream (the CPU has none).", ""]
+    lines += markdown_table(
+        ["T", "CP", "plain first", "plain rest", "plain per mb", "prefetch first", "prefetch rest", "prefetch per mb"],
+        ([f"{r['tokens']:,}", r["cp"], *(f"{r[f'{k}_{m}_ms']:.2f}" for k in ("plain", "prefetch")
+                                           for m in ("first", "rest", "per_micro_batch"))] for r in result["critical"]),
+        "r" * 8)
     return "\n".join(lines) + "\n"
 
 

@@ -30,8 +30,9 @@ if __package__ in (None, ""):  # run as a script from a checkout without `pip in
 from _results import write_result
 
 from megatron_wlb.cp import KernelEfficiency, build_layout, default_cost_model
-from megatron_wlb.cp.sampling import concat_and_cut
+from megatron_wlb.cp.sampling import SAMPLE_SOURCE, concat_and_cut
 from megatron_wlb.data import load_lengths
+from megatron_wlb.provenance import markdown_table
 
 LAYOUTS = ("per-sequence", "per-document", "per-document-te", "adaptive", "hybrid")
 FLAT = KernelEfficiency(np.array([1.0, 2.0]), np.array([1.0, 2.0]), np.full((2, 2), 1.0), tile=1)
@@ -119,12 +120,11 @@ def run(args) -> dict:
 
 
 def to_markdown(r: dict) -> str:
+    docs = r["docs_per_micro_batch"]
+    sample = (f"{r['micro_batches']} micro-batches of {r['seq_len']} tokens, {SAMPLE_SOURCE}; {docs['mean']:.1f} "
+              f"documents per micro-batch on average (max {docs['max']})")
     out = ["# CP shard layouts: imbalance and build time\n",
-           f"Machine: {r['machine']} (Python {r['python']}). {r['micro_batches']} micro-batches of "
-           f"{r['seq_len']} tokens, cut Megatron-style (concat-and-cut) from the embedded length stream "
-           f"(megatron_wlb/data/dist_wlbllm.json, published by the DistCA authors as a stand-in for "
-           f"WLB-LLM's data); {r['docs_per_micro_batch']['mean']:.1f} documents per micro-batch on average "
-           f"(max {r['docs_per_micro_batch']['max']}).\n",
+           f"Machine: {r['machine']} (Python {r['python']}). {sample}.\n",
            f"Work = estimated forward attention seconds per rank (7B, TP=1, analytic cost model, tile 128, "
            f"kernel-efficiency table: {r['efficiency_table']}). Imbalance = max / mean over the CP ranks. "
            "'attn time' = sum over micro-batches of the slowest rank's attention work, relative to "
@@ -134,38 +134,37 @@ def to_markdown(r: dict) -> str:
            "Regenerate: `python benchmarks/bench_layouts.py`.\n"]
     for cp, rows in r["cp"].items():
         out.append(f"\n## CP = {cp}\n")
-        out.append("| layout | imbalance mean | p50 | p99 | max | token max/mean | attn time vs per-seq "
-                   "| attn+linear vs per-seq | beats adaptive | beats both static | padded tokens | layouts used |")
-        out.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
-        for name, x in rows.items():
-            used = ", ".join(f"{k} {v}" for k, v in sorted(x["layouts_used"].items()))
-            out.append(f"| {name} | {x['imbalance_mean']:.4f} | {x['imbalance_p50']:.4f} | {x['imbalance_p99']:.4f} "
-                       f"| {x['imbalance_max']:.4f} | {x['token_imbalance_max']:.4f} "
-                       f"| {x['attention_time_vs_per_sequence']:.3f} | {x['step_time_vs_per_sequence']:.3f} "
-                       f"| {100 * x['beats_adaptive_fraction']:.0f}% "
-                       f"| {100 * x['beats_both_static_fraction']:.0f}% | {x['padded_tokens']} | {used} |")
+        out += markdown_table(
+            ["layout", "imbalance mean", "p50", "p99", "max", "token max/mean", "attn time vs per-seq",
+             "attn+linear vs per-seq", "beats adaptive", "beats both static", "padded tokens", "layouts used"],
+            ([name, *(f"{x[k]:.4f}" for k in ("imbalance_mean", "imbalance_p50", "imbalance_p99", "imbalance_max",
+                                              "token_imbalance_max")),
+              f"{x['attention_time_vs_per_sequence']:.3f}", f"{x['step_time_vs_per_sequence']:.3f}",
+              f"{100 * x['beats_adaptive_fraction']:.0f}%", f"{100 * x['beats_both_static_fraction']:.0f}%",
+              x["padded_tokens"], ", ".join(f"{k} {v}" for k, v in sorted(x["layouts_used"].items()))]
+             for name, x in rows.items()))
         pd = rows["per-document"]
         out.append(f"\nper-document with pure FLOPs (tile 1, flat efficiency): imbalance mean "
                    f"{pd['pure_flops_imbalance_mean']:.5f}, max {pd['pure_flops_imbalance_max']:.5f}.\n")
     t = r["timing"]
     out.append(f"\n## Build time, CP = {t['cp']}, {r['seq_len']}-token micro-batches ({t['micro_batches']} "
                "micro-batches x 5 repeats)\n")
-    out.append("`build` = `build_layout` for all ranks (runs, cu_seqlens, max lengths, work); `+ rank tokens` "
-               "additionally materialises the middle rank's token_index and position_ids and the O(runs) pieces "
-               "of its K/V gather index (what a training rank computes on the host each step; the attention "
-               "expands the pieces on the GPU). `build + host gather rows` instead expands that index "
-               "(O(keys), ~T entries) in numpy, for reference.\n")
+    out.append("`build` = `build_layout` for all ranks (every rank's runs and work; a rank's cu_seqlens and max "
+               "lengths are derived from its runs on use); `+ rank tokens` additionally materialises the middle "
+               "rank's token_index and position_ids and the O(runs) pieces of its K/V gather index (what a "
+               "training rank computes on the host each step; the device upload expands the pieces on the GPU). "
+               "`build + host gather rows` instead expands that index (O(keys), ~T entries) in numpy, for "
+               "reference.\n")
     out.append("Wall-clock medians/p90 include time the shared machine gave to other processes (its load "
                f"average was {t['load_average']:.1f} on 2 cores during the run); the CPU columns are this "
                "process's CPU time.\n")
-    out.append("| layout | build median ms | p90 | min | CPU median | + rank tokens median ms | p90 | CPU median "
-               "| build + host gather rows median ms |")
-    out.append("|---|---|---|---|---|---|---|---|---|")
-    for name, x in t["layouts"].items():
-        out.append(f"| {name} | {x['build_ms_median']:.3f} | {x['build_ms_p90']:.3f} | {x['build_ms_min']:.3f} "
-                   f"| {x['build_cpu_ms_median']:.3f} | {x['with_rank_tokens_ms_median']:.3f} "
-                   f"| {x['with_rank_tokens_ms_p90']:.3f} | {x['with_rank_tokens_cpu_ms_median']:.3f} "
-                   f"| {x['with_host_gather_rows_ms_median']:.3f} |")
+    out += markdown_table(
+        ["layout", "build median ms", "p90", "min", "CPU median", "+ rank tokens median ms", "p90", "CPU median",
+         "build + host gather rows median ms"],
+        ([name, *(f"{x[k]:.3f}" for k in ("build_ms_median", "build_ms_p90", "build_ms_min", "build_cpu_ms_median",
+                                          "with_rank_tokens_ms_median", "with_rank_tokens_ms_p90",
+                                          "with_rank_tokens_cpu_ms_median", "with_host_gather_rows_ms_median"))]
+         for name, x in t["layouts"].items()))
     return "\n".join(out) + "\n"
 
 

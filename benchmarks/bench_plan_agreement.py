@@ -27,6 +27,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _results import RESULTS_PAGE, write_result  # noqa: E402
 
+from megatron_wlb.provenance import markdown_table  # noqa: E402
+
 README_MARKER = "<!-- agreement-table -->"
 README_END = "<!-- /agreement-table -->"
 CP = 2
@@ -121,20 +123,19 @@ def _timed(fn, *args) -> float:
 
 def readme_table(result: dict) -> str:
     """The the results page's table: per-iteration rows, then the start-up fingerprint rows."""
-    lines = ["| ranks (DP x CP) | pieces in the plan | digest | layouts of a DP rank's micro-batches | check (digest + "
-             "all-reduce), median | 90th percentile |", "|---:|---:|---:|---:|---:|---:|"]
-    for row in result["rows"]:
-        lines.append(f"| {row['world']} ({row['dp']} x {row['cp']}) | {row['pieces']} | {row['digest_ms']:.3f} ms | "
-                     f"{row['layouts_ms']:.1f} ms ({row['micro_batches_per_rank']}) | {row['median_ms']:.3f} ms | "
-                     f"{row['p90_ms']:.3f} ms |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(markdown_table(
+        ["ranks (DP x CP)", "pieces in the plan", "digest", "layouts of a DP rank's micro-batches",
+         "check (digest + all-reduce), median", "90th percentile"],
+        ([f"{row['world']} ({row['dp']} x {row['cp']})", row["pieces"], f"{row['digest_ms']:.3f} ms",
+          f"{row['layouts_ms']:.1f} ms ({row['micro_batches_per_rank']})", f"{row['median_ms']:.3f} ms",
+          f"{row['p90_ms']:.3f} ms"] for row in result["rows"]), "r" * 6)) + "\n"
 
 
 def startup_table(result: dict) -> str:
-    lines = ["| documents | .idx | fingerprint (whole .idx + sampled .bin) |", "|---:|---:|---:|"]
-    for row in result["startup"]:
-        lines.append(f"| {row['documents']:.0e} | {row['idx_mib']:.0f} MiB | {row['seconds']:.2f} s |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(markdown_table(
+        ["documents", ".idx", "fingerprint (whole .idx + sampled .bin)"],
+        ([f"{row['documents']:.0e}", f"{row['idx_mib']:.0f} MiB", f"{row['seconds']:.2f} s"]
+         for row in result["startup"]), "rrr")) + "\n"
 
 
 def readme_block(result: dict) -> str:

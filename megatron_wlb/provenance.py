@@ -10,10 +10,10 @@ from __future__ import annotations
 import json
 import os
 import platform
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
-__all__ = ["machine", "write_result"]
+__all__ = ["machine", "markdown_table", "write_result"]
 
 
 def machine() -> str:
@@ -30,6 +30,14 @@ def machine() -> str:
     if hasattr(os, "getloadavg"):
         load = f", load average {os.getloadavg()[0]:.1f} at start (shared machine)"
     return f"{cpu}, {os.cpu_count()} cores visible, Python {platform.python_version()}, {platform.system()}{load}"
+
+
+def markdown_table(header: Sequence[str], rows: Iterable[Sequence[object]], align: str = "") -> list[str]:
+    """A Markdown table's lines: ``header``, the rule (``align``: ``r`` right-aligns that column, anything
+    else leaves it plain; default all plain), then one line per row of already formatted cells."""
+    rule = ["---:" if a == "r" else "---" for a in align.ljust(len(header))]
+    return ["| " + " | ".join(header) + " |", "|" + "|".join(rule) + "|",
+            *("| " + " | ".join(str(c) for c in row) + " |" for row in rows)]
 
 
 def write_result(out: str | Path, result: dict, to_markdown: Callable[[dict], str]) -> None:

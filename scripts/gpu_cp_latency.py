@@ -34,9 +34,9 @@ from gpu_profile_attention import DTYPES, time_call
 from megatron_wlb.costmodel import AnalyticCostModel, ParallelLayout, get_model
 from megatron_wlb.cp import LAYOUT_NAMES, KernelEfficiency, build_layout
 from megatron_wlb.cp.attention import resolve_backend, varlen_attention
-from megatron_wlb.cp.sampling import available, concat_and_cut
+from megatron_wlb.cp.sampling import SAMPLE_SOURCE, available, concat_and_cut
 from megatron_wlb.data import load_lengths
-from megatron_wlb.provenance import write_result
+from megatron_wlb.provenance import markdown_table, write_result
 
 
 def pick_micro_batches(seq_len: int, count: int) -> list[np.ndarray]:
@@ -140,15 +140,13 @@ def to_markdown(r: dict) -> str:
            f"Device: {r['device']}, backend {r['backend']}, torch {r['torch']}, {r['dtype']}, "
            f"{r['heads']} q heads / {r['kv_heads']} kv heads x {r['head_dim']}, "
            f"{'forward + backward' if r['bwd'] else 'forward'}; efficiency table: {r['efficiency_table']}. "
-           "Micro-batches: concat-and-cut of the embedded (DistCA-published) length stream. Step = max over "
-           "ranks; all-gather / reduce-scatter not included.\n",
-           "| seq | CP | layout | step ms (mean) | vs per-sequence | measured imbalance | estimate vs measured "
-           "(Spearman) | layouts used |", "|---|---|---|---|---|---|---|---|"]
-    for x in r["summary"]:
-        used = ", ".join(f"{k} {v}" for k, v in x["used"].items())
-        out.append(f"| {x['seq_len']} | {x['cp']} | {x['layout']} | {x['step_ms_mean']:.3f} | "
-                   f"{x['vs_per_sequence']:.3f} | {x['measured_imbalance_mean']:.3f} | "
-                   f"{x['estimate_spearman']:.3f} | {used} |")
+           f"Micro-batches: {SAMPLE_SOURCE}. Step = max over ranks; all-gather / reduce-scatter not included.\n"]
+    out += markdown_table(
+        ["seq", "CP", "layout", "step ms (mean)", "vs per-sequence", "measured imbalance",
+         "estimate vs measured (Spearman)", "layouts used"],
+        ([x["seq_len"], x["cp"], x["layout"],
+          *(f"{x[k]:.3f}" for k in ("step_ms_mean", "vs_per_sequence", "measured_imbalance_mean", "estimate_spearman")),
+          ", ".join(f"{k} {v}" for k, v in x["used"].items())] for x in r["summary"]))
     return "\n".join(out) + "\n"
 
 

@@ -29,12 +29,13 @@ import torch
 
 from megatron_wlb.cp import LAYOUT_NAMES, build_layout
 from megatron_wlb.cp.attention import (
-    CPAttentionMetadata,
     all_gather_cp_attention,
     reference_varlen_attention,
     resolve_backend,
     varlen_attention,
 )
+from megatron_wlb.cp.device import upload
+from megatron_wlb.cp.plan import layout_batch
 
 MIXES = ([1, 1, 3, 1], [5, 1, 9, 33, 2], [64, 7, 129, 16, 300])
 
@@ -51,7 +52,7 @@ def check_case(lengths: list[int], cp: int, layout: str, heads: int, kv_heads: i
     lay = build_layout(layout, lengths, cp, tile=4)
     gen = torch.Generator().manual_seed(seed)
     worst = 0.0
-    for shard in lay.ranks:
+    for rank, shard in enumerate(lay.ranks):
         if shard.num_tokens == 0:
             continue
         keys = int(shard.key_lengths.sum()) if cp > 1 else shard.num_tokens
@@ -62,7 +63,7 @@ def check_case(lengths: list[int], cp: int, layout: str, heads: int, kv_heads: i
         cu_q = torch.as_tensor(shard.cu_seqlens_q, dtype=torch.int32)
         cu_k = torch.as_tensor(shard.cu_seqlens_k, dtype=torch.int32)
         if cp == 1:  # the training entry point itself (segments picked from the local K/V)
-            meta = CPAttentionMetadata.from_shard(shard, device)
+            meta = upload(layout_batch(lay, rank), device, tokens=False)
 
             def kernel(q_, k_, v_, meta=meta):
                 return all_gather_cp_attention(q_, k_, v_, meta, None, backend=backend)

@@ -7,7 +7,7 @@ writes, per rank, ``rank{R}.json``:
 - ``losses``: ``{iteration: lm loss}`` as ``train_step`` returned it (last pipeline stage only);
 - ``doc_tokens``: tokens of each stream document that reached the model after CP sharding, per data
   iterator (first model chunk first), counted on TP rank 0 of the last pipeline stage from the rows
-  each upload carries (``RankPlan.rows`` mapped to the pieces' documents);
+  each upload carries (``RankMicroBatch.rows`` mapped to the pieces' documents);
 - ``plans``: every global plan the first iterator made: ``[[doc_id, length], ...]`` per iteration;
 - ``pieces``: the same plans' pieces as ``[doc_id, offset, length]``;
 - ``piece_data``: ``{doc_id: sha256 of its tokens, labels and loss mask}`` of every piece this rank's
@@ -64,7 +64,7 @@ def main() -> None:
         if which == 0:
             import hashlib
 
-            whole = out.plan.take(np.arange(int(out.plan.segment_lengths.sum())), fill=-1)
+            whole = out.take(np.arange(int(out.segment_lengths.sum())), fill=-1)
             at = 0
             for piece in out.micro_batch.pieces:
                 rows = np.flatnonzero((whole >= at) & (whole < at + piece.length))
@@ -95,12 +95,12 @@ def main() -> None:
                 and ps.get_tensor_model_parallel_rank() == 0:
             while len(record["doc_tokens"]) <= which:
                 record["doc_tokens"].append(defaultdict(int))
-            doc_of_token = np.full(int(batch.plan.segment_lengths.sum()), -1, dtype=np.int64)
+            doc_of_token = np.full(int(batch.segment_lengths.sum()), -1, dtype=np.int64)
             at = 0
             for piece in batch.micro_batch.pieces:
                 doc_of_token[at:at + piece.length] = piece.doc_id
                 at += piece.length
-            rows = batch.plan.take(doc_of_token, fill=-1)
+            rows = batch.take(doc_of_token, fill=-1)
             assert np.array_equal(out[0]["tokens"][0].cpu().numpy()[rows < 0], np.zeros(int((rows < 0).sum())))
             ids, counts = np.unique(rows, return_counts=True)
             for i, c in zip(ids.tolist(), counts.tolist(), strict=True):

@@ -17,9 +17,16 @@ from megatron_wlb.cp.attention import (
     reference_varlen_attention,
     resolve_backend,
 )
-from megatron_wlb.cp.layouts import LAYOUT_NAMES, build_layout
+from megatron_wlb.cp.device import DeviceBatch, upload
+from megatron_wlb.cp.layouts import LAYOUT_NAMES, ShardLayout, build_layout
+from megatron_wlb.cp.plan import layout_batch
 
 HEADS, KV_HEADS, DIM = 4, 2, 8
+
+
+def _meta(layout: ShardLayout, rank: int) -> DeviceBatch:
+    """Rank ``rank``'s device record of ``layout``, as the training path makes it (one upload)."""
+    return upload(layout_batch(layout, rank), "cpu", tokens=False)
 
 
 def _length_mixes(cp: int, seed: int) -> list[list[int]]:
@@ -54,7 +61,7 @@ def _check_case(lengths: list[int], cp: int, rank: int, layout: str, tile: int, 
     ql = q.detach()[idx].clone().requires_grad_(True)
     kl = k.detach()[idx].clone().requires_grad_(True)
     vl = v.detach()[idx].clone().requires_grad_(True)
-    out = AllGatherCPAttention(backend="auto")(ql, kl, vl, shard, group)
+    out = AllGatherCPAttention(backend="auto")(ql, kl, vl, _meta(lay, rank), group)
     (out * g[idx]).sum().backward()
     what = f"layout={layout} (used {lay.name}) lengths={lengths} cp={cp} rank={rank} tile={tile}"
     torch.testing.assert_close(out, ref.detach()[idx], rtol=1e-4, atol=1e-5, msg=lambda m: f"out {what}: {m}")
@@ -73,7 +80,7 @@ def _worker(rank: int, cp: int) -> None:
                 case += 1
     # Metadata that does not match the process group fails before any collective (no hang).
     lay = build_layout("per-document", [5, 9], cp)
-    wrong = lay.ranks[(rank + 1) % cp]
+    wrong = _meta(lay, (rank + 1) % cp)
     n = wrong.num_tokens
     try:
         all_gather_cp_attention(torch.zeros(n, HEADS, DIM), torch.zeros(n, KV_HEADS, DIM),
@@ -91,7 +98,7 @@ def test_all_gather_cp_attention_matches_reference(cp):
 
 def test_single_process_cp1_and_errors():
     lay = build_layout("per-document", [3, 1, 6], 1)
-    shard = lay.ranks[0]
+    shard = _meta(lay, 0)
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(10, h, DIM, generator=gen) for h in (HEADS, KV_HEADS, KV_HEADS))
     out = all_gather_cp_attention(q, k, v, shard, None)
@@ -103,8 +110,10 @@ def test_single_process_cp1_and_errors():
     with pytest.raises(ValueError, match="tokens, heads, head_dim"):
         all_gather_cp_attention(q.reshape(10, -1), k, v, shard, None)
     with pytest.raises(ValueError, match="not initialised"):
-        two = build_layout("per-sequence", [3, 1, 6], 2).ranks[0]
+        two = _meta(build_layout("per-sequence", [3, 1, 6], 2), 0)
         all_gather_cp_attention(q[:5], k[:5], v[:5], two, None)
+    with pytest.raises(ValueError, match="reads a DeviceBatch"):
+        all_gather_cp_attention(q, k, v, lay.ranks[0], None)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="unknown attention backend"):
         AllGatherCPAttention(backend="ring")
     with pytest.raises(ValueError, match="needs CUDA"):
@@ -144,12 +153,10 @@ def test_per_document_te_padding_leaves_real_tokens_unchanged():
 
 
 def test_segment_index_expands_gather_pieces_on_the_device():
-    from megatron_wlb.cp.attention import segment_index
-
     for name in LAYOUT_NAMES:
         lay = build_layout(name, [7, 1, 30, 2, 16], 4, tile=4)
-        for shard in lay.ranks:
-            rows = segment_index(shard, "cpu")
+        for rank, shard in enumerate(lay.ranks):
+            rows = _meta(lay, rank).segment_index
             assert rows.dtype == torch.long
             assert rows.tolist() == shard.gather_rows().tolist()
             assert rows.numel() == shard.kv_index.size
@@ -236,14 +243,14 @@ def test_flash_attn_gets_causal_bottom_right_and_the_scale(monkeypatch):
 
 
 def test_the_kernel_gets_the_uploaded_metadata_as_is(monkeypatch):
-    """all_gather_cp_attention with CPAttentionMetadata: the kernel receives the very cu_seqlens tensors
+    """all_gather_cp_attention with a DeviceBatch: the kernel receives the very cu_seqlens tensors
     uploaded once per micro-batch (no per-layer copy) and host ints for max_seqlen; the result is the
     reference's."""
     import megatron_wlb.cp.attention as attention
-    from megatron_wlb.cp.attention import CPAttentionMetadata, all_gather_cp_attention, reference_varlen_attention
+    from megatron_wlb.cp.attention import all_gather_cp_attention, reference_varlen_attention
 
     layout = build_layout("per-document", np.array([7, 3, 12]), 1)
-    meta = CPAttentionMetadata.from_shard(layout.ranks[0])
+    meta = _meta(layout, 0)
     seen = []
 
     def kernel(q, k, v, cu_q, cu_k, max_q, max_k, scale):
@@ -387,7 +394,6 @@ def test_cp1_passes_kv_to_the_kernel_without_copies(monkeypatch):
     """issue 20, item 10: at CP = 1 with one run per document (hybrid) the key segments are k and v themselves;
     layouts that cut a document into overlapping runs (per-document's head and tail) still copy segments."""
     import megatron_wlb.cp.attention as attention
-    from megatron_wlb.cp.attention import CPAttentionMetadata
 
     seen = []
 
@@ -397,18 +403,18 @@ def test_cp1_passes_kv_to_the_kernel_without_copies(monkeypatch):
 
     monkeypatch.setattr(attention, "resolve_backend", lambda backend, device, dtype=None: "torch-varlen")
     monkeypatch.setattr(attention, "_torch_varlen", kernel)
-    meta = CPAttentionMetadata.from_shard(build_layout("hybrid", np.array([7, 3, 12]), 1).ranks[0])
+    meta = _meta(build_layout("hybrid", np.array([7, 3, 12]), 1), 0)
     assert meta.identity_segments
     gen = torch.Generator().manual_seed(5)
     q, k, v = (torch.randn(22, h, DIM, generator=gen) for h in (HEADS, KV_HEADS, KV_HEADS))
     all_gather_cp_attention(q, k, v, meta, None)
     assert seen == [(k.data_ptr(), v.data_ptr())]
-    split = CPAttentionMetadata.from_shard(build_layout("per-document", np.array([7, 3, 12]), 1).ranks[0])
+    split = _meta(build_layout("per-document", np.array([7, 3, 12]), 1), 0)
     assert not split.identity_segments
     out = all_gather_cp_attention(q, k, v, split, None)
     torch.testing.assert_close(out, reference_document_attention(q, k, v, [0, 7, 10, 22]))
     two = build_layout("hybrid", np.array([7, 3, 12]), 2)
-    assert not any(CPAttentionMetadata.from_shard(shard).identity_segments for shard in two.ranks)
+    assert not any(_meta(two, rank).identity_segments for rank in range(2))
 
 
 def _deterministic_worker(rank: int, cp: int) -> None:
@@ -435,7 +441,7 @@ def test_backward_is_deterministic_under_deterministic_mode():
 
 
 def test_row_occurrence_counts_repeats():
-    from megatron_wlb.cp.attention import row_occurrence
+    from megatron_wlb.cp.device import row_occurrence
 
     assert row_occurrence(np.array([5, 3, 5, 5, 3, 1])).tolist() == [0, 0, 1, 2, 1, 0]
     assert row_occurrence(np.array([], dtype=np.int64)).tolist() == []

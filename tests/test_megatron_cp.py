@@ -60,7 +60,7 @@ def _planned(seed: int, name: str, cp_size: int, cp_rank: int, *, sequence_multi
                           te_attention=name == "per-document-te")
     batch = rank_micro_batch(read, mb, sharding)
     data, params = upload_micro_batch(batch, torch.device("cpu"), cp_group=cp_group)
-    return batch, data, params, batch.plan.segment_lengths, tokens
+    return batch, data, params, batch.segment_lengths, tokens
 
 
 def _padded_view(values: np.ndarray, lengths: np.ndarray, padded: np.ndarray) -> np.ndarray:
@@ -92,7 +92,7 @@ def _check_layouts(cp_group, cp_size: int, cp_rank: int, seed: int) -> None:
             layout = build_layout(name, segs, cp_size)
             shard = layout.ranks[cp_rank]
             padded = np.asarray(layout.padded_lengths)
-            assert params.wlb.layout == layout.name and batch.plan.layout.name == layout.name
+            assert params.wlb.layout == layout.name and batch.layout.name == layout.name
             real = np.concatenate([tokens, np.zeros(int(segs.sum()) - tokens.size, dtype=np.int64)])
             full = _padded_view(real, segs, padded)[shard.token_index]
             expect = np.maximum(full, 0)  # TE's padding slots hold token 0
@@ -111,10 +111,10 @@ def _check_layouts(cp_group, cp_size: int, cp_rank: int, seed: int) -> None:
             assert torch.equal(data["position_ids"][0], torch.as_tensor(shard.position_ids)), name
             assert data["attention_mask"] is None
             if name == "per-document-te":  # TE's own THD fields, and no CP group (TE keeps its own)
-                assert params.wlb.attention is None and params.cp_group is None
+                assert params.wlb.te and params.cp_group is None
                 assert np.array_equal(params.cu_seqlens_q_padded.numpy(), np.concatenate([[0], np.cumsum(padded)]))
             else:
-                meta = params.wlb.attention
+                meta = params.wlb
                 assert params.qkv_format == "thd" and params.cp_group is cp_group
                 assert params.cu_seqlens_q is meta.cu_seqlens_q and meta.cu_seqlens_q.dtype == torch.int32
                 assert np.array_equal(meta.cu_seqlens_q.numpy(), shard.cu_seqlens_q)
@@ -122,7 +122,7 @@ def _check_layouts(cp_group, cp_size: int, cp_rank: int, seed: int) -> None:
                 assert params.max_seqlen_q >= int(padded.max())
                 # the middle-stage entry point: the same params, without the tokens
                 mid = cp_hooks.packed_seq_params_from_iterator(iter([batch]))
-                assert torch.equal(mid.wlb.attention.segment_index, meta.segment_index)
+                assert torch.equal(mid.wlb.segment_index, meta.segment_index) and mid.wlb.tokens is None
                 assert torch.equal(mid.wlb.rope_positions, params.wlb.rope_positions)
                 # the pinned pretrain_gpt's THD path passes our params through
                 same = cp_hooks.get_thd_batch_on_this_cp_rank(dict(data), params, None, None)
@@ -157,7 +157,7 @@ def _check_core_attention(cp_group, cp_size: int, cp_rank: int) -> None:
         k = torch.randn(total, groups, dim, generator=gen)
         v = torch.randn(total, groups, dim, generator=gen)
         ref = reference_document_attention(q, k, v, np.concatenate([[0], np.cumsum(segs)]))
-        idx = torch.as_tensor(batch.plan.shard.token_index)
+        idx = torch.as_tensor(batch.shard.token_index)
         want = ref[idx].reshape(len(idx), -1)
         got = module(q[idx], k[idx], v[idx], None, attn_mask_type=AttnMaskType.causal, packed_seq_params=params)
         assert got.shape == (len(idx), heads * dim)
@@ -168,9 +168,9 @@ def _check_core_attention(cp_group, cp_size: int, cp_rank: int) -> None:
         torch.testing.assert_close(got4[:, 0], want, rtol=1e-5, atol=1e-5)
     # sequence-parallel padding rows (rank_multiple): the real rows are unchanged, the padding rows are 0
     batch, _, params, segs, _ = _planned(7, "hybrid", cp_size, cp_rank, rank_multiple=8, cp_group=cp_group)
-    idx = torch.as_tensor(batch.plan.shard.token_index)
+    idx = torch.as_tensor(batch.shard.token_index)
     n, pad = len(idx), params.wlb.local_pad
-    assert (n + pad) % 8 == 0 and pad < 8 and batch.plan.num_rows == n + pad
+    assert (n + pad) % 8 == 0 and pad < 8 and batch.num_rows == n + pad
     rows = [t[idx] for t in (q, k, v)]
     rows = [torch.cat([r, torch.randn(pad, *r.shape[1:])]) for r in rows]
     got = module(*rows, None, attn_mask_type=AttnMaskType.causal, packed_seq_params=params)
@@ -224,7 +224,7 @@ def _check_self_attention(cp_size: int, cp_rank: int) -> None:
     # RotaryEmbedding.forward moves to CUDA; build its [S, 1, 1, dim] table the same way on CPU
     angles = torch.outer(torch.arange(params.max_seqlen_q, dtype=rope.inv_freq.dtype), rope.inv_freq)
     freqs = torch.cat((angles, angles), dim=-1)[:, None, None, :]
-    idx = torch.as_tensor(batch.plan.shard.token_index)
+    idx = torch.as_tensor(batch.shard.token_index)
     out, _ = layer(x[idx], None, rotary_pos_emb=freqs, packed_seq_params=params)
     ref, _ = ref_layer(x, None, rotary_pos_emb=freqs, packed_seq_params=params1)
     torch.testing.assert_close(out, ref[idx], rtol=1e-4, atol=1e-5)
@@ -295,7 +295,7 @@ def test_world8_tp2_cp2_pp2_then_cp4_dp2_then_cp2_dp4():
 # ---------------------------------------------------------------------------------------------------
 
 def test_plan_errors_and_te_requirement():
-    from megatron_wlb.cp.plan import CPSharding, micro_batch_lengths, plan_rank
+    from megatron_wlb.cp.plan import CPSharding, micro_batch_lengths, rank_batch
     from megatron_wlb.megatron import cp_hooks
     from megatron_wlb.megatron.settings import WlbSettings
 
@@ -308,7 +308,9 @@ def test_plan_errors_and_te_requirement():
     with pytest.raises(ValueError, match="CP layout 'ring'"):
         CPSharding("ring", 2, 0)
     with pytest.raises(ValueError, match=">= 1 token"):
-        plan_rank(np.array([3, 0]), CPSharding())
+        rank_batch(np.array([3, 0]), CPSharding())
+    with pytest.raises(ValueError, match="of \\[4, 4, 4\\] entries for a packed sequence of 3 tokens"):
+        rank_batch(np.array([3]), CPSharding(), packed=(np.zeros(4), np.zeros(4), np.zeros(4)))
     assert micro_batch_lengths([5, 4], 4).tolist() == [5, 4, 3]
     assert micro_batch_lengths([], 4, empty_tokens=6).tolist() == [8]
     if not cp_hooks.te_available():
@@ -321,24 +323,29 @@ def test_plan_errors_and_te_requirement():
 
 
 def _te_rank(lengths: list[int], rank: int, rank_multiple: int = 1):
-    from megatron_wlb.cp.plan import CPSharding, plan_rank
+    from megatron_wlb.cp.plan import CPSharding, rank_batch
     from megatron_wlb.megatron.cp_hooks import upload_micro_batch
-    from megatron_wlb.megatron.data import RankMicroBatch
-    from megatron_wlb.packing.types import MicroBatch
 
-    plan = plan_rank(np.array(lengths), CPSharding("per-document-te", 2, rank, rank_multiple=rank_multiple,
-                                                   te_attention=True))
     tokens = np.arange(1, sum(lengths) + 1)
-    rows = RankMicroBatch(MicroBatch((), capacity=64), plan, plan.take(tokens)[None], plan.take(tokens)[None],
-                          plan.take(np.ones(tokens.size, dtype=np.float32))[None], plan.positions[None])
+    rows = rank_batch(np.array(lengths), CPSharding("per-document-te", 2, rank, rank_multiple=rank_multiple,
+                                                    te_attention=True),
+                      packed=(tokens, tokens, np.ones(tokens.size, dtype=np.float32)))
     return upload_micro_batch(rows, torch.device("cpu"), cp_group=None)
+
+
+def test_te_padding_document_rows_are_padding():
+    """per-document-te under sequence parallelism: when the real documents need no TE padding but the ranks need a
+    padding document, that document's rows are padding (token 0, loss mask 0), not rows past the sequence."""
+    out, params = _te_rank([4], 0, rank_multiple=4)  # TE layout [4, 4]: rank 0 holds [0, 3] and [4, 7]
+    assert out["tokens"][0].tolist() == [1, 4, 0, 0] and out["loss_mask"][0].tolist() == [1.0, 1.0, 0.0, 0.0]
+    assert params.cu_seqlens_q.tolist() == [0, 4, 8] and params.wlb.te
 
 
 def test_te_params_describe_te_layout():
     """The TE path's params: real and padded offsets of TE's per-document layout (golden vectors)."""
     out, params = _te_rank([8, 8], 0)
     assert out["tokens"][0].tolist() == [1, 2, 7, 8, 9, 10, 15, 16]  # rank 0 owns [0,1,6,7,8,9,14,15]
-    assert params.wlb.attention is None and params.cu_seqlens_q_padded.tolist() == [0, 8, 16]
+    assert params.wlb.te and params.cu_seqlens_q_padded.tolist() == [0, 8, 16]
     assert params.cp_group is None  # as Megatron's own THD path: TE keeps the CP group it was built with
     assert params.max_seqlen_q == 8 and params.qkv_format == "thd"
     # nothing padded: the padded offsets are the very tensor of the real ones (TE would otherwise infer padding
@@ -356,7 +363,7 @@ def test_sequence_parallel_padding():
         seen = []
         for rank in range(4):
             batch, out, params, _, tokens = _planned(6, name, 4, rank, rank_multiple=4)
-            n, pad = len(batch.plan.shard.token_index), params.wlb.local_pad
+            n, pad = len(batch.shard.token_index), params.wlb.local_pad
             assert out["tokens"].shape[1] == n + pad and (n + pad) % 4 == 0 and 0 <= pad < 4
             assert torch.all(out["loss_mask"][0, n:] == 0) and torch.all(out["tokens"][0, n:] == 0)
             assert params.wlb.rope_positions.numel() == n + pad
@@ -395,7 +402,7 @@ def test_rope_hook_rotates_by_true_positions():
         freqs = torch.randn(int(segs.max()), 1, 1, 8, generator=torch.Generator().manual_seed(2))
         positions = torch.as_tensor(np.concatenate([np.arange(n) for n in segs]))
         full = _apply_rotary_pos_emb_bshd(t.unsqueeze(1), freqs[positions]).squeeze(1)
-        idx = torch.as_tensor(batch.plan.shard.token_index)
+        idx = torch.as_tensor(batch.shard.token_index)
         token = attention._ACTIVE.set(params.wlb)
         try:
             for cu in (params.cu_seqlens_q, params.cu_seqlens_kv):
@@ -571,11 +578,11 @@ def test_the_batch_path_reads_nothing_back_from_the_device(monkeypatch):
                     attn_mask_type=AttnMaskType.causal, packed_seq_params=params)
     out.sum().backward()
     monkeypatch.undo()
-    assert q.grad is not None and rows == batch.plan.num_rows and rows % 4 == 0
+    assert q.grad is not None and rows == batch.num_rows and rows % 4 == 0
 
 
 def test_the_active_micro_batch_is_set_around_each_attention_forward():
-    """The RoPE wrapper's context: the call's WlbVarlen, found by keyword or by position, reset afterwards."""
+    """The RoPE wrapper's context: the call's DeviceBatch, found by keyword or by position, reset afterwards."""
     from types import SimpleNamespace
 
     from megatron_wlb.megatron import attention
@@ -626,3 +633,22 @@ def test_rope_hook_passes_newer_megatron_keywords_through():
             hooked(x, torch.randn(int(segs.max()), 1, 1, 8), cfg, cu_seqlens=params.cu_seqlens_q, inverse=True)
     finally:
         attention._ACTIVE.reset(token)
+
+
+def test_the_device_record_is_one_buffer_copied_once():
+    """cp.device.upload: every array of the host record lands in one buffer (one host -> device copy, from pinned
+    memory on CUDA); the fields are views of it and equal the host record's; the TE path uses the same upload."""
+    from megatron_wlb.cp.device import upload
+
+    batch, data, params, _, _ = _planned(6, "per-document", 2, 1, rank_multiple=4)
+    device = params.wlb
+    views = [device.tokens, device.labels, device.loss_mask, device.position_ids, device.rope_positions,
+             device.cu_seqlens_q, device.cu_seqlens_k]
+    assert len({t.untyped_storage().data_ptr() for t in views}) == 1
+    assert device.tokens.tolist() == batch.tokens.tolist() and device.loss_mask.tolist() == batch.loss_mask.tolist()
+    assert device.cu_seqlens_k.tolist() == batch.cu_seqlens_k.tolist() and device.local_pad == batch.local_pad
+    assert device.segment_index.tolist() == batch.shard.gather_rows().tolist()
+    meta = upload(batch, "cpu", tokens=False)  # middle stages: the metadata only, from the same function
+    assert meta.tokens is None and meta.segment_index.tolist() == device.segment_index.tolist()
+    _, te = _te_rank([3, 3], 1)
+    assert te.wlb.te and te.cu_seqlens_q.untyped_storage().data_ptr() == te.wlb.tokens.untyped_storage().data_ptr()

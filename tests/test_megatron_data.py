@@ -148,7 +148,7 @@ def test_thd_micro_batch_convention():
     mb = MicroBatch((DocPiece(10, 0, 10, 0), DocPiece(11, 0, 5, 0), DocPiece(12, 8, 6, 0)), capacity=32)
     out = rank_micro_batch(read, mb, CPSharding())
     assert out.tokens.shape == (1, 21) and out.tokens.dtype == np.int64
-    assert out.plan.segment_lengths.tolist() == [10, 5, 6] and out.plan.rope_length == 10
+    assert out.segment_lengths.tolist() == [10, 5, 6] and out.rope_length == 10
     tok, lab, mask, pos = (a[0] for a in (out.tokens, out.labels, out.loss_mask, out.position_ids))
     assert tok.tolist() == list(range(100, 110)) + list(range(200, 205)) + list(range(308, 314))
     # labels: next token of the same piece; the last token of every piece is not trained
@@ -156,11 +156,11 @@ def test_thd_micro_batch_convention():
     assert mask.tolist() == [1.0] * 9 + [0.0] + [1.0] * 4 + [0.0] + [1.0] * 5 + [0.0]
     assert pos.tolist() == list(range(10)) + list(range(5)) + list(range(6))  # restart per piece
     padded = rank_micro_batch(read, mb, CPSharding(sequence_multiple=8))
-    assert padded.tokens.shape == (1, 24) and padded.plan.segment_lengths.tolist() == [10, 5, 6, 3]
+    assert padded.tokens.shape == (1, 24) and padded.segment_lengths.tolist() == [10, 5, 6, 3]
     assert padded.loss_mask[0, 21:].sum() == 0 and padded.tokens[0, 21:].tolist() == [0, 0, 0]
     empty = rank_micro_batch(read, MicroBatch((), capacity=32), CPSharding(sequence_multiple=4))
-    assert empty.tokens.shape == (1, 8) and empty.plan.segment_lengths.tolist() == [8]
-    assert empty.loss_mask.sum() == 0 and empty.plan.rope_length == 8
+    assert empty.tokens.shape == (1, 8) and empty.segment_lengths.tolist() == [8]
+    assert empty.loss_mask.sum() == 0 and empty.rope_length == 8
     with pytest.raises(ValueError, match="read 3 tokens for a piece of 6"):
         rank_micro_batch(lambda d, o, n: np.zeros(3, dtype=np.int64), MicroBatch((DocPiece(1, 0, 6, 0),), 8),
                          CPSharding())
@@ -179,9 +179,9 @@ def test_iterator_slices_cover_every_token_once(two_datasets, packer_name):
         for mb, got in zip(it.current.for_dp_rank(r), per_rank[r]):
             assert got.micro_batch == mb
             if not mb.pieces:  # an empty micro-batch runs as one untrained padding segment
-                assert got.plan.segment_lengths.tolist() == [2] and got.loss_mask.sum() == 0
+                assert got.segment_lengths.tolist() == [2] and got.loss_mask.sum() == 0
                 continue
-            assert np.array_equal(np.concatenate([[0], np.cumsum(got.plan.segment_lengths)]), mb.cu_seqlens())
+            assert np.array_equal(np.concatenate([[0], np.cumsum(got.segment_lengths)]), mb.cu_seqlens())
             expect = np.concatenate([reader.read(p.doc_id, p.offset, p.length) for p in mb.pieces])
             assert np.array_equal(got.tokens[0], expect)
             assert got.tokens.shape[1] <= mb.capacity
@@ -305,7 +305,7 @@ def test_prefetching_iterator_yields_the_same_micro_batches_built_on_its_thread(
         for index in range(cfg.n):
             want, got = next(plain), next(fetching)
             assert got.micro_batch == want.micro_batch and np.array_equal(got.tokens, want.tokens)
-            assert np.array_equal(got.plan.rows, want.plan.rows)
+            assert np.array_equal(got.rows, want.rows)
             assert fetching.last is got and inner.last is got and fetching.position == plain.position == index + 1
             assert fetching.iteration == plain.iteration == iteration
         assert dumps_state(fetching.state_dict()) == dumps_state(plain.state_dict())

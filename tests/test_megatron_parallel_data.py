@@ -56,12 +56,12 @@ def worker(rank: int, world: int, data_prefix: str) -> None:
             from megatron_wlb.cp.layouts import layout_digest
 
             # every peer of a DP rank: the same micro-batches and layouts; of a (DP, CP) rank: the same rows
-            data_hash = hashlib.sha256(b"".join(m.plan.segment_lengths.tobytes() + str(layout_digest(m.plan.layout))
+            data_hash = hashlib.sha256(b"".join(m.segment_lengths.tobytes() + str(layout_digest(m.layout))
                                                 .encode() for m in mbs)).hexdigest()
             rows_hash = hashlib.sha256(b"".join(m.tokens.tobytes() + m.labels.tobytes() for m in mbs)).hexdigest()
             # T is a multiple of CP x TP (sequence parallel): equal CP shards that split over TP
-            pad_ok = all(int(m.plan.segment_lengths.sum()) % (cp * tp) == 0
-                         and m.plan.segment_lengths.sum() >= sum(p.length for p in m.micro_batch.pieces)
+            pad_ok = all(int(m.segment_lengths.sum()) % (cp * tp) == 0
+                         and m.segment_lengths.sum() >= sum(p.length for p in m.micro_batch.pieces)
                          and m.tokens.shape[1] % (tp if args.sequence_parallel else 1) == 0 for m in mbs)
             record = {"rank": rank, "dp_rank": dp_rank, "digest": plan_digest(plan), "mine": mine,
                       "all": [[(p.doc_id, p.offset, p.length) for p in mb.pieces] for mb in plan.micro_batches],

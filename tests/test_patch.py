@@ -337,7 +337,7 @@ assert labels.tolist() == batch.labels.tolist() and attention_mask is None
 pg.is_first_or_last_pipeline_stage = lambda vp_stage=None: False
 out = pg.get_batch(iter([batch]))
 assert out[:5] == (None,) * 5
-assert torch.equal(out[5].wlb.attention.segment_index, params.wlb.attention.segment_index)
+assert torch.equal(out[5].wlb.segment_index, params.wlb.segment_index)
 print("get_batch OK")
 """
 

@@ -1,15 +1,16 @@
 """All-gather context-parallel attention that accepts any shard layout (Llama-3 style CP).
 
 Each CP rank holds q, k, v of its own tokens, in its layout order (``RankShard.token_index``),
-shaped ``[tokens, heads, head_dim]`` (GQA: fewer k/v heads than q heads). Forward:
+shaped ``[tokens, heads, head_dim]`` (GQA: fewer k/v heads than q heads), and the micro-batch's
+``DeviceBatch`` (``cp.device.upload``: one copy per micro-batch, read by every layer). Forward:
 
 1. K and V (written once into one padded buffer: one collective) are all-gathered over the CP
    group: rank 0's tokens, then rank 1's, ... (each rank's block padded to the largest count, so
    unequal counts are fine; at CP = 1 nothing is gathered, and with one run per document nothing is
    copied either);
-2. ``kv_index`` (micro-batch positions) mapped through ``gather_position`` picks, for every query
-   run, its document's keys ``[doc_start, run_end)`` out of the gathered buffer: a materialised
-   copy, because the key segments of one document's runs overlap;
+2. ``segment_index`` (``DeviceBatch``) picks, for every query run, its document's keys
+   ``[doc_start, run_end)`` out of the gathered buffer: a materialised copy, because the key
+   segments of one document's runs overlap;
 3. one varlen kernel call with ``cu_seqlens_q`` / ``cu_seqlens_k`` and a bottom-right-aligned causal
    mask (query ``i`` of a run of ``n`` queries over ``m`` keys sees keys ``j <= i + m - n``).
 
@@ -32,14 +33,13 @@ import inspect
 import logging
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_wlb.cp.layouts import RankShard
+from megatron_wlb.cp.device import DeviceBatch
 
 BACKENDS = ("auto", "torch-varlen", "flash-attn", "reference")
 
@@ -308,105 +308,7 @@ class AllGatherKV(torch.autograd.Function):
         return mine[:local, 0], mine[:local, 1], *none
 
 
-def segment_index(shard: RankShard, device: torch.device | str = "cpu") -> torch.Tensor:
-    """Rows of the padded all-gather buffer (blocks of ``max(rank_counts)`` rows per rank) that hold
-    each query run's keys, in ``kv_index`` order, as a long tensor on ``device``. Only the O(runs)
-    pieces are computed on the host; the O(keys) expansion runs on ``device``."""
-    base, length = shard.gather_pieces(max(shard.rank_counts))
-    base_t = torch.as_tensor(base, dtype=torch.long).to(device, non_blocking=True)
-    length_t = torch.as_tensor(length, dtype=torch.long).to(device, non_blocking=True)
-    if base.size == 0:
-        return base_t
-    offsets = torch.cumsum(length_t, 0) - length_t                 # first output index of each piece
-    total = int(length.sum())
-    return torch.repeat_interleave(base_t - offsets, length_t, output_size=total) + torch.arange(
-        total, device=device)
-
-
-@dataclass(frozen=True, eq=False)
-class CPAttentionMetadata:
-    """One rank's varlen attention metadata on the device: built once per micro-batch (one upload),
-    then shared by every attention layer of its forward and backward.
-
-    ``cu_seqlens_q`` / ``cu_seqlens_k`` int32 and ``segment_index`` long live on the device;
-    everything a kernel call needs as a number (``max_seqlen_*``, token counts) is a host int, so
-    no layer ever reads a device tensor back.
-    """
-
-    cu_seqlens_q: torch.Tensor
-    cu_seqlens_k: torch.Tensor
-    segment_index: torch.Tensor
-    max_seqlen_q: int
-    max_seqlen_k: int
-    num_runs: int
-    rank: int
-    rank_counts: tuple[int, ...]
-    #: CP = 1 and the key segments are the local rows in order: K/V go to the kernel as they are (no copy)
-    identity_segments: bool = False
-    #: under deterministic algorithms: the i-th repeat of each segment row, and the most repeats (backward)
-    occurrence: torch.Tensor | None = None
-    levels: int = 1
-
-    @property
-    def num_tokens(self) -> int:
-        return self.rank_counts[self.rank]
-
-    @classmethod
-    def from_shard(cls, shard: RankShard, device: torch.device | str = "cpu") -> CPAttentionMetadata:
-        """Check ``shard`` once and upload its metadata to ``device``."""
-        _check_shard(shard)
-        occurrence, levels = None, 1
-        if torch.are_deterministic_algorithms_enabled():
-            occ = row_occurrence(shard.gather_rows())
-            levels = int(occ.max()) + 1 if occ.size else 1
-            occurrence = torch.as_tensor(occ, dtype=torch.int32).to(device, non_blocking=True)
-        return cls(cu_seqlens_q=torch.as_tensor(shard.cu_seqlens_q, dtype=torch.int32).to(device, non_blocking=True),
-                   cu_seqlens_k=torch.as_tensor(shard.cu_seqlens_k, dtype=torch.int32).to(device, non_blocking=True),
-                   segment_index=segment_index(shard, device), max_seqlen_q=int(shard.max_seqlen_q),
-                   max_seqlen_k=int(shard.max_seqlen_k), num_runs=int(shard.cu_seqlens_q.size) - 1,
-                   rank=int(shard.rank), rank_counts=tuple(int(c) for c in shard.rank_counts),
-                   identity_segments=_identity_segments(shard), occurrence=occurrence, levels=levels)
-
-
-def _identity_segments(shard: RankShard) -> bool:
-    """Whether the key segments are exactly this rank's rows in order (CP = 1, no overlapping runs): O(runs)."""
-    if len(shard.rank_counts) != 1:
-        return False
-    base, length = shard.gather_pieces(max(shard.rank_counts))
-    if base.size == 0:
-        return shard.num_tokens == 0
-    ends = base + length
-    return bool(base[0] == 0 and np.all(base[1:] == ends[:-1]) and int(ends[-1]) == shard.num_tokens)
-
-
-def row_occurrence(rows: np.ndarray) -> np.ndarray:
-    """For each entry of ``rows``, how many earlier entries hold the same row (0 for the first)."""
-    rows = np.asarray(rows)
-    if rows.size == 0:
-        return np.zeros(0, dtype=np.int64)
-    order = np.argsort(rows, kind="stable")
-    ranked = rows[order]
-    index = np.arange(rows.size)
-    starts = np.maximum.accumulate(np.where(np.r_[True, ranked[1:] != ranked[:-1]], index, 0))
-    occurrence = np.empty(rows.size, dtype=np.int64)
-    occurrence[order] = index - starts
-    return occurrence
-
-
-def _check_shard(shard: RankShard) -> None:
-    if not isinstance(shard, RankShard):
-        raise ValueError(f"shard must be a RankShard (from build_layout), got {type(shard).__name__}")
-    if not shard.rank_counts or shard.gather is None:
-        raise ValueError("shard lacks rank_counts / its GatherMap; build it with build_layout")
-    cp, n = len(shard.rank_counts), shard.num_tokens
-    if not 0 <= shard.rank < cp or shard.rank_counts[shard.rank] != n:
-        raise ValueError(f"shard metadata is inconsistent: rank {shard.rank} of rank_counts {shard.rank_counts} "
-                         f"vs {n} tokens in cu_seqlens_q")
-    if np.any(shard.query_lengths < 1) or np.any(shard.query_lengths > shard.key_lengths):
-        raise ValueError("every query run needs >= 1 query and at most as many queries as keys")
-
-
-def _check(q, k, v, meta: CPAttentionMetadata, group) -> None:
+def _check(q, k, v, meta: DeviceBatch, group) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 3:
             raise ValueError(f"{name} must be [tokens, heads, head_dim], got shape {tuple(t.shape)}")
@@ -415,7 +317,7 @@ def _check(q, k, v, meta: CPAttentionMetadata, group) -> None:
     n = meta.num_tokens
     if q.shape[0] != n or k.shape[0] != n:
         raise ValueError(f"rank {meta.rank} owns {n} tokens in its layout but q has {q.shape[0]} and k "
-                         f"{k.shape[0]}; pass this rank's tokens in RankShard.token_index order")
+                         f"{k.shape[0]}; pass this rank's tokens in its layout order (RankShard.token_index)")
     if q.shape[2] != k.shape[2]:
         raise ValueError(f"q and k head_dim differ: {q.shape[2]} vs {k.shape[2]}")
     if q.shape[1] % k.shape[1]:
@@ -431,16 +333,21 @@ def _check(q, k, v, meta: CPAttentionMetadata, group) -> None:
 
 
 def all_gather_cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                            shard: RankShard | CPAttentionMetadata, group=None, backend: str = "auto",
+                            meta: DeviceBatch, group=None, backend: str = "auto",
                             softmax_scale: float | None = None) -> torch.Tensor:
     """Document-causal attention of this rank's queries over the whole micro-batch's keys.
 
-    ``q`` [T_r, H, D], ``k``/``v`` [T_r, Hkv, D] in ``shard.token_index`` order; ``shard`` is the
-    rank's ``RankShard`` or, in training, its ``CPAttentionMetadata`` uploaded once per micro-batch;
-    ``group`` is the CP process group (``None``: the default group; single-process when the layout
-    has cp=1). Returns [T_r, H, D]. Differentiable w.r.t. q, k, v (dk/dv reduce-scattered to their owners).
+    ``q`` [T_r, H, D], ``k``/``v`` [T_r, Hkv, D] in the layout's order (``RankShard.token_index``);
+    ``meta`` is the rank's ``DeviceBatch`` (``cp.device.upload``, once per micro-batch; tests:
+    ``upload(cp.plan.layout_batch(layout, rank), device)``); ``group`` is the CP process group (``None``:
+    the default group; single-process when the layout has cp=1). Returns [T_r, H, D]. Differentiable
+    w.r.t. q, k, v (dk/dv reduce-scattered to their owners).
     """
-    meta = shard if isinstance(shard, CPAttentionMetadata) else CPAttentionMetadata.from_shard(shard, k.device)
+    if not isinstance(meta, DeviceBatch):
+        raise ValueError(f"the attention reads a DeviceBatch (cp.device.upload), got {type(meta).__name__}")
+    if meta.te:
+        raise ValueError("a per-document-te micro-batch carries TransformerEngine's THD fields, not the all-gather "
+                         "attention's metadata")
     _check(q, k, v, meta, group)
     if meta.identity_segments:  # CP = 1, one run per document: the segments are k and v themselves
         k_seg, v_seg = k, v
@@ -456,7 +363,7 @@ def all_gather_cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 class AllGatherCPAttention(torch.nn.Module):
-    """:func:`all_gather_cp_attention` as a module (no parameters): ``forward(q, k, v, shard, group)``."""
+    """:func:`all_gather_cp_attention` as a module (no parameters): ``forward(q, k, v, meta, group)``."""
 
     def __init__(self, backend: str = "auto", softmax_scale: float | None = None):
         super().__init__()
@@ -465,8 +372,8 @@ class AllGatherCPAttention(torch.nn.Module):
         self.backend = backend
         self.softmax_scale = softmax_scale
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shard: RankShard, group=None):
-        return all_gather_cp_attention(q, k, v, shard, group, self.backend, self.softmax_scale)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: DeviceBatch, group=None):
+        return all_gather_cp_attention(q, k, v, meta, group, self.backend, self.softmax_scale)
 
     def extra_repr(self) -> str:
         return f"backend={self.backend!r}, softmax_scale={self.softmax_scale}"

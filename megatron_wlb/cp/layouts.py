@@ -68,75 +68,46 @@ LAYOUT_NAMES: tuple[str, ...] = ("per-sequence", "per-document", "per-document-t
 LAYOUT_ALIASES: dict[str, str] = {"per-document-choice": "hybrid"}
 
 
-class GatherMap:
-    """How the all-gathered K/V buffer (rank 0's tokens, then rank 1's, ...) maps to micro-batch
-    positions. Shared by all ranks of a layout. Holds every rank's query runs sorted by position,
-    with their owner and their offset in the owner's token order (O(runs)); the O(tokens)
-    ``position`` array is built only on first use."""
-
-    def __init__(self, start: np.ndarray, end: np.ndarray, owner: np.ndarray, local: np.ndarray,
-                 counts: tuple[int, ...]):
-        self._runs = (start, end, owner, local)     # in rank order; sorted by position on first use
-        self.counts = counts
-
-    @cached_property
-    def _sorted(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        start, end, owner, local = self._runs
-        order = np.argsort(start)
-        return start[order], end[order], owner[order], local[order]
-
-    @cached_property
-    def position(self) -> np.ndarray:
-        """position[p] = index of micro-batch position p in the (unpadded) gathered order."""
-        start, end, owner, local = self._sorted
-        offsets = np.concatenate([[0], np.cumsum(self.counts)])[:-1].astype(np.int64)
-        return _expand(offsets[owner] + local, end - start)                # runs tile 0..T in order
-
-    def pieces(self, seg_start: np.ndarray, seg_end: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
-        """(first row, length) of the contiguous pieces of a gather buffer whose rank blocks are
-        ``width`` rows apart that hold positions ``[seg_start[i], seg_end[i])``, in order over i.
-        O(pieces): a piece is the overlap of a segment with one query run of one rank."""
-        if seg_start.size == 0:
-            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
-        start, end, owner, local = self._sorted
-        j_lo = np.searchsorted(start, seg_start, side="right") - 1
-        j_hi = np.searchsorted(start, seg_end - 1, side="right") - 1
-        count = j_hi - j_lo + 1
-        j = _expand(j_lo, count)
-        seg = np.repeat(np.arange(seg_start.size), count)
-        ps = np.maximum(start[j], seg_start[seg])
-        pe = np.minimum(end[j], seg_end[seg])
-        return owner[j] * width + local[j] + (ps - start[j]), pe - ps
-
-    def rows(self, seg_start: np.ndarray, seg_end: np.ndarray, width: int) -> np.ndarray:
-        """The rows of :meth:`pieces`, expanded (O(rows))."""
-        return _expand(*self.pieces(seg_start, seg_end, width))
+def key_pieces(runs: np.ndarray, seg_start: np.ndarray, seg_end: np.ndarray,
+               width: int) -> tuple[np.ndarray, np.ndarray]:
+    """(first row, length) of the contiguous pieces of an all-gather buffer (rank ``r``'s tokens at rows
+    ``r * width`` on) that hold micro-batch positions ``[seg_start[i], seg_end[i])``, in order over i.
+    ``runs`` is the layout's runs sorted by position, ``[start, end, owner, offset in the owner's tokens]``
+    per row. O(pieces): a piece is the overlap of a segment with one run."""
+    if seg_start.size == 0:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    start, end, owner, local = runs.T
+    j_lo = np.searchsorted(start, seg_start, side="right") - 1
+    j_hi = np.searchsorted(start, seg_end - 1, side="right") - 1
+    count = j_hi - j_lo + 1
+    j = _expand(j_lo, count)
+    seg = np.repeat(np.arange(seg_start.size), count)
+    ps = np.maximum(start[j], seg_start[seg])
+    pe = np.minimum(end[j], seg_end[seg])
+    return owner[j] * width + local[j] + (ps - start[j]), pe - ps
 
 
 @dataclass(frozen=True, eq=False)
 class RankShard:
-    """What one CP rank owns and the varlen metadata for its attention (see the module docstring).
+    """What one CP rank owns, as runs; everything else is derived from them on first use.
 
-    Run-level metadata (``runs``, ``cu_seqlens_*``, ``max_seqlen_*``, ``work``) is computed with
-    the layout. The token-level arrays ``token_index``, ``position_ids``, ``kv_index`` (indices into
-    the all-gathered K/V in micro-batch order, concatenated per query run: ``[doc_start, run_end)``)
-    and ``gather_position`` are materialised on first access, because each is O(tokens) and a
-    training rank needs only its own. ``gather_position[p]`` is where micro-batch position ``p``
-    lands in the all-gathered buffer; ``rank_counts`` are all ranks' token counts, in rank order.
-    ``run_start`` / ``run_key_start`` are each query run's first position and its document's start.
+    ``query_runs`` ``[n, 3]``: this rank's query runs ``(start, end, document start)`` in its token
+    order (a run attends keys ``[document start, end)``); ``owners`` ``[m, 4]``: the whole layout's runs
+    sorted by position, ``(start, end, owner rank, offset in the owner's tokens)``, shared by its ranks;
+    ``rank_counts``: every rank's token count; ``work``: this rank's estimated attention seconds.
+
+    Derived (O(runs)): ``runs`` (maximal contiguous ``[start, end)`` runs, the ``wlb shard`` contract),
+    ``cu_seqlens_q`` / ``cu_seqlens_k`` (int32), ``max_seqlen_*``, ``gather_pieces``. Derived (O(tokens),
+    what a training rank needs of its own only): ``token_index`` (its positions in the micro-batch),
+    ``position_ids``, ``kv_index``, ``gather_rows`` and ``gather_position`` (where each micro-batch
+    position lands in the all-gathered buffer: the inverse of every rank's ``token_index``).
     """
 
-    runs: np.ndarray
-    cu_seqlens_q: np.ndarray
-    cu_seqlens_k: np.ndarray
-    max_seqlen_q: int
-    max_seqlen_k: int
-    work: float
     rank: int
+    work: float
     rank_counts: tuple[int, ...]
-    run_start: np.ndarray = field(repr=False)
-    run_key_start: np.ndarray = field(repr=False)
-    gather: GatherMap | None = field(default=None, repr=False)
+    query_runs: np.ndarray = field(repr=False)
+    owners: np.ndarray = field(repr=False)
 
     @classmethod
     def _fast(cls, **fields) -> RankShard:
@@ -146,10 +117,56 @@ class RankShard:
         obj.__dict__.update(fields)
         return obj
 
+    @property
+    def run_start(self) -> np.ndarray:
+        return self.query_runs[:, 0]
+
+    @property
+    def run_key_start(self) -> np.ndarray:
+        return self.query_runs[:, 2]
+
+    @property
+    def query_lengths(self) -> np.ndarray:
+        return self.query_runs[:, 1] - self.query_runs[:, 0]
+
+    @property
+    def key_lengths(self) -> np.ndarray:
+        return self.query_runs[:, 1] - self.query_runs[:, 2]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.rank_counts[self.rank]
+
+    @cached_property
+    def cu_seqlens_q(self) -> np.ndarray:
+        return np.concatenate([[0], np.cumsum(self.query_lengths)]).astype(np.int32)
+
+    @cached_property
+    def cu_seqlens_k(self) -> np.ndarray:
+        return np.concatenate([[0], np.cumsum(self.key_lengths)]).astype(np.int32)
+
+    @property
+    def max_seqlen_q(self) -> int:
+        return int(self.query_lengths.max()) if self.query_runs.size else 0
+
+    @property
+    def max_seqlen_k(self) -> int:
+        return int(self.key_lengths.max()) if self.query_runs.size else 0
+
+    @cached_property
+    def runs(self) -> np.ndarray:
+        """int64 [k, 2]: maximal contiguous ``[start, end)`` runs, in this rank's order."""
+        start, end = self.query_runs[:, 0], self.query_runs[:, 1]
+        new = np.ones(start.size, dtype=bool)
+        new[1:] = start[1:] != end[:-1]
+        m_end = np.empty(int(new.sum()), dtype=np.int64)
+        m_end[np.cumsum(new) - 1] = end                                  # the last run of each group wins
+        return np.stack([start[new], m_end], axis=1).astype(np.int64, copy=False)
+
     @cached_property
     def token_index(self) -> np.ndarray:
         """int64 [T_r]: positions in the (padded) micro-batch, in this rank's order."""
-        return _expand(self.runs[:, 0], self.runs[:, 1] - self.runs[:, 0])
+        return _expand(self.run_start, self.query_lengths)
 
     @cached_property
     def position_ids(self) -> np.ndarray:
@@ -161,35 +178,24 @@ class RankShard:
         """int64: each query run's key segment ``[doc_start, run_end)``, concatenated in run order."""
         return _expand(self.run_key_start, self.key_lengths)
 
-    @property
-    def gather_position(self) -> np.ndarray | None:
-        return None if self.gather is None else self.gather.position
+    @cached_property
+    def gather_position(self) -> np.ndarray:
+        """int64 [T]: where each micro-batch position lands in the (unpadded) all-gathered order."""
+        start, end, owner, local = self.owners.T
+        offsets = np.concatenate([[0], np.cumsum(self.rank_counts)])[:-1].astype(np.int64)
+        return _expand(offsets[owner] + local, end - start)                 # runs tile 0..T in order
 
     def gather_pieces(self, width: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         """(first row, length) runs whose expansion is :meth:`gather_rows`; O(runs), so the O(keys)
-        expansion can happen on the accelerator (the attention does that)."""
-        if self.gather is None:
-            raise ValueError("RankShard.gather_rows needs the layout's GatherMap (build shards with build_layout)")
+        expansion can happen on the accelerator (the device upload does that)."""
         width = max(self.rank_counts) if width is None else int(width)
-        return self.gather.pieces(self.run_key_start, self.run_start + self.query_lengths, width)
+        return key_pieces(self.owners, self.run_key_start, self.run_start + self.query_lengths, width)
 
     def gather_rows(self, width: int | None = None) -> np.ndarray:
         """int64, aligned with ``kv_index``: the row of each key in an all-gather buffer whose rank
         blocks are ``width`` rows apart (default ``max(rank_counts)``: every rank padded to the
         largest). Built from runs without searching per position."""
         return _expand(*self.gather_pieces(width))
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.cu_seqlens_q[-1]) if self.cu_seqlens_q.size else 0
-
-    @property
-    def query_lengths(self) -> np.ndarray:
-        return np.diff(self.cu_seqlens_q.astype(np.int64))
-
-    @property
-    def key_lengths(self) -> np.ndarray:
-        return np.diff(self.cu_seqlens_k.astype(np.int64))
 
 
 @dataclass(frozen=True, eq=False)
@@ -453,58 +459,22 @@ def _runs_hybrid(cu: np.ndarray, lengths: np.ndarray, cp: int, price, per_doc: t
 
 def _assemble(name: str, requested: str, cp: int, lengths: np.ndarray, padded: np.ndarray, cu: np.ndarray,
               runs: _Runs, work: np.ndarray, estimates: dict) -> ShardLayout:
-    """Sort runs into rank order and derive every rank's token indices and varlen metadata."""
+    """Sort the runs into rank order; each rank keeps its slice of them (the rest is derived on use)."""
     order = np.argsort(runs.rank * (int(cu[-1]) + 1) + runs.start)   # (rank, start); keys are unique
     rank, start, end, doc, work = runs.rank[order], runs.start[order], runs.end[order], runs.doc[order], work[order]
-    doc_start = cu[doc]
     q = end - start
-    kv = end - doc_start
     bounds = np.searchsorted(rank, np.arange(cp + 1))                 # run offsets per rank
     cq = np.concatenate([[0], np.cumsum(q)])
-    ck = np.concatenate([[0], np.cumsum(kv)])
-    # Maximal contiguous runs (the `wlb shard` contract): merge a run into the previous one of the
-    # same rank when it starts where that one ended.
-    new = np.ones(rank.size, dtype=bool)
-    if rank.size > 1:
-        new[1:] = (rank[1:] != rank[:-1]) | (start[1:] != end[:-1])
-    m_start = start[new]
-    m_end = np.empty(m_start.size, dtype=np.int64)
-    m_end[np.cumsum(new) - 1] = end                                  # the last run of each group wins
-    merged = np.stack([m_start, m_end], axis=1)
-    m_bounds = np.concatenate([[0], np.cumsum(new)])[bounds]
     counts = tuple(int(x) for x in np.diff(cq[bounds]))
     local = cq[:-1] - cq[bounds[rank]]                                # offset within the owner's tokens
-    gather = GatherMap(start, end, rank, local, counts)
-    rank_work = np.bincount(rank, weights=work, minlength=cp)
-    # Each rank's cu_seqlens start at 0: gather [a, b] per rank in one go, then take views.
-    per_rank = np.diff(bounds) + 1
-    idx = _expand(bounds[:-1], per_rank)
-    base = np.repeat(bounds[:-1], per_rank)
-    cq_all = (cq[idx] - cq[base]).astype(np.int32)
-    ck_all = (ck[idx] - ck[base]).astype(np.int32)
-    off = np.concatenate([[0], np.cumsum(per_rank)]).tolist()
-    first = np.minimum(bounds[:-1], max(q.size - 1, 0))           # reduceat needs valid indices
-    qmax = np.maximum.reduceat(q, first).tolist() if q.size else [0] * cp
-    kmax = np.maximum.reduceat(kv, first).tolist() if kv.size else [0] * cp
-    b_list, mb_list, work_list = bounds.tolist(), m_bounds.tolist(), rank_work.tolist()
-    shards = []
-    for r in range(cp):
-        a, b = b_list[r], b_list[r + 1]
-        shards.append(RankShard._fast(
-            runs=merged[mb_list[r]:mb_list[r + 1]],
-            cu_seqlens_q=cq_all[off[r]:off[r + 1]],
-            cu_seqlens_k=ck_all[off[r]:off[r + 1]],
-            max_seqlen_q=qmax[r] if b > a else 0,
-            max_seqlen_k=kmax[r] if b > a else 0,
-            work=work_list[r],
-            rank=r,
-            rank_counts=counts,
-            run_start=start[a:b],
-            run_key_start=doc_start[a:b],
-            gather=gather,
-        ))
+    owners = np.stack([start, end, rank, local], axis=1)[np.argsort(start)]
+    query_runs = np.stack([start, end, cu[doc]], axis=1)
+    b_list, work_list = bounds.tolist(), np.bincount(rank, weights=work, minlength=cp).tolist()
+    shards = tuple(RankShard._fast(rank=r, work=work_list[r], rank_counts=counts,
+                                   query_runs=query_runs[b_list[r]:b_list[r + 1]], owners=owners)
+                   for r in range(cp))
     return ShardLayout(name=name, requested=requested, cp=cp, lengths=lengths, padded_lengths=padded,
-                       ranks=tuple(shards), estimates=estimates)
+                       ranks=shards, estimates=estimates)
 
 
 def _validate(name: str, lengths, cp, tile) -> tuple[str, np.ndarray]:

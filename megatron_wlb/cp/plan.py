@@ -1,12 +1,12 @@
-"""One micro-batch as one CP rank runs it: a plan built once, on the host, where the packer's plan is.
+"""One micro-batch as one CP rank runs it: one host record, built once, where the packer's plan is.
 
 The path of a micro-batch from the length stream to the kernel (see ``megatron_wlb.megatron``)::
 
     packer: MicroBatch (document pieces)
       -> micro_batch_lengths(): the packed sequence's segments (pieces, then one padding segment)
-      -> build_layout(): ShardLayout, every CP rank's tokens and query runs (cp/layouts.py)
-      -> plan_rank(): RankPlan, this rank's rows, RoPE positions, padding and kernel metadata
-      -> uploaded once per micro-batch (megatron/cp_hooks.py: upload_micro_batch), shared by every layer
+      -> layout_micro_batch(): ShardLayout, every CP rank's runs (cp/layouts.py)
+      -> rank_batch(): RankMicroBatch, this rank's rows, tokens, positions, padding and kernel metadata
+      -> cp.device.upload(): DeviceBatch, one copy from pinned memory, read by every layer
 
 Every CP rank builds the same layout from the same pieces (the packer is deterministic), so no
 rank waits for another and nothing travels device -> host. Pure numpy: no torch, no global state.
@@ -33,14 +33,16 @@ A layout as a mask, CP=2, per-document, documents ``aaaaaaaa bbbb`` (``rows`` of
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from megatron_wlb.costmodel import CostModel
 from megatron_wlb.cp.layouts import LAYOUT_ALIASES, LAYOUT_NAMES, RankShard, ShardLayout, build_layout
-from megatron_wlb.packing.types import MAX_MICRO_BATCH_TOKENS
+from megatron_wlb.packing.types import MAX_MICRO_BATCH_TOKENS, MicroBatch
 
-__all__ = ["CPSharding", "RankPlan", "TEVarlen", "micro_batch_lengths", "plan_rank"]
+__all__ = ["CPSharding", "Packed", "RankMicroBatch", "layout_batch", "layout_micro_batch", "micro_batch_lengths",
+           "rank_batch"]
 
 
 @dataclass(frozen=True)
@@ -98,50 +100,80 @@ def micro_batch_lengths(piece_lengths: np.ndarray | list[int], sequence_multiple
     return np.append(lengths, pad) if pad else lengths
 
 
-@dataclass(frozen=True)
-class TEVarlen:
-    """TransformerEngine's THD fields for ``per-document-te``: real and padded document offsets."""
-
-    cu_seqlens: np.ndarray          # int32: real documents (the padding document counts as one)
-    cu_seqlens_padded: np.ndarray   # int32: documents padded to 2*CP
-    max_seqlen: int
-
-
 @dataclass(frozen=True, eq=False)
-class RankPlan:
-    """One micro-batch on one CP rank: which rows it holds and what its attention needs.
+class RankMicroBatch:
+    """One micro-batch on one CP rank, on the host: built once (``rank_batch``), uploaded once
+    (``cp.device.upload``), read by the embedding, the loss, RoPE and every attention layer.
 
     ``layout`` holds every rank's shard (the CP ranks' layouts agree by construction); ``rows`` [R]
     maps each local row to its position in the packed sequence, -1 for a padding row (TE document
-    padding, rank padding); ``positions`` [R] are the rows' RoPE positions (within their document);
-    ``local_pad`` trailing rows are rank padding (our layouts under SP; they attend to nothing);
-    ``rope_length`` is how many rotary positions the model must compute (1 + the largest position,
-    at least the longest segment); ``te`` is set on the TE path only.
+    padding, rank padding); ``tokens`` / ``labels`` / ``loss_mask`` / ``position_ids`` ``[1, R]`` are
+    the rows' inputs (padding rows 0) and RoPE positions (within their document); ``local_pad``
+    trailing rows are rank padding (our layouts under SP; they attend to nothing); ``rope_length`` is
+    how many rotary positions the model must compute (1 + the largest position, at least the longest
+    segment).
+
+    Attention: ``cu_seqlens_q`` / ``cu_seqlens_k`` (int32) and ``max_seqlen_*`` are this rank's query
+    runs and their key segments; ``key_pieces`` ``[P, 2]`` (first row, length) are where those keys lie
+    in the padded all-gather buffer (O(runs); the device expands them). On the TE path
+    (``cu_seqlens_padded`` set) they are TransformerEngine's THD fields instead: real document offsets
+    (the padding document counts as one), the documents padded to 2*CP, and no key pieces.
+    ``micro_batch`` is the packer's plan (document pieces); ``staged``: its upload, already started on
+    a side stream by ``prefetch.PrefetchingIterator`` (None: not staged).
     """
 
     layout: ShardLayout
     rank: int
     segment_lengths: np.ndarray
     rows: np.ndarray
-    positions: np.ndarray
+    tokens: np.ndarray
+    labels: np.ndarray
+    loss_mask: np.ndarray
+    position_ids: np.ndarray
     local_pad: int
     rope_length: int
-    te: TEVarlen | None = None
+    cu_seqlens_q: np.ndarray
+    cu_seqlens_k: np.ndarray
+    max_seqlen_q: int
+    max_seqlen_k: int
+    key_pieces: np.ndarray
+    cu_seqlens_padded: np.ndarray | None = None
+    micro_batch: MicroBatch | None = None
+    staged: Any = None
 
     @property
     def shard(self) -> RankShard:
         return self.layout.ranks[self.rank]
 
     @property
+    def rank_counts(self) -> tuple[int, ...]:
+        return self.shard.rank_counts
+
+    @property
     def num_rows(self) -> int:
         return int(self.rows.size)
+
+    @property
+    def identity_segments(self) -> bool:
+        """Whether the key segments are exactly this rank's rows in order (CP = 1, no overlapping runs): O(runs)."""
+        if self.cu_seqlens_padded is not None or len(self.rank_counts) != 1:
+            return False
+        base, length = self.key_pieces[:, 0], self.key_pieces[:, 1]
+        if base.size == 0:
+            return self.shard.num_tokens == 0
+        ends = base + length
+        return bool(base[0] == 0 and np.all(base[1:] == ends[:-1]) and int(ends[-1]) == self.shard.num_tokens)
 
     def take(self, values: np.ndarray, fill: int | float = 0) -> np.ndarray:
         """This rank's rows of a ``[T]`` (or ``[1, T]``) array over the packed sequence, ``fill`` in
         padding rows; the result keeps ``values``' leading shape."""
-        flat = np.asarray(values).reshape(-1)
-        out = np.where(self.rows >= 0, flat[np.maximum(self.rows, 0)], fill).astype(flat.dtype, copy=False)
-        return out.reshape(np.shape(values)[:-1] + (self.num_rows,))
+        return _take(self.rows, values, fill)
+
+
+def _take(rows: np.ndarray, values: np.ndarray, fill: int | float = 0) -> np.ndarray:
+    flat = np.asarray(values).reshape(-1)
+    out = np.where(rows >= 0, flat[np.maximum(rows, 0)], fill).astype(flat.dtype, copy=False)
+    return out.reshape(np.shape(values)[:-1] + (rows.size,))
 
 
 def _cu(lengths: np.ndarray) -> np.ndarray:
@@ -158,34 +190,71 @@ def _te_padding_document(lengths: np.ndarray, cp: int, multiple: int) -> np.ndar
     raise ValueError(f"no TE padding gives a multiple of {multiple} tokens per CP rank")
 
 
-def plan_rank(segment_lengths: np.ndarray, sharding: CPSharding) -> RankPlan:
-    """This CP rank's plan for a packed sequence of ``segment_lengths`` (``micro_batch_lengths``' output)."""
+def layout_micro_batch(segment_lengths: np.ndarray, sharding: CPSharding) -> ShardLayout:
+    """The CP layout of a packed sequence of ``segment_lengths`` (``micro_batch_lengths``' output): the
+    same on every rank of the CP group (what ``cp.layouts.layout_digest`` and the agreement compare)."""
+    lengths = _segments(segment_lengths)
+    if sharding.te_attention and sharding.rank_multiple > 1:
+        lengths = _te_padding_document(lengths, sharding.cp_size, sharding.rank_multiple)
+    return build_layout(sharding.layout, lengths, sharding.cp_size, cost=sharding.cost)
+
+
+def _segments(segment_lengths: np.ndarray) -> np.ndarray:
     lengths = np.asarray(segment_lengths, dtype=np.int64)
     if lengths.size == 0 or int(lengths.min()) < 1:
         raise ValueError(f"a micro-batch needs segments of >= 1 token, got {lengths.tolist()[:16]}")
-    cp, rank = sharding.cp_size, sharding.cp_rank
-    te_padding = sharding.te_attention and sharding.rank_multiple > 1
-    layout_lengths = _te_padding_document(lengths, cp, sharding.rank_multiple) if te_padding else lengths
-    layout = build_layout(sharding.layout, layout_lengths, cp, cost=sharding.cost)
+    return lengths
+
+
+#: a packed sequence's tokens, labels and loss mask, ``[T]`` each
+Packed = tuple[np.ndarray, np.ndarray, np.ndarray]
+
+
+def rank_batch(segment_lengths: np.ndarray, sharding: CPSharding, *, layout: ShardLayout | None = None,
+               packed: Packed | None = None, micro_batch: MicroBatch | None = None) -> RankMicroBatch:
+    """``sharding``'s CP rank's host record of a packed sequence of ``segment_lengths``: its rows of
+    ``packed`` (tokens, labels, loss mask over the sequence; None: zeros, for attention-only use) laid
+    out by ``layout`` (None: ``layout_micro_batch``)."""
+    lengths = _segments(segment_lengths)
+    rank = sharding.cp_rank
+    layout = layout_micro_batch(lengths, sharding) if layout is None else layout
+    if layout.cp != sharding.cp_size:
+        raise ValueError(f"a layout over {layout.cp} CP ranks for a CP group of {sharding.cp_size}")
+    size = int(lengths.sum())
+    if packed is not None and any(np.size(a) != size for a in packed):
+        raise ValueError(f"tokens, labels and loss mask of {[np.size(a) for a in packed]} entries for a packed "
+                         f"sequence of {size} tokens")
     shard = layout.ranks[rank]
+    layout_lengths = layout.lengths
     padded = np.asarray(layout.padded_lengths, dtype=np.int64)
-    token_index = np.asarray(shard.token_index, dtype=np.int64)
-    positions = np.asarray(shard.position_ids, dtype=np.int64)
-    if np.array_equal(layout_lengths, padded):
+    token_index = shard.token_index
+    positions = shard.position_ids
+    if np.array_equal(lengths, padded):
         rows = token_index
-    else:  # TE padding: positions of the padded sequence -> real positions, -1 where TE pads
+    else:  # TE padding (its documents', its padding document): padded positions -> real ones, -1 where TE pads
         real = np.append(lengths, np.zeros(layout_lengths.size - lengths.size, dtype=np.int64))
         doc = np.searchsorted(_cu(padded), token_index, side="right") - 1
         within = token_index - _cu(padded)[doc]
         rows = np.where(within < real[doc], _cu(real)[doc] + within, -1)
     rope_length = max(int(padded.max()), int(positions.max()) + 1 if positions.size else 1)
-    if sharding.te_attention:
-        te_docs = np.where(np.arange(layout_lengths.size) < lengths.size, layout_lengths, padded)
-        te = TEVarlen(cu_seqlens=_cu(te_docs).astype(np.int32), cu_seqlens_padded=_cu(padded).astype(np.int32),
-                      max_seqlen=int(padded.max()))
-        return RankPlan(layout, rank, lengths, rows, positions, 0, rope_length, te)
-    local_pad = (-rows.size) % sharding.rank_multiple
+    local_pad = 0 if sharding.te_attention else (-rows.size) % sharding.rank_multiple
     if local_pad:
         rows = np.append(rows, np.full(local_pad, -1, dtype=np.int64))
         positions = np.append(positions, np.zeros(local_pad, dtype=np.int64))
-    return RankPlan(layout, rank, lengths, rows, positions, local_pad, rope_length)
+    if packed is None:
+        packed = (np.zeros(size, np.int64), np.zeros(size, np.int64), np.zeros(size, np.float32))
+    tokens, labels, loss_mask = (_take(rows, a)[None] for a in packed)
+    if sharding.te_attention:
+        te_docs = np.where(np.arange(layout_lengths.size) < lengths.size, layout_lengths, padded)
+        cu = _cu(te_docs).astype(np.int32)
+        return RankMicroBatch(layout, rank, lengths, rows, tokens, labels, loss_mask, positions[None], 0,
+                              rope_length, cu, cu, int(padded.max()), int(padded.max()),
+                              np.zeros((0, 2), dtype=np.int64), _cu(padded).astype(np.int32), micro_batch)
+    return RankMicroBatch(layout, rank, lengths, rows, tokens, labels, loss_mask, positions[None], local_pad,
+                          rope_length, shard.cu_seqlens_q, shard.cu_seqlens_k, int(shard.max_seqlen_q),
+                          int(shard.max_seqlen_k), np.stack(shard.gather_pieces(), axis=1), None, micro_batch)
+
+
+def layout_batch(layout: ShardLayout, rank: int) -> RankMicroBatch:
+    """Rank ``rank``'s attention-only host record of ``layout`` (no tokens; tests, benchmarks, kernel checks)."""
+    return rank_batch(layout.lengths, CPSharding(layout.requested, layout.cp, rank), layout=layout)

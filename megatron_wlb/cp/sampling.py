@@ -8,6 +8,11 @@ import numpy as np
 
 from megatron_wlb.data.cut import concat_and_cut as cut_stream
 
+#: how CP reports (bench_layouts, gpu_cp_latency) name where their micro-batches come from
+SAMPLE_SOURCE = ("cut Megatron-style (concat-and-cut) from the embedded length stream "
+                 "(megatron_wlb/data/dist_wlbllm.json, published by the DistCA authors as a stand-in for "
+                 "WLB-LLM's data)")
+
 
 def concat_and_cut(lengths: np.ndarray, seq_len: int, count: int | None = None,
                    indices: Sequence[int] | None = None) -> list[np.ndarray]:

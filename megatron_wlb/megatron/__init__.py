@@ -1,20 +1,17 @@
 """The Megatron-LM adapter: ``apply()`` hooks WLB-LLM into a Megatron-LM training process.
 
-One micro-batch, from the length stream to the kernel, is built once and uploaded once::
+One micro-batch, from the length stream to the kernel: one host record, one copy, one device record::
 
-    DocumentReader.stream()          document ids + lengths           (data/reader.py, host)
-    packer.pack() -> GlobalBatch     the iteration's MicroBatch pieces (packing/, host, every rank alike)
-    WlbDataIterator._take            this DP rank's share; with CP, each micro-batch laid out over the
-                                        CP group now (cp.plan.plan_rank -> RankPlan), so the layouts are
-                                        agreed before the step (megatron/data.py, host)
-    WlbDataIterator.__next__         -> RankMicroBatch: this rank's rows of the tokens, labels, loss mask
-                                        and positions, and its RankPlan (prefetch.py builds the next one
-                                        of the iteration on a thread and, on CUDA, uploads it on a side
-                                        stream)
-    get_batch (launcher, or the pinned pretrain_gpt through get_batch_on_this_tp_rank)
-      cp_hooks.upload_micro_batch    the one host -> device copy: tokens + WlbPackedSeqParams(wlb=WlbVarlen)
-    every layer                      WlbCoreAttention and RoPE read the same WlbVarlen device tensors
-                                        (megatron/attention.py -> cp/attention.py varlen kernel)
+    packer.pack() -> GlobalBatch     the iteration's MicroBatch pieces (packing/, every rank alike)
+    WlbDataIterator._take            this DP rank's share, each micro-batch laid out over the CP group:
+                                        ShardLayout (cp/plan.py layout_micro_batch), agreed before the step
+    WlbDataIterator.__next__         -> RankMicroBatch (cp/plan.py rank_batch): this rank's rows, tokens,
+                                        labels, loss mask, positions and attention metadata, numpy
+    upload_micro_batch (cp_hooks.py) -> DeviceBatch (cp/device.py upload): one pinned buffer, one copy
+                                        (prefetch.py: on a side stream, a micro-batch ahead), in
+                                        WlbPackedSeqParams.wlb
+    every layer                      RoPE and WlbCoreAttention (attention.py -> cp/attention.py) read
+                                        that DeviceBatch; per-document-te: TE reads its THD fields
 
 No step reads a device tensor back to the host; the only sync is the agreement before every training
 step (``agreement.py``: one all-reduce of ``2 + 2 * DP`` int64 over the world: the plan, and each CP
@@ -63,9 +60,9 @@ from megatron_wlb.megatron.settings import WlbSettings
 
 if TYPE_CHECKING:  # the package imports neither torch nor Megatron until apply()
     from megatron_wlb.costmodel import CostModel
-    from megatron_wlb.cp.plan import CPSharding
+    from megatron_wlb.cp.plan import CPSharding, RankMicroBatch
     from megatron_wlb.data.reader import DocumentReader
-    from megatron_wlb.megatron.data import RankMicroBatch, WlbDataIterator
+    from megatron_wlb.megatron.data import WlbDataIterator
 
 __all__ = ["WlbSettings", "apply", "build_train_iterator", "cp_sharding_from_args", "iterations_for",
            "pinned_tp_rank_batch", "pretrain_gpt_batch", "reader_from_args", "runtime", "stream_tokens_for"]

@@ -25,7 +25,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from megatron_wlb.data.blend import parse_data_path
+from megatron_wlb.data.fingerprint import dataset_fingerprint
+from megatron_wlb.megatron.data import plan_digest
 from megatron_wlb.megatron.rebind import wrapping
+from megatron_wlb.megatron.settings import FLAG_KNOBS
 from megatron_wlb.packing.types import GlobalBatch
 
 if TYPE_CHECKING:
@@ -40,8 +44,6 @@ Piece = tuple[int, int, int, int]  # (micro-batch index, document id, offset, le
 
 def plan_key(batch: GlobalBatch | None) -> int:
     """The plan's agreement key: 62 bits of ``plan_digest`` (``NO_PLAN_KEY`` for no plan)."""
-    from megatron_wlb.megatron.data import plan_digest
-
     if batch is None:
         return NO_PLAN_KEY
     return int(plan_digest(batch)[:16], 16) >> (64 - KEY_BITS)
@@ -208,9 +210,6 @@ def dataset_parts(args: Any) -> list[tuple[str, str, str]]:
     """``(part name, digest, file name)`` for every dataset Megatron's data flags name: the ``.idx`` digest and
     the sampled ``.bin`` digest of each (``data.fingerprint``), named by flag and position (each rank may read
     its own copy at its own path, under its own name: only the digests are compared)."""
-    from megatron_wlb.data.blend import parse_data_path
-    from megatron_wlb.data.fingerprint import dataset_fingerprint
-
     parts: list[tuple[str, str, str]] = []
     for attr in DATA_PATH_ARGS:
         given = getattr(args, attr, None)
@@ -229,7 +228,6 @@ class RunFingerprint:
     resolved config, Megatron's flags that shape the samples, the cost model and its profile's content, and
     every dataset's digests. ``key`` is what the ranks compare; the parts name what differs; ``files`` names
     the file each dataset part read (shown, not compared)."""
-
     parts: tuple[tuple[str, str], ...]
     files: tuple[tuple[str, str], ...] = ()
 
@@ -247,8 +245,6 @@ def run_fingerprint(args: Any, settings: WlbSettings, config: Any, cost: Any,
                     datasets: Sequence[tuple[str, str, str]]) -> RunFingerprint:
     """This rank's ``RunFingerprint`` (``config``: the resolved ``PackingConfig``; ``datasets``: ``dataset_parts``)."""
     from dataclasses import asdict
-
-    from megatron_wlb.megatron.settings import FLAG_KNOBS
 
     parts = [("--wlb-packing", settings.packing), ("--wlb-cp-sharding", settings.cp_sharding),
              ("--wlb-log-interval", str(settings.log_interval)), ("--wlb-trace", "on" if settings.trace else "off")]

@@ -6,8 +6,8 @@ packed_seq_params=...)``. With a packed (THD) micro-batch Megatron has already s
 ``[T, heads, head_dim]`` and expects ``[T, heads * head_dim]`` back; otherwise they are
 ``[s, b, heads, head_dim]`` and it expects ``[s, b, heads * head_dim]``. This module:
 
-- with ``WlbPackedSeqParams`` carrying our metadata (``cp_hooks``' non-TE layouts): calls
-  ``megatron_wlb.cp.attention.all_gather_cp_attention(q, k, v, metadata, group)`` over the CP group
+- with ``WlbPackedSeqParams`` carrying our ``DeviceBatch`` (``cp_hooks``' non-TE layouts): calls
+  ``megatron_wlb.cp.attention.all_gather_cp_attention(q, k, v, batch, group)`` over the CP group
   (``pg_collection.cp``, else ``parallel_state``'s); GQA passes through (k/v keep their
   ``num_query_groups`` heads and are all-gathered un-repeated);
 - otherwise (no WLB metadata: Megatron's own batches, e.g. a non-WLB eval loader, or TE's THD params)
@@ -19,10 +19,10 @@ does the same on an explicit ``ModuleSpec`` tree. The all-gather attention has n
 no sliding window and no softmax variants: those configurations are refused when the module is built.
 
 RoPE: Megatron's THD RoPE assumes TE's per-document head-tail layout. ``install_core_attention`` also
-wraps ``SelfAttention.forward`` so that, while one runs on a WLB micro-batch, its ``WlbVarlen`` is the
+wraps ``SelfAttention.forward`` so that, while one runs on a WLB micro-batch, its ``DeviceBatch`` is the
 active one (a context variable, set and reset around the call, recomputation included), and
 ``apply_rotary_pos_emb`` as ``megatron.core.transformer.attention`` calls it rotates each local row
-by the plan's position (``WlbVarlen.rope_positions``) when it is handed that micro-batch's cu_seqlens.
+by its position (``DeviceBatch.rope_positions``) when it is handed that micro-batch's cu_seqlens.
 """
 
 from __future__ import annotations
@@ -42,6 +42,9 @@ from megatron.core import parallel_state
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
+from megatron_wlb.cp.attention import all_gather_cp_attention, varlen_attention
+from megatron_wlb.cp.device import DeviceBatch
+from megatron_wlb.megatron import runtime
 from megatron_wlb.megatron.rebind import is_wrapper, original_of, wrapping
 
 _CAUSAL = {AttnMaskType.causal, AttnMaskType.padding_causal}
@@ -153,7 +156,7 @@ class WlbCoreAttention(MegatronModule):
         wlb = getattr(packed_seq_params, "wlb", None)
         if wlb is None and getattr(packed_seq_params, "qkv_format", None) == "thd":
             return self._megatron_thd(query, key, value, attn_mask_type, packed_seq_params)
-        if wlb is None or wlb.attention is None:
+        if wlb is None or wlb.te:
             if packed_seq_params is None and _every_batch_is_packed():
                 raise RuntimeError("a micro-batch reached the attention without packed-sequence params, but every "
                                    "batch of this run is a packed WLB micro-batch: the fallback attention would "
@@ -172,9 +175,7 @@ class WlbCoreAttention(MegatronModule):
             raise ValueError(f"WLB-LLM attention is document-causal; got attn_mask_type={mask_type}")
         if attention_bias is not None:
             raise ValueError("WLB-LLM attention takes no attention_bias")
-        return wlb_attention_forward(query, key, value, wlb.attention, self.cp_group(), self.softmax_scale,
-                                     local_pad=wlb.local_pad)
-
+        return wlb_attention_forward(query, key, value, wlb, self.cp_group(), self.softmax_scale)
 
     def _megatron_thd(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       attn_mask_type: AttnMaskType | None, params: Any) -> torch.Tensor:
@@ -182,8 +183,6 @@ class WlbCoreAttention(MegatronModule):
         ``wrap_data_iterator`` with our scheduler): document-causal varlen attention over its ``cu_seqlens``
         (the padded ones where given, which cover every row) at CP 1, where the local attention has no THD path;
         with CP > 1 Megatron shards THD rows with TransformerEngine, which this attention does not follow."""
-        from megatron_wlb.cp.attention import varlen_attention
-
         group = self.cp_group()
         if group is not None and torch.distributed.get_world_size(group) > 1:
             raise ValueError("WLB-LLM attention got Megatron's own THD micro-batch at CP > 1 (sharded by "
@@ -207,23 +206,19 @@ class WlbCoreAttention(MegatronModule):
 
 def _every_batch_is_packed() -> bool:
     """Whether this process trains and evaluates on WLB iterators only (no Megatron loader in use)."""
-    from megatron_wlb.megatron import runtime
-
     rt = runtime()
     return rt.registry is not None and bool(rt.registry.iterators) and not rt.megatron_loaders
 
 
-def wlb_attention_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, meta: Any, group: Any,
-                          softmax_scale: float | None = None, local_pad: int = 0) -> torch.Tensor:
+def wlb_attention_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, meta: DeviceBatch, group: Any,
+                          softmax_scale: float | None = None) -> torch.Tensor:
     """The tensor plumbing of ``WlbCoreAttention`` (separate so tests can drive it without a layer).
 
     Accepts THD ``[T, H, D]`` or ``[s, b, H, D]`` with b == 1 (a packed micro-batch), runs the
-    all-gather CP attention on ``[T, H, D]`` with ``meta`` (``CPAttentionMetadata``, or a
-    ``RankShard``) and returns ``[T, H*D]`` or ``[s, b, H*D]``. The last ``local_pad`` rows
-    (sequence-parallel padding, see ``WlbVarlen``) attend to nothing: their output is zero.
+    all-gather CP attention on ``[T, H, D]`` with ``meta`` (the micro-batch's ``DeviceBatch``) and
+    returns ``[T, H*D]`` or ``[s, b, H*D]``. The last ``meta.local_pad`` rows (sequence-parallel
+    padding) attend to nothing: their output is zero.
     """
-    from megatron_wlb.cp.attention import all_gather_cp_attention
-
     sbhd = query.dim() == 4
     if sbhd:
         if query.shape[1] != 1 or key.shape[1] != 1 or value.shape[1] != 1:
@@ -237,7 +232,7 @@ def wlb_attention_forward(query: torch.Tensor, key: torch.Tensor, value: torch.T
     if k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2] or q.shape[1] % k.shape[1]:
         raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: k and v must match, share "
                          "q's tokens and head_dim, and q's heads must be a multiple of k's (GQA)")
-    n_local = meta.num_tokens
+    n_local, local_pad = meta.num_tokens, meta.local_pad
     if q.shape[0] != n_local + local_pad:
         raise ValueError(f"{q.shape[0]} local tokens but this rank's shard holds {n_local}"
                          + (f" plus {local_pad} padding rows" if local_pad else ""))
@@ -278,7 +273,7 @@ def swap_core_attention(spec: Any) -> Any:
 
 #: the RoPE function ``megatron.core.transformer.attention`` calls (replaced there by ``install_core_attention``)
 ROPE_NAME = "apply_rotary_pos_emb"
-#: the WlbVarlen of the SelfAttention forward running now (None outside one, or for other batches)
+#: the DeviceBatch of the SelfAttention forward running now (None outside one, or for other batches)
 _ACTIVE: contextvars.ContextVar[Any] = contextvars.ContextVar("wlb_active_varlen", default=None)
 
 
@@ -292,8 +287,7 @@ def wlb_apply_rotary_pos_emb(original: Callable) -> Callable:
         # extra: keywords newer Megatron passes (main: mla_rotary_interleaved, inverse,
         # mla_output_remove_interleaving, max_seqlen), handed to Megatron's function as given
         wlb = _ACTIVE.get()
-        meta = wlb.attention if wlb is not None else None
-        if meta is None or (cu_seqlens is not meta.cu_seqlens_q and cu_seqlens is not meta.cu_seqlens_k):
+        if wlb is None or wlb.te or (cu_seqlens is not wlb.cu_seqlens_q and cu_seqlens is not wlb.cu_seqlens_k):
             return original(t, freqs, config, cu_seqlens=cu_seqlens, mscale=mscale, cp_group=cp_group, **extra)
         unsupported = sorted(k for k in ("inverse", "mla_rotary_interleaved", "mla_output_remove_interleaving")
                              if extra.get(k))

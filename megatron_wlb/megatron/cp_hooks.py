@@ -1,11 +1,11 @@
 """CP hooks: a ``RankMicroBatch`` becomes Megatron's batch and ``PackedSeqParams`` in one upload.
 
-The data iterator has already planned the micro-batch for this CP rank on the host
-(``cp.plan.RankPlan``). ``upload_micro_batch`` moves it to the device once: the token tensors, and
-one immutable ``WlbVarlen`` record (kernel metadata, RoPE positions) inside a
+The data iterator has already built the micro-batch's host record for this CP rank
+(``cp.plan.RankMicroBatch``). ``upload_micro_batch`` moves it to the device once (``cp.device.upload``:
+one pinned buffer, one copy) and hands Megatron its tensors and the ``DeviceBatch`` inside a
 ``WlbPackedSeqParams``, the ``PackedSeqParams`` that Megatron threads from ``forward_step`` through
 ``GPTModel`` to every layer. Every attention layer of the forward (and of its recomputation and
-backward) reuses those device tensors; nothing is read back to the host.
+backward) reads that one record; nothing is read back to the host.
 
 ``install(settings)`` (``megatron_wlb.megatron.apply()`` calls it once args are validated):
 
@@ -22,44 +22,28 @@ Middle pipeline stages of the pinned ``pretrain_gpt.get_batch`` get no batch; th
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.util
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
-from megatron_wlb.cp.attention import CPAttentionMetadata
-from megatron_wlb.megatron.data import RankMicroBatch
+from megatron_wlb.cp.device import DeviceBatch, upload
+from megatron_wlb.cp.plan import RankMicroBatch
+from megatron_wlb.megatron import attention as wlb_attention
 from megatron_wlb.megatron.rebind import rebind
 from megatron_wlb.megatron.settings import WlbSettings
 
 
-@dataclass(frozen=True, eq=False)
-class WlbVarlen:
-    """What this rank's layers need of one micro-batch, on the device, built once per micro-batch.
-
-    ``attention``: the all-gather CP attention's metadata (None on the TE path, where TE's fields
-    describe the layout); ``rope_positions`` long ``[R]``: each local row's RoPE position;
-    ``rope_length``: rotary positions the model must compute; ``layout``: the layout used (for
-    ``adaptive``, the chosen one); ``local_pad``: trailing padding rows (sequence parallelism).
-    """
-
-    attention: CPAttentionMetadata | None
-    rope_positions: torch.Tensor
-    rope_length: int
-    layout: str
-    local_pad: int = 0
-
-
 @dataclass
 class WlbPackedSeqParams(PackedSeqParams):
-    """``PackedSeqParams`` plus this CP rank's ``WlbVarlen`` (None: not a WLB micro-batch)."""
-
-    wlb: WlbVarlen | None = None
+    """``PackedSeqParams`` plus this CP rank's ``DeviceBatch`` (None: not a WLB micro-batch): Megatron
+    threads the params from ``forward_step`` through ``GPTModel`` to every layer."""
+    wlb: DeviceBatch | None = None
 
 
 def te_available() -> bool:
@@ -79,91 +63,59 @@ def _cp_group() -> Any:
 
 
 def upload_micro_batch(batch: RankMicroBatch, device: torch.device | None = None, *, cp_group: Any = None,
-                       tokens: bool = True, pin_memory: bool = False
-                       ) -> tuple[dict[str, torch.Tensor | None], WlbPackedSeqParams]:
-    """Move one ``RankMicroBatch`` to ``device`` (default: ``training_device()``): Megatron's batch
-    (tokens, labels, loss_mask, attention_mask None, position_ids; empty with ``tokens=False``, for
-    stages that need only the params) and its ``WlbPackedSeqParams``. Host -> device copies only
-    (``pin_memory``: from pinned host memory); a batch ``stage_upload`` already sent is not copied again."""
+                       tokens: bool = True) -> tuple[dict[str, torch.Tensor | None], WlbPackedSeqParams]:
+    """``batch`` on ``device`` (default: ``training_device()``) as Megatron reads it: its batch (tokens,
+    labels, loss_mask, attention_mask None, position_ids; empty with ``tokens=False``, for stages that need
+    only the params) and its ``WlbPackedSeqParams``. The copy is ``cp.device.upload``'s (one, from pinned
+    memory); a batch ``stage_upload`` already sent is not copied again."""
     device = training_device() if device is None else device
     staged = batch.staged
     if staged is not None and staged[0] == device and tokens:
-        _, event, staged_data, staged_params = staged  # sent on a side stream (stage_upload): wait, no host work
+        _, event, on_device = staged  # sent on a side stream (stage_upload): wait, no host work
         stream = torch.cuda.current_stream(device)
         stream.wait_event(event)
-        for tensor in _device_tensors(staged_data, staged_params):
+        for tensor in on_device.tensors():
             tensor.record_stream(stream)  # the caching allocator must not reuse them before this stream is done
-        return staged_data, staged_params
-    plan = batch.plan
-    cp_group = _cp_group() if cp_group is None else cp_group
-    pin = pin_memory and device.type == "cuda"
+    else:
+        on_device = upload(batch, device, tokens=tokens)
+    return megatron_batch(on_device, _cp_group() if cp_group is None else cp_group)
 
-    def up(array: Any, dtype: torch.dtype) -> torch.Tensor:
-        host = torch.from_numpy(array)
-        if pin:  # a non-blocking copy from pageable memory would sync; from pinned memory it does not
-            host = host.pin_memory()
-        return host.to(device=device, dtype=dtype, non_blocking=True)
 
+def megatron_batch(batch: DeviceBatch, cp_group: Any) -> tuple[dict[str, torch.Tensor | None], WlbPackedSeqParams]:
+    """Megatron's batch dict and ``WlbPackedSeqParams`` over the tensors of ``batch`` (no copy)."""
     data: dict[str, torch.Tensor | None] = {}
-    if tokens:
-        data = {"tokens": up(batch.tokens, torch.long), "labels": up(batch.labels, torch.long),
-                "loss_mask": up(batch.loss_mask, torch.float32), "attention_mask": None,
-                "position_ids": up(batch.position_ids, torch.long)}
-    rope = up(plan.positions, torch.long)
-    if plan.te is not None:
-        te = plan.te
-        cu = up(te.cu_seqlens, torch.int32)
+    if batch.tokens is not None:
+        data = {"tokens": batch.tokens, "labels": batch.labels, "loss_mask": batch.loss_mask, "attention_mask": None,
+                "position_ids": batch.position_ids}
+    if batch.te:
         # TE infers padding between sequences whenever the padded offsets are another tensor, which rules
-        # out its FlashAttention backend: nothing padded, the same tensor
-        padded = not np.array_equal(te.cu_seqlens, te.cu_seqlens_padded)
-        cu_padded = up(te.cu_seqlens_padded, torch.int32) if padded else cu
-        # cp_group None, as in Megatron's own THD path: a group here would make TEDotProductAttention
-        # re-set its CP group every call (dynamic CP)
-        params = WlbPackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu_padded,
-                                    cu_seqlens_kv_padded=cu_padded, max_seqlen_q=te.max_seqlen,
-                                    max_seqlen_kv=te.max_seqlen, cp_group=None,
-                                    wlb=WlbVarlen(None, rope, plan.rope_length, plan.layout.name))
-        return data, params
-    meta = CPAttentionMetadata.from_shard(plan.shard, device)
-    params = WlbPackedSeqParams(qkv_format="thd", cu_seqlens_q=meta.cu_seqlens_q, cu_seqlens_kv=meta.cu_seqlens_k,
-                                max_seqlen_q=plan.rope_length, max_seqlen_kv=plan.rope_length, cp_group=cp_group,
-                                wlb=WlbVarlen(meta, rope, plan.rope_length, plan.layout.name, plan.local_pad))
-    return data, params
-
-
-def _device_tensors(data: dict[str, Any], params: WlbPackedSeqParams) -> list[torch.Tensor]:
-    found = [t for t in data.values() if isinstance(t, torch.Tensor)]
-    for name in ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded"):
-        value = getattr(params, name, None)
-        if isinstance(value, torch.Tensor):
-            found.append(value)
-    wlb = params.wlb
-    if wlb is not None:
-        found.append(wlb.rope_positions)
-        if wlb.attention is not None:
-            found += [wlb.attention.cu_seqlens_q, wlb.attention.cu_seqlens_k, wlb.attention.segment_index]
-            if wlb.attention.occurrence is not None:
-                found.append(wlb.attention.occurrence)
-    return found
+        # out its FlashAttention backend: nothing padded, the same tensor (``upload`` makes it so). cp_group
+        # None, as in Megatron's own THD path: a group here would make TEDotProductAttention re-set its CP
+        # group every call (dynamic CP)
+        return data, WlbPackedSeqParams(qkv_format="thd", cu_seqlens_q=batch.cu_seqlens_q,
+                                        cu_seqlens_kv=batch.cu_seqlens_k, cu_seqlens_q_padded=batch.cu_seqlens_padded,
+                                        cu_seqlens_kv_padded=batch.cu_seqlens_padded, max_seqlen_q=batch.max_seqlen_q,
+                                        max_seqlen_kv=batch.max_seqlen_k, cp_group=None, wlb=batch)
+    return data, WlbPackedSeqParams(qkv_format="thd", cu_seqlens_q=batch.cu_seqlens_q, cu_seqlens_kv=batch.cu_seqlens_k,
+                                    max_seqlen_q=batch.rope_length, max_seqlen_kv=batch.rope_length,
+                                    cp_group=cp_group, wlb=batch)
 
 
 _SIDE_STREAMS: dict[Any, Any] = {}
 
 
 def stage_upload(batch: RankMicroBatch, device: torch.device) -> RankMicroBatch:
-    """``batch`` with its upload started on a side stream of ``device`` from pinned memory (run on the
+    """``batch`` with its upload (``cp.device.upload``) started on a side stream of ``device`` (run on the
     prefetch thread); ``upload_micro_batch`` makes the compute stream wait for it."""
-    import dataclasses
-
     if device.type != "cuda":
         return batch
     torch.cuda.set_device(device)
     stream = _SIDE_STREAMS.setdefault(device, torch.cuda.Stream(device))
     with torch.cuda.stream(stream):
-        data, params = upload_micro_batch(batch, device, cp_group=None, pin_memory=True)
+        on_device = upload(batch, device)
         event = torch.cuda.Event()
         event.record(stream)
-    return dataclasses.replace(batch, staged=(device, event, data, params))
+    return dataclasses.replace(batch, staged=(device, event, on_device))
 
 
 def get_thd_batch_on_this_cp_rank(batch: dict[str, Any], cu_seqlens: Any, cu_seqlens_padded: Any, max_seqlen: Any,
@@ -219,7 +171,6 @@ def install(settings: WlbSettings) -> None:
     Raises ValueError for ``per-document-te`` without TransformerEngine (use ``per-document``: same
     balance, no padding, our all-gather attention).
     """
-    from megatron_wlb.megatron import attention as wlb_attention
 
     if not isinstance(settings, WlbSettings):
         raise TypeError(f"install() takes a WlbSettings, got {type(settings).__name__}")
@@ -242,8 +193,6 @@ def install(settings: WlbSettings) -> None:
 
 def uninstall() -> None:
     """Undo ``install`` (tests; a training process has no reason to)."""
-    from megatron_wlb.megatron import attention as wlb_attention
-
     state = _STATE.pop("cp", None)
     if state is None:
         return
@@ -252,5 +201,5 @@ def uninstall() -> None:
     wlb_attention.install_core_attention(enabled=False)
 
 
-__all__ = ["WlbPackedSeqParams", "WlbVarlen", "get_thd_batch_on_this_cp_rank", "install",
+__all__ = ["WlbPackedSeqParams", "get_thd_batch_on_this_cp_rank", "install", "megatron_batch",
            "packed_seq_params_from_iterator", "te_available", "training_device", "uninstall", "upload_micro_batch"]

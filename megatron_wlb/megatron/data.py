@@ -4,9 +4,10 @@
 builds the same reader (``megatron_wlb.data.reader``), stream and packer, so every rank computes the
 same global plan without communication (``plan_digest``); DP rank r takes
 ``GlobalBatch.for_dp_rank(r)``, i.e. exactly ``num_microbatches`` micro-batches per iteration on
-every TP/CP/PP rank. Each micro-batch is planned for this CP rank right here, on the host
-(``cp.plan.plan_rank``), and yielded as a ``RankMicroBatch``: this rank's rows of the packed tokens
-and its ``RankPlan``. ``cp_hooks.upload_micro_batch`` moves it to the device once.
+every TP/CP/PP rank. Each micro-batch is laid out over the CP group right here, on the host
+(``cp.plan.layout_micro_batch``, with the iteration's plan), and yielded as this rank's one host
+record, a ``cp.plan.RankMicroBatch`` (its rows of the packed tokens, positions and attention
+metadata). ``cp.device.upload`` moves it to the device once (``cp_hooks.upload_micro_batch``).
 
 Token convention (see ``docs/megatron.md``): a piece of d tokens gives d input tokens; ``labels[i]``
 is the next token of the same piece; the last token of every piece has ``loss_mask`` 0 (label 0);
@@ -23,40 +24,32 @@ import json
 import os
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
-from megatron_wlb.cp.layouts import layout_digest
-from megatron_wlb.cp.plan import CPSharding, RankPlan, micro_batch_lengths, plan_rank
+from megatron_wlb.cp.layouts import ShardLayout, layout_digest
+from megatron_wlb.cp.plan import CPSharding, Packed, RankMicroBatch, layout_micro_batch, micro_batch_lengths, rank_batch
 from megatron_wlb.data.reader import DocumentReader, DocumentStream, StreamCursor
 from megatron_wlb.data.samples import SamplePieceCursor, SampleStream
+from megatron_wlb.packing import make_packer
 from megatron_wlb.packing.types import GlobalBatch, MicroBatch
 
 STREAM_STATE_VERSION = 2  # 2: the stream digest hashes ids and lengths apart (a lazy stream)
 ReadFn = Callable[[int, int, int], np.ndarray]
 
 
-@dataclass(frozen=True)
-class PackedTokens:
-    """One packed micro-batch on the host, whole (every CP rank's tokens): ``[T]`` arrays."""
-
-    tokens: np.ndarray
-    labels: np.ndarray
-    loss_mask: np.ndarray
-
-
 #: (doc_id, offset, length) -> a piece's tokens, labels and loss mask, as the data source gives them
-PieceReadFn = Callable[[int, int, int], "PackedTokens"]
+PieceReadFn = Callable[[int, int, int], Packed]
 
 
 def pack_tokens(read: ReadFn, micro_batch: MicroBatch, segment_lengths: np.ndarray,
-                read_piece: PieceReadFn | None = None) -> PackedTokens:
-    """The micro-batch's tokens over ``segment_lengths`` (its pieces, then padding segments, as
-    ``cp.plan.micro_batch_lengths`` gives them). ``read(doc_id, offset, length)`` returns a piece's tokens
-    (labels: the next token of the piece, the last one masked); ``read_piece`` (when given) returns its
-    tokens, labels and loss mask whole."""
+                read_piece: PieceReadFn | None = None) -> Packed:
+    """The micro-batch's tokens, labels and loss mask over ``segment_lengths`` (its pieces, then padding
+    segments, as ``cp.plan.micro_batch_lengths`` gives them). ``read(doc_id, offset, length)`` returns a
+    piece's tokens (labels: the next token of the piece, the last one masked); ``read_piece`` (when
+    given) returns its tokens, labels and loss mask whole."""
     size = int(np.sum(segment_lengths))
     tokens = np.zeros(size, dtype=np.int64)
     labels = np.zeros(size, dtype=np.int64)
@@ -64,11 +57,11 @@ def pack_tokens(read: ReadFn, micro_batch: MicroBatch, segment_lengths: np.ndarr
     at = 0
     for p in micro_batch.pieces:
         if read_piece is not None:
-            got = read_piece(p.doc_id, p.offset, p.length)
-            if got.tokens.size != p.length:
-                raise ValueError(f"piece {p.doc_id}: read {got.tokens.size} tokens for a piece of {p.length}")
-            tokens[at:at + p.length], labels[at:at + p.length] = got.tokens, got.labels
-            loss_mask[at:at + p.length] = got.loss_mask
+            got_tokens, got_labels, got_mask = read_piece(p.doc_id, p.offset, p.length)
+            if got_tokens.size != p.length:
+                raise ValueError(f"piece {p.doc_id}: read {got_tokens.size} tokens for a piece of {p.length}")
+            tokens[at:at + p.length], labels[at:at + p.length] = got_tokens, got_labels
+            loss_mask[at:at + p.length] = got_mask
             at += p.length
             continue
         chunk = read(p.doc_id, p.offset, p.length)
@@ -78,40 +71,22 @@ def pack_tokens(read: ReadFn, micro_batch: MicroBatch, segment_lengths: np.ndarr
         labels[at:at + p.length - 1] = chunk[1:]
         loss_mask[at:at + p.length - 1] = 1.0
         at += p.length
-    return PackedTokens(tokens, labels, loss_mask)
+    return tokens, labels, loss_mask
 
 
-@dataclass(frozen=True, eq=False)
-class RankMicroBatch:
-    """One micro-batch as this rank feeds it to the model, on the host: ``tokens``/``labels``/
-    ``loss_mask``/``position_ids`` ``[1, R]`` are this CP rank's ``R`` rows (``plan.rows``), padding
-    rows zero; ``micro_batch`` is the packer's plan (document pieces)."""
-
-    micro_batch: MicroBatch
-    plan: RankPlan
-    tokens: np.ndarray
-    labels: np.ndarray
-    loss_mask: np.ndarray
-    position_ids: np.ndarray
-    #: its upload, already started on a side stream by ``prefetch.PrefetchingIterator`` (None: not staged)
-    staged: Any = None
-
-
-def plan_micro_batch(micro_batch: MicroBatch, sharding: CPSharding) -> RankPlan:
-    """``sharding``'s CP rank's plan of ``micro_batch``: its segments laid out over the CP group."""
-    segments = micro_batch_lengths([p.length for p in micro_batch.pieces], sharding.sequence_multiple,
-                                   sharding.empty_tokens)
-    return plan_rank(segments, sharding)
+def segment_lengths(micro_batch: MicroBatch, sharding: CPSharding) -> np.ndarray:
+    """The packed sequence's segments of ``micro_batch``: its pieces, then ``sharding``'s padding."""
+    return micro_batch_lengths([p.length for p in micro_batch.pieces], sharding.sequence_multiple,
+                               sharding.empty_tokens)
 
 
 def rank_micro_batch(read: ReadFn, micro_batch: MicroBatch, sharding: CPSharding,
-                     read_piece: PieceReadFn | None = None, plan: RankPlan | None = None) -> RankMicroBatch:
-    """Plan ``micro_batch`` for ``sharding``'s CP rank (unless its ``plan`` is given) and take that rank's
-    rows of its tokens."""
-    plan = plan_micro_batch(micro_batch, sharding) if plan is None else plan
-    whole = pack_tokens(read, micro_batch, plan.segment_lengths, read_piece)
-    return RankMicroBatch(micro_batch, plan, plan.take(whole.tokens)[None], plan.take(whole.labels)[None],
-                          plan.take(whole.loss_mask)[None], plan.positions[None])
+                     read_piece: PieceReadFn | None = None, layout: ShardLayout | None = None) -> RankMicroBatch:
+    """``sharding``'s CP rank's host record of ``micro_batch``: its tokens read, laid out by ``layout``
+    (None: laid out now)."""
+    segments = segment_lengths(micro_batch, sharding)
+    return rank_batch(segments, sharding, layout=layout, packed=pack_tokens(read, micro_batch, segments, read_piece),
+                      micro_batch=micro_batch)
 
 
 def plan_digest(batch: GlobalBatch) -> str:
@@ -164,9 +139,9 @@ class WlbDataIterator(Iterator[RankMicroBatch]):
         self.last_seconds = 0.0
         self.current: GlobalBatch | None = None
         self._mine: tuple[MicroBatch, ...] = ()
-        #: the CP plans of ``_mine`` (CP > 1: built with the iteration's plan, so that the CP ranks can agree on
-        #: their layouts before the step; empty: each is built with its micro-batch)
-        self._cp_plans: tuple[RankPlan, ...] = ()
+        #: the CP layouts of ``_mine`` (CP > 1: built with the iteration's plan, so that the CP ranks can agree
+        #: on them before the step; empty: each is built with its micro-batch)
+        self._cp_layouts: tuple[ShardLayout, ...] = ()
         #: (layout name, ``cp.layouts.layout_digest``) of each of this rank's micro-batches of the current
         #: iteration (CP > 1 only): what ``agreement.check_plan_agreement`` compares over each CP group
         self.layouts: tuple[tuple[str, int], ...] = ()
@@ -193,8 +168,9 @@ class WlbDataIterator(Iterator[RankMicroBatch]):
         self.current = batch
         self._mine = batch.micro_batches[self.dp_rank * self.n:(self.dp_rank + 1) * self.n]
         if self.sharding.cp_size > 1:
-            self._cp_plans = tuple(plan_micro_batch(mb, self.sharding) for mb in self._mine)
-            self.layouts = tuple((p.layout.name, layout_digest(p.layout)) for p in self._cp_plans)
+            self._cp_layouts = tuple(layout_micro_batch(segment_lengths(mb, self.sharding), self.sharding)
+                                     for mb in self._mine)
+            self.layouts = tuple((layout.name, layout_digest(layout)) for layout in self._cp_layouts)
         self._cursor = 0
         if self.on_batch is not None:
             self.on_batch(batch)
@@ -244,7 +220,7 @@ class WlbDataIterator(Iterator[RankMicroBatch]):
         self._cursor += 1
         self.yielded += 1
         return rank_micro_batch(self.read, self._mine[at], self.sharding, read_piece=self.read_piece,
-                                plan=self._cp_plans[at] if self._cp_plans else None)
+                                layout=self._cp_layouts[at] if self._cp_layouts else None)
 
     def __next__(self) -> RankMicroBatch:
         start = time.perf_counter()
@@ -299,7 +275,6 @@ class WlbDataIterator(Iterator[RankMicroBatch]):
         self.layouts = ()
         self._cursor = 0
 
-
     def _adopt_planned_layout(self, saved: dict[str, Any]) -> None:
         """Keep planning for the checkpoint's (dp, n) when this run has another DP size at the same global
         batch (dp * n micro-batches per iteration): the packer then makes the plans the saved run would have,
@@ -311,7 +286,6 @@ class WlbDataIterator(Iterator[RankMicroBatch]):
         if planned != config.micro_batches_per_iteration:
             raise PlanLayoutError(int(saved["dp"]), int(saved["n"]), self.dp_size,
                                   config.micro_batches_per_iteration // self.dp_size)
-        from megatron_wlb.packing import make_packer
 
         self.packer = make_packer(self.packer.name, replace(config, dp=int(saved["dp"]), n=int(saved["n"])),
                                   self.packer.cost)

@@ -21,8 +21,8 @@ from typing import Any
 
 import numpy as np
 
+from megatron_wlb.cp.plan import Packed
 from megatron_wlb.data.samples import SAMPLE_CHUNK, GptIndices, SampleOrder, SampleStream, piece_sample
-from megatron_wlb.megatron.data import PackedTokens
 
 #: samples whose arrays the piece reader keeps (a micro-batch's pieces come from many samples)
 SAMPLE_CACHE = 256
@@ -220,7 +220,7 @@ class MegatronSamples:
             lengths.append(np.diff(np.append(starts, pos.size)))
         return np.asarray(counts, dtype=np.int64), np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
 
-    def piece(self, stream_id: int, offset: int, length: int) -> PackedTokens:
+    def piece(self, stream_id: int, offset: int, length: int) -> Packed:
         """Tokens, labels and loss mask of ``length`` tokens from ``offset`` of the piece ``stream_id``."""
         j, start = piece_sample(stream_id, self.seq_len)
         tokens, labels, loss_mask, positions = self.sample(j)
@@ -230,8 +230,7 @@ class MegatronSamples:
         if positions[a] != offset or not np.array_equal(positions[a:b], np.arange(offset, offset + length)):
             raise ValueError(f"piece {stream_id} of sample {j}: Megatron's position ids do not run 0, 1, ... "
                              "over it (its document boundaries moved)")
-        return PackedTokens(tokens[a:b].astype(np.int64), labels[a:b].astype(np.int64),
-                            loss_mask[a:b].astype(np.float32))
+        return tokens[a:b].astype(np.int64), labels[a:b].astype(np.int64), loss_mask[a:b].astype(np.float32)
 
     def stream(self, first_sample: int, fingerprint: str | None = None) -> SampleStream:
         """Megatron's samples from training position ``first_sample`` (a resumed job's consumed samples).

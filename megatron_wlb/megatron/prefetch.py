@@ -24,7 +24,8 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from megatron_wlb.megatron.data import RankMicroBatch, WlbDataIterator
+from megatron_wlb.cp.plan import RankMicroBatch
+from megatron_wlb.megatron.data import WlbDataIterator
 
 
 class PrefetchingIterator:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from megatron_wlb.megatron.args import configuration_error, module_available
+
 #: Megatron flags that our packing already implies (positions restart at every document piece, attention
 #: never crosses a piece, the last token of a piece has no label): accepted, with a note.
 IMPLIED_FLAGS = {
@@ -66,15 +68,11 @@ def check_training_args(args: Any, *, middle_stage_batches: bool) -> list[str]:
         problems.append("CUDA graphs capture fixed shapes; packed micro-batches vary in length: remove "
                         "--enable-cuda-graph / --external-cuda-graph / --cuda-graph-impl")
     if getattr(args, "sequence_parallel", False) and getattr(args, "transformer_impl", None) == "local":
-        from megatron_wlb.megatron.args import module_available
-
         if not module_available("apex") and not _torch_norm_handles_sequence_parallel():
             problems.append("--sequence-parallel with --transformer-impl local: without apex, Megatron's local "
                             "spec normalises with WrappedTorchNorm, which does not support sequence parallelism; "
                             "use --transformer-impl transformer_engine or drop --sequence-parallel")
     if getattr(args, "persist_layer_norm", False) and getattr(args, "transformer_impl", None) == "local":
-        from megatron_wlb.megatron.args import module_available
-
         if not module_available("apex"):
             problems.append("--transformer-impl local without apex normalises with WrappedTorchNorm, which "
                             "refuses persist_layer_norm (Megatron's default): add --no-persist-layer-norm")
@@ -86,7 +84,5 @@ def check_training_args(args: Any, *, middle_stage_batches: bool) -> list[str]:
         notes.append(f"{', '.join(implied)}: implied by WLB packing (positions restart at every document, attention "
                      "stays inside documents, a document's last token has no label); nothing else to do")
     if problems:
-        from megatron_wlb.megatron.args import configuration_error
-
         raise configuration_error(problems, "this run cannot train packed micro-batches")
     return notes

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from megatron_wlb.data.samples import SampleOrder, SampleStream, order_fingerprint
+from megatron_wlb.megatron.gpt_samples import gpt_dataset_config, sample_order
 
 #: the split of a corpus that is all training data (Megatron's ``--split``)
 TRAIN_ONLY = "1,0,0"
@@ -69,8 +70,6 @@ def gpt_config(seq_len: int, seed: int, *, blend: tuple[list[str], list[float] |
     """The ``GPTDatasetConfig`` of a job that masks per document (``--reset-position-ids
     --reset-attention-mask``, what the balanced concat-and-cut requires), no dense mask."""
     import types
-
-    from megatron_wlb.megatron.gpt_samples import gpt_dataset_config
 
     if seq_len < 1:
         raise ValueError(f"seq_len must be a positive token count, got {seq_len}")
@@ -148,8 +147,6 @@ def gpt_sample_order(corpus: np.ndarray | Sequence[str] | str, seq_len: int, num
     """(megatron-core's sample order of ``corpus``, its fingerprint): ``corpus`` is an array of document
     lengths, a ``.bin/.idx`` prefix, or a ``--data-path`` list (one prefix or a weighted blend).
     Holds at least ``num_samples`` samples (``iterations x global batch``; GPTDataset adds epochs)."""
-    from megatron_wlb.megatron.gpt_samples import sample_order
-
     if isinstance(corpus, np.ndarray):
         dataset = lengths_dataset(corpus, seq_len, num_samples, seed, split=split, path_to_cache=path_to_cache)
     else:

@@ -43,8 +43,8 @@ from megatron_wlb.costmodel.trace import (
     row_to_json,
     trace_path_for_rank,
 )
-from megatron_wlb.megatron.data import RankMicroBatch
-from megatron_wlb.megatron.rebind import is_wrapper, wrapping
+from megatron_wlb.cp.plan import RankMicroBatch
+from megatron_wlb.megatron.rebind import is_wrapper, rebind, wrapping
 from megatron_wlb.packing.metrics import microbatch_seconds, piece_forward, piece_latency
 
 #: the pipeline communicator's methods whose time is waiting (every send/receive of core 0.16 and 0.19)
@@ -57,7 +57,6 @@ SCHEDULES = ("forward_backward_no_pipelining", "forward_backward_pipelining_with
 
 class Clock(Protocol):
     """Where timestamps come from; ``seconds`` is only called on stamps that are ``ready``."""
-
     kind: str
     #: iterations the training log stays behind, so that it reads only completed stamps
     lag: int
@@ -73,7 +72,6 @@ class Clock(Protocol):
 
 class CpuClock:
     """A monotonic clock: the CPU executes synchronously, so a stamp is final when taken."""
-
     kind = "cpu"
     lag = 0
 
@@ -94,7 +92,6 @@ class ThreadClock(CpuClock):
     """This thread's CPU time (``time.thread_time``): what the step itself computed, without the time the
     process waited, was preempted or had its core stolen (``WLB_TRACE_CLOCK=thread``, for fitting a cost
     model; its walls and waits are then thread seconds too, not the iteration's wall)."""
-
     kind = "cpu-thread"
 
     def stamp(self) -> float:
@@ -103,7 +100,6 @@ class ThreadClock(CpuClock):
 
 class CudaClock:
     """CUDA events recorded on the current stream; read only after they completed (no host sync)."""
-
     kind = "cuda"
     lag = 1  # the training log measures the previous iteration, whose events have long completed
 
@@ -135,7 +131,6 @@ Span = tuple[Any, Any]
 @dataclass
 class _Step:
     """One micro-batch on one chunk: its row as planned (times still 0) and the stamps measuring it."""
-
     row: MicroBatchRow
     fwd: Span
     wait_fwd: list[Span]
@@ -146,7 +141,6 @@ class _Step:
 @dataclass
 class _Pass:
     """One rank's forward-backward pass (one training step)."""
-
     start: Any
     steps: list[_Step] = field(default_factory=list)
     p2p: list[Span] = field(default_factory=list)
@@ -158,7 +152,6 @@ class _Pass:
 @dataclass(frozen=True)
 class RankIds:
     """This process's place in the 4D layout, and the sizes the measurement needs."""
-
     rank: int
     dp: int
     pp: int
@@ -172,9 +165,8 @@ class RankIds:
 
 def rank_share(batch: RankMicroBatch) -> tuple[int, float, int]:
     """(query rows, causal (query, key) pairs, query runs) this CP rank's attention computes for ``batch``."""
-    shard = batch.plan.shard
-    q = np.diff(shard.cu_seqlens_q)
-    k = np.diff(shard.cu_seqlens_k)
+    q = np.diff(batch.cu_seqlens_q)
+    k = np.diff(batch.cu_seqlens_k)
     return int(q.sum()), float(causal_pairs(q, k).sum()) if q.size else 0.0, int((q > 0).sum())
 
 
@@ -238,7 +230,7 @@ class Recorder:
         batch = getattr(inner, "last", None)
         if chunk is None or not isinstance(batch, RankMicroBatch):
             return
-        lengths = tuple(p.length for p in batch.micro_batch.pieces)
+        lengths = tuple(p.length for p in batch.micro_batch.pieces) if batch.micro_batch is not None else ()
         pred_fwd = pred_bwd = 0.0
         if self.cost is not None and lengths:
             fwd, bwd = microbatch_seconds(self.cost, np.array([piece_latency(self.cost, lengths).sum()]),
@@ -425,8 +417,6 @@ def install() -> None:
     import importlib
 
     from megatron.core.pipeline_parallel import p2p_communication, schedules
-
-    from megatron_wlb.megatron.rebind import rebind
 
     if not is_wrapper(schedules.forward_step):
         rebind("forward_step", schedules.forward_step, _timed(schedules.forward_step, _forward_done))

@@ -21,6 +21,7 @@ from typing import Any
 
 from megatron_wlb.costmodel.measured import MeasuredIteration
 from megatron_wlb.megatron.rebind import wrapping
+from megatron_wlb.packing.metrics import summarize
 from megatron_wlb.packing.types import GlobalBatch
 
 PREFIX = "wlb"
@@ -29,7 +30,6 @@ PREFIX = "wlb"
 @dataclass(frozen=True)
 class IterationMetrics:
     """Packing quality of one iteration's global plan (latencies are forward + backward per layer)."""
-
     iteration: int
     imbalance: float          # paper Table 2 degree, mean over DP ranks (1.0 = perfect)
     imbalance_max: float      # the worst DP rank's degree
@@ -58,8 +58,6 @@ def iteration_metrics(batch: GlobalBatch, cost: Any = None, seq_len: int | None 
                       virtual_stages: int = 1) -> IterationMetrics:
     """Score ``batch`` with ``megatron_wlb.packing.metrics.summarize`` (``d**2`` weights without a cost model);
     ``stages`` / ``virtual_stages``: the run's pipeline, for the schedule ratio."""
-    from megatron_wlb.packing.metrics import summarize
-
     m = summarize([batch], cost, seq_len, stages=stages, virtual_stages=virtual_stages)
     return IterationMetrics(iteration=batch.iteration, imbalance=m.imbalance, imbalance_max=m.imbalance_max,
                             imbalance_global=m.imbalance_global, schedule_ratio=m.schedule_ratio, tokens=m.tokens,

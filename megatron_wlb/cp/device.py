@@ -1,0 +1,159 @@
+"""The device record of one micro-batch: ``upload`` copies a host ``RankMicroBatch`` to the device once.
+
+Every array of the host record (tokens, labels, loss mask, positions, cu_seqlens, the key pieces,
+and under deterministic algorithms the repeat count of each key row) is written into ONE pinned
+host buffer (pinned where CUDA is available), which goes to the device with ONE non-blocking copy;
+the ``DeviceBatch`` fields are views of it, plus the key rows of the all-gather buffer, expanded on
+the device from the O(runs) pieces. Every number a kernel call needs (``max_seqlen_*``, token
+counts, the total key count) is a host int, so nothing reads a device tensor back.
+This is the only place the batch path copies host -> device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from megatron_wlb.cp.plan import RankMicroBatch
+
+_ALIGN = 8  # bytes: every view starts at a multiple of the largest element size
+
+
+@dataclass(frozen=True, eq=False)
+class DeviceBatch:
+    """One micro-batch on one CP rank, on the device: made by ``upload`` only, read by every layer.
+
+    ``tokens`` / ``labels`` / ``loss_mask`` / ``position_ids`` ``[1, R]`` (None: a metadata-only upload,
+    for middle pipeline stages); ``rope_positions`` long ``[R]`` (the RoPE position of each row);
+    ``cu_seqlens_q`` / ``cu_seqlens_k`` int32 and ``segment_index`` long (rows of the padded all-gather
+    buffer holding each query run's keys) for the all-gather attention; on the TE path
+    (``cu_seqlens_padded`` set) TE's THD offsets and no segments. ``occurrence`` / ``levels``: the repeat
+    of each segment row (deterministic backward only). ``layout`` is the layout used (for ``adaptive``,
+    the chosen one); ``local_pad`` trailing rows are rank padding (sequence parallelism).
+    """
+
+    tokens: torch.Tensor | None
+    labels: torch.Tensor | None
+    loss_mask: torch.Tensor | None
+    position_ids: torch.Tensor | None
+    rope_positions: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    cu_seqlens_padded: torch.Tensor | None
+    segment_index: torch.Tensor
+    occurrence: torch.Tensor | None
+    levels: int
+    max_seqlen_q: int
+    max_seqlen_k: int
+    num_runs: int
+    rank: int
+    rank_counts: tuple[int, ...]
+    #: CP = 1 and the key segments are the local rows in order: K/V go to the kernel as they are (no copy)
+    identity_segments: bool
+    rope_length: int
+    layout: str
+    local_pad: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        """This rank's own tokens (its rows less the rank padding)."""
+        return self.rank_counts[self.rank]
+
+    @property
+    def te(self) -> bool:
+        """Whether this is TransformerEngine's THD path (``per-document-te``), not the all-gather attention."""
+        return self.cu_seqlens_padded is not None
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every device tensor of the record (to keep them alive on another stream)."""
+        return [t for t in (self.tokens, self.labels, self.loss_mask, self.position_ids, self.rope_positions,
+                            self.cu_seqlens_q, self.cu_seqlens_k, self.cu_seqlens_padded, self.segment_index,
+                            self.occurrence) if t is not None]
+
+
+def row_occurrence(rows: np.ndarray) -> np.ndarray:
+    """For each entry of ``rows``, how many earlier entries hold the same row (0 for the first)."""
+    rows = np.asarray(rows)
+    if rows.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    order = np.argsort(rows, kind="stable")
+    ranked = rows[order]
+    index = np.arange(rows.size)
+    starts = np.maximum.accumulate(np.where(np.r_[True, ranked[1:] != ranked[:-1]], index, 0))
+    occurrence = np.empty(rows.size, dtype=np.int64)
+    occurrence[order] = index - starts
+    return occurrence
+
+
+def _expand_pieces(base: torch.Tensor, length: torch.Tensor, total: int) -> torch.Tensor:
+    """``cat(arange(b, b + n) for b, n in pieces)`` on the pieces' device (``total``: the host-known sum)."""
+    if base.numel() == 0:
+        return base
+    offsets = torch.cumsum(length, 0) - length                      # first output index of each piece
+    return torch.repeat_interleave(base - offsets, length, output_size=total) + torch.arange(total, device=base.device)
+
+
+def upload(batch: RankMicroBatch, device: torch.device | str, *, tokens: bool = True) -> DeviceBatch:
+    """``batch`` on ``device``: one host buffer (pinned where CUDA is available), one non-blocking copy.
+    ``tokens=False``: the metadata only (no tokens, labels, loss mask)."""
+    device = torch.device(device)
+    base, length = batch.key_pieces[:, 0], batch.key_pieces[:, 1]
+    occurrence = None
+    if torch.are_deterministic_algorithms_enabled() and batch.cu_seqlens_padded is None:
+        occurrence = row_occurrence(np.repeat(base - (np.cumsum(length) - length), length)
+                                    + np.arange(int(length.sum())))
+    parts: dict[str, np.ndarray] = {}
+    if tokens:
+        parts.update(tokens=batch.tokens.astype(np.int64, copy=False), labels=batch.labels.astype(np.int64, copy=False),
+                     loss_mask=batch.loss_mask.astype(np.float32, copy=False))
+    parts.update(position_ids=batch.position_ids.astype(np.int64, copy=False),
+                 cu_seqlens_q=batch.cu_seqlens_q.astype(np.int32, copy=False),
+                 base=base.astype(np.int64, copy=False), length=length.astype(np.int64, copy=False))
+    te = batch.cu_seqlens_padded is not None
+    same_k = te or batch.cu_seqlens_k is batch.cu_seqlens_q
+    if not same_k:
+        parts["cu_seqlens_k"] = batch.cu_seqlens_k.astype(np.int32, copy=False)
+    padded_alias = batch.cu_seqlens_padded is not None and np.array_equal(batch.cu_seqlens_padded, batch.cu_seqlens_q)
+    if batch.cu_seqlens_padded is not None and not padded_alias:
+        parts["cu_seqlens_padded"] = batch.cu_seqlens_padded.astype(np.int32, copy=False)
+    if occurrence is not None:
+        parts["occurrence"] = occurrence.astype(np.int32)
+    offsets, at = {}, 0
+    for name, array in parts.items():
+        offsets[name] = at
+        at += -(-array.nbytes // _ALIGN) * _ALIGN
+    flat = np.empty(max(at, _ALIGN), dtype=np.uint8)
+    for name, array in parts.items():
+        flat[offsets[name]:offsets[name] + array.nbytes] = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+    host = torch.from_numpy(flat)
+    if device.type == "cuda" and torch.cuda.is_available():
+        host = host.pin_memory()  # a non-blocking copy from pageable memory would sync; from pinned memory it does not
+    on_device = host.to(device, non_blocking=True)
+
+    def view(name: str, dtype: torch.dtype) -> torch.Tensor:
+        array = parts[name]
+        return on_device[offsets[name]:offsets[name] + array.nbytes].view(dtype).reshape(array.shape)
+
+    position_ids = view("position_ids", torch.long)
+    cu_q = view("cu_seqlens_q", torch.int32)
+    cu_k = cu_q if same_k else view("cu_seqlens_k", torch.int32)
+    cu_padded = None if not te else (cu_q if padded_alias else view("cu_seqlens_padded", torch.int32))
+    segment_index = _expand_pieces(view("base", torch.long), view("length", torch.long), int(length.sum()))
+    shard_counts = batch.rank_counts
+    return DeviceBatch(
+        tokens=view("tokens", torch.long) if tokens else None,
+        labels=view("labels", torch.long) if tokens else None,
+        loss_mask=view("loss_mask", torch.float32) if tokens else None,
+        position_ids=position_ids if tokens else None,
+        rope_positions=position_ids[0], cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, cu_seqlens_padded=cu_padded,
+        segment_index=segment_index, occurrence=view("occurrence", torch.int32) if occurrence is not None else None,
+        levels=int(occurrence.max()) + 1 if occurrence is not None and occurrence.size else 1,
+        max_seqlen_q=int(batch.max_seqlen_q), max_seqlen_k=int(batch.max_seqlen_k),
+        num_runs=int(batch.cu_seqlens_q.size) - 1, rank=int(batch.rank),
+        rank_counts=tuple(int(c) for c in shard_counts), identity_segments=batch.identity_segments,
+        rope_length=int(batch.rope_length), layout=batch.layout.name, local_pad=int(batch.local_pad))
+
+
+__all__ = ["DeviceBatch", "row_occurrence", "upload"]
