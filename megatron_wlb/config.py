@@ -7,6 +7,7 @@ checkout; ``load_config`` takes a path or the stem of one of those files (``"7b_
 
 from __future__ import annotations
 
+import argparse
 import inspect
 import math
 import re
@@ -21,6 +22,7 @@ from typing import Any, Literal
 
 from megatron_wlb.costmodel import MODELS, ModelShape, ParallelLayout, check_expert_layout, get_model
 from megatron_wlb.packing.base import PACKERS
+from megatron_wlb.packing.presets import DEFAULT_PRESET, PRESET_NAMES, preset_default, preset_overrides, with_preset
 from megatron_wlb.packing.types import PackingConfig
 from megatron_wlb.requirements import require
 
@@ -46,6 +48,72 @@ _TOP_KEYS = ("name", "description", "model", "seq_len", "layout", "micro_batches
 RUN_FIELDS = {"seq_len": "--seq-length", "n": "--global-batch-size", "dp": "the data-parallel size",
               "seed": "--seed", "pipeline_stages": "--pipeline-model-parallel-size (layout.pp)",
               "virtual_stages": "--num-virtual-stages-per-pipeline-rank (virtual_stages)"}
+
+
+# -- old spellings: refused with a one-line hint to the new one (YAML, --wlb-* flags, CLI options) ----------
+#: packer knobs merged into others (issue 34): old name -> (new knob names, how); the YAML key
+#: ``packing.<old>``, the flag ``--wlb-<old>`` and the ``wlb pack --<old>`` option are all refused with it
+RENAMED_KNOBS: dict[str, tuple[tuple[str, ...], str]] = {
+    "min_fill": (("fill", "fill_target"), "was merged into the one fill fraction {fill_target}; {fill} "
+                 "'waiting' tops up from waiting pieces alone (the old min_fill with fill_target 0)"),
+    "group_by_work": (("release",), "was merged into {release}: 'balanced' (default), 'grouped' (release "
+                      "only as a group of R), 'oldest' (the R oldest: group_by_work false), 'paper' (both off)"),
+    "release_when_balanced": (("release",), "was merged into {release}: 'balanced' (default), 'grouped' "
+                              "(release_when_balanced false), 'oldest', 'paper' (both off)"),
+    "flush_on_force": (("release",), "was removed: a forced outlier always goes out with its nearest "
+                       "queue-mates; the release policy is {release}"),
+}
+#: old values of a kept knob: (knob, old value) -> hint
+RENAMED_VALUES: dict[tuple[str, str], str] = {
+    ("release", "global"): "release now names the policy (R = dp * n is always global); the old default is "
+                           "'balanced'",
+    ("release", "rank"): "the per-rank release (R = n) was removed; R = dp * n; release names the policy: "
+                         "balanced, grouped, oldest, paper",
+}
+#: CLI options renamed for one name per concept: command ("*" = every one) -> {old: new}
+RENAMED_OPTIONS: dict[str, dict[str, str]] = {
+    "*": {"--profile": "--cost-profile", "--cp-layout": "--cp-sharding"},
+    "shard": {"--profile": "--kernel-table (a kernel-efficiency table) or --cost-profile (a cost-model profile)",
+              "--layout": "--cp-sharding"},
+}
+
+
+def renamed_knob_hint(old: str, style: str) -> str | None:
+    """The one-line refusal of packer knob ``old`` in ``style`` "yaml" (``packing.x``), "flag"
+    (``--wlb-x``) or "cli" (``--x``), or None when ``old`` is not an old spelling."""
+    if old not in RENAMED_KNOBS:
+        return None
+    new, how = RENAMED_KNOBS[old]
+
+    def spell(name: str) -> str:
+        return {"yaml": f"packing.{name}", "flag": "--wlb-" + name.replace("_", "-"),
+                "cli": "--" + name.replace("_", "-")}[style]
+
+    return f"{spell(old)} " + how.format(**{n: spell(n) for n in new})
+
+
+def renamed_option_hint(command: str, option: str) -> str | None:
+    """The one-line refusal of CLI option ``option`` of ``wlb <command>``, or None when it is current."""
+    name = option.split("=", 1)[0]
+    new = RENAMED_OPTIONS.get(command, {}).get(name) or RENAMED_OPTIONS["*"].get(name)
+    if new:
+        return f"wlb {command} {name} was renamed {new} (one name per concept in YAML, --wlb-* flags and the CLI)"
+    if name.startswith("--"):
+        return renamed_knob_hint(name[2:].replace("-", "_"), "cli")
+    return None
+
+
+def renamed_value_hint(knob: str, value: Any) -> str | None:
+    """The hint for an old value of knob ``knob``, or None."""
+    return RENAMED_VALUES.get((knob, str(value).strip())) if isinstance(value, str) else None
+
+
+def refuse_renamed_value(knob: str, value: str) -> str:
+    """argparse ``type=`` for a knob with choices: ``value``, or the old value's hint as the error."""
+    hint = renamed_value_hint(knob, value)
+    if hint:
+        raise argparse.ArgumentTypeError(f"{value!r}: {hint}")
+    return value
 
 
 # -- knobs: typed dataclass fields as YAML keys and command-line flags ------------------------------------
@@ -187,6 +255,9 @@ class Knob:
     def parse(self, value: Any, where: str) -> Any:
         """``value`` converted to the field's type, validated by the owner dataclass when it can be
         alone (``PackingConfig`` ranges); the error names ``where`` (a flag or a YAML key)."""
+        hint = renamed_value_hint(self.name, value) if self.owner is PackingConfig else None
+        if hint:
+            raise ValueError(f"{where}={value!r}: {hint}")
         parsed = self.convert(value, where)
         if self.owner is PackingConfig:
             try:
@@ -308,6 +379,20 @@ class RunConfig:
     packing: PackingConfig
     cp_sharding: str = "adaptive"
     virtual_stages: int = 1
+    #: the packer preset ``packing`` starts from (``packing.presets``); its other knobs were given explicitly
+    preset: str = DEFAULT_PRESET
+
+    def packing_overrides(self) -> dict[str, Any]:
+        """The packer knobs this config sets beyond its preset (what ``--wlb-*`` flags must restate)."""
+        return preset_overrides(self.preset, self.packing, PACKING_KNOBS)
+
+    def under_preset(self, preset: str, **knobs: Any) -> RunConfig:
+        """A copy under packer preset ``preset``: the knobs this config set explicitly, then ``knobs``, over it."""
+        if preset not in PRESET_NAMES:
+            raise ValueError(f"preset {preset!r} is not a packer preset; choose one of {', '.join(PRESET_NAMES)}")
+        values = {name: preset_default(preset, name) for name in PACKING_KNOBS}
+        return replace(self, preset=preset,
+                       packing=replace(self.packing, **{**values, **self.packing_overrides(), **knobs}))
 
     @property
     def micro_batches(self) -> int:
@@ -422,14 +507,22 @@ def config_from_dict(raw: dict, source: str = "<dict>") -> RunConfig:
     packing_raw = raw.get("packing") or {}
     if not isinstance(packing_raw, dict):
         raise ValueError(f"{source}: packing must be a mapping of packer settings, got {packing_raw!r}")
-    valid = ("packer", *PACKING_KNOBS)
+    valid = ("packer", "preset", *PACKING_KNOBS)
+    for key in packing_raw:
+        hint = renamed_knob_hint(key, "yaml")
+        if hint:
+            raise ValueError(f"{source}: {hint}")
     unknown = [k for k in packing_raw if k not in valid]
     if unknown:
         raise ValueError(f"{source}: unknown packing key(s) {', '.join(map(repr, unknown))}; valid: {', '.join(valid)}")
     packer = packing_raw.get("packer", "wlb")
     if packer not in PACKERS:
         raise ValueError(f"{source}: packing.packer={packer!r}; choose one of {', '.join(PACKER_NAMES)}")
-    knobs = {k: PACKING_KNOBS[k].parse(v, f"{source}: packing.{k}") for k, v in packing_raw.items() if k != "packer"}
+    preset = packing_raw.get("preset", DEFAULT_PRESET)
+    if preset not in PRESET_NAMES:
+        raise ValueError(f"{source}: packing.preset={preset!r}; choose one of {', '.join(PRESET_NAMES)}")
+    knobs = with_preset(preset, **{k: PACKING_KNOBS[k].parse(v, f"{source}: packing.{k}")
+                                   for k, v in packing_raw.items() if k not in ("packer", "preset")})
     seq_len = _positive_int(raw["seq_len"], f"{source}: seq_len")
     if seq_len % (2 * layout.cp):
         raise ValueError(f"{source}: seq_len={seq_len} must be divisible by 2 x cp = {2 * layout.cp} "
@@ -449,7 +542,7 @@ def config_from_dict(raw: dict, source: str = "<dict>") -> RunConfig:
         raise ValueError(f"{source}: cp_sharding={cp_sharding!r} is not a CP layout; choose one of "
                          f"{', '.join(cp_sharding_names())}")
     return RunConfig(name=str(raw.get("name", source)), model=model, layout=layout, seq_len=seq_len,
-                     packer=packer, packing=packing, cp_sharding=cp_sharding, virtual_stages=virtual)
+                     packer=packer, packing=packing, cp_sharding=cp_sharding, virtual_stages=virtual, preset=preset)
 
 
 def load_config(name_or_path: str | Path) -> RunConfig:

@@ -32,13 +32,14 @@ ITERATIONS = 200
 VARIANTS: dict[str, dict[str, Any]] = {
     "cut_any": {"cut_policy": "any"},
     "cut_overlong": {"cut_policy": "overlong"},
-    "release_rank": {"release": "rank"},
-    "paper_release": {"group_by_work": False, "release_when_balanced": False},
-    "no_fill_target": {"fill_target": 0.0},
-    "no_fill": {"fill_target": 0.0, "min_fill": 0.0},
-    "read_ahead_off_cut": {"read_ahead": False, "cut_policy": "any", "fill_target": 0.0},
+    # (the record's digests of the old spellings: fill_target 0 with min_fill 0.5 is fill "waiting" at 0.5;
+    # group_by_work and release_when_balanced false is release "paper"; release "rank" and flush_on_force
+    # false were removed, their records kept for history)
+    "paper_release": {"release": "paper"},
+    "no_fill_target": {"fill": "waiting", "fill_target": 0.5},
+    "no_fill": {"fill": "off"},
+    "read_ahead_off_cut": {"read_ahead": False, "cut_policy": "any", "fill": "waiting", "fill_target": 0.5},
     "concat_and_cut": {"pieces": "concat-and-cut"},
-    "no_flush": {"flush_on_force": False, "max_delay": 3},
     "fixed_thresholds": {"queue_thresholds": (40000, 90000), "schedule_order": False},
     "three_queues_interleaved": {"num_queues": 3, "virtual_stages": 2},
 }

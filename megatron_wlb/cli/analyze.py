@@ -71,7 +71,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                        help="Megatron-style blend: 'PREFIX' or 'W1 PREFIX1 W2 PREFIX2 ...' (weights are "
                             "normalised; without weights the datasets are concatenated)")
     p.add_argument("--config", required=True, help="config name (configs/*.yaml stem) or YAML path")
-    p.add_argument("--profile", metavar="JSON",
+    p.add_argument("--cost-profile", metavar="JSON",
                    help="cost-model profile measured on a GPU (format megatron-wlb-profile/1)")
     p.add_argument("--out", default="wlb-analyze", metavar="DIR", help="output folder (default ./wlb-analyze)")
     p.add_argument("--iterations", type=int,
@@ -143,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
     positive(args.max_documents, "--max-documents")
     seeds = seeds_from(args.seed, 1 if args.no_shuffle else args.shuffles)
     cfg, schedule_note = headline_schedule(load_config(args.config), args.virtual_stages)
-    profile = cost_profile(args.profile)
+    profile = cost_profile(args.cost_profile)
     out = output_dir(args.out)
     json_out = output_file(args.json, "--json") if args.json else None
     notes: list[str] = [schedule_note] if schedule_note else []

@@ -90,7 +90,7 @@ def show_progress() -> bool:
     return sys.stderr.isatty()
 
 
-def cost_profile(path: str | Path | None, flag: str = "--profile") -> str | None:
+def cost_profile(path: str | Path | None, flag: str = "--cost-profile") -> str | None:
     """``path`` after checking it is a ``megatron-wlb-profile/1`` file the cost model can read."""
     if path is None:
         return None

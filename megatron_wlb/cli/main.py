@@ -50,8 +50,23 @@ def error_line(exc: BaseException) -> str:
     return text.strip() or type(exc).__name__
 
 
+def refuse_renamed(parser: argparse.ArgumentParser, argv: list[str]) -> None:
+    """Old option spellings (``config.RENAMED_OPTIONS``, ``RENAMED_KNOBS``) end in the one-line error
+    naming the new one, before argparse would call them unrecognized."""
+    from megatron_wlb.config import renamed_option_hint
+
+    command = next((a for a in argv if a in SUBCOMMANDS), None)
+    if command is None:
+        return
+    for arg in argv[argv.index(command) + 1:]:
+        hint = renamed_option_hint(command, arg) if arg.startswith("--") else None
+        if hint:
+            parser.error(hint)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    refuse_renamed(parser, sys.argv[1:] if argv is None else list(argv))
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)

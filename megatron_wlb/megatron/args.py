@@ -19,9 +19,20 @@ import traceback
 from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
 
-from megatron_wlb.config import PACKER_NAMES, Knob, RunConfig, cp_sharding_names, field_docs, megatron_moe_fields
+from megatron_wlb.config import (
+    PACKER_NAMES,
+    RENAMED_KNOBS,
+    Knob,
+    RunConfig,
+    cp_sharding_names,
+    field_docs,
+    megatron_moe_fields,
+    renamed_knob_hint,
+    renamed_value_hint,
+)
 from megatron_wlb.costmodel import CostModel
 from megatron_wlb.megatron.settings import FLAG_KNOBS, WlbSettings
+from megatron_wlb.packing.presets import DEFAULT_PRESET, PRESET_NAMES
 from megatron_wlb.packing.types import DEFAULT_MAX_SEQ_LEN_FACTOR, PackingConfig, resolve_max_seq_len
 
 ArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
@@ -37,8 +48,8 @@ def flag_table() -> list[tuple[str, str, str, str]]:
     (docs/megatron.md's table is checked against it)."""
     d = WlbSettings()
     own_docs = field_docs(WlbSettings)
-    choices = {"packing": PACKER_NAMES, "cp_sharding": cp_sharding_names()}
-    yaml_keys = {"packing": "packing.packer", "cp_sharding": "cp_sharding"}
+    choices = {"packing": PACKER_NAMES, "cp_sharding": cp_sharding_names(), "preset": PRESET_NAMES}
+    yaml_keys = {"packing": "packing.packer", "cp_sharding": "cp_sharding", "preset": "packing.preset"}
     rows = []
     for name in WlbSettings.names():
         if name in FLAG_KNOBS:
@@ -69,7 +80,7 @@ def add_wlb_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         return parser
     g = parser.add_argument_group(title="WLB-LLM", description="workload-balanced packing and CP sharding "
                                   "(megatron_wlb; see docs/megatron.md)")
-    choices = {"packing": PACKER_NAMES, "cp_sharding": cp_sharding_names()}
+    choices = {"packing": PACKER_NAMES, "cp_sharding": cp_sharding_names(), "preset": PRESET_NAMES}
     metavars = {"cost_profile": "PATH", "config": "NAME|YAML", "trace": "PATH"}
     for (flag, _, default, text), name in zip(flag_table(), WlbSettings.names()):
         knob = FLAG_KNOBS.get(name)
@@ -77,6 +88,9 @@ def add_wlb_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         options = choices.get(name) or (knob.choices if knob and knob.choices else None)
         g.add_argument(flag, type=kind, choices=options, default=None, metavar=metavars.get(name),
                        help=f"{text} (default {default})".replace("%", "%%"))
+    for old in RENAMED_KNOBS:  # old spellings: refused with the hint to the new one
+        g.add_argument("--wlb-" + old.replace("_", "-"), action=_Renamed, nargs="?", help=argparse.SUPPRESS,
+                       default=None, dest=f"wlb_renamed_{old}")
     # an action on resume, not a setting (it is neither saved nor compared): megatron_wlb.megatron.checkpoint
     g.add_argument("--wlb-reset-data-stream", action="store_true",
                    help="on resume (--load), restart only the data stream at its first document, with the "
@@ -85,6 +99,15 @@ def add_wlb_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "applies once: resuming from a checkpoint saved after a reset given the same data flags "
                         "and --wlb-* settings, it is ignored (logged), so a requeue script may keep it")
     return parser
+
+
+class _Renamed(argparse.Action):
+    """An old ``--wlb-*`` spelling: the parser's one-line error names the new one (``config.RENAMED_KNOBS``)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        old = (option_string or self.option_strings[0])[len("--wlb-"):].replace("-", "_")
+        parser.error(renamed_knob_hint(old, "flag") or f"{option_string} was renamed")
 
 
 HELP_FLAGS = ("-h", "--help")
@@ -111,6 +134,9 @@ def _flag_type(knob: Knob, flag: str) -> Callable[[str], Any]:
     """argparse ``type=``: the knob's type conversion; range checks happen in WlbSettings."""
 
     def convert(text: str) -> Any:
+        hint = renamed_value_hint(knob.name, text)
+        if hint:
+            raise argparse.ArgumentTypeError(f"{text!r}: {hint}")
         try:
             return knob.convert(text, flag)
         except ValueError as exc:
@@ -124,10 +150,11 @@ def config_flags(run: RunConfig) -> list[str]:
     """The ``--wlb-*`` flags that reproduce a RunConfig's packing choices without ``--wlb-config``
     (whose start-up check demands the config's exact layout): for launchers that rescale a layout."""
     out = ["--wlb-packing", run.packer, "--wlb-cp-sharding", run.cp_sharding]
-    for name, knob in FLAG_KNOBS.items():
-        value = getattr(run.packing, name)
-        if value != knob.default:
-            out += [knob.flag(), _show(value)]
+    if run.preset != DEFAULT_PRESET:
+        out += ["--wlb-preset", run.preset]
+    for name, value in run.packing_overrides().items():
+        if name in FLAG_KNOBS:
+            out += [FLAG_KNOBS[name].flag(), _show(value)]
     return out
 
 
@@ -185,8 +212,8 @@ def settings_from_args(args: Any) -> WlbSettings:
     base: dict[str, Any] = {}
     if given.get("config"):
         cfg = load_run_config(given["config"])
-        base = {"packing": cfg.packer, "cp_sharding": cfg.cp_sharding,
-                **{name: getattr(cfg.packing, name) for name in FLAG_KNOBS}}
+        base = {"packing": cfg.packer, "cp_sharding": cfg.cp_sharding, "preset": cfg.preset,
+                **{name: value for name, value in cfg.packing_overrides().items() if name in FLAG_KNOBS}}
     return WlbSettings(**{**base, **given})
 
 

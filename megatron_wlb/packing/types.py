@@ -118,8 +118,25 @@ def sort_largest_first(pieces: Sequence[DocPiece]) -> list[DocPiece]:
     return [pieces[i] for i in np.lexsort((offset, doc_id, arrival, -length)).tolist()]
 
 
-ReleasePolicy = Literal["global", "rank"]
-RELEASE_POLICIES: tuple[str, ...] = ("global", "rank")
+ReleasePolicy = Literal["balanced", "grouped", "oldest", "paper"]
+#: wlb's release policies: (which R outliers a full queue releases, whether a queued outlier also goes out
+#: alone once the iteration can balance it) -- the (e) x (i) switches of ``packing.wlb`` in one name
+RELEASE_POLICIES: dict[str, tuple[bool, bool]] = {
+    "balanced": (True, True),   # R of similar work, and any outlier the iteration can balance (default)
+    "grouped": (True, False),   # R of similar work, only as a group of R
+    "oldest": (False, True),    # the R oldest, and any outlier the iteration can balance
+    "paper": (False, False),    # the R oldest, only as a group of R: the paper's Algorithm 1
+}
+#: wlb ``fill: full``: the intake's floor while it repays an overshoot (``PackingConfig.intake_fill``)
+INTAKE_FILL = 0.5
+FillPolicy = Literal["full", "read-ahead", "waiting", "off"]
+#: wlb's fill policies: (read ordinary documents ahead to ``fill_target``, top up from waiting pieces to it)
+FILL_POLICIES: dict[str, tuple[bool, bool]] = {
+    "full": (True, True),          # read ahead, then top up from waiting pieces (default)
+    "read-ahead": (True, False),   # read ahead only
+    "waiting": (False, True),      # waiting pieces only, released early (the read-ahead off)
+    "off": (False, False),         # no fill rule
+}
 CutPolicy = Literal["none", "overlong", "any"]
 CUT_POLICIES: tuple[str, ...] = ("none", "overlong", "any")
 PieceSource = Literal["documents", "concat-and-cut"]
@@ -155,24 +172,17 @@ class PackingConfig:
     #: wlb auto thresholds: an outlier is a document whose latency reaches this fraction of an
     #: ordinary micro-batch's mean latency (ordinary = built from non-outlier documents)
     outlier_fraction: float = 0.7
-    #: wlb: when a queued outlier reaches its delay bound, release its queue-mates with it
-    flush_on_force: bool = True
-    #: wlb: a queue releases "global" (dp * n outliers, one per micro-batch) or "rank" (n) at a time
-    release: ReleasePolicy = "global"
-    #: wlb: a queue releases R outliers of similar length (including its oldest) rather than its R
-    #: oldest, so a release does not mix e.g. 80K and 190K documents
-    group_by_work: bool = True
-    #: wlb: while pieces wait, every iteration trains on at least this fraction of the token budget
-    #: (dp * n * seq_len): waiting pieces are released early (oldest first) to reach it; 0 = off
-    min_fill: float = 0.5
-    #: wlb: delay only when it pays: a queued outlier goes out as soon as the iteration's ordinary
-    #: documents can balance it, rather than waiting for a group of R (docs/packing.md (i))
-    release_when_balanced: bool = True
-    #: wlb: every iteration trains at least this fraction of the token budget while the stream lasts:
-    #: when delayed outliers leave room, ordinary documents are read ahead from the stream to fill it
-    #: (they arrive at once, so no delay; later budgets read that much less); where that runs out of room
-    #: for the outliers it would queue, waiting pieces are released early to reach it and the iteration
-    #: is placed again; 0 = off
+    #: wlb: which queued outliers go out (R = dp * n at a time, one per micro-batch): "balanced" (R of
+    #: similar length, and any outlier as soon as the iteration's ordinary documents can balance it),
+    #: "grouped" (R of similar length only), "oldest" (the R oldest, and any outlier the iteration can
+    #: balance), "paper" (the R oldest only: Algorithm 1); a forced outlier goes out with its nearest queue-mates
+    release: ReleasePolicy = "balanced"
+    #: wlb: how iterations are kept full while pieces wait: "full" (ordinary documents read ahead from the
+    #: stream, then waiting pieces, until fill_target x the token budget; the iteration placed again),
+    #: "read-ahead" (the read-ahead only), "waiting" (waiting pieces only, released early, oldest first),
+    #: "off"
+    fill: FillPolicy = "full"
+    #: wlb: the fill policy's target: this fraction of the token budget (dp * n * seq_len) per iteration
     fill_target: float = 0.95
     #: wlb: whether fill_target may read ahead of the iteration's budget; None = yes, except for
     #: Megatron's own samples in training (``--wlb-pieces concat-and-cut``), where it is off so that no
@@ -242,22 +252,15 @@ class PackingConfig:
         if isinstance(frac, bool) or not isinstance(frac, (int, float)) or not frac > 0:
             raise ValueError(f"outlier_fraction={frac!r}: must be a positive number (fraction of an ordinary "
                              "micro-batch's mean latency that makes a document an outlier)")
-        if not isinstance(self.flush_on_force, bool):
-            raise ValueError(f"flush_on_force={self.flush_on_force!r}: must be true or false")
-        if not isinstance(self.group_by_work, bool):
-            raise ValueError(f"group_by_work={self.group_by_work!r}: must be true or false")
-        if isinstance(self.min_fill, bool) or not isinstance(self.min_fill, (int, float)) or \
-                not 0 <= self.min_fill <= 1:
-            raise ValueError(f"min_fill={self.min_fill!r}: must be a fraction of the token budget in [0, 1]")
         if isinstance(self.fill_target, bool) or not isinstance(self.fill_target, (int, float)) or \
                 not 0 <= self.fill_target <= 1:
             raise ValueError(f"fill_target={self.fill_target!r}: must be a fraction of the token budget in [0, 1]")
-        if not isinstance(self.release_when_balanced, bool):
-            raise ValueError(f"release_when_balanced={self.release_when_balanced!r}: must be true or false")
+        if self.fill not in FILL_POLICIES:
+            raise ValueError(f"fill={self.fill!r}; valid policies: {', '.join(FILL_POLICIES)}")
         if not isinstance(self.schedule_order, bool):
             raise ValueError(f"schedule_order={self.schedule_order!r}: must be true or false")
         if self.release not in RELEASE_POLICIES:
-            raise ValueError(f"release={self.release!r}: 'global' (dp * n outliers at a time) or 'rank' (n at a time)")
+            raise ValueError(f"release={self.release!r}; valid policies: {', '.join(RELEASE_POLICIES)}")
         if self.cut_policy not in CUT_POLICIES:
             raise ValueError(f"cut_policy={self.cut_policy!r}; valid policies: {', '.join(CUT_POLICIES)}")
         if self.pieces not in PIECE_SOURCES:
@@ -277,6 +280,36 @@ class PackingConfig:
                 raise ValueError(f"queue_thresholds must be 'auto' or strictly increasing positive "
                                  f"integers, got {self.queue_thresholds!r}")
             object.__setattr__(self, "queue_thresholds", tuple(int(t) for t in th))
+
+    @property
+    def group_by_work(self) -> bool:
+        """wlb (e): a full queue releases R outliers of similar length (with its oldest), not its R oldest."""
+        return RELEASE_POLICIES[self.release][0]
+
+    @property
+    def release_when_balanced(self) -> bool:
+        """wlb (i): a queued outlier also goes out as soon as the iteration can still be balanced with it."""
+        return RELEASE_POLICIES[self.release][1]
+
+    @property
+    def read_ahead_fill(self) -> float:
+        """wlb (h): the read-ahead's target fraction of the token budget (0 = no read-ahead fill)."""
+        return self.fill_target if FILL_POLICIES[self.fill][0] else 0.0
+
+    @property
+    def waiting_fill(self) -> float:
+        """wlb (f): the fraction of the token budget topped up from waiting pieces (0 = none)."""
+        return self.fill_target if FILL_POLICIES[self.fill][1] else 0.0
+
+    @property
+    def intake_fill(self) -> float:
+        """wlb (f), the intake side: after a document longer than the budget the intake is in debt; it
+        still reads enough for the iteration to reach this fraction of the budget with what waits:
+        ``fill_target`` with ``fill: waiting``, at most ``INTAKE_FILL`` with ``fill: full`` (the read-ahead
+        fills the rest), 0 otherwise."""
+        if self.fill == "waiting":
+            return self.fill_target
+        return min(INTAKE_FILL, self.fill_target) if self.fill == "full" else 0.0
 
     @property
     def capacity_var(self) -> int:

@@ -46,7 +46,7 @@ def release_early(plan: IterationPlan) -> None:
     (``early_release``), so long waiting pieces still find empty micro-batches; with a cut policy the
     released outliers the iteration cannot balance are cut (``cut_early``)."""
     cfg = plan.config
-    early = early_release(plan.waiting, cfg.min_fill * cfg.tokens_per_iteration - _held(plan))
+    early = early_release(plan.waiting, cfg.waiting_fill * cfg.tokens_per_iteration - _held(plan))
     if not early:
         return
     picked = set(early)
@@ -87,14 +87,14 @@ def read_ahead_before(plan: IterationPlan) -> None:
     placed with the rest, largest first (read after it, a long one could only land on top of an already
     balanced micro-batch)."""
     cfg = plan.config
-    plan.candidates.extend(read_ahead_ordinary(plan, cfg.fill_target * cfg.tokens_per_iteration - _held(plan)))
+    plan.candidates.extend(read_ahead_ordinary(plan, cfg.read_ahead_fill * cfg.tokens_per_iteration - _held(plan)))
 
 
 def read_ahead_fill(plan: IterationPlan) -> None:
     """(h) after the placement: while the iteration is still short of ``fill_target`` x the budget, read
     more ordinary documents and place them, least-loaded micro-batch first, until the target, the end of
     the stream, or a piece that fits nowhere (it waits)."""
-    need = plan.config.fill_target * plan.config.tokens_per_iteration
+    need = plan.config.read_ahead_fill * plan.config.tokens_per_iteration
     while (have := plan.tokens) < need:
         ordinary = sort_largest_first(read_ahead_ordinary(plan, need - have))
         if not ordinary:
@@ -113,7 +113,7 @@ def fill_guard(plan: IterationPlan, full: bool) -> None:
     (``replace_all``), so the released pieces are balanced with the others rather than stacked on
     already balanced micro-batches."""
     cfg = plan.config
-    need = max(cfg.min_fill, cfg.fill_target if full else 0.0) * cfg.tokens_per_iteration
+    need = max(cfg.waiting_fill, cfg.read_ahead_fill if full else 0.0) * cfg.tokens_per_iteration
     if plan.tokens >= need:
         return
     waiting = plan.waiting
