@@ -214,10 +214,10 @@ def test_wlb_outlier_queue_releases_n_at_a_time():
     assert sum(outliers_per_iter) == 12
 
 
-@pytest.mark.parametrize("release, group", [("global", 6), ("rank", 3)])
-def test_wlb_release_group_size_across_dp(release, group):
-    # dp 2 x n 3: the global release hands one outlier to each of the 6 micro-batches at once;
-    # release="rank" hands out n = 3 at a time.
+@pytest.mark.parametrize("release", ["balanced", "paper"])
+def test_wlb_release_group_size_across_dp(release):
+    # dp 2 x n 3: a release hands one outlier to each of the 6 micro-batches at once (R = dp * n)
+    group = 6
     lengths = []
     for _ in range(18):
         lengths += [90] + [10] * 51
@@ -304,9 +304,9 @@ def test_auto_thresholds_shapes():
     assert summarize(batches, None).max_delay == 0
     # heavy tail: L_1 sits in the tail, above the median and within the capacity
     heavy = np.minimum(6000, (20 / (1 - rng.random(3000)) ** 1.3).astype(int))
-    # (min_fill 0: on a stream where most tokens are outliers the fill rule trades balance for fill,
-    # see tests/test_packing_schedule.py; this checks the thresholds)
-    packer, batches = auto_thresholds(heavy, num_queues=3, min_fill=0.0)
+    # (fill "read-ahead": on a stream where most tokens are outliers the fill rule's top-up from waiting
+    # pieces trades balance for fill, see tests/test_packing_schedule.py; this checks the thresholds)
+    packer, batches = auto_thresholds(heavy, num_queues=3, fill="read-ahead")
     th = packer.thresholds()
     assert np.median(heavy) < th[0] <= packer.capacity and list(th) == sorted(set(th))
     assert summarize(batches, None).imbalance < summarize(

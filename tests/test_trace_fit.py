@@ -119,7 +119,7 @@ def test_the_lm_head_feature_is_what_makes_pp_traces_fit(fitted):
 
 def test_the_trace_profile_feeds_pack(fitted, capsys):
     _, out, _ = fitted
-    assert main(["pack", "--profile", str(out), "--config", "550m_64k", "--iterations", "1", "--json"]) == 0
+    assert main(["pack", "--cost-profile", str(out), "--config", "550m_64k", "--iterations", "1", "--json"]) == 0
     text = capsys.readouterr().out
     assert json.loads(text[text.index("{"):])["iterations"] == 1
 
