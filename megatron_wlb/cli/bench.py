@@ -42,6 +42,7 @@ from megatron_wlb.cli.common import (
 from megatron_wlb.config import load_config
 from megatron_wlb.costmodel import build_cost_model
 from megatron_wlb.packing import make_packer, summarize
+from megatron_wlb.packing.presets import preset_values
 from megatron_wlb.provenance import machine
 from megatron_wlb.sim.experiments import schedule_label
 
@@ -196,7 +197,7 @@ def run(args: argparse.Namespace) -> int:
         rows: list[BenchRow] = [
             ("Original", "original", {}), ("Fixed-Len Greedy, window 1", "fixed-greedy", {"window": 1}),
             ("WLB, auto thresholds (default)", "wlb", {}),
-            ("WLB, auto, queue releases N (one DP rank) at a time", "wlb", {"release": "rank"})]
+            ("WLB, preset paper (Algorithm 1)", "wlb", preset_values("paper"))]
         tables.append(bench_one(args.scale_config, "wlbllm", rows, args.scale_iterations, args.solver_iterations,
                                 args.cost_profile))
     result = {"machine": host, "command": args.label or "wlb " + " ".join(sys.argv[1:]), "tables": tables}

@@ -50,9 +50,9 @@ def error_line(exc: BaseException) -> str:
     return text.strip() or type(exc).__name__
 
 
-def refuse_renamed(parser: argparse.ArgumentParser, argv: list[str]) -> None:
+def refuse_renamed(argv: list[str]) -> None:
     """Old option spellings (``config.RENAMED_OPTIONS``, ``RENAMED_KNOBS``) end in the one-line error
-    naming the new one, before argparse would call them unrecognized."""
+    naming the new one (exit status 2), before argparse would call them unrecognized."""
     from megatron_wlb.config import renamed_option_hint
 
     command = next((a for a in argv if a in SUBCOMMANDS), None)
@@ -61,12 +61,13 @@ def refuse_renamed(parser: argparse.ArgumentParser, argv: list[str]) -> None:
     for arg in argv[argv.index(command) + 1:]:
         hint = renamed_option_hint(command, arg) if arg.startswith("--") else None
         if hint:
-            parser.error(hint)
+            print(f"wlb {command}: error: {hint}", file=sys.stderr)
+            raise SystemExit(2)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    refuse_renamed(parser, sys.argv[1:] if argv is None else list(argv))
+    refuse_renamed(sys.argv[1:] if argv is None else list(argv))
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)
