@@ -68,7 +68,8 @@ def settings(quick: bool) -> list[tuple[str, str, dict]]:
     rows.append(("wlb, max_delay 8, oldest-R release (no grouping by work)", "wlb", {"release": "oldest"}))
     rows.append(("wlb, max_delay 8, cut policy 'overlong'", "wlb", {"cut_policy": "overlong"}))
     rows.append(("wlb, max_delay 8, cut policy 'any'", "wlb", {"cut_policy": "any"}))
-    rows.append(("wlb, max_delay 8, no read-ahead fill (fill_target 0)", "wlb", {"fill": "waiting", "fill_target": 0.5}))
+    rows.append(("wlb, max_delay 8, no read-ahead fill (fill_target 0)", "wlb",
+                 {"fill": "waiting", "fill_target": 0.5}))
     rows.append(("wlb, max_delay 8, group release only (release_when_balanced off)", "wlb",
                  {"release": "grouped"}))
     rows.append(("wlb, preset paper (Algorithm 1)", "wlb", preset_values("paper")))

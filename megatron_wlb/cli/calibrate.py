@@ -1,6 +1,6 @@
 """``wlb calibrate``: measure the configured model's per-layer latencies on this machine (its GPU, or its
 CPU when it has none) or fit them from a training trace, and write the cost-model profile
-(``--profile`` / ``--wlb-cost-profile``); measuring also writes the adaptive layout's kernel table.
+(``--cost-profile`` / ``--wlb-cost-profile``); measuring also writes the adaptive layout's kernel table.
 
     wlb calibrate --config 7b_128k --out profile.json        # on a GPU node (bf16, CUDA events)
     wlb calibrate --config my.yaml --out profile.json         # no GPU: the CPU, fp32, the config's real shapes
@@ -26,7 +26,7 @@ Writes ``OUT`` in the ``megatron-wlb-profile/1`` format that ``costmodel.load_pr
 (``{"format", "device", "model", "tp", "attention": {"lengths", "documents", "fwd_s", "bwd_s"}, "linear":
 {"tokens", "fwd_s", "bwd_s"}, "holdout": {"mape", "micro_batches", "measured"}}``) and ``OUT`` with
 suffix ``.efficiency.json``: the achieved attention TFLOP/s over (query run, key range) shapes in the
-``megatron-wlb-attn-efficiency/1`` format of ``cp/data/default_efficiency.json`` (``wlb shard --profile``).
+``megatron-wlb-attn-efficiency/1`` format of ``cp/data/default_efficiency.json`` (``wlb shard --kernel-table``).
 
 ``--from-trace`` reads every rank's file of a ``--wlb-trace`` (``costmodel.trace``), drops iterations
 before ``--warmup``, and writes the profile's measured-micro-batch form (``"micro_batches"``: each
@@ -695,7 +695,7 @@ def run(args: argparse.Namespace) -> int:
                                     plan.tile, plan.dtype, plan.backend, plan.device_name, log)
     out.write_text(json.dumps(profile, indent=1) + "\n")
     efficiency.to_json(eff_out)
-    load_profile(out)  # what --profile will read: fail here, not in a later run
+    load_profile(out)  # what --cost-profile will read: fail here, not in a later run
     KernelEfficiency.from_json(eff_out)
     print(f"wrote {out} ({PROFILE_FORMAT}) and {eff_out} ({EFFICIENCY_FORMAT}) in "
           f"{time.perf_counter() - start:.1f} s on {plan.device_name}")
@@ -705,8 +705,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"held-out MAPE {profile['holdout']['mape']:.1%} of forward + backward on {len(docs)} composite "
           f"micro-batches ({min(map(len, docs))}-{max(map(len, docs))} documents, "
           f"{min(held['tokens'])}-{max(held['tokens'])} tokens; measured apart, not in the fit)" + table_note(profile))
-    print(f"use: wlb analyze --profile {out} ...; Megatron: --wlb-cost-profile {out}; "
-          f"wlb shard --profile {eff_out}")
+    print(f"use: wlb analyze --cost-profile {out} ...; Megatron: --wlb-cost-profile {out}; "
+          f"wlb shard --kernel-table {eff_out}")
     return 0
 
 
@@ -774,7 +774,7 @@ def run_from_trace(args: argparse.Namespace, out: Path) -> int:
     if "attention_table" in profile:
         profile["holdout"]["linear_in_pairs_mape"] = holdout_mape(without_table(profile), mask)["mape"]
     out.write_text(json.dumps(profile, indent=1) + "\n")
-    load_profile(out)  # what --profile / --wlb-cost-profile will read: fail here, not in a later run
+    load_profile(out)  # what --cost-profile / --wlb-cost-profile will read: fail here, not in a later run
     CalibratedCostModel(profile, model, ParallelLayout(tp=tp))
     fit = fit_profile(profile)
     print(f"wrote {out} ({PROFILE_FORMAT}, measured micro-batches) from {n} micro-batch rows of "
@@ -785,5 +785,5 @@ def run_from_trace(args: argparse.Namespace, out: Path) -> int:
           "without them; the written fit uses every row)" + table_note(profile))
     print("no kernel-efficiency table: a trace times whole micro-batches, not kernel shapes (wlb shard keeps "
           "its shipped table, or measure one with `wlb calibrate`)")
-    print(f"use: wlb analyze --profile {out} ...; Megatron: --wlb-cost-profile {out}")
+    print(f"use: wlb analyze --cost-profile {out} ...; Megatron: --wlb-cost-profile {out}")
     return 0

@@ -71,7 +71,7 @@ def add_knob_options(p: argparse.ArgumentParser) -> None:
     for name, knob in PACKING_KNOBS.items():
         flags = [knob.flag("--")] + (["--thresholds"] if name == "queue_thresholds" else [])
         g.add_argument(*flags, dest=f"knob_{name}", default=None, metavar=None if knob.choices else "V",
-                       type=functools.partial(refuse_renamed_value, name) if knob.choices else None,
+                       type=functools.partial(refuse_renamed_value, name) if knob.choices else str,
                        choices=[str(c) for c in knob.choices] if knob.choices else None,
                        help=(knob.help.replace("`", "") + ("" if knob.choices else f" ({knob.expects})"))
                        .replace("%", "%%"))

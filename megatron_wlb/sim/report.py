@@ -495,7 +495,7 @@ def why_text(res: ReproduceResults) -> str:
         "micro-batch.",
         "- **Not modelled:** allocator and memory pressure of long micro-batches, kernel slow-downs, "
         "stragglers on a real network, FSDP (we charge a ring all-reduce after the pipeline drains, the same "
-        "for every method); the cost model is analytic unless `--profile` gives a GPU profile.",
+        "for every method); the cost model is analytic unless `--cost-profile` gives a GPU profile.",
     ]
     return "## Why ours differ from the paper\n\n" + "\n".join(bullets) + "\n"
 

@@ -47,7 +47,7 @@ def release_size(config: PackingConfig) -> int:
 
 
 def reads_ahead(config: PackingConfig) -> bool:
-    """Whether the read-ahead fill (h) runs: ``fill_target`` on, pieces may wait (``max_delay`` > 0) and
+    """Whether the read-ahead fill (h) runs: ``read_ahead_fill`` on, pieces may wait (``max_delay`` > 0) and
     ``read_ahead`` not off (Megatron's own samples are never read ahead of their iteration)."""
     return config.read_ahead_fill > 0 and config.max_delay > 0 and config.read_ahead is not False
 

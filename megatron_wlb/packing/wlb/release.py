@@ -2,10 +2,10 @@
 
 Outliers wait in queues by level (L_k <= d < L_{k+1}). ``release_outliers`` sorts the iteration's
 pieces: ordinary ones are placed now; a queue holding at least R outliers releases R of them (the R
-oldest, or with ``group_by_work`` the R of similar work that the ordinary documents can balance,
-``similar_group``); a queue whose oldest member hit the delay bound goes out with it (its ``companions``,
-``flush_on_force``), or, with a cut policy, the forced outlier is cut instead; with
-``release_when_balanced`` any queued outlier the iteration can still balance goes out too
+oldest, or with ``group_by_work`` (``release`` "balanced", "grouped") the R of similar work that the
+ordinary documents can balance, ``similar_group``); a queue whose oldest member hit the delay bound goes
+out with it (its ``companions``), or, with a cut policy, the forced outlier is cut instead; with
+``release_when_balanced`` ("balanced", "oldest") any queued outlier the iteration can still balance goes out too
 (``balanced_release``). The rest keep waiting.
 """
 
@@ -105,7 +105,7 @@ def balanced_release(plan: IterationPlan, placed: list[DocPiece]) -> list[DocPie
     """(i) Delay only when it pays: the queued outliers (oldest first) that this iteration can take and
     still balance (``stays_balanced``, with the iteration's outliers ``placed`` dealt by ``deal_outliers``
     and each new one to the least loaded micro-batch: O(micro-batches) per candidate). The ordinary
-    tokens are those in hand, or, with the read-ahead fill (h), what it fills to (``fill_target`` x the
+    tokens are those in hand, or, with the read-ahead fill (h), what it fills to (``read_ahead_fill`` x the
     budget) less the outliers. An outlier that no iteration could balance waits for a group, as before."""
     l1 = plan.l1
     queued = sorted((p for p in plan.waiting if p.length >= l1), key=oldest_first_key)
