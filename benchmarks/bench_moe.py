@@ -32,7 +32,7 @@ from megatron_wlb.config import load_config  # noqa: E402
 from megatron_wlb.provenance import machine  # noqa: E402
 from megatron_wlb.sim.experiments import (  # noqa: E402
     BALANCED_CUT,
-    DEFAULT_VIRTUAL_STAGES,
+    PAPER_VIRTUAL_STAGES,
     PLAIN,
     WLB,
     compare,
@@ -57,7 +57,7 @@ def run(names: list[str], configs: list[str], iterations: int) -> dict:
             row: dict = {"stream": stream, "config": name, "layout": str(moe.layout)}
             t0 = time.perf_counter()
             for kind, cfg in (("moe", moe), ("dense", moe.dense_counterpart())):
-                comp = compare(cfg, lengths, iterations, METHODS, virtual_stages=DEFAULT_VIRTUAL_STAGES,
+                comp = compare(cfg, lengths, iterations, METHODS, virtual_stages=PAPER_VIRTUAL_STAGES,
                                samples=samples)
                 shares = attention_shares(comp.cost, lengths, cfg.seq_len,
                                           iterations * cfg.packing.micro_batches_per_iteration)
@@ -70,7 +70,7 @@ def run(names: list[str], configs: list[str], iterations: int) -> dict:
                 f"{k} WLB {row[k]['speedup'][WLB.name]:.3f} bal {row[k]['speedup'][BALANCED_CUT.name]:.3f} "
                 f"attn {row[k]['attention_share']['mean']:.3f}" for k in ("moe", "dense")), file=sys.stderr, flush=True)
     return {"machine": machine(), "command": "python benchmarks/bench_moe.py", "iterations": iterations,
-            "virtual_stages": DEFAULT_VIRTUAL_STAGES, "configs": configs, "rows": rows}
+            "virtual_stages": PAPER_VIRTUAL_STAGES, "configs": configs, "rows": rows}
 
 
 def corpus_means(result: dict, stream: str) -> dict[str, float]:

@@ -27,17 +27,17 @@ from megatron_wlb.cli.common import (
     add_stream_args,
     corpus_sample,
     cost_profile,
-    headline_schedule,
     load_stream,
     output_dir,
     output_file,
     positive,
     seeds_from,
     tqdm_progress,
+    with_virtual_stages,
 )
 from megatron_wlb.data.blend import DEFAULT_SEED
 from megatron_wlb.data.samples import SampleStream
-from megatron_wlb.sim.experiments import DEFAULT_VIRTUAL_STAGES, EQUAL_DELAY_WINDOW
+from megatron_wlb.sim.experiments import EQUAL_DELAY_WINDOW, PAPER_VIRTUAL_STAGES
 
 if TYPE_CHECKING:
     from megatron_wlb.config import RunConfig
@@ -64,8 +64,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                                      "a baseline's on the same iterations (1.10 = 10%% faster); mean [min, "
                                      "max] over the shuffles; mean delay = iterations a token waits past its "
                                      "arrival, token-weighted; every number under the schedule named beside "
-                                     f"it (default interleaved 1F1B, v = {DEFAULT_VIRTUAL_STAGES}, as the "
-                                     "README's headline and `wlb reproduce`).")
+                                     "it (the config's virtual_stages, default plain 1F1B; the README's headline "
+                                     f"and `wlb reproduce` run the paper's interleaved v = {PAPER_VIRTUAL_STAGES}).")
     group = add_stream_args(p)
     group.add_argument("--data-path", nargs="+", metavar="W_OR_PREFIX",
                        help="Megatron-style blend: 'PREFIX' or 'W1 PREFIX1 W2 PREFIX2 ...' (weights are "
@@ -82,9 +82,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--no-shuffle", action="store_true",
                    help="keep the corpus in file order (one ordering; the verdict then depends on that order)")
     p.add_argument("--virtual-stages", type=int, metavar="V",
-                   help="interleaved 1F1B with V virtual stages, 1 = plain 1F1B (default "
-                        f"{DEFAULT_VIRTUAL_STAGES}, the schedule of the README's headline and `wlb reproduce`, "
-                        "whatever the config says; plain 1F1B where the config's pipeline cannot interleave)")
+                   help="interleaved 1F1B with V virtual stages, 1 = plain 1F1B (default: the config's "
+                        f"virtual_stages, as every command; {PAPER_VIRTUAL_STAGES} is the README headline's)")
     p.add_argument("--json", metavar="FILE", help="also write the verdict as JSON")
     p.add_argument("--max-documents", type=int, default=DEFAULT_MAX_DOCUMENTS, metavar="N",
                    help="with --data-prefix/--data-path: analyze at most N documents; a larger corpus is sampled "
@@ -142,13 +141,11 @@ def run(args: argparse.Namespace) -> int:
     positive(args.shuffles, "--shuffles")
     positive(args.max_documents, "--max-documents")
     seeds = seeds_from(args.seed, 1 if args.no_shuffle else args.shuffles)
-    cfg, schedule_note = headline_schedule(load_config(args.config), args.virtual_stages)
+    cfg = with_virtual_stages(load_config(args.config), args.virtual_stages)
     profile = cost_profile(args.cost_profile)
     out = output_dir(args.out)
     json_out = output_file(args.json, "--json") if args.json else None
-    notes: list[str] = [schedule_note] if schedule_note else []
-    if schedule_note:
-        print(f"wlb analyze: note: {schedule_note}", file=sys.stderr)
+    notes: list[str] = []
     lengths = np.zeros(0, dtype=np.int64)  # the file-order lengths (--lengths / --data-prefix / embedded)
     # the corpus as megatron-core reads it: the prefix or blend itself (its IndexedDataset), or the lengths
     corpus: np.ndarray | list[str] | str | None = args.data_path or args.data_prefix

@@ -118,22 +118,6 @@ def with_virtual_stages(config: RunConfig, virtual_stages: int | None, flag: str
     return config.with_virtual_stages(virtual_stages)
 
 
-def headline_schedule(config: RunConfig, virtual_stages: int | None,
-                      flag: str = "--virtual-stages") -> tuple[RunConfig, str | None]:
-    """``config`` under ``--virtual-stages`` if given, else under the schedule of the README's headline
-    (``sim.experiments.DEFAULT_VIRTUAL_STAGES``, what ``wlb reproduce`` runs), and a note when the
-    config's pipeline cannot interleave that many (then plain 1F1B)."""
-    from megatron_wlb.sim.experiments import DEFAULT_VIRTUAL_STAGES
-
-    if virtual_stages is not None:
-        return with_virtual_stages(config, virtual_stages, flag), None
-    if DEFAULT_VIRTUAL_STAGES > 1 and config.micro_batches % config.layout.pp:
-        return with_virtual_stages(config, 1, flag), (
-            f"Schedule: plain 1F1B, not the README headline's interleaved v = {DEFAULT_VIRTUAL_STAGES}: "
-            f"micro_batches ({config.micro_batches}) is not divisible by pp ({config.layout.pp}).")
-    return with_virtual_stages(config, DEFAULT_VIRTUAL_STAGES, flag), None
-
-
 def seeds_from(first: int, count: int, flag: str = "--seed") -> list[int]:
     """``count`` consecutive shuffle seeds from ``first``, each a valid numpy ``RandomState`` seed."""
     if first < 0 or first + count - 1 >= 2**32:

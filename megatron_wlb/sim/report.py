@@ -25,12 +25,12 @@ from megatron_wlb.sim.experiments import (
     BREAKDOWN_METHODS,
     CASE_METRICS,
     CASE_STUDY_CONFIG,
-    DEFAULT_VIRTUAL_STAGES,
     DYNCP,
     EQUAL_DELAY,
     FIXED,
     MAIN_METHODS,
     PAPER,
+    PAPER_VIRTUAL_STAGES,
     PLAIN,
     TABLE1_CONFIGS,
     VIRTUAL_STAGE_SWEEP,
@@ -270,7 +270,7 @@ class ReproduceSettings:
     sweep_iterations: int = 100
     case_iterations: int = 12
     s_max_sensitivity: tuple[float, ...] = (1.0, 1.25, 1.5, 2.0)
-    virtual_stages: int = DEFAULT_VIRTUAL_STAGES
+    virtual_stages: int = PAPER_VIRTUAL_STAGES
     schedule_sweep: tuple[int, ...] = VIRTUAL_STAGE_SWEEP
 
 
