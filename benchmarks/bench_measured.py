@@ -221,7 +221,7 @@ def plan_of(rows: list[Any], dp: int, n: int) -> list[list[int]]:
 
 def simulator_for(header: dict[str, Any], profile: dict[str, Any] | None, cp_layout: str) -> Any:
     """The simulator of the traced run's layout, pricing micro-batches with the calibrated profile."""
-    from megatron_wlb.config import RunConfig
+    from megatron_wlb.config import CpConfig, RunConfig
     from megatron_wlb.costmodel import CalibratedCostModel
     from megatron_wlb.packing.types import PackingConfig
     from megatron_wlb.sim.iteration import IterationSimulator
@@ -233,7 +233,7 @@ def simulator_for(header: dict[str, Any], profile: dict[str, Any] | None, cp_lay
     n = int(header["n"])
     packing = PackingConfig(seq_len=SEQ_LEN, n=n, dp=lay["dp"])
     config = RunConfig(name="measured", model=model, layout=layout, seq_len=SEQ_LEN, packer="wlb", packing=packing,
-                       cp_sharding=cp_layout, virtual_stages=int(lay.get("vpp", 1) or 1))
+                       cp=CpConfig(cp_layout), virtual_stages=int(lay.get("vpp", 1) or 1))
     return IterationSimulator(config, cost, cp_layout, dp_sync=False), n
 
 

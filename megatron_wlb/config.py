@@ -40,8 +40,10 @@ def shipped_config_dir() -> Traversable:
 CONFIG_DIR = shipped_config_dir()
 #: the packers, from the registry (``packing.base.register_packer``)
 PACKER_NAMES: tuple[str, ...] = tuple(PACKERS)
-_TOP_KEYS = ("name", "description", "model", "seq_len", "layout", "micro_batches", "virtual_stages", "packing",
-             "cp_sharding")
+#: the run shape (top level: never a --wlb-* flag; Megatron's own flags in training), then the sections
+_RUN_SHAPE_KEYS = ("name", "description", "model", "seq_len", "layout", "micro_batches", "virtual_stages")
+_SECTIONS = ("packing", "cp", "cost", "logging")
+_TOP_KEYS = (*_RUN_SHAPE_KEYS, *_SECTIONS)
 #: PackingConfig fields that describe the run, not a packing choice: set from the config's top level
 #: (seq_len, micro_batches, layout.dp) or, under Megatron, from its own flags (--seq-length,
 #: --global-batch-size, DP, --seed); never a ``--wlb-*`` flag
@@ -63,6 +65,8 @@ RENAMED_KNOBS: dict[str, tuple[tuple[str, ...], str]] = {
     "flush_on_force": (("release",), "was removed: a forced outlier always goes out with its nearest "
                        "queue-mates; the release policy is {release}"),
 }
+#: YAML keys moved into a section: old key -> where it is now
+RENAMED_KEYS: dict[str, str] = {"cp_sharding": "cp: {sharding: ...}"}
 #: old values of a kept knob: (knob, old value) -> hint
 RENAMED_VALUES: dict[tuple[str, str], str] = {
     ("release", "global"): "release now names the policy (R = dp * n is always global); the old default is "
@@ -368,8 +372,51 @@ def model_from_yaml(raw: Any, source: str) -> ModelShape:
 
 
 @dataclass(frozen=True)
+class CpConfig:
+    """The ``cp`` section: how each micro-batch is laid out over its CP ranks.
+
+    - ``sharding``: the CP layout (docs/cp.md); ``--wlb-cp-sharding``, ``wlb simulate/shard --cp-sharding``.
+    """
+
+    sharding: str = "adaptive"
+
+
+@dataclass(frozen=True)
+class CostConfig:
+    """The ``cost`` section: the cost model W(d) the packer and CP layouts balance.
+
+    - ``profile``: a calibrated cost-model profile JSON (``wlb calibrate``; None = the analytic model);
+      ``--wlb-cost-profile``, ``wlb ... --cost-profile``.
+    """
+
+    profile: str | None = None
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    """The ``logging`` section (Megatron training).
+
+    - ``log_interval``: log the packing metrics every this many iterations; ``--wlb-log-interval``.
+    - ``trace``: a per-micro-batch timing trace, one JSON-lines file per rank; ``--wlb-trace``.
+    """
+
+    log_interval: int = 1
+    trace: str | None = None
+
+
+#: section key -> the WlbSettings field and ``--wlb-*`` flag it is (the flag drops ``--wlb-`` and ``-`` -> ``_``)
+SECTION_SETTINGS: dict[tuple[str, str], str] = {("cp", "sharding"): "cp_sharding",
+                                                 ("cost", "profile"): "cost_profile",
+                                                 ("logging", "log_interval"): "log_interval",
+                                                 ("logging", "trace"): "trace"}
+
+
+@dataclass(frozen=True)
 class RunConfig:
-    """One training job's shape: what the simulator, the CLI and the Megatron adapter share."""
+    """One training job: the run shape (top level), then the packing, CP, cost and logging sections.
+
+    What the simulator, the CLI and the Megatron adapter share; frozen, validated by ``config_from_dict``.
+    """
 
     name: str
     model: ModelShape
@@ -377,10 +424,27 @@ class RunConfig:
     seq_len: int
     packer: str
     packing: PackingConfig
-    cp_sharding: str = "adaptive"
     virtual_stages: int = 1
     #: the packer preset ``packing`` starts from (``packing.presets``); its other knobs were given explicitly
     preset: str = DEFAULT_PRESET
+    cp: CpConfig = CpConfig()
+    cost: CostConfig = CostConfig()
+    logging: LoggingConfig = LoggingConfig()
+
+    @property
+    def cp_sharding(self) -> str:
+        """The CP layout (``cp.sharding``)."""
+        return self.cp.sharding
+
+    def settings(self) -> dict[str, Any]:
+        """The cp / cost / logging sections as WlbSettings fields (``SECTION_SETTINGS``), those not default."""
+        out = {}
+        for (section, key), name in SECTION_SETTINGS.items():
+            record = getattr(self, section)
+            value = getattr(record, key)
+            if value != getattr(type(record)(), key):
+                out[name] = value
+        return out
 
     def packing_overrides(self) -> dict[str, Any]:
         """The packer knobs this config sets beyond its preset (what ``--wlb-*`` flags must restate)."""
@@ -478,8 +542,24 @@ def load_yaml(text: str) -> Any:
     return yaml.load(text, Loader=UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
 
 
+def _section(cls: type, raw: Any, name: str, source: str) -> Any:
+    """Section ``name`` (a mapping of ``cls``'s fields) as a ``cls``; one-line errors naming the key."""
+    if raw is None:
+        return cls()
+    knobs = dataclass_knobs(cls)
+    if not isinstance(raw, dict):
+        raise ValueError(f"{source}: {name} must be a mapping of {', '.join(knobs)}, got {raw!r}")
+    unknown = [k for k in raw if k not in knobs]
+    if unknown:
+        raise ValueError(f"{source}: unknown {name} key(s) {', '.join(map(repr, unknown))}; valid: {', '.join(knobs)}")
+    return cls(**{k: knobs[k].parse(v, f"{source}: {name}.{k}") for k, v in raw.items()})
+
+
 def config_from_dict(raw: dict, source: str = "<dict>") -> RunConfig:
     """Validate a parsed config; every error is one line naming the key, the value and what is valid."""
+    for key in raw:
+        if key in RENAMED_KEYS:
+            raise ValueError(f"{source}: {key} moved into a section: {RENAMED_KEYS[key]}")
     unknown = [k for k in raw if k not in _TOP_KEYS]
     if unknown:
         raise ValueError(f"{source}: unknown key(s) {', '.join(map(repr, unknown))}; "
@@ -537,12 +617,16 @@ def config_from_dict(raw: dict, source: str = "<dict>") -> RunConfig:
                                 virtual_stages=virtual, **knobs)
     except ValueError as exc:
         raise ValueError(f"{source}: packing: {exc}") from None
-    cp_sharding = raw.get("cp_sharding", "adaptive")
-    if cp_sharding not in cp_sharding_names():
-        raise ValueError(f"{source}: cp_sharding={cp_sharding!r} is not a CP layout; choose one of "
+    cp = _section(CpConfig, raw.get("cp"), "cp", source)
+    if cp.sharding not in cp_sharding_names():
+        raise ValueError(f"{source}: cp.sharding={cp.sharding!r} is not a CP layout; choose one of "
                          f"{', '.join(cp_sharding_names())}")
+    cost = _section(CostConfig, raw.get("cost"), "cost", source)
+    logging = _section(LoggingConfig, raw.get("logging"), "logging", source)
+    _positive_int(logging.log_interval, f"{source}: logging.log_interval")
     return RunConfig(name=str(raw.get("name", source)), model=model, layout=layout, seq_len=seq_len,
-                     packer=packer, packing=packing, cp_sharding=cp_sharding, virtual_stages=virtual, preset=preset)
+                     packer=packer, packing=packing, virtual_stages=virtual, preset=preset, cp=cp, cost=cost,
+                     logging=logging)
 
 
 def load_config(name_or_path: str | Path) -> RunConfig:

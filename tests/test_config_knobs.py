@@ -129,7 +129,11 @@ def test_mechanism_picks_up_a_new_field_with_no_list_to_edit():
 
 @pytest.mark.parametrize("patch, match", [
     ({"packing": {"outlier_fracton": 0.5}}, r"unknown packing key\(s\) 'outlier_fracton'; valid: packer, "),
-    ({"cp_sharding": "ring"}, r"cp_sharding='ring' is not a CP layout; choose one of per-sequence"),
+    ({"cp": {"sharding": "ring"}}, r"cp.sharding='ring' is not a CP layout; choose one of per-sequence"),
+    ({"cp_sharding": "adaptive"}, r"cp_sharding moved into a section: cp: \{sharding: ...\}"),
+    ({"cp": {"layout": "adaptive"}}, r"unknown cp key\(s\) 'layout'; valid: sharding"),
+    ({"logging": {"log_interval": 0}}, r"logging.log_interval=0: must be a positive integer"),
+    ({"cost": {"profile": 3}}, r"cost.profile=3: give "),
     ({"modle": "7b"}, r"unknown key\(s\) 'modle'; valid keys: name, "),
     ({"packing": {"packer": "best"}}, r"packing.packer='best'; choose one of"),
     ({"packing": {"max_delay": -1}}, r"packing.max_delay=-1: max_delay must be a non-negative"),
@@ -240,7 +244,8 @@ def test_the_docs_own_model_example_loads(tmp_path: Path):
     block = block[:block.index("```")]
     (tmp_path / "mine.yaml").write_text(block)
     run = load_config(tmp_path / "mine.yaml")
-    assert run.model.num_kv_heads == 8 and run.model.ffn_hidden == 14336 and run.packing.max_seq_len == 98304
+    assert run.model.num_kv_heads == 8 and run.model.ffn_hidden == 14336 and run.packing.max_delay == 4
+    assert run.cp.sharding == run.cp_sharding == "per-document" and run.packing.capacity_var == 98304
 
 
 def test_settings_behave_like_a_frozen_dataclass():

@@ -142,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
     positive(args.max_documents, "--max-documents")
     seeds = seeds_from(args.seed, 1 if args.no_shuffle else args.shuffles)
     cfg = with_virtual_stages(load_config(args.config), args.virtual_stages)
-    profile = cost_profile(args.cost_profile)
+    profile = cost_profile(args.cost_profile, config=cfg)
     out = output_dir(args.out)
     json_out = output_file(args.json, "--json") if args.json else None
     notes: list[str] = []

@@ -90,8 +90,11 @@ def show_progress() -> bool:
     return sys.stderr.isatty()
 
 
-def cost_profile(path: str | Path | None, flag: str = "--cost-profile") -> str | None:
-    """``path`` after checking it is a ``megatron-wlb-profile/1`` file the cost model can read."""
+def cost_profile(path: str | Path | None, flag: str = "--cost-profile", config: RunConfig | None = None) -> str | None:
+    """``path`` (else ``config``'s ``cost.profile``, if any) after checking it is a ``megatron-wlb-profile/1``
+    file the cost model can read."""
+    if path is None and config is not None and config.cost.profile is not None:
+        path, flag = config.cost.profile, f"{config.name}: cost.profile"
     if path is None:
         return None
     from megatron_wlb.costmodel import PROFILE_FORMAT, load_profile

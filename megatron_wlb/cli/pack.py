@@ -89,7 +89,7 @@ def overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 def build(args: argparse.Namespace) -> tuple[RunConfig, CostModel]:
     config = load_config(args.config)
-    cost = build_cost_model(config.model, config.layout, profile=cost_profile(getattr(args, "cost_profile", None)))
+    cost = build_cost_model(config.model, config.layout, profile=cost_profile(args.cost_profile, config=config))
     return config, cost
 
 

@@ -54,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
     layout = args.cp_sharding or cfg.cp_sharding
     if layout not in (*cp_sharding_names(), "dynamic-cp"):
         raise ValueError(f"--cp-sharding {layout}: choose one of {', '.join((*cp_sharding_names(), 'dynamic-cp'))}")
-    profile = cost_profile(args.cost_profile)
+    profile = cost_profile(args.cost_profile, config=cfg)
     json_out = output_file(args.json, "--json") if args.json else None
     lengths, source = load_stream(args)
     cost = build_cost_model(cfg.model, cfg.layout, profile)

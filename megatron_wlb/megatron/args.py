@@ -22,6 +22,7 @@ from typing import Any, NoReturn
 from megatron_wlb.config import (
     PACKER_NAMES,
     RENAMED_KNOBS,
+    SECTION_SETTINGS,
     Knob,
     RunConfig,
     cp_sharding_names,
@@ -49,7 +50,8 @@ def flag_table() -> list[tuple[str, str, str, str]]:
     d = WlbSettings()
     own_docs = field_docs(WlbSettings)
     choices = {"packing": PACKER_NAMES, "cp_sharding": cp_sharding_names(), "preset": PRESET_NAMES}
-    yaml_keys = {"packing": "packing.packer", "cp_sharding": "cp_sharding", "preset": "packing.preset"}
+    yaml_keys = {"packing": "packing.packer", "preset": "packing.preset",
+                 **{name: f"{section}.{key}" for (section, key), name in SECTION_SETTINGS.items()}}
     rows = []
     for name in WlbSettings.names():
         if name in FLAG_KNOBS:
@@ -149,7 +151,10 @@ def _flag_type(knob: Knob, flag: str) -> Callable[[str], Any]:
 def config_flags(run: RunConfig) -> list[str]:
     """The ``--wlb-*`` flags that reproduce a RunConfig's packing choices without ``--wlb-config``
     (whose start-up check demands the config's exact layout): for launchers that rescale a layout."""
-    out = ["--wlb-packing", run.packer, "--wlb-cp-sharding", run.cp_sharding]
+    out = ["--wlb-packing", run.packer, "--wlb-cp-sharding", run.cp.sharding]
+    for name, value in run.settings().items():
+        if name != "cp_sharding":
+            out += [FLAGS[name], _show(value)]
     if run.preset != DEFAULT_PRESET:
         out += ["--wlb-preset", run.preset]
     for name, value in run.packing_overrides().items():
@@ -212,7 +217,7 @@ def settings_from_args(args: Any) -> WlbSettings:
     base: dict[str, Any] = {}
     if given.get("config"):
         cfg = load_run_config(given["config"])
-        base = {"packing": cfg.packer, "cp_sharding": cfg.cp_sharding, "preset": cfg.preset,
+        base = {"packing": cfg.packer, "preset": cfg.preset, **cfg.settings(),
                 **{name: value for name, value in cfg.packing_overrides().items() if name in FLAG_KNOBS}}
     return WlbSettings(**{**base, **given})
 
