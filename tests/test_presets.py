@@ -167,3 +167,26 @@ def test_recorded_preset_rows_match_the_frontier_and_the_docs():
     docs = (ROOT / "docs" / "packing.md").read_text()
     assert table(presets) in docs, "docs/packing.md's preset table drifted: python benchmarks/bench_presets.py --docs"
     assert re.search(r"<!-- presets-table -->\n\| stream", docs)
+
+
+def test_nested_sections_reach_megatron_and_flags_win(tmp_path: Path):
+    profile = tmp_path / "p.json"
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text(yaml.safe_dump({**RUN, "cp": {"sharding": "per-document"}, "cost": {"profile": str(profile)},
+                                   "logging": {"log_interval": 5, "trace": "t"}}))
+    run = load_config(cfg)
+    assert (run.cp.sharding, run.cost.profile, run.logging.log_interval, run.logging.trace) == \
+        ("per-document", str(profile), 5, "t")
+    s = settings_from_args(_parse(["--wlb-config", str(cfg), "--wlb-log-interval", "2"]))
+    assert (s.cp_sharding, s.cost_profile, s.log_interval, s.trace) == ("per-document", str(profile), 2, "t")
+
+
+def test_the_run_shape_is_never_a_flag(capsys):
+    from megatron_wlb.megatron.settings import FLAG_KNOBS
+
+    shape = {"seq_len", "n", "dp", "pipeline_stages", "virtual_stages"}
+    assert not shape & set(FLAG_KNOBS) and not shape & set(WlbSettings.names())
+    for flag in ("--wlb-seq-len", "--wlb-virtual-stages", "--wlb-dp"):
+        with pytest.raises(SystemExit):
+            _parse([flag, "2"])
+    capsys.readouterr()

@@ -18,8 +18,8 @@ import argparse
 import json
 import sys
 import time
+import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -35,13 +35,15 @@ from megatron_wlb.cli.common import (
     tqdm_progress,
     with_virtual_stages,
 )
-from megatron_wlb.data.blend import DEFAULT_SEED
+from megatron_wlb.config import RunConfig, load_config
+from megatron_wlb.costmodel import build_cost_model
+from megatron_wlb.data import load_lengths
+from megatron_wlb.data.blend import DEFAULT_SEED, parse_data_path, read_blend, shuffle_documents
 from megatron_wlb.data.samples import SampleStream
 from megatron_wlb.sim.experiments import EQUAL_DELAY_WINDOW, PAPER_VIRTUAL_STAGES
-
-if TYPE_CHECKING:
-    from megatron_wlb.config import RunConfig
-    from megatron_wlb.sim.report import Verdict
+from megatron_wlb.sim.iteration import split_documents
+from megatron_wlb.sim.moe import attention_shares, moe_table, share_summary
+from megatron_wlb.sim.report import Verdict, analyze, recommendation
 
 #: Orderings per verdict. With k i.i.d. orderings each, two corpora of the same documents in
 #: different file orders give disjoint [min, max] ranges with probability 2 (k!)^2 / (2k)!:
@@ -104,8 +106,6 @@ def gpt_samples(corpus: np.ndarray | list[str] | str, seq_len: int, num_samples:
 
     The concat-and-cut baseline and the balanced concat-and-cut then train exactly the samples the
     user's ``pretrain_gpt.py`` job would, iteration by iteration, so the verdict is about that job."""
-    import warnings
-
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # megatron-core's import warns about optional kernels
@@ -114,7 +114,7 @@ def gpt_samples(corpus: np.ndarray | list[str] | str, seq_len: int, num_samples:
         return None, (f"megatron-core is not importable here ({e}): the concat-and-cut baseline and the balanced "
                       "concat-and-cut follow this tool's document order, not Megatron GPTDataset's sample order; "
                       "install megatron-core and torch (pip install megatron-core torch) for the exact order.")
-    from megatron_wlb.megatron.sample_orders import gpt_sample_order, sample_stream
+    from megatron_wlb.megatron.sample_orders import gpt_sample_order, sample_stream  # megatron-core: optional
 
     streams = []
     with warnings.catch_warnings():
@@ -130,10 +130,6 @@ def gpt_samples(corpus: np.ndarray | list[str] | str, seq_len: int, num_samples:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_wlb.config import load_config
-    from megatron_wlb.data import load_lengths
-    from megatron_wlb.sim.iteration import split_documents
-    from megatron_wlb.sim.report import analyze, recommendation
 
     # every input is checked before any work: the simulation takes minutes
     if args.iterations is not None:
@@ -151,7 +147,6 @@ def run(args: argparse.Namespace) -> int:
     corpus: np.ndarray | list[str] | str | None = args.data_path or args.data_prefix
     sample: tuple[int, int] | None = None  # (documents read, documents in the corpus) when sampled
     if args.data_path or args.data_prefix:
-        from megatron_wlb.data.blend import parse_data_path
 
         prefixes = [prefix for prefix, _ in parse_data_path(args.data_path)] if args.data_path else [args.data_prefix]
         flag = "--data-path" if args.data_path else "--data-prefix"
@@ -165,7 +160,6 @@ def run(args: argparse.Namespace) -> int:
             notes.append(line)
             print(f"wlb analyze: note: {line}", file=sys.stderr)
     if args.data_path:
-        from megatron_wlb.data.blend import read_blend
 
         streams = []
         for seed in seeds:
@@ -178,7 +172,6 @@ def run(args: argparse.Namespace) -> int:
         if sample is not None:  # megatron-core samples the sample, blended (it shuffles it per seed itself)
             corpus = read_blend(args.data_path, None, datasets=datasets)[0]
     else:
-        from megatron_wlb.data.blend import shuffle_documents
 
         if args.data_prefix:
             lengths = datasets[0]
@@ -254,9 +247,6 @@ def moe_beside_dense(out: Path, cfg: RunConfig, streams: list[np.ndarray], itera
                      verdict: Verdict) -> dict:
     """Simulate ``cfg``'s dense counterpart (``RunConfig.dense_counterpart``) on the same orderings and samples,
     print the MoE job beside it (``sim.moe.moe_table``), append it to ``report`` and return it as JSON."""
-    from megatron_wlb.costmodel import build_cost_model
-    from megatron_wlb.sim.moe import attention_shares, moe_table, share_summary
-    from megatron_wlb.sim.report import analyze
 
     dense = cfg.dense_counterpart()
     _, _, dense_verdict = analyze(out / "dense-counterpart", dense, streams, iterations, profile=profile,

@@ -42,13 +42,14 @@ import json
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
 import numpy as np
 
 from megatron_wlb.cli.common import output_file, positive
+from megatron_wlb.config import load_config
 from megatron_wlb.costmodel import (
     PROFILE_FORMAT,
     CalibratedCostModel,
@@ -62,7 +63,9 @@ from megatron_wlb.costmodel import (
     load_profile,
 )
 from megatron_wlb.costmodel.table import MAX_KNOTS, choose_knots
+from megatron_wlb.costmodel.trace import profile_points, read_trace, trace_setup
 from megatron_wlb.cp.efficiency import EFFICIENCY_FORMAT, KernelEfficiency
+from megatron_wlb.packing.types import resolve_max_seq_len
 from megatron_wlb.provenance import machine
 
 #: a line of progress to stderr
@@ -317,7 +320,7 @@ class Layer:
         region, or host ints) and ``longest`` their longest (host int)."""
         import torch.nn.functional as F
 
-        from megatron_wlb.cp.attention import varlen_attention
+        from megatron_wlb.cp.attention import varlen_attention  # imports torch: only when measuring
 
         q_cols, kv_cols = self.heads * self.dim, self.kv_heads * self.dim
         qkv = F.linear(x, self.w_qkv)
@@ -373,8 +376,6 @@ def measured_shape(model: ModelShape) -> ModelShape:
     """The shape ``Layer`` measures: an MoE model's MoE layer (a layer pattern with dense layers too is
     priced from it by FLOPs, as other shapes are); a dense model as it is."""
     if model.is_moe and model.moe_layer_freq != 1:
-        from dataclasses import replace
-
         return replace(model, moe_layer_freq=1)
     return model
 
@@ -392,7 +393,7 @@ def measure_attention(torch: Any, timer: Timer, model: ModelShape, tp: int, leng
                       backend: str, log: Log) -> dict[str, list[Any]]:
     """Forward and backward seconds of causal attention over each call of ``attention_calls(lengths)``, one
     layer, one GPU."""
-    from megatron_wlb.cp.attention import varlen_attention
+    from megatron_wlb.cp.attention import varlen_attention  # imports torch: only when measuring
 
     heads, kv_heads, dim = model.num_heads // tp, model.num_kv_heads // tp, model.head_dim
     out: dict[str, list[Any]] = {"lengths": [], "documents": [], "fwd_s": [], "bwd_s": []}
@@ -483,7 +484,7 @@ def measure_efficiency(torch: Any, timer: Timer, model: ModelShape, tp: int, q_l
                        table_tokens: int, tile: int, dtype: Any, backend: str, device_name: str,
                        log: Log) -> KernelEfficiency:
     """Achieved forward TFLOP/s of bottom-right causal query runs (q queries over kv keys), q <= kv."""
-    from megatron_wlb.cp.attention import reference_varlen_attention, varlen_attention
+    from megatron_wlb.cp.attention import reference_varlen_attention, varlen_attention  # imports torch
 
     heads, kv_heads, dim = model.num_heads // tp, model.num_kv_heads // tp, model.head_dim
     # the kernel must mask bottom-right (a CP rank's queries see all earlier keys): check on runs with q < kv
@@ -534,9 +535,7 @@ def measure_efficiency(torch: Any, timer: Timer, model: ModelShape, tp: int, q_l
 def plan_measurement(args: argparse.Namespace, torch: Any) -> Plan:
     """The run's model, device and grids from the flags: the smoke grid, a GPU's defaults, or the CPU's
     defaults capped by ``CpuBudget`` (flags given explicitly are kept as they are)."""
-    from megatron_wlb.config import load_config
-    from megatron_wlb.cp.attention import BACKENDS
-    from megatron_wlb.packing.types import resolve_max_seq_len
+    from megatron_wlb.cp.attention import BACKENDS  # imports torch: only when measuring
 
     if args.backend not in BACKENDS:
         raise ValueError(f"--backend {args.backend!r}: choose one of {', '.join(BACKENDS)}")
@@ -733,7 +732,6 @@ def without_table(profile: dict[str, Any]) -> dict[str, Any]:
 
 def run_from_trace(args: argparse.Namespace, out: Path) -> int:
     """``--from-trace``: the micro-batch profile of a training trace, with its held-out MAPE."""
-    from megatron_wlb.costmodel.trace import profile_points, read_trace, trace_setup
 
     if args.efficiency_out is not None:
         raise ValueError("--efficiency-out: a trace times whole micro-batches, not kernel shapes, so --from-trace "

@@ -15,6 +15,7 @@ import os
 import sys
 
 from megatron_wlb import __version__
+from megatron_wlb.config import renamed_option_hint
 from megatron_wlb.requirements import MissingDependency
 
 # Subcommand modules, in the order `wlb --help` lists them.
@@ -53,7 +54,6 @@ def error_line(exc: BaseException) -> str:
 def refuse_renamed(argv: list[str]) -> None:
     """Old option spellings (``config.RENAMED_OPTIONS``, ``RENAMED_KNOBS``) end in the one-line error
     naming the new one (exit status 2), before argparse would call them unrecognized."""
-    from megatron_wlb.config import renamed_option_hint
 
     command = next((a for a in argv if a in SUBCOMMANDS), None)
     if command is None:

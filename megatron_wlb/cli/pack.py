@@ -33,6 +33,7 @@ from megatron_wlb.config import PACKER_NAMES, PACKING_KNOBS, RunConfig, load_con
 from megatron_wlb.costmodel import CostModel, build_cost_model
 from megatron_wlb.packing import make_packer, summarize
 from megatron_wlb.packing.presets import PRESET_NAMES
+from megatron_wlb.sim.experiments import schedule_label
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -110,7 +111,6 @@ def run(args: argparse.Namespace) -> int:
     else:
         batches = run_packer(packer, stream, args.iterations, progress=name)
     metrics = summarize(batches, cost, packing.seq_len, stages=packing.stages, virtual_stages=packing.virtual_stages)
-    from megatron_wlb.sim.experiments import schedule_label
 
     report = {"packer": name, "config": config.name, "lengths": source,
               "schedule": schedule_label(packing.virtual_stages), "documents_read": packer.position,

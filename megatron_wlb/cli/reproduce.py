@@ -10,9 +10,13 @@ from __future__ import annotations
 import argparse
 import shutil
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from megatron_wlb.cli.common import cost_profile, load_stream, output_dir, tqdm_progress, with_virtual_stages
+from megatron_wlb.config import load_config
+from megatron_wlb.sim.experiments import CASE_STUDY_CONFIG, TABLE1_CONFIGS
+from megatron_wlb.sim.report import ReproduceSettings, reproduce
 
 README_BEGIN = "<!-- reproduce-table -->"
 README_END = "<!-- /reproduce-table -->"
@@ -48,11 +52,6 @@ def splice_readme(text: str, block: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dataclasses import replace
-
-    from megatron_wlb.config import load_config
-    from megatron_wlb.sim.experiments import CASE_STUDY_CONFIG, TABLE1_CONFIGS
-    from megatron_wlb.sim.report import ReproduceSettings, reproduce
 
     settings = ReproduceSettings()
     if args.iterations is not None:

@@ -15,6 +15,11 @@ from megatron_wlb.cli.common import (
     tqdm_progress,
     with_virtual_stages,
 )
+from megatron_wlb.config import cp_sharding_names, load_config
+from megatron_wlb.costmodel import build_cost_model
+from megatron_wlb.packing.base import PACKERS
+from megatron_wlb.sim.experiments import schedule_label
+from megatron_wlb.sim.iteration import simulate_stream
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -39,11 +44,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_wlb.config import cp_sharding_names, load_config
-    from megatron_wlb.costmodel import build_cost_model
-    from megatron_wlb.packing.base import PACKERS
-    from megatron_wlb.sim.experiments import schedule_label
-    from megatron_wlb.sim.iteration import simulate_stream
 
     # every input is checked before the stream is read and simulated
     positive(args.iterations, "--iterations")
