@@ -33,7 +33,8 @@ class WlbSettings:
     - ``preset``: the packer preset the knobs start from (default, paper); a knob given explicitly wins.
     - ``cp_sharding``: CP layout of each micro-batch (docs/cp.md).
     - ``cost_profile``: a calibrated cost-model profile JSON written by ``wlb calibrate`` (None = analytic model).
-    - ``config``: a shipped config name or YAML path whose packing section supplies the defaults.
+    - ``config``: a shipped config name or YAML path whose packing, cp, cost and logging sections supply the
+      defaults (its run shape is checked against Megatron's flags).
     - ``log_interval``: log the packing metrics (and the measured ones) every this many iterations.
     - ``trace``: write a per-micro-batch timing trace, one JSON-lines file per rank (PATH-rank00000.jsonl,
       ...), for `wlb calibrate --from-trace` (None = no trace; the measured metrics are logged either way).
