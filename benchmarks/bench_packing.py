@@ -66,8 +66,8 @@ def settings(quick: bool) -> list[tuple[str, str, dict]]:
     rows.append(("wlb, max_delay 8, placement order (no dealing/ordering)", "wlb", {"schedule_order": False}))
     rows.append(("wlb, max_delay 8, no fill rule (min_fill 0)", "wlb", {"fill": "read-ahead"}))
     rows.append(("wlb, max_delay 8, oldest-R release (no grouping by work)", "wlb", {"release": "oldest"}))
-    rows.append(("wlb, max_delay 8, cut policy 'overlong'", "wlb", {"cut_policy": "overlong"}))
-    rows.append(("wlb, max_delay 8, cut policy 'any'", "wlb", {"cut_policy": "any"}))
+    rows.append(("wlb, max_delay 8, cut policy 'overlong'", "wlb", {"cut": "overlong"}))
+    rows.append(("wlb, max_delay 8, cut policy 'any'", "wlb", {"cut": "any"}))
     rows.append(("wlb, max_delay 8, no read-ahead fill (fill_target 0)", "wlb",
                  {"fill": "waiting", "fill_target": 0.5}))
     rows.append(("wlb, max_delay 8, group release only (release_when_balanced off)", "wlb",

@@ -64,6 +64,10 @@ RENAMED_KNOBS: dict[str, tuple[tuple[str, ...], str]] = {
                               "(release_when_balanced false), 'oldest', 'paper' (both off)"),
     "flush_on_force": (("release",), "was removed: a forced outlier always goes out with its nearest "
                        "queue-mates; the release policy is {release}"),
+    "oversize": (("cut",), "was merged into {cut}: 'split' (default), 'drop', 'error' (and 'overlong', 'any': "
+                 "split, and wlb cuts forced outliers too)"),
+    "cut_policy": (("cut",), "was merged into {cut}: cut_policy 'none' is 'split' (default), 'overlong' and "
+                   "'any' keep their names"),
 }
 #: YAML keys moved into a section: old key -> where it is now
 RENAMED_KEYS: dict[str, str] = {"cp_sharding": "cp: {sharding: ...}"}
@@ -73,6 +77,7 @@ RENAMED_VALUES: dict[tuple[str, str], str] = {
                            "'balanced'",
     ("release", "rank"): "the per-rank release (R = n) was removed; R = dp * n; release names the policy: "
                          "balanced, grouped, oldest, paper",
+    ("cut", "none"): "cut 'none' (the former cut_policy) is 'split', the default",
 }
 #: CLI options renamed for one name per concept: command ("*" = every one) -> {old: new}
 RENAMED_OPTIONS: dict[str, dict[str, str]] = {

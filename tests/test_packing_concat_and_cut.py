@@ -105,8 +105,8 @@ def test_resume_replays_the_same_plans():
 
 
 def test_a_further_cut_is_refused():
-    with pytest.raises(ValueError, match=r"cut_policy='any' with pieces='concat-and-cut'.*use cut_policy='none'"):
-        PackingConfig(seq_len=64, n=2, pieces="concat-and-cut", cut_policy="any")
+    with pytest.raises(ValueError, match=r"cut='any' with pieces='concat-and-cut'.*use cut='split'"):
+        PackingConfig(seq_len=64, n=2, pieces="concat-and-cut", cut="any")
     with pytest.raises(ValueError, match=r"pieces='whole'; valid: documents, concat-and-cut"):
         PackingConfig(seq_len=64, n=2, pieces="whole")  # type: ignore[arg-type]
 

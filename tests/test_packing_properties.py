@@ -37,8 +37,7 @@ def scenarios(draw):
     config = PackingConfig(seq_len=seq_len, n=n, dp=dp, max_seq_len=max_seq_len,
                            window=draw(st.integers(1, 3)), max_delay=draw(st.integers(0, 4)),
                            num_queues=draw(st.integers(1, 3)),
-                           oversize=draw(st.sampled_from(["split", "drop"])),
-                           cut_policy=draw(st.sampled_from(["none", "overlong", "any"])),
+                           cut=draw(st.sampled_from(["split", "drop", "overlong", "any"])),
                            fill=draw(st.sampled_from(["full", "read-ahead", "waiting", "off"])),
                            release=draw(st.sampled_from(["balanced", "grouped", "oldest", "paper"])))
     cost = draw(st.sampled_from([COST, None]))

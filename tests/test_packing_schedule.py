@@ -165,10 +165,10 @@ def _lonely_outliers():
     return np.asarray(lengths)
 
 
-@pytest.mark.parametrize("policy", ["none", "overlong", "any"])
+@pytest.mark.parametrize("policy", ["split", "overlong", "any"])
 def test_cut_policy_counts_and_scope(policy):
     lengths = _lonely_outliers()
-    cfg = PackingConfig(seq_len=100, n=2, dp=2, max_seq_len=150, max_delay=2, cut_policy=policy,
+    cfg = PackingConfig(seq_len=100, n=2, dp=2, max_seq_len=150, max_delay=2, cut=policy,
                         fill="read-ahead")
     packer = make_packer("wlb", cfg)
     batches = list(packer.pack(lengths))
@@ -181,7 +181,7 @@ def test_cut_policy_counts_and_scope(policy):
     cut_140 = [d for d, ps in by_doc.items() if lengths[d] == 140 and len(ps) > 1]
     cut_400 = [d for d, ps in by_doc.items() if lengths[d] == 400 and len(ps) > 3]  # 3 = the oversize split
     stats = packer.cut_stats
-    if policy == "none":
+    if policy == "split":
         assert not cut_140 and not cut_400 and stats == {"cut_points": 0, "tokens": 0, "pieces": 0}
     else:
         assert stats["cut_points"] > 0 and stats["pieces"] > stats["cut_points"]
@@ -199,14 +199,14 @@ def _debt_then_lonely_outlier():
     return np.asarray(lengths)
 
 
-@pytest.mark.parametrize("policy", ["none", "overlong", "any"])
+@pytest.mark.parametrize("policy", ["split", "overlong", "any"])
 def test_cut_policy_cuts_what_the_fill_rule_releases_into_an_unbalanced_iteration(policy):
     """When the fill rule must release an outlier into an iteration whose ordinary documents cannot
     balance it, the cut policy cuts it into the fewest pieces that can be balanced (140 tokens
     against 150 ordinary tokens in 4 micro-batches: 4 pieces of 35), counted in cut_stats; the
     delay bound holds and every token is emitted once."""
     lengths = _debt_then_lonely_outlier()
-    cfg = PackingConfig(seq_len=100, n=4, dp=1, max_seq_len=150, max_delay=8, cut_policy=policy,
+    cfg = PackingConfig(seq_len=100, n=4, dp=1, max_seq_len=150, max_delay=8, cut=policy,
                         fill="waiting", fill_target=0.5)  # the fill rule (f) alone: no read-ahead fill (h)
     packer = make_packer("wlb", cfg)
     batches = list(packer.pack(lengths))

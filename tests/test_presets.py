@@ -190,3 +190,20 @@ def test_the_run_shape_is_never_a_flag(capsys):
         with pytest.raises(SystemExit):
             _parse([flag, "2"])
     capsys.readouterr()
+
+
+def test_a_packer_state_saved_in_the_old_spellings_resumes():
+    """A checkpoint's packer fingerprint written before the merge (min_fill, group_by_work, ..., max_seq_len
+    stated) compares equal to today's same settings; a combination with no new name is still refused."""
+    from megatron_wlb.packing.base import fingerprint_difference, settings_fingerprint
+
+    now = settings_fingerprint(PackingConfig(seq_len=1000, n=4), None)
+    old = {k: v for k, v in now.items() if k not in ("release", "fill", "cut")}
+    old.update(release="global", group_by_work=True, release_when_balanced=True, flush_on_force=True,
+               min_fill=0.5, fill_target=0.95, oversize="split", cut_policy="none", max_seq_len=1500)
+    assert fingerprint_difference(old, now) == ""
+    paper = settings_fingerprint(PackingConfig(seq_len=1000, n=4, release="paper", cut="any"), None)
+    assert fingerprint_difference({**old, "group_by_work": False, "release_when_balanced": False,
+                                   "cut_policy": "any"}, paper) == ""
+    assert "group_by_work" in fingerprint_difference({**old, "release": "rank"}, now)
+    assert "min_fill" in fingerprint_difference({**old, "min_fill": 0.3}, now)

@@ -8,8 +8,16 @@ from typing import Literal
 
 import numpy as np
 
-OversizePolicy = Literal["split", "drop", "error"]
-OVERSIZE_POLICIES: tuple[str, ...] = ("split", "drop", "error")
+CutPolicy = Literal["split", "overlong", "any", "drop", "error"]
+#: what is cut, one enum: (the oversize policy for documents longer than a packer's capacity, which forced
+#: outliers wlb cuts: extension (g))
+CUT_POLICIES: dict[str, tuple[str, str]] = {
+    "split": ("split", "none"),        # a document over the capacity split into pieces; nothing else (default)
+    "overlong": ("split", "overlong"),  # and wlb cuts a forced outlier that is a piece of such a document
+    "any": ("split", "any"),           # and wlb cuts any forced outlier its group cannot balance
+    "drop": ("drop", "none"),          # a document over the capacity dropped (counted)
+    "error": ("error", "none"),        # a document over the capacity is an error
+}
 #: S_max / seq_len when ``max_seq_len`` is None (docs/packing.md explains the choice).
 DEFAULT_MAX_SEQ_LEN_FACTOR = 1.5
 #: attention kernels index a micro-batch's tokens with int32 (``cu_seqlens``): the most it may hold
@@ -137,8 +145,6 @@ FILL_POLICIES: dict[str, tuple[bool, bool]] = {
     "waiting": (False, True),      # waiting pieces only, released early (the read-ahead off)
     "off": (False, False),         # no fill rule
 }
-CutPolicy = Literal["none", "overlong", "any"]
-CUT_POLICIES: tuple[str, ...] = ("none", "overlong", "any")
 PieceSource = Literal["documents", "concat-and-cut"]
 PIECE_SOURCES: tuple[str, ...] = ("documents", "concat-and-cut")
 CostModelPolicy = Literal["static", "online"]
@@ -158,8 +164,11 @@ class PackingConfig:
     dp: int = 1
     #: wlb's micro-batch capacity (paper S_max); None = 1.5 x seq_len (docs/packing.md)
     max_seq_len: int | None = None
-    #: documents longer than a packer's capacity: "split" into pieces, "drop" (counted), or "error"
-    oversize: OversizePolicy = "split"
+    #: what is cut: "split" (a document longer than a packer's capacity is split into pieces; nothing that
+    #: fits is cut: the default), "overlong" / "any" (split, and wlb also cuts a forced outlier its group
+    #: cannot balance: only pieces of documents longer than S_max / any; counted), "drop" (a document over
+    #: the capacity is dropped, counted), "error"
+    cut: CutPolicy = "split"
     #: the fixed packers balance this many global batches at a time (paper: 1/2/4/8)
     window: int = 1
     #: wlb's outlier queue thresholds L_1 < ... < L_n, or "auto" (derived from the stream)
@@ -200,10 +209,6 @@ class PackingConfig:
     pipeline_stages: int | None = None
     #: model chunks per stage (interleaved 1F1B when > 1) for the schedule objective
     virtual_stages: int = 1
-    #: wlb: cut an outlier that reaches its delay bound without companions: "none" (default; no
-    #: document that fits S_max is cut), "overlong" (only pieces of documents longer than S_max),
-    #: "any" (any such outlier); cuts are counted and reported
-    cut_policy: CutPolicy = "none"
     #: what the packers place: "documents" (each document whole, split only by the oversize policy:
     #: the paper's WLB-LLM) or "concat-and-cut" (the stream cut every seq_len tokens; in Megatron
     #: training, megatron-core's own GPTDataset samples as its sampler gives them, regrouped for balance)
@@ -244,8 +249,8 @@ class PackingConfig:
         if capacity > MAX_MICRO_BATCH_TOKENS:
             raise ValueError(f"max_seq_len={capacity} (seq_len={self.seq_len}): attention kernels index a "
                              f"micro-batch's tokens with int32, so at most {MAX_MICRO_BATCH_TOKENS} (2**31 - 1)")
-        if self.oversize not in OVERSIZE_POLICIES:
-            raise ValueError(f"oversize={self.oversize!r}; valid policies: {', '.join(OVERSIZE_POLICIES)}")
+        if self.cut not in CUT_POLICIES:
+            raise ValueError(f"cut={self.cut!r}; valid policies: {', '.join(CUT_POLICIES)}")
         if isinstance(self.max_delay, bool) or not isinstance(self.max_delay, int) or self.max_delay < 0:
             raise ValueError(f"max_delay must be a non-negative integer of iterations, got {self.max_delay!r}")
         frac = self.outlier_fraction
@@ -261,14 +266,12 @@ class PackingConfig:
             raise ValueError(f"schedule_order={self.schedule_order!r}: must be true or false")
         if self.release not in RELEASE_POLICIES:
             raise ValueError(f"release={self.release!r}; valid policies: {', '.join(RELEASE_POLICIES)}")
-        if self.cut_policy not in CUT_POLICIES:
-            raise ValueError(f"cut_policy={self.cut_policy!r}; valid policies: {', '.join(CUT_POLICIES)}")
         if self.pieces not in PIECE_SOURCES:
             raise ValueError(f"pieces={self.pieces!r}; valid: {', '.join(PIECE_SOURCES)}")
         if self.pieces == "concat-and-cut" and self.cut_policy != "none":
-            raise ValueError(f"cut_policy={self.cut_policy!r} with pieces='concat-and-cut': concat-and-cut's pieces "
+            raise ValueError(f"cut={self.cut!r} with pieces='concat-and-cut': concat-and-cut's pieces "
                              "are trained exactly as Megatron cuts them, so no further cut is allowed; use "
-                             "cut_policy='none'")
+                             "cut='split'")
         nodes = self.solver_nodes
         if isinstance(nodes, bool) or not isinstance(nodes, (int, np.integer)) or nodes < 0:
             raise ValueError(f"solver_nodes={nodes!r}: must be a non-negative integer (HiGHS branch-and-bound "
@@ -280,6 +283,16 @@ class PackingConfig:
                 raise ValueError(f"queue_thresholds must be 'auto' or strictly increasing positive "
                                  f"integers, got {self.queue_thresholds!r}")
             object.__setattr__(self, "queue_thresholds", tuple(int(t) for t in th))
+
+    @property
+    def oversize(self) -> str:
+        """A document longer than a packer's capacity: "split", "drop" or "error" (``cut``)."""
+        return CUT_POLICIES[self.cut][0]
+
+    @property
+    def cut_policy(self) -> str:
+        """wlb (g): which forced outliers are cut: "none", "overlong" or "any" (``cut``)."""
+        return CUT_POLICIES[self.cut][1]
 
     @property
     def group_by_work(self) -> bool:

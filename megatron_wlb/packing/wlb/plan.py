@@ -105,7 +105,7 @@ class IterationPlan:
     per_token: float
     latency: Latency
     counts: PlanCounts
-    #: documents longer than S_max (the ``cut_policy="overlong"`` scope)
+    #: documents longer than S_max (the ``cut="overlong"`` scope)
     overlong: set[int] = field(default_factory=set)
     #: read documents worth at least ``tokens`` more, at most ``limit`` (the stream's read-ahead)
     read_ahead: Callable[[int, int], list[DocPiece]] = _no_read_ahead
