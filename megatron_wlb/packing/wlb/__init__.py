@@ -51,9 +51,9 @@ Extensions beyond the paper (docs/packing.md has the measurements):
     With the read-ahead fill (h) on (``"full"``), the guard tops up from the waiting pieces when the read-ahead
     stopped for lack of room for the outliers it would queue, and then places the whole iteration
     again so the released pieces are balanced with the rest (``fill.fill_guard``).
-(g) ``cut="overlong"`` or ``"any"`` (opt-in; ``PackingConfig.cut_policy``): a forced outlier whose group cannot be balanced is cut into the
-    fewest pieces that can ("overlong": only pieces of documents longer than S_max; "any"), and
-    so are the outliers the fill rule (f) releases early into an iteration whose ordinary
+(g) ``cut="overlong"`` or ``"any"`` (opt-in; ``PackingConfig.cut_policy``): a forced outlier whose group
+    cannot be balanced is cut into the fewest pieces that can ("overlong": only pieces of documents
+    longer than S_max; "any"), and so are the outliers the fill rule (f) releases early into an iteration whose ordinary
     documents cannot balance them (``cut.cut_early``); counted in ``cut_stats``.
 (h) ``fill="full"`` (or ``"read-ahead"``): full iterations. While the iteration holds less than ``fill_target`` x the
     token budget, ordinary documents are read ahead from the stream (arriving now: no delay;
