@@ -84,6 +84,6 @@ def run(args: argparse.Namespace) -> int:
           f"GPU compute max/mean {run_.gpu_compute_imbalance:.3f}")
     if json_out is not None:
         with open(json_out, "w") as f:
-            json.dump({"config": cfg.name, "packer": packer, "cp_layout": layout, "cost_model": cost.describe(),
+            json.dump({"config": cfg.name, "packer": packer, "cp_sharding": layout, "cost_model": cost.describe(),
                        "stream": source, "packing_metrics": run_.packing_metrics, "iterations": rows}, f, indent=1)
     return 0

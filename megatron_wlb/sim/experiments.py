@@ -55,7 +55,7 @@ class Method:
 
     name: str
     packer: str
-    cp_layout: str
+    cp_sharding: str
     overrides: tuple[tuple[str, object], ...] = ()
     s_max_factor: float | None = None
     order: str = "packer"
@@ -207,7 +207,7 @@ def compare(config: RunConfig, lengths: np.ndarray, iterations: int, methods: Se
         source = samples if m.on_samples is not None else None
         overrides = {**m.packing_overrides(config), **dict(m.on_samples or ())} if source is not None \
             else m.packing_overrides(config)
-        runs[m.name] = simulate_stream(cfg, cost, m.packer, m.cp_layout, lengths, iterations, source=source,
+        runs[m.name] = simulate_stream(cfg, cost, m.packer, m.cp_sharding, lengths, iterations, source=source,
                                        packing_overrides=overrides, layout_builder=layout_builder,
                                        keep_events=keep_events, progress=progress,
                                        progress_desc=f"{config.name} {m.name}", order=m.order,
