@@ -207,3 +207,18 @@ def test_a_packer_state_saved_in_the_old_spellings_resumes():
                                    "cut_policy": "any"}, paper) == ""
     assert "group_by_work" in fingerprint_difference({**old, "release": "rank"}, now)
     assert "min_fill" in fingerprint_difference({**old, "min_fill": 0.3}, now)
+
+
+def test_a_checkpoint_saved_in_the_old_spellings_resumes_with_the_same_settings():
+    """The sidecar's --wlb-* settings of a run saved before the merge (and with --wlb-config's max_seq_len
+    stated) compare equal to today's same run; a changed knob is still named."""
+    from megatron_wlb.megatron.checkpoint import settings_difference
+
+    now = WlbSettings().to_dict()
+    old = {k: v for k, v in now.items() if k not in ("release", "fill", "cut", "preset")}
+    old.update(release="global", group_by_work=True, release_when_balanced=True, flush_on_force=True,
+               min_fill=0.5, fill_target=0.95, oversize="split", cut_policy="none", max_seq_len=196608)
+    assert settings_difference(old, now, seq_len=131072) == []
+    assert settings_difference(old, WlbSettings(preset="paper").to_dict(), seq_len=131072) == [
+        "fill: 'full' -> 'off'", "release: 'balanced' -> 'paper'", "schedule_order: True -> False"]
+    assert settings_difference(old, now, seq_len=65536) == ["max_seq_len: 196608 -> 98304"]

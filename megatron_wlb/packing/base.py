@@ -27,14 +27,7 @@ from megatron_wlb.costmodel import CostModel, cost_model_from_state
 from megatron_wlb.data.cut import window_pieces
 from megatron_wlb.data.lengths import validate_lengths
 from megatron_wlb.packing.metrics import piece_latency
-from megatron_wlb.packing.types import (
-    INTAKE_FILL,
-    DocPiece,
-    GlobalBatch,
-    MicroBatch,
-    PackingConfig,
-    resolve_max_seq_len,
-)
+from megatron_wlb.packing.types import DocPiece, GlobalBatch, MicroBatch, PackingConfig, upgrade_old_knobs
 
 #: 2: the fingerprint covers every field and the cost model; 3: a refitted cost model is saved;
 #: 4: the stream's token offset is saved (``pieces="concat-and-cut"`` cuts at multiples of seq_len of it)
@@ -334,46 +327,17 @@ def settings_fingerprint(config: PackingConfig, cost: CostModel | None) -> dict[
     return out
 
 
-#: a fingerprint's merged knobs (issue 34) -> the fields that replaced them: (release) from
-#: (group_by_work, release_when_balanced), (fill, fill_target) from (min_fill, fill_target), (cut) from
-#: (oversize, cut_policy); a state saved before the merge compares in today's names
-_OLD_RELEASE = {(True, True): "balanced", (True, False): "grouped", (False, True): "oldest", (False, False): "paper"}
-_OLD_CUT = {("split", "none"): "split", ("split", "overlong"): "overlong", ("split", "any"): "any",
-            ("drop", "none"): "drop", ("error", "none"): "error"}
-
-
-def _upgraded(fp: dict[str, Any]) -> dict[str, Any]:
-    """``fp`` with old knob names mapped to today's (a combination with no new name keeps its old keys, so
-    it differs and is named) and ``max_seq_len`` resolved (None = 1.5 x seq_len), so equal settings compare equal."""
-    out = dict(fp)
-    if "group_by_work" in out and out.get("flush_on_force", True) is True and out.get("release", "global") == "global":
-        out["release"] = _OLD_RELEASE[(bool(out.pop("group_by_work")), bool(out.pop("release_when_balanced", True)))]
-        out.pop("flush_on_force", None)
-    if "min_fill" in out:
-        min_fill, target = float(out["min_fill"]), float(out.get("fill_target", 0.95))
-        fill = ("full" if target >= min_fill == INTAKE_FILL else None) if min_fill > 0 and target > 0 else \
-            "read-ahead" if target > 0 else "waiting" if min_fill > 0 else "off"
-        if fill is not None:
-            out.pop("min_fill")
-            out["fill"], out["fill_target"] = fill, min_fill if fill == "waiting" else target
-    if "oversize" in out and (out["oversize"], out.get("cut_policy", "none")) in _OLD_CUT:
-        out["cut"] = _OLD_CUT[(out.pop("oversize"), out.pop("cut_policy", "none"))]
-    if out.get("max_seq_len") is None and isinstance(out.get("seq_len"), int):
-        out["max_seq_len"] = resolve_max_seq_len(out["seq_len"])
-    return out
-
-
 def fingerprint_difference(saved: dict[str, Any], now: dict[str, Any]) -> str:
     """'' when equal, else one line naming each differing setting: ``name: saved X, now Y``.
 
     The cost model's description names its layout; its DP size is left out of the comparison (a micro-batch
     costs the same at any DP size, and ``cost_probe`` compares the latencies themselves), so the saved plans
     can continue at another DP size (``megatron.data.WlbDataIterator``); ``dp`` and ``n`` are compared.
-    A state saved before the knobs were merged compares in today's names (``_upgraded``)."""
+    A state saved before the knobs were merged compares in today's names (``types.upgrade_old_knobs``)."""
     def comparable(key: str, value: Any) -> Any:
         return re.sub(r"-DP\d+", "", value) if key == "cost" and isinstance(value, str) else value
 
-    saved, now = _upgraded(saved), _upgraded(now)
+    saved, now = upgrade_old_knobs(saved), upgrade_old_knobs(now)
 
     keys = sorted(set(saved) | set(now))
     parts = [f"{k}: saved {saved.get(k, '<absent>')!r}, now {now.get(k, '<absent>')!r}"
