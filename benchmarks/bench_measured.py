@@ -86,17 +86,17 @@ class Run:
 def experiments(which: list[str]) -> list[list[Run]]:
     """The groups of runs compared on equal work, each group run interleaved."""
     groups: dict[str, list[Run]] = {
-        "cp": [Run(f"CP2 {s}", "cp", {"CP": "2"}, ("--wlb-packing", "wlb", "--wlb-cp-sharding", s))
+        "cp": [Run(f"CP2 {s}", "cp", {"CP": "2"}, ("--wlb-packer", "wlb", "--wlb-cp-sharding", s))
                for s in ("per-sequence", "per-document", "adaptive")],
-        "pp": [Run(f"PP2 {p}", "pp", {"PP": "2"}, ("--wlb-packing", p)) for p in WHOLE_DOCUMENT_PACKERS],
-        "dp": [Run(f"DP2 {p}", "dp", {"DP": "2"}, ("--wlb-packing", p)) for p in WHOLE_DOCUMENT_PACKERS],
-        "users": [Run("DP2 original", "users", {"DP": "2"}, ("--wlb-packing", "original"), calibrated=False),
+        "pp": [Run(f"PP2 {p}", "pp", {"PP": "2"}, ("--wlb-packer", p)) for p in WHOLE_DOCUMENT_PACKERS],
+        "dp": [Run(f"DP2 {p}", "dp", {"DP": "2"}, ("--wlb-packer", p)) for p in WHOLE_DOCUMENT_PACKERS],
+        "users": [Run("DP2 original", "users", {"DP": "2"}, ("--wlb-packer", "original"), calibrated=False),
                   Run("DP2 balanced concat-and-cut", "users", {"DP": "2"},
-                      ("--wlb-packing", "wlb", "--wlb-pieces", "concat-and-cut")),
-                  Run("DP2 wlb", "users", {"DP": "2"}, ("--wlb-packing", "wlb")),
-                  Run("DP2 wlb cut any", "users", {"DP": "2"}, ("--wlb-packing", "wlb", "--wlb-cut-policy", "any"))],
+                      ("--wlb-packer", "wlb", "--wlb-pieces", "concat-and-cut")),
+                  Run("DP2 wlb", "users", {"DP": "2"}, ("--wlb-packer", "wlb")),
+                  Run("DP2 wlb cut any", "users", {"DP": "2"}, ("--wlb-packer", "wlb", "--wlb-cut-policy", "any"))],
         "online": [Run("DP2 wlb online (from H100 model)", "online", {"DP": "2"},
-                       ("--wlb-packing", "wlb", "--wlb-cost-model", "online", "--wlb-refit-interval", "10"),
+                       ("--wlb-packer", "wlb", "--wlb-cost-model", "online", "--wlb-refit-interval", "10"),
                        calibrated=False)],
     }
     unknown = sorted(set(which) - set(groups))
@@ -453,7 +453,7 @@ def main(argv: list[str] | None = None) -> int:
     corpus = build_corpus(corpus_prefix)
     log(f"corpus {corpus['documents']:,} documents, {corpus['tokens']:,} tokens, median {corpus['median']:.0f}")
     log("calibration run (wlb, DP2, analytic H100 cost model)")
-    calib_run = Run("DP2 wlb (analytic H100 model)", "calibration", {"DP": "2"}, ("--wlb-packing", "wlb"),
+    calib_run = Run("DP2 wlb (analytic H100 model)", "calibration", {"DP": "2"}, ("--wlb-packer", "wlb"),
                     calibrated=False)
     calib_trace = train(calib_run, corpus_prefix, args.work / "calibration", iters, None, log, args.reuse_traces)
     profile_path = args.work / "calibrated_profile.json"

@@ -69,6 +69,9 @@ RENAMED_KNOBS: dict[str, tuple[tuple[str, ...], str]] = {
     "cut_policy": (("cut",), "was merged into {cut}: cut_policy 'none' is 'split' (default), 'overlong' and "
                    "'any' keep their names"),
 }
+#: WlbSettings fields renamed (their ``--wlb-*`` flag and keyword): old -> the one-line hint
+RENAMED_SETTINGS: dict[str, str] = {
+    "packing": "--wlb-packing was renamed --wlb-packer (the packer: packing.packer in YAML, --packer in the CLI)"}
 #: YAML keys moved into a section: old key -> where it is now
 RENAMED_KEYS: dict[str, str] = {"cp_sharding": "cp: {sharding: ...}"}
 #: old values of a kept knob: (knob, old value) -> hint

@@ -216,7 +216,7 @@ def test_config_flags_reproduce_the_config_without_its_layout(name: str):
     parser = add_wlb_args(argparse.ArgumentParser())
     from_config = settings_from_args(parser.parse_args(["--wlb-config", name]))
     from_flags = settings_from_args(parser.parse_args(config_flags(run)))
-    assert from_flags == WlbSettings(**{**from_config.knob_values(), "packing": from_config.packing,
+    assert from_flags == WlbSettings(**{**from_config.knob_values(), "packer": from_config.packer,
                                         "cp_sharding": from_config.cp_sharding})
 
 

@@ -222,3 +222,16 @@ def test_a_checkpoint_saved_in_the_old_spellings_resumes_with_the_same_settings(
     assert settings_difference(old, WlbSettings(preset="paper").to_dict(), seq_len=131072) == [
         "fill: 'full' -> 'off'", "release: 'balanced' -> 'paper'", "schedule_order: True -> False"]
     assert settings_difference(old, now, seq_len=65536) == ["max_seq_len: 196608 -> 98304"]
+
+
+def test_the_packer_flag_is_named_as_in_yaml_and_the_cli(capsys):
+    assert settings_from_args(_parse(["--wlb-packer", "fixed-greedy"])).packer == "fixed-greedy"
+    with pytest.raises(SystemExit):
+        _parse(["--wlb-packing", "wlb"])
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--wlb-packing was renamed --wlb-packer" in err, err
+    with pytest.raises(ValueError, match="--wlb-packer"):
+        WlbSettings(packing="wlb")
+    from megatron_wlb.megatron.checkpoint import settings_difference
+
+    assert settings_difference({"packing": "wlb", "max_delay": 8}, {"packer": "wlb", "max_delay": 8}) == []

@@ -250,7 +250,7 @@ def run_fingerprint(args: Any, settings: WlbSettings, config: Any, cost: Any,
 
     from megatron_wlb.megatron.settings import FLAG_KNOBS
 
-    parts = [("--wlb-packing", settings.packing), ("--wlb-cp-sharding", settings.cp_sharding),
+    parts = [("--wlb-packer", settings.packer), ("--wlb-cp-sharding", settings.cp_sharding),
              ("--wlb-log-interval", str(settings.log_interval)), ("--wlb-trace", "on" if settings.trace else "off")]
     for name, value in sorted(asdict(config).items()):
         flag = FLAG_KNOBS[name].flag() if name in FLAG_KNOBS else f"packing {name}"

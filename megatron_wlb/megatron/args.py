@@ -22,6 +22,7 @@ from typing import Any, NoReturn
 from megatron_wlb.config import (
     PACKER_NAMES,
     RENAMED_KNOBS,
+    RENAMED_SETTINGS,
     SECTION_SETTINGS,
     Knob,
     RunConfig,
@@ -49,8 +50,8 @@ def flag_table() -> list[tuple[str, str, str, str]]:
     (docs/megatron.md's table is checked against it)."""
     d = WlbSettings()
     own_docs = field_docs(WlbSettings)
-    choices = {"packing": PACKER_NAMES, "cp_sharding": cp_sharding_names(), "preset": PRESET_NAMES}
-    yaml_keys = {"packing": "packing.packer", "preset": "packing.preset",
+    choices = {"packer": PACKER_NAMES, "cp_sharding": cp_sharding_names(), "preset": PRESET_NAMES}
+    yaml_keys = {"packer": "packing.packer", "preset": "packing.preset",
                  **{name: f"{section}.{key}" for (section, key), name in SECTION_SETTINGS.items()}}
     rows = []
     for name in WlbSettings.names():
@@ -78,11 +79,11 @@ def _show(value: Any) -> str:
 
 def add_wlb_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the ``--wlb-*`` flags to Megatron's parser (a no-op if they are already there)."""
-    if "--wlb-packing" in parser._option_string_actions:  # composed twice: keep the first
+    if "--wlb-packer" in parser._option_string_actions:  # composed twice: keep the first
         return parser
     g = parser.add_argument_group(title="WLB-LLM", description="workload-balanced packing and CP sharding "
                                   "(megatron_wlb; see docs/megatron.md)")
-    choices = {"packing": PACKER_NAMES, "cp_sharding": cp_sharding_names(), "preset": PRESET_NAMES}
+    choices = {"packer": PACKER_NAMES, "cp_sharding": cp_sharding_names(), "preset": PRESET_NAMES}
     metavars = {"cost_profile": "PATH", "config": "NAME|YAML", "trace": "PATH"}
     for (flag, _, default, text), name in zip(flag_table(), WlbSettings.names()):
         knob = FLAG_KNOBS.get(name)
@@ -90,7 +91,7 @@ def add_wlb_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         options = choices.get(name) or (knob.choices if knob and knob.choices else None)
         g.add_argument(flag, type=kind, choices=options, default=None, metavar=metavars.get(name),
                        help=f"{text} (default {default})".replace("%", "%%"))
-    for old in RENAMED_KNOBS:  # old spellings: refused with the hint to the new one
+    for old in (*RENAMED_KNOBS, *RENAMED_SETTINGS):  # old spellings: refused with the hint to the new one
         g.add_argument("--wlb-" + old.replace("_", "-"), action=_Renamed, nargs="?", help=argparse.SUPPRESS,
                        default=None, dest=f"wlb_renamed_{old}")
     # an action on resume, not a setting (it is neither saved nor compared): megatron_wlb.megatron.checkpoint
@@ -104,12 +105,13 @@ def add_wlb_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 class _Renamed(argparse.Action):
-    """An old ``--wlb-*`` spelling: the parser's one-line error names the new one (``config.RENAMED_KNOBS``)."""
+    """An old ``--wlb-*`` spelling: the parser's one-line error names the new one (``config.RENAMED_KNOBS``,
+    ``RENAMED_SETTINGS``)."""
 
     def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
                  option_string: str | None = None) -> None:
         old = (option_string or self.option_strings[0])[len("--wlb-"):].replace("-", "_")
-        parser.error(renamed_knob_hint(old, "flag") or f"{option_string} was renamed")
+        parser.error(renamed_knob_hint(old, "flag") or RENAMED_SETTINGS.get(old) or f"{option_string} was renamed")
 
 
 HELP_FLAGS = ("-h", "--help")
@@ -151,7 +153,7 @@ def _flag_type(knob: Knob, flag: str) -> Callable[[str], Any]:
 def config_flags(run: RunConfig) -> list[str]:
     """The ``--wlb-*`` flags that reproduce a RunConfig's packing choices without ``--wlb-config``
     (whose start-up check demands the config's exact layout): for launchers that rescale a layout."""
-    out = ["--wlb-packing", run.packer, "--wlb-cp-sharding", run.cp.sharding]
+    out = ["--wlb-packer", run.packer, "--wlb-cp-sharding", run.cp.sharding]
     for name, value in run.settings().items():
         if name != "cp_sharding":
             out += [FLAGS[name], _show(value)]
@@ -217,7 +219,7 @@ def settings_from_args(args: Any) -> WlbSettings:
     base: dict[str, Any] = {}
     if given.get("config"):
         cfg = load_run_config(given["config"])
-        base = {"packing": cfg.packer, "preset": cfg.preset, **cfg.settings(),
+        base = {"packer": cfg.packer, "preset": cfg.preset, **cfg.settings(),
                 **{name: value for name, value in cfg.packing_overrides().items() if name in FLAG_KNOBS}}
     return WlbSettings(**{**base, **given})
 
@@ -294,12 +296,12 @@ CP_COMM_TYPE = "all_gather"
 BYPASSING_FLAGS: dict[str, tuple[str, str, str]] = {
     "sequence_packing_scheduler": (
         "--sequence-packing-scheduler", "hands packing to Megatron's own data_schedule (wrap_data_iterator), which "
-        "our data iterator replaces", "--wlb-packing wlb (our packer through our iterator); Megatron's own path "
+        "our data iterator replaces", "--wlb-packer wlb (our packer through our iterator); Megatron's own path "
         "takes our scheduler without apply(): python -m megatron_wlb.megatron.main_schedule pretrain_gpt.py ... "
         "--sequence-packing-scheduler wlb"),
     "use_varlen_dataset": (
         "--use-varlen-dataset", "builds Megatron's VarlenDataset (one unpacked document per sample for its "
-        "scheduler), which our data path replaces", "--wlb-packing wlb with --data-path (whole documents packed "
+        "scheduler), which our data path replaces", "--wlb-packer wlb with --data-path (whole documents packed "
         "into variable-length micro-batches)"),
     "dynamic_context_parallel": (
         "--dynamic-context-parallel", "picks a CP group size per sample (default_dynamic_cp) over data our CP "
@@ -374,7 +376,7 @@ def validate_wlb_args(args: Any, *, te_available: bool | None = None, highspy_av
         problems.append(f"--wlb-max-seq-len {settings.max_seq_len} is below --seq-length {seq_length}; raise "
                         f"--wlb-max-seq-len to at least {seq_length} or leave it unset")
     # the largest micro-batch: wlb packs up to S_max, the fixed packers up to seq_length
-    largest = resolve_max_seq_len(seq_length, settings.max_seq_len) if settings.packing == "wlb" else seq_length
+    largest = resolve_max_seq_len(seq_length, settings.max_seq_len) if settings.packer == "wlb" else seq_length
     max_pos = getattr(args, "max_position_embeddings", None)
     if getattr(args, "position_embedding_type", None) == "learned_absolute" and max_pos and largest > max_pos:
         problems.append(f"--max-position-embeddings {max_pos} is below the largest packed micro-batch ({largest} "
@@ -400,12 +402,12 @@ def validate_wlb_args(args: Any, *, te_available: bool | None = None, highspy_av
             problems.append("--wlb-cp-sharding per-document-te keeps TransformerEngine's THD attention, but "
                             "transformer_engine is not installed; install TransformerEngine or choose "
                             "--wlb-cp-sharding per-document / adaptive (our all-gather CP attention)")
-    if settings.packing == "fixed-solver":
+    if settings.packer == "fixed-solver":
         if highspy_available is None:
             highspy_available = module_available("highspy")
         if not highspy_available:
-            problems.append("--wlb-packing fixed-solver needs the HiGHS MILP solver: pip install highspy, "
-                            "or use --wlb-packing fixed-greedy / wlb")
+            problems.append("--wlb-packer fixed-solver needs the HiGHS MILP solver: pip install highspy, "
+                            "or use --wlb-packer fixed-greedy / wlb")
     if settings.cost_profile is not None and not os.path.isfile(settings.cost_profile):
         problems.append(f"--wlb-cost-profile {settings.cost_profile}: no such file (make one with `wlb calibrate "
                         "--out PROFILE.json` on a GPU, or leave the flag out for the analytic model)")

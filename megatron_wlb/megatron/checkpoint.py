@@ -230,6 +230,9 @@ def settings_difference(saved: dict[str, Any] | None, now: dict[str, Any] | None
     if not saved or not now:
         return []
     saved, now = upgrade_old_knobs(saved, seq_len), upgrade_old_knobs(now, seq_len)
+    for side in (saved, now):
+        if "packing" in side and "packer" not in side:  # --wlb-packing, since renamed --wlb-packer
+            side["packer"] = side.pop("packing")
     saved.pop("preset", None)
     now.pop("preset", None)
     return [f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in sorted(set(saved) | set(now))

@@ -14,7 +14,15 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-from megatron_wlb.config import PACKER_NAMES, PACKING_KNOBS, RUN_FIELDS, Knob, cp_sharding_names, renamed_knob_hint
+from megatron_wlb.config import (
+    PACKER_NAMES,
+    PACKING_KNOBS,
+    RENAMED_SETTINGS,
+    RUN_FIELDS,
+    Knob,
+    cp_sharding_names,
+    renamed_knob_hint,
+)
 from megatron_wlb.packing.presets import DEFAULT_PRESET, PRESET_NAMES, preset_default
 
 __all__ = ["FLAG_KNOBS", "WlbSettings"]
@@ -28,7 +36,7 @@ class WlbSettings:
     """WLB-LLM options of one run; defaults are the package's (the ``default`` preset; ``paper`` is the
     paper's Algorithm 1, docs/packing.md "Presets").
 
-    - ``packing``: PP-level packer (original = Megatron's concat-and-cut, fixed-greedy,
+    - ``packer``: PP-level packer (original = Megatron's concat-and-cut, fixed-greedy,
       fixed-solver, wlb = variable-length packing with outlier delay).
     - ``preset``: the packer preset the knobs start from (default, paper); a knob given explicitly wins.
     - ``cp_sharding``: CP layout of each micro-batch (docs/cp.md).
@@ -44,7 +52,7 @@ class WlbSettings:
     (``packer_knobs``), so settings compare equal when they mean the same.
     """
 
-    packing: str = "wlb"
+    packer: str = "wlb"
     preset: str = DEFAULT_PRESET
     cp_sharding: str = "adaptive"
     cost_profile: str | None = None
@@ -53,10 +61,10 @@ class WlbSettings:
     trace: str | None = None
     packer_knobs: tuple[tuple[str, Any], ...] = ()
 
-    def __init__(self, packing: str = "wlb", preset: str = DEFAULT_PRESET, cp_sharding: str = "adaptive",
+    def __init__(self, packer: str = "wlb", preset: str = DEFAULT_PRESET, cp_sharding: str = "adaptive",
                  cost_profile: str | None = None, config: str | None = None, log_interval: int = 1,
                  trace: str | None = None, packer_knobs: tuple = (), **knobs: Any) -> None:
-        for name, value in (("packing", packing), ("preset", preset), ("cp_sharding", cp_sharding),
+        for name, value in (("packer", packer), ("preset", preset), ("cp_sharding", cp_sharding),
                             ("cost_profile", cost_profile), ("config", config), ("log_interval", log_interval),
                             ("trace", trace)):
             object.__setattr__(self, name, value)
@@ -64,7 +72,7 @@ class WlbSettings:
             raise ValueError(f"--wlb-preset={preset!r} is not a packer preset; choose one of {', '.join(PRESET_NAMES)}")
         knobs = {**dict(packer_knobs), **knobs}  # packer_knobs: what dataclasses.replace passes back
         for name in knobs:
-            hint = renamed_knob_hint(name, "flag")
+            hint = renamed_knob_hint(name, "flag") or RENAMED_SETTINGS.get(name)
             if hint:
                 raise ValueError(hint)
         unknown = sorted(set(knobs) - set(FLAG_KNOBS))
@@ -82,8 +90,8 @@ class WlbSettings:
         self._validate()
 
     def _validate(self) -> None:
-        if self.packing not in PACKER_NAMES:
-            raise ValueError(f"--wlb-packing={self.packing!r} is not a packer; choose one of "
+        if self.packer not in PACKER_NAMES:
+            raise ValueError(f"--wlb-packer={self.packer!r} is not a packer; choose one of "
                              f"{', '.join(PACKER_NAMES)}")
         names = cp_sharding_names()
         if self.cp_sharding not in names:

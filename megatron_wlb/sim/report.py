@@ -748,7 +748,7 @@ def equal_delay_lines(verdict: Verdict) -> list[str]:
     best = max(verdict.summary(base, m)["max"] for m in (WLB.name, BALANCED_CUT.name) if m in over)
     if best < 1.0:
         line += (f" **{label} is faster here in every ordering**: `packer: fixed-greedy`, `window: "
-                 f"{dict(EQUAL_DELAY.overrides)['window']}` (`--wlb-packing fixed-greedy --wlb-window "
+                 f"{dict(EQUAL_DELAY.overrides)['window']}` (`--wlb-packer fixed-greedy --wlb-window "
                  f"{dict(EQUAL_DELAY.overrides)['window']}`).")
     return [line]
 
