@@ -94,7 +94,7 @@ def experiments(which: list[str]) -> list[list[Run]]:
                   Run("DP2 balanced concat-and-cut", "users", {"DP": "2"},
                       ("--wlb-packer", "wlb", "--wlb-pieces", "concat-and-cut")),
                   Run("DP2 wlb", "users", {"DP": "2"}, ("--wlb-packer", "wlb")),
-                  Run("DP2 wlb cut any", "users", {"DP": "2"}, ("--wlb-packer", "wlb", "--wlb-cut-policy", "any"))],
+                  Run("DP2 wlb cut any", "users", {"DP": "2"}, ("--wlb-packer", "wlb", "--wlb-cut", "any"))],
         "online": [Run("DP2 wlb online (from H100 model)", "online", {"DP": "2"},
                        ("--wlb-packer", "wlb", "--wlb-cost-model", "online", "--wlb-refit-interval", "10"),
                        calibrated=False)],

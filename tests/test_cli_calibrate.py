@@ -1,5 +1,5 @@
 """``wlb calibrate``: the CPU smoke run goes through the whole measuring code path and writes a
-profile that --profile readers accept (pack, analyze) and a kernel table that shard accepts; without a
+profile that --cost-profile readers accept (pack, analyze) and a kernel table that shard accepts; without a
 GPU it measures the CPU at a YAML model's real shapes, its default grids capped by the CPU budget, and
 reports the fit's MAPE on held-out composite micro-batches."""
 

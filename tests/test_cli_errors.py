@@ -1,7 +1,7 @@
 """Bad input to ``wlb`` ends in one line on stderr naming the bad value, exit status 2, no traceback.
 
 Each case is one of the adversarial inputs of issue 13 (directories as paths, an existing file as
-``--out``, a JSON list as ``--profile``, a YAML syntax error, a garbage ``.idx``, a huge ``--cp``,
+``--out``, a JSON list as ``--cost-profile``, a YAML syntax error, a garbage ``.idx``, a huge ``--cp``,
 ``inf`` / 2**63 lengths, a CSV row, negative counts, micro-batches past int32)."""
 
 from __future__ import annotations

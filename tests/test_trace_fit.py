@@ -1,6 +1,6 @@
 """``wlb calibrate --from-trace``: a synthetic PP2 trace with known per-layer coefficients (written with
 ``costmodel.trace.row_to_json``) is fitted back, its held-out MAPE is small, the written profile is
-accepted wherever a profile is (``build_cost_model``, ``wlb pack --profile``), and bad traces end in
+accepted wherever a profile is (``build_cost_model``, ``wlb pack --cost-profile``), and bad traces end in
 one line. Pure numpy: no torch."""
 
 from __future__ import annotations
