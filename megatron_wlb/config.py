@@ -82,9 +82,10 @@ RENAMED_VALUES: dict[tuple[str, str], str] = {
                          "balanced, grouped, oldest, paper",
     ("cut", "none"): "cut 'none' (the former cut_policy) is 'split', the default",
 }
-#: CLI options renamed for one name per concept: command ("*" = every one) -> {old: new}
+#: CLI options renamed for one name per concept: command -> {old: new}
 RENAMED_OPTIONS: dict[str, dict[str, str]] = {
-    "*": {"--profile": "--cost-profile", "--cp-layout": "--cp-sharding"},
+    **{command: {"--profile": "--cost-profile"} for command in ("analyze", "bench", "pack", "reproduce")},
+    "simulate": {"--profile": "--cost-profile", "--cp-layout": "--cp-sharding"},
     "shard": {"--profile": "--kernel-table (a kernel-efficiency table) or --cost-profile (a cost-model profile)",
               "--layout": "--cp-sharding"},
 }
@@ -107,7 +108,7 @@ def renamed_knob_hint(old: str, style: str) -> str | None:
 def renamed_option_hint(command: str, option: str) -> str | None:
     """The one-line refusal of CLI option ``option`` of ``wlb <command>``, or None when it is current."""
     name = option.split("=", 1)[0]
-    new = RENAMED_OPTIONS.get(command, {}).get(name) or RENAMED_OPTIONS["*"].get(name)
+    new = RENAMED_OPTIONS.get(command, {}).get(name)
     if new:
         return f"wlb {command} {name} was renamed {new} (one name per concept in YAML, --wlb-* flags and the CLI)"
     if name.startswith("--"):

@@ -125,10 +125,9 @@ def test_old_release_values_are_refused_with_a_hint(value: str, capsys):
     assert "balanced" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("command, old", [(c, o) for c in ("analyze", "pack", "simulate", "shard")
-                                          for o in {**RENAMED_OPTIONS["*"], **RENAMED_OPTIONS.get(c, {})}])
+@pytest.mark.parametrize("command, old", [(c, o) for c, table in RENAMED_OPTIONS.items() for o in table])
 def test_old_cli_options_are_refused_with_the_new_one(command: str, old: str, capsys):
-    new = RENAMED_OPTIONS.get(command, {}).get(old) or RENAMED_OPTIONS["*"][old]
+    new = RENAMED_OPTIONS[command][old]
     with pytest.raises(SystemExit) as exc:
         main([command, old, "x"])
     err = capsys.readouterr().err.strip()
@@ -235,3 +234,14 @@ def test_the_packer_flag_is_named_as_in_yaml_and_the_cli(capsys):
     from megatron_wlb.megatron.checkpoint import settings_difference
 
     assert settings_difference({"packing": "wlb", "max_delay": 8}, {"packer": "wlb", "max_delay": 8}) == []
+
+
+def test_every_renamed_option_names_an_option_its_command_has():
+    from megatron_wlb.cli.main import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    for command, table in RENAMED_OPTIONS.items():
+        options = sub.choices[command]._option_string_actions
+        for old, new in table.items():
+            assert old not in options, (command, old)
+            assert all(flag in options for flag in re.findall(r"--[a-z-]+", new)), (command, new)
