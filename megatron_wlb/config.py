@@ -396,6 +396,10 @@ class CostConfig:
 
     - ``profile``: a calibrated cost-model profile JSON (``wlb calibrate``; None = the analytic model);
       ``--wlb-cost-profile``, ``wlb ... --cost-profile``.
+
+    The section's ``model`` (static / online) and ``refit_interval`` keys are the packer's
+    ``PackingConfig.cost_model`` and ``refit_interval`` (``--wlb-cost-model``, ``--wlb-refit-interval``;
+    ``KNOB_SECTIONS``): the packer holds them, as it refits.
     """
 
     profile: str | None = None
@@ -411,6 +415,24 @@ class LoggingConfig:
 
     log_interval: int = 1
     trace: str | None = None
+
+
+#: packer knobs (PackingConfig fields, ``--wlb-<field>`` flags) whose YAML key is in another section than
+#: ``packing``: field -> (section, key); the cost model the packer balances is the cost section's
+KNOB_SECTIONS: dict[str, tuple[str, str]] = {"cost_model": ("cost", "model"),
+                                             "refit_interval": ("cost", "refit_interval")}
+
+
+def knob_yaml_key(name: str) -> str:
+    """The YAML key of packer knob ``name``: ``packing.<name>``, or its section's (``KNOB_SECTIONS``)."""
+    section, key = KNOB_SECTIONS.get(name, ("packing", name))
+    return f"{section}.{key}"
+
+
+def knob_yaml(name: str, value: Any) -> dict[str, dict[str, Any]]:
+    """The config mapping that sets packer knob ``name`` to ``value`` (``{"packing": {name: value}}``, ...)."""
+    section, key = KNOB_SECTIONS.get(name, ("packing", name))
+    return {section: {key: value}}
 
 
 #: section key -> the WlbSettings field and ``--wlb-*`` flag it is (the flag drops ``--wlb-`` and ``-`` -> ``_``)
@@ -551,17 +573,22 @@ def load_yaml(text: str) -> Any:
     return yaml.load(text, Loader=UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
 
 
-def _section(cls: type, raw: Any, name: str, source: str) -> Any:
-    """Section ``name`` (a mapping of ``cls``'s fields) as a ``cls``; one-line errors naming the key."""
+def _section(cls: type, raw: Any, name: str, source: str, knob_keys: Collection[str] = ()) -> tuple[Any, dict]:
+    """Section ``name`` (a mapping of ``cls``'s fields, and of the packer knobs ``knob_keys`` that live in it,
+    ``KNOB_SECTIONS``) as (a ``cls``, {PackingConfig field: value}); one-line errors naming the key."""
     if raw is None:
-        return cls()
+        return cls(), {}
     knobs = dataclass_knobs(cls)
+    valid = (*knobs, *knob_keys)
     if not isinstance(raw, dict):
-        raise ValueError(f"{source}: {name} must be a mapping of {', '.join(knobs)}, got {raw!r}")
-    unknown = [k for k in raw if k not in knobs]
+        raise ValueError(f"{source}: {name} must be a mapping of {', '.join(valid)}, got {raw!r}")
+    unknown = [k for k in raw if k not in valid]
     if unknown:
-        raise ValueError(f"{source}: unknown {name} key(s) {', '.join(map(repr, unknown))}; valid: {', '.join(knobs)}")
-    return cls(**{k: knobs[k].parse(v, f"{source}: {name}.{k}") for k, v in raw.items()})
+        raise ValueError(f"{source}: unknown {name} key(s) {', '.join(map(repr, unknown))}; valid: {', '.join(valid)}")
+    fields_of = {key: field for field, (section, key) in KNOB_SECTIONS.items() if section == name}
+    packer_knobs = {fields_of[k]: PACKING_KNOBS[fields_of[k]].parse(v, f"{source}: {name}.{k}")
+                    for k, v in raw.items() if k in knob_keys}
+    return cls(**{k: knobs[k].parse(v, f"{source}: {name}.{k}") for k, v in raw.items() if k in knobs}), packer_knobs
 
 
 def config_from_dict(raw: dict, source: str = "<dict>") -> RunConfig:
@@ -596,11 +623,13 @@ def config_from_dict(raw: dict, source: str = "<dict>") -> RunConfig:
     packing_raw = raw.get("packing") or {}
     if not isinstance(packing_raw, dict):
         raise ValueError(f"{source}: packing must be a mapping of packer settings, got {packing_raw!r}")
-    valid = ("packer", "preset", *PACKING_KNOBS)
+    valid = ("packer", "preset", *(k for k in PACKING_KNOBS if k not in KNOB_SECTIONS))
     for key in packing_raw:
         hint = renamed_knob_hint(key, "yaml")
         if hint:
             raise ValueError(f"{source}: {hint}")
+        if key in KNOB_SECTIONS:
+            raise ValueError(f"{source}: packing.{key} moved to {knob_yaml_key(key)} (the cost section)")
     unknown = [k for k in packing_raw if k not in valid]
     if unknown:
         raise ValueError(f"{source}: unknown packing key(s) {', '.join(map(repr, unknown))}; valid: {', '.join(valid)}")
@@ -610,8 +639,10 @@ def config_from_dict(raw: dict, source: str = "<dict>") -> RunConfig:
     preset = packing_raw.get("preset", DEFAULT_PRESET)
     if preset not in PRESET_NAMES:
         raise ValueError(f"{source}: packing.preset={preset!r}; choose one of {', '.join(PRESET_NAMES)}")
+    cost, cost_knobs = _section(CostConfig, raw.get("cost"), "cost", source,
+                                [key for section, key in KNOB_SECTIONS.values() if section == "cost"])
     knobs = with_preset(preset, **{k: PACKING_KNOBS[k].parse(v, f"{source}: packing.{k}")
-                                   for k, v in packing_raw.items() if k not in ("packer", "preset")})
+                                   for k, v in packing_raw.items() if k not in ("packer", "preset")}, **cost_knobs)
     seq_len = _positive_int(raw["seq_len"], f"{source}: seq_len")
     if seq_len % (2 * layout.cp):
         raise ValueError(f"{source}: seq_len={seq_len} must be divisible by 2 x cp = {2 * layout.cp} "
@@ -626,12 +657,11 @@ def config_from_dict(raw: dict, source: str = "<dict>") -> RunConfig:
                                 virtual_stages=virtual, **knobs)
     except ValueError as exc:
         raise ValueError(f"{source}: packing: {exc}") from None
-    cp = _section(CpConfig, raw.get("cp"), "cp", source)
+    cp, _ = _section(CpConfig, raw.get("cp"), "cp", source)
     if cp.sharding not in cp_sharding_names():
         raise ValueError(f"{source}: cp.sharding={cp.sharding!r} is not a CP layout; choose one of "
                          f"{', '.join(cp_sharding_names())}")
-    cost = _section(CostConfig, raw.get("cost"), "cost", source)
-    logging = _section(LoggingConfig, raw.get("logging"), "logging", source)
+    logging, _ = _section(LoggingConfig, raw.get("logging"), "logging", source)
     _positive_int(logging.log_interval, f"{source}: logging.log_interval")
     return RunConfig(name=str(raw.get("name", source)), model=model, layout=layout, seq_len=seq_len,
                      packer=packer, packing=packing, virtual_stages=virtual, preset=preset, cp=cp, cost=cost,

@@ -20,6 +20,7 @@ from megatron_wlb.config import (
     PACKING_KNOBS,
     config_from_dict,
     dataclass_knobs,
+    knob_yaml,
     list_configs,
     load_config,
 )
@@ -55,7 +56,7 @@ def other_value(knob, seq_len: int = 8192):
         if value == d:
             continue
         try:
-            config_from_dict({**BASE, "seq_len": seq_len, "packing": {knob.name: value}})
+            config_from_dict({**BASE, "seq_len": seq_len, **knob_yaml(knob.name, value)})
         except ValueError:
             continue
         return value
@@ -81,10 +82,10 @@ def test_knobs_are_the_typed_fields_of_packing_config():
 def test_every_knob_is_a_yaml_key(name: str):
     knob = PACKING_KNOBS[name]
     value = other_value(knob)
-    run = config_from_dict({**BASE, "packing": {name: value}})
+    run = config_from_dict({**BASE, **knob_yaml(name, value)})
     assert getattr(run.packing, name) == value
     # the YAML text round-trips too (lists for tuples)
-    text = yaml.safe_dump({**BASE, "packing": {name: list(value) if isinstance(value, tuple) else value}})
+    text = yaml.safe_dump({**BASE, **knob_yaml(name, list(value) if isinstance(value, tuple) else value)})
     assert getattr(config_from_dict(yaml.safe_load(text)).packing, name) == value
 
 

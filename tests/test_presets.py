@@ -245,3 +245,14 @@ def test_every_renamed_option_names_an_option_its_command_has():
         for old, new in table.items():
             assert old not in options, (command, old)
             assert all(flag in options for flag in re.findall(r"--[a-z-]+", new)), (command, new)
+
+
+def test_the_cost_model_policy_lives_in_the_cost_section():
+    run = config_from_dict({**RUN, "cost": {"model": "online", "refit_interval": 5}})
+    assert (run.packing.cost_model, run.packing.refit_interval) == ("online", 5)
+    with pytest.raises(ValueError, match=r"packing.cost_model moved to cost.model"):
+        config_from_dict({**RUN, "packing": {"cost_model": "online"}})
+    with pytest.raises(ValueError, match=r"unknown cost key\(s\) 'models'; valid: profile, model, refit_interval"):
+        config_from_dict({**RUN, "cost": {"models": "online"}})
+    with pytest.raises(ValueError, match=r"cost.model='later'"):
+        config_from_dict({**RUN, "cost": {"model": "later"}})

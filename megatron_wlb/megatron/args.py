@@ -28,6 +28,7 @@ from megatron_wlb.config import (
     RunConfig,
     cp_sharding_names,
     field_docs,
+    knob_yaml_key,
     megatron_moe_fields,
     renamed_knob_hint,
     renamed_value_hint,
@@ -60,7 +61,7 @@ def flag_table() -> list[tuple[str, str, str, str]]:
             default = (f"{DEFAULT_MAX_SEQ_LEN_FACTOR:g} x --seq-length" if name == "max_seq_len"
                        else _show(knob.default))
             text = knob.help + (f" Values: {knob.expects}." if knob.choices is None else "")
-            rows.append((FLAGS[name], f"packing.{name}", default, text))
+            rows.append((FLAGS[name], knob_yaml_key(name), default, text))
         else:
             text = own_docs.get(name, "")
             if name in choices:
