@@ -165,7 +165,7 @@ def main() -> int:
         iters = args.iterations or (40 if args.quick else 160)
         prefix = args.work / "corpus" / "stdlib_paragraphs"
         bm.build_corpus(prefix)
-        run = bm.Run("DP2 wlb (analytic H100 model)", "calibration", {"DP": "2"}, ("--wlb-packing", "wlb"),
+        run = bm.Run("DP2 wlb (analytic H100 model)", "calibration", {"DP": "2"}, ("--wlb-packer", "wlb"),
                      calibrated=False)
         traces = []
         for clock in ("monotonic", "thread"):

@@ -2,13 +2,13 @@
 """Benchmark the CP shard layouts: estimated per-rank attention imbalance and layout build time.
 
     python benchmarks/bench_layouts.py [--micro-batches 500] [--cps 4,16] [--seq-len 131072]
-                                    [--profile EFF.json] [--out benchmarks/results/cp_layouts]
+                                    [--kernel-table EFF.json] [--out benchmarks/results/cp_layouts]
 
 Micro-batches: the embedded length stream (megatron_wlb/data/dist_wlbllm.json, published by the
 DistCA authors as a stand-in for WLB-LLM's 128K-job data) cut Megatron-style: consecutive
 documents concatenated until ``--seq-len`` tokens, the last one cut and continued in the next
 micro-batch. Work is ``RankShard.work`` (7B, TP=1, analytic; tile 128; kernel-efficiency table:
-the shipped placeholder unless ``--profile``). Writes OUT.json and OUT.md.
+the shipped placeholder unless ``--kernel-table``). Writes OUT.json and OUT.md.
 """
 
 from __future__ import annotations
@@ -51,12 +51,12 @@ def _timeit(fn, repeat: int) -> np.ndarray:
 
 
 def run(args) -> dict:
-    eff = KernelEfficiency.from_json(args.profile) if args.profile else None
+    eff = KernelEfficiency.from_json(args.kernel_table) if args.kernel_table else None
     mbs = concat_and_cut(load_lengths(), args.seq_len, args.micro_batches)
     docs = np.array([m.size for m in mbs])
     result = {"machine": args.machine, "python": platform.python_version(), "seq_len": args.seq_len,
               "micro_batches": len(mbs), "docs_per_micro_batch": {"mean": float(docs.mean()), "max": int(docs.max())},
-              "efficiency_table": args.profile or "shipped placeholder (not measured)", "cp": {}}
+              "efficiency_table": args.kernel_table or "shipped placeholder (not measured)", "cp": {}}
     per_token = float(default_cost_model().linear_compute(1.0))   # linear-layer seconds per token (7B, TP=1)
     result["linear_seconds_per_token"] = per_token
     for cp in args.cps:
@@ -173,7 +173,7 @@ def main(argv=None) -> int:
     p.add_argument("--micro-batches", type=int, default=500)
     p.add_argument("--cps", default="4,16", help="comma-separated CP sizes (default 4,16)")
     p.add_argument("--seq-len", type=int, default=131072)
-    p.add_argument("--profile", default=None, help="measured kernel-efficiency table JSON")
+    p.add_argument("--kernel-table", default=None, help="measured kernel-efficiency table JSON")
     p.add_argument("--timing-micro-batches", type=int, default=100)
     p.add_argument("--machine", default="2-core CPU container (shared)")
     p.add_argument("--out", default="benchmarks/results/cp_layouts", help="output path without suffix")

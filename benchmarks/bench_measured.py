@@ -86,17 +86,17 @@ class Run:
 def experiments(which: list[str]) -> list[list[Run]]:
     """The groups of runs compared on equal work, each group run interleaved."""
     groups: dict[str, list[Run]] = {
-        "cp": [Run(f"CP2 {s}", "cp", {"CP": "2"}, ("--wlb-packing", "wlb", "--wlb-cp-sharding", s))
+        "cp": [Run(f"CP2 {s}", "cp", {"CP": "2"}, ("--wlb-packer", "wlb", "--wlb-cp-sharding", s))
                for s in ("per-sequence", "per-document", "adaptive")],
-        "pp": [Run(f"PP2 {p}", "pp", {"PP": "2"}, ("--wlb-packing", p)) for p in WHOLE_DOCUMENT_PACKERS],
-        "dp": [Run(f"DP2 {p}", "dp", {"DP": "2"}, ("--wlb-packing", p)) for p in WHOLE_DOCUMENT_PACKERS],
-        "users": [Run("DP2 original", "users", {"DP": "2"}, ("--wlb-packing", "original"), calibrated=False),
+        "pp": [Run(f"PP2 {p}", "pp", {"PP": "2"}, ("--wlb-packer", p)) for p in WHOLE_DOCUMENT_PACKERS],
+        "dp": [Run(f"DP2 {p}", "dp", {"DP": "2"}, ("--wlb-packer", p)) for p in WHOLE_DOCUMENT_PACKERS],
+        "users": [Run("DP2 original", "users", {"DP": "2"}, ("--wlb-packer", "original"), calibrated=False),
                   Run("DP2 balanced concat-and-cut", "users", {"DP": "2"},
-                      ("--wlb-packing", "wlb", "--wlb-pieces", "concat-and-cut")),
-                  Run("DP2 wlb", "users", {"DP": "2"}, ("--wlb-packing", "wlb")),
-                  Run("DP2 wlb cut any", "users", {"DP": "2"}, ("--wlb-packing", "wlb", "--wlb-cut-policy", "any"))],
+                      ("--wlb-packer", "wlb", "--wlb-pieces", "concat-and-cut")),
+                  Run("DP2 wlb", "users", {"DP": "2"}, ("--wlb-packer", "wlb")),
+                  Run("DP2 wlb cut any", "users", {"DP": "2"}, ("--wlb-packer", "wlb", "--wlb-cut", "any"))],
         "online": [Run("DP2 wlb online (from H100 model)", "online", {"DP": "2"},
-                       ("--wlb-packing", "wlb", "--wlb-cost-model", "online", "--wlb-refit-interval", "10"),
+                       ("--wlb-packer", "wlb", "--wlb-cost-model", "online", "--wlb-refit-interval", "10"),
                        calibrated=False)],
     }
     unknown = sorted(set(which) - set(groups))
@@ -221,7 +221,7 @@ def plan_of(rows: list[Any], dp: int, n: int) -> list[list[int]]:
 
 def simulator_for(header: dict[str, Any], profile: dict[str, Any] | None, cp_layout: str) -> Any:
     """The simulator of the traced run's layout, pricing micro-batches with the calibrated profile."""
-    from megatron_wlb.config import RunConfig
+    from megatron_wlb.config import CpConfig, RunConfig
     from megatron_wlb.costmodel import CalibratedCostModel
     from megatron_wlb.packing.types import PackingConfig
     from megatron_wlb.sim.iteration import IterationSimulator
@@ -233,7 +233,7 @@ def simulator_for(header: dict[str, Any], profile: dict[str, Any] | None, cp_lay
     n = int(header["n"])
     packing = PackingConfig(seq_len=SEQ_LEN, n=n, dp=lay["dp"])
     config = RunConfig(name="measured", model=model, layout=layout, seq_len=SEQ_LEN, packer="wlb", packing=packing,
-                       cp_sharding=cp_layout, virtual_stages=int(lay.get("vpp", 1) or 1))
+                       cp=CpConfig(cp_layout), virtual_stages=int(lay.get("vpp", 1) or 1))
     return IterationSimulator(config, cost, cp_layout, dp_sync=False), n
 
 
@@ -453,7 +453,7 @@ def main(argv: list[str] | None = None) -> int:
     corpus = build_corpus(corpus_prefix)
     log(f"corpus {corpus['documents']:,} documents, {corpus['tokens']:,} tokens, median {corpus['median']:.0f}")
     log("calibration run (wlb, DP2, analytic H100 cost model)")
-    calib_run = Run("DP2 wlb (analytic H100 model)", "calibration", {"DP": "2"}, ("--wlb-packing", "wlb"),
+    calib_run = Run("DP2 wlb (analytic H100 model)", "calibration", {"DP": "2"}, ("--wlb-packer", "wlb"),
                     calibrated=False)
     calib_trace = train(calib_run, corpus_prefix, args.work / "calibration", iters, None, log, args.reuse_traces)
     profile_path = args.work / "calibrated_profile.json"

@@ -30,7 +30,7 @@ from bench_verdict import corpora, gpt_samples  # noqa: E402
 from megatron_wlb.cli.common import resolve_lengths  # noqa: E402
 from megatron_wlb.config import load_config  # noqa: E402
 from megatron_wlb.provenance import machine  # noqa: E402
-from megatron_wlb.sim.experiments import BALANCED_CUT, DEFAULT_VIRTUAL_STAGES, PLAIN, WLB, compare, geo_mean  # noqa: E402,I001
+from megatron_wlb.sim.experiments import BALANCED_CUT, PAPER_VIRTUAL_STAGES, PLAIN, WLB, compare, geo_mean  # noqa: E402,I001
 from megatron_wlb.sim.moe import attention_shares, share_summary  # noqa: E402
 
 MOE_CONFIGS = ("mixtral8x7b_64k", "mixtral8x7b_128k", "qwen3_30b_a3b_64k", "qwen3_30b_a3b_128k")
@@ -50,7 +50,7 @@ def run(names: list[str], configs: list[str], iterations: int) -> dict:
             row: dict = {"stream": stream, "config": name, "layout": str(moe.layout)}
             t0 = time.perf_counter()
             for kind, cfg in (("moe", moe), ("dense", moe.dense_counterpart())):
-                comp = compare(cfg, lengths, iterations, METHODS, virtual_stages=DEFAULT_VIRTUAL_STAGES,
+                comp = compare(cfg, lengths, iterations, METHODS, virtual_stages=PAPER_VIRTUAL_STAGES,
                                samples=samples)
                 shares = attention_shares(comp.cost, lengths, cfg.seq_len,
                                           iterations * cfg.packing.micro_batches_per_iteration)
@@ -63,7 +63,7 @@ def run(names: list[str], configs: list[str], iterations: int) -> dict:
                 f"{k} WLB {row[k]['speedup'][WLB.name]:.3f} bal {row[k]['speedup'][BALANCED_CUT.name]:.3f} "
                 f"attn {row[k]['attention_share']['mean']:.3f}" for k in ("moe", "dense")), file=sys.stderr, flush=True)
     return {"machine": machine(), "command": "python benchmarks/bench_moe.py", "iterations": iterations,
-            "virtual_stages": DEFAULT_VIRTUAL_STAGES, "configs": configs, "rows": rows}
+            "virtual_stages": PAPER_VIRTUAL_STAGES, "configs": configs, "rows": rows}
 
 
 def corpus_means(result: dict, stream: str) -> dict[str, float]:

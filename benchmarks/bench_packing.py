@@ -40,6 +40,7 @@ from megatron_wlb.cli.main import main as wlb_main  # noqa: E402
 from megatron_wlb.config import load_config  # noqa: E402
 from megatron_wlb.costmodel import build_cost_model  # noqa: E402
 from megatron_wlb.packing import make_packer, summarize  # noqa: E402
+from megatron_wlb.packing.presets import preset_values  # noqa: E402
 from megatron_wlb.provenance import machine  # noqa: E402
 
 CORPORA_DIR = ROOT / "tests" / "data" / "corpora"
@@ -58,15 +59,20 @@ def settings(quick: bool) -> list[tuple[str, str, dict]]:
         rows.append((f"fixed-solver, window {k}", "fixed-solver", {"window": k}))
     for d in ((2, 8) if quick else (1, 2, 4, 8, 16)):
         rows.append((f"wlb, max_delay {d}", "wlb", {"max_delay": d}))
+    # (the labels key the recorded results, packing_frontier.json, which were run with the old spellings
+    # of the same plans: min_fill 0 = fill "read-ahead", fill_target 0 = fill "waiting" at 0.5,
+    # group_by_work false = release "oldest", release_when_balanced false = release "grouped";
+    # the "release N per rank" row's policy was removed)
     rows.append(("wlb, max_delay 8, placement order (no dealing/ordering)", "wlb", {"schedule_order": False}))
-    rows.append(("wlb, max_delay 8, release N per rank", "wlb", {"release": "rank"}))
-    rows.append(("wlb, max_delay 8, no fill rule (min_fill 0)", "wlb", {"min_fill": 0.0}))
-    rows.append(("wlb, max_delay 8, oldest-R release (no grouping by work)", "wlb", {"group_by_work": False}))
-    rows.append(("wlb, max_delay 8, cut policy 'overlong'", "wlb", {"cut_policy": "overlong"}))
-    rows.append(("wlb, max_delay 8, cut policy 'any'", "wlb", {"cut_policy": "any"}))
-    rows.append(("wlb, max_delay 8, no read-ahead fill (fill_target 0)", "wlb", {"fill_target": 0.0}))
+    rows.append(("wlb, max_delay 8, no fill rule (min_fill 0)", "wlb", {"fill": "read-ahead"}))
+    rows.append(("wlb, max_delay 8, oldest-R release (no grouping by work)", "wlb", {"release": "oldest"}))
+    rows.append(("wlb, max_delay 8, cut policy 'overlong'", "wlb", {"cut": "overlong"}))
+    rows.append(("wlb, max_delay 8, cut policy 'any'", "wlb", {"cut": "any"}))
+    rows.append(("wlb, max_delay 8, no read-ahead fill (fill_target 0)", "wlb",
+                 {"fill": "waiting", "fill_target": 0.5}))
     rows.append(("wlb, max_delay 8, group release only (release_when_balanced off)", "wlb",
-                 {"release_when_balanced": False}))
+                 {"release": "grouped"}))
+    rows.append(("wlb, preset paper (Algorithm 1)", "wlb", preset_values("paper")))
     rows.append((CUT_FIXED, "fixed-greedy", {"window": 4, "pieces": "concat-and-cut"}))
     rows.append((CUT_WLB, "wlb", {"pieces": "concat-and-cut"}))
     return rows

@@ -84,14 +84,14 @@ class Comparison:
 
 COMPARISONS = (
     Comparison("users", "balanced concat-and-cut", "stock Megatron grouping", {"DP": "2"}, 4,
-               ("--wlb-packing", "wlb", "--wlb-pieces", "concat-and-cut", "--wlb-cp-sharding", "per-sequence"),
-               {"packing": "original"}, megatron_deal=True),
-    Comparison("dp", "wlb", "fixed-greedy", {"DP": "2"}, 4, ("--wlb-packing", "wlb", "--wlb-cp-sharding",
-                                                            "per-sequence"), {"packing": "fixed-greedy"}),
-    Comparison("pp", "wlb", "fixed-greedy", {"PP": "2"}, 4, ("--wlb-packing", "wlb", "--wlb-cp-sharding",
-                                                            "per-sequence"), {"packing": "fixed-greedy"}),
+               ("--wlb-packer", "wlb", "--wlb-pieces", "concat-and-cut", "--wlb-cp-sharding", "per-sequence"),
+               {"packer": "original"}, megatron_deal=True),
+    Comparison("dp", "wlb", "fixed-greedy", {"DP": "2"}, 4, ("--wlb-packer", "wlb", "--wlb-cp-sharding",
+                                                            "per-sequence"), {"packer": "fixed-greedy"}),
+    Comparison("pp", "wlb", "fixed-greedy", {"PP": "2"}, 4, ("--wlb-packer", "wlb", "--wlb-cp-sharding",
+                                                            "per-sequence"), {"packer": "fixed-greedy"}),
     Comparison("cp", "per-document", "per-sequence", {"CP": "2"}, 2,
-               ("--wlb-packing", "wlb", "--wlb-cp-sharding", "per-document"), {"cp_sharding": "per-sequence"}),
+               ("--wlb-packer", "wlb", "--wlb-cp-sharding", "per-document"), {"cp_sharding": "per-sequence"}),
 )
 
 
@@ -117,7 +117,7 @@ def build_corpus(prefix: Path) -> dict[str, Any]:
             "p90": float(np.percentile(lengths, 90)), "left_out": len(every) - len(docs)}
 
 
-CALIBRATION = Comparison("calibration", "wlb", "wlb", {"DP": "2"}, 4, ("--wlb-packing", "wlb", "--wlb-cp-sharding",
+CALIBRATION = Comparison("calibration", "wlb", "wlb", {"DP": "2"}, 4, ("--wlb-packer", "wlb", "--wlb-cp-sharding",
                                                                      "per-sequence"), {})
 
 

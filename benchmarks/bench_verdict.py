@@ -5,7 +5,7 @@ For every corpus (the embedded stand-in and the real corpora of ``benchmarks/bui
 every configuration of the paper's Table 1, the simulator runs concat-and-cut (Megatron's default),
 the whole-document baseline, WLB-LLM (documents whole) and the balanced concat-and-cut
 (``pieces: concat-and-cut``: concat-and-cut's own pieces, balanced) on the same stream, under the
-README headline's schedule (interleaved 1F1B, ``DEFAULT_VIRTUAL_STAGES``), and reports each
+README headline's schedule (interleaved 1F1B, ``PAPER_VIRTUAL_STAGES``), and reports each
 method's simulated throughput over concat-and-cut, the geometric mean per corpus, and
 ``recommendation()``'s advice. Writes benchmarks/results/verdict.{md,json}; ``--page`` also writes the
 per-corpus summary into benchmarks/results.md after ``<!-- verdict-table -->``.
@@ -33,7 +33,7 @@ from megatron_wlb.config import load_config  # noqa: E402
 from megatron_wlb.provenance import machine  # noqa: E402
 from megatron_wlb.sim.experiments import (  # noqa: E402
     BALANCED_CUT,
-    DEFAULT_VIRTUAL_STAGES,
+    PAPER_VIRTUAL_STAGES,
     PLAIN,
     TABLE1_CONFIGS,
     WHOLE,
@@ -84,7 +84,7 @@ def run(names: list[str], configs: list[str], iterations: int) -> dict:
             lengths = resolve_lengths(source, min_tokens=(iterations + 16) * cfg.packing.tokens_per_iteration)
             t0 = time.perf_counter()
             samples = gpt_samples(lengths, cfg, iterations)
-            comp = compare(cfg, lengths, iterations, METHODS, virtual_stages=DEFAULT_VIRTUAL_STAGES, samples=samples)
+            comp = compare(cfg, lengths, iterations, METHODS, virtual_stages=PAPER_VIRTUAL_STAGES, samples=samples)
             speedups = {m.name: comp.speedup(m.name, PLAIN.name) for m in METHODS[1:]}
             delay = {m.name: comp.runs[m.name].packing_metrics.get("mean_delay", float("nan")) for m in METHODS}
             rows.append({"stream": stream, "config": name, "layout": str(cfg.layout), "speedup": speedups,
@@ -92,7 +92,7 @@ def run(names: list[str], configs: list[str], iterations: int) -> dict:
             print(f"{stream:8s} {name:10s} " + " ".join(f"{k} {v:.3f}" for k, v in speedups.items()),
                   file=sys.stderr, flush=True)
     return {"machine": machine(), "command": "python benchmarks/bench_verdict.py", "iterations": iterations,
-            "virtual_stages": DEFAULT_VIRTUAL_STAGES, "configs": configs, "rows": rows,
+            "virtual_stages": PAPER_VIRTUAL_STAGES, "configs": configs, "rows": rows,
             "advice": {s: advice(rows, s) for s in names}}
 
 

@@ -4,7 +4,7 @@
 Run by ``benchmarks/bench_paired.py`` under torchrun, exactly as ``megatron_wlb.megatron.cpu`` runs (our
 launcher, Megatron's own loop), with one change: the training iterator is a ``PairedDataIterator``.
 Method A is the run's ``--wlb-*`` flags; method B the same with ``WLB_PAIRED_B`` (a JSON object of
-``WlbSettings`` fields, e.g. ``{"packing": "original"}``) and, with ``WLB_PAIRED_B_DEAL=megatron``, B's
+``WlbSettings`` fields, e.g. ``{"packer": "original"}``) and, with ``WLB_PAIRED_B_DEAL=megatron``, B's
 micro-batches dealt as Megatron's sampler deals samples (DP rank r takes r, r + DP, ...). Both read
 the same stream, each through its own cursor, so global batch k of A and of B come from the same
 samples (``--wlb-pieces concat-and-cut``) or the same documents. Training steps 2k and 2k + 1 are

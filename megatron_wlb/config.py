@@ -7,6 +7,7 @@ checkout; ``load_config`` takes a path or the stem of one of those files (``"7b_
 
 from __future__ import annotations
 
+import argparse
 import inspect
 import math
 import re
@@ -21,6 +22,7 @@ from typing import Any, Literal
 
 from megatron_wlb.costmodel import MODELS, ModelShape, ParallelLayout, check_expert_layout, get_model
 from megatron_wlb.packing.base import PACKERS
+from megatron_wlb.packing.presets import DEFAULT_PRESET, PRESET_NAMES, preset_default, preset_overrides, with_preset
 from megatron_wlb.packing.types import PackingConfig
 from megatron_wlb.requirements import require
 
@@ -38,14 +40,93 @@ def shipped_config_dir() -> Traversable:
 CONFIG_DIR = shipped_config_dir()
 #: the packers, from the registry (``packing.base.register_packer``)
 PACKER_NAMES: tuple[str, ...] = tuple(PACKERS)
-_TOP_KEYS = ("name", "description", "model", "seq_len", "layout", "micro_batches", "virtual_stages", "packing",
-             "cp_sharding")
+#: the run shape (top level: never a --wlb-* flag; Megatron's own flags in training), then the sections
+_RUN_SHAPE_KEYS = ("name", "description", "model", "seq_len", "layout", "micro_batches", "virtual_stages")
+_SECTIONS = ("packing", "cp", "cost", "logging")
+_TOP_KEYS = (*_RUN_SHAPE_KEYS, *_SECTIONS)
 #: PackingConfig fields that describe the run, not a packing choice: set from the config's top level
 #: (seq_len, micro_batches, layout.dp) or, under Megatron, from its own flags (--seq-length,
 #: --global-batch-size, DP, --seed); never a ``--wlb-*`` flag
 RUN_FIELDS = {"seq_len": "--seq-length", "n": "--global-batch-size", "dp": "the data-parallel size",
               "seed": "--seed", "pipeline_stages": "--pipeline-model-parallel-size (layout.pp)",
               "virtual_stages": "--num-virtual-stages-per-pipeline-rank (virtual_stages)"}
+
+
+# -- old spellings: refused with a one-line hint to the new one (YAML, --wlb-* flags, CLI options) ----------
+#: packer knobs merged into others (issue 34): old name -> (new knob names, how); the YAML key
+#: ``packing.<old>``, the flag ``--wlb-<old>`` and the ``wlb pack --<old>`` option are all refused with it
+RENAMED_KNOBS: dict[str, tuple[tuple[str, ...], str]] = {
+    "min_fill": (("fill", "fill_target"), "was merged into the one fill fraction {fill_target}; {fill} "
+                 "'waiting' tops up from waiting pieces alone (the old min_fill with fill_target 0)"),
+    "group_by_work": (("release",), "was merged into {release}: 'balanced' (default), 'grouped' (release "
+                      "only as a group of R), 'oldest' (the R oldest: group_by_work false), 'paper' (both off)"),
+    "release_when_balanced": (("release",), "was merged into {release}: 'balanced' (default), 'grouped' "
+                              "(release_when_balanced false), 'oldest', 'paper' (both off)"),
+    "flush_on_force": (("release",), "was removed: a forced outlier always goes out with its nearest "
+                       "queue-mates; the release policy is {release}"),
+    "oversize": (("cut",), "was merged into {cut}: 'split' (default), 'drop', 'error' (and 'overlong', 'any': "
+                 "split, and wlb cuts forced outliers too)"),
+    "cut_policy": (("cut",), "was merged into {cut}: cut_policy 'none' is 'split' (default), 'overlong' and "
+                   "'any' keep their names"),
+}
+#: WlbSettings fields renamed (their ``--wlb-*`` flag and keyword): old -> the one-line hint
+RENAMED_SETTINGS: dict[str, str] = {
+    "packing": "--wlb-packing was renamed --wlb-packer (the packer: packing.packer in YAML, --packer in the CLI)"}
+#: YAML keys moved into a section: old key -> where it is now
+RENAMED_KEYS: dict[str, str] = {"cp_sharding": "cp: {sharding: ...}"}
+#: old values of a kept knob: (knob, old value) -> hint
+RENAMED_VALUES: dict[tuple[str, str], str] = {
+    ("release", "global"): "release now names the policy (R = dp * n is always global); the old default is "
+                           "'balanced'",
+    ("release", "rank"): "the per-rank release (R = n) was removed; R = dp * n; release names the policy: "
+                         "balanced, grouped, oldest, paper",
+    ("cut", "none"): "cut 'none' (the former cut_policy) is 'split', the default",
+}
+#: CLI options renamed for one name per concept: command -> {old: new}
+RENAMED_OPTIONS: dict[str, dict[str, str]] = {
+    **{command: {"--profile": "--cost-profile"} for command in ("analyze", "bench", "pack", "reproduce")},
+    "simulate": {"--profile": "--cost-profile", "--cp-layout": "--cp-sharding"},
+    "shard": {"--profile": "--kernel-table (a kernel-efficiency table) or --cost-profile (a cost-model profile)",
+              "--layout": "--cp-sharding"},
+}
+
+
+def renamed_knob_hint(old: str, style: str) -> str | None:
+    """The one-line refusal of packer knob ``old`` in ``style`` "yaml" (``packing.x``), "flag"
+    (``--wlb-x``) or "cli" (``--x``), or None when ``old`` is not an old spelling."""
+    if old not in RENAMED_KNOBS:
+        return None
+    new, how = RENAMED_KNOBS[old]
+
+    def spell(name: str) -> str:
+        return {"yaml": f"packing.{name}", "flag": "--wlb-" + name.replace("_", "-"),
+                "cli": "--" + name.replace("_", "-")}[style]
+
+    return f"{spell(old)} " + how.format(**{n: spell(n) for n in new})
+
+
+def renamed_option_hint(command: str, option: str) -> str | None:
+    """The one-line refusal of CLI option ``option`` of ``wlb <command>``, or None when it is current."""
+    name = option.split("=", 1)[0]
+    new = RENAMED_OPTIONS.get(command, {}).get(name)
+    if new:
+        return f"wlb {command} {name} was renamed {new} (one name per concept in YAML, --wlb-* flags and the CLI)"
+    if name.startswith("--"):
+        return renamed_knob_hint(name[2:].replace("-", "_"), "cli")
+    return None
+
+
+def renamed_value_hint(knob: str, value: Any) -> str | None:
+    """The hint for an old value of knob ``knob``, or None."""
+    return RENAMED_VALUES.get((knob, str(value).strip())) if isinstance(value, str) else None
+
+
+def refuse_renamed_value(knob: str, value: str) -> str:
+    """argparse ``type=`` for a knob with choices: ``value``, or the old value's hint as the error."""
+    hint = renamed_value_hint(knob, value)
+    if hint:
+        raise argparse.ArgumentTypeError(f"{value!r}: {hint}")
+    return value
 
 
 # -- knobs: typed dataclass fields as YAML keys and command-line flags ------------------------------------
@@ -187,6 +268,9 @@ class Knob:
     def parse(self, value: Any, where: str) -> Any:
         """``value`` converted to the field's type, validated by the owner dataclass when it can be
         alone (``PackingConfig`` ranges); the error names ``where`` (a flag or a YAML key)."""
+        hint = renamed_value_hint(self.name, value) if self.owner is PackingConfig else None
+        if hint:
+            raise ValueError(f"{where}={value!r}: {hint}")
         parsed = self.convert(value, where)
         if self.owner is PackingConfig:
             try:
@@ -297,8 +381,73 @@ def model_from_yaml(raw: Any, source: str) -> ModelShape:
 
 
 @dataclass(frozen=True)
+class CpConfig:
+    """The ``cp`` section: how each micro-batch is laid out over its CP ranks.
+
+    - ``sharding``: the CP layout (docs/cp.md); ``--wlb-cp-sharding``, ``wlb simulate/shard --cp-sharding``.
+    """
+
+    sharding: str = "adaptive"
+
+
+@dataclass(frozen=True)
+class CostConfig:
+    """The ``cost`` section: the cost model W(d) the packer and CP layouts balance.
+
+    - ``profile``: a calibrated cost-model profile JSON (``wlb calibrate``; None = the analytic model);
+      ``--wlb-cost-profile``, ``wlb ... --cost-profile``.
+
+    The section's ``model`` (static / online) and ``refit_interval`` keys are the packer's
+    ``PackingConfig.cost_model`` and ``refit_interval`` (``--wlb-cost-model``, ``--wlb-refit-interval``;
+    ``KNOB_SECTIONS``): the packer holds them, as it refits.
+    """
+
+    profile: str | None = None
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    """The ``logging`` section (Megatron training).
+
+    - ``log_interval``: log the packing metrics every this many iterations; ``--wlb-log-interval``.
+    - ``trace``: a per-micro-batch timing trace, one JSON-lines file per rank; ``--wlb-trace``.
+    """
+
+    log_interval: int = 1
+    trace: str | None = None
+
+
+#: packer knobs (PackingConfig fields, ``--wlb-<field>`` flags) whose YAML key is in another section than
+#: ``packing``: field -> (section, key); the cost model the packer balances is the cost section's
+KNOB_SECTIONS: dict[str, tuple[str, str]] = {"cost_model": ("cost", "model"),
+                                             "refit_interval": ("cost", "refit_interval")}
+
+
+def knob_yaml_key(name: str) -> str:
+    """The YAML key of packer knob ``name``: ``packing.<name>``, or its section's (``KNOB_SECTIONS``)."""
+    section, key = KNOB_SECTIONS.get(name, ("packing", name))
+    return f"{section}.{key}"
+
+
+def knob_yaml(name: str, value: Any) -> dict[str, dict[str, Any]]:
+    """The config mapping that sets packer knob ``name`` to ``value`` (``{"packing": {name: value}}``, ...)."""
+    section, key = KNOB_SECTIONS.get(name, ("packing", name))
+    return {section: {key: value}}
+
+
+#: section key -> the WlbSettings field and ``--wlb-*`` flag it is (the flag drops ``--wlb-`` and ``-`` -> ``_``)
+SECTION_SETTINGS: dict[tuple[str, str], str] = {("cp", "sharding"): "cp_sharding",
+                                                 ("cost", "profile"): "cost_profile",
+                                                 ("logging", "log_interval"): "log_interval",
+                                                 ("logging", "trace"): "trace"}
+
+
+@dataclass(frozen=True)
 class RunConfig:
-    """One training job's shape: what the simulator, the CLI and the Megatron adapter share."""
+    """One training job: the run shape (top level), then the packing, CP, cost and logging sections.
+
+    What the simulator, the CLI and the Megatron adapter share; frozen, validated by ``config_from_dict``.
+    """
 
     name: str
     model: ModelShape
@@ -306,8 +455,39 @@ class RunConfig:
     seq_len: int
     packer: str
     packing: PackingConfig
-    cp_sharding: str = "adaptive"
     virtual_stages: int = 1
+    #: the packer preset ``packing`` starts from (``packing.presets``); its other knobs were given explicitly
+    preset: str = DEFAULT_PRESET
+    cp: CpConfig = CpConfig()
+    cost: CostConfig = CostConfig()
+    logging: LoggingConfig = LoggingConfig()
+
+    @property
+    def cp_sharding(self) -> str:
+        """The CP layout (``cp.sharding``)."""
+        return self.cp.sharding
+
+    def settings(self) -> dict[str, Any]:
+        """The cp / cost / logging sections as WlbSettings fields (``SECTION_SETTINGS``), those not default."""
+        out = {}
+        for (section, key), name in SECTION_SETTINGS.items():
+            record = getattr(self, section)
+            value = getattr(record, key)
+            if value != getattr(type(record)(), key):
+                out[name] = value
+        return out
+
+    def packing_overrides(self) -> dict[str, Any]:
+        """The packer knobs this config sets beyond its preset (what ``--wlb-*`` flags must restate)."""
+        return preset_overrides(self.preset, self.packing, PACKING_KNOBS)
+
+    def under_preset(self, preset: str, **knobs: Any) -> RunConfig:
+        """A copy under packer preset ``preset``: the knobs this config set explicitly, then ``knobs``, over it."""
+        if preset not in PRESET_NAMES:
+            raise ValueError(f"preset {preset!r} is not a packer preset; choose one of {', '.join(PRESET_NAMES)}")
+        values = {name: preset_default(preset, name) for name in PACKING_KNOBS}
+        return replace(self, preset=preset,
+                       packing=replace(self.packing, **{**values, **self.packing_overrides(), **knobs}))
 
     @property
     def micro_batches(self) -> int:
@@ -393,8 +573,29 @@ def load_yaml(text: str) -> Any:
     return yaml.load(text, Loader=UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
 
 
+def _section(cls: type, raw: Any, name: str, source: str, knob_keys: Collection[str] = ()) -> tuple[Any, dict]:
+    """Section ``name`` (a mapping of ``cls``'s fields, and of the packer knobs ``knob_keys`` that live in it,
+    ``KNOB_SECTIONS``) as (a ``cls``, {PackingConfig field: value}); one-line errors naming the key."""
+    if raw is None:
+        return cls(), {}
+    knobs = dataclass_knobs(cls)
+    valid = (*knobs, *knob_keys)
+    if not isinstance(raw, dict):
+        raise ValueError(f"{source}: {name} must be a mapping of {', '.join(valid)}, got {raw!r}")
+    unknown = [k for k in raw if k not in valid]
+    if unknown:
+        raise ValueError(f"{source}: unknown {name} key(s) {', '.join(map(repr, unknown))}; valid: {', '.join(valid)}")
+    fields_of = {key: field for field, (section, key) in KNOB_SECTIONS.items() if section == name}
+    packer_knobs = {fields_of[k]: PACKING_KNOBS[fields_of[k]].parse(v, f"{source}: {name}.{k}")
+                    for k, v in raw.items() if k in knob_keys}
+    return cls(**{k: knobs[k].parse(v, f"{source}: {name}.{k}") for k, v in raw.items() if k in knobs}), packer_knobs
+
+
 def config_from_dict(raw: dict, source: str = "<dict>") -> RunConfig:
     """Validate a parsed config; every error is one line naming the key, the value and what is valid."""
+    for key in raw:
+        if key in RENAMED_KEYS:
+            raise ValueError(f"{source}: {key} moved into a section: {RENAMED_KEYS[key]}")
     unknown = [k for k in raw if k not in _TOP_KEYS]
     if unknown:
         raise ValueError(f"{source}: unknown key(s) {', '.join(map(repr, unknown))}; "
@@ -422,14 +623,26 @@ def config_from_dict(raw: dict, source: str = "<dict>") -> RunConfig:
     packing_raw = raw.get("packing") or {}
     if not isinstance(packing_raw, dict):
         raise ValueError(f"{source}: packing must be a mapping of packer settings, got {packing_raw!r}")
-    valid = ("packer", *PACKING_KNOBS)
+    valid = ("packer", "preset", *(k for k in PACKING_KNOBS if k not in KNOB_SECTIONS))
+    for key in packing_raw:
+        hint = renamed_knob_hint(key, "yaml")
+        if hint:
+            raise ValueError(f"{source}: {hint}")
+        if key in KNOB_SECTIONS:
+            raise ValueError(f"{source}: packing.{key} moved to {knob_yaml_key(key)} (the cost section)")
     unknown = [k for k in packing_raw if k not in valid]
     if unknown:
         raise ValueError(f"{source}: unknown packing key(s) {', '.join(map(repr, unknown))}; valid: {', '.join(valid)}")
     packer = packing_raw.get("packer", "wlb")
     if packer not in PACKERS:
         raise ValueError(f"{source}: packing.packer={packer!r}; choose one of {', '.join(PACKER_NAMES)}")
-    knobs = {k: PACKING_KNOBS[k].parse(v, f"{source}: packing.{k}") for k, v in packing_raw.items() if k != "packer"}
+    preset = packing_raw.get("preset", DEFAULT_PRESET)
+    if preset not in PRESET_NAMES:
+        raise ValueError(f"{source}: packing.preset={preset!r}; choose one of {', '.join(PRESET_NAMES)}")
+    cost, cost_knobs = _section(CostConfig, raw.get("cost"), "cost", source,
+                                [key for section, key in KNOB_SECTIONS.values() if section == "cost"])
+    knobs = with_preset(preset, **{k: PACKING_KNOBS[k].parse(v, f"{source}: packing.{k}")
+                                   for k, v in packing_raw.items() if k not in ("packer", "preset")}, **cost_knobs)
     seq_len = _positive_int(raw["seq_len"], f"{source}: seq_len")
     if seq_len % (2 * layout.cp):
         raise ValueError(f"{source}: seq_len={seq_len} must be divisible by 2 x cp = {2 * layout.cp} "
@@ -444,12 +657,15 @@ def config_from_dict(raw: dict, source: str = "<dict>") -> RunConfig:
                                 virtual_stages=virtual, **knobs)
     except ValueError as exc:
         raise ValueError(f"{source}: packing: {exc}") from None
-    cp_sharding = raw.get("cp_sharding", "adaptive")
-    if cp_sharding not in cp_sharding_names():
-        raise ValueError(f"{source}: cp_sharding={cp_sharding!r} is not a CP layout; choose one of "
+    cp, _ = _section(CpConfig, raw.get("cp"), "cp", source)
+    if cp.sharding not in cp_sharding_names():
+        raise ValueError(f"{source}: cp.sharding={cp.sharding!r} is not a CP layout; choose one of "
                          f"{', '.join(cp_sharding_names())}")
+    logging, _ = _section(LoggingConfig, raw.get("logging"), "logging", source)
+    _positive_int(logging.log_interval, f"{source}: logging.log_interval")
     return RunConfig(name=str(raw.get("name", source)), model=model, layout=layout, seq_len=seq_len,
-                     packer=packer, packing=packing, cp_sharding=cp_sharding, virtual_stages=virtual)
+                     packer=packer, packing=packing, virtual_stages=virtual, preset=preset, cp=cp, cost=cost,
+                     logging=logging)
 
 
 def load_config(name_or_path: str | Path) -> RunConfig:

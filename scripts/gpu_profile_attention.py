@@ -9,7 +9,7 @@ over kv keys (bottom-right causal, like a CP rank's shards) into ONE varlen kern
 forward (CUDA events; median of ``--iters`` after ``--warmup``), and records
 ``runs * causal_pairs(q, kv) * 4 * heads * head_dim / seconds``. Impossible shapes (q > kv) are
 written as null. The JSON (``megatron-wlb-attn-efficiency/1``) loads with
-``KernelEfficiency.from_json`` and ``wlb shard --profile``.
+``KernelEfficiency.from_json`` and ``wlb shard --kernel-table``.
 
 Before measuring, the chosen kernel is checked against the reference implementation on a small
 case whose query runs are shorter than their key ranges: a kernel with top-left-aligned causal

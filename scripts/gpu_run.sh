@@ -116,7 +116,7 @@ part3() {
     local corpus=$OUT/data/stdlib_text_document
     [[ -f $corpus.idx ]] || step corpus "$PY" -m megatron_wlb.megatron.cpu --write-corpus "$corpus"
     local iters=${ITERS:-40} entry
-    local flags=(--wlb-packing wlb --wlb-cp-sharding per-document --wlb-max-seq-len 3072 --wlb-log-interval 1)
+    local flags=(--wlb-packer wlb --wlb-cp-sharding per-document --wlb-max-seq-len 3072 --wlb-log-interval 1)
     if [[ $dry == 1 ]]; then
         iters=${ITERS:-2}
         entry=("$PY" -m torch.distributed.run --standalone --nnodes 1 --nproc-per-node 1 -m megatron_wlb.megatron.cpu

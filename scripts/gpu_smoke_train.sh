@@ -43,7 +43,7 @@ SMOKE_ARGS=(
     --data-path "$DATA" --split 98,2,0
     --log-interval 10 --eval-interval 100 --eval-iters 5
     --save "$OUT/ckpt" --save-interval $(( ITERS / 2 )) --tensorboard-dir "$OUT/tensorboard"
-    --wlb-packing "${PACKING:-wlb}" --wlb-cp-sharding "${CP_SHARDING:-per-document}"
+    --wlb-packer "${PACKING:-wlb}" --wlb-cp-sharding "${CP_SHARDING:-per-document}"
     --wlb-max-seq-len "$SMAX" --wlb-log-interval 10
 )
 if [[ ${PRINT_ARGS:-0} != 0 ]]; then

@@ -15,7 +15,7 @@ import yaml
 from megatron_wlb.cli.main import main
 from megatron_wlb.data.blend import blend, normalised_weights, parse_data_path, shuffle_documents
 from megatron_wlb.data.indexed import read_idx_lengths
-from megatron_wlb.sim.experiments import DEFAULT_VIRTUAL_STAGES, schedule_label
+from megatron_wlb.sim.experiments import PAPER_VIRTUAL_STAGES, schedule_label
 from megatron_wlb.sim.iteration import split_documents
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
@@ -34,9 +34,7 @@ def stdlib_corpora(tmp_path_factory):
     write_corpus(str(d / "rev"), files[::-1])
     write_corpus(str(d / "half"), files[: len(files) // 2])
     cfg = {"name": "small_16k", "model": "550m", "seq_len": 16384, "layout": {"tp": 1, "cp": 2, "pp": 2, "dp": 1},
-           "micro_batches": 4, "virtual_stages": 1,
-           "packing": {"packer": "wlb", "queue_thresholds": "auto", "num_queues": 2, "max_delay": 8, "window": 1},
-           "cp_sharding": "adaptive"}
+           "micro_batches": 4, "virtual_stages": PAPER_VIRTUAL_STAGES}  # analyze runs the config's schedule
     (d / "small.yaml").write_text(yaml.safe_dump(cfg))
     return d
 
@@ -96,8 +94,8 @@ def test_verdict_overlaps_across_file_orders_and_json(stdlib_corpora, capsys):
         assert set(over_window) == set(v["speedup"]) - {"Fixed-greedy, window 4"} | {"Plain-4D"}
         assert 0 < v["mean_delay_iterations"]["Fixed-greedy, window 4"] < 4
         assert any(line.startswith("Against the strongest baseline at equal delay") for line in v["recommendation"])
-        # the README headline's schedule unless told otherwise, named beside the numbers
-        assert v["schedule"] == schedule_label(DEFAULT_VIRTUAL_STAGES) != schedule_label(1)
+        # the config's schedule (here the README headline's), named beside the numbers
+        assert v["schedule"] == schedule_label(PAPER_VIRTUAL_STAGES) != schedule_label(1)
         assert any(line.startswith("**Use ") for line in v["recommendation"])
         for s in v["speedup"].values():
             assert s["min"] <= s["mean"] <= s["max"]
@@ -108,8 +106,8 @@ def test_verdict_overlaps_across_file_orders_and_json(stdlib_corpora, capsys):
     assert verdicts["fwd"]["recommendation"][-1] in report
     out = capsys.readouterr().out
     verdict_title = next(line for line in out.splitlines() if line.startswith("Verdict:"))
-    assert schedule_label(DEFAULT_VIRTUAL_STAGES) in verdict_title and "/ fixed-greedy, window 4" in out
-    assert f"orderings per method, {schedule_label(DEFAULT_VIRTUAL_STAGES)}" in out
+    assert schedule_label(PAPER_VIRTUAL_STAGES) in verdict_title and "/ fixed-greedy, window 4" in out
+    assert f"orderings per method, {schedule_label(PAPER_VIRTUAL_STAGES)}" in out
     assert "5 shuffles" in report and f"{verdicts['fwd']['iterations']} full iterations" in report
     assert (stdlib_corpora / "out_fwd" / "length_distribution.png").stat().st_size > 2000
     capsys.readouterr()

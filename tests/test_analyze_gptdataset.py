@@ -35,9 +35,7 @@ def labelled_corpus(tmp_path_factory):
     lengths = np.minimum(3000, rng.lognormal(5.5, 1.2, size=1500).astype(np.int64) + 1)
     write_indexed_dataset(str(d / "c"), [np.full(n, k + 1) for k, n in enumerate(lengths.tolist())])
     cfg = {"name": "tiny_1k", "model": "550m", "seq_len": SEQ_LEN, "layout": {"tp": 1, "cp": 1, "pp": 2, "dp": 1},
-           "micro_batches": MICRO_BATCHES, "virtual_stages": 1,
-           "packing": {"packer": "wlb", "queue_thresholds": "auto", "num_queues": 2, "max_delay": 8, "window": 1},
-           "cp_sharding": "adaptive"}
+           "micro_batches": MICRO_BATCHES}
     (d / "tiny.yaml").write_text(yaml.safe_dump(cfg))
     return d
 

@@ -48,7 +48,7 @@ def test_analyse_measures_the_trace_and_predicts_the_same_plans(tmp_path):
     plans = [[[int(x) for x in rng.integers(50, 900, size=3)] for _ in range(4)] for _ in range(6)]
     walls = [1.0, 0.5, 0.4, 0.6, 0.5, 0.45]
     trace = write_trace(tmp_path / "t.jsonl", walls, plans)
-    run = bm.Run("DP2 wlb", "dp", {"DP": "2"}, ("--wlb-packing", "wlb"))
+    run = bm.Run("DP2 wlb", "dp", {"DP": "2"}, ("--wlb-packer", "wlb"))
     res = bm.analyse(run, 0, trace, warmup=2, profile=None)
     assert res.iteration_wall_s == walls[2:]  # warm-up left out, wall = the longest rank's
     assert res.iteration_tokens == [int(sum(sum(mb) for mb in plan)) for plan in plans[2:]]

@@ -1,5 +1,5 @@
 """``wlb calibrate``: the CPU smoke run goes through the whole measuring code path and writes a
-profile that --profile readers accept (pack, analyze) and a kernel table that shard accepts; without a
+profile that --cost-profile readers accept (pack, analyze) and a kernel table that shard accepts; without a
 GPU it measures the CPU at a YAML model's real shapes, its default grids capped by the CPU budget, and
 reports the fit's MAPE on held-out composite micro-batches."""
 
@@ -44,16 +44,16 @@ def test_smoke_writes_the_profile_format_the_reader_takes(smoke_profile: Path):
 
 
 def test_the_profile_feeds_analyze_pack_and_shard(smoke_profile: Path, tmp_path: Path, capsys):
-    assert main(["analyze", "--profile", str(smoke_profile), "--config", "550m_64k", "--iterations", "1",
+    assert main(["analyze", "--cost-profile", str(smoke_profile), "--config", "550m_64k", "--iterations", "1",
                  "--lengths", "wlbllm", "--out", str(tmp_path / "an")]) == 0
     assert (tmp_path / "an" / "report.md").exists()
-    assert main(["pack", "--profile", str(smoke_profile), "--config", "550m_64k", "--iterations", "1",
+    assert main(["pack", "--cost-profile", str(smoke_profile), "--config", "550m_64k", "--iterations", "1",
                  "--json"]) == 0
     out = capsys.readouterr().out
     assert json.loads(out[out.index("{"):])["iterations"] == 1
     (tmp_path / "mb.jsonl").write_text("[100, 2000, 30000]\n")
-    assert main(["shard", "--micro-batches", str(tmp_path / "mb.jsonl"), "--cp", "2", "--layout", "adaptive",
-                 "--out", str(tmp_path / "o.jsonl"), "--profile",
+    assert main(["shard", "--micro-batches", str(tmp_path / "mb.jsonl"), "--cp", "2", "--cp-sharding", "adaptive",
+                 "--out", str(tmp_path / "o.jsonl"), "--kernel-table",
                  str(smoke_profile.with_suffix(".efficiency.json"))]) == 0
 
 

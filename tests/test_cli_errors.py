@@ -1,7 +1,7 @@
 """Bad input to ``wlb`` ends in one line on stderr naming the bad value, exit status 2, no traceback.
 
 Each case is one of the adversarial inputs of issue 13 (directories as paths, an existing file as
-``--out``, a JSON list as ``--profile``, a YAML syntax error, a garbage ``.idx``, a huge ``--cp``,
+``--out``, a JSON list as ``--cost-profile``, a YAML syntax error, a garbage ``.idx``, a huge ``--cp``,
 ``inf`` / 2**63 lengths, a CSV row, negative counts, micro-batches past int32)."""
 
 from __future__ import annotations
@@ -58,15 +58,15 @@ CASES = [
     (["pack", "--lengths", "{d}/big.json"], str(2**63)),
     (["pack", "--lengths", "{d}/nan.txt"], "'nan' is not an integer"),
     (["pack", "--lengths", "{d}/frac.json"], "entry 0 is 1.5; lengths are whole token counts"),
-    (["shard", "--micro-batches", "{d}/mb.jsonl", "--cp", "2", "--layout", "adaptive", "--out", "{d}/o.jsonl",
+    (["shard", "--micro-batches", "{d}/mb.jsonl", "--cp", "2", "--cp-sharding", "adaptive", "--out", "{d}/o.jsonl",
       "--tp", "3"], "--tp 3 does not divide the 32 attention heads"),
     (["pack", "--lengths", "{d}/row.csv"], "3 fields"),
     (["pack", "--lengths", "{d}/broken.json"], "broken.json: not valid JSON"),
     (["pack", "--lengths", "{d}/missing.json"], "does not exist"),
     (["pack", "--config", "{d}/bad.yaml"], "not valid YAML at line"),
     (["pack", "--config", "nonexistent_cfg"], "7b_128k"),
-    (["pack", "--profile", "{d}/list.json"], "got a list"),
-    (["pack", "--profile", "{d}/adir"], "is a directory"),
+    (["pack", "--cost-profile", "{d}/list.json"], "got a list"),
+    (["pack", "--cost-profile", "{d}/adir"], "is a directory"),
     (["pack", "--out", "{d}/adir"], "is a directory"),
     (["pack", "--iterations", "0"], "--iterations=0"),
     (["pack", "--data-prefix", "{d}/garbage"], "not a Megatron indexed-dataset index"),
@@ -74,17 +74,17 @@ CASES = [
     (["bench", "--out", "{d}/afile.txt", "--quick"], "is an existing file"),
     (["bench", "--scale-iterations", "-1"], "--scale-iterations -1"),
     (["bench", "--iterations", "0"], "--iterations 0"),
-    (["shard", "--micro-batches", "{d}/mb.jsonl", "--cp", "2", "--layout", "adaptive", "--out", "{d}/adir"],
+    (["shard", "--micro-batches", "{d}/mb.jsonl", "--cp", "2", "--cp-sharding", "adaptive", "--out", "{d}/adir"],
      "is a directory"),
-    (["shard", "--micro-batches", "{d}/adir", "--cp", "2", "--layout", "adaptive", "--out", "{d}/o.jsonl"],
+    (["shard", "--micro-batches", "{d}/adir", "--cp", "2", "--cp-sharding", "adaptive", "--out", "{d}/o.jsonl"],
      "is a directory"),
-    (["shard", "--micro-batches", "{d}/mb.jsonl", "--cp", str(2**40), "--layout", "adaptive", "--out",
+    (["shard", "--micro-batches", "{d}/mb.jsonl", "--cp", str(2**40), "--cp-sharding", "adaptive", "--out",
       "{d}/o.jsonl"], "1 .. 65536"),
-    (["shard", "--micro-batches", "{d}/mb.jsonl", "--cp", "2", "--layout", "adaptive", "--out", "{d}/o.jsonl",
-      "--profile", "{d}/list.json"], "got a list"),
-    (["shard", "--micro-batches", "{d}/huge.jsonl", "--cp", "2", "--layout", "per-document", "--out",
+    (["shard", "--micro-batches", "{d}/mb.jsonl", "--cp", "2", "--cp-sharding", "adaptive", "--out", "{d}/o.jsonl",
+      "--kernel-table", "{d}/list.json"], "got a list"),
+    (["shard", "--micro-batches", "{d}/huge.jsonl", "--cp", "2", "--cp-sharding", "per-document", "--out",
       "{d}/o.jsonl"], "int32"),
-    (["shard", "--micro-batches", "{d}/broken.json", "--cp", "2", "--layout", "adaptive", "--out",
+    (["shard", "--micro-batches", "{d}/broken.json", "--cp", "2", "--cp-sharding", "adaptive", "--out",
       "{d}/o.jsonl"], "broken.json:1: not valid JSON"),
 ]
 
@@ -175,7 +175,7 @@ def test_shard_reads_a_pack_plan(capsys, tmp_path: Path):
     batches = [json.loads(line) for line in plan.read_text().splitlines()]
     expect = [[p[2] for p in mb] for b in batches for mb in b["micro_batches"]]
     out = tmp_path / "shard.jsonl"
-    rc, _, err = run_wlb(capsys, "shard", "--micro-batches", str(plan), "--cp", "2", "--layout", "per-document",
+    rc, _, err = run_wlb(capsys, "shard", "--micro-batches", str(plan), "--cp", "2", "--cp-sharding", "per-document",
                          "--out", str(out))
     assert rc == 0, err
     rows = [json.loads(line) for line in out.read_text().splitlines()]
@@ -190,7 +190,7 @@ def test_shard_reads_a_pack_plan(capsys, tmp_path: Path):
 @pytest.mark.parametrize("profile, expect", [("list.json", "expected a JSON object"),
                                              ("broken.json", "broken.json: not valid JSON")])
 def test_profile_errors_of_the_simulator_commands(capsys, files: Path, command, profile, expect):
-    rc, _, err = run_wlb(capsys, *command, "--profile", str(files / profile), "--out", str(files / "out"))
+    rc, _, err = run_wlb(capsys, *command, "--cost-profile", str(files / profile), "--out", str(files / "out"))
     assert rc == 2 and len(err.strip().splitlines()) == 1 and expect in err, err
 
 
@@ -246,11 +246,11 @@ BEFORE_WORK = [
      ("megatron_wlb.sim.iteration", "simulate_stream")),
     (["simulate", "--config", "550m_64k", "--packer", "bogus"], "--packer bogus: choose one of",
      ("megatron_wlb.sim.iteration", "simulate_stream")),
-    (["simulate", "--config", "550m_64k", "--cp-layout", "bogus"], "--cp-layout bogus: choose one of",
+    (["simulate", "--config", "550m_64k", "--cp-sharding", "bogus"], "--cp-sharding bogus: choose one of",
      ("megatron_wlb.sim.iteration", "simulate_stream")),
     (["simulate", "--config", "550m_64k", "--iterations", "0"], "--iterations 0",
      ("megatron_wlb.sim.iteration", "simulate_stream")),
-    (["simulate", "--config", "550m_64k", "--profile", "{d}/list.json"], "got a list",
+    (["simulate", "--config", "550m_64k", "--cost-profile", "{d}/list.json"], "got a list",
      ("megatron_wlb.sim.iteration", "simulate_stream")),
     (["reproduce", "--configs", "550m_64k", "no_such_cfg", "--out", "{d}/o"], "no_such_cfg",
      ("megatron_wlb.sim.report", "reproduce")),

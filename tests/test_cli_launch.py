@@ -64,7 +64,7 @@ def after_script(words: list[str]) -> list[str]:
 
 
 def same_packing(settings, run) -> None:
-    assert settings.packing == run.packer and settings.cp_sharding == run.cp_sharding
+    assert settings.packer == run.packer and settings.cp_sharding == run.cp_sharding
     for name, value in settings.knob_values().items():
         assert value == getattr(run.packing, name), name
 

@@ -20,6 +20,7 @@ from megatron_wlb.config import (
     PACKING_KNOBS,
     config_from_dict,
     dataclass_knobs,
+    knob_yaml,
     list_configs,
     load_config,
 )
@@ -55,7 +56,7 @@ def other_value(knob, seq_len: int = 8192):
         if value == d:
             continue
         try:
-            config_from_dict({**BASE, "seq_len": seq_len, "packing": {knob.name: value}})
+            config_from_dict({**BASE, "seq_len": seq_len, **knob_yaml(knob.name, value)})
         except ValueError:
             continue
         return value
@@ -81,10 +82,10 @@ def test_knobs_are_the_typed_fields_of_packing_config():
 def test_every_knob_is_a_yaml_key(name: str):
     knob = PACKING_KNOBS[name]
     value = other_value(knob)
-    run = config_from_dict({**BASE, "packing": {name: value}})
+    run = config_from_dict({**BASE, **knob_yaml(name, value)})
     assert getattr(run.packing, name) == value
     # the YAML text round-trips too (lists for tuples)
-    text = yaml.safe_dump({**BASE, "packing": {name: list(value) if isinstance(value, tuple) else value}})
+    text = yaml.safe_dump({**BASE, **knob_yaml(name, list(value) if isinstance(value, tuple) else value)})
     assert getattr(config_from_dict(yaml.safe_load(text)).packing, name) == value
 
 
@@ -129,7 +130,11 @@ def test_mechanism_picks_up_a_new_field_with_no_list_to_edit():
 
 @pytest.mark.parametrize("patch, match", [
     ({"packing": {"outlier_fracton": 0.5}}, r"unknown packing key\(s\) 'outlier_fracton'; valid: packer, "),
-    ({"cp_sharding": "ring"}, r"cp_sharding='ring' is not a CP layout; choose one of per-sequence"),
+    ({"cp": {"sharding": "ring"}}, r"cp.sharding='ring' is not a CP layout; choose one of per-sequence"),
+    ({"cp_sharding": "adaptive"}, r"cp_sharding moved into a section: cp: \{sharding: ...\}"),
+    ({"cp": {"layout": "adaptive"}}, r"unknown cp key\(s\) 'layout'; valid: sharding"),
+    ({"logging": {"log_interval": 0}}, r"logging.log_interval=0: must be a positive integer"),
+    ({"cost": {"profile": 3}}, r"cost.profile=3: give "),
     ({"modle": "7b"}, r"unknown key\(s\) 'modle'; valid keys: name, "),
     ({"packing": {"packer": "best"}}, r"packing.packer='best'; choose one of"),
     ({"packing": {"max_delay": -1}}, r"packing.max_delay=-1: max_delay must be a non-negative"),
@@ -212,7 +217,7 @@ def test_config_flags_reproduce_the_config_without_its_layout(name: str):
     parser = add_wlb_args(argparse.ArgumentParser())
     from_config = settings_from_args(parser.parse_args(["--wlb-config", name]))
     from_flags = settings_from_args(parser.parse_args(config_flags(run)))
-    assert from_flags == WlbSettings(**{**from_config.knob_values(), "packing": from_config.packing,
+    assert from_flags == WlbSettings(**{**from_config.knob_values(), "packer": from_config.packer,
                                         "cp_sharding": from_config.cp_sharding})
 
 
@@ -240,7 +245,8 @@ def test_the_docs_own_model_example_loads(tmp_path: Path):
     block = block[:block.index("```")]
     (tmp_path / "mine.yaml").write_text(block)
     run = load_config(tmp_path / "mine.yaml")
-    assert run.model.num_kv_heads == 8 and run.model.ffn_hidden == 14336 and run.packing.max_seq_len == 98304
+    assert run.model.num_kv_heads == 8 and run.model.ffn_hidden == 14336 and run.packing.max_delay == 4
+    assert run.cp.sharding == run.cp_sharding == "per-document" and run.packing.capacity_var == 98304
 
 
 def test_settings_behave_like_a_frozen_dataclass():

@@ -22,7 +22,8 @@ def test_shard_writes_the_contract(tmp_path, capsys):
     mbs = _write(tmp_path, rows)
     out = tmp_path / "out" / "shards.jsonl"
     for layout in ("per-sequence", "per-document", "per-document-te", "adaptive", "hybrid"):
-        assert main(["shard", "--micro-batches", str(mbs), "--cp", "2", "--layout", layout, "--out", str(out)]) == 0
+        assert main(["shard", "--micro-batches", str(mbs), "--cp", "2", "--cp-sharding", layout,
+                     "--out", str(out)]) == 0
         lines = [json.loads(x) for x in out.read_text().splitlines()]
         assert len(lines) == len(rows)
         for row, line in zip(rows, lines):
@@ -45,16 +46,16 @@ def test_shard_profile_formats(tmp_path):
     eff = tmp_path / "eff.json"
     default_table().to_json(eff)
     out = tmp_path / "o.jsonl"
-    assert main(["shard", "--micro-batches", str(mbs), "--cp", "4", "--layout", "adaptive", "--profile", str(eff),
-                 "--out", str(out)]) == 0
+    assert main(["shard", "--micro-batches", str(mbs), "--cp", "4", "--cp-sharding", "adaptive",
+                 "--kernel-table", str(eff), "--out", str(out)]) == 0
     first = json.loads(out.read_text().splitlines()[0])
     assert first["layout"] == "per-sequence"        # 8-token shards waste most of a 128-token tile
-    assert main(["shard", "--micro-batches", str(mbs), "--cp", "4", "--layout", "adaptive", "--tile", "1",
-                 "--profile", str(eff), "--out", str(out)]) == 0
+    assert main(["shard", "--micro-batches", str(mbs), "--cp", "4", "--cp-sharding", "adaptive", "--tile", "1",
+                 "--kernel-table", str(eff), "--out", str(out)]) == 0
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"format": "nope"}))
-    assert main(["shard", "--micro-batches", str(mbs), "--cp", "4", "--layout", "adaptive", "--profile", str(bad),
-                 "--out", str(out)]) == 2
+    assert main(["shard", "--micro-batches", str(mbs), "--cp", "4", "--cp-sharding", "adaptive",
+                 "--kernel-table", str(bad), "--out", str(out)]) == 2
 
 
 def test_shard_input_errors(tmp_path, capsys):
@@ -64,13 +65,13 @@ def test_shard_input_errors(tmp_path, capsys):
                           ('{"a": 1}\n', "expected a JSON list"),
                           ("[4, 0]\n", ">= 1")):
         bad.write_text(text)
-        assert main(["shard", "--micro-batches", str(bad), "--cp", "2", "--layout", "per-document",
+        assert main(["shard", "--micro-batches", str(bad), "--cp", "2", "--cp-sharding", "per-document",
                      "--out", str(out)]) == 2
         assert message in capsys.readouterr().err
-    assert main(["shard", "--micro-batches", str(tmp_path / "none"), "--cp", "2", "--layout", "per-document",
+    assert main(["shard", "--micro-batches", str(tmp_path / "none"), "--cp", "2", "--cp-sharding", "per-document",
                  "--out", str(out)]) == 2
     bad.write_text("[3]\n")
-    assert main(["shard", "--micro-batches", str(bad), "--cp", "0", "--layout", "per-document",
+    assert main(["shard", "--micro-batches", str(bad), "--cp", "0", "--cp-sharding", "per-document",
                  "--out", str(out)]) == 2
     assert "--cp 0: must be 1 .. 65536" in capsys.readouterr().err
     assert np.array_equal(build_layout("per-document", [3], 1).rank_tokens, [3])

@@ -140,3 +140,12 @@ if __name__ == "__main__":
         mark = " UP" if a in LEVELS and b in LEVELS and LEVELS[b] >= LEVELS[a] else ""
         print(f"{a:>10} -> {b:<12} {n:3d}{mark}")
     sys.exit(0)
+
+
+def test_the_cli_imports_the_package_at_the_top():
+    """The cli sits above every layer, so none of its imports can close a cycle: a package import inside a cli
+    function is only for a module that pulls in torch or megatron-core (``cp.attention``, ``megatron.*``)."""
+    lazy_ok = ("megatron_wlb.cp.attention", "megatron_wlb.megatron")
+    nested = [(src, target, line) for src, target, inside, line in imports()
+              if src.startswith("megatron_wlb.cli.") and inside and not target.startswith(lazy_ok)]
+    assert not nested, nested

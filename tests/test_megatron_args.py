@@ -85,9 +85,9 @@ def test_provider_composes_with_an_existing_one():
         return parser
 
     provider = wlb_extra_args_provider(modelopt_like)
-    args = parse(BASE + ["--export-te-mcore-model", "--wlb-packing", "fixed-greedy"], provider=provider)
+    args = parse(BASE + ["--export-te-mcore-model", "--wlb-packer", "fixed-greedy"], provider=provider)
     assert seen == ["modelopt"]
-    assert args.export_te_mcore_model is True and args.wlb_packing == "fixed-greedy"
+    assert args.export_te_mcore_model is True and args.wlb_packer == "fixed-greedy"
     # composing twice (apply() called twice, or a patched checkout that also passes ours) is harmless
     twice = compose_providers(provider, wlb_extra_args_provider())
     args2 = megatron_like_parser(twice).parse_args(BASE + ["--wlb-max-delay", "2"])
@@ -109,7 +109,7 @@ def test_defaults_and_full_flag_list():
     moe = parse(BASE + ["--num-experts", "4"])
     with pytest.raises(ValueError, match="--moe-token-dispatcher-type alltoall"):
         validate_wlb_args(moe, te_available=False, highspy_available=True, check_files=False)
-    args = parse(BASE + ["--wlb-packing", "wlb", "--wlb-queue-thresholds", "2048,4096", "--wlb-num-queues", "3",
+    args = parse(BASE + ["--wlb-packer", "wlb", "--wlb-queue-thresholds", "2048,4096", "--wlb-num-queues", "3",
                          "--wlb-max-seq-len", "8192", "--wlb-max-delay", "3", "--wlb-window", "2",
                          "--wlb-cp-sharding", "per-sequence", "--wlb-log-interval", "10"])
     s = validate_wlb_args(args, te_available=False, highspy_available=True, check_files=False)
@@ -128,7 +128,7 @@ def test_config_supplies_defaults_and_flags_override_it():
              "--hidden-size", "4096", "--num-attention-heads", "32"]
     args = parse(flags + ["--wlb-config", "7b_128k", "--wlb-max-delay", "1"], world_size=64)
     s = validate_wlb_args(args, te_available=False, highspy_available=True, check_files=False)
-    assert s.config == "7b_128k" and s.packing == "wlb" and s.max_delay == 1 and s.num_queues == 2
+    assert s.config == "7b_128k" and s.packer == "wlb" and s.max_delay == 1 and s.num_queues == 2
     cost = cost_model_from_args(args, s)
     assert cost.layout.tp == 8 and cost.layout.cp == 2 and cost.model.hidden == 4096
     # the same config on a different layout is refused with what to change
@@ -158,8 +158,8 @@ def test_misconfigurations_fail_with_what_to_change(extra, match):
 
 
 @pytest.mark.parametrize("extra, equivalent", [
-    (["--sequence-packing-scheduler", "dp_balanced"], "--wlb-packing wlb"),
-    (["--use-varlen-dataset"], "--wlb-packing wlb with --data-path"),
+    (["--sequence-packing-scheduler", "dp_balanced"], "--wlb-packer wlb"),
+    (["--use-varlen-dataset"], "--wlb-packer wlb with --data-path"),
     (["--dynamic-context-parallel"], "--wlb-cp-sharding adaptive"),
     (["--max-seqlen-per-dp-cp-rank", "2048"], "--wlb-max-seq-len"),
     (["--pipeline-p2p-fixed-shape"], "nothing to set: WLB turns the shape exchange on"),
@@ -184,7 +184,7 @@ def test_inter_document_masking_and_p2p_shape_flag_at_pp1_are_accepted():
     from megatron_wlb.megatron.args import refuse_bypassing_flags
 
     args = parse(BASE + ["--dataloader-inter-document-masking"])
-    assert validate_wlb_args(args, te_available=False, highspy_available=True, check_files=False).packing == "wlb"
+    assert validate_wlb_args(args, te_available=False, highspy_available=True, check_files=False).packer == "wlb"
     pp1 = [*BASE[:8], "--pipeline-model-parallel-size", "1", *BASE[10:], "--pipeline-p2p-fixed-shape"]
     refuse_bypassing_flags(parse(pp1))
     validate_wlb_args(parse(pp1), te_available=False, highspy_available=True, check_files=False)
@@ -214,18 +214,18 @@ def test_data_path_files_are_checked_at_start_up(tmp_path):
         validate_wlb_args(args, te_available=False, highspy_available=True)
     assert "real_text_document" not in str(err.value)
     args = parse(BASE[:10] + ["--data-path", real] + BASE[15:])
-    assert validate_wlb_args(args, te_available=False, highspy_available=True).packing == "wlb"
+    assert validate_wlb_args(args, te_available=False, highspy_available=True).packer == "wlb"
 
 
 def test_more_misconfigurations(capsys):
     args = parse([*BASE[:2], "--micro-batch-size", "2", *BASE[4:]])
     with pytest.raises(ValueError, match="set --micro-batch-size 1"):
         validate_wlb_args(args, te_available=False, highspy_available=True, check_files=False)
-    args = parse(BASE + ["--wlb-packing", "fixed-solver"])
+    args = parse(BASE + ["--wlb-packer", "fixed-solver"])
     with pytest.raises(ValueError, match="pip install highspy"):
         validate_wlb_args(args, te_available=False, highspy_available=False, check_files=False)
-    assert validate_wlb_args(parse(BASE + ["--wlb-packing", "fixed-solver"]), te_available=False,
-                             highspy_available=True, check_files=False).packing == "fixed-solver"
+    assert validate_wlb_args(parse(BASE + ["--wlb-packer", "fixed-solver"]), te_available=False,
+                             highspy_available=True, check_files=False).packer == "fixed-solver"
     s = validate_wlb_args(parse(BASE + ["--wlb-cp-sharding", "per-document-te"]), te_available=True,
                           highspy_available=True, check_files=False)
     assert s.cp_sharding == "per-document-te"
@@ -236,7 +236,7 @@ def test_more_misconfigurations(capsys):
     assert "\n" not in str(err.value) and "3 problems: (1) " in str(err.value) and "; (3) " in str(err.value)
     # argparse itself rejects unknown choices and values of the wrong type; ranges reach WlbSettings' check
     with pytest.raises(SystemExit):
-        parse(BASE + ["--wlb-packing", "best"])
+        parse(BASE + ["--wlb-packer", "best"])
     with pytest.raises(ValueError, match="strictly increasing"):
         settings_from_args(parse(BASE + ["--wlb-queue-thresholds", "4096,1024"]))
     with pytest.raises(SystemExit):
@@ -313,7 +313,7 @@ first = next(train_it)
 hook = {"train": type(train_it.iterable).__name__, "valid": type(getattr(valid_it, "iterable", valid_it)).__name__,
         "test": test_it, "same_as_direct": first.tokens.tolist() == tokens.tolist(),
         "registered": len(rt.registry.iterators), "logged": rt.logger.metrics().tokens > 0}
-print(json.dumps({"hooked": hooked, "bad": bad_msg, "my_extra": args.my_extra, "packing": rt.settings.packing,
+print(json.dumps({"hooked": hooked, "bad": bad_msg, "my_extra": args.my_extra, "packing": rt.settings.packer,
                   "max_seq_len": rt.settings.max_seq_len, "T": tokens.shape[1], "expect_T": mb.tokens,
                   "labels_shift": bool((labels[0, :-1][loss_mask[0, :-1] > 0]
                                         == tokens[0, 1:][loss_mask[0, :-1] > 0]).all()),
@@ -372,7 +372,7 @@ def test_help_prints_our_flags_without_megatrons(monkeypatch, capsys):
     monkeypatch.setattr(W, "apply", lambda **k: (_ for _ in ()).throw(AssertionError("apply ran for --help")))
     launcher.main(["--num-layers", "2", "--help"])
     out = capsys.readouterr().out
-    assert "--wlb-packing" in out and "--wlb-cp-sharding" in out and "arguments.py" in out
+    assert "--wlb-packer" in out and "--wlb-cp-sharding" in out and "arguments.py" in out
     monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", "-h"])
     with pytest.raises(SystemExit) as exit_info:
         W._wrap_parse_args(crashing_parse_args)()

@@ -45,7 +45,7 @@ def test_launcher_help_runs_on_the_readme_install():
                           capture_output=True, text=True, timeout=300)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
-    assert "--wlb-packing" in out and "Traceback" not in out
+    assert "--wlb-packer" in out and "Traceback" not in out
     code = ("from megatron_wlb.megatron.compat import install_python_shims; install_python_shims(); "
             "import megatron.training.training, megatron.training.arguments")
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)

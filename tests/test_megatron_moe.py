@@ -1,5 +1,5 @@
 """A tiny mixture-of-experts GPT through Megatron-LM's own training loop on CPU (gloo) with the WLB-LLM hooks
-(issue 36): 4 experts, top-2, the alltoall token dispatcher, packed by ``--wlb-packing wlb`` with the cost model
+(issue 36): 4 experts, top-2, the alltoall token dispatcher, packed by ``--wlb-packer wlb`` with the cost model
 of the MoE shape (``cost_model_from_args`` maps Megatron's MoE flags): it trains, the loss falls, every planned
 document's tokens reach the model exactly once."""
 
@@ -29,16 +29,16 @@ MOE_FLAGS = ("--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-s
              "--moe-aux-loss-coeff", "1e-2")
 
 
-def test_tiny_moe_pp2_trains_with_wlb_packing(tmp_path, text_corpus):  # noqa: F811
-    run = train(tmp_path, "moe_pp2", text_corpus, *MOE_FLAGS, "--wlb-packing", "wlb", env={"PP": "2"})
+def test_tiny_moe_pp2_trains_with_wlb_packer(tmp_path, text_corpus):  # noqa: F811
+    run = train(tmp_path, "moe_pp2", text_corpus, *MOE_FLAGS, "--wlb-packer", "wlb", env={"PP": "2"})
     assert_trains(run)
     assert_documents_once(run)
     assert "[wlb] iteration" in run.log
 
 
-def test_tiny_moe_ep2_dp2_trains_with_wlb_packing(tmp_path, text_corpus):  # noqa: F811
+def test_tiny_moe_ep2_dp2_trains_with_wlb_packer(tmp_path, text_corpus):  # noqa: F811
     trace = tmp_path / "moe_ep2" / "trace.jsonl"
-    run = train(tmp_path, "moe_ep2", text_corpus, *MOE_FLAGS, "--expert-model-parallel-size", "2", "--wlb-packing",
+    run = train(tmp_path, "moe_ep2", text_corpus, *MOE_FLAGS, "--expert-model-parallel-size", "2", "--wlb-packer",
                 "wlb", "--wlb-trace", str(trace), env={"DP": "2"})
     assert_trains(run)
     assert_documents_once(run)
@@ -62,7 +62,7 @@ def test_moe_trace_fits_a_cost_model_beside_the_dense_one(tmp_path, text_corpus,
     fits = {}
     for name, flags in (("moe", MOE_FLAGS), ("dense", ())):
         trace = tmp_path / name / "trace.jsonl"
-        run = train(tmp_path, name, text_corpus, *flags, "--train-iters", "14", "--wlb-packing", "wlb",
+        run = train(tmp_path, name, text_corpus, *flags, "--train-iters", "14", "--wlb-packer", "wlb",
                     "--wlb-trace", str(trace), env={"PP": "2", "WLB_TRACE_CLOCK": "thread"})
         assert_trains(run, iterations=14)
         fits[name] = _calibrate(trace, tmp_path / f"{name}.json", capsys)
@@ -78,7 +78,7 @@ def test_moe_trace_fits_a_cost_model_beside_the_dense_one(tmp_path, text_corpus,
 
 def test_tiny_moe_balanced_concat_and_cut_pp2_trains_the_stock_jobs_samples(tmp_path, eod_corpus):  # noqa: F811
     """``--wlb-pieces concat-and-cut``: the MoE job trains megatron-core's own GPTDataset samples, balanced."""
-    run = train(tmp_path, "moe_cut", eod_corpus, *MOE_FLAGS, "--wlb-packing", "wlb", "--wlb-pieces", "concat-and-cut",
+    run = train(tmp_path, "moe_cut", eod_corpus, *MOE_FLAGS, "--wlb-packer", "wlb", "--wlb-pieces", "concat-and-cut",
                 "--reset-attention-mask", "--reset-position-ids", env={"PP": "2"})
     assert_trains(run)
     assert_documents_once(run)
@@ -87,7 +87,7 @@ def test_tiny_moe_balanced_concat_and_cut_pp2_trains_the_stock_jobs_samples(tmp_
 
 def test_tiny_moe_ep2_resume_equals_an_uninterrupted_run(tmp_path, text_corpus):  # noqa: F811
     ckpt = tmp_path / "ckpt"
-    common = (*MOE_FLAGS, "--expert-model-parallel-size", "2", "--wlb-packing", "wlb", "--save", str(ckpt),
+    common = (*MOE_FLAGS, "--expert-model-parallel-size", "2", "--wlb-packer", "wlb", "--save", str(ckpt),
               "--save-interval", "2", "--ckpt-format", "torch")
     full = train(tmp_path, "full", text_corpus, *common, env={"DP": "2"})
     shutil.rmtree(ckpt / "iter_0000004", ignore_errors=True)
@@ -100,7 +100,7 @@ def test_tiny_moe_ep2_resume_equals_an_uninterrupted_run(tmp_path, text_corpus):
 def test_tiny_moe_online_refit_at_ep2_agrees_and_trains(tmp_path, text_corpus):  # noqa: F811
     """--wlb-cost-model online on the MoE job at EP2 x DP2: the refits run on schedule (every rank's coefficients
     and plan digests checked equal inside), and the packer keeps planning with the refitted model."""
-    run = train(tmp_path, "moe_online", text_corpus, *MOE_FLAGS, "--expert-model-parallel-size", "2", "--wlb-packing",
+    run = train(tmp_path, "moe_online", text_corpus, *MOE_FLAGS, "--expert-model-parallel-size", "2", "--wlb-packer",
                 "wlb", "--wlb-cost-model", "online", "--wlb-refit-interval", "2", "--train-iters", "6",
                 env={"DP": "2"})
     assert_trains(run, iterations=6)

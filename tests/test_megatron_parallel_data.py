@@ -44,7 +44,7 @@ def worker(rank: int, world: int, data_prefix: str) -> None:
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                                  context_parallel_size=cp)
         args = megatron_args(data_prefix, tp, cp, pp)
-        args.wlb_packing, args.wlb_max_seq_len = "wlb", 2048
+        args.wlb_packer, args.wlb_max_seq_len = "wlb", 2048
         settings = settings_from_args(args)
         dp_rank = parallel_state.get_data_parallel_rank()
         assert parallel_state.get_data_parallel_world_size() == args.data_parallel_size

@@ -171,7 +171,7 @@ def assert_trace(run: Run, ranks: int, chunks: int = 1, iterations: int = 4) -> 
 
 # --- the launcher over the installed megatron.training -------------------------------------------------------
 def test_tp2_pp2_trains_and_every_document_reaches_the_model_once(tmp_path, text_corpus):
-    run = train(tmp_path, "tp2pp2", text_corpus, "--wlb-packing", "wlb", "--wlb-cp-sharding", "per-document",
+    run = train(tmp_path, "tp2pp2", text_corpus, "--wlb-packer", "wlb", "--wlb-cp-sharding", "per-document",
                 env={"TP": "2", "PP": "2"})
     assert_trains(run)
     from megatron_wlb.megatron.version import is_supported
@@ -187,9 +187,9 @@ def cp_runs(tmp_path_factory, text_corpus):
     does not depend on the layout (wlb weighs work with a cost model of the layout, so its plans may
     differ between CP=1 and CP=2); several documents share every micro-batch either way."""
     tmp = tmp_path_factory.mktemp("cp")
-    runs = {"cp1": train(tmp, "cp1", text_corpus, "--wlb-packing", "original", "--wlb-cp-sharding", "per-document")}
+    runs = {"cp1": train(tmp, "cp1", text_corpus, "--wlb-packer", "original", "--wlb-cp-sharding", "per-document")}
     for layout in ("per-sequence", "per-document", "adaptive", "hybrid"):
-        runs[layout] = train(tmp, layout, text_corpus, "--wlb-packing", "original", "--wlb-cp-sharding", layout,
+        runs[layout] = train(tmp, layout, text_corpus, "--wlb-packer", "original", "--wlb-cp-sharding", layout,
                              env={"CP": "2"})
     return runs
 
@@ -224,21 +224,21 @@ def test_cp_layouts_deliver_every_document_once(cp_runs):
                     reason="TransformerEngine is not importable (it builds only with CUDA): per-document-te is "
                            "TE's own THD attention, run where TE is installed")
 def test_cp2_per_document_te_matches_cp1(tmp_path, text_corpus, cp_runs):
-    run = train(tmp_path, "te", text_corpus, "--wlb-packing", "original", "--wlb-cp-sharding", "per-document-te",
+    run = train(tmp_path, "te", text_corpus, "--wlb-packer", "original", "--wlb-cp-sharding", "per-document-te",
                 "--transformer-impl", "transformer_engine", env={"CP": "2"})
     assert run.losses[1] == pytest.approx(cp_runs["cp1"].losses[1], rel=1e-5)
 
 
 def test_pp4_variable_length_micro_batches(tmp_path, text_corpus):
     """Four stages, micro-batches of different lengths every step (shapes exchanged per micro-batch)."""
-    run = train(tmp_path, "pp4", text_corpus, "--num-layers", "4", "--wlb-packing", "wlb",
+    run = train(tmp_path, "pp4", text_corpus, "--num-layers", "4", "--wlb-packer", "wlb",
                 env={"PP": "4"})
     assert_trains(run)
     assert_documents_once(run)
 
 
 def test_interleaved_pipeline_vpp2(tmp_path, text_corpus):
-    run = train(tmp_path, "vpp2", text_corpus, "--num-layers", "4", "--wlb-packing", "wlb",
+    run = train(tmp_path, "vpp2", text_corpus, "--num-layers", "4", "--wlb-packer", "wlb",
                 "--wlb-trace", str(tmp_path / "vpp2" / "trace.jsonl"), env={"PP": "2", "VPP": "2"})
     assert_trains(run)
     assert_documents_once(run)  # each model chunk's iterator saw every planned document once
@@ -246,7 +246,7 @@ def test_interleaved_pipeline_vpp2(tmp_path, text_corpus):
 
 
 def test_dp2_with_overlapped_grad_reduce(tmp_path, text_corpus):
-    run = train(tmp_path, "dp2", text_corpus, "--wlb-packing", "wlb", "--overlap-grad-reduce",
+    run = train(tmp_path, "dp2", text_corpus, "--wlb-packer", "wlb", "--overlap-grad-reduce",
                 "--wlb-trace", str(tmp_path / "dp2" / "trace.jsonl"), env={"DP": "2"})
     assert_trains(run)
     assert_documents_once(run)
@@ -285,7 +285,7 @@ def test_a_rank_reading_other_data_stops_every_rank_at_start_up(tmp_path, text_c
     agreement behind it: ``test_plan_agreement.py``)."""
     other = longer_copy(text_corpus, str(tmp_path / "copy_text_document"))
     name = "_".join(f"{k}{v}" for k, v in layout.items())
-    run = train(tmp_path, name, text_corpus, "--wlb-packing", "wlb",
+    run = train(tmp_path, name, text_corpus, "--wlb-packer", "wlb",
                 env={**layout, "WLB_PROBE_RANK_DATA": f"1:{other}"}, expect_ok=False)
     stops = _startup_stops(run, "--data-path #1 .idx: ")
     assert len(stops) >= 1 and re.search(r"\.idx: [0-9a-f]{16} \(stdlib_text_document\) on rank 0, [0-9a-f]{16} "
@@ -344,7 +344,7 @@ def test_a_rank_started_otherwise_stops_every_rank_at_start_up(tmp_path, text_co
     else:
         env["WLB_PROBE_RANK_DATA"] = "1:" + zeroed_copy(text_corpus, str(tmp_path / "zeroed_text_document"))
         part = ".bin: "
-    run = train(tmp_path, case, text_corpus, "--wlb-packing", "wlb", "--wlb-cp-sharding", "adaptive", env=env,
+    run = train(tmp_path, case, text_corpus, "--wlb-packer", "wlb", "--wlb-cp-sharding", "adaptive", env=env,
                 expect_ok=False)
     stops = _startup_stops(run, part)
     assert stops, run.log[-4000:]
@@ -358,7 +358,7 @@ def test_a_resume_onto_a_zeroed_copy_is_refused(tmp_path, text_corpus):
     """D2 on resume: a checkpoint trained on the text_corpus, resumed with every rank reading a same-size copy whose
     .bin is partly zeros, is refused at start-up naming the file (it was accepted); the same files resume."""
     ckpt = tmp_path / "ckpt"
-    common = ("--wlb-packing", "wlb", "--train-iters", "4", "--save", str(ckpt), "--save-interval", "2",
+    common = ("--wlb-packer", "wlb", "--train-iters", "4", "--save", str(ckpt), "--save-interval", "2",
               "--ckpt-format", "torch")
     first = train(tmp_path, "first", text_corpus, *common, env={"DP": "2"})
     assert_trains(first)
@@ -377,7 +377,7 @@ def test_a_resume_onto_a_zeroed_copy_is_refused(tmp_path, text_corpus):
 
 
 def test_recomputation_leaves_the_losses_unchanged(tmp_path, text_corpus, cp_runs):
-    run = train(tmp_path, "recompute", text_corpus, "--wlb-packing", "original", "--wlb-cp-sharding", "per-document",
+    run = train(tmp_path, "recompute", text_corpus, "--wlb-packer", "original", "--wlb-cp-sharding", "per-document",
                 "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1")
     base = cp_runs["cp1"].losses
     assert run.losses == pytest.approx(base, rel=1e-5)
@@ -386,7 +386,7 @@ def test_recomputation_leaves_the_losses_unchanged(tmp_path, text_corpus, cp_run
 def test_sequence_parallel_gives_the_losses_of_tp2_without_it(tmp_path, text_corpus):
     """TP2 x CP2 with sequence parallelism: every CP rank's tokens padded to a multiple of TP (our
     local padding rows), the same losses as without SP."""
-    flags = ("--wlb-packing", "wlb", "--wlb-cp-sharding", "adaptive")
+    flags = ("--wlb-packer", "wlb", "--wlb-cp-sharding", "adaptive")
     plain = train(tmp_path, "tp2cp2", text_corpus, *flags, env={"TP": "2", "CP": "2"})
     sp = train(tmp_path, "tp2cp2_sp", text_corpus, *flags, "--sequence-parallel", env={"TP": "2", "CP": "2"})
     assert_trains(sp)
@@ -399,7 +399,7 @@ def test_checkpoint_resume_equals_an_uninterrupted_run(tmp_path, text_corpus, ck
     """torch_dist is Megatron's default format (its writer needs psutil, and spawns a process that re-imports
     the launching script: the probe keeps its training under the __main__ guard)."""
     ckpt = tmp_path / "ckpt"
-    common = ("--wlb-packing", "wlb", "--save", str(ckpt), "--save-interval", "2", "--ckpt-format", ckpt_format)
+    common = ("--wlb-packer", "wlb", "--save", str(ckpt), "--save-interval", "2", "--ckpt-format", ckpt_format)
     full = train(tmp_path, "full", text_corpus, *common, env={"DP": "2"})
     if ckpt_format == "torch_dist":
         assert (ckpt / "iter_0000002" / "metadata.json").is_file()  # Megatron's distributed checkpoint
@@ -473,7 +473,7 @@ def assert_fed_stock_samples(run: Run, stock: dict[int, tuple[int, str]]) -> dic
 
 def test_balanced_gptdataset_pp2_trains_the_stock_jobs_samples(tmp_path, eod_corpus):
     """The same at PP2 (every stage plans alike; the last stage's loss is over Megatron's labels)."""
-    run = train(tmp_path, "pp2", eod_corpus, "--wlb-packing", "wlb", "--wlb-pieces", "concat-and-cut",
+    run = train(tmp_path, "pp2", eod_corpus, "--wlb-packer", "wlb", "--wlb-pieces", "concat-and-cut",
                 "--reset-attention-mask", "--reset-position-ids", env={"PP": "2"})
     assert_trains(run)
     assert_documents_once(run)
@@ -486,7 +486,7 @@ def test_balanced_gptdataset_honours_inter_document_masking(tmp_path, text_corpu
     stock job's samples cut at GPTDataset's own document boundaries (its per-document ``cu_seqlens`` and position
     ids), with Megatron's tokens, labels and loss mask; a text_corpus whose documents do not end with the tokenizer's
     EOD trains (boundaries come from the .idx, not from EOD tokens)."""
-    run = train(tmp_path, "inter_document", text_corpus, "--wlb-packing", "wlb", "--wlb-pieces", "concat-and-cut",
+    run = train(tmp_path, "inter_document", text_corpus, "--wlb-packer", "wlb", "--wlb-pieces", "concat-and-cut",
                 "--dataloader-inter-document-masking", env={"DP": "2"})
     assert_trains(run)
     assert_documents_once(run)
@@ -504,7 +504,7 @@ def test_balanced_gptdataset_through_megatrons_loop(tmp_path, eod_corpus):
     its consumed samples."""
     ckpt = tmp_path / "ckpt"
     masking = ("--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss")
-    common = ("--wlb-packing", "wlb", "--wlb-pieces", "concat-and-cut", *masking, "--save", str(ckpt),
+    common = ("--wlb-packer", "wlb", "--wlb-pieces", "concat-and-cut", *masking, "--save", str(ckpt),
               "--save-interval", "2", "--ckpt-format", "torch")
     full = train(tmp_path, "balanced", eod_corpus, *common, env={"DP": "2"})
     assert_trains(full)
@@ -517,7 +517,7 @@ def test_balanced_gptdataset_through_megatrons_loop(tmp_path, eod_corpus):
     waiting = set(stock) - set(fed)
     assert len(waiting) <= 4 * 4, f"{len(waiting)} of {len(stock)} pieces wait after 4 steps"
 
-    refused = train(tmp_path, "refused", eod_corpus, "--wlb-packing", "wlb", "--wlb-pieces", "concat-and-cut",
+    refused = train(tmp_path, "refused", eod_corpus, "--wlb-packer", "wlb", "--wlb-pieces", "concat-and-cut",
                     env={"DP": "2"}, expect_ok=False)
     assert refused.returncode != 0  # type: ignore[attr-defined]
     assert re.search(r"--wlb-pieces concat-and-cut trains Megatron's samples regrouped per document, but this job "
@@ -563,7 +563,7 @@ def test_dp_size_change_and_data_stream_reset_on_resume(tmp_path, text_corpus):
     the losses are the uninterrupted run's; another global batch is refused naming the one that continues;
     --wlb-reset-data-stream restarts the documents at the first plan while Megatron keeps its iteration."""
     ckpt = tmp_path / "ckpt"
-    common = ("--wlb-packing", "wlb", "--save", str(ckpt), "--save-interval", "2", "--ckpt-format", "torch")
+    common = ("--wlb-packer", "wlb", "--save", str(ckpt), "--save-interval", "2", "--ckpt-format", "torch")
     full = train(tmp_path, "full", text_corpus, *common, env={"DP": "2"})
     shutil.rmtree(ckpt / "iter_0000004", ignore_errors=True)
     (ckpt / "latest_checkpointed_iteration.txt").write_text("2")
@@ -605,7 +605,7 @@ def test_own_corpus_with_token_ids_beyond_the_tiny_vocabulary(tmp_path):
     rng = np.random.default_rng(1)
     docs = [rng.integers(0, 1200, size=int(n)) for n in rng.integers(30, 600, size=800)]
     prefix = write_indexed_dataset(str(tmp_path / "own_text_document"), docs)
-    run = train(tmp_path, "own", prefix, "--wlb-packing", "wlb")
+    run = train(tmp_path, "own", prefix, "--wlb-packer", "wlb")
     assert_trains(run)
     assert "vocab_size ...................................... 1200" in run.log  # max id 1199 + 1
     refused = train(tmp_path, "small_vocab", prefix, "--vocab-size", "512", expect_ok=False)
@@ -618,7 +618,7 @@ def test_online_cost_model_refits_agree_and_resume_exactly(tmp_path, text_corpus
     equal inside), the packer plans with the refitted model, and a run resumed from a checkpoint taken
     after a refit plans (and trains) exactly what the uninterrupted run did until the next refit."""
     ckpt = tmp_path / "ckpt"
-    common = ("--wlb-packing", "wlb", "--wlb-cost-model", "online", "--wlb-refit-interval", "2", "--train-iters", "6",
+    common = ("--wlb-packer", "wlb", "--wlb-cost-model", "online", "--wlb-refit-interval", "2", "--train-iters", "6",
               "--save", str(ckpt), "--save-interval", "4", "--ckpt-format", "torch")
     full = train(tmp_path, "full", text_corpus, *common, env={"DP": "2"})
     assert_trains(full, iterations=6)
@@ -657,7 +657,7 @@ def _pinned_env(checkout: Path, **layout: str) -> dict:
 
 def test_patched_pretrain_gpt_of_the_pinned_checkout_trains_pp4(tmp_path, text_corpus, pinned):
     """The pinned pretrain_gpt.py, patched: middle stages (PP=4) get their packed-sequence params."""
-    run = train(tmp_path, "pinned_pp4", text_corpus, "--num-layers", "4", "--wlb-packing", "wlb",
+    run = train(tmp_path, "pinned_pp4", text_corpus, "--num-layers", "4", "--wlb-packer", "wlb",
                 env=_pinned_env(pinned, PP="4"), pretrain_gpt=str(pinned / "pretrain_gpt.py"))
     assert_trains(run)
     assert {Version(r["core_version"]).base_version for r in run.ranks.values()} == {"0.16.1"}
@@ -665,7 +665,7 @@ def test_patched_pretrain_gpt_of_the_pinned_checkout_trains_pp4(tmp_path, text_c
 
 def test_launcher_over_the_pinned_checkout_cp2_pp2(tmp_path, text_corpus, pinned):
     """apply() from our launcher (no patch) on core_v0.16.1's training code."""
-    run = train(tmp_path, "pinned_launcher", text_corpus, "--wlb-packing", "wlb", "--wlb-cp-sharding", "adaptive",
+    run = train(tmp_path, "pinned_launcher", text_corpus, "--wlb-packer", "wlb", "--wlb-cp-sharding", "adaptive",
                 env=_pinned_env(pinned, CP="2", PP="2"))
     assert_trains(run)
     assert {Version(r["core_version"]).base_version for r in run.ranks.values()} == {"0.16.1"}
@@ -687,7 +687,7 @@ def checkout_019(tmp_path_factory) -> Path:
 def test_patched_pretrain_gpt_of_the_019_checkout_trains_pp4(tmp_path, text_corpus, checkout_019):
     """The checkout's own get_batch/forward_step/loss (patched), its gpt_builders, our data: PP4's middle
     stages get their packed-sequence params, and every planned document reaches the model once."""
-    run = train(tmp_path, "v019_pp4", text_corpus, "--num-layers", "4", "--wlb-packing", "wlb",
+    run = train(tmp_path, "v019_pp4", text_corpus, "--num-layers", "4", "--wlb-packer", "wlb",
                 env=_pinned_env(checkout_019, PP="4"), pretrain_gpt=str(checkout_019 / "pretrain_gpt.py"))
     assert_trains(run)
     assert {Version(r["core_version"]).release[:2] for r in run.ranks.values()} == {(0, 19)}
@@ -699,7 +699,7 @@ def test_019_checkout_torch_dist_resume_with_cp2(tmp_path, text_corpus, checkout
     """Megatron's default checkpoint format through the checkout's pretrain_gpt.py at CP2: resumed losses
     are the uninterrupted run's."""
     ckpt = tmp_path / "ckpt"
-    common = ("--wlb-packing", "wlb", "--wlb-cp-sharding", "adaptive", "--save", str(ckpt), "--save-interval", "2",
+    common = ("--wlb-packer", "wlb", "--wlb-cp-sharding", "adaptive", "--save", str(ckpt), "--save-interval", "2",
               "--ckpt-format", "torch_dist")
     script = str(checkout_019 / "pretrain_gpt.py")
     full = train(tmp_path, "full", text_corpus, *common, env=_pinned_env(checkout_019, CP="2"), pretrain_gpt=script)
@@ -733,7 +733,7 @@ def test_launcher_over_a_main_checkout_cp2_pp2(tmp_path, text_corpus, name, seri
     from megatron_wlb.megatron.version import MOVING_CHECKOUTS
 
     main = megatron_checkout(tmp_path / f"Megatron-LM-{name}", name, commit=MOVING_CHECKOUTS[name])
-    run = train(tmp_path, f"{name}_cp2_pp2", text_corpus, "--wlb-packing", "wlb", "--wlb-cp-sharding", "adaptive",
+    run = train(tmp_path, f"{name}_cp2_pp2", text_corpus, "--wlb-packer", "wlb", "--wlb-cp-sharding", "adaptive",
                 env=_pinned_env(main, CP="2", PP="2"))
     assert_trains(run)
     assert {Version(r["core_version"]).release[:2] for r in run.ranks.values()} == {series}
@@ -744,7 +744,7 @@ def test_launcher_over_a_main_checkout_cp2_pp2(tmp_path, text_corpus, name, seri
     ("dev", ("--dynamic-context-parallel", "--max-seqlen-per-dp-cp-rank", "128"),
      ("--dynamic-context-parallel", "--wlb-cp-sharding adaptive", "--max-seqlen-per-dp-cp-rank 128")),
     ("main-6742", ("--sequence-packing-scheduler", "wlb", "--use-varlen-dataset"),
-     ("--sequence-packing-scheduler wlb", "--wlb-packing wlb", "--use-varlen-dataset")),
+     ("--sequence-packing-scheduler wlb", "--wlb-packer wlb", "--use-varlen-dataset")),
 ])
 def test_flags_that_bypass_ours_are_refused_through_the_launcher(tmp_path, text_corpus, name, flags, named):
     """Megatron's own variable-length machinery asked for through our launcher (dev's dynamic CP; main's
@@ -756,7 +756,7 @@ def test_flags_that_bypass_ours_are_refused_through_the_launcher(tmp_path, text_
     from megatron_wlb.megatron.version import MOVING_CHECKOUTS
 
     checkout = megatron_checkout(tmp_path / f"Megatron-LM-{name}", name, commit=MOVING_CHECKOUTS[name])
-    run = train(tmp_path, f"{name}_refused", text_corpus, "--wlb-packing", "wlb", *flags,
+    run = train(tmp_path, f"{name}_refused", text_corpus, "--wlb-packer", "wlb", *flags,
                 env=_pinned_env(checkout, CP="2"), expect_ok=False)
     assert run.returncode != 0  # type: ignore[attr-defined]
     line = next((x for x in run.log.splitlines() if "megatron_wlb: invalid WLB-LLM configuration" in x), "")

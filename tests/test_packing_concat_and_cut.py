@@ -46,10 +46,11 @@ def test_window_pieces_are_concat_and_cut(lengths, seq_len, offset):
 @st.composite
 def streams(draw):
     seq_len = draw(st.sampled_from([16, 64, 100]))
+    fill, fill_target = draw(st.sampled_from([("waiting", 0.5), ("full", 0.95)]))
     config = PackingConfig(seq_len=seq_len, n=draw(st.integers(1, 3)), dp=draw(st.integers(1, 2)),
                            max_seq_len=draw(st.sampled_from([seq_len, seq_len + seq_len // 2, 2 * seq_len])),
                            window=draw(st.integers(1, 3)), max_delay=draw(st.integers(0, 4)),
-                           fill_target=draw(st.sampled_from([0.0, 0.95])), pieces="concat-and-cut")
+                           fill=fill, fill_target=fill_target, pieces="concat-and-cut")
     shape = draw(st.sampled_from(["mixed", "heavy", "long"]))
     count = draw(st.integers(1, 80))
     if shape == "heavy":
@@ -104,8 +105,8 @@ def test_resume_replays_the_same_plans():
 
 
 def test_a_further_cut_is_refused():
-    with pytest.raises(ValueError, match=r"cut_policy='any' with pieces='concat-and-cut'.*use cut_policy='none'"):
-        PackingConfig(seq_len=64, n=2, pieces="concat-and-cut", cut_policy="any")
+    with pytest.raises(ValueError, match=r"cut='any' with pieces='concat-and-cut'.*use cut='split'"):
+        PackingConfig(seq_len=64, n=2, pieces="concat-and-cut", cut="any")
     with pytest.raises(ValueError, match=r"pieces='whole'; valid: documents, concat-and-cut"):
         PackingConfig(seq_len=64, n=2, pieces="whole")  # type: ignore[arg-type]
 
@@ -153,7 +154,7 @@ def test_read_ahead_keeps_every_iteration_full(pieces):
         assert max(b.iteration - p.arrival for b in batches for p in b.pieces()) <= config.max_delay
         assert sum(b.tokens for b in batches) == int(lengths.sum())
         assert len(batches) <= -(-int(lengths.sum()) // budget) + config.max_delay + 2  # concat-and-cut's rate
-        off = list(make_packer("wlb", dataclasses.replace(config, fill_target=0.0), COST).pack(lengths))
+        off = list(make_packer("wlb", dataclasses.replace(config, fill="waiting", fill_target=0.5), COST).pack(lengths))
         off_fills = np.array([b.tokens for b in off[:len(live)]]) / budget
         assert off_fills.min() < 0.6  # without the read-ahead it happens
 
@@ -192,7 +193,7 @@ def test_delay_only_when_it_pays():
     packer = make_packer("wlb", config, COST)
     paid = summarize(list(packer.pack(lengths)), COST, config.seq_len)
     assert packer.balanced_releases > 0
-    grouped = summarize(list(make_packer("wlb", dataclasses.replace(config, release_when_balanced=False), COST)
+    grouped = summarize(list(make_packer("wlb", dataclasses.replace(config, release="grouped"), COST)
                              .pack(lengths)), COST, config.seq_len)
     assert paid.mean_delay <= 0.05 < 0.5 <= grouped.mean_delay, (paid.mean_delay, grouped.mean_delay)
     assert paid.schedule_ratio <= grouped.schedule_ratio + 0.01

@@ -5,7 +5,7 @@ corpus (tests/data/corpora) at DP = 1 and DP = 4 (configs/7b_128k.yaml, 200 glob
 equal the one recorded in tests/data/packing_default_plans.json.
 
 The Megatron end-to-end losses in the README were measured with these plans; an opt-in knob
-(``cut_policy``, ...) must leave them byte-identical. The opt-in knobs' own plans are pinned the same
+(``cut``, ...) must leave them byte-identical. The opt-in knobs' own plans are pinned the same
 way (``VARIANTS``: every policy path of ``packing/wlb/``, on three streams), so a refactor of the
 planner that changes any plan fails here. When a change to the *default* is intended,
 regenerate the record with ``python tests/test_packing_corpora.py --write`` and say so.
@@ -30,15 +30,16 @@ DPS = (1, 4)
 ITERATIONS = 200
 #: opt-in settings whose plans are pinned too (each exercises a policy path of packing/wlb/)
 VARIANTS: dict[str, dict[str, Any]] = {
-    "cut_any": {"cut_policy": "any"},
-    "cut_overlong": {"cut_policy": "overlong"},
-    "release_rank": {"release": "rank"},
-    "paper_release": {"group_by_work": False, "release_when_balanced": False},
-    "no_fill_target": {"fill_target": 0.0},
-    "no_fill": {"fill_target": 0.0, "min_fill": 0.0},
-    "read_ahead_off_cut": {"read_ahead": False, "cut_policy": "any", "fill_target": 0.0},
+    "cut_any": {"cut": "any"},
+    "cut_overlong": {"cut": "overlong"},
+    # (the record's digests of the old spellings: fill_target 0 with min_fill 0.5 is fill "waiting" at 0.5;
+    # group_by_work and release_when_balanced false is release "paper"; release "rank" and flush_on_force
+    # false were removed, their records kept for history)
+    "paper_release": {"release": "paper"},
+    "no_fill_target": {"fill": "waiting", "fill_target": 0.5},
+    "no_fill": {"fill": "off"},
+    "read_ahead_off_cut": {"read_ahead": False, "cut": "any", "fill": "waiting", "fill_target": 0.5},
     "concat_and_cut": {"pieces": "concat-and-cut"},
-    "no_flush": {"flush_on_force": False, "max_delay": 3},
     "fixed_thresholds": {"queue_thresholds": (40000, 90000), "schedule_order": False},
     "three_queues_interleaved": {"num_queues": 3, "virtual_stages": 2},
 }
@@ -108,7 +109,7 @@ def test_cut_policy_any_balances_every_stream_at_dp1(stream):
     from megatron_wlb.config import load_config
     from megatron_wlb.packing import summarize
 
-    batches, cost = _run(stream, 1, cut_policy="any")
+    batches, cost = _run(stream, 1, cut="any")
     m = summarize(batches, cost)
     assert m.schedule_ratio <= 1.02
     # the delay bound is promised where no document is longer than dp * n * (S_max - seq_len) (256K here);

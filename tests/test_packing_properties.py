@@ -37,9 +37,9 @@ def scenarios(draw):
     config = PackingConfig(seq_len=seq_len, n=n, dp=dp, max_seq_len=max_seq_len,
                            window=draw(st.integers(1, 3)), max_delay=draw(st.integers(0, 4)),
                            num_queues=draw(st.integers(1, 3)),
-                           oversize=draw(st.sampled_from(["split", "drop"])),
-                           cut_policy=draw(st.sampled_from(["none", "overlong", "any"])),
-                           min_fill=draw(st.sampled_from([0.0, 0.5])), group_by_work=draw(st.booleans()))
+                           cut=draw(st.sampled_from(["split", "drop", "overlong", "any"])),
+                           fill=draw(st.sampled_from(["full", "read-ahead", "waiting", "off"])),
+                           release=draw(st.sampled_from(["balanced", "grouped", "oldest", "paper"])))
     cost = draw(st.sampled_from([COST, None]))
     return np.asarray(lengths, dtype=np.int64), config, cost
 

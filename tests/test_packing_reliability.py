@@ -115,8 +115,8 @@ def test_state_refuses_another_cost_model(run7b):
 
 
 def test_packer_knobs_are_typed_fields_only():
-    cfg = PackingConfig(seq_len=100, n=2, release="rank", outlier_fraction=0.5)
-    assert cfg.release == "rank" and cfg.outlier_fraction == 0.5
+    cfg = PackingConfig(seq_len=100, n=2, release="paper", outlier_fraction=0.5)
+    assert cfg.release == "paper" and cfg.outlier_fraction == 0.5 and not cfg.group_by_work
     with pytest.raises(TypeError, match="extra"):
         PackingConfig(seq_len=100, n=2, extra={"release": "rank"})  # the untyped dict is gone
     assert DocPiece(0, 0, 1, 0).length == 1

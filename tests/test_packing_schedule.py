@@ -131,20 +131,20 @@ def test_release_groups_outliers_of_similar_length():
     for d in (62, 98, 64, 97, 63, 99):
         lengths += [d] + [5] * 30
     cfg = PackingConfig(seq_len=100, n=2, dp=1, max_seq_len=150, queue_thresholds=(60,), max_delay=20,
-                        min_fill=0.0, schedule_order=False)
-    for group_by_work, want in ((True, {62, 64}), (False, {62, 98})):
-        batches = list(make_packer("wlb", dataclasses.replace(cfg, group_by_work=group_by_work)).pack(lengths))
+                        fill="read-ahead", schedule_order=False)
+    for release, want in (("balanced", {62, 64}), ("oldest", {62, 98})):
+        batches = list(make_packer("wlb", dataclasses.replace(cfg, release=release)).pack(lengths))
         first_release = next(b for b in batches if any(p.length >= 60 for p in b.pieces()))
         assert {p.length for p in first_release.pieces() if p.length >= 60} == want
 
 
 def test_no_near_empty_iteration_while_pieces_wait():
     # A document 12 x S_max long puts the intake in debt for many iterations; its pieces wait in
-    # a queue that releases R at a time. Rule: an iteration holds fewer than min_fill x the token
+    # a queue that releases R at a time. Rule: an iteration holds fewer than fill_target x the token
     # budget only if no waiting piece fits in the room left (here: never).
     lengths = [40] * 30 + [12 * 150 + 7] + [40] * 200
     # the fill rule (f) alone: without the read-ahead fill (h), which tops iterations up first
-    cfg = PackingConfig(seq_len=100, n=4, dp=1, max_seq_len=150, max_delay=6, fill_target=0.0)
+    cfg = PackingConfig(seq_len=100, n=4, dp=1, max_seq_len=150, max_delay=6, fill="waiting", fill_target=0.5)
     budget = cfg.tokens_per_iteration
     packer = make_packer("wlb", cfg)
     batches = []
@@ -152,7 +152,7 @@ def test_no_near_empty_iteration_while_pieces_wait():
         batches.append(b)
         if packer.pending() > 0:
             assert b.tokens >= 0.5 * budget, (b.iteration, b.tokens)
-    off = list(make_packer("wlb", dataclasses.replace(cfg, min_fill=0.0)).pack(lengths))
+    off = list(make_packer("wlb", dataclasses.replace(cfg, fill="off")).pack(lengths))
     assert min(b.tokens for b in off[:-3]) < 0.5 * budget  # without the rule it happens
     assert sum(b.tokens for b in batches) == sum(lengths)
 
@@ -165,10 +165,11 @@ def _lonely_outliers():
     return np.asarray(lengths)
 
 
-@pytest.mark.parametrize("policy", ["none", "overlong", "any"])
+@pytest.mark.parametrize("policy", ["split", "overlong", "any"])
 def test_cut_policy_counts_and_scope(policy):
     lengths = _lonely_outliers()
-    cfg = PackingConfig(seq_len=100, n=2, dp=2, max_seq_len=150, max_delay=2, cut_policy=policy, min_fill=0.0)
+    cfg = PackingConfig(seq_len=100, n=2, dp=2, max_seq_len=150, max_delay=2, cut=policy,
+                        fill="read-ahead")
     packer = make_packer("wlb", cfg)
     batches = list(packer.pack(lengths))
     pieces = [p for b in batches for p in b.pieces()]
@@ -180,7 +181,7 @@ def test_cut_policy_counts_and_scope(policy):
     cut_140 = [d for d, ps in by_doc.items() if lengths[d] == 140 and len(ps) > 1]
     cut_400 = [d for d, ps in by_doc.items() if lengths[d] == 400 and len(ps) > 3]  # 3 = the oversize split
     stats = packer.cut_stats
-    if policy == "none":
+    if policy == "split":
         assert not cut_140 and not cut_400 and stats == {"cut_points": 0, "tokens": 0, "pieces": 0}
     else:
         assert stats["cut_points"] > 0 and stats["pieces"] > stats["cut_points"]
@@ -198,15 +199,15 @@ def _debt_then_lonely_outlier():
     return np.asarray(lengths)
 
 
-@pytest.mark.parametrize("policy", ["none", "overlong", "any"])
+@pytest.mark.parametrize("policy", ["split", "overlong", "any"])
 def test_cut_policy_cuts_what_the_fill_rule_releases_into_an_unbalanced_iteration(policy):
     """When the fill rule must release an outlier into an iteration whose ordinary documents cannot
     balance it, the cut policy cuts it into the fewest pieces that can be balanced (140 tokens
     against 150 ordinary tokens in 4 micro-batches: 4 pieces of 35), counted in cut_stats; the
     delay bound holds and every token is emitted once."""
     lengths = _debt_then_lonely_outlier()
-    cfg = PackingConfig(seq_len=100, n=4, dp=1, max_seq_len=150, max_delay=8, cut_policy=policy,
-                        fill_target=0.0)  # the fill rule (f) alone: no read-ahead fill (h)
+    cfg = PackingConfig(seq_len=100, n=4, dp=1, max_seq_len=150, max_delay=8, cut=policy,
+                        fill="waiting", fill_target=0.5)  # the fill rule (f) alone: no read-ahead fill (h)
     packer = make_packer("wlb", cfg)
     batches = list(packer.pack(lengths))
     assert packer.fill_releases > 0

@@ -71,10 +71,10 @@ def test_original_packer_and_cp_sampler_cut_alike():
 
 def test_original_drop_and_error_policies():
     lengths = [10, 700, 20]
-    drop = make_packer("original", PackingConfig(seq_len=256, n=1, oversize="drop"))
+    drop = make_packer("original", PackingConfig(seq_len=256, n=1, cut="drop"))
     assert sum(b.tokens for b in drop.pack(lengths)) == 30 and drop.dropped == [(1, 700)]
     with pytest.raises(ValueError, match="document 1 has 700 tokens"):
-        list(make_packer("original", PackingConfig(seq_len=256, n=1, oversize="error")).pack(lengths))
+        list(make_packer("original", PackingConfig(seq_len=256, n=1, cut="error")).pack(lengths))
 
 
 # -- fixed packers ------------------------------------------------------------------------------
@@ -214,10 +214,10 @@ def test_wlb_outlier_queue_releases_n_at_a_time():
     assert sum(outliers_per_iter) == 12
 
 
-@pytest.mark.parametrize("release, group", [("global", 6), ("rank", 3)])
-def test_wlb_release_group_size_across_dp(release, group):
-    # dp 2 x n 3: the global release hands one outlier to each of the 6 micro-batches at once;
-    # release="rank" hands out n = 3 at a time.
+@pytest.mark.parametrize("release", ["balanced", "paper"])
+def test_wlb_release_group_size_across_dp(release):
+    # dp 2 x n 3: a release hands one outlier to each of the 6 micro-batches at once (R = dp * n)
+    group = 6
     lengths = []
     for _ in range(18):
         lengths += [90] + [10] * 51
@@ -304,9 +304,9 @@ def test_auto_thresholds_shapes():
     assert summarize(batches, None).max_delay == 0
     # heavy tail: L_1 sits in the tail, above the median and within the capacity
     heavy = np.minimum(6000, (20 / (1 - rng.random(3000)) ** 1.3).astype(int))
-    # (min_fill 0: on a stream where most tokens are outliers the fill rule trades balance for fill,
-    # see tests/test_packing_schedule.py; this checks the thresholds)
-    packer, batches = auto_thresholds(heavy, num_queues=3, min_fill=0.0)
+    # (fill "read-ahead": on a stream where most tokens are outliers the fill rule's top-up from waiting
+    # pieces trades balance for fill, see tests/test_packing_schedule.py; this checks the thresholds)
+    packer, batches = auto_thresholds(heavy, num_queues=3, fill="read-ahead")
     th = packer.thresholds()
     assert np.median(heavy) < th[0] <= packer.capacity and list(th) == sorted(set(th))
     assert summarize(batches, None).imbalance < summarize(
@@ -337,7 +337,7 @@ def test_bad_lengths_named(bad, needle):
 @pytest.mark.parametrize("kwargs, needle", [
     ({"seq_len": 128, "n": 0}, "n must be a positive integer, got 0"),
     ({"seq_len": 128, "n": 2, "max_seq_len": 64}, "max_seq_len=64 is below seq_len=128"),
-    ({"seq_len": 128, "n": 2, "oversize": "trim"}, "oversize='trim'"),
+    ({"seq_len": 128, "n": 2, "cut": "trim"}, "cut='trim'"),
     ({"seq_len": 128, "n": 2, "queue_thresholds": (50, 20)}, r"\(50, 20\)"),
     ({"seq_len": -5, "n": 2}, "seq_len must be a positive integer, got -5"),
 ])
@@ -350,7 +350,7 @@ def test_bad_config_named(kwargs, needle):
     ("wlb", {"queue_thresholds": (100, 400)}, "400 exceeds the wlb micro-batch capacity max_seq_len=150"),
     ("wlb", {"outlier_fraction": -1}, "outlier_fraction=-1"),
     ("wlb", {"release": "all"}, "release='all'"),
-    ("wlb", {"cut_policy": "some"}, "cut_policy='some'"),
+    ("wlb", {"cut": "some"}, "cut='some'"),
     ("fixed-solver", {"solver_nodes": 2.5}, "solver_nodes=2.5"),
     ("fixed-solver", {"solver_max_columns": 0}, "solver_max_columns must be a positive integer, got 0"),
 ])
@@ -375,11 +375,11 @@ def test_oversize_policies(name):
     pieces = [p for b in split.pack(lengths) for p in b.pieces() if p.doc_id == 1]
     assert sorted((p.offset, p.length) for p in pieces)[0] == (0, split.capacity)
     assert sum(p.length for p in pieces) == 500 and all(p.length <= split.capacity for p in pieces)
-    drop = make_packer(name, dataclasses.replace(cfg, oversize="drop"))
+    drop = make_packer(name, dataclasses.replace(cfg, cut="drop"))
     batches = list(drop.pack(lengths))
     assert drop.dropped == [(1, 500)] and sum(b.tokens for b in batches) == 70
     with pytest.raises(ValueError, match=f"document 1 has 500 tokens, more than the {name} packer's capacity"):
-        list(make_packer(name, dataclasses.replace(cfg, oversize="error")).pack(lengths))
+        list(make_packer(name, dataclasses.replace(cfg, cut="error")).pack(lengths))
 
 
 # -- metrics ------------------------------------------------------------------------------------

@@ -295,7 +295,7 @@ def test_real_patch_on_pinned_checkout(pinned_checkout: Path, tmp_path: Path):
     assert "get_batch OK" in res.stdout
     # without megatron_wlb importable (blocked via sys.modules), asking for WLB-LLM fails with a clear message
     block = "import sys; sys.modules['megatron_wlb'] = None; sys.argv = ['pretrain_gpt.py'{}]; import pretrain_gpt"
-    res = subprocess.run([sys.executable, "-W", "ignore", "-c", block.format(", '--wlb-packing', 'wlb'")], cwd=mlm,
+    res = subprocess.run([sys.executable, "-W", "ignore", "-c", block.format(", '--wlb-packer', 'wlb'")], cwd=mlm,
                          env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode != 0 and "megatron_wlb is not importable" in res.stderr and "pip install -e" in res.stderr
     stock = block.format("") + "; assert pretrain_gpt._wlb is None"
@@ -481,7 +481,7 @@ argvs = json.load(open(sys.argv[1]))
 for argv in argvs:
     sys.argv = ["pretrain_gpt.py", *argv]
     args = parse_args(extra_args_provider=wlb_extra_args_provider(None))
-    assert args.wlb_config or args.wlb_packing, argv
+    assert args.wlb_config or args.wlb_packer, argv
 print("parsed", len(argvs))
 # the one-GPU smoke recipe (TP = CP = PP = 1) also passes Megatron's validate_args and ours, which
 # installs the CP hooks; it needs its dataset, so write a small one from the standard library

@@ -52,7 +52,7 @@ def worker(rank: int, world: int, prefix: str, longer: str) -> None:
         args = Namespace(seq_length=1024, micro_batch_size=1, global_batch_size=2 * world, data_parallel_size=world,
                          tensor_model_parallel_size=1, context_parallel_size=1, pipeline_model_parallel_size=1,
                          train_iters=ITERATIONS, seed=1234, hidden_size=256, num_layers=4, num_attention_heads=8,
-                         ffn_hidden_size=1024, data_path=[data], split="98,2,0", wlb_packing="wlb",
+                         ffn_hidden_size=1024, data_path=[data], split="98,2,0", wlb_packer="wlb",
                          wlb_max_seq_len=2048)
         return build_train_iterator(args, settings_from_args(args), dp_rank)
 

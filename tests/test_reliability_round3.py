@@ -154,8 +154,8 @@ def test_start_up_problems_exit_with_one_line_and_no_traceback(real_prefix, tmp_
     assert rc == 1 and "2 problems" in line and "--wlb-max-seq-len 100 is below --seq-length 256" in line
     assert f"no {missing}.bin/.idx" in line
     # a flag argparse rejects: its one-line error, without Megatron's usage of several hundred lines
-    rc, err = _start(["--tiny-gpt", "--data-path", real_prefix, "--wlb-packing", "best"], tmp_path)
-    assert rc == 2 and "invalid choice: 'best'" in _one_line(err, "--wlb-packing")
+    rc, err = _start(["--tiny-gpt", "--data-path", real_prefix, "--wlb-packer", "best"], tmp_path)
+    assert rc == 2 and "invalid choice: 'best'" in _one_line(err, "--wlb-packer")
     assert "usage:" not in err
     # a flag Megatron's own validate_args asserts on: its message in one line, where it stands
     rc, err = _start(["--tiny-gpt", "--data-path", real_prefix, "--tensor-model-parallel-size", "2"], tmp_path)

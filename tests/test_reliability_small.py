@@ -23,8 +23,8 @@ def test_the_cut_policy_never_emits_an_empty_piece(seed):
     lengths = rng.integers(1, int(rng.integers(2, 300)), size=int(rng.integers(20, 200)))
     thresholds = (1, *sorted(set(rng.integers(2, 150, size=int(rng.integers(0, 3))).tolist())))
     cfg = PackingConfig(seq_len=100, n=int(rng.integers(1, 4)), dp=int(rng.integers(1, 3)), max_seq_len=150,
-                        max_delay=int(rng.integers(0, 3)), cut_policy=("any", "overlong")[seed % 2],
-                        queue_thresholds=thresholds, min_fill=float(rng.choice([0.0, 0.5])))
+                        max_delay=int(rng.integers(0, 3)), cut=("any", "overlong")[seed % 2],
+                        queue_thresholds=thresholds, fill=str(rng.choice(["read-ahead", "full"])))
     pieces = [p for b in make_packer("wlb", cfg).pack(lengths) for p in b.pieces()]
     assert min(p.length for p in pieces) >= 1
     covered = np.zeros(lengths.size, dtype=np.int64)

@@ -233,7 +233,7 @@ def test_cli_simulate_analyze_reproduce(tmp_path, capsys):
     rows = json.loads((tmp_path / "s.json").read_text())["iterations"]
     assert len(rows) == 2 and {"time_s", "bubble_fraction", "packing_imbalance", "micro_batch_latency_s",
                                "pp_rank_busy_s"} <= set(rows[0])
-    assert main(["simulate", "--config", "7b_64k", "--iterations", "2", "--cp-layout", "dynamic-cp",
+    assert main(["simulate", "--config", "7b_64k", "--iterations", "2", "--cp-sharding", "dynamic-cp",
                  "--packer", "original", "--lengths", str(lengths_file)]) == 0
     assert main(["analyze", "--lengths", str(lengths_file), "--config", "7b_64k", "--iterations", "2",
                  "--out", str(tmp_path / "an")]) == 0
@@ -279,7 +279,7 @@ def test_calibrated_profile_drives_the_simulator(tmp_path, capsys):
         path.write_text(json.dumps(profile(scale)))
         out = tmp_path / f"s{scale}.json"
         assert main(["simulate", "--config", "7b_64k", "--iterations", "2", "--lengths", str(lengths_file),
-                     "--profile", str(path), "--json", str(out)]) == 0
+                     "--cost-profile", str(path), "--json", str(out)]) == 0
         data = json.loads(out.read_text())
         assert "calibrated" in data["cost_model"]
         times.append(sum(r["time_s"] for r in data["iterations"]))

@@ -83,7 +83,7 @@ def test_a_dataset_fingerprint_changes_with_either_file(tmp_path):
 
 def test_the_disagreement_names_each_part_and_its_ranks():
     def fingerprint(interval: str, bin_digest: str, file: str) -> RunFingerprint:
-        parts = (("--wlb-packing", "wlb"), ("--wlb-log-interval", interval), ("--data-path #1 .bin", bin_digest),
+        parts = (("--wlb-packer", "wlb"), ("--wlb-log-interval", interval), ("--data-path #1 .bin", bin_digest),
                  ("--data-path #1 .idx", "cccc"))
         return RunFingerprint(parts, (("--data-path #1 .bin", file), ("--data-path #1 .idx", file)))
 
@@ -93,11 +93,11 @@ def test_the_disagreement_names_each_part_and_its_ranks():
     assert "--wlb-log-interval: 1 on ranks 0-1,3, 5 on rank 2" in text
     assert "--data-path #1 .bin: aaaa (c) on ranks 0-1,3, bbbb (d) on rank 2" in text
     assert ".idx" not in text  # the same index under another name is the same data
-    assert "--wlb-packing" not in text and "interrupted midway" in text and "\n" not in text
+    assert "--wlb-packer" not in text and "interrupted midway" in text and "\n" not in text
 
 
 def test_a_resume_on_other_data_is_refused_naming_the_file():
-    now = RunFingerprint((("--wlb-packing", "wlb"), ("--data-path #1 .idx", "i1"), ("--data-path #1 .bin", "b2")),
+    now = RunFingerprint((("--wlb-packer", "wlb"), ("--data-path #1 .idx", "i1"), ("--data-path #1 .bin", "b2")),
                          (("--data-path #1 .bin", "c_text_document"),))
     assert now.datasets() == {"--data-path #1 .idx": "i1", "--data-path #1 .bin": "b2"}
     assert resume_data_refusal(None, now, 8) is None  # a sidecar before version 4
@@ -122,7 +122,7 @@ def _args(**extra) -> Namespace:
     base = dict(seq_length=1024, micro_batch_size=1, global_batch_size=4, data_parallel_size=1,
                 tensor_model_parallel_size=1, context_parallel_size=2, pipeline_model_parallel_size=1, train_iters=6,
                 seed=1234, hidden_size=256, num_layers=4, num_attention_heads=8, ffn_hidden_size=1024, split="98,2,0",
-                wlb_packing="wlb", wlb_max_seq_len=2048, wlb_cp_sharding="adaptive")
+                wlb_packer="wlb", wlb_max_seq_len=2048, wlb_cp_sharding="adaptive")
     return Namespace(**{**base, **extra})
 
 

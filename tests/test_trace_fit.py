@@ -1,6 +1,6 @@
 """``wlb calibrate --from-trace``: a synthetic PP2 trace with known per-layer coefficients (written with
 ``costmodel.trace.row_to_json``) is fitted back, its held-out MAPE is small, the written profile is
-accepted wherever a profile is (``build_cost_model``, ``wlb pack --profile``), and bad traces end in
+accepted wherever a profile is (``build_cost_model``, ``wlb pack --cost-profile``), and bad traces end in
 one line. Pure numpy: no torch."""
 
 from __future__ import annotations
@@ -119,7 +119,7 @@ def test_the_lm_head_feature_is_what_makes_pp_traces_fit(fitted):
 
 def test_the_trace_profile_feeds_pack(fitted, capsys):
     _, out, _ = fitted
-    assert main(["pack", "--profile", str(out), "--config", "550m_64k", "--iterations", "1", "--json"]) == 0
+    assert main(["pack", "--cost-profile", str(out), "--config", "550m_64k", "--iterations", "1", "--json"]) == 0
     text = capsys.readouterr().out
     assert json.loads(text[text.index("{"):])["iterations"] == 1
 

@@ -89,7 +89,7 @@ def test_cli_runs_from_the_unpacked_wheel_outside_the_tree(wheel: Path, tmp_path
     version = wlb("--version")
     assert version.returncode == 0 and version.stdout.startswith("megatron-wlb ")
     (work / "mb.jsonl").write_text("[100, 2000, 30000]\n[65536]\n")
-    res = wlb("shard", "--micro-batches", "mb.jsonl", "--cp", "2", "--layout", "adaptive", "--out", "o.jsonl")
+    res = wlb("shard", "--micro-batches", "mb.jsonl", "--cp", "2", "--cp-sharding", "adaptive", "--out", "o.jsonl")
     assert res.returncode == 0, res.stderr
     lines = (work / "o.jsonl").read_text().splitlines()
     assert len(lines) == 2 and json.loads(lines[1])["padded_lengths"] == [65536]

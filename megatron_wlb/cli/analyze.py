@@ -18,8 +18,8 @@ import argparse
 import json
 import sys
 import time
+import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -27,21 +27,23 @@ from megatron_wlb.cli.common import (
     add_stream_args,
     corpus_sample,
     cost_profile,
-    headline_schedule,
     load_stream,
     output_dir,
     output_file,
     positive,
     seeds_from,
     tqdm_progress,
+    with_virtual_stages,
 )
-from megatron_wlb.data.blend import DEFAULT_SEED
+from megatron_wlb.config import RunConfig, load_config
+from megatron_wlb.costmodel import build_cost_model
+from megatron_wlb.data import load_lengths
+from megatron_wlb.data.blend import DEFAULT_SEED, parse_data_path, read_blend, shuffle_documents
 from megatron_wlb.data.samples import SampleStream
-from megatron_wlb.sim.experiments import DEFAULT_VIRTUAL_STAGES, EQUAL_DELAY_WINDOW
-
-if TYPE_CHECKING:
-    from megatron_wlb.config import RunConfig
-    from megatron_wlb.sim.report import Verdict
+from megatron_wlb.sim.experiments import EQUAL_DELAY_WINDOW, PAPER_VIRTUAL_STAGES
+from megatron_wlb.sim.iteration import split_documents
+from megatron_wlb.sim.moe import attention_shares, moe_table, share_summary
+from megatron_wlb.sim.report import Verdict, analyze, recommendation
 
 #: Orderings per verdict. With k i.i.d. orderings each, two corpora of the same documents in
 #: different file orders give disjoint [min, max] ranges with probability 2 (k!)^2 / (2k)!:
@@ -64,14 +66,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                                      "a baseline's on the same iterations (1.10 = 10%% faster); mean [min, "
                                      "max] over the shuffles; mean delay = iterations a token waits past its "
                                      "arrival, token-weighted; every number under the schedule named beside "
-                                     f"it (default interleaved 1F1B, v = {DEFAULT_VIRTUAL_STAGES}, as the "
-                                     "README's headline and `wlb reproduce`).")
+                                     "it (the config's virtual_stages, default plain 1F1B; the README's headline "
+                                     f"and `wlb reproduce` run the paper's interleaved v = {PAPER_VIRTUAL_STAGES}).")
     group = add_stream_args(p)
     group.add_argument("--data-path", nargs="+", metavar="W_OR_PREFIX",
                        help="Megatron-style blend: 'PREFIX' or 'W1 PREFIX1 W2 PREFIX2 ...' (weights are "
                             "normalised; without weights the datasets are concatenated)")
     p.add_argument("--config", required=True, help="config name (configs/*.yaml stem) or YAML path")
-    p.add_argument("--profile", metavar="JSON",
+    p.add_argument("--cost-profile", metavar="JSON",
                    help="cost-model profile measured on a GPU (format megatron-wlb-profile/1)")
     p.add_argument("--out", default="wlb-analyze", metavar="DIR", help="output folder (default ./wlb-analyze)")
     p.add_argument("--iterations", type=int,
@@ -82,9 +84,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--no-shuffle", action="store_true",
                    help="keep the corpus in file order (one ordering; the verdict then depends on that order)")
     p.add_argument("--virtual-stages", type=int, metavar="V",
-                   help="interleaved 1F1B with V virtual stages, 1 = plain 1F1B (default "
-                        f"{DEFAULT_VIRTUAL_STAGES}, the schedule of the README's headline and `wlb reproduce`, "
-                        "whatever the config says; plain 1F1B where the config's pipeline cannot interleave)")
+                   help="interleaved 1F1B with V virtual stages, 1 = plain 1F1B (default: the config's "
+                        f"virtual_stages, as every command; {PAPER_VIRTUAL_STAGES} is the README headline's)")
     p.add_argument("--json", metavar="FILE", help="also write the verdict as JSON")
     p.add_argument("--max-documents", type=int, default=DEFAULT_MAX_DOCUMENTS, metavar="N",
                    help="with --data-prefix/--data-path: analyze at most N documents; a larger corpus is sampled "
@@ -105,8 +106,6 @@ def gpt_samples(corpus: np.ndarray | list[str] | str, seq_len: int, num_samples:
 
     The concat-and-cut baseline and the balanced concat-and-cut then train exactly the samples the
     user's ``pretrain_gpt.py`` job would, iteration by iteration, so the verdict is about that job."""
-    import warnings
-
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # megatron-core's import warns about optional kernels
@@ -115,7 +114,7 @@ def gpt_samples(corpus: np.ndarray | list[str] | str, seq_len: int, num_samples:
         return None, (f"megatron-core is not importable here ({e}): the concat-and-cut baseline and the balanced "
                       "concat-and-cut follow this tool's document order, not Megatron GPTDataset's sample order; "
                       "install megatron-core and torch (pip install megatron-core torch) for the exact order.")
-    from megatron_wlb.megatron.sample_orders import gpt_sample_order, sample_stream
+    from megatron_wlb.megatron.sample_orders import gpt_sample_order, sample_stream  # megatron-core: optional
 
     streams = []
     with warnings.catch_warnings():
@@ -131,10 +130,6 @@ def gpt_samples(corpus: np.ndarray | list[str] | str, seq_len: int, num_samples:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_wlb.config import load_config
-    from megatron_wlb.data import load_lengths
-    from megatron_wlb.sim.iteration import split_documents
-    from megatron_wlb.sim.report import analyze, recommendation
 
     # every input is checked before any work: the simulation takes minutes
     if args.iterations is not None:
@@ -142,19 +137,16 @@ def run(args: argparse.Namespace) -> int:
     positive(args.shuffles, "--shuffles")
     positive(args.max_documents, "--max-documents")
     seeds = seeds_from(args.seed, 1 if args.no_shuffle else args.shuffles)
-    cfg, schedule_note = headline_schedule(load_config(args.config), args.virtual_stages)
-    profile = cost_profile(args.profile)
+    cfg = with_virtual_stages(load_config(args.config), args.virtual_stages)
+    profile = cost_profile(args.cost_profile, config=cfg)
     out = output_dir(args.out)
     json_out = output_file(args.json, "--json") if args.json else None
-    notes: list[str] = [schedule_note] if schedule_note else []
-    if schedule_note:
-        print(f"wlb analyze: note: {schedule_note}", file=sys.stderr)
+    notes: list[str] = []
     lengths = np.zeros(0, dtype=np.int64)  # the file-order lengths (--lengths / --data-prefix / embedded)
     # the corpus as megatron-core reads it: the prefix or blend itself (its IndexedDataset), or the lengths
     corpus: np.ndarray | list[str] | str | None = args.data_path or args.data_prefix
     sample: tuple[int, int] | None = None  # (documents read, documents in the corpus) when sampled
     if args.data_path or args.data_prefix:
-        from megatron_wlb.data.blend import parse_data_path
 
         prefixes = [prefix for prefix, _ in parse_data_path(args.data_path)] if args.data_path else [args.data_prefix]
         flag = "--data-path" if args.data_path else "--data-prefix"
@@ -168,7 +160,6 @@ def run(args: argparse.Namespace) -> int:
             notes.append(line)
             print(f"wlb analyze: note: {line}", file=sys.stderr)
     if args.data_path:
-        from megatron_wlb.data.blend import read_blend
 
         streams = []
         for seed in seeds:
@@ -181,7 +172,6 @@ def run(args: argparse.Namespace) -> int:
         if sample is not None:  # megatron-core samples the sample, blended (it shuffles it per seed itself)
             corpus = read_blend(args.data_path, None, datasets=datasets)[0]
     else:
-        from megatron_wlb.data.blend import shuffle_documents
 
         if args.data_prefix:
             lengths = datasets[0]
@@ -257,9 +247,6 @@ def moe_beside_dense(out: Path, cfg: RunConfig, streams: list[np.ndarray], itera
                      verdict: Verdict) -> dict:
     """Simulate ``cfg``'s dense counterpart (``RunConfig.dense_counterpart``) on the same orderings and samples,
     print the MoE job beside it (``sim.moe.moe_table``), append it to ``report`` and return it as JSON."""
-    from megatron_wlb.costmodel import build_cost_model
-    from megatron_wlb.sim.moe import attention_shares, moe_table, share_summary
-    from megatron_wlb.sim.report import analyze
 
     dense = cfg.dense_counterpart()
     _, _, dense_verdict = analyze(out / "dense-counterpart", dense, streams, iterations, profile=profile,

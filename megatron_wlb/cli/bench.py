@@ -42,6 +42,7 @@ from megatron_wlb.cli.common import (
 from megatron_wlb.config import load_config
 from megatron_wlb.costmodel import build_cost_model
 from megatron_wlb.packing import make_packer, summarize
+from megatron_wlb.packing.presets import preset_values
 from megatron_wlb.provenance import machine
 from megatron_wlb.sim.experiments import schedule_label
 
@@ -60,7 +61,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="also benchmark this Megatron --data-path blend ('W1 PREFIX1 W2 PREFIX2 ...'); repeatable")
     p.add_argument("--scale-config", default=None, help="also time wlb on this layout (e.g. 405b_128k_8k)")
     p.add_argument("--scale-iterations", type=int, default=100, help="global batches at --scale-config")
-    p.add_argument("--profile", default=None, help="calibrated cost-model profile JSON (default: analytic)")
+    p.add_argument("--cost-profile", default=None, help="calibrated cost-model profile JSON (default: analytic)")
     add_cache_arg(p)
     p.add_argument("--out", default=None, help="directory for packing_bench.md / .json (default: print only)")
     p.add_argument("--quick", action="store_true", help="fewer rows (for smoke tests)")
@@ -177,7 +178,7 @@ def run(args: argparse.Namespace) -> int:
     positive(args.iterations, "--iterations")
     positive(args.solver_iterations, "--solver-iterations")
     positive(args.scale_iterations, "--scale-iterations")
-    cost_profile(args.profile)
+    cost_profile(args.cost_profile)
     out = output_dir(args.out) if args.out else None
     config = load_config(args.config)
     if args.scale_config:
@@ -191,14 +192,14 @@ def run(args: argparse.Namespace) -> int:
     bases = {stream: open_stream(stream, args.data_cache_path) for stream in streams}
     for stream in streams:
         tables.append(bench_one(args.config, stream, rows_for(config.seq_len, args.quick), args.iterations,
-                                args.solver_iterations, args.profile, base=bases[stream]))
+                                args.solver_iterations, args.cost_profile, base=bases[stream]))
     if args.scale_config:
         rows: list[BenchRow] = [
             ("Original", "original", {}), ("Fixed-Len Greedy, window 1", "fixed-greedy", {"window": 1}),
             ("WLB, auto thresholds (default)", "wlb", {}),
-            ("WLB, auto, queue releases N (one DP rank) at a time", "wlb", {"release": "rank"})]
+            ("WLB, preset paper (Algorithm 1)", "wlb", preset_values("paper"))]
         tables.append(bench_one(args.scale_config, "wlbllm", rows, args.scale_iterations, args.solver_iterations,
-                                args.profile))
+                                args.cost_profile))
     result = {"machine": host, "command": args.label or "wlb " + " ".join(sys.argv[1:]), "tables": tables}
     md = to_markdown(result)
     if out is not None:

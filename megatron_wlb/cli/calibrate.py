@@ -1,6 +1,6 @@
 """``wlb calibrate``: measure the configured model's per-layer latencies on this machine (its GPU, or its
 CPU when it has none) or fit them from a training trace, and write the cost-model profile
-(``--profile`` / ``--wlb-cost-profile``); measuring also writes the adaptive layout's kernel table.
+(``--cost-profile`` / ``--wlb-cost-profile``); measuring also writes the adaptive layout's kernel table.
 
     wlb calibrate --config 7b_128k --out profile.json        # on a GPU node (bf16, CUDA events)
     wlb calibrate --config my.yaml --out profile.json         # no GPU: the CPU, fp32, the config's real shapes
@@ -26,7 +26,7 @@ Writes ``OUT`` in the ``megatron-wlb-profile/1`` format that ``costmodel.load_pr
 (``{"format", "device", "model", "tp", "attention": {"lengths", "documents", "fwd_s", "bwd_s"}, "linear":
 {"tokens", "fwd_s", "bwd_s"}, "holdout": {"mape", "micro_batches", "measured"}}``) and ``OUT`` with
 suffix ``.efficiency.json``: the achieved attention TFLOP/s over (query run, key range) shapes in the
-``megatron-wlb-attn-efficiency/1`` format of ``cp/data/default_efficiency.json`` (``wlb shard --profile``).
+``megatron-wlb-attn-efficiency/1`` format of ``cp/data/default_efficiency.json`` (``wlb shard --kernel-table``).
 
 ``--from-trace`` reads every rank's file of a ``--wlb-trace`` (``costmodel.trace``), drops iterations
 before ``--warmup``, and writes the profile's measured-micro-batch form (``"micro_batches"``: each
@@ -42,13 +42,14 @@ import json
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
 import numpy as np
 
 from megatron_wlb.cli.common import output_file, positive
+from megatron_wlb.config import load_config
 from megatron_wlb.costmodel import (
     PROFILE_FORMAT,
     CalibratedCostModel,
@@ -62,7 +63,9 @@ from megatron_wlb.costmodel import (
     load_profile,
 )
 from megatron_wlb.costmodel.table import MAX_KNOTS, choose_knots
+from megatron_wlb.costmodel.trace import profile_points, read_trace, trace_setup
 from megatron_wlb.cp.efficiency import EFFICIENCY_FORMAT, KernelEfficiency
+from megatron_wlb.packing.types import resolve_max_seq_len
 from megatron_wlb.provenance import machine
 
 #: a line of progress to stderr
@@ -317,7 +320,7 @@ class Layer:
         region, or host ints) and ``longest`` their longest (host int)."""
         import torch.nn.functional as F
 
-        from megatron_wlb.cp.attention import varlen_attention
+        from megatron_wlb.cp.attention import varlen_attention  # imports torch: only when measuring
 
         q_cols, kv_cols = self.heads * self.dim, self.kv_heads * self.dim
         qkv = F.linear(x, self.w_qkv)
@@ -373,8 +376,6 @@ def measured_shape(model: ModelShape) -> ModelShape:
     """The shape ``Layer`` measures: an MoE model's MoE layer (a layer pattern with dense layers too is
     priced from it by FLOPs, as other shapes are); a dense model as it is."""
     if model.is_moe and model.moe_layer_freq != 1:
-        from dataclasses import replace
-
         return replace(model, moe_layer_freq=1)
     return model
 
@@ -392,7 +393,7 @@ def measure_attention(torch: Any, timer: Timer, model: ModelShape, tp: int, leng
                       backend: str, log: Log) -> dict[str, list[Any]]:
     """Forward and backward seconds of causal attention over each call of ``attention_calls(lengths)``, one
     layer, one GPU."""
-    from megatron_wlb.cp.attention import varlen_attention
+    from megatron_wlb.cp.attention import varlen_attention  # imports torch: only when measuring
 
     heads, kv_heads, dim = model.num_heads // tp, model.num_kv_heads // tp, model.head_dim
     out: dict[str, list[Any]] = {"lengths": [], "documents": [], "fwd_s": [], "bwd_s": []}
@@ -483,7 +484,7 @@ def measure_efficiency(torch: Any, timer: Timer, model: ModelShape, tp: int, q_l
                        table_tokens: int, tile: int, dtype: Any, backend: str, device_name: str,
                        log: Log) -> KernelEfficiency:
     """Achieved forward TFLOP/s of bottom-right causal query runs (q queries over kv keys), q <= kv."""
-    from megatron_wlb.cp.attention import reference_varlen_attention, varlen_attention
+    from megatron_wlb.cp.attention import reference_varlen_attention, varlen_attention  # imports torch
 
     heads, kv_heads, dim = model.num_heads // tp, model.num_kv_heads // tp, model.head_dim
     # the kernel must mask bottom-right (a CP rank's queries see all earlier keys): check on runs with q < kv
@@ -534,9 +535,7 @@ def measure_efficiency(torch: Any, timer: Timer, model: ModelShape, tp: int, q_l
 def plan_measurement(args: argparse.Namespace, torch: Any) -> Plan:
     """The run's model, device and grids from the flags: the smoke grid, a GPU's defaults, or the CPU's
     defaults capped by ``CpuBudget`` (flags given explicitly are kept as they are)."""
-    from megatron_wlb.config import load_config
-    from megatron_wlb.cp.attention import BACKENDS
-    from megatron_wlb.packing.types import resolve_max_seq_len
+    from megatron_wlb.cp.attention import BACKENDS  # imports torch: only when measuring
 
     if args.backend not in BACKENDS:
         raise ValueError(f"--backend {args.backend!r}: choose one of {', '.join(BACKENDS)}")
@@ -695,7 +694,7 @@ def run(args: argparse.Namespace) -> int:
                                     plan.tile, plan.dtype, plan.backend, plan.device_name, log)
     out.write_text(json.dumps(profile, indent=1) + "\n")
     efficiency.to_json(eff_out)
-    load_profile(out)  # what --profile will read: fail here, not in a later run
+    load_profile(out)  # what --cost-profile will read: fail here, not in a later run
     KernelEfficiency.from_json(eff_out)
     print(f"wrote {out} ({PROFILE_FORMAT}) and {eff_out} ({EFFICIENCY_FORMAT}) in "
           f"{time.perf_counter() - start:.1f} s on {plan.device_name}")
@@ -705,8 +704,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"held-out MAPE {profile['holdout']['mape']:.1%} of forward + backward on {len(docs)} composite "
           f"micro-batches ({min(map(len, docs))}-{max(map(len, docs))} documents, "
           f"{min(held['tokens'])}-{max(held['tokens'])} tokens; measured apart, not in the fit)" + table_note(profile))
-    print(f"use: wlb analyze --profile {out} ...; Megatron: --wlb-cost-profile {out}; "
-          f"wlb shard --profile {eff_out}")
+    print(f"use: wlb analyze --cost-profile {out} ...; Megatron: --wlb-cost-profile {out}; "
+          f"wlb shard --kernel-table {eff_out}")
     return 0
 
 
@@ -733,7 +732,6 @@ def without_table(profile: dict[str, Any]) -> dict[str, Any]:
 
 def run_from_trace(args: argparse.Namespace, out: Path) -> int:
     """``--from-trace``: the micro-batch profile of a training trace, with its held-out MAPE."""
-    from megatron_wlb.costmodel.trace import profile_points, read_trace, trace_setup
 
     if args.efficiency_out is not None:
         raise ValueError("--efficiency-out: a trace times whole micro-batches, not kernel shapes, so --from-trace "
@@ -774,7 +772,7 @@ def run_from_trace(args: argparse.Namespace, out: Path) -> int:
     if "attention_table" in profile:
         profile["holdout"]["linear_in_pairs_mape"] = holdout_mape(without_table(profile), mask)["mape"]
     out.write_text(json.dumps(profile, indent=1) + "\n")
-    load_profile(out)  # what --profile / --wlb-cost-profile will read: fail here, not in a later run
+    load_profile(out)  # what --cost-profile / --wlb-cost-profile will read: fail here, not in a later run
     CalibratedCostModel(profile, model, ParallelLayout(tp=tp))
     fit = fit_profile(profile)
     print(f"wrote {out} ({PROFILE_FORMAT}, measured micro-batches) from {n} micro-batch rows of "
@@ -785,5 +783,5 @@ def run_from_trace(args: argparse.Namespace, out: Path) -> int:
           "without them; the written fit uses every row)" + table_note(profile))
     print("no kernel-efficiency table: a trace times whole micro-batches, not kernel shapes (wlb shard keeps "
           "its shipped table, or measure one with `wlb calibrate`)")
-    print(f"use: wlb analyze --profile {out} ...; Megatron: --wlb-cost-profile {out}")
+    print(f"use: wlb analyze --cost-profile {out} ...; Megatron: --wlb-cost-profile {out}")
     return 0

@@ -9,8 +9,8 @@
 - running: the progress bar (``tqdm_progress``, a ``sim.iteration.Progress``), ``run_packer`` and
   the benchmark's ``machine`` line.
 
-Heavy modules (numpy, the packers, the data layer) are imported inside the functions that use them,
-so ``wlb --help`` stays fast.
+Package modules are imported at the top (the cli sits above every layer, so no cycle can arise); the optional
+tqdm is imported where used.
 """
 
 from __future__ import annotations
@@ -21,15 +21,17 @@ import shlex
 import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any, TypeVar
+from typing import IO, Any, TypeVar
 
-if TYPE_CHECKING:
-    import numpy as np
+import numpy as np
 
-    from megatron_wlb.config import RunConfig
-    from megatron_wlb.data.reader import DocumentReader
-    from megatron_wlb.packing import GlobalBatch, Packer
-    from megatron_wlb.packing.base import StreamSource
+from megatron_wlb.config import RunConfig
+from megatron_wlb.costmodel import PROFILE_FORMAT, load_profile
+from megatron_wlb.data import load_lengths, stdlib_lengths
+from megatron_wlb.data.blend import DEFAULT_SEED
+from megatron_wlb.data.reader import DocumentReader, IndexedSource, weighted_prefixes
+from megatron_wlb.packing import GlobalBatch, Packer
+from megatron_wlb.packing.base import ArraySource, StreamSource
 
 _T = TypeVar("_T")
 
@@ -90,11 +92,13 @@ def show_progress() -> bool:
     return sys.stderr.isatty()
 
 
-def cost_profile(path: str | Path | None, flag: str = "--profile") -> str | None:
-    """``path`` after checking it is a ``megatron-wlb-profile/1`` file the cost model can read."""
+def cost_profile(path: str | Path | None, flag: str = "--cost-profile", config: RunConfig | None = None) -> str | None:
+    """``path`` (else ``config``'s ``cost.profile``, if any) after checking it is a ``megatron-wlb-profile/1``
+    file the cost model can read."""
+    if path is None and config is not None and config.cost.profile is not None:
+        path, flag = config.cost.profile, f"{config.name}: cost.profile"
     if path is None:
         return None
-    from megatron_wlb.costmodel import PROFILE_FORMAT, load_profile
 
     fmt = read_json_object(path, flag).get("format")
     if fmt != PROFILE_FORMAT:
@@ -116,22 +120,6 @@ def with_virtual_stages(config: RunConfig, virtual_stages: int | None, flag: str
         raise ValueError(f"{flag} {virtual_stages}: needs >= 1 and micro_batches ({config.micro_batches}) "
                          f"divisible by pp ({config.layout.pp})")
     return config.with_virtual_stages(virtual_stages)
-
-
-def headline_schedule(config: RunConfig, virtual_stages: int | None,
-                      flag: str = "--virtual-stages") -> tuple[RunConfig, str | None]:
-    """``config`` under ``--virtual-stages`` if given, else under the schedule of the README's headline
-    (``sim.experiments.DEFAULT_VIRTUAL_STAGES``, what ``wlb reproduce`` runs), and a note when the
-    config's pipeline cannot interleave that many (then plain 1F1B)."""
-    from megatron_wlb.sim.experiments import DEFAULT_VIRTUAL_STAGES
-
-    if virtual_stages is not None:
-        return with_virtual_stages(config, virtual_stages, flag), None
-    if DEFAULT_VIRTUAL_STAGES > 1 and config.micro_batches % config.layout.pp:
-        return with_virtual_stages(config, 1, flag), (
-            f"Schedule: plain 1F1B, not the README headline's interleaved v = {DEFAULT_VIRTUAL_STAGES}: "
-            f"micro_batches ({config.micro_batches}) is not divisible by pp ({config.layout.pp}).")
-    return with_virtual_stages(config, DEFAULT_VIRTUAL_STAGES, flag), None
 
 
 def seeds_from(first: int, count: int, flag: str = "--seed") -> list[int]:
@@ -271,8 +259,6 @@ def corpus_reader(source: str, cache: str | None = None) -> DocumentReader:
     ``.bin`` size, the pointers; one-line errors naming the flag). A prefix is read in file order; a
     ``--data-path`` is shuffled and blended as wlb's training reader does with ``--seed`` 1234 (unweighted
     prefixes weigh the same), its epoch orders in ``cache`` when given (``--data-cache-path``)."""
-    from megatron_wlb.data.blend import DEFAULT_SEED
-    from megatron_wlb.data.reader import DocumentReader, IndexedSource, weighted_prefixes
 
     if source.startswith(DATA_PREFIX_SCHEME):
         prefix = source[len(DATA_PREFIX_SCHEME):]
@@ -320,10 +306,6 @@ class LengthStream:
     def source(self, min_tokens: int = 0, seed: int = 0) -> StreamSource:
         """A fresh ``StreamSource`` of the stream (each packer reads its own): one lazy pass over a corpus that
         holds ``min_tokens``; else the pass materialised and repeated (``repeat_stream``) until it does."""
-        import numpy as np
-
-        from megatron_wlb.packing.base import ArraySource
-
         if self.reader is not None and self._lengths is None and self.tokens >= min_tokens:
             return self.reader.stream(self.tokens).cursor()
         lengths = repeat_stream(self._array(), min_tokens, seed)
@@ -344,7 +326,6 @@ def corpus_sample(prefixes: Sequence[str], flag: str, max_documents: int | None,
     dataset opened by the training reader (``IndexedSource``: mapped, checked). All documents when the corpus
     holds at most ``max_documents`` (None: no cap); else the same share of each dataset, drawn uniformly
     without replacement (``IndexedSource.sample_lengths``, seeded): only those ``.idx`` entries are read."""
-    from megatron_wlb.data.reader import IndexedSource
 
     sources = [IndexedSource.open(prefix, flag=flag) for prefix in prefixes]
     total = sum(src.num_documents for src in sources)
@@ -360,7 +341,6 @@ def corpus_sample(prefixes: Sequence[str], flag: str, max_documents: int | None,
 def load_stream(args: argparse.Namespace) -> tuple[np.ndarray, str]:
     """(lengths, description) from --lengths / --data-prefix (the whole corpus, read by the training
     reader: checked, then materialised; ``wlb simulate`` / ``reproduce``), the embedded stream by default."""
-    from megatron_wlb.data import load_lengths
 
     if getattr(args, "data_prefix", None):
         lengths = corpus_sample([args.data_prefix], "--data-prefix", None, 0)[0][0]
@@ -378,7 +358,6 @@ def read_stream(source: str) -> np.ndarray:
     """The lengths of a stream named as ``resolve_lengths`` takes it, once (a missing file or an empty
     stream is a one-line error naming it); an indexed corpus is read by the training reader
     (``corpus_reader``) and materialised."""
-    from megatron_wlb.data import load_lengths, stdlib_lengths
 
     if source == "stdlib":
         base = stdlib_lengths()
@@ -393,8 +372,6 @@ def read_stream(source: str) -> np.ndarray:
 
 def repeat_stream(base: np.ndarray, min_tokens: int = 0, seed: int = 0) -> np.ndarray:
     """``base`` repeated (a seeded shuffle per extra pass) until it holds at least ``min_tokens`` tokens."""
-    import numpy as np
-
     parts, total = [base], int(base.sum())
     rng = np.random.default_rng(seed)
     while total < min_tokens:
@@ -439,8 +416,6 @@ def run_packer(packer: Packer, lengths: np.ndarray | StreamSource, iterations: i
     was_enabled = gc.isenabled()
     gc.disable()
     try:
-        import numpy as np
-
         batches_of = packer.pack(lengths) if isinstance(lengths, np.ndarray) else packer.pack_source(lengths)
         for batch in batches_of:
             batches.append(batch)

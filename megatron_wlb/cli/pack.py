@@ -14,7 +14,7 @@ offset, length], ...], ...]}`` (micro-batch ``r * n + k`` is DP rank r's k-th).
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import functools
 import json
 from typing import Any
 
@@ -29,9 +29,11 @@ from megatron_wlb.cli.common import (
     output_file,
     run_packer,
 )
-from megatron_wlb.config import PACKER_NAMES, RunConfig, load_config
+from megatron_wlb.config import PACKER_NAMES, PACKING_KNOBS, RunConfig, load_config, refuse_renamed_value
 from megatron_wlb.costmodel import CostModel, build_cost_model
 from megatron_wlb.packing import make_packer, summarize
+from megatron_wlb.packing.presets import PRESET_NAMES
+from megatron_wlb.sim.experiments import schedule_label
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -50,7 +52,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                              "the stream wlb's training reader gives with --seed 1234 --split 1,0,0 (each dataset "
                              "shuffled, blended by weight; no weights: equal weights)")
     p.add_argument("--config", default="7b_128k", help="shipped config name or a YAML path (default 7b_128k)")
-    p.add_argument("--profile", default=None, help="calibrated cost-model profile JSON (default: analytic)")
+    p.add_argument("--cost-profile", default=None, help="calibrated cost-model profile JSON (default: analytic)")
     p.add_argument("--packer", choices=PACKER_NAMES, default=None, help="packer (default: the config's)")
     p.add_argument("--iterations", type=int, default=None, help="stop after K global batches (default: all)")
     p.add_argument("--out", default=None, help="write the plan as JSON lines")
@@ -63,12 +65,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def add_knob_options(p: argparse.ArgumentParser) -> None:
     """One ``--<knob>`` option per PackingConfig knob (generated: a new field gets its option), each
     overriding the config's ``packing.<knob>``."""
-    from megatron_wlb.config import PACKING_KNOBS
-
     g = p.add_argument_group("packer settings (override the config's packing section)")
+    g.add_argument("--preset", choices=PRESET_NAMES, default=None,
+                   help="packer preset the knobs start from (default: the config's packing.preset; "
+                        "docs/packing.md \"Presets\"); the knobs given here and in the config win")
     for name, knob in PACKING_KNOBS.items():
         flags = [knob.flag("--")] + (["--thresholds"] if name == "queue_thresholds" else [])
         g.add_argument(*flags, dest=f"knob_{name}", default=None, metavar=None if knob.choices else "V",
+                       type=functools.partial(refuse_renamed_value, name) if knob.choices else str,
                        choices=[str(c) for c in knob.choices] if knob.choices else None,
                        help=(knob.help.replace("`", "") + ("" if knob.choices else f" ({knob.expects})"))
                        .replace("%", "%%"))
@@ -76,8 +80,6 @@ def add_knob_options(p: argparse.ArgumentParser) -> None:
 
 def overrides(args: argparse.Namespace) -> dict[str, Any]:
     """The packer settings given on the command line, parsed and checked by their type."""
-    from megatron_wlb.config import PACKING_KNOBS
-
     out: dict[str, Any] = {}
     for name, knob in PACKING_KNOBS.items():
         value = getattr(args, f"knob_{name}", None)
@@ -88,7 +90,7 @@ def overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 def build(args: argparse.Namespace) -> tuple[RunConfig, CostModel]:
     config = load_config(args.config)
-    cost = build_cost_model(config.model, config.layout, profile=cost_profile(getattr(args, "profile", None)))
+    cost = build_cost_model(config.model, config.layout, profile=cost_profile(args.cost_profile, config=config))
     return config, cost
 
 
@@ -96,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
     if args.iterations is not None and args.iterations < 1:
         raise ValueError(f"--iterations={args.iterations}: must be a positive number of global batches")
     config, cost = build(args)
-    packing = dataclasses.replace(config.packing, **overrides(args))
+    packing = config.under_preset(args.preset or config.preset, **overrides(args)).packing
     name = args.packer or config.packer
     packer = make_packer(name, packing, cost)
     source = (DATA_PREFIX_SCHEME + args.data_prefix if args.data_prefix else
@@ -109,7 +111,6 @@ def run(args: argparse.Namespace) -> int:
     else:
         batches = run_packer(packer, stream, args.iterations, progress=name)
     metrics = summarize(batches, cost, packing.seq_len, stages=packing.stages, virtual_stages=packing.virtual_stages)
-    from megatron_wlb.sim.experiments import schedule_label
 
     report = {"packer": name, "config": config.name, "lengths": source,
               "schedule": schedule_label(packing.virtual_stages), "documents_read": packer.position,

@@ -10,9 +10,13 @@ from __future__ import annotations
 import argparse
 import shutil
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from megatron_wlb.cli.common import cost_profile, load_stream, output_dir, tqdm_progress, with_virtual_stages
+from megatron_wlb.config import load_config
+from megatron_wlb.sim.experiments import CASE_STUDY_CONFIG, TABLE1_CONFIGS
+from megatron_wlb.sim.report import ReproduceSettings, reproduce
 
 README_BEGIN = "<!-- reproduce-table -->"
 README_END = "<!-- /reproduce-table -->"
@@ -30,7 +34,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--iterations", type=int, help="iterations per config and method (default 100)")
     p.add_argument("--virtual-stages", type=int, metavar="V",
                    help="virtual stages of the main tables' interleaved 1F1B (default 2; 1 = plain 1F1B)")
-    p.add_argument("--profile", metavar="JSON", help="calibrated cost-model profile instead of the analytic model")
+    p.add_argument("--cost-profile", metavar="JSON", help="calibrated cost-model profile instead of the analytic model")
     p.add_argument("--configs", nargs="+", metavar="CFG", help="Table 1 configs to run (default: all eight)")
     p.add_argument("--lengths", metavar="FILE", help="another length stream (default: the embedded one)")
     p.add_argument("--page", metavar="PAGE",
@@ -48,11 +52,6 @@ def splice_readme(text: str, block: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dataclasses import replace
-
-    from megatron_wlb.config import load_config
-    from megatron_wlb.sim.experiments import CASE_STUDY_CONFIG, TABLE1_CONFIGS
-    from megatron_wlb.sim.report import ReproduceSettings, reproduce
 
     settings = ReproduceSettings()
     if args.iterations is not None:
@@ -71,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
     configs = tuple(args.configs or TABLE1_CONFIGS)
     for name in (*configs, CASE_STUDY_CONFIG):  # a bad name or schedule fails now, not after minutes
         with_virtual_stages(load_config(name), settings.virtual_stages)
-    profile = cost_profile(args.profile)
+    profile = cost_profile(args.cost_profile)
     out = output_dir(args.out)
     lengths, source = load_stream(args)
     start = time.perf_counter()

@@ -1,6 +1,6 @@
 """``wlb shard``: shard micro-batches over context-parallel ranks and write who owns which tokens.
 
-    wlb shard --micro-batches FILE --cp C --layout NAME [--profile JSON] --out OUT.jsonl
+    wlb shard --micro-batches FILE --cp C --cp-sharding NAME [--kernel-table JSON | --cost-profile JSON] --out OUT.jsonl
 
 FILE holds one micro-batch per line, a JSON list of its document lengths in order (blank lines are
 skipped), or is a plan written by ``wlb pack --out`` (one global batch per line, each micro-batch's
@@ -12,9 +12,9 @@ OUT gets one JSON object per micro-batch (a contract other tools read)::
      "ranks": [[[start, end], ...], ...]}     # per CP rank: its runs of token positions, in the
                                                # (padded) micro-batch's coordinates, in rank order
 
-``--profile`` is either a kernel-efficiency table (``megatron-wlb-attn-efficiency/1``, written by
-``wlb calibrate`` or scripts/gpu_profile_attention.py) or a cost-model profile
-(``megatron-wlb-profile/1``, written by ``wlb calibrate``); the format field decides. A summary
+``--kernel-table`` is a kernel-efficiency table (``megatron-wlb-attn-efficiency/1``, written by
+``wlb calibrate`` or scripts/gpu_profile_attention.py); ``--cost-profile`` a cost-model profile
+(``megatron-wlb-profile/1``, written by ``wlb calibrate``), as everywhere else. A summary
 table (per-rank tokens, estimated attention work, imbalance = max / mean) goes to stdout.
 """
 
@@ -40,12 +40,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--micro-batches", required=True, help="file with one JSON list of document lengths per line")
     p.add_argument("--cp", type=int, required=True, help="context-parallel size")
-    p.add_argument("--layout", required=True, choices=list(LAYOUT_NAMES) + list(LAYOUT_ALIASES),
-                   help="shard layout")
+    p.add_argument("--cp-sharding", required=True, choices=list(LAYOUT_NAMES) + list(LAYOUT_ALIASES),
+                   help="CP layout (the config's cp_sharding, --wlb-cp-sharding)")
     p.add_argument("--out", required=True, help="output JSON-lines file (one line per micro-batch)")
-    p.add_argument("--profile", default=None,
-                   help="kernel-efficiency table or cost-model profile JSON (default: shipped placeholder "
-                        "table and the analytic cost model)")
+    prices = p.add_mutually_exclusive_group()
+    prices.add_argument("--kernel-table", default=None, metavar="JSON",
+                        help="kernel-efficiency table (megatron-wlb-attn-efficiency/1; default: the shipped "
+                             "placeholder)")
+    prices.add_argument("--cost-profile", default=None, metavar="JSON",
+                        help="cost-model profile (megatron-wlb-profile/1; default: the analytic cost model)")
     p.add_argument("--model", default="7b", help="model shape that prices attention (default 7b)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size that prices attention (default 1)")
     p.add_argument("--tile", type=int, default=128, help="attention kernel tile for rounding (default 128)")
@@ -100,17 +103,23 @@ def read_micro_batches(path: str | Path) -> list[list[int]]:
     return out
 
 
-def _load_profile(path: str | None, model: str, tp: int) -> tuple[CostModel, KernelEfficiency | None]:
-    """(cost model or None, efficiency table or None) from a --profile file of either format."""
-    if path is None:
-        return build_cost_model(get_model(model), ParallelLayout(tp=tp)), None
-    fmt = read_json_object(path, "--profile").get("format")
-    if fmt == EFFICIENCY_FORMAT:
-        return build_cost_model(get_model(model), ParallelLayout(tp=tp)), KernelEfficiency.from_json(path)
-    if fmt == PROFILE_FORMAT:
-        return build_cost_model(get_model(model), ParallelLayout(tp=tp), profile=path), None
-    raise ValueError(f"--profile {path}: format {fmt!r} is neither {EFFICIENCY_FORMAT!r} (kernel-efficiency table) "
-                     f"nor {PROFILE_FORMAT!r} (cost-model profile)")
+def _load_prices(kernel_table: str | None, profile: str | None, model: str,
+                 tp: int) -> tuple[CostModel, KernelEfficiency | None]:
+    """(cost model, efficiency table or None) from ``--kernel-table`` or ``--cost-profile``, each checked
+    for its format (a file of the other format is named as such)."""
+    formats = {EFFICIENCY_FORMAT: ("--kernel-table", "kernel-efficiency table"),
+               PROFILE_FORMAT: ("--cost-profile", "cost-model profile")}
+    for path, want in ((kernel_table, EFFICIENCY_FORMAT), (profile, PROFILE_FORMAT)):
+        if path is None:
+            continue
+        flag, what = formats[want]
+        fmt = read_json_object(path, flag).get("format")
+        if fmt != want:
+            other = f" (a {formats[fmt][1]}: give it as {formats[fmt][0]})" if fmt in formats else ""
+            raise ValueError(f"{flag} {path}: format {fmt!r}, expected {want!r} (a {what}){other}")
+    if kernel_table is not None:
+        return build_cost_model(get_model(model), ParallelLayout(tp=tp)), KernelEfficiency.from_json(kernel_table)
+    return build_cost_model(get_model(model), ParallelLayout(tp=tp), profile=profile), None
 
 
 def _fmt_list(values: Iterable[float], fmt: str, limit: int = 8) -> str:
@@ -150,8 +159,8 @@ def run(args: argparse.Namespace) -> int:
     heads = get_model(args.model).num_heads
     if heads % args.tp:
         raise ValueError(f"--tp {args.tp} does not divide the {heads} attention heads of --model {args.model}")
-    cost, efficiency = _load_profile(args.profile, args.model, args.tp)
-    layouts = [build_layout(args.layout, mb, args.cp, cost=cost, efficiency=efficiency, tile=args.tile)
+    cost, efficiency = _load_prices(args.kernel_table, args.cost_profile, args.model, args.tp)
+    layouts = [build_layout(args.cp_sharding, mb, args.cp, cost=cost, efficiency=efficiency, tile=args.tile)
                for mb in micro_batches]
     with out.open("w") as f:
         for lay in layouts:

@@ -15,6 +15,11 @@ from megatron_wlb.cli.common import (
     tqdm_progress,
     with_virtual_stages,
 )
+from megatron_wlb.config import cp_sharding_names, load_config
+from megatron_wlb.costmodel import build_cost_model
+from megatron_wlb.packing.base import PACKERS
+from megatron_wlb.sim.experiments import schedule_label
+from megatron_wlb.sim.iteration import simulate_stream
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -25,11 +30,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--config", required=True, help="config name (configs/*.yaml stem) or YAML path")
     p.add_argument("--packer", help="original | fixed-greedy | fixed-solver | wlb | whole-document (the baseline "
                                     "of packing/whole_document.py) (default: the config's)")
-    p.add_argument("--cp-layout", help="per-sequence | per-document | per-document-te | adaptive | hybrid | "
+    p.add_argument("--cp-sharding", help="per-sequence | per-document | per-document-te | adaptive | hybrid | "
                                        "dynamic-cp (default: the config's cp_sharding)")
     p.add_argument("--iterations", type=int, default=20, help="iterations to simulate (default 20)")
     p.add_argument("--virtual-stages", type=int, help="interleaved 1F1B with this many virtual stages")
-    p.add_argument("--profile", metavar="JSON",
+    p.add_argument("--cost-profile", metavar="JSON",
                    help="cost-model profile measured on a GPU (format megatron-wlb-profile/1)")
     p.add_argument("--no-split", action="store_true",
                    help="keep documents longer than seq_len whole (default: cut them to the window)")
@@ -39,11 +44,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_wlb.config import cp_sharding_names, load_config
-    from megatron_wlb.costmodel import build_cost_model
-    from megatron_wlb.packing.base import PACKERS
-    from megatron_wlb.sim.experiments import schedule_label
-    from megatron_wlb.sim.iteration import simulate_stream
 
     # every input is checked before the stream is read and simulated
     positive(args.iterations, "--iterations")
@@ -51,10 +51,10 @@ def run(args: argparse.Namespace) -> int:
     packer = args.packer or cfg.packer
     if packer not in PACKERS:
         raise ValueError(f"--packer {packer}: choose one of {', '.join(PACKERS)}")
-    layout = args.cp_layout or cfg.cp_sharding
+    layout = args.cp_sharding or cfg.cp_sharding
     if layout not in (*cp_sharding_names(), "dynamic-cp"):
-        raise ValueError(f"--cp-layout {layout}: choose one of {', '.join((*cp_sharding_names(), 'dynamic-cp'))}")
-    profile = cost_profile(args.profile)
+        raise ValueError(f"--cp-sharding {layout}: choose one of {', '.join((*cp_sharding_names(), 'dynamic-cp'))}")
+    profile = cost_profile(args.cost_profile, config=cfg)
     json_out = output_file(args.json, "--json") if args.json else None
     lengths, source = load_stream(args)
     cost = build_cost_model(cfg.model, cfg.layout, profile)
@@ -84,6 +84,6 @@ def run(args: argparse.Namespace) -> int:
           f"GPU compute max/mean {run_.gpu_compute_imbalance:.3f}")
     if json_out is not None:
         with open(json_out, "w") as f:
-            json.dump({"config": cfg.name, "packer": packer, "cp_layout": layout, "cost_model": cost.describe(),
+            json.dump({"config": cfg.name, "packer": packer, "cp_sharding": layout, "cost_model": cost.describe(),
                        "stream": source, "packing_metrics": run_.packing_metrics, "iterations": rows}, f, indent=1)
     return 0

@@ -21,7 +21,7 @@ from the diagonal. ``scripts/gpu_profile_attention.py`` measures and writes such
 The shipped default (``data/default_efficiency.json``) is NOT a measurement: it is the smooth
 placeholder ``480 * kv/(kv+512) * q/(q+64)`` TFLOP/s (asymptote = ``Hardware.attention_tflops`` of
 the analytic H100 model), written by :func:`default_table`. Replace it with a measured table via
-``KernelEfficiency.from_json`` (``wlb shard --profile``) before trusting adaptive decisions.
+``KernelEfficiency.from_json`` (``wlb shard --kernel-table``) before trusting adaptive decisions.
 """
 
 from __future__ import annotations

@@ -197,7 +197,7 @@ def build_train_iterator(args: Any, settings: WlbSettings, dp_rank: int, cp_rank
     if megatron_samples and config.read_ahead is None:  # no sample before the iteration Megatron's sampler gives it
         config = dataclasses.replace(config, read_ahead=False)
     cost = cost_model_from_args(args, settings)
-    packer = make_packer(settings.packing, config, cost)
+    packer = make_packer(settings.packer, config, cost)
     sharding = cp_sharding_from_args(args, settings, cp_rank, cost)
     if megatron_samples:
         # Megatron's own GPTDataset samples, from the sample its sampler would give next (a resumed stock
@@ -320,7 +320,7 @@ def _wrap_build_iterators(original: Callable, mods: dict[str, Any]) -> Callable:
         _RUNTIME.registry.register(iterator)
         if first:
             _start_recorder(args, settings, iterator.n, _RUNTIME.logger.cost)
-        mods["utils"].print_rank_0(f"> megatron_wlb: {settings.packing} packing of a document stream of about "
+        mods["utils"].print_rank_0(f"> megatron_wlb: {settings.packer} packing of a document stream of about "
                                    f"{iterator.stream.requested_tokens} tokens, {iterator.n} micro-batches per DP rank "
                                    f"per iteration, CP sharding {settings.cp_sharding}")
         evals = [_eval_iterator(args, settings, split_name, functools.partial(lambda i: megatron_iterators()[i], index),

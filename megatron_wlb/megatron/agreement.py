@@ -246,7 +246,7 @@ def run_fingerprint(args: Any, settings: WlbSettings, config: Any, cost: Any,
     """This rank's ``RunFingerprint`` (``config``: the resolved ``PackingConfig``; ``datasets``: ``dataset_parts``)."""
     from dataclasses import asdict
 
-    parts = [("--wlb-packing", settings.packing), ("--wlb-cp-sharding", settings.cp_sharding),
+    parts = [("--wlb-packer", settings.packer), ("--wlb-cp-sharding", settings.cp_sharding),
              ("--wlb-log-interval", str(settings.log_interval)), ("--wlb-trace", "on" if settings.trace else "off")]
     for name, value in sorted(asdict(config).items()):
         flag = FLAG_KNOBS[name].flag() if name in FLAG_KNOBS else f"packing {name}"

@@ -19,9 +19,23 @@ import traceback
 from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
 
-from megatron_wlb.config import PACKER_NAMES, Knob, RunConfig, cp_sharding_names, field_docs, megatron_moe_fields
+from megatron_wlb.config import (
+    PACKER_NAMES,
+    RENAMED_KNOBS,
+    RENAMED_SETTINGS,
+    SECTION_SETTINGS,
+    Knob,
+    RunConfig,
+    cp_sharding_names,
+    field_docs,
+    knob_yaml_key,
+    megatron_moe_fields,
+    renamed_knob_hint,
+    renamed_value_hint,
+)
 from megatron_wlb.costmodel import CostModel
 from megatron_wlb.megatron.settings import FLAG_KNOBS, WlbSettings
+from megatron_wlb.packing.presets import DEFAULT_PRESET, PRESET_NAMES
 from megatron_wlb.packing.types import DEFAULT_MAX_SEQ_LEN_FACTOR, PackingConfig, resolve_max_seq_len
 
 ArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
@@ -37,8 +51,9 @@ def flag_table() -> list[tuple[str, str, str, str]]:
     (docs/megatron.md's table is checked against it)."""
     d = WlbSettings()
     own_docs = field_docs(WlbSettings)
-    choices = {"packing": PACKER_NAMES, "cp_sharding": cp_sharding_names()}
-    yaml_keys = {"packing": "packing.packer", "cp_sharding": "cp_sharding"}
+    choices = {"packer": PACKER_NAMES, "cp_sharding": cp_sharding_names(), "preset": PRESET_NAMES}
+    yaml_keys = {"packer": "packing.packer", "preset": "packing.preset",
+                 **{name: f"{section}.{key}" for (section, key), name in SECTION_SETTINGS.items()}}
     rows = []
     for name in WlbSettings.names():
         if name in FLAG_KNOBS:
@@ -46,7 +61,7 @@ def flag_table() -> list[tuple[str, str, str, str]]:
             default = (f"{DEFAULT_MAX_SEQ_LEN_FACTOR:g} x --seq-length" if name == "max_seq_len"
                        else _show(knob.default))
             text = knob.help + (f" Values: {knob.expects}." if knob.choices is None else "")
-            rows.append((FLAGS[name], f"packing.{name}", default, text))
+            rows.append((FLAGS[name], knob_yaml_key(name), default, text))
         else:
             text = own_docs.get(name, "")
             if name in choices:
@@ -65,11 +80,11 @@ def _show(value: Any) -> str:
 
 def add_wlb_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the ``--wlb-*`` flags to Megatron's parser (a no-op if they are already there)."""
-    if "--wlb-packing" in parser._option_string_actions:  # composed twice: keep the first
+    if "--wlb-packer" in parser._option_string_actions:  # composed twice: keep the first
         return parser
     g = parser.add_argument_group(title="WLB-LLM", description="workload-balanced packing and CP sharding "
                                   "(megatron_wlb; see docs/megatron.md)")
-    choices = {"packing": PACKER_NAMES, "cp_sharding": cp_sharding_names()}
+    choices = {"packer": PACKER_NAMES, "cp_sharding": cp_sharding_names(), "preset": PRESET_NAMES}
     metavars = {"cost_profile": "PATH", "config": "NAME|YAML", "trace": "PATH"}
     for (flag, _, default, text), name in zip(flag_table(), WlbSettings.names()):
         knob = FLAG_KNOBS.get(name)
@@ -77,6 +92,9 @@ def add_wlb_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         options = choices.get(name) or (knob.choices if knob and knob.choices else None)
         g.add_argument(flag, type=kind, choices=options, default=None, metavar=metavars.get(name),
                        help=f"{text} (default {default})".replace("%", "%%"))
+    for old in (*RENAMED_KNOBS, *RENAMED_SETTINGS):  # old spellings: refused with the hint to the new one
+        g.add_argument("--wlb-" + old.replace("_", "-"), action=_Renamed, nargs="?", help=argparse.SUPPRESS,
+                       default=None, dest=f"wlb_renamed_{old}")
     # an action on resume, not a setting (it is neither saved nor compared): megatron_wlb.megatron.checkpoint
     g.add_argument("--wlb-reset-data-stream", action="store_true",
                    help="on resume (--load), restart only the data stream at its first document, with the "
@@ -85,6 +103,16 @@ def add_wlb_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "applies once: resuming from a checkpoint saved after a reset given the same data flags "
                         "and --wlb-* settings, it is ignored (logged), so a requeue script may keep it")
     return parser
+
+
+class _Renamed(argparse.Action):
+    """An old ``--wlb-*`` spelling: the parser's one-line error names the new one (``config.RENAMED_KNOBS``,
+    ``RENAMED_SETTINGS``)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        old = (option_string or self.option_strings[0])[len("--wlb-"):].replace("-", "_")
+        parser.error(renamed_knob_hint(old, "flag") or RENAMED_SETTINGS.get(old) or f"{option_string} was renamed")
 
 
 HELP_FLAGS = ("-h", "--help")
@@ -111,6 +139,9 @@ def _flag_type(knob: Knob, flag: str) -> Callable[[str], Any]:
     """argparse ``type=``: the knob's type conversion; range checks happen in WlbSettings."""
 
     def convert(text: str) -> Any:
+        hint = renamed_value_hint(knob.name, text)
+        if hint:
+            raise argparse.ArgumentTypeError(f"{text!r}: {hint}")
         try:
             return knob.convert(text, flag)
         except ValueError as exc:
@@ -123,11 +154,15 @@ def _flag_type(knob: Knob, flag: str) -> Callable[[str], Any]:
 def config_flags(run: RunConfig) -> list[str]:
     """The ``--wlb-*`` flags that reproduce a RunConfig's packing choices without ``--wlb-config``
     (whose start-up check demands the config's exact layout): for launchers that rescale a layout."""
-    out = ["--wlb-packing", run.packer, "--wlb-cp-sharding", run.cp_sharding]
-    for name, knob in FLAG_KNOBS.items():
-        value = getattr(run.packing, name)
-        if value != knob.default:
-            out += [knob.flag(), _show(value)]
+    out = ["--wlb-packer", run.packer, "--wlb-cp-sharding", run.cp.sharding]
+    for name, value in run.settings().items():
+        if name != "cp_sharding":
+            out += [FLAGS[name], _show(value)]
+    if run.preset != DEFAULT_PRESET:
+        out += ["--wlb-preset", run.preset]
+    for name, value in run.packing_overrides().items():
+        if name in FLAG_KNOBS:
+            out += [FLAG_KNOBS[name].flag(), _show(value)]
     return out
 
 
@@ -185,8 +220,8 @@ def settings_from_args(args: Any) -> WlbSettings:
     base: dict[str, Any] = {}
     if given.get("config"):
         cfg = load_run_config(given["config"])
-        base = {"packing": cfg.packer, "cp_sharding": cfg.cp_sharding,
-                **{name: getattr(cfg.packing, name) for name in FLAG_KNOBS}}
+        base = {"packer": cfg.packer, "preset": cfg.preset, **cfg.settings(),
+                **{name: value for name, value in cfg.packing_overrides().items() if name in FLAG_KNOBS}}
     return WlbSettings(**{**base, **given})
 
 
@@ -262,12 +297,12 @@ CP_COMM_TYPE = "all_gather"
 BYPASSING_FLAGS: dict[str, tuple[str, str, str]] = {
     "sequence_packing_scheduler": (
         "--sequence-packing-scheduler", "hands packing to Megatron's own data_schedule (wrap_data_iterator), which "
-        "our data iterator replaces", "--wlb-packing wlb (our packer through our iterator); Megatron's own path "
+        "our data iterator replaces", "--wlb-packer wlb (our packer through our iterator); Megatron's own path "
         "takes our scheduler without apply(): python -m megatron_wlb.megatron.main_schedule pretrain_gpt.py ... "
         "--sequence-packing-scheduler wlb"),
     "use_varlen_dataset": (
         "--use-varlen-dataset", "builds Megatron's VarlenDataset (one unpacked document per sample for its "
-        "scheduler), which our data path replaces", "--wlb-packing wlb with --data-path (whole documents packed "
+        "scheduler), which our data path replaces", "--wlb-packer wlb with --data-path (whole documents packed "
         "into variable-length micro-batches)"),
     "dynamic_context_parallel": (
         "--dynamic-context-parallel", "picks a CP group size per sample (default_dynamic_cp) over data our CP "
@@ -342,7 +377,7 @@ def validate_wlb_args(args: Any, *, te_available: bool | None = None, highspy_av
         problems.append(f"--wlb-max-seq-len {settings.max_seq_len} is below --seq-length {seq_length}; raise "
                         f"--wlb-max-seq-len to at least {seq_length} or leave it unset")
     # the largest micro-batch: wlb packs up to S_max, the fixed packers up to seq_length
-    largest = resolve_max_seq_len(seq_length, settings.max_seq_len) if settings.packing == "wlb" else seq_length
+    largest = resolve_max_seq_len(seq_length, settings.max_seq_len) if settings.packer == "wlb" else seq_length
     max_pos = getattr(args, "max_position_embeddings", None)
     if getattr(args, "position_embedding_type", None) == "learned_absolute" and max_pos and largest > max_pos:
         problems.append(f"--max-position-embeddings {max_pos} is below the largest packed micro-batch ({largest} "
@@ -368,12 +403,12 @@ def validate_wlb_args(args: Any, *, te_available: bool | None = None, highspy_av
             problems.append("--wlb-cp-sharding per-document-te keeps TransformerEngine's THD attention, but "
                             "transformer_engine is not installed; install TransformerEngine or choose "
                             "--wlb-cp-sharding per-document / adaptive (our all-gather CP attention)")
-    if settings.packing == "fixed-solver":
+    if settings.packer == "fixed-solver":
         if highspy_available is None:
             highspy_available = module_available("highspy")
         if not highspy_available:
-            problems.append("--wlb-packing fixed-solver needs the HiGHS MILP solver: pip install highspy, "
-                            "or use --wlb-packing fixed-greedy / wlb")
+            problems.append("--wlb-packer fixed-solver needs the HiGHS MILP solver: pip install highspy, "
+                            "or use --wlb-packer fixed-greedy / wlb")
     if settings.cost_profile is not None and not os.path.isfile(settings.cost_profile):
         problems.append(f"--wlb-cost-profile {settings.cost_profile}: no such file (make one with `wlb calibrate "
                         "--out PROFILE.json` on a GPU, or leave the flag out for the analytic model)")

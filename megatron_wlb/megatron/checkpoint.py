@@ -24,6 +24,7 @@ from typing import Any
 
 from megatron_wlb.megatron.data import WlbDataIterator, dumps_state
 from megatron_wlb.megatron.rebind import wrapping
+from megatron_wlb.packing.types import upgrade_old_knobs
 
 SIDECAR_NAME = "wlb_packer_state.json"
 #: 2: the sidecar carries ``sha256``, the checksum of its other contents (``sidecar_checksum``);
@@ -219,12 +220,28 @@ def candidate_dirs(margs: Any, load_arg: str, iteration: int) -> list[str]:
 RESUMABLE_SETTINGS = frozenset({"log_interval", "trace"})
 
 
-def settings_difference(saved: dict[str, Any] | None, now: dict[str, Any] | None) -> list[str]:
-    """``name: saved -> now`` for every plan-shaping setting that differs (empty when either is unknown)."""
+def settings_difference(saved: dict[str, Any] | None, now: dict[str, Any] | None,
+                        seq_len: int | None = None) -> list[str]:
+    """``name: saved -> now`` for every plan-shaping setting that differs (empty when either is unknown).
+
+    Both sides in today's knob names (``upgrade_old_knobs``: a checkpoint saved before the knobs were merged
+    resumes when its settings mean the same; ``max_seq_len`` None is 1.5 x ``seq_len``); the preset is not
+    compared, the knob values it resolved to are."""
     if not saved or not now:
         return []
+    saved, now = upgrade_old_knobs(saved, seq_len), upgrade_old_knobs(now, seq_len)
+    for side in (saved, now):
+        if "packing" in side and "packer" not in side:  # --wlb-packing, since renamed --wlb-packer
+            side["packer"] = side.pop("packing")
+    saved.pop("preset", None)
+    now.pop("preset", None)
     return [f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in sorted(set(saved) | set(now))
             if k not in RESUMABLE_SETTINGS and saved.get(k) != now.get(k)]
+
+
+def _seq_len(margs: Any) -> int | None:
+    value = getattr(margs, "seq_length", None)
+    return int(value) if value else None
 
 
 #: the flag that restarts only the data stream on resume (optimizer, iteration and LR schedule are kept)
@@ -273,7 +290,8 @@ def stale_reset(payload: dict[str, Any], iteration: int, margs: Any, now: dict[s
     done = payload.get("data_stream_reset")
     if not isinstance(done, dict) or reset_record(done.get("iteration", -1), margs) != done:
         return None
-    if settings_difference(payload.get("settings"), now) or plan_layout_refusal(payload["data"], margs):
+    if settings_difference(payload.get("settings"), now, _seq_len(margs)) or \
+            plan_layout_refusal(payload["data"], margs):
         return None
     return (f"the checkpoint at iteration {iteration} was saved after the data-stream reset at iteration "
             f"{done['iteration']} with these same data flags and --wlb-* settings, so its stream resumes where it "
@@ -339,7 +357,7 @@ def wrap_load_checkpoint(original: Callable, registry: DataStateRegistry, get_ar
             raise RuntimeError(missing_sidecar_refusal(getattr(margs, load_arg), iteration))
         registry.data_stream_resets = int(payload.get("data_stream_resets", 0))
         registry.data_stream_reset = payload.get("data_stream_reset")
-        changed = settings_difference(payload.get("settings"), settings())
+        changed = settings_difference(payload.get("settings"), settings(), _seq_len(margs))
         if changed:
             raise RuntimeError(f"megatron_wlb: the checkpoint at iteration {iteration} was saved with other "
                                f"WLB settings ({'; '.join(changed)}); resume with the saved --wlb-* flags, or pass "

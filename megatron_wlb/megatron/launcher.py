@@ -3,7 +3,7 @@
 For installs that have Megatron's training code (``megatron/training``, shipped in the megatron-core
 wheel from 0.19) but no Megatron-LM checkout:
 
-    torchrun --nproc-per-node 8 -m megatron_wlb.megatron.launcher <Megatron flags> --wlb-packing wlb ...
+    torchrun --nproc-per-node 8 -m megatron_wlb.megatron.launcher <Megatron flags> --wlb-packer wlb ...
 
 Every rank (every TP rank and every pipeline stage) reads its own copy of the packed micro-batch from
 the ``WlbDataIterator`` that ``apply()`` builds on every rank, already planned for its CP rank, so

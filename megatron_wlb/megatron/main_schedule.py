@@ -248,7 +248,7 @@ def prepare_main_path(args: Any) -> None:
                          f"whose TransformerConfig requires TransformerEngine >= {TE_MIN_VERSION}, but {why}; install "
                          f"TransformerEngine >= {TE_MIN_VERSION}, use --transformer-impl local (our attention serves "
                          "main's THD micro-batches at CP 1), or train through our data path: python -m "
-                         "megatron_wlb.megatron.launcher <Megatron flags> --wlb-packing wlb")
+                         "megatron_wlb.megatron.launcher <Megatron flags> --wlb-packer wlb")
 
 
 def _wrap_transformer_config_check() -> list[str]:

@@ -14,7 +14,16 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-from megatron_wlb.config import PACKER_NAMES, PACKING_KNOBS, RUN_FIELDS, Knob, cp_sharding_names
+from megatron_wlb.config import (
+    PACKER_NAMES,
+    PACKING_KNOBS,
+    RENAMED_SETTINGS,
+    RUN_FIELDS,
+    Knob,
+    cp_sharding_names,
+    renamed_knob_hint,
+)
+from megatron_wlb.packing.presets import DEFAULT_PRESET, PRESET_NAMES, preset_default
 
 __all__ = ["FLAG_KNOBS", "WlbSettings"]
 
@@ -24,23 +33,27 @@ FLAG_KNOBS: dict[str, Knob] = {k: v for k, v in PACKING_KNOBS.items() if k not i
 
 @dataclass(frozen=True, init=False)
 class WlbSettings:
-    """WLB-LLM options of one run; defaults are the paper's WLB-LLM setting.
+    """WLB-LLM options of one run; defaults are the package's (the ``default`` preset; ``paper`` is the
+    paper's Algorithm 1, docs/packing.md "Presets").
 
-    - ``packing``: PP-level packer (original = Megatron's concat-and-cut, fixed-greedy,
+    - ``packer``: PP-level packer (original = Megatron's concat-and-cut, fixed-greedy,
       fixed-solver, wlb = variable-length packing with outlier delay).
+    - ``preset``: the packer preset the knobs start from (default, paper); a knob given explicitly wins.
     - ``cp_sharding``: CP layout of each micro-batch (docs/cp.md).
     - ``cost_profile``: a calibrated cost-model profile JSON written by ``wlb calibrate`` (None = analytic model).
-    - ``config``: a shipped config name or YAML path whose packing section supplies the defaults.
+    - ``config``: a shipped config name or YAML path whose packing, cp, cost and logging sections supply the
+      defaults (its run shape is checked against Megatron's flags).
     - ``log_interval``: log the packing metrics (and the measured ones) every this many iterations.
     - ``trace``: write a per-micro-batch timing trace, one JSON-lines file per rank (PATH-rank00000.jsonl,
       ...), for `wlb calibrate --from-trace` (None = no trace; the measured metrics are logged either way).
 
     Every ``PackingConfig`` knob (``FLAG_KNOBS``: ``max_seq_len``, ``queue_thresholds``,
-    ``max_delay``, ...) is an attribute too; only values that differ from ``PackingConfig``'s
-    default are stored (``packer_knobs``), so settings compare equal when they mean the same.
+    ``max_delay``, ...) is an attribute too; only values that differ from the preset's are stored
+    (``packer_knobs``), so settings compare equal when they mean the same.
     """
 
-    packing: str = "wlb"
+    packer: str = "wlb"
+    preset: str = DEFAULT_PRESET
     cp_sharding: str = "adaptive"
     cost_profile: str | None = None
     config: str | None = None
@@ -48,13 +61,20 @@ class WlbSettings:
     trace: str | None = None
     packer_knobs: tuple[tuple[str, Any], ...] = ()
 
-    def __init__(self, packing: str = "wlb", cp_sharding: str = "adaptive", cost_profile: str | None = None,
-                 config: str | None = None, log_interval: int = 1, trace: str | None = None,
-                 packer_knobs: tuple = (), **knobs: Any) -> None:
-        for name, value in (("packing", packing), ("cp_sharding", cp_sharding), ("cost_profile", cost_profile),
-                            ("config", config), ("log_interval", log_interval), ("trace", trace)):
+    def __init__(self, packer: str = "wlb", preset: str = DEFAULT_PRESET, cp_sharding: str = "adaptive",
+                 cost_profile: str | None = None, config: str | None = None, log_interval: int = 1,
+                 trace: str | None = None, packer_knobs: tuple = (), **knobs: Any) -> None:
+        for name, value in (("packer", packer), ("preset", preset), ("cp_sharding", cp_sharding),
+                            ("cost_profile", cost_profile), ("config", config), ("log_interval", log_interval),
+                            ("trace", trace)):
             object.__setattr__(self, name, value)
+        if preset not in PRESET_NAMES:
+            raise ValueError(f"--wlb-preset={preset!r} is not a packer preset; choose one of {', '.join(PRESET_NAMES)}")
         knobs = {**dict(packer_knobs), **knobs}  # packer_knobs: what dataclasses.replace passes back
+        for name in knobs:
+            hint = renamed_knob_hint(name, "flag") or RENAMED_SETTINGS.get(name)
+            if hint:
+                raise ValueError(hint)
         unknown = sorted(set(knobs) - set(FLAG_KNOBS))
         if unknown:
             raise ValueError(f"unknown WLB setting(s) {', '.join(unknown)}; valid: "
@@ -64,14 +84,14 @@ class WlbSettings:
         for name, value in knobs.items():
             knob = FLAG_KNOBS[name]
             value = knob.parse(value, knob.flag())
-            if value != knob.default:
+            if value != preset_default(preset, name):
                 parsed[name] = value
         object.__setattr__(self, "packer_knobs", tuple(sorted(parsed.items())))
         self._validate()
 
     def _validate(self) -> None:
-        if self.packing not in PACKER_NAMES:
-            raise ValueError(f"--wlb-packing={self.packing!r} is not a packer; choose one of "
+        if self.packer not in PACKER_NAMES:
+            raise ValueError(f"--wlb-packer={self.packer!r} is not a packer; choose one of "
                              f"{', '.join(PACKER_NAMES)}")
         names = cp_sharding_names()
         if self.cp_sharding not in names:
@@ -84,7 +104,8 @@ class WlbSettings:
     def __getattr__(self, name: str) -> Any:
         # only reached for names that are not fields: the packer knobs
         if name in FLAG_KNOBS:
-            return dict(object.__getattribute__(self, "packer_knobs")).get(name, FLAG_KNOBS[name].default)
+            return dict(object.__getattribute__(self, "packer_knobs")).get(
+                name, preset_default(object.__getattribute__(self, "preset"), name))
         raise AttributeError(f"{type(self).__name__} has no setting {name!r}")
 
     def knob_values(self) -> dict[str, Any]:

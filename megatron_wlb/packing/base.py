@@ -27,7 +27,7 @@ from megatron_wlb.costmodel import CostModel, cost_model_from_state
 from megatron_wlb.data.cut import window_pieces
 from megatron_wlb.data.lengths import validate_lengths
 from megatron_wlb.packing.metrics import piece_latency
-from megatron_wlb.packing.types import DocPiece, GlobalBatch, MicroBatch, PackingConfig
+from megatron_wlb.packing.types import DocPiece, GlobalBatch, MicroBatch, PackingConfig, upgrade_old_knobs
 
 #: 2: the fingerprint covers every field and the cost model; 3: a refitted cost model is saved;
 #: 4: the stream's token offset is saved (``pieces="concat-and-cut"`` cuts at multiples of seq_len of it)
@@ -79,7 +79,7 @@ class Packer(ABC):
         self.cost = cost
         self.position = 0          # documents consumed from the sequence
         self.iteration = 0         # global batches emitted
-        self.dropped: list[tuple[int, int]] = []  # (doc_id, length) removed by oversize="drop"
+        self.dropped: list[tuple[int, int]] = []  # (doc_id, length) removed by cut="drop"
         self._credit = 0           # tokens read beyond earlier budgets
         self._refit: dict[str, Any] | None = None  # the refitted cost model's state (set_cost), saved with ours
         self.stream_tokens = 0     # tokens of the documents consumed (where the next document starts)
@@ -269,7 +269,7 @@ class Packer(ABC):
                 self.dropped.append((doc_id, n))
             else:
                 raise ValueError(f"document {doc_id} has {n} tokens, more than the {self.name} packer's "
-                                 f"capacity {cap}; use oversize='split' or 'drop', or raise the capacity")
+                                 f"capacity {cap}; use cut='split' or 'drop', or raise the capacity")
         return pieces
 
     # -- checkpointing ---------------------------------------------------------------------------
@@ -332,9 +332,12 @@ def fingerprint_difference(saved: dict[str, Any], now: dict[str, Any]) -> str:
 
     The cost model's description names its layout; its DP size is left out of the comparison (a micro-batch
     costs the same at any DP size, and ``cost_probe`` compares the latencies themselves), so the saved plans
-    can continue at another DP size (``megatron.data.WlbDataIterator``); ``dp`` and ``n`` are compared."""
+    can continue at another DP size (``megatron.data.WlbDataIterator``); ``dp`` and ``n`` are compared.
+    A state saved before the knobs were merged compares in today's names (``types.upgrade_old_knobs``)."""
     def comparable(key: str, value: Any) -> Any:
         return re.sub(r"-DP\d+", "", value) if key == "cost" and isinstance(value, str) else value
+
+    saved, now = upgrade_old_knobs(saved), upgrade_old_knobs(now)
 
     keys = sorted(set(saved) | set(now))
     parts = [f"{k}: saved {saved.get(k, '<absent>')!r}, now {now.get(k, '<absent>')!r}"

@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
-OversizePolicy = Literal["split", "drop", "error"]
-OVERSIZE_POLICIES: tuple[str, ...] = ("split", "drop", "error")
+CutPolicy = Literal["split", "overlong", "any", "drop", "error"]
+#: what is cut, one enum: (the oversize policy for documents longer than a packer's capacity, which forced
+#: outliers wlb cuts: extension (g))
+CUT_POLICIES: dict[str, tuple[str, str]] = {
+    "split": ("split", "none"),        # a document over the capacity split into pieces; nothing else (default)
+    "overlong": ("split", "overlong"),  # and wlb cuts a forced outlier that is a piece of such a document
+    "any": ("split", "any"),           # and wlb cuts any forced outlier its group cannot balance
+    "drop": ("drop", "none"),          # a document over the capacity dropped (counted)
+    "error": ("error", "none"),        # a document over the capacity is an error
+}
 #: S_max / seq_len when ``max_seq_len`` is None (docs/packing.md explains the choice).
 DEFAULT_MAX_SEQ_LEN_FACTOR = 1.5
 #: attention kernels index a micro-batch's tokens with int32 (``cu_seqlens``): the most it may hold
@@ -118,10 +126,25 @@ def sort_largest_first(pieces: Sequence[DocPiece]) -> list[DocPiece]:
     return [pieces[i] for i in np.lexsort((offset, doc_id, arrival, -length)).tolist()]
 
 
-ReleasePolicy = Literal["global", "rank"]
-RELEASE_POLICIES: tuple[str, ...] = ("global", "rank")
-CutPolicy = Literal["none", "overlong", "any"]
-CUT_POLICIES: tuple[str, ...] = ("none", "overlong", "any")
+ReleasePolicy = Literal["balanced", "grouped", "oldest", "paper"]
+#: wlb's release policies: (which R outliers a full queue releases, whether a queued outlier also goes out
+#: alone once the iteration can balance it) -- the (e) x (i) switches of ``packing.wlb`` in one name
+RELEASE_POLICIES: dict[str, tuple[bool, bool]] = {
+    "balanced": (True, True),   # R of similar work, and any outlier the iteration can balance (default)
+    "grouped": (True, False),   # R of similar work, only as a group of R
+    "oldest": (False, True),    # the R oldest, and any outlier the iteration can balance
+    "paper": (False, False),    # the R oldest, only as a group of R: the paper's Algorithm 1
+}
+#: wlb ``fill: full``: the intake's floor while it repays an overshoot (``PackingConfig.intake_fill``)
+INTAKE_FILL = 0.5
+FillPolicy = Literal["full", "read-ahead", "waiting", "off"]
+#: wlb's fill policies: (read ordinary documents ahead to ``fill_target``, top up from waiting pieces to it)
+FILL_POLICIES: dict[str, tuple[bool, bool]] = {
+    "full": (True, True),          # read ahead, then top up from waiting pieces (default)
+    "read-ahead": (True, False),   # read ahead only
+    "waiting": (False, True),      # waiting pieces only, released early (the read-ahead off)
+    "off": (False, False),         # no fill rule
+}
 PieceSource = Literal["documents", "concat-and-cut"]
 PIECE_SOURCES: tuple[str, ...] = ("documents", "concat-and-cut")
 CostModelPolicy = Literal["static", "online"]
@@ -141,8 +164,11 @@ class PackingConfig:
     dp: int = 1
     #: wlb's micro-batch capacity (paper S_max); None = 1.5 x seq_len (docs/packing.md)
     max_seq_len: int | None = None
-    #: documents longer than a packer's capacity: "split" into pieces, "drop" (counted), or "error"
-    oversize: OversizePolicy = "split"
+    #: what is cut: "split" (a document longer than a packer's capacity is split into pieces; nothing that
+    #: fits is cut: the default), "overlong" / "any" (split, and wlb also cuts a forced outlier its group
+    #: cannot balance: only pieces of documents longer than S_max / any; counted), "drop" (a document over
+    #: the capacity is dropped, counted), "error"
+    cut: CutPolicy = "split"
     #: the fixed packers balance this many global batches at a time (paper: 1/2/4/8)
     window: int = 1
     #: wlb's outlier queue thresholds L_1 < ... < L_n, or "auto" (derived from the stream)
@@ -155,24 +181,17 @@ class PackingConfig:
     #: wlb auto thresholds: an outlier is a document whose latency reaches this fraction of an
     #: ordinary micro-batch's mean latency (ordinary = built from non-outlier documents)
     outlier_fraction: float = 0.7
-    #: wlb: when a queued outlier reaches its delay bound, release its queue-mates with it
-    flush_on_force: bool = True
-    #: wlb: a queue releases "global" (dp * n outliers, one per micro-batch) or "rank" (n) at a time
-    release: ReleasePolicy = "global"
-    #: wlb: a queue releases R outliers of similar length (including its oldest) rather than its R
-    #: oldest, so a release does not mix e.g. 80K and 190K documents
-    group_by_work: bool = True
-    #: wlb: while pieces wait, every iteration trains on at least this fraction of the token budget
-    #: (dp * n * seq_len): waiting pieces are released early (oldest first) to reach it; 0 = off
-    min_fill: float = 0.5
-    #: wlb: delay only when it pays: a queued outlier goes out as soon as the iteration's ordinary
-    #: documents can balance it, rather than waiting for a group of R (docs/packing.md (i))
-    release_when_balanced: bool = True
-    #: wlb: every iteration trains at least this fraction of the token budget while the stream lasts:
-    #: when delayed outliers leave room, ordinary documents are read ahead from the stream to fill it
-    #: (they arrive at once, so no delay; later budgets read that much less); where that runs out of room
-    #: for the outliers it would queue, waiting pieces are released early to reach it and the iteration
-    #: is placed again; 0 = off
+    #: wlb: which queued outliers go out (R = dp * n at a time, one per micro-batch): "balanced" (R of
+    #: similar length, and any outlier as soon as the iteration's ordinary documents can balance it),
+    #: "grouped" (R of similar length only), "oldest" (the R oldest, and any outlier the iteration can
+    #: balance), "paper" (the R oldest only: Algorithm 1); a forced outlier goes out with its nearest queue-mates
+    release: ReleasePolicy = "balanced"
+    #: wlb: how iterations are kept full while pieces wait: "full" (ordinary documents read ahead from the
+    #: stream, then waiting pieces, until fill_target x the token budget; the iteration placed again),
+    #: "read-ahead" (the read-ahead only), "waiting" (waiting pieces only, released early, oldest first),
+    #: "off"
+    fill: FillPolicy = "full"
+    #: wlb: the fill policy's target: this fraction of the token budget (dp * n * seq_len) per iteration
     fill_target: float = 0.95
     #: wlb: whether fill_target may read ahead of the iteration's budget; None = yes, except for
     #: Megatron's own samples in training (``--wlb-pieces concat-and-cut``), where it is off so that no
@@ -190,10 +209,6 @@ class PackingConfig:
     pipeline_stages: int | None = None
     #: model chunks per stage (interleaved 1F1B when > 1) for the schedule objective
     virtual_stages: int = 1
-    #: wlb: cut an outlier that reaches its delay bound without companions: "none" (default; no
-    #: document that fits S_max is cut), "overlong" (only pieces of documents longer than S_max),
-    #: "any" (any such outlier); cuts are counted and reported
-    cut_policy: CutPolicy = "none"
     #: what the packers place: "documents" (each document whole, split only by the oversize policy:
     #: the paper's WLB-LLM) or "concat-and-cut" (the stream cut every seq_len tokens; in Megatron
     #: training, megatron-core's own GPTDataset samples as its sampler gives them, regrouped for balance)
@@ -234,38 +249,29 @@ class PackingConfig:
         if capacity > MAX_MICRO_BATCH_TOKENS:
             raise ValueError(f"max_seq_len={capacity} (seq_len={self.seq_len}): attention kernels index a "
                              f"micro-batch's tokens with int32, so at most {MAX_MICRO_BATCH_TOKENS} (2**31 - 1)")
-        if self.oversize not in OVERSIZE_POLICIES:
-            raise ValueError(f"oversize={self.oversize!r}; valid policies: {', '.join(OVERSIZE_POLICIES)}")
+        if self.cut not in CUT_POLICIES:
+            raise ValueError(f"cut={self.cut!r}; valid policies: {', '.join(CUT_POLICIES)}")
         if isinstance(self.max_delay, bool) or not isinstance(self.max_delay, int) or self.max_delay < 0:
             raise ValueError(f"max_delay must be a non-negative integer of iterations, got {self.max_delay!r}")
         frac = self.outlier_fraction
         if isinstance(frac, bool) or not isinstance(frac, (int, float)) or not frac > 0:
             raise ValueError(f"outlier_fraction={frac!r}: must be a positive number (fraction of an ordinary "
                              "micro-batch's mean latency that makes a document an outlier)")
-        if not isinstance(self.flush_on_force, bool):
-            raise ValueError(f"flush_on_force={self.flush_on_force!r}: must be true or false")
-        if not isinstance(self.group_by_work, bool):
-            raise ValueError(f"group_by_work={self.group_by_work!r}: must be true or false")
-        if isinstance(self.min_fill, bool) or not isinstance(self.min_fill, (int, float)) or \
-                not 0 <= self.min_fill <= 1:
-            raise ValueError(f"min_fill={self.min_fill!r}: must be a fraction of the token budget in [0, 1]")
         if isinstance(self.fill_target, bool) or not isinstance(self.fill_target, (int, float)) or \
                 not 0 <= self.fill_target <= 1:
             raise ValueError(f"fill_target={self.fill_target!r}: must be a fraction of the token budget in [0, 1]")
-        if not isinstance(self.release_when_balanced, bool):
-            raise ValueError(f"release_when_balanced={self.release_when_balanced!r}: must be true or false")
+        if self.fill not in FILL_POLICIES:
+            raise ValueError(f"fill={self.fill!r}; valid policies: {', '.join(FILL_POLICIES)}")
         if not isinstance(self.schedule_order, bool):
             raise ValueError(f"schedule_order={self.schedule_order!r}: must be true or false")
         if self.release not in RELEASE_POLICIES:
-            raise ValueError(f"release={self.release!r}: 'global' (dp * n outliers at a time) or 'rank' (n at a time)")
-        if self.cut_policy not in CUT_POLICIES:
-            raise ValueError(f"cut_policy={self.cut_policy!r}; valid policies: {', '.join(CUT_POLICIES)}")
+            raise ValueError(f"release={self.release!r}; valid policies: {', '.join(RELEASE_POLICIES)}")
         if self.pieces not in PIECE_SOURCES:
             raise ValueError(f"pieces={self.pieces!r}; valid: {', '.join(PIECE_SOURCES)}")
         if self.pieces == "concat-and-cut" and self.cut_policy != "none":
-            raise ValueError(f"cut_policy={self.cut_policy!r} with pieces='concat-and-cut': concat-and-cut's pieces "
+            raise ValueError(f"cut={self.cut!r} with pieces='concat-and-cut': concat-and-cut's pieces "
                              "are trained exactly as Megatron cuts them, so no further cut is allowed; use "
-                             "cut_policy='none'")
+                             "cut='split'")
         nodes = self.solver_nodes
         if isinstance(nodes, bool) or not isinstance(nodes, (int, np.integer)) or nodes < 0:
             raise ValueError(f"solver_nodes={nodes!r}: must be a non-negative integer (HiGHS branch-and-bound "
@@ -277,6 +283,46 @@ class PackingConfig:
                 raise ValueError(f"queue_thresholds must be 'auto' or strictly increasing positive "
                                  f"integers, got {self.queue_thresholds!r}")
             object.__setattr__(self, "queue_thresholds", tuple(int(t) for t in th))
+
+    @property
+    def oversize(self) -> str:
+        """A document longer than a packer's capacity: "split", "drop" or "error" (``cut``)."""
+        return CUT_POLICIES[self.cut][0]
+
+    @property
+    def cut_policy(self) -> str:
+        """wlb (g): which forced outliers are cut: "none", "overlong" or "any" (``cut``)."""
+        return CUT_POLICIES[self.cut][1]
+
+    @property
+    def group_by_work(self) -> bool:
+        """wlb (e): a full queue releases R outliers of similar length (with its oldest), not its R oldest."""
+        return RELEASE_POLICIES[self.release][0]
+
+    @property
+    def release_when_balanced(self) -> bool:
+        """wlb (i): a queued outlier also goes out as soon as the iteration can still be balanced with it."""
+        return RELEASE_POLICIES[self.release][1]
+
+    @property
+    def read_ahead_fill(self) -> float:
+        """wlb (h): the read-ahead's target fraction of the token budget (0 = no read-ahead fill)."""
+        return self.fill_target if FILL_POLICIES[self.fill][0] else 0.0
+
+    @property
+    def waiting_fill(self) -> float:
+        """wlb (f): the fraction of the token budget topped up from waiting pieces (0 = none)."""
+        return self.fill_target if FILL_POLICIES[self.fill][1] else 0.0
+
+    @property
+    def intake_fill(self) -> float:
+        """wlb (f), the intake side: after a document longer than the budget the intake is in debt; it
+        still reads enough for the iteration to reach this fraction of the budget with what waits:
+        ``fill_target`` with ``fill: waiting``, at most ``INTAKE_FILL`` with ``fill: full`` (the read-ahead
+        fills the rest), 0 otherwise."""
+        if self.fill == "waiting":
+            return self.fill_target
+        return min(INTAKE_FILL, self.fill_target) if self.fill == "full" else 0.0
 
     @property
     def capacity_var(self) -> int:
@@ -305,3 +351,35 @@ class PackingConfig:
     @property
     def tokens_per_iteration(self) -> int:
         return self.dp * self.n * self.seq_len
+
+
+#: a fingerprint's merged knobs (issue 34) -> the fields that replaced them: (release) from
+#: (group_by_work, release_when_balanced), (fill, fill_target) from (min_fill, fill_target), (cut) from
+#: (oversize, cut_policy); a state saved before the merge compares in today's names
+_OLD_RELEASE = {(True, True): "balanced", (True, False): "grouped", (False, True): "oldest", (False, False): "paper"}
+_OLD_CUT = {("split", "none"): "split", ("split", "overlong"): "overlong", ("split", "any"): "any",
+            ("drop", "none"): "drop", ("error", "none"): "error"}
+
+
+def upgrade_old_knobs(fp: Mapping[str, Any], seq_len: int | None = None) -> dict[str, Any]:
+    """Knob values ``fp`` (a packer's settings fingerprint, a checkpoint's ``--wlb-*`` settings) with the old
+    names mapped to today's (a combination with no new name keeps its old keys, so it differs and is named)
+    and ``max_seq_len`` resolved (None = 1.5 x ``seq_len``, given or in ``fp``), so equal settings compare
+    equal across the merge."""
+    out = dict(fp)
+    if "group_by_work" in out and out.get("flush_on_force", True) is True and out.get("release", "global") == "global":
+        out["release"] = _OLD_RELEASE[(bool(out.pop("group_by_work")), bool(out.pop("release_when_balanced", True)))]
+        out.pop("flush_on_force", None)
+    if "min_fill" in out:
+        min_fill, target = float(out["min_fill"]), float(out.get("fill_target", 0.95))
+        fill = ("full" if target >= min_fill == INTAKE_FILL else None) if min_fill > 0 and target > 0 else \
+            "read-ahead" if target > 0 else "waiting" if min_fill > 0 else "off"
+        if fill is not None:
+            out.pop("min_fill")
+            out["fill"], out["fill_target"] = fill, min_fill if fill == "waiting" else target
+    if "oversize" in out and (out["oversize"], out.get("cut_policy", "none")) in _OLD_CUT:
+        out["cut"] = _OLD_CUT[(out.pop("oversize"), out.pop("cut_policy", "none"))]
+    seq_len = out.get("seq_len", seq_len)
+    if "max_seq_len" in out and out["max_seq_len"] is None and isinstance(seq_len, int):
+        out["max_seq_len"] = resolve_max_seq_len(seq_len)
+    return out

@@ -4,7 +4,7 @@
   event by event over variable times.
 - ``iteration``:   a packer's global batch + a CP layout + the cost model -> iteration time.
 - ``dyncp``:       Megatron-LM's dynamic CP sizes per document, as a further baseline.
-- the ``whole-document`` baseline packer is ``packing/whole_document.py`` (a ``--wlb-packing`` choice too).
+- the ``whole-document`` baseline packer is ``packing/whole_document.py`` (a ``--wlb-packer`` choice too).
 - ``experiments``: the paper's experiments as pure functions returning tables.
 - ``report``:      markdown and figures (matplotlib, Agg) of ``wlb reproduce`` / ``wlb analyze``.
 """

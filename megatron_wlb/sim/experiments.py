@@ -10,7 +10,7 @@ Two baselines, both "Plain-4D" (no balancing, per-sequence CP sharding): ``conca
 (Megatron GPTDataset, ``packing/original.py``; pieces of cut documents attend only within
 themselves) and ``whole-document`` (``packing/whole_document.py``: documents kept whole in arrival order in
 fixed-length micro-batches). Every speedup is shown against both. The schedule is the paper's
-interleaved 1F1B (``DEFAULT_VIRTUAL_STAGES`` virtual stages) unless a caller asks otherwise.
+interleaved 1F1B (``PAPER_VIRTUAL_STAGES`` virtual stages) unless a caller asks otherwise.
 """
 
 from __future__ import annotations
@@ -33,8 +33,10 @@ TABLE1_CONFIGS = ("550m_64k", "550m_128k", "7b_64k", "7b_128k", "30b_64k", "30b_
 CASE_STUDY_CONFIG = "405b_128k_8k"
 SWEEP_WINDOWS = (32768, 65536, 98304, 131072, 163840)
 #: Virtual stages of the interleaved 1F1B schedule the paper trains with (Sec. 6; it does not give
-#: v). 2 is the smallest interleaving; the report sweeps 1 (plain 1F1B), 2 and 4.
-DEFAULT_VIRTUAL_STAGES = 2
+#: v). 2 is the smallest interleaving; the report sweeps 1 (plain 1F1B), 2 and 4. Only the paper's
+#: experiments (``wlb reproduce``, the lab's verdict) use it: a command given a config runs the config's
+#: ``virtual_stages`` (default 1, Megatron's), or ``--virtual-stages``.
+PAPER_VIRTUAL_STAGES = 2
 VIRTUAL_STAGE_SWEEP = (1, 2, 4)
 
 
@@ -53,7 +55,7 @@ class Method:
 
     name: str
     packer: str
-    cp_layout: str
+    cp_sharding: str
     overrides: tuple[tuple[str, object], ...] = ()
     s_max_factor: float | None = None
     order: str = "packer"
@@ -205,7 +207,7 @@ def compare(config: RunConfig, lengths: np.ndarray, iterations: int, methods: Se
         source = samples if m.on_samples is not None else None
         overrides = {**m.packing_overrides(config), **dict(m.on_samples or ())} if source is not None \
             else m.packing_overrides(config)
-        runs[m.name] = simulate_stream(cfg, cost, m.packer, m.cp_layout, lengths, iterations, source=source,
+        runs[m.name] = simulate_stream(cfg, cost, m.packer, m.cp_sharding, lengths, iterations, source=source,
                                        packing_overrides=overrides, layout_builder=layout_builder,
                                        keep_events=keep_events, progress=progress,
                                        progress_desc=f"{config.name} {m.name}", order=m.order,
@@ -332,7 +334,7 @@ def with_window(config: RunConfig, seq_len: int) -> RunConfig:
 
 def window_sweep(lengths: np.ndarray, iterations: int, *, base: str = "7b_128k",
                  windows: Sequence[int] = SWEEP_WINDOWS, profile: str | None = None,
-                 virtual_stages: int | None = DEFAULT_VIRTUAL_STAGES,
+                 virtual_stages: int | None = PAPER_VIRTUAL_STAGES,
                  progress: Progress | None = None) -> tuple[Table, list[Comparison]]:
     """Fig. 14: WLB-LLM over both baselines for one model and layout as the window grows."""
     cfg = load_config(base)
@@ -432,7 +434,7 @@ class AblationStep:
     after: tuple[int, bool, str]
 
 
-def ablation_steps(v: int = DEFAULT_VIRTUAL_STAGES) -> tuple[list[AblationStep], list[AblationStep]]:
+def ablation_steps(v: int = PAPER_VIRTUAL_STAGES) -> tuple[list[AblationStep], list[AblationStep]]:
     """(cumulative steps from the old model to the paper's setting, one-at-a-time toggles from it)."""
     cut, whole = PLAIN.name, WHOLE.name
     cumulative = [
@@ -454,7 +456,7 @@ def _ratio(paper: float | None, ours: float) -> float | None:
     return paper / ours if paper else None
 
 
-def ablation_tables(grid: Grid, v: int = DEFAULT_VIRTUAL_STAGES) -> tuple[Table, Table]:
+def ablation_tables(grid: Grid, v: int = PAPER_VIRTUAL_STAGES) -> tuple[Table, Table]:
     """How each modelling choice moves WLB-LLM's average speedup: cumulatively from the previous
     model (plain 1F1B, s/cp sends, concat-and-cut) to the paper's setting, and one at a time."""
     def avg(cell: tuple[int, bool, str], key: str = "avg") -> float:

@@ -180,7 +180,7 @@ def stage_layers(num_layers: int, pp: int) -> np.ndarray:
 
 
 class IterationSimulator:
-    """Simulate iterations of ``config`` with ``cost`` and the CP layout ``cp_layout``.
+    """Simulate iterations of ``config`` with ``cost`` and the CP layout ``cp_sharding``.
 
     Layouts are cached per distinct tuple of document lengths (micro-batches repeat often under
     fixed packing and always across the stages of one pipeline). ``layout_builder`` defaults to
@@ -191,7 +191,7 @@ class IterationSimulator:
     ``sequence_parallel``: PP sends carry the sequence-parallel shard (``CostModel.pp_send``).
     """
 
-    def __init__(self, config: RunConfig, cost: CostModel, cp_layout: str,
+    def __init__(self, config: RunConfig, cost: CostModel, cp_sharding: str,
                  layout_builder: LayoutBuilder | None = None, keep_events: bool = False,
                  dp_sync: bool = True, order: str = "packer", sequence_parallel: bool = True):
         if order not in ORDERS:
@@ -201,7 +201,7 @@ class IterationSimulator:
             raise ValueError(f"cost model layout {cost.layout} does not match config layout {config.layout}")
         self.config = config
         self.cost = cost
-        self.cp_layout = cp_layout
+        self.cp_sharding = cp_sharding
         self.layout_builder = layout_builder or partial(default_layout_builder, seq_len=config.seq_len)
         self.keep_events = keep_events
         self.layers = stage_layers(config.model.num_layers, config.layout.pp)
@@ -229,11 +229,11 @@ class IterationSimulator:
         if tokens == 0:
             zeros = np.zeros(cp)
             return MicroBatchCost(0, "empty", 0.0, 0.0, zeros, zeros, zeros, 0.0, 0.0, 0.0, zeros)
-        layout = self.layout_builder(self.cp_layout, lengths, cp, cost)
+        layout = self.layout_builder(self.cp_sharding, lengths, cp, cost)
         attn = np.asarray(layout.rank_work, dtype=np.float64)
         rank_tokens = np.asarray(layout.rank_tokens, dtype=np.float64)
         if attn.shape != (cp,) or rank_tokens.shape != (cp,):
-            raise ValueError(f"layout {self.cp_layout!r} returned rank_work {attn.shape} / rank_tokens "
+            raise ValueError(f"layout {self.cp_sharding!r} returned rank_work {attn.shape} / rank_tokens "
                              f"{rank_tokens.shape}; expected ({cp},)")
         hw = cost.hardware
         gemm = np.asarray(cost.linear_compute(rank_tokens), dtype=np.float64)
@@ -363,7 +363,7 @@ class RunSummary:
 
     config: str
     packer: str
-    cp_layout: str
+    cp_sharding: str
     iterations: tuple[IterationResult, ...]
     packing_metrics: dict = field(default_factory=dict)
 
@@ -414,7 +414,7 @@ class RunSummary:
         return self.throughput / base.throughput if base.throughput > 0 else float("nan")
 
 
-def simulate_stream(config: RunConfig, cost: CostModel, packer: str, cp_layout: str, lengths: np.ndarray,
+def simulate_stream(config: RunConfig, cost: CostModel, packer: str, cp_sharding: str, lengths: np.ndarray,
                     iterations: int, *, packing_overrides: dict | None = None,
                     layout_builder: LayoutBuilder | None = None, keep_events: bool = False,
                     split_at: int | None = None, order: str = "packer", sequence_parallel: bool = True,
@@ -438,12 +438,12 @@ def simulate_stream(config: RunConfig, cost: CostModel, packer: str, cp_layout: 
     # simulator also runs the whole-document baseline (``packing/whole_document.py``).
     cfg = replace(config, packing=replace(config.packing, **(packing_overrides or {})))
     pk = make_packer(packer, cfg.packing, cost)
-    sim = IterationSimulator(cfg, cost, cp_layout, layout_builder=layout_builder, keep_events=keep_events,
+    sim = IterationSimulator(cfg, cost, cp_sharding, layout_builder=layout_builder, keep_events=keep_events,
                              order=order, sequence_parallel=sequence_parallel)
     stream = pk.pack(lengths) if source is None else pk.pack_source(source.cursor())
     batches: Iterable[GlobalBatch] = _take(stream, iterations)
     if progress is not None:
-        batches = progress(batches, progress_desc or f"{config.name} {packer}+{cp_layout}", iterations)
+        batches = progress(batches, progress_desc or f"{config.name} {packer}+{cp_sharding}", iterations)
     results = []
     packed = []
     for batch in batches:
@@ -451,7 +451,7 @@ def simulate_stream(config: RunConfig, cost: CostModel, packer: str, cp_layout: 
         packed.append(batch)
     if not results:
         raise ValueError("the length stream produced no global batch")
-    return RunSummary(config.name, packer, cp_layout, tuple(results), packing_summary(packed, cost, cfg.seq_len))
+    return RunSummary(config.name, packer, cp_sharding, tuple(results), packing_summary(packed, cost, cfg.seq_len))
 
 
 def split_documents(lengths: np.ndarray, window: int) -> np.ndarray:

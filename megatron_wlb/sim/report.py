@@ -25,12 +25,12 @@ from megatron_wlb.sim.experiments import (
     BREAKDOWN_METHODS,
     CASE_METRICS,
     CASE_STUDY_CONFIG,
-    DEFAULT_VIRTUAL_STAGES,
     DYNCP,
     EQUAL_DELAY,
     FIXED,
     MAIN_METHODS,
     PAPER,
+    PAPER_VIRTUAL_STAGES,
     PLAIN,
     TABLE1_CONFIGS,
     VIRTUAL_STAGE_SWEEP,
@@ -270,7 +270,7 @@ class ReproduceSettings:
     sweep_iterations: int = 100
     case_iterations: int = 12
     s_max_sensitivity: tuple[float, ...] = (1.0, 1.25, 1.5, 2.0)
-    virtual_stages: int = DEFAULT_VIRTUAL_STAGES
+    virtual_stages: int = PAPER_VIRTUAL_STAGES
     schedule_sweep: tuple[int, ...] = VIRTUAL_STAGE_SWEEP
 
 
@@ -495,7 +495,7 @@ def why_text(res: ReproduceResults) -> str:
         "micro-batch.",
         "- **Not modelled:** allocator and memory pressure of long micro-batches, kernel slow-downs, "
         "stragglers on a real network, FSDP (we charge a ring all-reduce after the pipeline drains, the same "
-        "for every method); the cost model is analytic unless `--profile` gives a GPU profile.",
+        "for every method); the cost model is analytic unless `--cost-profile` gives a GPU profile.",
     ]
     return "## Why ours differ from the paper\n\n" + "\n".join(bullets) + "\n"
 
@@ -748,7 +748,7 @@ def equal_delay_lines(verdict: Verdict) -> list[str]:
     best = max(verdict.summary(base, m)["max"] for m in (WLB.name, BALANCED_CUT.name) if m in over)
     if best < 1.0:
         line += (f" **{label} is faster here in every ordering**: `packer: fixed-greedy`, `window: "
-                 f"{dict(EQUAL_DELAY.overrides)['window']}` (`--wlb-packing fixed-greedy --wlb-window "
+                 f"{dict(EQUAL_DELAY.overrides)['window']}` (`--wlb-packer fixed-greedy --wlb-window "
                  f"{dict(EQUAL_DELAY.overrides)['window']}`).")
     return [line]
 

@@ -243,7 +243,7 @@ def render(run: RunConfig, gpus_per_node: int = GPUS_PER_NODE, source: str | Non
     lay = run.layout
     # CPU mode runs the tiny GPT (256-token sequences) on another layout: the config's packer and CP layout
     # (its size-scaled knobs, e.g. --wlb-max-seq-len, belong to its sequence length)
-    cpu_wlb = [f"--wlb-packing {run.packer}", f"--wlb-cp-sharding {run.cp_sharding}"]
+    cpu_wlb = [f"--wlb-packer {run.packer}", f"--wlb-cp-sharding {run.cp_sharding}"]
     return TEMPLATE.format(
         source=source or f"configs/{run.name}.yaml",
         cpu_wlb_block="    " + _bash_array("CPU_WLB_ARGS", cpu_wlb).replace("\n", "\n    ").rstrip(),

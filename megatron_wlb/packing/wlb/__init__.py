@@ -6,11 +6,11 @@ Per iteration, over all ``dp * n`` micro-batches of capacity ``max_seq_len`` (pa
    outliers wait in ``n_q`` queues by level (L_k <= d < L_{k+1}).
 2. A queue holding at least R pieces releases R of them (one per micro-batch: they are the
    largest items of the iteration, so the placement below puts them into distinct, empty
-   micro-batches). R = dp * n, see extension (c); ``release="rank"`` makes it n. The paper takes
-   the R oldest (``group_by_work=False``); by default a group of similar work, see (e).
+   micro-batches). R = dp * n, see extension (c). The paper takes the R oldest (``release="oldest"``
+   or ``"paper"``); by default a group of similar work, see (e).
 3. Pieces that have waited ``max_delay`` iterations are *forced*: placed before everything else,
    in a pass of their own. A queue whose oldest member is forced releases the members nearest to
-   it in length with it (up to R in all; ``flush_on_force``, default True), so a forced outlier
+   it in length with it (up to R in all), so a forced outlier
    does not run alone; with a cut policy (g) it may be cut instead.
 4. The released outliers and the other pieces, by length descending, each go to the micro-batch of
    least workload among those with room for it (the paper: least workload if it fits, else least
@@ -42,24 +42,24 @@ Extensions beyond the paper (docs/packing.md has the measurements):
 (d) ``schedule_order``: ``packing.pipeline.deal_and_order`` assigns the micro-batches to DP ranks
     and orders them within a rank to minimise the slowest rank's (interleaved) 1F1B time; contents
     and delays are unchanged.
-(e) ``group_by_work``: a queue releases R members of similar length (preferring groups with its
+(e) ``release="balanced"`` or ``"grouped"``: a queue releases R members of similar length (preferring groups with its
     oldest) only when the iteration's ordinary documents can balance them (``balance.closable``); else
     it waits, within the delay bound.
-(f) ``min_fill``: while pieces wait, every iteration holds at least ``min_fill`` x the token
-    budget unless no waiting piece fits: the intake reads that much even while repaying an
-    overshoot, and waiting pieces are released early, shortest first. With the read-ahead fill (h)
-    on, the guard tops up to ``fill_target`` instead, from the waiting pieces, when the read-ahead
+(f) ``fill="waiting"`` (or ``"full"``): while pieces wait, every iteration holds at least ``fill_target``
+    x the token budget unless no waiting piece fits: the intake reads that much even while repaying
+    an overshoot (``PackingConfig.intake_fill``), and waiting pieces are released early, shortest first.
+    With the read-ahead fill (h) on (``"full"``), the guard tops up from the waiting pieces when the read-ahead
     stopped for lack of room for the outliers it would queue, and then places the whole iteration
     again so the released pieces are balanced with the rest (``fill.fill_guard``).
-(g) ``cut_policy`` (opt-in): a forced outlier whose group cannot be balanced is cut into the
-    fewest pieces that can ("overlong": only pieces of documents longer than S_max; "any"), and
-    so are the outliers the fill rule (f) releases early into an iteration whose ordinary
+(g) ``cut="overlong"`` or ``"any"`` (opt-in; ``PackingConfig.cut_policy``): a forced outlier whose group
+    cannot be balanced is cut into the fewest pieces that can ("overlong": only pieces of documents
+    longer than S_max; "any"), and so are the outliers the fill rule (f) releases early into an iteration whose ordinary
     documents cannot balance them (``cut.cut_early``); counted in ``cut_stats``.
-(h) ``fill_target``: full iterations. While the iteration holds less than ``fill_target`` x the
+(h) ``fill="full"`` (or ``"read-ahead"``): full iterations. While the iteration holds less than ``fill_target`` x the
     token budget, ordinary documents are read ahead from the stream (arriving now: no delay;
     credited against later budgets) and placed; outliers read on the way are queued, within what
     one iteration can take, so the delay bound holds (``fill.read_ahead_fill``).
-(i) ``release_when_balanced``: delay only when it pays. A queued outlier goes out as soon as the
+(i) ``release="balanced"`` or ``"oldest"``: delay only when it pays. A queued outlier goes out as soon as the
     iteration can still be balanced with it, not only in a group of R (``release.balanced_release``).
 
 ``place.place_whole_batch`` is the placement (4) and dealing (5) alone, for one whole global batch that must be

@@ -1,4 +1,5 @@
-"""The opt-in cut policy (extension (g), ``cut_policy``): outliers the iteration cannot balance are cut.
+"""The opt-in cut policy (extension (g), ``cut``: ``PackingConfig.cut_policy``): outliers the iteration
+cannot balance are cut.
 
 A forced outlier whose group cannot be balanced is cut into the fewest pieces that can (``cut``), and so
 are the outliers the fill rule (f) releases early into an iteration whose ordinary documents cannot

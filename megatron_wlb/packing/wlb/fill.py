@@ -1,9 +1,10 @@
-"""Full iterations: the fill rule (f, ``min_fill``) and the read-ahead fill (h, ``fill_target``).
+"""Full iterations: the fill rule (f, ``PackingConfig.waiting_fill``) and the read-ahead fill (h,
+``read_ahead_fill``): the ``fill`` policy's parts, each to ``fill_target`` x the budget.
 
-(f) While pieces wait, every iteration holds at least ``min_fill`` x the token budget unless no waiting
+(f) While pieces wait, every iteration holds at least ``waiting_fill`` x the token budget unless no waiting
 piece fits: waiting pieces are released early, shortest first, before the placement
 (``release_early``), and after it the guard tops up from the waiting pieces (``fill_guard``).
-(h) While the iteration holds less than ``fill_target`` x the budget, ordinary documents are read
+(h) While the iteration holds less than ``read_ahead_fill`` x the budget, ordinary documents are read
 ahead from the stream (arriving now: no delay; credited against later budgets), before the placement
 (``read_ahead_ordinary``) and after it (``read_ahead_fill``); outliers read on the way wait, within
 what one iteration can take, so the delay bound holds.
@@ -42,11 +43,11 @@ def early_release(waiting: list[DocPiece], need: float) -> list[DocPiece]:
 
 
 def release_early(plan: IterationPlan) -> None:
-    """(f) before the placement: top the iteration up to ``min_fill`` x the budget from the waiting pieces
+    """(f) before the placement: top the iteration up to ``waiting_fill`` x the budget from the waiting pieces
     (``early_release``), so long waiting pieces still find empty micro-batches; with a cut policy the
     released outliers the iteration cannot balance are cut (``cut_early``)."""
     cfg = plan.config
-    early = early_release(plan.waiting, cfg.min_fill * cfg.tokens_per_iteration - _held(plan))
+    early = early_release(plan.waiting, cfg.waiting_fill * cfg.tokens_per_iteration - _held(plan))
     if not early:
         return
     picked = set(early)
@@ -87,14 +88,14 @@ def read_ahead_before(plan: IterationPlan) -> None:
     placed with the rest, largest first (read after it, a long one could only land on top of an already
     balanced micro-batch)."""
     cfg = plan.config
-    plan.candidates.extend(read_ahead_ordinary(plan, cfg.fill_target * cfg.tokens_per_iteration - _held(plan)))
+    plan.candidates.extend(read_ahead_ordinary(plan, cfg.read_ahead_fill * cfg.tokens_per_iteration - _held(plan)))
 
 
 def read_ahead_fill(plan: IterationPlan) -> None:
-    """(h) after the placement: while the iteration is still short of ``fill_target`` x the budget, read
+    """(h) after the placement: while the iteration is still short of ``read_ahead_fill`` x the budget, read
     more ordinary documents and place them, least-loaded micro-batch first, until the target, the end of
     the stream, or a piece that fits nowhere (it waits)."""
-    need = plan.config.fill_target * plan.config.tokens_per_iteration
+    need = plan.config.read_ahead_fill * plan.config.tokens_per_iteration
     while (have := plan.tokens) < need:
         ordinary = sort_largest_first(read_ahead_ordinary(plan, need - have))
         if not ordinary:
@@ -107,13 +108,13 @@ def read_ahead_fill(plan: IterationPlan) -> None:
 
 def fill_guard(plan: IterationPlan, full: bool) -> None:
     """(f) after the placement: while pieces wait, place waiting ones (oldest first, all the waiting
-    pieces of a document together) until the iteration holds ``min_fill`` x the budget, or
-    ``fill_target`` x when ``full`` (the read-ahead fill is on and ran out of room for the outliers it
+    pieces of a document together) until the iteration holds ``waiting_fill`` x the budget, or
+    ``read_ahead_fill`` x when ``full`` (the read-ahead fill is on and ran out of room for the outliers it
     would queue), or nothing more fits. With ``full`` the iteration is then placed again from scratch
     (``replace_all``), so the released pieces are balanced with the others rather than stacked on
     already balanced micro-batches."""
     cfg = plan.config
-    need = max(cfg.min_fill, cfg.fill_target if full else 0.0) * cfg.tokens_per_iteration
+    need = max(cfg.waiting_fill, cfg.read_ahead_fill if full else 0.0) * cfg.tokens_per_iteration
     if plan.tokens >= need:
         return
     waiting = plan.waiting

@@ -70,8 +70,8 @@ class WlbPacker(Packer):
 
     def _min_intake(self) -> int:
         """The fill rule's intake side: after a huge document the intake is in debt; still read
-        enough that the iteration can reach ``min_fill`` x the token budget with what waits."""
-        return max(0, int(self.config.min_fill * self.config.tokens_per_iteration) - self.pending())
+        enough that the iteration can reach ``intake_fill`` x the token budget with what waits."""
+        return max(0, int(self.config.intake_fill * self.config.tokens_per_iteration) - self.pending())
 
     def pending(self) -> int:
         return sum(p.length for p in self._waiting)
@@ -112,16 +112,16 @@ class WlbPacker(Packer):
             plan.candidates = rest
         else:
             release.release_outliers(plan, rest)
-            if plan.waiting and cfg.min_fill > 0 and cfg.fill_target < cfg.min_fill:
+            if plan.waiting and cfg.waiting_fill > 0 and cfg.read_ahead_fill < cfg.waiting_fill:
                 fill.release_early(plan)  # (f), unless the read-ahead fill (h) tops up with ordinary documents
             if read_ahead:
                 fill.read_ahead_before(plan)
         place.place_iteration(plan)
         if read_ahead:
             fill.read_ahead_fill(plan)
-        if not final and plan.waiting and cfg.min_fill > 0:
+        if not final and plan.waiting and cfg.waiting_fill > 0:
             # without the read-ahead, the waiting pieces are all there is to fill the iteration with
-            fill.fill_guard(plan, full=read_ahead or (cfg.read_ahead is False and cfg.fill_target > 0))
+            fill.fill_guard(plan, full=read_ahead or (cfg.read_ahead is False and cfg.read_ahead_fill > 0))
         plan.waiting.sort(key=oldest_first_key)
         self._waiting = plan.waiting
         if self._overlong_docs:

@@ -42,15 +42,14 @@ def place_pieces(pieces: list[DocPiece], bins: list[list[DocPiece]], work: list[
 
 
 def release_size(config: PackingConfig) -> int:
-    """R, the outliers a queue releases at once: one per micro-batch of the global batch (``release="global"``)
-    or of one DP rank (``"rank"``)."""
-    return config.micro_batches_per_iteration if config.release == "global" else config.n
+    """R, the outliers a queue releases at once: one per micro-batch of the global batch (extension (c))."""
+    return config.micro_batches_per_iteration
 
 
 def reads_ahead(config: PackingConfig) -> bool:
-    """Whether the read-ahead fill (h) runs: ``fill_target`` on, pieces may wait (``max_delay`` > 0) and
+    """Whether the read-ahead fill (h) runs: ``read_ahead_fill`` on, pieces may wait (``max_delay`` > 0) and
     ``read_ahead`` not off (Megatron's own samples are never read ahead of their iteration)."""
-    return config.fill_target > 0 and config.max_delay > 0 and config.read_ahead is not False
+    return config.read_ahead_fill > 0 and config.max_delay > 0 and config.read_ahead is not False
 
 
 def _no_read_ahead(tokens: int, limit: int) -> list[DocPiece]:
@@ -106,7 +105,7 @@ class IterationPlan:
     per_token: float
     latency: Latency
     counts: PlanCounts
-    #: documents longer than S_max (the ``cut_policy="overlong"`` scope)
+    #: documents longer than S_max (the ``cut="overlong"`` scope)
     overlong: set[int] = field(default_factory=set)
     #: read documents worth at least ``tokens`` more, at most ``limit`` (the stream's read-ahead)
     read_ahead: Callable[[int, int], list[DocPiece]] = _no_read_ahead

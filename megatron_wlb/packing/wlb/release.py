@@ -2,10 +2,10 @@
 
 Outliers wait in queues by level (L_k <= d < L_{k+1}). ``release_outliers`` sorts the iteration's
 pieces: ordinary ones are placed now; a queue holding at least R outliers releases R of them (the R
-oldest, or with ``group_by_work`` the R of similar work that the ordinary documents can balance,
-``similar_group``); a queue whose oldest member hit the delay bound goes out with it (its ``companions``,
-``flush_on_force``), or, with a cut policy, the forced outlier is cut instead; with
-``release_when_balanced`` any queued outlier the iteration can still balance goes out too
+oldest, or with ``group_by_work`` (``release`` "balanced", "grouped") the R of similar work that the
+ordinary documents can balance, ``similar_group``); a queue whose oldest member hit the delay bound goes
+out with it (its ``companions``), or, with a cut policy, the forced outlier is cut instead; with
+``release_when_balanced`` ("balanced", "oldest") any queued outlier the iteration can still balance goes out too
 (``balanced_release``). The rest keep waiting.
 """
 
@@ -38,7 +38,7 @@ def similar_group(plan: IterationPlan, queue: list[DocPiece]) -> list[DocPiece]:
     spread = [by_len[s + r - 1].length - by_len[s].length for s in windows]
     has_oldest = [oldest in by_len[s:s + r] for s in windows]
     order = sorted(windows, key=lambda s: (not has_oldest[s], spread[s], s))
-    if r != plan.m or plan.per_token <= 0:
+    if plan.per_token <= 0:
         return by_len[order[0]:order[0] + r]
     for s in order:
         group = by_len[s:s + r]
@@ -58,14 +58,13 @@ def _queue_release(plan: IterationPlan, queue: list[DocPiece], forced_q: list[Do
         # policy, a forced outlier whose group the ordinary documents cannot balance is cut instead
         # and its would-be companions wait.
         anchor = max(p.length for p in forced_q)
-        chosen = companions(queue, r - len(forced_q), anchor) if cfg.flush_on_force else []
+        chosen = companions(queue, r - len(forced_q), anchor)
         if cfg.cut_policy != "none" and not closable(plan, [p.length for p in forced_q + chosen]):
             cuttable = [p for p in forced_q if may_cut(plan, p)]
             if cuttable:
                 to_cut.update(cuttable)
                 kept = [p for p in forced_q if p not in to_cut]
-                chosen = companions(queue, r - len(kept), max(p.length for p in kept)) \
-                    if kept and cfg.flush_on_force else []
+                chosen = companions(queue, r - len(kept), max(p.length for p in kept)) if kept else []
         return chosen
     if len(queue) >= r:
         return similar_group(plan, queue) if cfg.group_by_work else queue[:r]
@@ -106,7 +105,7 @@ def balanced_release(plan: IterationPlan, placed: list[DocPiece]) -> list[DocPie
     """(i) Delay only when it pays: the queued outliers (oldest first) that this iteration can take and
     still balance (``stays_balanced``, with the iteration's outliers ``placed`` dealt by ``deal_outliers``
     and each new one to the least loaded micro-batch: O(micro-batches) per candidate). The ordinary
-    tokens are those in hand, or, with the read-ahead fill (h), what it fills to (``fill_target`` x the
+    tokens are those in hand, or, with the read-ahead fill (h), what it fills to (``read_ahead_fill`` x the
     budget) less the outliers. An outlier that no iteration could balance waits for a group, as before."""
     l1 = plan.l1
     queued = sorted((p for p in plan.waiting if p.length >= l1), key=oldest_first_key)
@@ -126,7 +125,7 @@ def balanced_release(plan: IterationPlan, placed: list[DocPiece]) -> list[DocPie
         if bt[j] + p.length > cap:
             continue
         tokens = outlier_tokens + p.length
-        fill = int(cfg.fill_target * plan.budget)
+        fill = int(cfg.read_ahead_fill * plan.budget)
         ordinary = max(in_hand, fill - tokens) if read_ahead else in_hand
         if tokens + in_hand > cap * m:
             continue
