@@ -70,3 +70,30 @@ def test_the_main_scheduler_tables_are_the_recorded_runs():
     mod = load_script("bench_main_scheduler")
     assert mod.readme_table(_result("main_scheduler")).strip() in README
     assert mod.dynamic_readme_table(_result("dynamic_cp_scheduler")).strip() in README
+
+
+def test_the_docs_batch_path_and_layout_build_numbers_are_the_recorded_runs():
+    """docs/megatron_launch.md's host cost of the batch path and docs/cp.md's layout build times quote the latest
+    ``bench_batch_path`` / ``bench_layouts`` results (rounded as printed)."""
+    rows = _result("batch_path")["rows"]
+    launch = " ".join((ROOT / "docs" / "megatron_launch.md").read_text().split())
+
+    def span(key: str, fmt: str) -> str:
+        values = [r[key] for r in rows]
+        return f"{format(min(values), fmt)} to {format(max(values), fmt)}"
+
+    for quoted in (f"takes {span('plan_ms', '.2f')} ms", f"upload {span('upload_ms', '.2f')} ms",
+                   f"takes {span('per_layer_before_ms', '.2f')} ms", f"saves {span('saved_ms', '.1f')} ms"):
+        assert quoted in launch, f"docs/megatron_launch.md does not say {quoted!r} (rerun bench_batch_path.py)"
+    timing = _result("cp_layouts")["timing"]["layouts"]
+    cp_doc = " ".join((ROOT / "docs" / "cp.md").read_text().split())
+    names = ("per-sequence", "per-document", "adaptive", "hybrid")
+    build = ", ".join(f"{timing[n]['build_cpu_ms_median']:.2f} ms ({n})" for n in names)
+    tokens = " / ".join(f"{timing[n]['with_rank_tokens_cpu_ms_median']:.2f}" for n in names)
+    assert build in cp_doc, f"docs/cp.md does not say {build!r} (rerun bench_layouts.py)"
+    assert f"{tokens} ms" in cp_doc, f"docs/cp.md does not say {tokens!r} ms (rerun bench_layouts.py)"
+
+
+def test_the_paper_comparison_table_is_the_recorded_run():
+    mod = load_script("bench_packing")
+    assert mod.paper_table(_result("packing_bench")).strip() in README
