@@ -209,7 +209,7 @@ class PackingConfig:
     pipeline_stages: int | None = None
     #: model chunks per stage (interleaved 1F1B when > 1) for the schedule objective
     virtual_stages: int = 1
-    #: what the packers place: "documents" (each document whole, split only by the oversize policy:
+    #: what the packers place: "documents" (each document whole, split only as ``cut`` says:
     #: the paper's WLB-LLM) or "concat-and-cut" (the stream cut every seq_len tokens; in Megatron
     #: training, megatron-core's own GPTDataset samples as its sampler gives them, regrouped for balance)
     pieces: PieceSource = "documents"
