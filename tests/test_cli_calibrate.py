@@ -57,6 +57,22 @@ def test_the_profile_feeds_analyze_pack_and_shard(smoke_profile: Path, tmp_path:
                  str(smoke_profile.with_suffix(".efficiency.json"))]) == 0
 
 
+def test_a_configs_cost_profile_reaches_bench(smoke_profile: Path, tmp_path: Path):
+    """``cost: {profile: ...}`` in a config prices ``wlb bench``'s tables, as ``--cost-profile`` does."""
+    import yaml
+
+    from megatron_wlb.config import resolve_config_path
+
+    raw = yaml.safe_load(resolve_config_path("550m_64k").read_text())
+    raw["cost"] = {"profile": str(smoke_profile)}
+    cfg = tmp_path / "calibrated.yaml"
+    cfg.write_text(yaml.safe_dump(raw))
+    assert main(["bench", "--config", str(cfg), "--iterations", "2", "--solver-iterations", "1", "--quick",
+                 "--lengths", "wlbllm", "--out", str(tmp_path / "b")]) == 0
+    bench = json.loads((tmp_path / "b" / "packing_bench.json").read_text())
+    assert bench["tables"][0]["cost_model"].startswith("CalibratedCostModel"), bench["tables"][0]["cost_model"]
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
 def test_device_cuda_without_cuda_refuses_in_one_line(tmp_path: Path, capsys):
     assert main(["calibrate", "--device", "cuda", "--out", str(tmp_path / "p.json")]) == 2

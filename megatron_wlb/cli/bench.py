@@ -178,11 +178,12 @@ def run(args: argparse.Namespace) -> int:
     positive(args.iterations, "--iterations")
     positive(args.solver_iterations, "--solver-iterations")
     positive(args.scale_iterations, "--scale-iterations")
-    cost_profile(args.cost_profile)
     out = output_dir(args.out) if args.out else None
     config = load_config(args.config)
-    if args.scale_config:
-        load_config(args.scale_config)  # a bad name fails now, not after the main table
+    # --cost-profile, else each config's own cost.profile; a bad name or profile fails now, before any table
+    profile = cost_profile(args.cost_profile, config=config)
+    scale_profile = cost_profile(args.cost_profile, config=load_config(args.scale_config)) if args.scale_config \
+        else None
     host = machine()
     tables = []
     streams = [s.strip() for s in args.lengths.split(",") if s.strip()]
@@ -192,14 +193,14 @@ def run(args: argparse.Namespace) -> int:
     bases = {stream: open_stream(stream, args.data_cache_path) for stream in streams}
     for stream in streams:
         tables.append(bench_one(args.config, stream, rows_for(config.seq_len, args.quick), args.iterations,
-                                args.solver_iterations, args.cost_profile, base=bases[stream]))
+                                args.solver_iterations, profile, base=bases[stream]))
     if args.scale_config:
         rows: list[BenchRow] = [
             ("Original", "original", {}), ("Fixed-Len Greedy, window 1", "fixed-greedy", {"window": 1}),
             ("WLB, auto thresholds (default)", "wlb", {}),
             ("WLB, preset paper (Algorithm 1)", "wlb", preset_values("paper"))]
         tables.append(bench_one(args.scale_config, "wlbllm", rows, args.scale_iterations, args.solver_iterations,
-                                args.cost_profile))
+                                scale_profile))
     result = {"machine": host, "command": args.label or "wlb " + " ".join(sys.argv[1:]), "tables": tables}
     md = to_markdown(result)
     if out is not None:
