@@ -160,6 +160,7 @@ def main() -> None:
 
         argv += shlex.split(rank_flags.split(":", 1)[1])
     cpu.main(argv)
+    record["process_groups_released"] = not torch.distributed.is_initialized()
     _save()
 
 

@@ -125,6 +125,8 @@ def assert_trains(run: Run, iterations: int = 4) -> None:
     assert all(v == v and abs(v) < 1e3 for v in losses.values()), losses
     assert losses[iterations] < losses[1], f"the loss did not fall: {losses}"
     assert run.log.count(" iteration ") >= iterations  # Megatron's own iteration lines
+    # the launcher destroys the process groups once training returns (an exit with gloo's threads alive can abort)
+    assert all(r.get("process_groups_released") for r in run.ranks.values()), "a rank left its process groups up"
 
 
 def assert_documents_once(run: Run) -> None:

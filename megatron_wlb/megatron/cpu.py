@@ -451,7 +451,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
         spawn_children_import_this_module(script)  # the torch_dist writer's children must not re-run the script
         install_megatron_redirects()
-        from megatron_wlb.megatron import main_schedule
+        from megatron_wlb.megatron import launcher, main_schedule
 
         # what a main user's launcher does (main_schedule's module runner): "wlb" among the checkout's own
         # sequence-packing schedulers, before its flags are parsed (a no-op, saying why, where it has none)
@@ -459,6 +459,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.argv = [script, *argv]
         with exit_on_startup_error():
             runpy.run_path(script, run_name="__main__")
+        launcher.release_process_groups()
         return
     install_megatron_redirects()
     from megatron_wlb.megatron import launcher

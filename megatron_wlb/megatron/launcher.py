@@ -111,6 +111,18 @@ def main(argv: Sequence[str] | None = None) -> None:
         return
     with exit_on_startup_error():
         _pretrain()
+    release_process_groups()
+
+
+def release_process_groups() -> None:
+    """Once training has returned: every rank meets, then the process groups are destroyed, so that gloo's
+    worker threads do not outlive the interpreter. Megatron's ``pretrain`` leaves them up, and an exit with
+    them alive can abort ("terminate called without an active exception", SIGABRT; pytorch#190489)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def _pretrain() -> None:
