@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from megatron_wlb.cp.layouts import expand_runs
 from megatron_wlb.cp.plan import RankMicroBatch
 
 _ALIGN = 8  # bytes: every view starts at a multiple of the largest element size
@@ -102,8 +103,7 @@ def upload(batch: RankMicroBatch, device: torch.device | str, *, tokens: bool = 
     base, length = batch.key_pieces[:, 0], batch.key_pieces[:, 1]
     occurrence = None
     if torch.are_deterministic_algorithms_enabled() and batch.cu_seqlens_padded is None:
-        occurrence = row_occurrence(np.repeat(base - (np.cumsum(length) - length), length)
-                                    + np.arange(int(length.sum())))
+        occurrence = row_occurrence(expand_runs(base, length))
     parts: dict[str, np.ndarray] = {}
     if tokens:
         parts.update(tokens=batch.tokens.astype(np.int64, copy=False), labels=batch.labels.astype(np.int64, copy=False),

@@ -80,7 +80,7 @@ def key_pieces(runs: np.ndarray, seg_start: np.ndarray, seg_end: np.ndarray,
     j_lo = np.searchsorted(start, seg_start, side="right") - 1
     j_hi = np.searchsorted(start, seg_end - 1, side="right") - 1
     count = j_hi - j_lo + 1
-    j = _expand(j_lo, count)
+    j = expand_runs(j_lo, count)
     seg = np.repeat(np.arange(seg_start.size), count)
     ps = np.maximum(start[j], seg_start[seg])
     pe = np.minimum(end[j], seg_end[seg])
@@ -166,24 +166,24 @@ class RankShard:
     @cached_property
     def token_index(self) -> np.ndarray:
         """int64 [T_r]: positions in the (padded) micro-batch, in this rank's order."""
-        return _expand(self.run_start, self.query_lengths)
+        return expand_runs(self.run_start, self.query_lengths)
 
     @cached_property
     def position_ids(self) -> np.ndarray:
         """int64 [T_r]: each token's position within its document."""
-        return _expand(self.run_start - self.run_key_start, self.query_lengths)
+        return expand_runs(self.run_start - self.run_key_start, self.query_lengths)
 
     @cached_property
     def kv_index(self) -> np.ndarray:
         """int64: each query run's key segment ``[doc_start, run_end)``, concatenated in run order."""
-        return _expand(self.run_key_start, self.key_lengths)
+        return expand_runs(self.run_key_start, self.key_lengths)
 
     @cached_property
     def gather_position(self) -> np.ndarray:
         """int64 [T]: where each micro-batch position lands in the (unpadded) all-gathered order."""
         start, end, owner, local = self.owners.T
         offsets = np.concatenate([[0], np.cumsum(self.rank_counts)])[:-1].astype(np.int64)
-        return _expand(offsets[owner] + local, end - start)                 # runs tile 0..T in order
+        return expand_runs(offsets[owner] + local, end - start)                 # runs tile 0..T in order
 
     def gather_pieces(self, width: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         """(first row, length) runs whose expansion is :meth:`gather_rows`; O(runs), so the O(keys)
@@ -195,7 +195,7 @@ class RankShard:
         """int64, aligned with ``kv_index``: the row of each key in an all-gather buffer whose rank
         blocks are ``width`` rows apart (default ``max(rank_counts)``: every rank padded to the
         largest). Built from runs without searching per position."""
-        return _expand(*self.gather_pieces(width))
+        return expand_runs(*self.gather_pieces(width))
 
 
 @dataclass(frozen=True, eq=False)
@@ -249,7 +249,7 @@ def _exclusive_cumsum(x: np.ndarray) -> np.ndarray:
     return out
 
 
-def _expand(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+def expand_runs(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """Concatenate ``arange(s, s + n)`` for each (s, n), without a Python loop."""
     lengths = np.asarray(lengths, dtype=np.int64)
     total = int(lengths.sum())
