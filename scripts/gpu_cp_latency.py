@@ -12,7 +12,10 @@ varlen kernel call with the rank's cu_seqlens, bottom-right causal) runs in turn
 the max over ranks is the CP step's attention time (K/V all-gather and dK/dV reduce-scatter are
 not included: they move the same bytes under every layout). Writes OUT.json and OUT.md with the
 measured max-over-ranks time per layout (relative to per-sequence), the measured imbalance, and how
-well ``RankShard.work`` predicted each rank (Spearman rank correlation).
+well ``RankShard.work`` predicted each rank (Spearman rank correlation). Both are rewritten after every case,
+``"partial": true`` until all are done; at ``--max-seconds`` or the kit's deadline (``WLB_KIT_DEADLINE``) the
+run stops there, ``"stopped_at_deadline": true``, exit status 0. A partial ``--efficiency`` table (a sweep
+stopped early) gives way to the shipped placeholder, which the result names.
 """
 
 from __future__ import annotations
