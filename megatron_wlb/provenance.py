@@ -13,7 +13,7 @@ import platform
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
-__all__ = ["machine", "markdown_table", "write_result"]
+__all__ = ["machine", "markdown_table", "replace_text", "write_result"]
 
 
 def machine() -> str:
@@ -40,12 +40,22 @@ def markdown_table(header: Sequence[str], rows: Iterable[Sequence[object]], alig
             *("| " + " | ".join(str(c) for c in row) + " |" for row in rows)]
 
 
-def write_result(out: str | Path, result: dict, to_markdown: Callable[[dict], str]) -> None:
-    """Write ``result`` as OUT.json and ``to_markdown(result)`` as OUT.md (and print it); ``out`` is a path without
-    suffix, its folder created if needed."""
+def replace_text(path: str | Path, text: str) -> None:
+    """Write ``text`` to ``path`` beside it, then rename it into place: a run killed while writing leaves the
+    previous version, not half a file (the GPU kit rewrites its results after every measured point)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def write_result(out: str | Path, result: dict, to_markdown: Callable[[dict], str], echo: bool = True) -> None:
+    """Write ``result`` as OUT.json and ``to_markdown(result)`` as OUT.md (and print it, unless not ``echo``);
+    ``out`` is a path without suffix, its folder created if needed; each file replaced whole (``replace_text``)."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
     md = to_markdown(result)
-    out.with_suffix(".md").write_text(md)
-    print(md)
+    replace_text(out.with_suffix(".json"), json.dumps(result, indent=1) + "\n")
+    replace_text(out.with_suffix(".md"), md)
+    if echo:
+        print(md)

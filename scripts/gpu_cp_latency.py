@@ -12,15 +12,18 @@ varlen kernel call with the rank's cu_seqlens, bottom-right causal) runs in turn
 the max over ranks is the CP step's attention time (K/V all-gather and dK/dV reduce-scatter are
 not included: they move the same bytes under every layout). Writes OUT.json and OUT.md with the
 measured max-over-ranks time per layout (relative to per-sequence), the measured imbalance, and how
-well ``RankShard.work`` predicted each rank (Spearman rank correlation).
+well ``RankShard.work`` predicted each rank (Spearman rank correlation). Both are rewritten after every case,
+``"partial": true`` until all are done; at ``--max-seconds`` or the kit's deadline (``WLB_KIT_DEADLINE``) the
+run stops there, ``"stopped_at_deadline": true``, exit status 0. A partial ``--efficiency`` table (a sweep
+stopped early) gives way to the shipped placeholder, which the result names.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import platform
 import sys
-import time
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script from a checkout without `pip install -e .`
@@ -36,6 +39,7 @@ from megatron_wlb.cp import LAYOUT_NAMES, KernelEfficiency, build_layout
 from megatron_wlb.cp.attention import resolve_backend, varlen_attention
 from megatron_wlb.cp.sampling import SAMPLE_SOURCE, available, concat_and_cut
 from megatron_wlb.data import load_lengths
+from megatron_wlb.kit import Deadline, flagged
 from megatron_wlb.provenance import markdown_table, write_result
 
 
@@ -80,39 +84,61 @@ def rank_latency(shard, args, device, dtype, backend) -> float:
     return time_call(fwd_bwd if args.bwd else fwd, args.warmup, args.iters, device)
 
 
+def efficiency_table(path: str | None) -> tuple[KernelEfficiency | None, str]:
+    """The measured table for adaptive/hybrid and its name; the shipped placeholder without one, or for a
+    partial one (a sweep stopped at its deadline)."""
+    if path is None:
+        return None, "shipped placeholder"
+    if json.loads(Path(path).read_text()).get("partial"):
+        print(f"{path} is partial (its sweep stopped early): the shipped placeholder table instead", flush=True)
+        return None, f"shipped placeholder ({path} is partial)"
+    return KernelEfficiency.from_json(path), path
+
+
 def measure(args) -> dict:
+    """Time every case, rewriting OUT.json/.md after each (``"partial": true`` until all are done); at the
+    deadline (``--max-seconds``, the kit's ``WLB_KIT_DEADLINE``) stop there, flagged, after >= 1 case."""
     device = torch.device(args.device)
     dtype = DTYPES[args.dtype]
     backend = resolve_backend(args.backend, device)
-    eff = KernelEfficiency.from_json(args.efficiency) if args.efficiency else None
+    eff, eff_name = efficiency_table(args.efficiency)
     shape = get_model(args.model)
     cost = AnalyticCostModel(shape, ParallelLayout(tp=args.tp))
     layouts = args.layouts.split(",")
-    for name in layouts:
-        if name not in LAYOUT_NAMES:
-            raise SystemExit(f"unknown layout {name!r}; valid: {', '.join(LAYOUT_NAMES)}")
-    cases = []
-    t_start = time.monotonic()
+    for layout in layouts:
+        if layout not in LAYOUT_NAMES:
+            raise SystemExit(f"unknown layout {layout!r}; valid: {', '.join(LAYOUT_NAMES)}")
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({platform.processor() or 'cpu'})"
+    cases: list[dict] = []
+    result = {"device": name, "backend": backend, "torch": torch.__version__, "dtype": args.dtype,
+              "heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim, "bwd": args.bwd,
+              "efficiency_table": eff_name, "cases": cases}
+    deadline = Deadline(args.max_seconds)
+
+    def write(done: bool) -> dict:
+        full = flagged({**result, "summary": summarize(cases, layouts)}, done=done, deadline=deadline)
+        write_result(args.out, full, to_markdown, echo=done or deadline.stopped)
+        return full
+
     for seq_len in [int(x) for x in args.seq_lens.split(",")]:
         mbs = pick_micro_batches(seq_len, args.micro_batches)
         for cp in [int(x) for x in args.cps.split(",")]:
             for i, mb in enumerate(mbs):
-                for name in layouts:
-                    lay = build_layout(name, mb, cp, cost=cost, efficiency=eff, tile=args.tile)
+                for layout in layouts:
+                    if deadline.reached(len(cases)):
+                        print(f"stopped at the deadline before seq {seq_len} cp {cp} mb {i} {layout}: "
+                              f"{len(cases)} cases measured", flush=True)
+                        return write(done=False)
+                    lay = build_layout(layout, mb, cp, cost=cost, efficiency=eff, tile=args.tile)
                     lat = [rank_latency(s, args, device, dtype, backend) for s in lay.ranks]
-                    cases.append({"seq_len": seq_len, "cp": cp, "micro_batch": i, "layout": name, "used": lay.name,
-                                  "docs": int(mb.size), "rank_seconds": lat, "rank_estimate": lay.rank_work.tolist(),
-                                  "rank_tokens": lay.rank_tokens.tolist()})
-                    if time.monotonic() - t_start > args.max_seconds:
-                        raise SystemExit(f"--max-seconds {args.max_seconds} exceeded; use fewer micro-batches")
+                    cases.append({"seq_len": seq_len, "cp": cp, "micro_batch": i, "layout": layout,
+                                  "used": lay.name, "docs": int(mb.size), "rank_seconds": lat,
+                                  "rank_estimate": lay.rank_work.tolist(), "rank_tokens": lay.rank_tokens.tolist()})
+                    write(done=False)
                 print(f"seq {seq_len} cp {cp} mb {i}: " + ", ".join(
                     f"{c['layout']} {max(c['rank_seconds']) * 1e3:.2f} ms" for c in cases[-len(layouts):]),
                     flush=True)
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({platform.processor() or 'cpu'})"
-    return {"device": name, "backend": backend, "torch": torch.__version__, "dtype": args.dtype,
-            "heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim, "bwd": args.bwd,
-            "efficiency_table": args.efficiency or "shipped placeholder", "cases": cases,
-            "summary": summarize(cases, layouts)}
+    return write(done=True)
 
 
 def summarize(cases: list[dict], layouts: list[str]) -> list[dict]:
@@ -123,6 +149,8 @@ def summarize(cases: list[dict], layouts: list[str]) -> list[dict]:
         base = sum(max(c["rank_seconds"]) for c in sel if c["layout"] == "per-sequence") or float("nan")
         for name in layouts:
             mine = [c for c in sel if c["layout"] == name]
+            if not mine:  # a partial run: not measured yet
+                continue
             step = np.array([max(c["rank_seconds"]) for c in mine])
             imb = np.array([max(c["rank_seconds"]) / np.mean(c["rank_seconds"]) if np.mean(c["rank_seconds"]) > 0
                             else 1.0 for c in mine])
@@ -170,7 +198,8 @@ def main(argv=None) -> int:
     p.add_argument("--bwd", action="store_true", help="time forward + backward instead of forward")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=5)
-    p.add_argument("--max-seconds", type=float, default=3000.0)
+    p.add_argument("--max-seconds", type=float, default=None,
+                   help="stop after this many seconds (and at WLB_KIT_DEADLINE), keeping what was measured")
     p.add_argument("--smoke", action="store_true", help="tiny CPU-sized run (tests)")
     args = p.parse_args(argv)
     if args.smoke:  # the CPU whatever the machine has: the reference kernel, fp32
@@ -181,7 +210,7 @@ def main(argv=None) -> int:
         args.warmup, args.iters, args.tile = 0, 1, 16
     if args.heads % args.kv_heads:
         raise SystemExit(f"--heads {args.heads} must be a multiple of --kv-heads {args.kv_heads}")
-    write_result(args.out, measure(args), to_markdown)
+    measure(args)
     return 0
 
 

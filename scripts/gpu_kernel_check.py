@@ -10,13 +10,14 @@ queries against its key segments (``kv_index``) in one varlen kernel call (one G
 scripts/gpu_cp_latency.py does). Outputs and dq/dk/dv are compared with ``reference_varlen_attention``
 in fp32 on the same inputs; GQA (fewer K/V heads) included, so torch 2.11's path without ``enable_gqa``
 (``FlashVarlenGQA``) is checked too. Exit status 1 if any case exceeds the tolerance. The JSON names the
-device as ``torch.cuda.get_device_name()`` reports it.
+device as ``torch.cuda.get_device_name()`` reports it; it is rewritten after every case (``"partial": true``
+until all are done), and at ``--max-seconds`` or the kit's deadline (``WLB_KIT_DEADLINE``) the checks stop
+there, ``"stopped_at_deadline": true`` (exit status 0 unless a case done failed).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import sys
 import time
@@ -36,6 +37,7 @@ from megatron_wlb.cp.attention import (
 )
 from megatron_wlb.cp.device import upload
 from megatron_wlb.cp.plan import layout_batch
+from megatron_wlb.kit import Deadline, flagged, write_json
 
 MIXES = ([1, 1, 3, 1], [5, 1, 9, 33, 2], [64, 7, 129, 16, 300])
 
@@ -96,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--tolerance", type=float, default=2e-2, help="max error relative to the reference's max")
+    p.add_argument("--max-seconds", type=float, default=None,
+                   help="stop after this many seconds (and at WLB_KIT_DEADLINE), keeping the checks done")
     p.add_argument("--smoke", action="store_true", help="the CPU, tiny shapes, fp64 reference vs fp32 path")
     args = p.parse_args(argv)
     if args.smoke:
@@ -104,23 +108,33 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     backend = resolve_backend("auto", device, dtype)
-    start = time.perf_counter()
-    cases = [check_case(list(mix), cp, layout, args.heads, args.kv_heads, args.head_dim, device, dtype, backend,
-                        seed=i)
-             for i, (mix, cp, layout) in enumerate((m, c, lay) for m in MIXES for c in map(int, args.cps.split(","))
-                                                   for lay in LAYOUT_NAMES)]
-    failed = [c for c in cases if not c["max_rel_err"] <= args.tolerance]
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({platform.processor() or 'cpu'})"
-    result = {"device": name, "torch": torch.__version__, "backend": backend, "dtype": str(dtype).split(".")[-1],
-              "heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim,
-              "tolerance": args.tolerance, "seconds": time.perf_counter() - start, "cases": cases,
-              "failed": len(failed), "worst": max(c["max_rel_err"] for c in cases)}
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({platform.processor() or 'cpu'})"
+    start = time.perf_counter()
+    deadline = Deadline(args.max_seconds)
+    todo = [(mix, cp, layout) for mix in MIXES for cp in map(int, args.cps.split(",")) for layout in LAYOUT_NAMES]
+    cases: list[dict] = []
+
+    def write(done: bool) -> dict:
+        failed = sum(not c["max_rel_err"] <= args.tolerance for c in cases)
+        result = {"device": name, "torch": torch.__version__, "backend": backend, "dtype": str(dtype).split(".")[-1],
+                  "heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim,
+                  "tolerance": args.tolerance, "seconds": time.perf_counter() - start, "cases": cases,
+                  "planned": len(todo), "failed": failed, "worst": max((c["max_rel_err"] for c in cases), default=0.0)}
+        write_json(out, flagged(result, done=done, deadline=deadline))
+        return result
+
+    for i, (mix, cp, layout) in enumerate(todo):
+        if deadline.reached(len(cases)):
+            print(f"stopped at the deadline after {len(cases)} of {len(todo)} kernel checks", flush=True)
+            break
+        cases.append(check_case(list(mix), cp, layout, args.heads, args.kv_heads, args.head_dim, device, dtype,
+                                backend, seed=i))
+        write(done=False)
+    result = write(done=not deadline.stopped)
     print(f"{len(cases)} kernel checks on {name} ({backend}, {result['dtype']}): worst relative error "
-          f"{result['worst']:.3g}, {len(failed)} over {args.tolerance}; wrote {out}")
-    return 1 if failed else 0
+          f"{result['worst']:.3g}, {result['failed']} over {args.tolerance}; wrote {out}")
+    return 1 if result["failed"] else 0
 
 
 if __name__ == "__main__":

@@ -9,7 +9,10 @@ over kv keys (bottom-right causal, like a CP rank's shards) into ONE varlen kern
 forward (CUDA events; median of ``--iters`` after ``--warmup``), and records
 ``runs * causal_pairs(q, kv) * 4 * heads * head_dim / seconds``. Impossible shapes (q > kv) are
 written as null. The JSON (``megatron-wlb-attn-efficiency/1``) loads with
-``KernelEfficiency.from_json`` and ``wlb shard --kernel-table``.
+``KernelEfficiency.from_json`` and ``wlb shard --kernel-table``. It is rewritten after every shape, marked
+``"partial": true`` (its rows so far, the last one cut) until the grid is done; at ``--max-seconds`` or the
+kit's deadline (``WLB_KIT_DEADLINE``, scripts/gpu_run.sh) the sweep stops there, ``"stopped_at_deadline": true``,
+exit status 0.
 
 Before measuring, the chosen kernel is checked against the reference implementation on a small
 case whose query runs are shorter than their key ranges: a kernel with top-left-aligned causal
@@ -19,7 +22,6 @@ masking (not what CP needs) fails loudly instead of producing a table.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import sys
@@ -35,6 +37,7 @@ import torch
 from megatron_wlb.costmodel import causal_pairs
 from megatron_wlb.cp.attention import reference_varlen_attention, resolve_backend, varlen_attention
 from megatron_wlb.cp.efficiency import EFFICIENCY_FORMAT
+from megatron_wlb.kit import Deadline, flagged, write_json
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -79,25 +82,38 @@ def check_bottom_right(backend: str, device: torch.device, dtype: torch.dtype, h
     return err
 
 
-def profile(args) -> dict:
+def profile(args, out: Path) -> dict:
+    """Measure the grid row by row, rewriting ``out`` after every shape (``"partial": true`` until the grid is
+    done); at the deadline (``--max-seconds``, the kit's ``WLB_KIT_DEADLINE``) stop, flagged, after >= 1 shape."""
     device = torch.device(args.device)
     dtype = DTYPES[args.dtype]
     backend = resolve_backend(args.backend, device)
     err = check_bottom_right(backend, device, dtype, args.heads, args.kv_heads, args.head_dim)
     q_lens = [int(x) for x in args.q_lens.split(",")]
     kv_lens = [int(x) for x in args.kv_lens.split(",")]
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({platform.processor() or 'cpu'})"
     table: list[list[float | None]] = []
+    result = {"format": EFFICIENCY_FORMAT, "device": name,
+              "source": (f"scripts/gpu_profile_attention.py backend={backend} torch={torch.__version__} "
+                         f"dtype={args.dtype} heads={args.heads} kv_heads={args.kv_heads} head_dim={args.head_dim} "
+                         f"tokens={args.tokens} warmup={args.warmup} iters={args.iters} "
+                         f"bottom_right_check_err={err:.2e}"),
+              "tile": args.tile, "q_lens": q_lens, "kv_lens": kv_lens, "tflops": table}
     flops_per_pair = 4.0 * args.heads * args.head_dim
-    deadline = time.monotonic() + args.max_seconds
+    deadline = Deadline(args.max_seconds)
+    measured = 0
     for q_len in q_lens:
         row: list[float | None] = []
+        table.append(row)  # a partial table: rows so far, the last one cut where the sweep is
         for kv_len in kv_lens:
             if q_len > kv_len:
                 row.append(None)
                 continue
-            if time.monotonic() > deadline:
-                raise SystemExit(f"--max-seconds {args.max_seconds} exceeded at q={q_len}, kv={kv_len}; "
-                                 "use a coarser grid or a larger budget")
+            if deadline.reached(measured):
+                print(f"stopped at the deadline before q={q_len}, kv={kv_len}: {measured} shapes measured",
+                      flush=True)
+                write_json(out, flagged(result, done=False, deadline=deadline))
+                return result
             runs = max(1, args.tokens // kv_len)
             # offsets uploaded once, outside the timed region (a host copy per call would bias small shapes)
             cu_q = torch.as_tensor(np.arange(runs + 1, dtype=np.int32) * q_len, device=device)
@@ -111,17 +127,13 @@ def profile(args) -> dict:
                                     args.warmup, args.iters, device)
             flops = runs * float(causal_pairs(q_len, kv_len)) * flops_per_pair
             row.append(float(f"{flops / seconds / 1e12:.6g}"))
+            measured += 1
+            write_json(out, flagged(result, done=False))
             print(f"q={q_len:>7} kv={kv_len:>7} runs={runs:>4} {seconds * 1e3:9.3f} ms {row[-1]:9.4g} TFLOP/s",
                   flush=True)
             del q, k, v
-        table.append(row)
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({platform.processor() or 'cpu'})"
-    return {"format": EFFICIENCY_FORMAT, "device": name,
-            "source": (f"scripts/gpu_profile_attention.py backend={backend} torch={torch.__version__} "
-                       f"dtype={args.dtype} heads={args.heads} kv_heads={args.kv_heads} head_dim={args.head_dim} "
-                       f"tokens={args.tokens} warmup={args.warmup} iters={args.iters} "
-                       f"bottom_right_check_err={err:.2e}"),
-            "tile": args.tile, "q_lens": q_lens, "kv_lens": kv_lens, "tflops": table}
+    write_json(out, flagged(result, done=True))
+    return result
 
 
 def main(argv=None) -> int:
@@ -140,7 +152,8 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--max-seconds", type=float, default=1800.0, help="abort if the sweep takes longer")
+    p.add_argument("--max-seconds", type=float, default=None,
+                   help="stop after this many seconds (and at WLB_KIT_DEADLINE), keeping what was measured")
     p.add_argument("--smoke", action="store_true", help="tiny CPU-sized run (tests): fp32, 2 heads, small grid")
     args = p.parse_args(argv)
     if args.smoke:  # the CPU whatever the machine has: the reference kernel, fp32
@@ -151,10 +164,8 @@ def main(argv=None) -> int:
         args.dtype, args.warmup, args.iters = "fp32", 1, 2
     if args.heads % args.kv_heads:
         raise SystemExit(f"--heads {args.heads} must be a multiple of --kv-heads {args.kv_heads}")
-    result = profile(args)
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
+    result = profile(args, out)
     finite = [v for row in result["tflops"] for v in row if v is not None]
     print(f"wrote {out}: {len(finite)} shapes, {min(finite):.4g}..{max(finite):.4g} TFLOP/s")
     return 0

@@ -2,33 +2,44 @@
 # Every GPU measurement of megatron-wlb, from a kit staged by scripts/gpu_stage.sh, on a bare GPU machine
 # (Python with torch and its triton; no network, git, compiler, pip or Megatron install needed).
 #
-#   KIT/run.sh [--part 1|2|3|all] [--out OUT] [--cpu-dry-run]
+#   KIT/run.sh [--all | --part 1|2|3] [--budget SECONDS] [--out OUT] [--cpu-dry-run]
 #
-# Three parts, each under 10 minutes on one H100/H200 (run them as three calls where a call is capped):
+# One call runs every part (--all, the default) within --budget seconds (540): give the caller's timeout 60 s
+# more (600), which leaves a 15-minute lease (1-2 min to start) room for one short rerun on the warm machine.
 #   1  environment (device, versions), kernel checks of every layout against the reference, forward and
 #      backward, GQA included (scripts/gpu_kernel_check.py)
 #   2  calibration (wlb calibrate: kernel efficiency table and cost profile), attention efficiency sweep
 #      (scripts/gpu_profile_attention.py), per-layout CP latency (scripts/gpu_cp_latency.py --bwd)
-#   3  Megatron-LM's own training loop (the kit's patched pretrain_gpt.py) on one GPU: a short run with
-#      the --wlb-* flags and the same run without them (stock Megatron)
-# Results: OUT (default KIT/results) gets one JSON per step, each naming the device as
-# torch.cuda.get_device_name() reports it, and a log per step. --cpu-dry-run runs every step on the CPU
-# with tiny shapes (tests/test_gpu_kit.py runs it in a venv holding only torch and numpy).
-# Environment: PYTHON (python3), ITERS (training iterations of part 3; 40, dry run 2).
+#   3  Megatron-LM's own training loop (the kit's patched pretrain_gpt.py) on one GPU: a run with the --wlb-*
+#      flags and the same run without them (stock Megatron), iterations sized to the part's share
+# Each part gets a share of the time left (1: 20%, 2: 45%, 3: 35%; what a part leaves passes on), each sized
+# step a share of its part's (megatron_wlb/kit.py). The scripts rewrite their JSON after every point, marked
+# "partial" until done, and stop at their deadline with "stopped_at_deadline" (exit 0); calibrate and the
+# training runs stop under `timeout` and their logs are summarised (calibrate.json, train.json); a step that
+# fails stops its part, the next part still runs (exit status 1 at the end). --part N runs one part within
+# the budget. Results: OUT (default KIT/results) gets one JSON per step, each naming the device as
+# torch.cuda.get_device_name() reports it, a log per step, and budget.json: each part's and step's share,
+# start, time used and whether it stopped at its deadline. --cpu-dry-run runs that same path on the CPU with
+# tiny shapes (tests/test_gpu_kit.py runs it in a venv holding only torch and numpy).
+# Environment: PYTHON (python3), ITERS (part 3's training iterations instead of those its share fits).
 set -euo pipefail
 
 die() { echo "gpu_run.sh: error: $*" >&2; exit 1; }
-part=all dry=0 out=
+part=all dry=0 out= budget=540
 while [[ $# -gt 0 ]]; do
     case $1 in
+        --all) part=all; shift ;;
         --part) part=${2:?--part needs 1, 2, 3 or all}; shift 2 ;;
+        --budget) budget=${2:?--budget needs seconds}; shift 2 ;;
         --out) out=${2:?--out needs a folder}; shift 2 ;;
         --cpu-dry-run) dry=1; shift ;;
-        -h|--help) sed -n '2,18p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
-        *) die "unknown argument $1 (valid: --part 1|2|3|all, --out DIR, --cpu-dry-run)" ;;
+        -h|--help) sed -n '2,24p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        *) die "unknown argument $1 (valid: --all, --part 1|2|3, --budget SECONDS, --out DIR, --cpu-dry-run)" ;;
     esac
 done
 [[ $part =~ ^(1|2|3|all)$ ]] || die "--part $part: give 1, 2, 3 or all"
+[[ $budget =~ ^[0-9]+$ ]] && (( budget > 0 )) || die "--budget $budget: give a whole number of seconds above 0 (default 540)"
+parts=(1 2 3); [[ $part == all ]] || parts=("$part")
 script=$(readlink -f "${BASH_SOURCE[0]}")
 wlb=$(cd "$(dirname "$script")/.." && pwd)
 kit=$(cd "$wlb/.." && pwd)
@@ -38,9 +49,13 @@ OUT=${out:-$kit/results}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 PY=${PYTHON:-python3}
+site=$kit/site
+export PYTHONPATH=$site:$wlb:$mlm${PYTHONPATH:+:$PYTHONPATH}
+export CUDA_DEVICE_MAX_CONNECTIONS=1
+budget_py() { "$PY" -m megatron_wlb.kit "$@"; }  # the budget's arithmetic and records (standard library only)
+budget_py start "$OUT" "$budget" "$(IFS=,; echo "${parts[*]}")" || die "cannot start the budget in $OUT"
 
 # The wheels, unpacked once into KIT/site (no pip needed); numpy only where the machine has none.
-site=$kit/site
 if [[ ! -f $site/.unpacked ]]; then
     mkdir -p "$site"
     for w in "$kit"/wheels/*.whl; do
@@ -49,8 +64,6 @@ if [[ ! -f $site/.unpacked ]]; then
     done
     touch "$site/.unpacked"
 fi
-export PYTHONPATH=$site:$wlb:$mlm${PYTHONPATH:+:$PYTHONPATH}
-export CUDA_DEVICE_MAX_CONNECTIONS=1
 if [[ $dry == 1 ]]; then
     export CUDA_VISIBLE_DEVICES=""
 else
@@ -58,20 +71,32 @@ else
         || die "no CUDA GPU visible to torch (use --cpu-dry-run to check the kit on a CPU)"
 fi
 
-step() {  # step NAME COMMAND...: run, log to OUT/NAME.log, stop the part on failure
-    local name=$1; shift
-    echo "== $name: $*"
-    local t0=$SECONDS
-    if "$@" > "$OUT/$name.log" 2>&1; then
-        echo "   ok in $(( SECONDS - t0 )) s (log $OUT/$name.log)"
+step() {  # step PART NAME COMMAND...: run it within its share (a sized step: under `timeout`, its deadline in
+          # WLB_KIT_DEADLINE; --foreground keeps it in this process group, so a caller's timeout stops it too),
+          # log to OUT/NAME.log, record it in budget.json; status 1 only when it failed
+    local part=$1 name=$2 plan limit deadline rc=0 status t0=$SECONDS
+    shift 2
+    plan=$(budget_py step "$OUT" "$part" "$name") || return 1
+    read -r limit deadline <<< "$plan"
+    if (( limit > 0 )); then
+        echo "== $name (at most $limit s): $*"
+        WLB_KIT_DEADLINE=$deadline timeout --foreground -k 10 "$limit" "$@" > "$OUT/$name.log" 2>&1 || rc=$?
     else
-        tail -n 30 "$OUT/$name.log" >&2
-        die "$name failed (log $OUT/$name.log)"
+        echo "== $name: $*"
+        "$@" > "$OUT/$name.log" 2>&1 || rc=$?
     fi
+    status=$(budget_py done "$OUT" "$part" "$name" "$rc") || true
+    case $status in
+        ok) echo "   ok in $(( SECONDS - t0 )) s (log $OUT/$name.log)" ;;
+        stopped) echo "   stopped at its deadline after $(( SECONDS - t0 )) s, what it measured kept (log $OUT/$name.log)" ;;
+        *) tail -n 30 "$OUT/$name.log" >&2
+           echo "gpu_run.sh: $name failed with exit status $rc (log $OUT/$name.log)" >&2
+           return 1 ;;
+    esac
 }
 
 part1() {
-    step env "$PY" - "$OUT/env.json" "$dry" <<'EOF'
+    step 1 env "$PY" - "$OUT/env.json" "$dry" <<'EOF' || return 1
 import json, platform, sys
 import torch
 import megatron_wlb
@@ -94,31 +119,43 @@ info["megatron_core"] = package_info.__version__
 json.dump(info, open(sys.argv[1], "w"), indent=1)
 print(json.dumps(info))
 EOF
-    local smoke=(); [[ $dry == 1 ]] && smoke=(--smoke)
-    step kernel_check "$PY" "$wlb/scripts/gpu_kernel_check.py" "${smoke[@]}" --out "$OUT/kernel_check.json"
+    local smoke=()
+    [[ $dry == 1 ]] && smoke=(--smoke)
+    step 1 kernel_check "$PY" "$wlb/scripts/gpu_kernel_check.py" "${smoke[@]}" --out "$OUT/kernel_check.json"
 }
 
 part2() {
+    local calibrate profile cp_latency rc=0
     if [[ $dry == 1 ]]; then
-        step calibrate "$PY" -m megatron_wlb calibrate --smoke --out "$OUT/profile.json"
-        step profile_attention "$PY" "$wlb/scripts/gpu_profile_attention.py" --smoke --out "$OUT/efficiency.json"
-        step cp_latency "$PY" "$wlb/scripts/gpu_cp_latency.py" --smoke --out "$OUT/cp_latency"
+        calibrate=(--smoke) profile=(--smoke) cp_latency=(--smoke)
     else
-        step calibrate "$PY" -m megatron_wlb calibrate --config 7b_64k --device cuda --out "$OUT/profile.json"
-        step profile_attention "$PY" "$wlb/scripts/gpu_profile_attention.py" --q-lens 128,512,2048,8192,32768 \
-            --kv-lens 128,512,2048,8192,32768,131072 --max-seconds 150 --out "$OUT/efficiency.json"
-        step cp_latency "$PY" "$wlb/scripts/gpu_cp_latency.py" --efficiency "$OUT/efficiency.json" --bwd \
-            --heads 32 --kv-heads 8 --micro-batches 3 --cps 2,4,8 --max-seconds 200 --out "$OUT/cp_latency"
+        local q_lens=128,512,2048,8192,32768 kv_lens=128,512,2048,8192,32768,131072
+        calibrate=(--config 7b_64k --device cuda --q-lens "$q_lens" --kv-lens "$kv_lens")
+        profile=(--q-lens "$q_lens" --kv-lens "$kv_lens")
+        cp_latency=(--efficiency "$OUT/efficiency.json" --bwd --heads 32 --kv-heads 8 --micro-batches 3 --cps 2,4,8)
     fi
+    rm -f "$OUT/profile.json" "$OUT/profile.efficiency.json"  # calibrate writes them at its end only
+    step 2 calibrate "$PY" -m megatron_wlb calibrate "${calibrate[@]}" --out "$OUT/profile.json" || rc=1
+    budget_py summarize-calibrate "$OUT" || return 1  # calibrate.json: what it logged; partial without profile.json
+    (( rc == 0 )) || return 1
+    step 2 profile_attention "$PY" "$wlb/scripts/gpu_profile_attention.py" "${profile[@]}" \
+        --out "$OUT/efficiency.json" || return 1
+    step 2 cp_latency "$PY" "$wlb/scripts/gpu_cp_latency.py" "${cp_latency[@]}" --out "$OUT/cp_latency"
 }
 
 part3() {
-    local corpus=$OUT/data/stdlib_text_document
-    [[ -f $corpus.idx ]] || step corpus "$PY" -m megatron_wlb.megatron.cpu --write-corpus "$corpus"
-    local iters=${ITERS:-40} entry
+    local corpus=$OUT/data/stdlib_text_document iters entry dry_flag=()
+    if [[ ! -f $corpus.idx ]]; then
+        step 3 corpus "$PY" -m megatron_wlb.megatron.cpu --write-corpus "$corpus" || return 1
+    fi
+    [[ $dry == 1 ]] && dry_flag=(--dry)
+    if [[ -n ${ITERS:-} ]]; then
+        iters=$ITERS
+    else
+        iters=$(budget_py iterations "$OUT" "${dry_flag[@]}") || return 1
+    fi
     local flags=(--wlb-packer wlb --wlb-cp-sharding per-document --wlb-max-seq-len 3072 --wlb-log-interval 1)
     if [[ $dry == 1 ]]; then
-        iters=${ITERS:-2}
         entry=("$PY" -m torch.distributed.run --standalone --nnodes 1 --nproc-per-node 1 -m megatron_wlb.megatron.cpu
                --pretrain-gpt "$mlm/pretrain_gpt.py" --tiny-gpt)
     else
@@ -134,29 +171,20 @@ part3() {
                --no-persist-layer-norm --transformer-impl local --tokenizer-type NullTokenizer --vocab-size 257
                --split 98,2,0 --log-interval 1 --eval-iters 0 --eval-interval 1000)
     fi
+    echo "   $iters training iterations a run"
     local common=(--data-path "$corpus" --train-iters "$iters")
-    step train_wlb "${entry[@]}" "${common[@]}" "${flags[@]}"
-    step train_stock "${entry[@]}" "${common[@]}"
-    step train_summary "$PY" - "$OUT" "$dry" <<'EOF'
-import json, platform, re, sys
-out, dry = sys.argv[1], sys.argv[2] == "1"
-import torch
-runs = {}
-for name in ("train_wlb", "train_stock"):
-    text = open(f"{out}/{name}.log", errors="replace").read()
-    losses = [float(x) for x in re.findall(r"lm loss: ([0-9.eE+-]+)", text)]
-    times = [float(x) for x in re.findall(r"elapsed time per iteration \(ms\): ([0-9.]+)", text)]
-    if not losses:
-        sys.exit(f"{name}: no 'lm loss' in its log")
-    runs[name] = {"losses": losses, "ms_per_iteration": times, "wlb_lines": text.count("megatron_wlb")}
-device = "CPU (dry run)" if dry else torch.cuda.get_device_name()
-json.dump({"device": device, "runs": runs}, open(f"{out}/train.json", "w"), indent=1)
-print(json.dumps({k: {"first": v["losses"][0], "last": v["losses"][-1]} for k, v in runs.items()}))
-EOF
+    step 3 train_wlb "${entry[@]}" "${common[@]}" "${flags[@]}" || return 1
+    step 3 train_stock "${entry[@]}" "${common[@]}" || return 1
+    step 3 train_summary "$PY" -m megatron_wlb.kit summarize-train "$OUT" "${dry_flag[@]}"
 }
 
-echo "gpu_run.sh: kit $kit, results $OUT$([[ $dry == 1 ]] && echo ' (CPU dry run)')"
-[[ $part == 1 || $part == all ]] && part1
-[[ $part == 2 || $part == all ]] && part2
-[[ $part == 3 || $part == all ]] && part3
-echo "gpu_run.sh: done (part $part); results in $OUT"
+echo "gpu_run.sh: kit $kit, results $OUT, parts ${parts[*]} within $budget s$([[ $dry == 1 ]] && echo ' (CPU dry run)')"
+failed=()
+for p in "${parts[@]}"; do
+    share=$(budget_py part "$OUT" "$p") || die "cannot begin part $p in $OUT/budget.json"
+    echo "-- part $p: a share of $share s"
+    "part$p" || failed+=("$p")
+    budget_py end "$OUT" "$p"
+done
+echo "gpu_run.sh: done (parts ${parts[*]}) in $SECONDS s of $budget; results in $OUT, each part's time in $OUT/budget.json"
+(( ${#failed[@]} == 0 )) || die "part(s) ${failed[*]} failed (the step that failed stopped its part)"

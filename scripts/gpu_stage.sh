@@ -92,4 +92,4 @@ json.dump({"format": "megatron-wlb-gpu-kit/1", "megatron_lm_commit": pinned, "py
 EOF
 max_mb=${MAX_MB:-40}
 (( size <= max_mb * 1024 * 1024 )) || die "the kit is $(( size / 1048576 )) MB, over MAX_MB=$max_mb"
-echo "gpu_stage.sh: staged $DIR ($(( size / 1048576 )) MB, Python $py_tag, Megatron-LM ${pinned:0:12}); on the GPU machine: $DIR/run.sh --part 1"
+echo "gpu_stage.sh: staged $DIR ($(( size / 1048576 )) MB, Python $py_tag, Megatron-LM ${pinned:0:12}); on the GPU machine: $DIR/run.sh --all --budget 540 (docs/gpu.md)"

@@ -1,7 +1,9 @@
 """The staged GPU kit, checked on the CPU (issue 20): scripts/gpu_stage.sh assembles it (under 40 MB) from this
 work tree and the pinned Megatron-LM, and scripts/gpu_run.sh --cpu-dry-run runs every step of its three parts
 in a fresh venv holding only torch (with the triton a CUDA torch brings) and numpy: no megatron-core, no
-pyyaml, no pydantic, no compiler use, no git, nothing of this repository installed."""
+pyyaml, no pydantic, no compiler use, no git, nothing of this repository installed. Issue 45: in one call
+within a budget (--all --budget), and, given a budget of a few seconds, every part stopped at its share keeps
+what it measured, flagged (the budget's arithmetic itself: tests/test_kit_budget.py)."""
 
 from __future__ import annotations
 
@@ -47,9 +49,23 @@ def kit(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="module")
+def bare_python(tmp_path_factory) -> Path:
+    return _bare_venv(tmp_path_factory.mktemp("venv") / "venv")
+
+
+def _dry_run(kit: Path, python: Path, out: Path, *args: str) -> subprocess.CompletedProcess:
+    """KIT/run.sh --cpu-dry-run ARGS with the bare venv's python, results in ``out``."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "ITERS")}
+    env.update(PATH=f"{python.parent}:{env['PATH']}", PYTHON=str(python))
+    return subprocess.run([str(kit / "run.sh"), "--cpu-dry-run", *args, "--out", str(out)], env=env,
+                          capture_output=True, text=True, timeout=1800, cwd=out.parent)
+
+
 def test_stage_is_small_and_complete(kit: Path):
     manifest = json.loads((kit / "MANIFEST.json").read_text())
-    assert manifest["bytes"] <= 40 * 1024 * 1024
+    # gpu_stage.sh refuses a kit over MAX_MB=40: well within the 64 MiB a device call may carry
+    assert manifest["bytes"] <= 40 * 1024 * 1024 < 64 * 2**20
     assert (kit / "megatron-lm" / manifest["dataset_helper"]).is_file()
     assert "_wlb.apply(middle_stage_batches=True)" in (kit / "megatron-lm" / "pretrain_gpt.py").read_text()
     assert not (kit / "megatron-lm" / ".git").exists()
@@ -57,20 +73,43 @@ def test_stage_is_small_and_complete(kit: Path):
     assert {"pyyaml", "packaging", "six", "regex", "pydantic", "pydantic_core", "typing_extensions"} <= names
 
 
-def test_dry_run_of_every_part_in_a_bare_venv(kit: Path, tmp_path: Path):
-    python = _bare_venv(tmp_path / "venv")
-    listed = subprocess.run([str(python), "-m", "pip", "list", "--format", "freeze"], capture_output=True, text=True)
+def test_dry_run_of_every_part_in_a_bare_venv(kit: Path, bare_python: Path, tmp_path: Path):
+    listed = subprocess.run([str(bare_python), "-m", "pip", "list", "--format", "freeze"], capture_output=True,
+                            text=True)
     assert "megatron" not in listed.stdout.lower() and "yaml" not in listed.stdout.lower()
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    env.update(PATH=f"{python.parent}:{env['PATH']}", PYTHON=str(python))
-    res = subprocess.run([str(kit / "run.sh"), "--cpu-dry-run", "--out", str(tmp_path / "results")], env=env,
-                         capture_output=True, text=True, timeout=1800, cwd=tmp_path)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     results = tmp_path / "results"
-    for name in ("env", "kernel_check", "profile", "efficiency", "cp_latency", "train"):
+    res = _dry_run(kit, bare_python, results, "--all", "--budget", "540")
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    for name in ("env", "kernel_check", "profile", "calibrate", "efficiency", "cp_latency", "train", "budget"):
         assert (results / f"{name}.json").is_file(), name
     assert json.loads((results / "kernel_check.json").read_text())["failed"] == 0
     train = json.loads((results / "train.json").read_text())
     assert set(train["runs"]) == {"train_wlb", "train_stock"}
     assert train["runs"]["train_wlb"]["wlb_lines"] > 0 and train["runs"]["train_stock"]["wlb_lines"] == 0
+    assert len(train["runs"]["train_wlb"]["losses"]) == 2  # the dry run's iterations, from part 3's share
     assert "dry run" in json.loads((results / "env.json").read_text())["device"]
+    for name in ("kernel_check", "calibrate", "efficiency", "cp_latency", "train"):  # every part complete
+        data = json.loads((results / f"{name}.json").read_text())
+        assert not data["partial"] and not data["stopped_at_deadline"], name
+    budget = json.loads((results / "budget.json").read_text())
+    parts = [budget["parts"][p] for p in ("1", "2", "3")]
+    assert not budget["partial"] and budget["used_s"] <= 540 and not any(p["stopped_at_deadline"] for p in parts)
+    assert all(p["start_s"] + p["share_s"] <= 540 and p["used_s"] <= p["share_s"] for p in parts)
+
+
+def test_dry_run_with_a_tiny_budget_keeps_what_each_part_measured(kit: Path, bare_python: Path, tmp_path: Path):
+    """A budget of 3 s: each measuring script measures one point past its deadline and stops there, exit 0;
+    calibrate and the training runs are stopped by `timeout`; every part still runs, each result flagged."""
+    results = tmp_path / "results"
+    res = _dry_run(kit, bare_python, results, "--all", "--budget", "3")
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    budget = json.loads((results / "budget.json").read_text())
+    assert not budget["partial"] and all(budget["parts"][p]["stopped_at_deadline"] for p in ("1", "2", "3"))
+    assert sum(budget["parts"][p]["share_s"] for p in ("1", "2", "3")) <= 3
+    for name in ("kernel_check", "calibrate", "efficiency", "cp_latency", "train"):
+        data = json.loads((results / f"{name}.json").read_text())
+        assert data["partial"] and data["stopped_at_deadline"], name
+    assert len(json.loads((results / "kernel_check.json").read_text())["cases"]) == 1
+    assert len(json.loads((results / "cp_latency.json").read_text())["cases"]) == 1
+    assert json.loads((results / "efficiency.json").read_text())["tflops"][0][0] > 0
+    assert not (results / "profile.json").exists()

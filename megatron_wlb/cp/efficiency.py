@@ -160,6 +160,9 @@ class KernelEfficiency:
         for key in ("q_lens", "kv_lens", "tflops"):
             if key not in data:
                 raise ValueError(f"{where}: missing key {key!r}")
+        if data.get("partial"):
+            raise ValueError(f"{where}: a partial table (its sweep was stopped or is still running); "
+                             "use a complete one")
         table = np.array([[np.nan if v is None else v for v in row] for row in data["tflops"]], dtype=np.float64)
         try:
             return cls(np.asarray(data["q_lens"]), np.asarray(data["kv_lens"]), table,
