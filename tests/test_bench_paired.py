@@ -72,7 +72,7 @@ def test_work_and_idle_of_a_step():
     # DP2: rank 0 busy 3 + 3, rank 1 busy 4; the critical path is 6, so rank 1 idles 2
     rows = [Row(0, 0, 0, 0, j, 1.0, 2.0, 0.1, 0.2, (100, 50 * j + 10)) for j in range(2)] + \
         [Row(1, 0, 0, 0, 0, 2.0, 2.0, 0.3, 0.1, (300,))]
-    rows.append(Row(1, 0, 0, 1, 0, 9.0, 9.0, 9.0, 9.0, (999,)))  # a TP rank > 0 repeats its TP group's work: not counted
+    rows.append(Row(1, 0, 0, 1, 0, 9.0, 9.0, 9.0, 9.0, (999,)))  # a TP rank > 0 repeats its work: not counted
     rows.append(Row(1, 1, 0, 0, 0, 9.0, 9.0, 9.0, 9.0, (300,)))  # a later PP stage runs the same documents: not counted
     # the work is the documents' price (not the micro-batches' as a whole): the same documents, the same work
     documents = np.array([100, 10, 100, 60, 300])
