@@ -73,6 +73,8 @@ WARMUP_PAIRS = 3
 #: training steps of each packing's calibration run (``CALIBRATIONS``; 5 packings: ~88 micro-batch rows each after the
 #: warm-up ``wlb calibrate --from-trace`` drops)
 CALIBRATION_STEPS = 24
+#: MiB of heap each rank touches before training (``paired_train.prefault``): about a rank's peak (3.0-3.5 GB measured)
+PREFAULT_MB = 3072
 #: training steps of each comparison (``--steps``): 6 comparisons and the calibration within ~20 minutes on 2 cores
 DEFAULT_STEPS = 70
 README_BEGIN, README_END = "<!-- paired -->", "<!-- /paired -->"
@@ -173,6 +175,7 @@ def train(c: Comparison, data: Path, out: Path, steps: int, log: Any, profile: P
     """One paired training run of ``steps`` training steps (``steps / 2`` pairs), balancing ``profile``."""
     out.mkdir(parents=True, exist_ok=True)
     env = {**measurement_env(c.layout), "WLB_TRACE_CLOCK": "thread", "WLB_PAIRED_OUT": str(out),
+           "WLB_PREFAULT_MB": str(PREFAULT_MB),
            "WLB_PAIRED_B": json.dumps(c.b_fields), "WLB_PAIRED_B_DEAL": "megatron" if c.megatron_deal else ""}
     ranks = int(np.prod([int(v) for v in c.layout.values()]))
     flags = [*MODEL_FLAGS, "--global-batch-size", str(c.global_batch), "--train-iters", str(steps), *c.flags,
