@@ -177,7 +177,8 @@ def _pieces(lengths: np.ndarray):
 
 
 def test_place_greedy_takes_the_least_price_after_the_piece():
-    """Against brute force: each item goes to the bin whose price after it is least among those with room."""
+    """Against brute force: each item goes to the bin whose price after it is least among those with room (every
+    bin may be priced: ``max_visits=None``; the default prices the few least-priced bins)."""
     rng = np.random.default_rng(0)
     size = SizePrice(tokens_sq=1e-3, tokens_pairs=2e-7)
     for _ in range(40):
@@ -185,7 +186,7 @@ def test_place_greedy_takes_the_least_price_after_the_piece():
         lengths = sorted(rng.integers(1, 300, size=int(rng.integers(3, 20))).tolist(), reverse=True)
         weights = [float(d) ** 1.5 for d in lengths]
         work, toks, pairs = [0.0] * bins, [0] * bins, [0.0] * bins
-        where = place_greedy(lengths, weights, work, toks, cap, size, pairs)
+        where = place_greedy(lengths, weights, work, toks, cap, size, pairs, max_visits=None)
         w2, t2, p2 = [0.0] * bins, [0] * bins, [0.0] * bins
         for d, w, j in zip(lengths, weights, where):
             p = d * (d + 1) / 2
