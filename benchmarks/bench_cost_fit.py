@@ -188,6 +188,12 @@ def across(fitted: list[str], other: list[str], warmup: int) -> dict[str, Any]:
     from megatron_wlb.costmodel.fit import BASE_TERMS, held_out_errors, select_terms
 
     profile, _ = labelled_points(fitted, warmup)
+    mb = profile["micro_batches"]
+    lengths, pairs = (np.concatenate([np.asarray(r, dtype=np.float64) for r in mb[k]])
+                      for k in ("run_lengths", "run_pairs"))
+    knots = choose_knots(lengths, pairs, MAX_KNOTS)
+    if len(knots) > 1:  # the attention table, as ``wlb calibrate --from-trace`` fits it
+        profile["attention_table"] = {"lengths": list(knots)}
     rows: list[dict[str, Any]] = []
     for name, extra in TERM_SETS:
         terms = [*BASE_TERMS, *extra]
@@ -203,7 +209,8 @@ def across(fitted: list[str], other: list[str], warmup: int) -> dict[str, Any]:
         row["mean"], row["max"] = float(np.mean(every)), float(np.max(every))
         rows.append(row)
     kept, report = select_terms(profile)
-    return {"fitted": fitted, "other": other, "rows": rows, "selected": list(kept), "selection": report}
+    return {"fitted": fitted, "other": other, "rows": rows, "selected": list(kept), "selection": report,
+            "knots": list(knots)}
 
 
 def across_markdown(result: dict[str, Any]) -> str:
@@ -215,7 +222,8 @@ def across_markdown(result: dict[str, Any]) -> str:
              "Mean absolute percentage error of forward + backward per micro-batch (thread clock). Standard library "
              "columns: each packing's micro-batches predicted by a fit of the other packings' (leave one packing "
              "out); header columns: a fit of every standard-library packing predicting another corpus (C/C++ "
-             "headers, byte-level, the same model and layout).", "",
+             "headers, byte-level, the same model and layout). Attention's per-pair cost is a table over query-run "
+             f"lengths (knots {', '.join(f'{k:g}' for k in result['knots'])}), as `wlb calibrate` fits it.", "",
              "| terms | " + " | ".join(f"stdlib: {p}" for p in packings) + "".join(f" | headers: {o}" for o in others)
              + " | mean | max |", "|---|" + "---|" * (len(packings) + len(others) + 2)]
     for r in rows:

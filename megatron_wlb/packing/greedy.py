@@ -57,27 +57,34 @@ def place_greedy(lengths: Sequence[int], weights: Sequence[float], work: list[fl
     push, pop = heapq.heappush, heapq.heappop
     visits = len(work) if max_visits is None else max_visits
     t0, p0 = min(toks, default=0), min(pairs, default=0.0)
+    inf = float("inf")
+    replace = heapq.heapreplace
     for i, d in enumerate(lengths):
         while parked and -parked[0][0] >= d:
             _, j = pop(parked)
             push(heap, (work[j] + float(size(toks[j], pairs[j])), j))
         p = d * (d + 1) / 2.0
         w = weights[i]
-        if i % 32 == 0:  # the fewest tokens and pairs of any bin only grow: a stale minimum still bounds below
+        if not i & 31:  # the fewest tokens and pairs of any bin only grow: a stale minimum still bounds below
             t0, p0 = min(toks, default=0), min(pairs, default=0.0)
-        floor = w + sq * d * (2.0 * t0 + d) + tp * (t0 * p + d * p0 + d * p)
-        if heap and toks[heap[0][1]] + d <= cap:  # the usual case: the least-priced bin, unbeatable by the rest
+        if heap:  # the usual case: the least-priced bin has room and no other can beat it
             price, j = heap[0]
-            t, q = toks[j], pairs[j]
-            after = price + w + sq * d * (2.0 * t + d) + tp * (t * p + d * q + d * p)
-            runner_up = min((heap[k][0] for k in (1, 2) if k < len(heap)), default=float("inf"))
-            if runner_up + floor >= after:
-                work[j] += w
-                toks[j] += d
-                pairs[j] += p
-                heapq.heapreplace(heap, (after, j))
-                out[i] = j
-                continue
+            t = toks[j]
+            if t + d <= cap:
+                q = pairs[j]
+                after = price + w + sq * d * (2.0 * t + d) + tp * (t * p + d * q + d * p)
+                n = len(heap)
+                runner_up = heap[1][0] if n > 1 else inf
+                if n > 2 and heap[2][0] < runner_up:
+                    runner_up = heap[2][0]
+                if runner_up + w + sq * d * (2.0 * t0 + d) + tp * (t0 * p + d * p0 + d * p) >= after:
+                    work[j] += w
+                    toks[j] = t + d
+                    pairs[j] = q + p
+                    replace(heap, (after, j))
+                    out[i] = j
+                    continue
+        floor = w + sq * d * (2.0 * t0 + d) + tp * (t0 * p + d * p0 + d * p)
         best, best_price = -1, 0.0
         seen: list[tuple[float, int]] = []
         while heap and len(seen) < visits and (best < 0 or heap[0][0] + floor < best_price):
