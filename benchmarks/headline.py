@@ -27,7 +27,7 @@ SIMULATED = (("WLB-LLM / whole-document", "WLB-LLM (wlb packing + adaptive CP) o
 #: bench_paired comparison name -> what it compares (its ratio is B's time over A's per unit of work: above 1,
 #: A, ours, is faster)
 MEASURED = (("users", "`--wlb-pieces concat-and-cut` over stock Megatron, the same GPTDataset samples (DP2)"),
-            ("large", "the same, one micro-batch per DP rank (DP2, global batch 2: where the prediction is large)"),
+            ("large", "the same, one micro-batch per DP rank (DP2, global batch 2)"),
             ("dp", "wlb over fixed-greedy, documents whole (DP2)"),
             ("pp", "wlb over fixed-greedy, documents whole (PP2)"),
             ("cp", "per-document over per-sequence CP layout (CP2)"),
