@@ -1,16 +1,20 @@
 #!/usr/bin/env python
 """Paired runs at equal work: two methods in one Megatron process, alternating ABBA, wall and replay.
 
-    python benchmarks/bench_paired.py --page   # calibration + the four paired runs (~15 min on 2 cores) + page block
-    python benchmarks/bench_paired.py --quick    # a short smoke run of the same code (slow test lane)
+    python benchmarks/bench_paired.py --page   # calibration + the paired runs (~20 min on 2 cores) + page block
+    python benchmarks/bench_paired.py --quick    # a short smoke run of the same code (slow lane)
 
-First a calibration run (DP2 wlb, thread clock) and ``wlb calibrate --from-trace`` give this machine's cost
-profile; every comparison balances and predicts with it. Each comparison is then one training run of
+First the calibration: one short traced run per packing (wlb, fixed-greedy, whole documents, the balanced
+concat-and-cut and stock Megatron's grouping, analytic model, thread clock), so the fit sees every
+micro-batch size and composition the comparisons produce, fitted together by ``wlb calibrate --from-trace``
+(which chooses the whole-micro-batch terms by the error of each packing held out, and reports it). Every
+comparison balances and predicts with that profile. Each comparison is then one training run of
 ``benchmarks/paired_train.py`` (Megatron's own loop through our launcher, gloo, ``measurement_env``: one process
 per core, one thread each, glibc's heap kept): training steps 2k and 2k + 1 train global batch k with
 method A and method B, in ABBA order, so the machine's drift cancels within each pair. Per pair, B's time
-per unit of work over A's is taken three ways (work: ``step_work``, the cost model's price of the step's
-micro-batches, which is the same for the same documents in any packing; per token beside it):
+per unit of work over A's is taken three ways (work: ``step_work``, the documents' price under the profile,
+without what a micro-batch costs as a whole, so it is the same for the same documents in any packing; per
+token beside it):
 
 - **wall**: ``perf_counter`` around Megatron's ``train_step``, the slowest rank's;
 - **replay**: the iteration's critical path replayed from the measured forward and backward thread
@@ -28,7 +32,11 @@ which attention is most of a step):
              grouping of the same GPTDataset samples (``original``: one sample a micro-batch, dealt as
              ``MegatronPretrainingSampler`` deals them);
 - ``dp`` / ``pp``  DP2 and PP2: wlb against fixed-greedy, documents whole (both read the same stream);
-- ``cp``     CP2: the same wlb plans sharded per-document against per-sequence.
+- ``cp``     CP2: the same wlb plans sharded per-document against per-sequence;
+- ``aa``     DP2: wlb against itself, the instrument checked (its interval must hold 1);
+- ``large``  DP2, one micro-batch per rank: the balanced concat-and-cut against stock grouping, where the
+             prediction is large (each rank's one sample is all it runs, so the stock imbalance is a
+             sample's).
 
 Writes benchmarks/results/paired.{json,md}; ``--page`` also writes the results page's paired block.
 """
@@ -62,9 +70,13 @@ MODEL_FLAGS = ("--num-layers", "2", "--hidden-size", "64", "--num-attention-head
                "--log-interval", "1000", "--split", "100,0,0", "--reset-attention-mask", "--reset-position-ids")
 #: pairs dropped at the start: the heap grows to its high-water mark over the first steps (page faults)
 WARMUP_PAIRS = 3
-#: the calibration run's training steps: at 30 (96 micro-batches) the fit lost its per-token cost (held-out MAPE 12.6%);
-#: the 108-step traces of the comparisons fit to 7.8-9.8% (``wlb calibrate --from-trace`` drops its own warm-up)
-CALIBRATION_STEPS = 70
+#: training steps of each packing's calibration run (``CALIBRATIONS``; 5 packings: ~88 micro-batch rows each after the
+#: warm-up ``wlb calibrate --from-trace`` drops)
+CALIBRATION_STEPS = 24
+#: MiB of heap each rank touches before training (``paired_train.prefault``): about a rank's peak (3.0-3.5 GB measured)
+PREFAULT_MB = 3072
+#: training steps of each comparison (``--steps``): 6 comparisons and the calibration within ~20 minutes on 2 cores
+DEFAULT_STEPS = 70
 README_BEGIN, README_END = "<!-- paired -->", "<!-- /paired -->"
 
 
@@ -82,9 +94,9 @@ class Comparison:
     megatron_deal: bool = False
 
 
+BALANCED = ("--wlb-packer", "wlb", "--wlb-pieces", "concat-and-cut", "--wlb-cp-sharding", "per-sequence")
 COMPARISONS = (
-    Comparison("users", "balanced concat-and-cut", "stock Megatron grouping", {"DP": "2"}, 4,
-               ("--wlb-packer", "wlb", "--wlb-pieces", "concat-and-cut", "--wlb-cp-sharding", "per-sequence"),
+    Comparison("users", "balanced concat-and-cut", "stock Megatron grouping", {"DP": "2"}, 4, BALANCED,
                {"packer": "original"}, megatron_deal=True),
     Comparison("dp", "wlb", "fixed-greedy", {"DP": "2"}, 4, ("--wlb-packer", "wlb", "--wlb-cp-sharding",
                                                             "per-sequence"), {"packer": "fixed-greedy"}),
@@ -92,6 +104,10 @@ COMPARISONS = (
                                                             "per-sequence"), {"packer": "fixed-greedy"}),
     Comparison("cp", "per-document", "per-sequence", {"CP": "2"}, 2,
                ("--wlb-packer", "wlb", "--wlb-cp-sharding", "per-document"), {"cp_sharding": "per-sequence"}),
+    Comparison("aa", "wlb", "wlb (the same)", {"DP": "2"}, 4, ("--wlb-packer", "wlb", "--wlb-cp-sharding",
+                                                             "per-sequence"), {}),
+    Comparison("large", "balanced concat-and-cut", "stock Megatron grouping", {"DP": "2"}, 2, BALANCED,
+               {"packer": "original"}, megatron_deal=True),
 )
 
 
@@ -117,25 +133,49 @@ def build_corpus(prefix: Path) -> dict[str, Any]:
             "p90": float(np.percentile(lengths, 90)), "left_out": len(every) - len(docs)}
 
 
-CALIBRATION = Comparison("calibration", "wlb", "wlb", {"DP": "2"}, 4, ("--wlb-packer", "wlb", "--wlb-cp-sharding",
-                                                                     "per-sequence"), {})
+#: the calibration: one short run per packing (A and B the same), each traced; fitted together
+CALIBRATIONS = (
+    Comparison("wlb", "wlb", "wlb", {"DP": "2"}, 4, ("--wlb-packer", "wlb", "--wlb-cp-sharding", "per-sequence"), {}),
+    Comparison("fixed-greedy", "fixed-greedy", "fixed-greedy", {"DP": "2"}, 4,
+               ("--wlb-packer", "fixed-greedy", "--wlb-cp-sharding", "per-sequence"), {}),
+    Comparison("whole-document", "whole-document", "whole-document", {"DP": "2"}, 4,
+               ("--wlb-packer", "whole-document", "--wlb-cp-sharding", "per-sequence"), {}),
+    Comparison("balanced", "balanced concat-and-cut", "balanced concat-and-cut", {"DP": "2"}, 4, BALANCED, {}),
+    Comparison("stock", "stock grouping", "stock grouping", {"DP": "2"}, 4,
+               ("--wlb-packer", "original", "--wlb-pieces", "concat-and-cut", "--wlb-cp-sharding", "per-sequence"),
+               {}),
+)
+CALIBRATION = "calibration"
 
 
-def calibrate(data: Path, out: Path, steps: int, log: Any) -> tuple[Path, dict[str, Any]]:
-    """The cost profile of this machine: a DP2 wlb run (analytic model) traced on the thread clock, fitted by
-    ``wlb calibrate --from-trace``. Every comparison balances and predicts with it."""
-    import bench_measured as bm
+#: the quick run's calibration: two packings of unlike micro-batches (the code path of the held-out packing)
+QUICK_CALIBRATIONS = ("wlb", "stock")
 
-    train(CALIBRATION, data, out, steps, log)
+
+def calibrate(data: Path, out: Path, steps: int, log: Any, quick: bool = False) -> tuple[Path, dict[str, Any]]:
+    """The cost profile of this machine: one traced run per packing (``CALIBRATIONS``, analytic model, thread
+    clock) fitted together by ``wlb calibrate --from-trace``, which reports each packing's held-out error.
+    Every comparison balances and predicts with it."""
+    traces = []
+    for c in CALIBRATIONS:
+        if quick and c.name not in QUICK_CALIBRATIONS:
+            continue
+        train(c, data, out / c.name, steps, log)
+        traces.append(str(out / c.name / "trace.jsonl"))
     profile = out / "profile.json"
-    fitted = bm.calibrate(out / "trace.jsonl", profile, log)
-    return profile, fitted
+    cmd = [sys.executable, "-m", "megatron_wlb", "calibrate", "--from-trace", *traces, "--out", str(profile)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"wlb calibrate --from-trace failed:\n{proc.stdout}{proc.stderr}")
+    log("  " + proc.stdout.strip().replace("\n", "\n  "))
+    return profile, json.loads(profile.read_text())
 
 
 def train(c: Comparison, data: Path, out: Path, steps: int, log: Any, profile: Path | None = None) -> None:
     """One paired training run of ``steps`` training steps (``steps / 2`` pairs), balancing ``profile``."""
     out.mkdir(parents=True, exist_ok=True)
     env = {**measurement_env(c.layout), "WLB_TRACE_CLOCK": "thread", "WLB_PAIRED_OUT": str(out),
+           "WLB_PREFAULT_MB": str(PREFAULT_MB),
            "WLB_PAIRED_B": json.dumps(c.b_fields), "WLB_PAIRED_B_DEAL": "megatron" if c.megatron_deal else ""}
     ranks = int(np.prod([int(v) for v in c.layout.values()]))
     flags = [*MODEL_FLAGS, "--global-batch-size", str(c.global_batch), "--train-iters", str(steps), *c.flags,
@@ -192,12 +232,16 @@ def geo_interval(ratios: np.ndarray, seed: int = 0, draws: int = 4000) -> tuple[
     return float(np.exp(logs.mean())), float(np.exp(low)), float(np.exp(high))
 
 
-def step_work(rows: list[Any]) -> float:
-    """The step's work: the cost model's price of every micro-batch on every rank (TP rank 0), summed. A
-    document costs the same in any packing, so over the same documents both methods do equal work; per
-    step it weighs each token by what its document's attention costs (a long document's token costs
-    more), which a token count does not."""
-    return float(sum(r.pred_fwd_s + r.pred_bwd_s for r in rows if r.tp == 0))
+def step_work(rows: list[Any], cost: Any) -> float:
+    """The step's work: the cost model's price of every document of the step (each micro-batch counted once:
+    its first stage and chunk, CP and TP rank 0), without what a micro-batch costs as a whole. A document
+    costs the same in any packing, so over the same documents both methods do equal work; per step it weighs
+    each token by what its document's attention costs (a long document's token costs more), which a token
+    count does not."""
+    from megatron_wlb.packing.metrics import piece_latency
+
+    lengths = [d for r in rows if r.pp == 0 and r.chunk == 0 and r.cp == 0 and r.tp == 0 for d in r.lengths]
+    return float(piece_latency(cost, np.asarray(lengths, dtype=np.int64)).sum())
 
 
 def idle(rows: list[Any], critical_path: float) -> float:
@@ -208,9 +252,10 @@ def idle(rows: list[Any], critical_path: float) -> float:
     return critical_path * ranks - float(sum(busy))
 
 
-def analyse(c: Comparison, out: Path) -> dict[str, Any]:
-    """Per-pair ratios of B's time per unit of work over A's (``step_work``; per token beside it) from the
-    run's step walls and trace."""
+def analyse(c: Comparison, out: Path, profile: Path) -> dict[str, Any]:
+    """Per-pair ratios of B's time per unit of work over A's (``step_work`` under ``profile``; per token
+    beside it) from the run's step walls and trace."""
+    from megatron_wlb.costmodel import CalibratedCostModel, ModelShape, ParallelLayout
     from megatron_wlb.costmodel.trace import read_trace
 
     sys.path.insert(0, str(REPO / "benchmarks"))
@@ -223,6 +268,7 @@ def analyse(c: Comparison, out: Path) -> dict[str, Any]:
             walls[s["step"]] = max(walls[s["step"]], s["wall_s"])
             tokens[s["step"]] = max(tokens.get(s["step"], 0), s["tokens"])
     trace = read_trace(out / "trace.jsonl")
+    cost = CalibratedCostModel.from_json(profile, ModelShape(**trace.headers[0]["model"]), ParallelLayout())
     by_step: dict[int, list[Any]] = defaultdict(list)
     for r in trace.micro_batches:
         by_step[r.iteration].append(r)
@@ -235,7 +281,7 @@ def analyse(c: Comparison, out: Path) -> dict[str, Any]:
     for k in pairs:
         steps = {method_of(s): s for s in (2 * k, 2 * k + 1)}
         a, b = steps["A"], steps["B"]
-        work = {s: step_work(by_step[s]) for s in (a, b)}
+        work = {s: step_work(by_step[s], cost) for s in (a, b)}
         measured = {s: replay(by_step[s], pp, False) for s in (a, b)}
         kinds["wall"].append((walls[b] / work[b]) / (walls[a] / work[a]))
         kinds["replay"].append((measured[b] / work[b]) / (measured[a] / work[a]))
@@ -278,17 +324,25 @@ def to_markdown(result: dict) -> str:
              f"Corpus: {result['corpus']['source']}; {result['corpus']['documents']:,} documents, median "
              f"{result['corpus']['median']:.0f}, p90 {result['corpus']['p90']:.0f} tokens.", ""]
     if cal:
-        lines += [f"Cost model: `wlb calibrate --from-trace` on a {cal['steps']}-step DP2 run of this machine "
-                  f"(thread clock), held-out MAPE {cal['mape']:.1%}; every comparison balances and predicts with it.",
-                  ""]
+        held = cal.get("packings") or {}
+        per = ", ".join(f"{k} {v:.1%}" for k, v in held.items())
+        whole = [t for t in cal.get("terms", []) if t not in ("pairs", "tokens", "runs", "micro_batch")]
+        lines += [f"Cost model: `wlb calibrate --from-trace` on {len(held) or 1} {cal['steps']}-step DP2 runs of this "
+                  f"machine (thread clock), one per packing; held out by packing (each predicted by a fit of the "
+                  f"others): {per or 'n/a'}; held-out iterations {cal['mape']:.1%}. Terms kept: "
+                  f"{', '.join(cal.get('terms', [])) or 'n/a'}"
+                  + (f" (the micro-batch priced as a whole: {', '.join(whole)})" if whole else " (additive)")
+                  + "; every comparison balances and predicts with it.", ""]
     lines += ["A ratio above 1 means A is faster. Each is the geometric mean over pairs of B's time per unit of work "
-              "over A's (work: the cost model's price of the step's micro-batches, equal for the same documents in "
-              "any packing), with its bootstrap 95% interval; replay = the critical path from measured thread "
-              "times; predicted = the same from the cost model; per token = replay per token instead of per unit "
-              "of work. Idle = replayed rank-seconds waiting per step (bubbles and imbalance).", "",
-              "| comparison | layout | A | B | pairs | wall | replay | predicted | replay per token | "
-              "DP imbalance A / B | idle s/step A / B |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
+              "over A's (work: the cost model's price of the step's documents, without what a micro-batch costs as "
+              "a whole, so equal for the same documents in any packing), with its bootstrap 95% interval; replay = "
+              "the critical path from measured thread times; predicted = the same from the cost model (its whole-"
+              "micro-batch terms included); replay / predicted: how far the measurement is from the prediction; "
+              "per token = replay per token instead of per unit of work. Idle = replayed rank-seconds waiting per "
+              "step (bubbles and imbalance). `aa` is A against itself: the instrument's own spread.", "",
+              "| comparison | layout | A | B | pairs | wall | replay | predicted | replay / predicted | "
+              "replay per token | DP imbalance A / B | idle s/step A / B |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["comparisons"]:
         def cell(kind: str, r: dict = r) -> str:
             x = r.get(kind)
@@ -299,7 +353,8 @@ def to_markdown(result: dict) -> str:
 
         lines.append(f"| {r['name']} | {', '.join(f'{k}{v}' for k, v in r['layout'].items())} | {r['a']} | {r['b']} | "
                      f"{r['pairs']} | {cell('wall')} | {cell('replay')} | {cell('predicted')} | "
-                     f"{cell('replay_per_token')} | {pair('measured_imbalance')} | {pair('replayed_idle_s')} |")
+                     f"{cell('replay_over_predicted')} | {cell('replay_per_token')} | {pair('measured_imbalance')} | "
+                     f"{pair('replayed_idle_s')} |")
     return "\n".join(lines) + "\n"
 
 
@@ -311,15 +366,15 @@ def readme_summary(result: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="a short smoke run (few steps)")
-    ap.add_argument("--steps", type=int, default=None, help="training steps per comparison (even; default 100, "
-                                                            "quick 12)")
+    ap.add_argument("--steps", type=int, default=None, help="training steps per comparison (even; default "
+                                                            f"{DEFAULT_STEPS}, quick 12)")
     ap.add_argument("--comparisons", default=",".join(c.name for c in COMPARISONS))
     ap.add_argument("--work", default=str(REPO / "out" / "paired"), help="run folder (traces, logs)")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "paired"))
     ap.add_argument("--page", action="store_true", help="also write the results page's paired block")
     ap.add_argument("--reuse", action="store_true", help="analyse the runs already in --work again (no training)")
     args = ap.parse_args(argv)
-    steps = args.steps or (12 if args.quick else 100)
+    steps = args.steps or (12 if args.quick else DEFAULT_STEPS)
     if steps < 2 * (WARMUP_PAIRS + 1) or steps % 2:
         raise SystemExit(f"--steps must be even and >= {2 * (WARMUP_PAIRS + 1)}, got {steps}")
     names = [n for n in args.comparisons.split(",") if n]
@@ -335,18 +390,18 @@ def main(argv: list[str] | None = None) -> int:
     def log(s: str) -> None:
         print(s, file=sys.stderr, flush=True)
 
-    profile = work / CALIBRATION.name / "profile.json"
-    calibration_steps = 12 if args.quick else CALIBRATION_STEPS
+    profile = work / CALIBRATION / "profile.json"
+    calibration_steps = 8 if args.quick else CALIBRATION_STEPS
     if args.reuse and profile.exists():
         fitted = json.loads(profile.read_text())
     else:
-        profile, fitted = calibrate(data, work / CALIBRATION.name, calibration_steps, log)
+        profile, fitted = calibrate(data, work / CALIBRATION, calibration_steps, log, args.quick)
     results = []
     for name in names:
         c = known[name]
         if not (args.reuse and (work / name / "train.log").exists()):
             train(c, data, work / name, steps, log, profile)
-        results.append(analyse(c, work / name))
+        results.append(analyse(c, work / name, profile))
     minutes = (time.perf_counter() - start) / 60
     if args.reuse and Path(args.out).with_suffix(".json").exists():  # the training's machine and time, not this one's
         before = json.loads(Path(args.out).with_suffix(".json").read_text())
@@ -361,7 +416,10 @@ def main(argv: list[str] | None = None) -> int:
     result = {"machine": machine_name, "command": command,
               "torch": torch.__version__, "megatron_core": megatron.core.__version__,
               "steps": steps, "corpus": corpus, "minutes": minutes,
-              "calibration": {"steps": calibration_steps, "mape": holdout.get("mape")} if holdout.get("mape") else None,
+              "calibration": {"steps": calibration_steps, "mape": holdout.get("mape"),
+                              "packings": holdout.get("packings"), "terms": fitted.get("terms"),
+                              "term_selection": fitted.get("term_selection")}
+              if holdout.get("mape") else None,
               "comparisons": results}
     write_result(args.out, result, to_markdown)
     if args.page:

@@ -27,7 +27,11 @@ SIMULATED = (("WLB-LLM / whole-document", "WLB-LLM (wlb packing + adaptive CP) o
 #: bench_paired comparison name -> what it compares (its ratio is B's time over A's per unit of work: above 1,
 #: A, ours, is faster)
 MEASURED = (("users", "`--wlb-pieces concat-and-cut` over stock Megatron, the same GPTDataset samples (DP2)"),
-            ("cp", "per-document over per-sequence CP layout (CP2)"))
+            ("large", "the same, one micro-batch per DP rank (DP2, global batch 2)"),
+            ("dp", "wlb over fixed-greedy, documents whole (DP2)"),
+            ("pp", "wlb over fixed-greedy, documents whole (PP2)"),
+            ("cp", "per-document over per-sequence CP layout (CP2)"),
+            ("aa", "A/A: wlb over itself (DP2), the instrument's own spread"))
 
 
 def report_row(report: str, label: str = "**avg all** (geo-mean)") -> dict[str, str]:
@@ -51,6 +55,8 @@ def headline(report: str, paired: dict) -> str:
                      f"H100 cost model{quoted} | **{row[column]}x** |")
     by_name = {c["name"]: c for c in paired["comparisons"]}
     for name, text in MEASURED:
+        if name not in by_name:
+            continue
         c = by_name[name]
         r = c["replay"]
         lines.append(f"| {text} | measured: Megatron's loop on a 2-core CPU, tiny GPT, {c['pairs']} paired steps "

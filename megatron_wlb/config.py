@@ -554,14 +554,17 @@ def _positive_int(value: Any, where: str, at_most: int | None = None) -> int:
 
 
 def load_yaml(text: str) -> Any:
-    """``yaml.safe_load`` refusing a mapping with a key given twice (YAML would keep the last); pyyaml
-    is imported here, on first use (``require`` names what to install)."""
+    """``yaml.safe_load`` refusing a mapping with a key given twice (YAML would keep the last); merge keys
+    (``<<: *base``) work as in plain PyYAML, a key given beside them overriding the merged one. pyyaml is
+    imported here, on first use (``require`` names what to install)."""
     yaml = require("yaml", "reading a YAML config")
 
     class UniqueKeyLoader(yaml.SafeLoader):  # type: ignore[name-defined]
         def construct_mapping(self, node: Any, deep: bool = False) -> dict:
             seen: set = set()
             for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue  # ``<<``: SafeLoader's flatten_mapping merges it (explicit keys win)
                 key = self.construct_object(key_node, deep=deep)
                 if key in seen:
                     mark = key_node.start_mark

@@ -41,6 +41,8 @@ class Row:
     bwd_s: float
     pred_fwd_s: float
     pred_bwd_s: float
+    lengths: tuple[int, ...] = (100,)
+    chunk: int = 0
 
 
 def test_replay_is_the_slowest_pipelines_critical_path():
@@ -62,11 +64,20 @@ def test_replay_is_the_slowest_pipelines_critical_path():
 
 def test_work_and_idle_of_a_step():
     bench = load_script("bench_paired")
+    from megatron_wlb.costmodel import AnalyticCostModel, ModelShape, ParallelLayout
+    from megatron_wlb.packing.metrics import piece_latency
+
+    cost = AnalyticCostModel(ModelShape("t", hidden=64, num_layers=2, num_heads=4, num_kv_heads=4, ffn_hidden=256,
+                                        vocab=300), ParallelLayout())
     # DP2: rank 0 busy 3 + 3, rank 1 busy 4; the critical path is 6, so rank 1 idles 2
-    rows = [Row(0, 0, 0, 0, j, 1.0, 2.0, 0.1, 0.2) for j in range(2)] + [Row(1, 0, 0, 0, 0, 2.0, 2.0, 0.3, 0.1)]
-    rows.append(Row(1, 0, 0, 1, 0, 9.0, 9.0, 9.0, 9.0))  # a TP rank > 0 repeats its TP group's work: not counted
-    assert bench.step_work(rows) == pytest.approx(0.3 + 0.3 + 0.4)
-    assert bench.idle(rows, bench.replay(rows, 1, False)) == pytest.approx(2 * 6.0 - 10.0)
+    rows = [Row(0, 0, 0, 0, j, 1.0, 2.0, 0.1, 0.2, (100, 50 * j + 10)) for j in range(2)] + \
+        [Row(1, 0, 0, 0, 0, 2.0, 2.0, 0.3, 0.1, (300,))]
+    rows.append(Row(1, 0, 0, 1, 0, 9.0, 9.0, 9.0, 9.0, (999,)))  # a TP rank > 0 repeats its work: not counted
+    rows.append(Row(1, 1, 0, 0, 0, 9.0, 9.0, 9.0, 9.0, (300,)))  # a later PP stage runs the same documents: not counted
+    # the work is the documents' price (not the micro-batches' as a whole): the same documents, the same work
+    documents = np.array([100, 10, 100, 60, 300])
+    assert bench.step_work(rows, cost) == pytest.approx(float(piece_latency(cost, documents).sum()))
+    assert bench.idle(rows[:3], bench.replay(rows[:3], 1, False)) == pytest.approx(2 * 6.0 - 10.0)
 
 
 def test_the_interval_holds_the_geometric_mean():

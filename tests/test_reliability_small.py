@@ -102,6 +102,20 @@ def test_duplicate_yaml_keys_are_refused(tmp_path):
         load_config(nested)
 
 
+def test_yaml_merge_keys_load_as_in_plain_pyyaml():
+    """Issue 49 (10): ``<<: *base`` was refused with PyYAML's "could not determine a constructor"; it merges, a
+    key given beside it wins, and a key given twice beside it is still refused."""
+    import yaml
+
+    from megatron_wlb.config import load_yaml
+
+    text = "base: &b {max_delay: 2, window: 4}\npacking:\n  <<: *b\n  window: 8\n"
+    assert load_yaml(text) == yaml.safe_load(text) == {"base": {"max_delay": 2, "window": 4},
+                                                       "packing": {"max_delay": 2, "window": 8}}
+    with pytest.raises(yaml.YAMLError, match="duplicate key 'window'"):
+        load_yaml(text + "  window: 9\n")
+
+
 @pytest.mark.parametrize("body, expect", [
     ("layout: {tp: 1099511627776, cp: 1, pp: 1, dp: 1}\n", r"layout\.tp=1099511627776: must be at most 1048576"),
     ("layout: {tp: 1024, cp: 1024, pp: 1, dp: 2}\n", "makes a world of 2097152 ranks; at most 1048576"),

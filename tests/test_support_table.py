@@ -1,4 +1,4 @@
-"""The README's support table says what the version gate (megatron_wlb/megatron/version.py) admits and what
+"""The support table (docs/support.md, linked from the README) says what the version gate (megatron_wlb/megatron/version.py) admits and what
 setup.py's [megatron] extra installs: every admitted series, the releases CI trains with, each patched
 checkout's commit and the main commit trained, and nothing the gate refuses (the extra installs every admitted
 series that is not checkout-only)."""
@@ -25,12 +25,15 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def support_rows() -> list[list[str]]:
-    """The cells of the table under "## Using it with your Megatron job" (header and rule left out)."""
-    text = (ROOT / "README.md").read_text()
-    section = text[text.index("## Using it with your Megatron job"):]
-    section = section[:section.index("\n## ", 1)]
-    lines = [line for line in section.splitlines() if line.startswith("|")]
-    assert len(lines) >= 3, "no support table in the README's Megatron section"
+    """The cells of docs/support.md's first table (header and rule left out)."""
+    assert "docs/support.md" in (ROOT / "README.md").read_text(), "the README does not link the support table"
+    text = (ROOT / "docs" / "support.md").read_text()
+    lines = []
+    for line in text[text.index("| Megatron |"):].splitlines():
+        if not line.startswith("|"):
+            break
+        lines.append(line)
+    assert len(lines) >= 3, "no support table in docs/support.md"
     return [[cell.strip() for cell in line.strip("|").split("|")] for line in lines[2:]]
 
 

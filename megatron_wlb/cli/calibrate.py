@@ -62,8 +62,9 @@ from megatron_wlb.costmodel import (
     holdout_mape,
     load_profile,
 )
+from megatron_wlb.costmodel.fit import BASE_TERMS, KEEP_MARGIN, held_out_errors, select_terms
 from megatron_wlb.costmodel.table import MAX_KNOTS, choose_knots
-from megatron_wlb.costmodel.trace import profile_points, read_trace, trace_setup
+from megatron_wlb.costmodel.trace import profile_points, read_trace, trace_packing, trace_setup
 from megatron_wlb.cp.efficiency import EFFICIENCY_FORMAT, KernelEfficiency
 from megatron_wlb.packing.types import resolve_max_seq_len
 from megatron_wlb.provenance import machine
@@ -190,9 +191,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--holdout", type=int, default=8,
                    help="composite micro-batches measured apart from the fit, for its held-out MAPE (default 8)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random tensors and held-out documents (default 0)")
-    p.add_argument("--from-trace", default=None, metavar="TRACE",
-                   help="fit the profile to a training trace (--wlb-trace TRACE; every rank's file) instead of "
-                        "measuring kernels")
+    p.add_argument("--from-trace", default=None, nargs="+", metavar="TRACE",
+                   help="fit the profile to training traces (--wlb-trace TRACE; every rank's file) instead of "
+                        "measuring kernels; traces of several packings (e.g. wlb and fixed-greedy runs) give the "
+                        "held-out error per packing and choose the micro-batch terms by it")
     p.add_argument("--holdout-every", type=int, default=5,
                    help="--from-trace: hold out iterations i with i %% K == K-1 for the MAPE (default 5)")
     p.add_argument("--knots", type=int, default=MAX_KNOTS,
@@ -620,12 +622,25 @@ def fit_line(fit: ProfileFit) -> str:
     """One line with the fitted coefficients."""
     per_run = f" + {fit.attn_per_run:.3e} s/document" if fit.attn_per_run else ""
     if fit.form == "micro_batches":
+        whole = "".join(f" + {c:.3e} s/{unit}" for c, unit in ((fit.per_token_sq, "token^2"),
+                                                                 (fit.per_token_pair, "token x pair")) if c)
         return (f"fit (per layer): {fit.attn_per_pair:.3e} s/pair + {fit.linear_per_token:.3e} s/token{per_run} + "
-                f"{fit.overhead:.3e} s/micro-batch forward (mean rel. error of fwd+bwd {fit.attn_rel_err:.1%} on the "
-                f"fitted rows), bwd/fwd {fit.bwd_attention:.2f} (attention) {fit.bwd_linear:.2f} (linear)")
+                f"{fit.overhead:.3e} s/micro-batch{whole} forward (mean rel. error of fwd+bwd {fit.attn_rel_err:.1%} "
+                f"on the fitted rows), bwd/fwd {fit.bwd_attention:.2f} (attention) {fit.bwd_linear:.2f} (linear)")
     return (f"fit: attention {fit.attn_per_pair:.3e} s/pair + {fit.attn_per_query:.3e} s/query{per_run} (mean rel. "
             f"error {fit.attn_rel_err:.1%}), linear {fit.linear_per_token:.3e} s/token ({fit.linear_rel_err:.1%}), "
             f"bwd/fwd {fit.bwd_attention:.2f} (attention) {fit.bwd_linear:.2f} (linear)")
+
+
+def terms_line(selection: dict[str, Any]) -> str:
+    """Which micro-batch terms the fit kept and why (``fit.select_terms``'s report), in one line."""
+    by = selection["base"]["by"]
+    steps = "; ".join(f"{', '.join(f'+{t} {m:.1%}' for t, m in step['tried'].items())} "
+                      f"({'kept ' + step['kept'] if step['kept'] else 'none kept'})" for step in selection["steps"])
+    extra = [t for t in selection["terms"] if t not in BASE_TERMS]
+    return (f"micro-batch terms: {', '.join(selection['terms'])} (held out by {by}: base terms "
+            f"{selection['base']['mape']:.1%}; {steps}; a term is kept when it lowers the held-out MAPE by >= "
+            f"{KEEP_MARGIN:.0%} of it){'' if extra else ': the price is the sum of the documents'}")
 
 
 def table_note(profile: dict[str, Any]) -> str:
@@ -741,34 +756,54 @@ def run_from_trace(args: argparse.Namespace, out: Path) -> int:
         raise ValueError(f"--warmup {warmup}: must be >= 0 (iterations dropped from the start of the trace)")
     if args.holdout_every < 2:
         raise ValueError(f"--holdout-every {args.holdout_every}: must be >= 2")
-    trace = read_trace(args.from_trace)
-    setup = trace_setup(trace)
-    if not trace.micro_batches:
-        raise ValueError(f"--from-trace {args.from_trace}: no micro_batch rows (the run wrote only headers; "
+    traces = [read_trace(path) for path in args.from_trace]
+    named = " ".join(args.from_trace)
+    setups = [trace_setup(t) for t in traces]
+    for path, other in zip(args.from_trace[1:], setups[1:]):
+        if (other["model"], other["layout"]) != (setups[0]["model"], setups[0]["layout"]):
+            raise ValueError(f"--from-trace {path}: model {other['model']} / layout {other['layout']} differ from "
+                             f"{args.from_trace[0]}'s ({setups[0]['model']} / {setups[0]['layout']}): fit the "
+                             "traces of one model and layout together")
+    setup = setups[0]
+    if not any(t.micro_batches for t in traces):
+        raise ValueError(f"--from-trace {named}: no micro_batch rows (the run wrote only headers; "
                          "trace a run that gets through some iterations)")
-    points = profile_points(trace.after_warmup(warmup).micro_batches, setup["layout"],
-                            str(trace.headers[0].get("clock", "cpu")))
+    points: dict[str, list[Any]] = {}
+    for trace in traces:
+        mine = profile_points(trace.after_warmup(warmup).micro_batches, setup["layout"],
+                              str(trace.headers[0].get("clock", "cpu")))
+        mine["packing"] = [trace_packing(trace)] * len(mine["fwd_s"])
+        for key, values in mine.items():
+            points.setdefault(key, []).extend(values)
+    packings = sorted(set(points["packing"]))
     n = len(points["fwd_s"])
     if n < MIN_TRACE_POINTS:
-        raise ValueError(f"--from-trace {args.from_trace}: {n} usable micro-batch rows after --warmup {warmup} "
-                         f"({len(trace.micro_batches)} in the trace); the fit and its held-out check need >= "
-                         f"{MIN_TRACE_POINTS}: trace more iterations or lower --warmup")
+        raise ValueError(f"--from-trace {named}: {n} usable micro-batch rows after --warmup {warmup} "
+                         f"({sum(len(t.micro_batches) for t in traces)} in the trace); the fit and its held-out check "
+                         f"need >= {MIN_TRACE_POINTS}: trace more iterations or lower --warmup")
     model = ModelShape(**setup["model"])
     tp = int(setup["layout"].get("tp", 1))
     profile: dict[str, Any] = {
         "format": PROFILE_FORMAT, "device": setup["device"], "model": model.to_dict(), "tp": tp,
         "micro_batches": points,
-        "source": f"wlb calibrate --from-trace {args.from_trace} --warmup {warmup}: {n} rows of "
-                  f"{len(trace.headers)} rank file(s), layout {setup['layout']}",
+        "source": f"wlb calibrate --from-trace {named} --warmup {warmup}: {n} rows of "
+                  f"{sum(len(t.headers) for t in traces)} rank file(s) of {len(packings)} packing(s) "
+                  f"({', '.join(packings)}), layout {setup['layout']}",
     }
     mask, split = holdout_every(np.asarray(points["iteration"], dtype=np.int64), args.holdout_every)
     if (~mask).sum() < 3:
-        raise ValueError(f"--from-trace {args.from_trace}: holding out {split} leaves {(~mask).sum()} rows to fit; "
+        raise ValueError(f"--from-trace {named}: holding out {split} leaves {(~mask).sum()} rows to fit; "
                          "trace more iterations")
     lengths, pairs = (np.concatenate([np.asarray(r, dtype=np.float64) for r in points[k]])
                       for k in ("run_lengths", "run_pairs"))
     add_table(profile, lengths, pairs, args.knots)
+    terms, selection = select_terms(profile, args.holdout_every)
+    profile["terms"] = list(terms)
+    profile["term_selection"] = selection
+    add_table(profile, lengths, pairs, args.knots)  # the table's per-pair costs for the reader, with those terms
     profile["holdout"] = {**holdout_mape(profile, mask), "split": split}
+    if len(packings) > 1:
+        profile["holdout"]["packings"] = held_out_errors(profile, args.holdout_every)["groups"]
     if "attention_table" in profile:
         profile["holdout"]["linear_in_pairs_mape"] = holdout_mape(without_table(profile), mask)["mape"]
     out.write_text(json.dumps(profile, indent=1) + "\n")
@@ -776,11 +811,15 @@ def run_from_trace(args: argparse.Namespace, out: Path) -> int:
     CalibratedCostModel(profile, model, ParallelLayout(tp=tp))
     fit = fit_profile(profile)
     print(f"wrote {out} ({PROFILE_FORMAT}, measured micro-batches) from {n} micro-batch rows of "
-          f"{len(trace.headers)} rank file(s), iterations >= {warmup}, device {setup['device']}")
+          f"{sum(len(t.headers) for t in traces)} rank file(s), iterations >= {warmup}, device {setup['device']}")
     print(fit_line(fit))
+    print(terms_line(selection))
     held = profile["holdout"]
     print(f"held-out MAPE {held['mape']:.1%} of forward + backward on {held['micro_batches']} rows ({split}; fitted "
           "without them; the written fit uses every row)" + table_note(profile))
+    if "packings" in held:
+        print("held-out MAPE per packing (each predicted by a fit of the others): "
+              + ", ".join(f"{k} {v:.1%}" for k, v in held["packings"].items()))
     print("no kernel-efficiency table: a trace times whole micro-batches, not kernel shapes (wlb shard keeps "
           "its shipped table, or measure one with `wlb calibrate`)")
     print(f"use: wlb analyze --cost-profile {out} ...; Megatron: --wlb-cost-profile {out}")

@@ -19,7 +19,15 @@ from megatron_wlb.costmodel.shapes import H100, Counts, ModelShape, causal_pairs
 from megatron_wlb.costmodel.table import check_knots, fit_table, nnls_gram, pair_basis, table_columns
 
 PROFILE_FORMAT = "megatron-wlb-profile/1"
-COLUMNS = 4  # causal pairs, tokens (the LM head's at its price in layers), query runs, 1 per micro-batch
+#: the micro-batch fit's columns: causal pairs, tokens (the LM head's at its price in layers), query runs, 1 per
+#: micro-batch, and two terms of the micro-batch as a whole (what it costs beyond the sum of its documents): its
+#: tokens squared and its tokens times its pairs
+TERMS = ("pairs", "tokens", "runs", "micro_batch", "tokens_sq", "tokens_pairs")
+COLUMNS = len(TERMS)
+#: the terms every micro-batch fit keeps; the others are kept only where they lower the held-out error
+BASE_TERMS = TERMS[:4]
+#: a candidate term is kept when it lowers the held-out MAPE by at least this share of it (not noise)
+KEEP_MARGIN = 0.05
 
 
 @dataclass(frozen=True)
@@ -34,6 +42,10 @@ class ProfileFit:
     (measured whole micro-batches, collectives included); ``*_rel_err``: mean relative error on the
     fitted points (kernels: of each sweep's forward; micro-batches: both of forward + backward);
     ``head_ratio``: micro-batch points' LM-head tokens are priced at this many layers' GEMMs.
+    ``per_token_sq`` / ``per_token_pair``: forward seconds per squared token / per token x pair of a
+    micro-batch on one GPU (its CP rank's tokens and pairs): the price of a micro-batch as a whole, beyond the
+    sum of its documents (the machine pays more per token and per pair in a larger micro-batch), charged
+    backward like GEMMs; 0 unless a micro-batch fit kept the term (``terms``).
     """
 
     attn_per_pair: float
@@ -50,11 +62,15 @@ class ProfileFit:
     attn_per_run: float = 0.0
     pair_lengths: tuple[float, ...] = ()
     pair_costs: tuple[float, ...] = ()
+    per_token_sq: float = 0.0
+    per_token_pair: float = 0.0
+    terms: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         # a checkpoint's JSON gives lists: hold tuples of floats, as a fit made here does
         object.__setattr__(self, "pair_lengths", tuple(float(x) for x in self.pair_lengths))
         object.__setattr__(self, "pair_costs", tuple(float(x) for x in self.pair_costs))
+        object.__setattr__(self, "terms", tuple(str(x) for x in self.terms))
         if len(self.pair_lengths) != len(self.pair_costs):
             raise ValueError(f"attention table of {len(self.pair_lengths)} lengths and {len(self.pair_costs)} costs: "
                              "give one forward cost per pair for each length")
@@ -66,6 +82,12 @@ class ProfileFit:
         if not self.pair_lengths:
             return np.full(q.shape, self.attn_per_pair)
         return (pair_basis(q.ravel(), self.pair_lengths) @ np.asarray(self.pair_costs)).reshape(q.shape)
+
+    def size_cost(self, tokens: Counts, pairs: Counts) -> np.ndarray:
+        """Forward seconds per layer of micro-batches of these tokens and pairs (one GPU's) as a whole, beyond
+        their documents: ``per_token_sq * t^2 + per_token_pair * t * p`` (0 without those terms)."""
+        t, p = np.asarray(tokens, dtype=np.float64), np.asarray(pairs, dtype=np.float64)
+        return t * (self.per_token_sq * t + self.per_token_pair * p)
 
     def predict(self, pairs: Counts, tokens: Counts, head_tokens: Counts = 0.0, runs: Counts = 1.0,
                 table: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -79,7 +101,7 @@ class ProfileFit:
         else:
             pair_cost = self.attn_per_pair * p
         attn = pair_cost + self.attn_per_query * t + self.attn_per_run * r
-        lin = self.linear_per_token * (t + self.head_ratio * h) + self.overhead
+        lin = self.linear_per_token * (t + self.head_ratio * h) + self.overhead + self.size_cost(t, p)
         return attn + lin, self.bwd_attention * attn + self.bwd_linear * lin
 
 
@@ -181,7 +203,7 @@ def _fit_micro_batches(profile: dict) -> ProfileFit:
     model = ModelShape(**profile["model"])
     if len(mb["fwd_s"]) < 3:
         raise ValueError(f"a micro_batches profile needs >= 3 measured micro-batches, got {len(mb['fwd_s'])}")
-    fit = RefitStats.of(mb, model).fit(model)
+    fit = RefitStats.of(mb, model).fit(model, profile_terms(profile))
     x, f, b = design(mb, model)
     knots = _knots(profile)
     if knots:
@@ -195,6 +217,61 @@ def _fit_micro_batches(profile: dict) -> ProfileFit:
     return replace(fit, attn_rel_err=err, linear_rel_err=err, extra=extra)
 
 
+def profile_terms(profile: dict) -> tuple[str, ...]:
+    """The micro-batch terms a profile fits: its ``"terms"`` (what ``wlb calibrate --from-trace`` chose by
+    held-out error, ``select_terms``), or the base terms (a profile written before the choice prices as it did)."""
+    return check_terms(profile.get("terms", BASE_TERMS), "profile terms")
+
+
+def _groups(section: dict, every: int) -> tuple[np.ndarray, str]:
+    """Held-out groups of a ``micro_batches`` section: its points' ``packing`` labels when they name two or
+    more packings (leave one packing out: the error a plan of another packer meets), else the iterations
+    (``holdout_every``: one group held out, the rest fitted)."""
+    labels = section.get("packing")
+    if isinstance(labels, list) and len(labels) == len(section["fwd_s"]) and len(set(labels)) >= 2:
+        names = sorted(set(labels))
+        return np.array([names.index(x) for x in labels]), "packing"
+    mask, _ = holdout_every(np.asarray(section.get("iteration", range(len(section["fwd_s"]))), dtype=np.int64), every)
+    return mask.astype(np.int64), "iterations"
+
+
+def held_out_errors(profile: dict, every: int = 5) -> dict[str, Any]:
+    """Held-out MAPE of forward + backward per group of ``_groups``: each group's points predicted by a fit of
+    the others (``{"by": "packing" | "iterations", "mape": mean over groups, "groups": {label: mape}}``)."""
+    section = profile["micro_batches"]
+    groups, by = _groups(section, every)
+    labels = sorted(set(section["packing"])) if by == "packing" else ["fitted", "held out"]
+    out: dict[str, float] = {}
+    for g in np.unique(groups):
+        if by == "iterations" and g == 0:
+            continue  # the fitted iterations: only the held-out group is predicted
+        out[labels[int(g)]] = holdout_mape(profile, groups == g)["mape"]
+    return {"by": by, "mape": float(np.mean(list(out.values()))), "groups": out}
+
+
+def select_terms(profile: dict, every: int = 5) -> tuple[tuple[str, ...], dict[str, Any]]:
+    """The micro-batch terms to fit: the base terms, then, one at a time, the candidate term (``TERMS`` beyond
+    the base) that lowers the held-out MAPE most (``held_out_errors``: across packings when the points name
+    several), while it lowers it by at least ``KEEP_MARGIN`` of it. Returns the terms and the report of why
+    (every candidate's held-out error at each step)."""
+    kept = BASE_TERMS
+    best = held_out_errors({**profile, "terms": list(kept)}, every)
+    report: dict[str, Any] = {"base": best, "steps": []}
+    left = list(TERMS[len(BASE_TERMS):])
+    while left:
+        trials = {t: held_out_errors({**profile, "terms": [*kept, t]}, every) for t in left}
+        term = min(trials, key=lambda t: trials[t]["mape"])
+        keep = trials[term]["mape"] < best["mape"] * (1.0 - KEEP_MARGIN)
+        report["steps"].append({"from": best["mape"], "tried": {t: v["mape"] for t, v in trials.items()},
+                                "kept": term if keep else None})
+        if not keep:
+            break
+        kept, best = check_terms([*kept, term]), trials[term]
+        left.remove(term)
+    report["terms"], report["mape"] = list(kept), best["mape"]
+    return kept, report
+
+
 def _table_micro_batches(base: ProfileFit, mb: dict, x: np.ndarray, f: np.ndarray, b: np.ndarray,
                          knots: tuple[float, ...]) -> ProfileFit:
     """The table form of a micro-batch fit: forward + backward = sum over knots of c_k x (pairs at knot k) +
@@ -203,14 +280,17 @@ def _table_micro_batches(base: ProfileFit, mb: dict, x: np.ndarray, f: np.ndarra
     cols = table_columns(mb["run_lengths"], mb["run_pairs"], knots)
     keep = (f > 0) & (b > 0)
     ba, bl = base.bwd_attention, base.bwd_linear
-    xt = np.concatenate([cols, x[:, 1:]], axis=1)
+    kept = np.array([t in base.terms for t in TERMS[1:]], dtype=np.float64)  # a term left out: its column 0
+    xt = np.concatenate([cols, x[:, 1:] * kept], axis=1)
     tf = fit_table(xt[keep], (f + b)[keep], len(knots), base.attn_per_pair * (1.0 + ba))
     k = len(knots)
     costs = tf.coef[:k] / (1.0 + ba)
     mean_cost = float(cols.sum(axis=0) @ costs / cols.sum()) if cols.sum() > 0 else base.attn_per_pair
     return replace(base, attn_per_pair=mean_cost, pair_lengths=knots, pair_costs=tuple(float(c) for c in costs),
                    linear_per_token=float(tf.coef[k] / (1.0 + bl)), attn_per_run=float(tf.coef[k + 1] / (1.0 + ba)),
-                   overhead=float(tf.coef[k + 2] / (1.0 + bl)), extra={**base.extra, "table": _table_extra(tf)})
+                   overhead=float(tf.coef[k + 2] / (1.0 + bl)), per_token_sq=float(tf.coef[k + 3] / (1.0 + bl)),
+                   per_token_pair=float(tf.coef[k + 4] / (1.0 + bl)),
+                   extra={**base.extra, "table": _table_extra(tf)})
 
 
 def holdout_every(groups: Sequence[int] | np.ndarray, every: int = 5) -> tuple[np.ndarray, str]:
@@ -280,7 +360,9 @@ def load_profile(path: str | Path) -> dict:
     - measured micro-batches: ``"micro_batches": {"pairs", "tokens", "fwd_s", "bwd_s"}`` (each one's causal
       (query, key) pairs and query tokens on that GPU and its seconds divided by the layers measured;
       optional ``"head_tokens"``: the tokens whose LM head the time includes, also per layer; ``"runs"``,
-      ``"run_lengths"`` and ``"run_pairs"``: its query runs' count, and each run's length and pairs).
+      ``"run_lengths"`` and ``"run_pairs"``: its query runs' count, and each run's length and pairs;
+      ``"packing"``: the packing whose plan it ran, for the held-out error across packings). Optional
+      ``"terms"``: the micro-batch terms fitted (``TERMS``; default the base terms; ``select_terms`` chooses).
 
     Optional ``"attention_table": {"lengths": [knots]}``: attention's per-pair cost is then fitted per query
     run length, interpolated in log2(length) between these knots (``costmodel.table``; the micro-batch form
@@ -333,11 +415,20 @@ def load_profile(path: str | Path) -> dict:
         counts = {k: _series(where, mb, k, low, strict) for k, low, strict in checks}
         if len(set(counts.values())) > 1:
             raise ValueError(f"{where}: {', '.join(counts)} differ in length ({', '.join(map(str, counts.values()))})")
+        labels = mb.get("packing")
+        if labels is not None and (not isinstance(labels, list) or len(labels) != counts["fwd_s"] or not all(
+                isinstance(x, str) for x in labels)):
+            raise ValueError(f"{where}.packing: expected one packing name per micro-batch ({counts['fwd_s']} strings)")
         for key in ("run_lengths", "run_pairs"):
             runs = mb.get(key)
             if runs is not None and (not isinstance(runs, list) or len(runs) != counts["fwd_s"] or not all(
                     isinstance(r, list) for r in runs)):
                 raise ValueError(f"{where}.{key}: expected one list per micro-batch ({counts['fwd_s']} lists)")
+    if "terms" in profile:
+        if "micro_batches" not in profile or not isinstance(profile["terms"], list):
+            raise ValueError(f"{path}: terms {str(profile['terms'])[:60]}: a list of micro-batch fit terms, with "
+                             "micro_batches")
+        check_terms(profile["terms"], f"{path}: terms")
     if "attention_table" in profile:
         table = profile["attention_table"]
         if not isinstance(table, dict) or "lengths" not in table:
@@ -351,12 +442,22 @@ def load_profile(path: str | Path) -> dict:
 
 def design(points: dict[str, Any], model: ModelShape) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(x, forward, backward) of a ``micro_batches`` section (``costmodel.trace.profile_points``): columns
-    ``COLUMNS``; a section without ``runs`` (or ``head_tokens``) has that column 0, and its coefficient 0."""
+    ``TERMS``; a section without ``runs`` (or ``head_tokens``) has that column 0, and its coefficient 0."""
     p, t, f, b = (np.asarray(points[k], dtype=np.float64) for k in ("pairs", "tokens", "fwd_s", "bwd_s"))
     head = np.asarray(points.get("head_tokens", np.zeros_like(t)), dtype=np.float64)
     runs = np.asarray(points.get("runs", np.zeros_like(t)), dtype=np.float64)
-    x = np.stack([p, t + head_ratio(model) * head, runs, np.ones_like(t)], axis=1)
+    x = np.stack([p, t + head_ratio(model) * head, runs, np.ones_like(t), t * t, t * p], axis=1)
     return x, f, b
+
+
+def check_terms(terms: Sequence[str], where: str = "terms") -> tuple[str, ...]:
+    """``terms`` as a tuple in ``TERMS`` order; a one-line error naming an unknown or missing base term."""
+    given = tuple(str(t) for t in terms)
+    unknown = sorted(set(given) - set(TERMS))
+    if unknown or not set(BASE_TERMS) <= set(given):
+        raise ValueError(f"{where} {list(given)}: expected the base terms {list(BASE_TERMS)} and any of "
+                         f"{list(TERMS[len(BASE_TERMS):])}" + (f" (unknown: {', '.join(unknown)})" if unknown else ""))
+    return tuple(t for t in TERMS if t in given)
 
 
 @dataclass(frozen=True)
@@ -403,17 +504,27 @@ class RefitStats:
     def __add__(self, other: RefitStats) -> RefitStats:
         return RefitStats.from_vector(self.vector() + other.vector())
 
-    def fit(self, model: ModelShape) -> ProfileFit:
+    def fit(self, model: ModelShape, terms: Sequence[str] = BASE_TERMS) -> ProfileFit:
         """The micro-batch fit (``fit_profile`` fits a profile's ``micro_batches`` section with it):
-        forward and backward each ``a*pairs + b*tokens + r*runs + c``, non-negative. bwd_attention = a_b /
-        a_f and bwd_linear = b_b / b_f (the mean measured ratio where a coefficient is 0). The cost model
-        charges the per-run and per-micro-batch constants forward and x bwd_attention / bwd_linear backward,
-        so they are set to (r_f + r_b) / (1 + bwd_attention) and (c_f + c_b) / (1 + bwd_linear): the
-        forward + backward the packer balances is the fitted one exactly, only its split is approximate."""
+        forward and backward each ``a*pairs + b*tokens + r*runs + c`` (+ ``s*tokens^2`` and
+        ``u*tokens*pairs`` with the terms ``tokens_sq`` and ``tokens_pairs``), non-negative, over the
+        columns of ``terms`` only. bwd_attention = a_b / a_f and bwd_linear = b_b / b_f (the mean measured
+        ratio where a coefficient is 0). The cost model charges the per-run, per-micro-batch and
+        whole-micro-batch terms forward and x bwd_attention / bwd_linear backward, so they are set to
+        (r_f + r_b) / (1 + bwd_attention), (c_f + c_b) / (1 + bwd_linear), (s_f + s_b) / (1 + bwd_linear)
+        and (u_f + u_b) / (1 + bwd_linear): the forward + backward the packer balances is the fitted one
+        exactly, only its split is approximate."""
         if self.points < 3:
             raise ValueError(f"a micro-batch fit needs >= 3 measured micro-batches, got {self.points:g}")
-        cf = nnls_gram(self.gram_fwd, self.rhs_fwd, self.points)
-        cb = nnls_gram(self.gram_bwd, self.rhs_bwd, self.points)
+        kept = check_terms(terms)
+        cols = [TERMS.index(t) for t in kept]
+
+        def solve(gram: np.ndarray, rhs: np.ndarray) -> np.ndarray:
+            out = np.zeros(COLUMNS)
+            out[cols] = nnls_gram(gram[np.ix_(cols, cols)], rhs[cols], self.points)
+            return out
+
+        cf, cb = solve(self.gram_fwd, self.rhs_fwd), solve(self.gram_bwd, self.rhs_bwd)
         mean_ratio = self.ratio_sum / self.points
         guarded = [name for name, i in (("bwd_attention", 0), ("bwd_linear", 1)) if not (cf[i] > 0 and cb[i] > 0)]
         bwd_attention = float(cb[0] / cf[0]) if "bwd_attention" not in guarded else mean_ratio
@@ -423,5 +534,7 @@ class RefitStats:
                           linear_rel_err=float("nan"), bwd_attention=bwd_attention, bwd_linear=bwd_linear,
                           form="micro_batches", head_ratio=head_ratio(model),
                           attn_per_run=float((cf[2] + cb[2]) / (1.0 + bwd_attention)),
+                          per_token_sq=float((cf[4] + cb[4]) / (1.0 + bwd_linear)),
+                          per_token_pair=float((cf[5] + cb[5]) / (1.0 + bwd_linear)), terms=kept,
                           extra={"fwd": cf.tolist(), "bwd": cb.tolist(), "points": int(self.points),
                                  "ratio_from_mean": guarded})

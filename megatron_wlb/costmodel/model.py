@@ -77,6 +77,19 @@ class CostModel(ABC):
             return (calls + 2.0 * self.model.moe_fraction) * self.hardware.collective_latency_s
         return calls * self.hardware.collective_latency_s
 
+    def size_cost(self, rank_tokens: Counts, rank_pairs: Counts) -> np.ndarray:
+        """Forward seconds per layer of micro-batches as a whole, beyond the sum of their documents and the
+        fixed overhead, on a GPU holding ``rank_tokens`` of them and computing ``rank_pairs`` causal pairs: 0
+        here (the analytic model is additive); a calibrated profile that kept a whole-micro-batch term
+        (``fit.TERMS``) prices it (``packing.metrics.microbatch_seconds`` adds it to every micro-batch)."""
+        return np.zeros(np.broadcast(np.asarray(rank_tokens), np.asarray(rank_pairs)).shape)
+
+    @property
+    def prices_size(self) -> bool:
+        """Whether ``size_cost`` can be non-zero: the price of a micro-batch is then not the sum of its
+        documents, and a packer places by the marginal cost of a document (``packing.greedy.place_greedy``)."""
+        return False
+
     # -- communication ---------------------------------------------------------------------------
     def tp_comm(self, tokens: Counts) -> np.ndarray:
         """TP collectives for ``tokens`` tokens on one GPU: two all-reduces of the activations."""
@@ -230,6 +243,15 @@ class CalibratedCostModel(CostModel):
 
     def linear_compute(self, tokens: Counts) -> np.ndarray:
         return self.fit.linear_per_token * np.asarray(tokens, dtype=np.float64) * self._linear_scale
+
+    def size_cost(self, rank_tokens: Counts, rank_pairs: Counts) -> np.ndarray:
+        # measured at the profile's shape: rescaled like the GEMMs (tokens^2) and attention (tokens x pairs)
+        t, p = np.asarray(rank_tokens, dtype=np.float64), np.asarray(rank_pairs, dtype=np.float64)
+        return t * (self.fit.per_token_sq * self._linear_scale * t + self.fit.per_token_pair * self._attn_scale * p)
+
+    @property
+    def prices_size(self) -> bool:
+        return self.fit.per_token_sq > 0 or self.fit.per_token_pair > 0
 
     def tp_comm(self, tokens: Counts) -> np.ndarray:
         if self._collectives_measured:

@@ -232,6 +232,20 @@ def trace_setup(trace: Trace) -> dict[str, Any]:
     return {"model": first["model"], "layout": first["layout"], "device": str(first.get("device", "unknown"))}
 
 
+def trace_packing(trace: Trace) -> str:
+    """The packing a traced run's plans came from, from its header's settings: the packer, with its pieces
+    when not whole documents and its CP sharding when CP > 1 (e.g. ``wlb``, ``wlb, concat-and-cut``): the
+    label ``wlb calibrate --from-trace`` holds each trace's points out by."""
+    first = trace.headers[0]
+    settings = first.get("settings") or {}
+    parts = [str(settings.get("packer", "unknown"))]
+    if settings.get("pieces", "documents") != "documents":
+        parts.append(str(settings["pieces"]))
+    if int((first.get("layout") or {}).get("cp", 1)) > 1:
+        parts.append(str(settings.get("cp_sharding", "")))
+    return ", ".join(parts)
+
+
 def profile_points(rows: Iterable[MicroBatchRow], layout: dict[str, Any], clock: str = "cpu") -> dict[str, list[Any]]:
     """The ``micro_batches`` section of a cost-model profile (``costmodel.load_profile``), one point per row
     with positive times and tokens: this CP rank's ``rank_pairs``, ``rank_tokens`` and ``rank_runs``, its

@@ -16,8 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from megatron_wlb.costmodel import CostModel, ModelShape
-from megatron_wlb.costmodel.fit import RefitStats
+from megatron_wlb.costmodel import CalibratedCostModel, CostModel, ModelShape
+from megatron_wlb.costmodel.fit import BASE_TERMS, RefitStats
 from megatron_wlb.costmodel.refit import cost_model_from_state, cost_state, rounded
 from megatron_wlb.costmodel.trace import MicroBatchRow, profile_points
 from megatron_wlb.megatron.data import plan_digest
@@ -45,6 +45,8 @@ class OnlineRefit:
         self.apply, self.plan = apply, plan
         self.stats = RefitStats.empty()
         self.refits = 0
+        #: the terms refitted: those the configured profile kept (its whole-micro-batch terms), else the base terms
+        self.terms = (base.fit.terms or BASE_TERMS) if isinstance(base, CalibratedCostModel) else BASE_TERMS
 
     def observe(self, rows: Sequence[Any]) -> None:
         """Add this rank's flushed micro-batch rows (other rows and warm-up iterations are skipped)."""
@@ -62,9 +64,9 @@ class OnlineRefit:
         total = RefitStats.from_vector(all_reduce(self.stats.vector(), "sum"))
         if total.points < 3:
             return None
-        fit = rounded(total.fit(self.model))
+        fit = rounded(total.fit(self.model, self.terms))
         check = np.array([fit.attn_per_pair, fit.linear_per_token, fit.overhead, fit.bwd_attention, fit.bwd_linear,
-                          digest_number(self.plan())])
+                          fit.per_token_sq, fit.per_token_pair, digest_number(self.plan())])
         low, high = all_reduce(check, "min"), all_reduce(check, "max")
         if not np.array_equal(low, high):
             what = "refitted coefficients" if not np.array_equal(low[:-1], high[:-1]) else "plan digests"

@@ -45,7 +45,7 @@ from megatron_wlb.costmodel.trace import (
 )
 from megatron_wlb.cp.plan import RankMicroBatch
 from megatron_wlb.megatron.rebind import is_wrapper, rebind, wrapping
-from megatron_wlb.packing.metrics import microbatch_seconds, piece_forward, piece_latency
+from megatron_wlb.packing.metrics import bins_seconds
 
 #: the pipeline communicator's methods whose time is waiting (every send/receive of core 0.16 and 0.19)
 P2P_METHODS = ("recv_forward", "recv_backward", "send_forward", "send_backward", "send_forward_recv_backward",
@@ -233,8 +233,7 @@ class Recorder:
         lengths = tuple(p.length for p in batch.micro_batch.pieces) if batch.micro_batch is not None else ()
         pred_fwd = pred_bwd = 0.0
         if self.cost is not None and lengths:
-            fwd, bwd = microbatch_seconds(self.cost, np.array([piece_latency(self.cost, lengths).sum()]),
-                                          np.array([piece_forward(self.cost, lengths).sum()]))
+            fwd, bwd = bins_seconds(self.cost, [np.asarray(lengths, dtype=np.int64)])
             layers = self.ids.layers_per_chunk
             pred_fwd, pred_bwd = float(fwd[0]) * layers, float(bwd[0]) * layers
         rank_tokens, rank_pairs, rank_runs = rank_share(batch)

@@ -26,7 +26,7 @@ import numpy as np
 from megatron_wlb.costmodel import CostModel, cost_model_from_state
 from megatron_wlb.data.cut import window_pieces
 from megatron_wlb.data.lengths import validate_lengths
-from megatron_wlb.packing.metrics import piece_latency
+from megatron_wlb.packing.metrics import SizePrice, piece_latency, size_price
 from megatron_wlb.packing.types import DocPiece, GlobalBatch, MicroBatch, PackingConfig, upgrade_old_knobs
 
 #: 2: the fingerprint covers every field and the cost model; 3: a refitted cost model is saved;
@@ -95,6 +95,12 @@ class Packer(ABC):
         old, self.cost, self._refit = self.cost, cost, state
         self._latency_table = None
         self._cost_changed(old)
+
+    @property
+    def size(self) -> SizePrice:
+        """The cost model's price of a micro-batch as a whole (``metrics.SizePrice``; zero for an additive
+        model): the placement loops add it to the sum of the pieces, so they balance what the machine pays."""
+        return size_price(self.cost)
 
     def latency(self, lengths: np.ndarray | Sequence[int]) -> np.ndarray:
         """``piece_latency`` under this packer's cost model, looked up in a table of every length up to
@@ -323,7 +329,9 @@ def settings_fingerprint(config: PackingConfig, cost: CostModel | None) -> dict[
     out["cost"] = "d**2 (no cost model)" if cost is None else cost.describe()
     probe = piece_latency(cost, np.asarray(_PROBE_LENGTHS))
     overhead = 0.0 if cost is None else float(cost.microbatch_overhead)
-    out["cost_probe"] = [f"{x:.12g}" for x in [*probe.tolist(), overhead]]
+    size = size_price(cost)  # a micro-batch's price as a whole: probed only where there is one (older states)
+    whole = [size.tokens_sq, size.tokens_pairs] if size else []
+    out["cost_probe"] = [f"{x:.12g}" for x in [*probe.tolist(), overhead, *whole]]
     return out
 
 

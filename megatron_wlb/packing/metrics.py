@@ -2,7 +2,9 @@
 
 Latency of a micro-batch is its *forward + backward* time per layer per GPU from the cost model:
 ``W_a * (1 + bwd_attention) + W_l * (1 + bwd_linear)`` summed over its pieces, plus the fixed
-per-micro-batch overhead times ``(1 + bwd_linear)``. We use forward + backward rather than the bare
+per-micro-batch overhead and what the micro-batch costs as a whole (``SizePrice``: a calibrated
+profile's tokens^2 and tokens x pairs terms, 0 for the analytic model), both times
+``(1 + bwd_linear)``. We use forward + backward rather than the bare
 workload W = W_a + W_l because a training step runs both and the backward of attention costs
 relatively more (2.5x vs 2x for GEMMs on H100), which makes long documents weigh more than the
 forward alone suggests; the paper's Table 2 uses forward latency, and the two ratios differ by a
@@ -20,6 +22,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from megatron_wlb.costmodel import CostModel
+from megatron_wlb.costmodel.shapes import causal_pairs
 from megatron_wlb.packing.pipeline import deal_and_order
 from megatron_wlb.packing.types import GlobalBatch, MicroBatch
 from megatron_wlb.schedule import simulate_pipeline
@@ -49,23 +52,85 @@ def overhead_seconds(cost: CostModel | None, backward: bool = True) -> float:
     return cost.microbatch_overhead * ((1.0 + cost.hardware.bwd_linear) if backward else 1.0)
 
 
-def microbatch_seconds(cost: CostModel | None, latency: np.ndarray,
-                       forward: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+@dataclass(frozen=True)
+class SizePrice:
+    """Forward + backward seconds per layer of a micro-batch as a whole, beyond the sum of its pieces and the
+    fixed overhead: ``tokens_sq * T^2 + tokens_pairs * T * P`` for a micro-batch of ``T`` tokens and ``P``
+    causal pairs (the whole micro-batch's; the cost model's ``size_cost`` of its CP rank's share, made
+    whole). Zero for an additive cost model. It is superadditive, so adding a piece of ``d`` tokens and
+    ``p`` pairs costs at least ``self(d, p)`` more in any micro-batch (``place_greedy``'s bound)."""
+
+    tokens_sq: float = 0.0
+    tokens_pairs: float = 0.0
+
+    def __bool__(self) -> bool:
+        return self.tokens_sq > 0 or self.tokens_pairs > 0
+
+    def __call__(self, tokens: float | np.ndarray, pairs: float | np.ndarray) -> np.ndarray:
+        t, p = np.asarray(tokens, dtype=np.float64), np.asarray(pairs, dtype=np.float64)
+        return t * (self.tokens_sq * t + self.tokens_pairs * p)
+
+    def marginal(self, tokens: float, pairs: float, d: float, p: float) -> float:
+        """What adding a piece of ``d`` tokens and ``p`` pairs adds to a micro-batch of ``tokens`` and ``pairs``."""
+        return self.tokens_sq * d * (2.0 * tokens + d) + self.tokens_pairs * (tokens * p + d * pairs + d * p)
+
+
+def size_price(cost: CostModel | None) -> SizePrice:
+    """The cost model's ``SizePrice`` (``CostModel.size_cost`` at a CP rank's share, forward + backward)."""
+    if cost is None or not cost.prices_size:
+        return SizePrice()
+    cp = float(cost.layout.cp)
+    scale = (1.0 + cost.hardware.bwd_linear) / (cp * cp)
+    sq = float(cost.size_cost(1.0, 0.0)) * scale
+    return SizePrice(tokens_sq=sq, tokens_pairs=float(cost.size_cost(1.0, 1.0)) * scale - sq)
+
+
+def piece_pairs(lengths: np.ndarray | Sequence[int]) -> np.ndarray:
+    """Causal (query, key) pairs of whole pieces of these lengths, ``d (d + 1) / 2``."""
+    d = np.asarray(lengths, dtype=np.float64)
+    return causal_pairs(d, d)
+
+
+def size_seconds(cost: CostModel | None, tokens: np.ndarray | Sequence[float], pairs: np.ndarray | Sequence[float],
+                 backward: bool = True) -> np.ndarray:
+    """What micro-batches of these tokens and pairs cost as a whole (``SizePrice``), forward only or forward +
+    backward (scaled like GEMMs); 0 without a cost model or with an additive one."""
+    price = size_price(cost)
+    out = price(tokens, pairs)
+    if not backward and price:
+        assert cost is not None
+        out = out / (1.0 + cost.hardware.bwd_linear)
+    return out
+
+
+def microbatch_seconds(cost: CostModel | None, latency: np.ndarray, forward: np.ndarray | None = None,
+                       tokens: np.ndarray | None = None, pairs: np.ndarray | None = None
+                       ) -> tuple[np.ndarray, np.ndarray]:
     """(forward, backward) seconds of micro-batches: the one definition of a micro-batch's cost.
 
     ``latency``: each micro-batch's summed ``piece_latency`` (0 = empty); ``forward``: its summed
-    ``piece_forward`` (needed with a cost model). A non-empty micro-batch adds ``overhead_seconds``;
-    without a cost model the ``d**2`` weight is split 1 : 2 between forward and backward.
+    ``piece_forward`` (needed with a cost model); ``tokens`` / ``pairs``: its tokens and causal pairs (needed
+    with a cost model that prices a micro-batch as a whole, ``CostModel.prices_size``). A non-empty
+    micro-batch adds ``overhead_seconds`` and ``size_seconds``; without a cost model the ``d**2`` weight is
+    split 1 : 2 between forward and backward.
     """
     latency = np.asarray(latency, dtype=np.float64)
     nonempty = latency > 0
-    total = np.where(nonempty, latency + overhead_seconds(cost, backward=True), 0.0)
+    whole = np.zeros_like(latency)
+    if cost is not None and cost.prices_size:
+        if tokens is None or pairs is None:
+            raise ValueError(f"microbatch_seconds needs the micro-batches' tokens and pairs with {cost.describe()}: "
+                             "it prices a micro-batch as a whole, not only its pieces")
+        whole = size_seconds(cost, tokens, pairs)
+    total = np.where(nonempty, latency + overhead_seconds(cost, backward=True) + whole, 0.0)
     if cost is None:
         fwd = total / 3.0
     elif forward is None:
         raise ValueError("microbatch_seconds needs the pieces' forward seconds with a cost model")
     else:
-        fwd = np.where(nonempty, np.asarray(forward, dtype=np.float64) + overhead_seconds(cost, backward=False), 0.0)
+        whole_fwd = whole / (1.0 + cost.hardware.bwd_linear)
+        fwd = np.where(nonempty, np.asarray(forward, dtype=np.float64) + overhead_seconds(cost, backward=False)
+                       + whole_fwd, 0.0)
     return fwd, total - fwd
 
 
@@ -74,7 +139,19 @@ def microbatch_latency(cost: CostModel | None, mb: MicroBatch, backward: bool = 
     if not mb.pieces:
         return 0.0
     lat = piece_latency(cost, mb.lengths) if backward else piece_forward(cost, mb.lengths)
-    return float(lat.sum() + overhead_seconds(cost, backward))
+    whole = size_seconds(cost, float(mb.lengths.sum()), float(piece_pairs(mb.lengths).sum()), backward)
+    return float(lat.sum() + overhead_seconds(cost, backward) + whole)
+
+
+def bins_seconds(cost: CostModel | None, bins: Sequence[Sequence[int]] | Sequence[np.ndarray]
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """(forward, backward) seconds of micro-batches given as their pieces' lengths (``microbatch_seconds``)."""
+    lat = np.array([piece_latency(cost, b).sum() if len(b) else 0.0 for b in bins], dtype=np.float64)
+    forward = None if cost is None else np.array([piece_forward(cost, b).sum() if len(b) else 0.0 for b in bins],
+                                                 dtype=np.float64)
+    tokens = np.array([float(np.sum(b)) for b in bins], dtype=np.float64)
+    pairs = np.array([float(piece_pairs(b).sum()) for b in bins], dtype=np.float64)
+    return microbatch_seconds(cost, lat, forward, tokens, pairs)
 
 
 def batch_latencies(cost: CostModel | None, batch: GlobalBatch, backward: bool = True) -> np.ndarray:
@@ -221,10 +298,7 @@ def microbatch_stage_times(cost: CostModel | None, batch: GlobalBatch) -> tuple[
     """(forward, backward) seconds of every micro-batch of ``batch``, shape ``(dp, n)`` each
     (``microbatch_seconds``; per layer: a stage runs ``layers / pp`` such layers, a common factor
     that cancels in every ratio)."""
-    latency = np.array([piece_latency(cost, mb.lengths).sum() for mb in batch.micro_batches], dtype=np.float64)
-    forward = None if cost is None else np.array(
-        [piece_forward(cost, mb.lengths).sum() for mb in batch.micro_batches], dtype=np.float64)
-    fwd, bwd = microbatch_seconds(cost, latency, forward)
+    fwd, bwd = bins_seconds(cost, [mb.lengths for mb in batch.micro_batches])
     return fwd.reshape(batch.dp, batch.n), bwd.reshape(batch.dp, batch.n)
 
 
@@ -286,7 +360,9 @@ def whole_piece_floor_time(cost: CostModel | None, batch: GlobalBatch, stages: i
         return np.concatenate([x[:alone], np.full(m - alone, float(x[alone:].sum()) / (m - alone))])
 
     forward = None if cost is None else water_filled(piece_forward(cost, lengths[order]))
-    fwd, bwd = microbatch_seconds(cost, water_filled(lat), forward)
+    sorted_lengths = lengths[order]
+    fwd, bwd = microbatch_seconds(cost, water_filled(lat), forward, water_filled(sorted_lengths.astype(np.float64)),
+                                  water_filled(piece_pairs(sorted_lengths)))
     perm = deal_and_order(fwd.tolist(), bwd.tolist(), batch.dp, batch.n, p, virtual_stages)
     fwd, bwd = fwd[perm].reshape(batch.dp, batch.n), bwd[perm].reshape(batch.dp, batch.n)
     return max(simulate_pipeline(np.broadcast_to(fwd[r], (p, batch.n)), np.broadcast_to(bwd[r], (p, batch.n)),

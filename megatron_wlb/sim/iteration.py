@@ -41,6 +41,7 @@ from megatron_wlb.packing.metrics import (
     imbalance_global,
     imbalance_per_rank,
     overhead_seconds,
+    piece_pairs,
     summarize,
 )
 from megatron_wlb.packing.types import GlobalBatch, MicroBatch
@@ -239,8 +240,10 @@ class IterationSimulator:
         gemm = np.asarray(cost.linear_compute(rank_tokens), dtype=np.float64)
         comm = np.asarray(cost.comm(rank_tokens, float(tokens)), dtype=np.float64)
         over = overhead_seconds(cost, backward=False)   # the packer's definition: backward scaled like GEMMs
-        rank_fwd = attn + gemm + comm + over
-        rank_bwd = cost.backward(attn, gemm) + comm + (overhead_seconds(cost) - over)
+        # the micro-batch as a whole (a calibrated profile's size terms): each rank's tokens and pairs share
+        whole = np.asarray(cost.size_cost(rank_tokens, float(piece_pairs(lengths).sum()) / cp), dtype=np.float64)
+        rank_fwd = attn + gemm + comm + over + whole
+        rank_bwd = cost.backward(attn, gemm) + comm + (overhead_seconds(cost) - over) + hw.bwd_linear * whole
         compute = cost.forward_backward(attn, gemm)
         head = float(cost.linear_compute(tokens / cp)) * self._head_ratio
         p2p = float(cost.pp_send(tokens, self.sequence_parallel))

@@ -16,7 +16,7 @@ import numpy as np
 
 from megatron_wlb.costmodel import CostModel, ModelShape
 from megatron_wlb.data.cut import concat_and_cut_flat
-from megatron_wlb.packing.metrics import overhead_seconds, piece_latency
+from megatron_wlb.packing.metrics import overhead_seconds, piece_latency, piece_pairs, size_seconds
 from megatron_wlb.sim.experiments import BALANCED_CUT, BASELINE_LABELS, PLAIN, WHOLE, WLB, Table
 from megatron_wlb.sim.report import Verdict
 
@@ -37,7 +37,10 @@ def attention_shares(cost: CostModel, lengths: np.ndarray, seq_len: int, micro_b
     total = piece_latency(cost, sizes)
     mb = np.repeat(np.arange(counts.size), counts)
     attn = np.bincount(mb, weights=attention, minlength=counts.size)
-    whole = np.bincount(mb, weights=total, minlength=counts.size) + overhead_seconds(cost)
+    mb_tokens = np.bincount(mb, weights=sizes, minlength=counts.size)
+    mb_pairs = np.bincount(mb, weights=piece_pairs(sizes), minlength=counts.size)
+    whole = np.bincount(mb, weights=total, minlength=counts.size) + overhead_seconds(cost) \
+        + size_seconds(cost, mb_tokens, mb_pairs)
     return attn / whole
 
 

@@ -105,7 +105,7 @@ class WlbPacker(Packer):
         plan = IterationPlan(cfg, self.iteration, self.capacity, th, self.stats.ordinary_work_per_token(th[0]),
                              self.latency, self.counts, self._overlong_docs, self._read_ahead,
                              lambda pieces: self.stats.observe(pieces, self.latency),
-                             forced=[p for p in pool if p.arrival <= oldest])
+                             forced=[p for p in pool if p.arrival <= oldest], size=self.size)
         rest = [p for p in pool if p.arrival > oldest] if plan.forced else pool
         read_ahead = not final and plan.reads_ahead
         if final:

@@ -17,7 +17,7 @@ import numpy as np
 
 from megatron_wlb.costmodel import CostModel
 from megatron_wlb.data.lengths import validate_lengths
-from megatron_wlb.packing.metrics import microbatch_seconds, piece_forward, piece_latency
+from megatron_wlb.packing.metrics import microbatch_seconds, piece_forward, piece_latency, piece_pairs, size_price
 from megatron_wlb.packing.pipeline import deal_and_order, schedule_timer
 from megatron_wlb.packing.types import DocPiece, piece_lengths, sort_largest_first
 from megatron_wlb.packing.wlb.balance import CLOSE_TOLERANCE
@@ -52,6 +52,7 @@ def split_forced(plan: IterationPlan, p: DocPiece) -> None:
         take = min(room, left)
         bins[j].append(DocPiece(p.doc_id, off, take, p.arrival))
         toks[j] += take
+        plan.pairs[j] += take * (take + 1) / 2.0
         work[j] += float(plan.latency([take])[0])
         off += take
         left -= take
@@ -70,32 +71,37 @@ def replace_all(plan: IterationPlan, extra: list[DocPiece] | None = None, balanc
     pieces = [p for b in plan.bins for p in b] + list(extra or ())
     m = len(plan.bins)
     new_bins: list[list[DocPiece]] = [[] for _ in range(m)]
-    new_work, new_toks = [0.0] * m, [0] * m
+    new_work, new_toks, new_pairs = [0.0] * m, [0] * m, [0.0] * m
     left = place_pieces(sort_largest_first([p for p in pieces if p in first]), new_bins, new_work, new_toks,
-                        plan.cap, plan.latency)
+                        plan.cap, plan.latency, plan.size, new_pairs)
     if not left:
         left = place_pieces(sort_largest_first([p for p in pieces if p not in first]), new_bins, new_work,
-                            new_toks, plan.cap, plan.latency)
+                            new_toks, plan.cap, plan.latency, plan.size, new_pairs)
     if left:
         return False
-    if balanced and max(new_work) > max(max(plan.work), sum(new_work) / m * (1 + CLOSE_TOLERANCE)):
+    new_price = [w + float(plan.size(t, q)) for w, t, q in zip(new_work, new_toks, new_pairs)]
+    old_price = [plan.price(j) for j in range(m)]
+    if balanced and max(new_price) > max(max(old_price), sum(new_price) / m * (1 + CLOSE_TOLERANCE)):
         return False
-    plan.bins[:], plan.work[:], plan.toks[:] = new_bins, new_work, new_toks
+    plan.bins[:], plan.work[:], plan.toks[:], plan.pairs[:] = new_bins, new_work, new_toks, new_pairs
     return True
 
 
 def deal_micro_batches(bins: list[list[DocPiece]], work: list[float], cost: CostModel | None, dp: int, n: int,
                        stages: int, virtual_stages: int = 1) -> list[list[DocPiece]]:
     """``dp * n`` placed micro-batches (``work``: each one's summed ``piece_latency``) dealt to DP ranks and
-    ordered within each for the pipeline schedule (``pipeline.deal_and_order``): rank r runs positions
-    ``[r * n, (r + 1) * n)`` of the result."""
+    ordered within each for the pipeline schedule (``pipeline.deal_and_order``, each priced by
+    ``metrics.microbatch_seconds``): rank r runs positions ``[r * n, (r + 1) * n)`` of the result."""
     m = len(bins)
-    forward = None
+    forward = tokens = pairs = None
     if cost is not None:
         counts = [len(b) for b in bins]
         lengths = piece_lengths([p for b in bins for p in b])
-        forward = np.bincount(np.repeat(np.arange(m), counts), weights=piece_forward(cost, lengths), minlength=m)
-    fwd_arr, bwd_arr = microbatch_seconds(cost, np.asarray(work, dtype=np.float64), forward)
+        where = np.repeat(np.arange(m), counts)
+        forward = np.bincount(where, weights=piece_forward(cost, lengths), minlength=m)
+        tokens = np.bincount(where, weights=lengths.astype(np.float64), minlength=m)
+        pairs = np.bincount(where, weights=piece_pairs(lengths), minlength=m)
+    fwd_arr, bwd_arr = microbatch_seconds(cost, np.asarray(work, dtype=np.float64), forward, tokens, pairs)
     perm = deal_and_order(fwd_arr.tolist(), bwd_arr.tolist(), dp, n, stages, virtual_stages)
     return [bins[i] for i in perm]
 
@@ -138,16 +144,20 @@ def place_whole_batch(lengths: Sequence[int] | np.ndarray, dp: int, window: int,
     item_forward = None if cost is None else piece_forward(cost, d)
     weights = [float(item_latency[p.doc_id]) for p in alone]
 
+    size = size_price(cost)
+
     def place(n: int) -> tuple[list[list[DocPiece]], list[float]] | None:
         m = dp * n
         bins: list[list[DocPiece]] = [[] for _ in range(m)]
         work = [0.0] * m
         toks = [0] * m
+        pairs = [0.0] * m
         for j, (p, w) in enumerate(zip(alone, weights)):
             bins[j].append(p)
             work[j] = w
             toks[j] = window
-        if place_pieces(fitting, bins, work, toks, window, partial(piece_latency, cost)):
+            pairs[j] = p.length * (p.length + 1) / 2.0
+        if place_pieces(fitting, bins, work, toks, window, partial(piece_latency, cost), size, pairs):
             return None
         return None if max_items is not None and max(map(len, bins)) > max_items else (bins, work)
 
@@ -188,6 +198,9 @@ def _slowest_rank_time(bins: list[list[DocPiece]], latency: np.ndarray, forward:
     ids = np.fromiter((p.doc_id for b in bins for p in b), dtype=np.int64, count=int(sum(counts)))
     work = np.bincount(where, weights=latency[ids], minlength=len(bins))
     fwd_work = None if forward is None else np.bincount(where, weights=forward[ids], minlength=len(bins))
-    fwd, bwd = microbatch_seconds(cost, work, fwd_work)
+    lengths = np.fromiter((p.length for b in bins for p in b), dtype=np.float64, count=ids.size)
+    tokens = np.bincount(where, weights=lengths, minlength=len(bins))
+    pairs = np.bincount(where, weights=piece_pairs(lengths), minlength=len(bins))
+    fwd, bwd = microbatch_seconds(cost, work, fwd_work, tokens, pairs)
     timer = schedule_timer(stages, n, virtual_stages)
     return max(timer.makespan(fwd[r * n:(r + 1) * n].tolist(), bwd[r * n:(r + 1) * n].tolist()) for r in range(dp))

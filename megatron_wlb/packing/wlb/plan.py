@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from megatron_wlb.packing.greedy import place_greedy
+from megatron_wlb.packing.metrics import SizePrice
 from megatron_wlb.packing.types import DocPiece, PackingConfig
 
 #: the cost model's latency of pieces of these lengths (``Packer.latency``: ``piece_latency`` by table)
@@ -24,14 +25,15 @@ Latency = Callable[[Sequence[int] | np.ndarray], np.ndarray]
 
 
 def place_pieces(pieces: list[DocPiece], bins: list[list[DocPiece]], work: list[float], toks: list[int], cap: int,
-                 latency: Latency) -> list[DocPiece]:
-    """Place ``pieces`` in order, each into the micro-batch of least work with room (``place_greedy``;
-    ``bins``, ``work`` and ``toks`` updated), a piece's work being ``latency`` of its length (the cost
-    model's ``piece_latency``); returns the pieces that fit nowhere, in order."""
+                 latency: Latency, size: SizePrice | None = None, pairs: list[float] | None = None) -> list[DocPiece]:
+    """Place ``pieces`` in order, each into the micro-batch whose price after it is least, among those with
+    room (``place_greedy``; ``bins``, ``work``, ``toks`` and ``pairs`` updated), a piece's work being
+    ``latency`` of its length (the cost model's ``piece_latency``) and a micro-batch's price its work plus
+    ``size`` of it as a whole; returns the pieces that fit nowhere, in order."""
     if not pieces:
         return []
     lengths = [p.length for p in pieces]
-    where = place_greedy(lengths, latency(lengths).tolist(), work, toks, cap)
+    where = place_greedy(lengths, latency(lengths).tolist(), work, toks, cap, size, pairs)
     unplaced = []
     for p, j in zip(pieces, where):
         if j >= 0:
@@ -114,15 +116,20 @@ class IterationPlan:
     forced: list[DocPiece] = field(default_factory=list)
     candidates: list[DocPiece] = field(default_factory=list)
     waiting: list[DocPiece] = field(default_factory=list)
+    #: the cost model's price of a micro-batch as a whole (zero for an additive model)
+    size: SizePrice = field(default_factory=SizePrice)
     bins: list[list[DocPiece]] = field(init=False)
     work: list[float] = field(init=False)
     toks: list[int] = field(init=False)
+    #: causal pairs of each micro-batch (what ``size`` prices with its tokens)
+    pairs: list[float] = field(init=False)
 
     def __post_init__(self) -> None:
         m = self.m
         self.bins = [[] for _ in range(m)]
         self.work = [0.0] * m
         self.toks = [0] * m
+        self.pairs = [0.0] * m
 
     @property
     def m(self) -> int:
@@ -154,4 +161,8 @@ class IterationPlan:
 
     def place(self, pieces: list[DocPiece]) -> list[DocPiece]:
         """``place_pieces`` into this iteration's micro-batches; returns what fits nowhere."""
-        return place_pieces(pieces, self.bins, self.work, self.toks, self.cap, self.latency)
+        return place_pieces(pieces, self.bins, self.work, self.toks, self.cap, self.latency, self.size, self.pairs)
+
+    def price(self, j: int) -> float:
+        """Micro-batch ``j``'s price: its pieces' work and ``size`` of it as a whole (what placement balances)."""
+        return self.work[j] + float(self.size(self.toks[j], self.pairs[j]))
