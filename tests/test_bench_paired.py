@@ -99,7 +99,8 @@ def test_a_short_paired_run_through_megatrons_loop(tmp_path):
     assert users["pairs"] == 10 // 2 - bench.WARMUP_PAIRS
     for kind in ("wall", "replay", "predicted", "replay_per_token"):
         assert 0.3 < users[kind]["low"] <= users[kind]["ratio"] <= users[kind]["high"] < 3
-    assert 0 < result["calibration"]["mape"] < 1 and result["calibration"]["steps"] == 12
+    assert 0 < result["calibration"]["mape"] < 1 and result["calibration"]["steps"] == 8
+    assert set(result["calibration"]["packings"]) == {"wlb", "original, concat-and-cut"}  # held out by packing
     assert (tmp_path / "work" / "calibration" / "profile.json").exists()
     assert all(users["replayed_idle_s"][m] >= 0 and users["work_total"][m] > 0 for m in ("a", "b"))
     steps = json.loads((tmp_path / "work" / "users" / "rank0.json").read_text())["steps"]
