@@ -1,4 +1,5 @@
-"""The support table (docs/support.md, linked from the README) says what the version gate (megatron_wlb/megatron/version.py) admits and what
+"""The support table (docs/support.md, linked from the README) says what the version gate
+(megatron_wlb/megatron/version.py) admits and what
 setup.py's [megatron] extra installs: every admitted series, the releases CI trains with, each patched
 checkout's commit and the main commit trained, and nothing the gate refuses (the extra installs every admitted
 series that is not checkout-only)."""

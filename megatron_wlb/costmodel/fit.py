@@ -254,7 +254,7 @@ def select_terms(profile: dict, every: int = 5) -> tuple[tuple[str, ...], dict[s
     the base) that lowers the held-out MAPE most (``held_out_errors``: across packings when the points name
     several), while it lowers it by at least ``KEEP_MARGIN`` of it. Returns the terms and the report of why
     (every candidate's held-out error at each step)."""
-    kept = BASE_TERMS
+    kept: tuple[str, ...] = BASE_TERMS
     best = held_out_errors({**profile, "terms": list(kept)}, every)
     report: dict[str, Any] = {"base": best, "steps": []}
     left = list(TERMS[len(BASE_TERMS):])

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from megatron_wlb.costmodel import CostModel
-from megatron_wlb.costmodel.shapes import causal_pairs
+from megatron_wlb.costmodel.shapes import Counts, causal_pairs
 from megatron_wlb.packing.pipeline import deal_and_order
 from megatron_wlb.packing.types import GlobalBatch, MicroBatch
 from megatron_wlb.schedule import simulate_pipeline
@@ -66,7 +66,7 @@ class SizePrice:
     def __bool__(self) -> bool:
         return self.tokens_sq > 0 or self.tokens_pairs > 0
 
-    def __call__(self, tokens: float | np.ndarray, pairs: float | np.ndarray) -> np.ndarray:
+    def __call__(self, tokens: Counts, pairs: Counts) -> np.ndarray:
         t, p = np.asarray(tokens, dtype=np.float64), np.asarray(pairs, dtype=np.float64)
         return t * (self.tokens_sq * t + self.tokens_pairs * p)
 
@@ -91,8 +91,7 @@ def piece_pairs(lengths: np.ndarray | Sequence[int]) -> np.ndarray:
     return causal_pairs(d, d)
 
 
-def size_seconds(cost: CostModel | None, tokens: np.ndarray | Sequence[float], pairs: np.ndarray | Sequence[float],
-                 backward: bool = True) -> np.ndarray:
+def size_seconds(cost: CostModel | None, tokens: Counts, pairs: Counts, backward: bool = True) -> np.ndarray:
     """What micro-batches of these tokens and pairs cost as a whole (``SizePrice``), forward only or forward +
     backward (scaled like GEMMs); 0 without a cost model or with an additive one."""
     price = size_price(cost)
