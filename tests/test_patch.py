@@ -315,7 +315,8 @@ assert pg._wlb is not None, "the --wlb-* flag did not turn the hook on"
 from megatron_wlb.megatron import cp_hooks
 from megatron_wlb.megatron.settings import WlbSettings
 cp_hooks.install(WlbSettings(cp_sharding="per-document"))
-assert pg.get_thd_batch_on_this_cp_rank is cp_hooks.get_thd_batch_on_this_cp_rank
+from megatron_wlb.megatron import hooks
+assert hooks.hooks_in(pg.get_thd_batch_on_this_cp_rank) == ["get_thd_batch_on_this_cp_rank"]
 pg.get_args = lambda: None
 pg.core_transformer_config_from_args = lambda args: None
 pg.mtp_on_this_rank = lambda *a, **k: False

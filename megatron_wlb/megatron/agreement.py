@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 from megatron_wlb.data.blend import parse_data_path
 from megatron_wlb.data.fingerprint import dataset_fingerprint
 from megatron_wlb.megatron.data import plan_digest
+from megatron_wlb.megatron.megatron_args import MegatronArgs
 from megatron_wlb.megatron.rebind import wrapping
 from megatron_wlb.megatron.settings import FLAG_KNOBS
 from megatron_wlb.packing.types import GlobalBatch
@@ -211,8 +212,9 @@ def dataset_parts(args: Any) -> list[tuple[str, str, str]]:
     the sampled ``.bin`` digest of each (``data.fingerprint``), named by flag and position (each rank may read
     its own copy at its own path, under its own name: only the digests are compared)."""
     parts: list[tuple[str, str, str]] = []
+    a = MegatronArgs.of(args)
     for attr in DATA_PATH_ARGS:
-        given = getattr(args, attr, None)
+        given = getattr(a, attr)
         if not given:
             continue
         for i, (prefix, _) in enumerate(parse_data_path(given)):
@@ -251,8 +253,9 @@ def run_fingerprint(args: Any, settings: WlbSettings, config: Any, cost: Any,
     for name, value in sorted(asdict(config).items()):
         flag = FLAG_KNOBS[name].flag() if name in FLAG_KNOBS else f"packing {name}"
         parts.append((flag, repr(value)))
+    a = MegatronArgs.of(args)
     for name in MEGATRON_PARTS:
-        parts.append((f"--{name.replace('_', '-')}", repr(getattr(args, name, None))))
+        parts.append((f"--{name.replace('_', '-')}", repr(getattr(a, name))))
     profile = settings.cost_profile
     parts.append(("--wlb-cost-profile (content)", _short(Path(profile).read_bytes()) if profile else "none"))
     parts.append(("cost model", cost_fingerprint(cost)))

@@ -35,7 +35,8 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron_wlb.cp.device import DeviceBatch, upload
 from megatron_wlb.cp.plan import RankMicroBatch
 from megatron_wlb.megatron import attention as wlb_attention
-from megatron_wlb.megatron.rebind import rebind
+from megatron_wlb.megatron import hooks
+from megatron_wlb.megatron.rebind import wrapping
 from megatron_wlb.megatron.settings import WlbSettings
 
 
@@ -129,6 +130,17 @@ def get_thd_batch_on_this_cp_rank(batch: dict[str, Any], cu_seqlens: Any, cu_seq
                                                                    cp_size, cp_rank)
 
 
+def wrap_get_thd_batch_on_this_cp_rank(original: Callable) -> Callable:
+    """Megatron's ``get_thd_batch_on_this_cp_rank`` replaced by ours (``hooks.HOOKS``; ours calls the original
+    for any batch that is not a WLB one)."""
+
+    @wrapping(original)
+    def thd_batch(*args: Any, **kwargs: Any) -> Any:
+        return get_thd_batch_on_this_cp_rank(*args, **kwargs)
+
+    return thd_batch
+
+
 def packed_seq_params_from_iterator(data_iterator: Iterator[RankMicroBatch] | None) -> WlbPackedSeqParams:
     """Middle pipeline stages: this CP rank's params of the next micro-batch (metadata only),
     identical to the first and last stages'."""
@@ -180,14 +192,9 @@ def install(settings: WlbSettings) -> None:
                          "transformer_engine is not installed; use --wlb-cp-sharding per-document (same layout "
                          "without padding, WLB all-gather attention) or install TransformerEngine")
     previous = _STATE.get("cp")
-    utils = importlib.import_module("megatron.core.utils")
     # gone from core_v0.18 on (the THD path of pretrain_gpt.get_batch was rewritten; our launcher uploads itself)
-    originals = previous.originals if previous else {
-        name: getattr(utils, name) for name in ("get_thd_batch_on_this_cp_rank",) if hasattr(utils, name)}
+    originals = previous.originals if previous else hooks.install("cp")
     _STATE["cp"] = _Installed(settings=settings, originals=originals)
-    if previous is None and "get_thd_batch_on_this_cp_rank" in originals:
-        rebind("get_thd_batch_on_this_cp_rank", originals["get_thd_batch_on_this_cp_rank"],
-               get_thd_batch_on_this_cp_rank, skip=(__name__,))
     wlb_attention.install_core_attention(enabled=not te_attention)
 
 
@@ -196,8 +203,7 @@ def uninstall() -> None:
     state = _STATE.pop("cp", None)
     if state is None:
         return
-    for name, original in state.originals.items():
-        rebind(name, get_thd_batch_on_this_cp_rank, original, skip=(__name__,))
+    hooks.uninstall("cp")
     wlb_attention.install_core_attention(enabled=False)
 
 

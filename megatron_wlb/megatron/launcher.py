@@ -104,7 +104,8 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     if argv is not None:
         sys.argv = [sys.argv[0], *argv]
-    from megatron_wlb.megatron.args import asks_for_help, exit_on_startup_error, wlb_help
+    from megatron_wlb.megatron.args import asks_for_help, wlb_help
+    from megatron_wlb.megatron.validation import exit_on_startup_error
 
     if asks_for_help(sys.argv[1:]):  # ours only: Megatron's --help crashes on 0.19.2 (upstream)
         print(wlb_help("python -m megatron_wlb.megatron.launcher"), end="")

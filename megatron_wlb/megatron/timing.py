@@ -44,15 +44,8 @@ from megatron_wlb.costmodel.trace import (
     trace_path_for_rank,
 )
 from megatron_wlb.cp.plan import RankMicroBatch
-from megatron_wlb.megatron.rebind import is_wrapper, rebind, wrapping
+from megatron_wlb.megatron.rebind import wrapping
 from megatron_wlb.packing.metrics import microbatch_seconds, piece_forward, piece_latency
-
-#: the pipeline communicator's methods whose time is waiting (every send/receive of core 0.16 and 0.19)
-P2P_METHODS = ("recv_forward", "recv_backward", "send_forward", "send_backward", "send_forward_recv_backward",
-               "send_backward_recv_forward", "send_forward_recv_forward", "send_backward_recv_backward",
-               "send_forward_backward_recv_forward_backward")
-SCHEDULES = ("forward_backward_no_pipelining", "forward_backward_pipelining_with_interleaving",
-             "forward_backward_pipelining_without_interleaving")
 
 
 class Clock(Protocol):
@@ -368,7 +361,7 @@ def _timed(original: Callable[..., Any], on_done: Callable[[Recorder, tuple, dic
     return timed
 
 
-def _wrap_pass(original: Callable[..., Any]) -> Callable[..., Any]:
+def wrap_pass(original: Callable[..., Any]) -> Callable[..., Any]:
     """A schedule function: one pass per training step (evaluation's forward-only passes are skipped)."""
 
     @wrapping(original)
@@ -410,28 +403,27 @@ def all_reduce(values: np.ndarray, op: str) -> np.ndarray:
     return tensor.cpu().numpy()
 
 
+def wrap_forward_step(original: Callable[..., Any]) -> Callable[..., Any]:
+    return _timed(original, _forward_done)
+
+
+def wrap_backward_step(original: Callable[..., Any]) -> Callable[..., Any]:
+    return _timed(original, _backward_done)
+
+
+def wrap_p2p(original: Callable[..., Any]) -> Callable[..., Any]:
+    return _timed(original, lambda rec, a, k, o, span: rec.p2p(span))
+
+
+def wrap_finalize_model_grads(original: Callable[..., Any]) -> Callable[..., Any]:
+    return _timed(original, lambda rec, a, k, o, span: rec.dp_wait(span))
+
+
 def install() -> None:
-    """Wrap the schedule, step, pipeline and gradient-reduction functions (idempotent). Call before
-    Megatron sets up the model (``validate_args`` time): ``training`` copies ``finalize_model_grads``
-    into the model config there. Until ``activate`` names a recorder the wrappers only pass through."""
-    import importlib
+    """Wrap the schedule, step, pipeline and gradient-reduction functions (``hooks.HOOKS``, phase ``timing``;
+    idempotent). Call before Megatron sets up the model (``validate_args`` time): ``training`` copies
+    ``finalize_model_grads`` into the model config there. Until ``activate`` names a recorder the wrappers only
+    pass through."""
+    from megatron_wlb.megatron import hooks
 
-    from megatron.core.pipeline_parallel import p2p_communication, schedules
-
-    if not is_wrapper(schedules.forward_step):
-        rebind("forward_step", schedules.forward_step, _timed(schedules.forward_step, _forward_done))
-        rebind("backward_step", schedules.backward_step, _timed(schedules.backward_step, _backward_done))
-        for name in SCHEDULES:
-            original = getattr(schedules, name, None)
-            if original is not None:
-                rebind(name, original, _wrap_pass(original))
-    communicator = getattr(p2p_communication, "P2PCommunicator", None)
-    for name in P2P_METHODS:
-        method = getattr(communicator, name, None)
-        if method is not None and not is_wrapper(method):
-            setattr(communicator, name, _timed(method, lambda rec, a, k, o, span: rec.p2p(span)))
-    module = importlib.import_module("megatron.core.distributed.finalize_model_grads")
-    original = module.finalize_model_grads
-    if not is_wrapper(original):
-        rebind("finalize_model_grads", original,
-               _timed(original, lambda rec, a, k, o, span: rec.dp_wait(span)))
+    hooks.install("timing")
