@@ -52,6 +52,9 @@ Megatron; ``apply()`` imports them.
 
 from __future__ import annotations
 
+from megatron_wlb.megatron import hooks
+from megatron_wlb.megatron.checkpoint import DataStateRegistry
+from megatron_wlb.megatron.compat import install_python_shims, refuse_spawned_reimport
 from megatron_wlb.megatron.iterators import (
     build_train_iterator,
     cp_sharding_from_args,
@@ -61,8 +64,10 @@ from megatron_wlb.megatron.iterators import (
     reader_from_args,
     stream_tokens_for,
 )
+from megatron_wlb.megatron.main_schedule import register as register_main_scheduler
 from megatron_wlb.megatron.settings import WlbSettings
 from megatron_wlb.megatron.state import Runtime, runtime
+from megatron_wlb.megatron.version import check_core_version, import_training_modules, training_import_error
 
 __all__ = ["ENTRY_POINT_REFUSAL", "Runtime", "WlbSettings", "apply", "build_train_iterator", "cp_sharding_from_args",
            "iterations_for", "pinned_tp_rank_batch", "pretrain_gpt_batch", "reader_from_args", "runtime",
@@ -78,13 +83,6 @@ ENTRY_POINT_REFUSAL = (
     "every rank (megatron_wlb.megatron.launcher.get_batch) says so with apply(middle_stage_batches=True)")
 
 
-def training_import_error(module: str, exc: ImportError) -> str:
-    """Why ``megatron.training.<module>`` failed to import, in one line (``training_hooks.training_import_error``)."""
-    from megatron_wlb.megatron.training_hooks import training_import_error as why  # lazy: imports the flags
-
-    return why(module, exc)
-
-
 def apply(*, check_version: bool = True, middle_stage_batches: bool = False) -> Runtime:
     """Install the WLB-LLM hooks into this Megatron-LM process (idempotent); returns the runtime state.
 
@@ -97,17 +95,10 @@ def apply(*, check_version: bool = True, middle_stage_batches: bool = False) -> 
     Raises RuntimeError when megatron-core is outside ``version.SUPPORTED_SERIES`` or Megatron's
     training code is not importable.
     """
-    # lazy, all of them: importing the package needs neither torch nor Megatron
-    from megatron_wlb.megatron.compat import install_python_shims, refuse_spawned_reimport
-    from megatron_wlb.megatron.version import check_core_version
-
     refuse_spawned_reimport()
     install_python_shims()  # before anything imports megatron-core (0.19 needs typing.override)
     if check_version:
         check_core_version()
-    from megatron_wlb.megatron import hooks
-    from megatron_wlb.megatron.main_schedule import register as register_main_scheduler
-
     rt = runtime()
     # main's own packing path (data_schedule.wrap_data_iterator) gets sequence_packing_scheduler="wlb";
     # a no-op, saying why, where this Megatron has no data_schedule
@@ -115,9 +106,6 @@ def apply(*, check_version: bool = True, middle_stage_batches: bool = False) -> 
     rt.middle_stage_batches = middle_stage_batches
     if rt.installed:
         return rt
-    from megatron_wlb.megatron.checkpoint import DataStateRegistry
-    from megatron_wlb.megatron.training_hooks import import_training_modules
-
     mods = import_training_modules()
     # core < 0.18 (pinned core_v0.16.1): pretrain_gpt.get_batch reads the batch on TP rank 0 and broadcasts
     # it through megatron.training.utils.get_batch_on_this_tp_rank; our iterator is read on every rank.

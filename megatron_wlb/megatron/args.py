@@ -9,7 +9,10 @@ win); the start-up checks of Megatron's args against them are ``validation.valid
 from __future__ import annotations
 
 import argparse
+import re
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, NoReturn
 
 from megatron_wlb.config import (
@@ -22,6 +25,8 @@ from megatron_wlb.config import (
     cp_sharding_names,
     field_docs,
     knob_yaml_key,
+    list_configs,
+    load_config,
     renamed_knob_hint,
     renamed_value_hint,
 )
@@ -174,8 +179,6 @@ def compose_providers(*providers: ArgsProvider | None) -> ArgsProvider:
 def escape_help_percents(parser: Any) -> Any:
     """Double every lone ``%`` in the parser's help texts, which argparse would read as a format (megatron-core
     0.19.2's ``--moe-paged-stash-buffer-size-factor-cuda`` says "10%)", so ``--help`` died in argparse)."""
-    import re
-
     for action in parser._actions:
         if isinstance(action.help, str):
             action.help = re.sub(r"%%|%\(\w+\)[a-zA-Z]|%", lambda m: "%%" if m.group() == "%" else m.group(),
@@ -219,8 +222,6 @@ def settings_from_args(args: Any) -> WlbSettings:
 
 def load_run_config(name_or_path: str) -> RunConfig:
     """``megatron_wlb.config.load_config`` with errors that name the flag and the valid configs."""
-    from megatron_wlb.config import list_configs, load_config
-
     try:
         return load_config(name_or_path)
     except ValueError as exc:
@@ -253,9 +254,6 @@ def _docs_block(text: str) -> tuple[int, int]:
 
 def main(argv: list[str] | None = None) -> int:
     """``--write-docs [FILE]`` rewrites the flag table in docs/megatron.md, ``--check-docs`` fails if stale."""
-    import sys
-    from pathlib import Path
-
     parser = argparse.ArgumentParser(prog="python -m megatron_wlb.megatron.args")
     parser.add_argument("--write-docs", nargs="?", const="docs/megatron.md", default=None, metavar="FILE")
     parser.add_argument("--check-docs", nargs="?", const="docs/megatron.md", default=None, metavar="FILE")

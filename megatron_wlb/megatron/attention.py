@@ -43,6 +43,7 @@ from megatron.core.transformer.module import MegatronModule
 
 from megatron_wlb.cp.attention import all_gather_cp_attention, varlen_attention
 from megatron_wlb.cp.device import DeviceBatch
+from megatron_wlb.megatron import hooks
 from megatron_wlb.megatron.rebind import wrapping
 from megatron_wlb.megatron.state import runtime
 
@@ -348,8 +349,6 @@ ATTENTION_HOOKS = ("SelfAttention.__init__", "SelfAttention.forward", ROPE_NAME)
 def install_core_attention(enabled: bool = True) -> None:
     """Make every ``SelfAttention`` built from now on use ``WlbCoreAttention``, and RoPE follow the
     plan's positions (``enabled=False`` undoes both)."""
-    from megatron_wlb.megatron import hooks
-
     if enabled:
         hooks.install("attention")
     else:

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from megatron.core import parallel_state
 from megatron.core.packed_seq_params import PackedSeqParams
 
 from megatron_wlb.cp.device import DeviceBatch, upload
@@ -58,8 +59,6 @@ def training_device() -> torch.device:
 
 
 def _cp_group() -> Any:
-    from megatron.core import parallel_state
-
     return parallel_state.get_context_parallel_group(check_initialized=False)
 
 

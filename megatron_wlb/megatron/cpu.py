@@ -18,10 +18,15 @@ from __future__ import annotations
 import os
 import runpy
 import sys
+import sysconfig
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
+from megatron_wlb.data.reader import IndexedSource, byte_documents, weighted_prefixes, write_indexed_dataset
+from megatron_wlb.megatron.compat import spawn_children_import_this_module
 from megatron_wlb.megatron.cpu_redirects import REDIRECTS, install_cpu_redirects, install_megatron_redirects
+from megatron_wlb.megatron.validation import exit_on_startup_error
 
 __all__ = ["REDIRECTS", "TINY_GPT_ARGS", "TINY_GPT_EOD", "install_cpu_redirects", "install_megatron_redirects",
            "layout_from_env", "main", "measurement_env", "pin_to_core", "tiny_gpt_vocab_flags", "write_text_corpus"]
@@ -69,8 +74,6 @@ def tiny_gpt_vocab_flags(argv: Sequence[str]) -> list[str]:
     """``--vocab-size`` for the tiny GPT from the data in ``argv``: none when its default (300) covers the
     largest token id, else that id + 1; a ``--vocab-size`` given in ``argv`` that does not cover it is
     refused (SystemExit naming the largest id and the flag)."""
-    from megatron_wlb.data.reader import IndexedSource, weighted_prefixes
-
     try:
         # argparse keeps a flag's last occurrence (train_cpu.sh puts its default --data-path first)
         prefixes = sorted({p for flag in DATA_PATH_FLAGS for values in _flag_values(argv, flag)[-1:] if values
@@ -126,11 +129,6 @@ def write_text_corpus(prefix: str, max_bytes: int = 600_000, separator: str = "\
     (cut at blank lines: functions and paragraphs, each followed by EOD 256); returns (documents,
     tokens). Real text whose document lengths span three orders of magnitude, on every machine with
     Python."""
-    import sysconfig
-    from pathlib import Path
-
-    from megatron_wlb.data.reader import byte_documents, write_indexed_dataset
-
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     paths = sorted(str(p) for p in stdlib.glob("*.py"))
     docs = byte_documents(paths, separator=separator, max_bytes=max_bytes)
@@ -210,9 +208,6 @@ def main(argv: Sequence[str] | None = None) -> None:
         argv = [*argv, "--distributed-backend", "gloo"]
     install_cpu_redirects()
     if script is not None:
-        from megatron_wlb.megatron.compat import spawn_children_import_this_module
-        from megatron_wlb.megatron.validation import exit_on_startup_error
-
         sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
         spawn_children_import_this_module(script)  # the torch_dist writer's children must not re-run the script
         install_megatron_redirects()

@@ -8,9 +8,14 @@ else; each entry of ``REDIRECTS`` says which Megatron call needs it. Those in Me
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from typing import Any
+
+from megatron_wlb.megatron import hooks
+from megatron_wlb.megatron.compat import install_python_shims, refuse_spawned_reimport
+from megatron_wlb.megatron.startup import guard_fused_kernels
 
 #: What is redirected and why (Megatron calls each unconditionally; none hides a bug of ours).
 REDIRECTS: tuple[tuple[str, str], ...] = (
@@ -137,8 +142,6 @@ def install_cpu_redirects() -> None:
         return
     import torch
 
-    from megatron_wlb.megatron.compat import install_python_shims, refuse_spawned_reimport
-
     refuse_spawned_reimport()
 
     if not torch.cuda.is_initialized():
@@ -192,9 +195,6 @@ def install_cpu_redirects() -> None:
 def install_megatron_redirects() -> None:
     """The redirects that live in Megatron's own modules (``hooks.HOOKS``, phase ``cpu``; imported here, after
     ``install_cpu_redirects``)."""
-    from megatron_wlb.megatron import hooks
-    from megatron_wlb.megatron.startup import guard_fused_kernels
-
     hooks.install_hook("_set_cuda_rng_state")
     hooks.install_hook("_get_cuda_rng_state")  # activation recomputation saves and restores the state
     hooks.install_hook("_warmup_jit_function")
@@ -230,8 +230,6 @@ def warmup_keeping_the_cpu_generator(warmup: Any) -> Any:
 
 
 def initialize_without_cuda(original: Any) -> Any:
-    import functools
-
     return functools.wraps(original)(lambda *a, **k: original(*a, **{**k, "allow_no_cuda": True}))
 
 

@@ -12,22 +12,24 @@ import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from megatron_wlb.cp.plan import CPSharding, RankMicroBatch
+from megatron_wlb.data.reader import DEFAULT_SPLIT, DocumentReader, parse_split
+from megatron_wlb.megatron.data import WlbDataIterator
+from megatron_wlb.megatron.gpt_samples import MegatronSamples, build_train_dataset, eod_problem
 from megatron_wlb.megatron.megatron_args import MegatronArgs
+from megatron_wlb.megatron.prefetch import PrefetchingIterator
 from megatron_wlb.megatron.settings import WlbSettings
+from megatron_wlb.megatron.validation import StartupError, cost_model_from_args, packing_config_from_args
+from megatron_wlb.packing import make_packer
 
-if TYPE_CHECKING:  # the package imports neither torch nor Megatron until apply()
+if TYPE_CHECKING:
     from megatron_wlb.costmodel import CostModel
-    from megatron_wlb.cp.plan import CPSharding, RankMicroBatch
-    from megatron_wlb.data.reader import DocumentReader
-    from megatron_wlb.megatron.data import WlbDataIterator
 
 
 def reader_from_args(args: Any, split_name: str = "train") -> DocumentReader:
     """A ``DocumentReader`` for one split: ``--{train,valid,test}-data-path`` (all of it) if given, else
     ``--data-path`` with ``--split``. Megatron's ``--data-cache-path``, when given, also holds the epoch
     orders of large datasets (built once, memory-mapped by the ranks of a node; ``reader.cached_order``)."""
-    from megatron_wlb.data.reader import DocumentReader
-
     a = MegatronArgs.of(args)
     mmap = True if a.mmap_bin_files is None else bool(a.mmap_bin_files)
     seed = 1234 if a.seed is None else int(a.seed)
@@ -48,8 +50,6 @@ def reader_from_args(args: Any, split_name: str = "train") -> DocumentReader:
 
 def split_of(args: Any) -> str:
     """``--split``, or the reader's default split."""
-    from megatron_wlb.data.reader import DEFAULT_SPLIT
-
     return MegatronArgs.of(args).split or DEFAULT_SPLIT
 
 
@@ -84,8 +84,6 @@ def cp_sharding_from_args(args: Any, settings: WlbSettings, cp_rank: int, cost: 
     T is padded to a multiple of CP, so the per-sequence / per-document layouts give every CP rank
     exactly T/CP tokens; under sequence parallelism also of TP, and every rank to a multiple of TP.
     """
-    from megatron_wlb.cp.plan import CPSharding
-
     a = MegatronArgs.of(args)
     return CPSharding(layout=settings.cp_sharding, cp_size=a.cp, cp_rank=cp_rank, sequence_multiple=a.cp * a.sp,
                       rank_multiple=a.sp, te_attention=settings.cp_sharding == "per-document-te", cost=cost)
@@ -100,10 +98,6 @@ def build_train_iterator(args: Any, settings: WlbSettings, dp_rank: int, cp_rank
     ``--wlb-pieces concat-and-cut`` the training split reads Megatron's own GPTDataset samples
     (``gpt_samples``) unless a ``reader`` is given; evaluation keeps the document reader.
     """
-    from megatron_wlb.megatron.data import WlbDataIterator
-    from megatron_wlb.megatron.validation import cost_model_from_args, packing_config_from_args
-    from megatron_wlb.packing import make_packer
-
     a = MegatronArgs.of(args)
     config = packing_config_from_args(a, settings)
     megatron_samples = config.pieces == "concat-and-cut" and split_name == "train" and reader is None
@@ -115,9 +109,6 @@ def build_train_iterator(args: Any, settings: WlbSettings, dp_rank: int, cp_rank
     if megatron_samples:
         # Megatron's own GPTDataset samples, from the sample its sampler would give next (a resumed stock
         # job's consumed samples; a resumed balanced one opens its saved position instead)
-        from megatron_wlb.megatron.gpt_samples import MegatronSamples, build_train_dataset, eod_problem
-        from megatron_wlb.megatron.validation import StartupError
-
         dataset = build_train_dataset(args)  # Megatron's own helpers read its args namespace
         if not a.dataloader_inter_document_masking:
             problem = eod_problem(dataset)
@@ -172,8 +163,6 @@ def eval_iterator(args: Any, settings: WlbSettings, split_name: str, megatron_it
 
 def split_is_empty(args: Any, split_name: str) -> bool:
     """Whether ``--split`` gives ``split_name`` no share (and no ``--{split}-data-path`` is given)."""
-    from megatron_wlb.data.reader import parse_split
-
     a = MegatronArgs.of(args)
     if a.data_path_of(split_name) or not a.data_path:
         return False
@@ -185,7 +174,6 @@ def prefetching(iterator: WlbDataIterator) -> Any:
     """The training iterator with its next micro-batch built (and, on CUDA, uploaded) on a thread
     (``prefetch.py``): the same micro-batches in the same order, off the step's critical path."""
     from megatron_wlb.megatron.cp_hooks import stage_upload, training_device  # lazy: imports torch
-    from megatron_wlb.megatron.prefetch import PrefetchingIterator
 
     device = training_device()
     return PrefetchingIterator(iterator, stage=functools.partial(stage_upload, device=device)

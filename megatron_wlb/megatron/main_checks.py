@@ -13,8 +13,11 @@ import inspect
 from typing import Any
 
 from megatron_wlb.megatron import hooks
+from megatron_wlb.megatron.args import compose_providers
 from megatron_wlb.megatron.megatron_args import MegatronArgs
 from megatron_wlb.megatron.rebind import original_of, wrapping
+from megatron_wlb.megatron.state import runtime
+from megatron_wlb.megatron.validation import module_available
 
 #: the value of ``config.sequence_packing_scheduler`` that selects our scheduler (enum member ``WLB``)
 SCHEDULER_NAME = "wlb"
@@ -38,8 +41,6 @@ def widen_flag_choices(parser: Any) -> Any:
 def te_problem() -> str:
     """Why main's sequence-packing path cannot run here ("" if it can): its TransformerConfig requires
     TransformerEngine >= ``TE_MIN_VERSION`` for any scheduler."""
-    from megatron_wlb.megatron.validation import module_available
-
     if not module_available("transformer_engine"):
         return "transformer_engine is not installed"
     try:
@@ -57,8 +58,6 @@ def prepare_main_path(args: Any) -> None:
     ``attention.WlbCoreAttention``, CP 1), so TransformerConfig's TransformerEngine >= 2.9 requirement, which
     guards TE's THD attention, does not apply (``widen_config_check`` lifts it for that case only); with
     TransformerEngine's layers it stands, and without that TE the run exits in one line."""
-    from megatron_wlb.megatron.state import runtime
-
     a = MegatronArgs.of(args)
     if a.sequence_packing_scheduler != SCHEDULER_NAME or runtime().installed:
         return
@@ -143,8 +142,6 @@ def wrap_model_parallel_config_check(post_init: Any) -> Any:
 def widen_parse_args(parse_args: Any) -> Any:
     """``megatron.training.arguments.parse_args`` with ``widen_flag_choices`` composed into its provider, then
     ``prepare_main_path``."""
-    from megatron_wlb.megatron.args import compose_providers
-
     @wrapping(parse_args)
     def widened_parse_args(extra_args_provider: Any = None, ignore_unknown_args: bool = False) -> Any:
         args = parse_args(compose_providers(extra_args_provider, widen_flag_choices), ignore_unknown_args)

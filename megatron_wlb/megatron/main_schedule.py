@@ -46,11 +46,20 @@ from __future__ import annotations
 import enum
 import importlib
 import importlib.util
+import inspect
+import os
+import runpy
+import sys
 from typing import TYPE_CHECKING, Any
 
 from megatron_wlb.megatron import hooks
+from megatron_wlb.megatron.args import settings_from_args
+from megatron_wlb.megatron.compat import install_python_shims, spawn_children_import_this_module
 from megatron_wlb.megatron.main_checks import SCHEDULER_FLAG, SCHEDULER_NAME, TE_MIN_VERSION, widen_config_check
 from megatron_wlb.megatron.megatron_args import MegatronArgs
+from megatron_wlb.megatron.state import runtime
+from megatron_wlb.megatron.validation import cost_model_from_args
+from megatron_wlb.packing.wlb import place_whole_batch
 
 if TYPE_CHECKING:
     from megatron_wlb.costmodel import CostModel
@@ -96,9 +105,6 @@ def scheduler_cost_model() -> tuple[CostModel | None, int, int]:
     args = global_vars._GLOBAL_ARGS  # None until Megatron's args are set
     if args is None or not MegatronArgs.of(args).num_attention_heads:
         return None, 1, 1
-    from megatron_wlb.megatron.args import settings_from_args
-    from megatron_wlb.megatron.state import runtime
-    from megatron_wlb.megatron.validation import cost_model_from_args
 
     a = MegatronArgs.of(args)
     settings = runtime().settings or settings_from_args(args)
@@ -174,8 +180,6 @@ def _announce(samples: int, micro_batches: int) -> None:
 
 def _takes(function: Any, name: str) -> bool:
     """Whether ``function`` names the parameter ``name`` (by its signature, not by the Megatron version)."""
-    import inspect
-
     try:
         params = inspect.signature(function).parameters
     except (TypeError, ValueError):
@@ -189,8 +193,6 @@ def plan_sample_groups(sample_id_seqlens: Any, window: int, dp: int, cp: int, co
     """``get_groups_and_subsamples``'s answer for ``(sample id, length)`` pairs: ``groups[k][j]`` holds the
     sample ids of micro-batch k on DPxCP rank j (DP rank ``j // cp``), at most ``max_items`` per micro-batch
     (dev's ``max_num_seqs``), torch-free."""
-    from megatron_wlb.packing.wlb import place_whole_batch
-
     pairs = [(int(i), int(n)) for i, n in sample_id_seqlens]
     plan = place_whole_batch([n for _, n in pairs], dp, window, cost, stages, virtual_stages, multiple,
                              max_items=max_items)
@@ -250,14 +252,9 @@ def run_script(argv: list[str]) -> None:
     """``python -m megatron_wlb.megatron.main_schedule PRETRAIN_GPT [FLAGS...]`` (under torchrun): a Megatron-LM
     checkout's own ``pretrain_gpt.py`` with ``wlb`` registered before its flags are parsed, so that
     ``--sequence-packing-scheduler wlb`` plans its packing path with our packer (``register()``)."""
-    import os
-    import runpy
-    import sys
-
     if not argv or not os.path.isfile(argv[0]):
         raise SystemExit("usage: python -m megatron_wlb.megatron.main_schedule PRETRAIN_GPT [FLAGS...] (a Megatron-LM "
                          f"checkout's pretrain_gpt.py){'; no such file: ' + argv[0] if argv else ''}")
-    from megatron_wlb.megatron.compat import install_python_shims, spawn_children_import_this_module
 
     install_python_shims()
     sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))

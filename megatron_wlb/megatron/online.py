@@ -21,6 +21,7 @@ from megatron_wlb.costmodel.fit import RefitStats
 from megatron_wlb.costmodel.refit import cost_model_from_state, cost_state, rounded
 from megatron_wlb.costmodel.trace import MicroBatchRow, profile_points
 from megatron_wlb.megatron.data import plan_digest
+from megatron_wlb.megatron.state import print_rank0, runtime
 from megatron_wlb.packing.types import GlobalBatch
 
 #: iterations whose steps the refit leaves out (start-up: allocation, first-call costs)
@@ -80,8 +81,6 @@ class OnlineRefit:
 def start_online_refit(cost: CostModel, layout: dict[str, int], interval: int, recorder: Any) -> OnlineRefit:
     """The process's ``OnlineRefit`` (``runtime().refit``): every refit hands the new model to every training
     iterator's packer, to ``recorder`` (its trace rows' predictions) and to the metrics logger, and says so."""
-    from megatron_wlb.megatron.state import print_rank0, runtime
-
     registry = runtime().registry
 
     def apply_refit(new: CostModel, state: dict[str, Any]) -> None:

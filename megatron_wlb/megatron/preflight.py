@@ -9,8 +9,10 @@ one-line ValueError (``args.StartupError``) listing every problem with what to c
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
+from megatron_wlb.megatron import hooks
 from megatron_wlb.megatron.megatron_args import MegatronArgs
 from megatron_wlb.megatron.validation import configuration_error, module_available
 
@@ -29,10 +31,6 @@ def _cuda_graphs(a: MegatronArgs) -> bool:
 
 def _torch_norm_handles_sequence_parallel() -> bool:
     """Whether the CPU harness taught Megatron's torch norm sequence parallelism (cpu.py)."""
-    import sys
-
-    from megatron_wlb.megatron import hooks
-
     return "megatron.core.transformer.torch_norm" in sys.modules and hooks.is_installed("WrappedTorchNorm.__new__")
 
 

@@ -1,5 +1,6 @@
 """The step timing of a training run: this rank's ``timing.Recorder``, started with the first training
-iterator, and its per-iteration flush and measurement (the online cost-model refit rides on both)."""
+iterator, and its per-iteration flush and measurement (the online cost-model refit rides on both). Imports torch
+and Megatron (``training_hooks`` imports it)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,16 @@ import os
 import time
 from typing import TYPE_CHECKING, Any
 
+import torch
+from megatron.core import package_info, parallel_state
+
+from megatron_wlb.megatron import timing
+from megatron_wlb.megatron.cp_hooks import training_device
 from megatron_wlb.megatron.megatron_args import MegatronArgs
+from megatron_wlb.megatron.online import start_online_refit
 from megatron_wlb.megatron.settings import WlbSettings
 from megatron_wlb.megatron.state import runtime
+from megatron_wlb.provenance import machine
 
 if TYPE_CHECKING:
     from megatron_wlb.costmodel import CostModel
@@ -17,13 +25,6 @@ if TYPE_CHECKING:
 
 def start_recorder(args: Any, settings: WlbSettings, n: int, cost: CostModel | None) -> None:
     """Time this rank's training steps from now on (``timing.Recorder``; a trace file with ``--wlb-trace``)."""
-    import torch  # lazy, as every torch/Megatron import of the package: importing it needs neither
-    from megatron.core import package_info, parallel_state
-
-    from megatron_wlb.megatron import timing
-    from megatron_wlb.megatron.cp_hooks import training_device
-    from megatron_wlb.provenance import machine
-
     a = MegatronArgs.of(args)
     pp, vpp = a.pp, a.vpp
     ids = timing.RankIds(rank=torch.distributed.get_rank(), dp=parallel_state.get_data_parallel_rank(),
@@ -52,15 +53,11 @@ def start_recorder(args: Any, settings: WlbSettings, n: int, cost: CostModel | N
                                trace=settings.trace, header=header)
     timing.activate(recorder)
     if settings.cost_model == "online" and cost is not None:
-        from megatron_wlb.megatron.online import start_online_refit
-
         runtime().refit = start_online_refit(cost, layout, settings.refit_interval, recorder)
 
 
 def measure(due: bool) -> Any:
     """Flush this rank's timing (trace rows) and, on a logged iteration, measure over every rank."""
-    from megatron_wlb.megatron import timing  # lazy: imports torch
-
     recorder = timing.active()
     if recorder is None:
         return None

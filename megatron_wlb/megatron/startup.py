@@ -18,11 +18,14 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import runpy
 import shutil
 import subprocess
 import sys
 import sysconfig
 from collections.abc import Callable
+
+from megatron_wlb.megatron import hooks
 
 #: what compile_helpers' Makefile runs: make, $(CXX) (g++ by default), python3-config, python3 -m pybind11
 HELPER_TOOLS = ("make", "g++", "python3-config")
@@ -76,8 +79,6 @@ def guarded_compile_helpers(original: Callable[[], None], which: Callable[[str],
 def guard_dataset_helpers(which: Callable[[str], str | None] = shutil.which) -> str:
     """Make ``megatron.core.datasets.utils.compile_helpers`` safe (``guarded_compile_helpers``, idempotent);
     returns what it will do: ``"prebuilt"``, ``"compile"`` or ``"skipped"``."""
-    from megatron_wlb.megatron import hooks
-
     hooks.install_hook("compile_helpers", which=which)
     return str(hooks.current("compile_helpers").__wlb_guard__)
 
@@ -112,8 +113,6 @@ def guarded_fused_kernels_load(original: Callable[..., None], force: bool = Fals
 def guard_fused_kernels(force: bool = False) -> str:
     """Make core 0.16's ``megatron.legacy.fused_kernels.load`` safe; returns ``"absent"`` (no such module:
     core >= 0.17), ``"kept"`` (nvcc runs: Megatron's own) or ``"skipped"`` (a no-op; ``force``: always)."""
-    from megatron_wlb.megatron import hooks
-
     if hooks.current("fused_kernels.load") is None:
         return "absent"
     hooks.install_hook("fused_kernels.load", force=force)
@@ -134,8 +133,6 @@ __all__ = ["guard_dataset_helpers", "guard_fused_kernels", "guard_startup_builds
 def main(argv: list[str] | None = None) -> None:
     """``python -m megatron_wlb.megatron.startup PRETRAIN_SCRIPT [flags...]``: a Megatron-LM entry script as
     ``__main__`` with only these guards (no WLB-LLM hook): stock Megatron on a machine without a toolchain."""
-    import runpy
-
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or not os.path.isfile(argv[0]):
         raise SystemExit("usage: python -m megatron_wlb.megatron.startup PATH/pretrain_gpt.py [flags...]")

@@ -1,5 +1,7 @@
 """The replacements of Megatron's training-loop functions (``hooks.HOOKS``, phase ``apply``): each ``wrap_<name>``
-builds the replacement of Megatron's ``<name>`` from the original. ``hooks.install_hook`` installs them."""
+builds the replacement of Megatron's ``<name>`` from the original. ``hooks.install_hook`` installs them.
+
+Imports torch and Megatron: ``apply()`` imports this module once Megatron's training code is known to import."""
 
 from __future__ import annotations
 
@@ -10,9 +12,30 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import torch.distributed as dist
+from megatron.core.rerun_state_machine import RerunDataIterator
+
+from megatron_wlb.megatron import cp_hooks, p2p, timing
+from megatron_wlb.megatron.agreement import (
+    check_startup_agreement,
+    dataset_parts,
+    resume_data_refusal,
+    run_fingerprint,
+)
+from megatron_wlb.megatron.agreement import wrap_train_step as agreed_train_step
 from megatron_wlb.megatron.args import asks_for_help, wlb_extra_args_provider, wlb_help
-from megatron_wlb.megatron.iterators import eval_iterator, prefetching, ranks, the_train_iterator_builder
+from megatron_wlb.megatron.checkpoint import wrap_load_checkpoint as load_with_sidecar
+from megatron_wlb.megatron.checkpoint import wrap_save_checkpoint as save_with_sidecar
+from megatron_wlb.megatron.data import WlbDataIterator
+from megatron_wlb.megatron.iterators import (
+    eval_iterator,
+    pinned_tp_rank_batch,
+    prefetching,
+    ranks,
+    the_train_iterator_builder,
+)
 from megatron_wlb.megatron.megatron_args import MegatronArgs
+from megatron_wlb.megatron.prefetch import unwrap
 from megatron_wlb.megatron.preflight import check_training_args
 from megatron_wlb.megatron.rebind import wrapping
 from megatron_wlb.megatron.recording import measure, start_recorder
@@ -25,39 +48,9 @@ from megatron_wlb.megatron.validation import (
     rejected_by_megatron,
     validate_wlb_args,
 )
-
-#: Megatron training-code modules apply() hooks (all present at the pinned commit)
-TRAINING_MODULES = ("arguments", "initialize", "training", "checkpointing", "utils", "global_vars")
-
-
-def training_import_error(module: str, exc: ImportError) -> str:
-    """The one-line reason ``megatron.training.<module>`` failed to import, naming the real cause: the training
-    code itself missing (a megatron-core wheel before 0.19), or a module or name it imports."""
-    from megatron_wlb.megatron.version import PINNED_MEGATRON_COMMIT, PINNED_MEGATRON_TAG, TESTED_RELEASES
-
-    missing = getattr(exc, "name", None) if isinstance(exc, ModuleNotFoundError) else None
-    if missing in ("megatron", "megatron.training", f"megatron.training.{module}"):
-        return (f"megatron_wlb.megatron.apply() hooks Megatron-LM's training code (megatron.training.{module}), "
-                "which is not importable here: pip install --no-deps megatron-core=="
-                f"{TESTED_RELEASES[-1]} (its wheel ships megatron/training; earlier wheels do not), or put a "
-                f"Megatron-LM checkout at {PINNED_MEGATRON_TAG} ({PINNED_MEGATRON_COMMIT[:12]}) on PYTHONPATH "
-                f"(import error: {exc})")
-    if missing:
-        return (f"megatron.training.{module} failed to import: it needs the module {missing!r}, which is not "
-                f"installed: pip install {missing.split('.')[0]} (megatron_wlb's [megatron] extra lists what "
-                f"Megatron's training code imports) (import error: {exc})")
-    return f"megatron.training.{module} failed to import: {exc}"
-
-
-def import_training_modules() -> dict[str, Any]:
-    """Megatron's ``TRAINING_MODULES`` by name; a RuntimeError naming the cause where one does not import."""
-    mods = {}
-    for name in TRAINING_MODULES:
-        try:
-            mods[name] = importlib.import_module(f"megatron.training.{name}")
-        except ImportError as exc:
-            raise RuntimeError(training_import_error(name, exc)) from exc
-    return mods
+from megatron_wlb.megatron.version import TRAINING_MODULES, import_training_modules, training_import_error
+from megatron_wlb.megatron.wlb_logging import WlbMetricsLogger
+from megatron_wlb.megatron.wlb_logging import wrap_training_log as logged_training_log
 
 
 def wrap_parse_args(original: Callable) -> Callable:
@@ -99,8 +92,6 @@ def wrap_validate_args(original: Callable) -> Callable:
 
 def install_validated_hooks(settings: WlbSettings, *, pipeline: bool) -> None:
     """The hooks that need the validated settings (``hooks.HOOKS`` phases cp, attention, pipeline, timing)."""
-    from megatron_wlb.megatron import cp_hooks, p2p, timing  # lazy: they import torch and Megatron
-
     if pipeline:
         p2p.install()  # shapes exchanged in the activations' rank order (Megatron #5100)
     cp_hooks.install(settings)
@@ -128,10 +119,6 @@ def wrap_build_train_valid_test_data_iterators(original: Callable, mods: dict[st
 
         if a.skip_train or rt.settings is None:
             return megatron_iterators()
-        from megatron.core.rerun_state_machine import RerunDataIterator  # lazy: Megatron loaded by now
-
-        from megatron_wlb.megatron.wlb_logging import WlbMetricsLogger
-
         settings = rt.settings
         if rt.logger is None:
             gv = mods["global_vars"]
@@ -166,15 +153,6 @@ def agree_at_startup(args: Any, settings: WlbSettings, iterator: Any) -> None:
     """Before the first plan: every rank must start with the same settings, cost model and datasets
     (``agreement.check_startup_agreement``, one all-reduce over the world), and, resuming, with the datasets
     the checkpoint trained on (its sidecar's fingerprint). Both stop every rank in one line naming what differs."""
-    import torch.distributed as dist  # lazy: importing the package needs no torch
-
-    from megatron_wlb.megatron.agreement import (
-        check_startup_agreement,
-        dataset_parts,
-        resume_data_refusal,
-        run_fingerprint,
-    )
-
     start = time.perf_counter()
     a = MegatronArgs.of(args)
     fingerprint = run_fingerprint(a, settings, iterator.packer.config, iterator.packer.cost, dataset_parts(a))
@@ -201,34 +179,22 @@ def _get_args() -> Any:
 
 
 def wrap_save_checkpoint(original: Callable) -> Callable:
-    from megatron_wlb.megatron.checkpoint import wrap_save_checkpoint as wrap  # lazy: imports torch
-
-    return wrap(original, runtime().registry, _get_args, is_rank0, _settings_dict, print_rank0)
+    return save_with_sidecar(original, runtime().registry, _get_args, is_rank0, _settings_dict, print_rank0)
 
 
 def wrap_load_checkpoint(original: Callable) -> Callable:
-    from megatron_wlb.megatron.checkpoint import wrap_load_checkpoint as wrap  # lazy: imports torch
-
-    return wrap(original, runtime().registry, _get_args, _settings_dict, print_rank0)
+    return load_with_sidecar(original, runtime().registry, _get_args, _settings_dict, print_rank0)
 
 
 def wrap_train_step(original: Callable) -> Callable:
-    from megatron_wlb.megatron.agreement import wrap_train_step as wrap  # lazy: imports torch
-
-    return wrap(original, first_train_iterator, runtime().agreed)
+    return agreed_train_step(original, first_train_iterator, runtime().agreed)
 
 
 def wrap_training_log(original: Callable) -> Callable:
-    from megatron_wlb.megatron.wlb_logging import wrap_training_log as wrap  # lazy: imports torch
-
-    return wrap(original, lambda: runtime().logger, measure)
+    return logged_training_log(original, lambda: runtime().logger, measure)
 
 
 def wrap_get_batch_on_this_tp_rank(original: Callable) -> Callable:
-    from megatron_wlb.megatron.data import WlbDataIterator  # lazy: imports torch
-    from megatron_wlb.megatron.iterators import pinned_tp_rank_batch
-    from megatron_wlb.megatron.prefetch import unwrap
-
     @wrapping(original)
     def get_batch_on_this_tp_rank(data_iterator, mtp_on_this_rank: bool = False, *args, **kwargs):
         if not isinstance(unwrap(data_iterator), WlbDataIterator):
