@@ -127,7 +127,11 @@ def test_the_table_is_well_formed():
 
 def test_only_the_table_replaces_megatron_functions_installed_wheel(tmp_path):
     """megatron-core 0.19 (the installed wheel): every phase installed, every change accounted for by the table."""
-    pytest.importorskip("megatron.training.training")
+    import importlib.util
+
+    pytest.importorskip("megatron.core")
+    if importlib.util.find_spec("megatron.training") is None:
+        pytest.skip("this megatron-core ships no megatron/training")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore"}
     out = _diff(env, tmp_path)
     assert out["clean"] == [], out["clean"]

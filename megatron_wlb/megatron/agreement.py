@@ -21,13 +21,18 @@ import json
 import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
 
 from megatron_wlb.data.blend import parse_data_path
 from megatron_wlb.data.fingerprint import dataset_fingerprint
 from megatron_wlb.megatron.data import plan_digest
+from megatron_wlb.megatron.device import training_device
 from megatron_wlb.megatron.megatron_args import MegatronArgs
 from megatron_wlb.megatron.rebind import wrapping
 from megatron_wlb.megatron.settings import FLAG_KNOBS
@@ -148,13 +153,8 @@ def check_plan_agreement(batch: GlobalBatch | None, group: Any = None, device: A
     (name, digest) per micro-batch of the iteration; empty without CP); returns the seconds the check
     took. One all-reduce (MIN) of ``2 + 2 * dp_size`` int64 on the agreeing path: ``[key, -key]`` of the
     plan, then one such pair per DP rank, written by that DP rank's ranks only."""
-    import torch
-    import torch.distributed as dist
-
     start = time.perf_counter()
     if device is None:
-        from megatron_wlb.megatron.cp_hooks import training_device
-
         device = training_device()
     key = plan_key(batch)
     values = [UNWRITTEN] * (2 + 2 * dp_size)
@@ -198,7 +198,6 @@ def cost_fingerprint(cost: Any) -> str:
     bit for bit): equal exactly when the ranks balance and lay out with the same model."""
     if cost is None:
         return "none"
-    import numpy as np
 
     probe = np.asarray(COST_PROBE, dtype=np.int64)
     hw = cost.hardware
@@ -246,8 +245,6 @@ class RunFingerprint:
 def run_fingerprint(args: Any, settings: WlbSettings, config: Any, cost: Any,
                     datasets: Sequence[tuple[str, str, str]]) -> RunFingerprint:
     """This rank's ``RunFingerprint`` (``config``: the resolved ``PackingConfig``; ``datasets``: ``dataset_parts``)."""
-    from dataclasses import asdict
-
     parts = [("--wlb-packer", settings.packer), ("--wlb-cp-sharding", settings.cp_sharding),
              ("--wlb-log-interval", str(settings.log_interval)), ("--wlb-trace", "on" if settings.trace else "off")]
     for name, value in sorted(asdict(config).items()):
@@ -290,13 +287,8 @@ def check_startup_agreement(fingerprint: RunFingerprint, group: Any = None, devi
     """Raise RuntimeError on every rank of ``group`` (default: the world) unless every rank's
     ``fingerprint`` is the same, naming each part that differs; returns the seconds the check took (one
     all-reduce of two int64 on the agreeing path)."""
-    import torch
-    import torch.distributed as dist
-
     start = time.perf_counter()
     if device is None:
-        from megatron_wlb.megatron.cp_hooks import training_device
-
         device = training_device()
     key = fingerprint.key
     both = torch.tensor([key, -key], dtype=torch.int64, device=device)

@@ -38,8 +38,10 @@ from typing import Any
 
 import torch
 from megatron.core import parallel_state
+from megatron.core.transformer.attention import SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_wlb.cp.attention import all_gather_cp_attention, varlen_attention
 from megatron_wlb.cp.device import DeviceBatch
@@ -255,9 +257,6 @@ def _builder(inner: Any) -> Any:
 def swap_core_attention(spec: Any) -> Any:
     """Return ``spec`` (a ``ModuleSpec`` tree) with every self-attention's ``core_attention`` wrapped in
     ``WlbCoreAttention``; the input is not modified."""
-    from megatron.core.transformer.attention import SelfAttentionSubmodules
-    from megatron.core.transformer.spec_utils import ModuleSpec
-
     if isinstance(spec, SelfAttentionSubmodules):
         return dataclasses.replace(spec, core_attention=_builder(spec.core_attention))
     if isinstance(spec, ModuleSpec):

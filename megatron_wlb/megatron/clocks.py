@@ -7,6 +7,8 @@ from __future__ import annotations
 import time
 from typing import Any, Protocol
 
+import torch
+
 
 class Clock(Protocol):
     """Where timestamps come from; ``seconds`` is only called on stamps that are ``ready``."""
@@ -58,8 +60,6 @@ class CudaClock:
 
     def __init__(self, event_type: Any = None):
         if event_type is None:
-            import torch
-
             event_type = torch.cuda.Event
         self.event_type = event_type
 

@@ -37,6 +37,7 @@ from megatron_wlb.cp.device import DeviceBatch, upload
 from megatron_wlb.cp.plan import RankMicroBatch
 from megatron_wlb.megatron import attention as wlb_attention
 from megatron_wlb.megatron import hooks
+from megatron_wlb.megatron.device import training_device
 from megatron_wlb.megatron.rebind import wrapping
 from megatron_wlb.megatron.settings import WlbSettings
 
@@ -51,11 +52,6 @@ class WlbPackedSeqParams(PackedSeqParams):
 def te_available() -> bool:
     """Whether TransformerEngine is importable (decides the ``per-document-te`` attention path)."""
     return importlib.util.find_spec("transformer_engine") is not None
-
-
-def training_device() -> torch.device:
-    """This rank's device: its current GPU, else the CPU."""
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def _cp_group() -> Any:

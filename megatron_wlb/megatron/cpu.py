@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_wlb.data.reader import IndexedSource, byte_documents, weighted_prefixes, write_indexed_dataset
+from megatron_wlb.megatron import main_schedule
 from megatron_wlb.megatron.compat import spawn_children_import_this_module
 from megatron_wlb.megatron.cpu_redirects import REDIRECTS, install_cpu_redirects, install_megatron_redirects
 from megatron_wlb.megatron.validation import exit_on_startup_error
@@ -207,12 +208,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     elif "--distributed-backend" not in argv:
         argv = [*argv, "--distributed-backend", "gloo"]
     install_cpu_redirects()
+    from megatron_wlb.megatron import launcher  # lazy: it imports torch (this module's constants need none)
+
     if script is not None:
         sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
         spawn_children_import_this_module(script)  # the torch_dist writer's children must not re-run the script
         install_megatron_redirects()
-        from megatron_wlb.megatron import launcher, main_schedule
-
         # what a main user's launcher does (main_schedule's module runner): "wlb" among the checkout's own
         # sequence-packing schedulers, before its flags are parsed (a no-op, saying why, where it has none)
         main_schedule.register()
@@ -222,8 +223,6 @@ def main(argv: Sequence[str] | None = None) -> None:
         launcher.release_process_groups()
         return
     install_megatron_redirects()
-    from megatron_wlb.megatron import launcher
-
     launcher.main(argv)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -125,9 +126,7 @@ def build_train_iterator(args: Any, settings: WlbSettings, dp_rank: int, cp_rank
 def the_train_iterator_builder() -> Callable[..., WlbDataIterator]:
     """``megatron_wlb.megatron.build_train_iterator`` as it is now (looked up at call time: a benchmark may
     substitute its own, ``benchmarks/paired_train.py``)."""
-    import megatron_wlb.megatron as package  # the package's attribute, not this module's function
-
-    return package.build_train_iterator
+    return sys.modules["megatron_wlb.megatron"].build_train_iterator  # the package's attribute, not this module's
 
 
 def ranks() -> tuple[int, int]:

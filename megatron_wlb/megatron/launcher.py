@@ -17,11 +17,17 @@ the whole global batch, so every token weighs the same whatever micro-batch it w
 from __future__ import annotations
 
 import inspect
+import sys
 from collections.abc import Sequence
 from functools import partial
 from typing import Any
 
 import torch
+import torch.distributed as dist
+
+import megatron_wlb.megatron as wlb
+from megatron_wlb.megatron.args import asks_for_help, wlb_help
+from megatron_wlb.megatron.validation import exit_on_startup_error
 
 
 def get_batch(data_iterator: Any, model: Any = None) -> tuple[Any, ...]:
@@ -100,12 +106,8 @@ ARGS_DEFAULTS = {"tokenizer_type": "NullTokenizer"}
 def main(argv: Sequence[str] | None = None) -> None:
     """Apply the WLB-LLM hooks and run Megatron's ``pretrain`` with this module's providers; a start-up problem
     (flags, data) exits with its one-line message (``args.StartupError``)."""
-    import sys
-
     if argv is not None:
         sys.argv = [sys.argv[0], *argv]
-    from megatron_wlb.megatron.args import asks_for_help, wlb_help
-    from megatron_wlb.megatron.validation import exit_on_startup_error
 
     if asks_for_help(sys.argv[1:]):  # ours only: Megatron's --help crashes on 0.19.2 (upstream)
         print(wlb_help("python -m megatron_wlb.megatron.launcher"), end="")
@@ -119,8 +121,6 @@ def release_process_groups() -> None:
     """Once training has returned: every rank meets, then the process groups are destroyed, so that gloo's
     worker threads do not outlive the interpreter. Megatron's ``pretrain`` leaves them up, and an exit with
     them alive can abort ("terminate called without an active exception", SIGABRT; pytorch#190489)."""
-    import torch.distributed as dist
-
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
@@ -128,8 +128,6 @@ def release_process_groups() -> None:
 
 def _pretrain() -> None:
     """`apply()`, then Megatron's ``pretrain`` (the megatron-core >= 0.19 config container or the older API)."""
-    import megatron_wlb.megatron as wlb
-
     wlb.apply(middle_stage_batches=True)  # also makes the dataset-helper build safe (startup.py)
     from megatron.core.enums import ModelType
     from megatron.training import pretrain

@@ -31,7 +31,7 @@ class MegatronArgs:
     context_parallel_size: int | None = None
     pipeline_model_parallel_size: int | None = None
     virtual_pipeline_model_parallel_size: int | None = None
-    data_parallel_size: int | None = None
+    data_parallel_size: Any = None
     expert_model_parallel_size: int | None = None
     sequence_parallel: bool | None = None
     cp_comm_type: Any = None

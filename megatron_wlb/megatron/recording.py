@@ -12,7 +12,7 @@ import torch
 from megatron.core import package_info, parallel_state
 
 from megatron_wlb.megatron import timing
-from megatron_wlb.megatron.cp_hooks import training_device
+from megatron_wlb.megatron.device import training_device
 from megatron_wlb.megatron.megatron_args import MegatronArgs
 from megatron_wlb.megatron.online import start_online_refit
 from megatron_wlb.megatron.settings import WlbSettings

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import tempfile
+import types
 from collections.abc import Sequence
 from typing import Any
 
@@ -69,8 +70,6 @@ def gpt_config(seq_len: int, seed: int, *, blend: tuple[list[str], list[float] |
                path_to_cache: str | None = None) -> Any:
     """The ``GPTDatasetConfig`` of a job that masks per document (``--reset-position-ids
     --reset-attention-mask``, what the balanced concat-and-cut requires), no dense mask."""
-    import types
-
     if seq_len < 1:
         raise ValueError(f"seq_len must be a positive token count, got {seq_len}")
     job = types.SimpleNamespace(seed=int(seed), seq_length=int(seq_len), split=split, data_cache_path=path_to_cache,

@@ -51,7 +51,7 @@ from megatron_wlb.megatron.clocks import Clock as Clock
 from megatron_wlb.megatron.clocks import CpuClock as CpuClock
 from megatron_wlb.megatron.clocks import CudaClock as CudaClock
 from megatron_wlb.megatron.clocks import ThreadClock as ThreadClock
-from megatron_wlb.megatron.cp_hooks import training_device
+from megatron_wlb.megatron.device import training_device
 from megatron_wlb.megatron.rebind import wrapping
 from megatron_wlb.packing.metrics import microbatch_seconds, piece_forward, piece_latency
 

@@ -17,8 +17,10 @@ from collections.abc import Iterator
 from typing import Any
 
 from megatron_wlb.config import RunConfig, megatron_moe_fields
-from megatron_wlb.costmodel import CostModel
+from megatron_wlb.costmodel import CostModel, ModelShape, ParallelLayout, build_cost_model
+from megatron_wlb.data.blend import parse_data_path
 from megatron_wlb.megatron.args import _show, load_run_config, settings_from_args
+from megatron_wlb.megatron.gpt_samples import masking_problem
 from megatron_wlb.megatron.megatron_args import MegatronArgs
 from megatron_wlb.megatron.settings import WlbSettings
 from megatron_wlb.packing.types import PackingConfig, resolve_max_seq_len
@@ -207,7 +209,6 @@ def validate_wlb_args(args: Any, *, te_available: bool | None = None, highspy_av
                         ("valid_data_path", a.valid_data_path), ("test_data_path", a.test_data_path)):
         if not value or not check_files:
             continue
-        from megatron_wlb.data.blend import parse_data_path
 
         try:
             prefixes = [p for p, _ in parse_data_path(value)]
@@ -224,8 +225,6 @@ def validate_wlb_args(args: Any, *, te_available: bool | None = None, highspy_av
             problems.append(f"{flag} replaces the data path WLB installs; remove {flag} or do not call "
                             "megatron_wlb.megatron.apply()")
     if settings.pieces == "concat-and-cut":
-        from megatron_wlb.megatron.gpt_samples import masking_problem
-
         problem = masking_problem(a)
         if problem:
             problems.append(problem)
@@ -287,8 +286,6 @@ def packing_config_from_args(args: Any, settings: WlbSettings) -> PackingConfig:
 
 def cost_model_from_args(args: Any, settings: WlbSettings) -> CostModel:
     """The cost model W(d) for this run's model flags and layout (calibrated if --wlb-cost-profile)."""
-    from megatron_wlb.costmodel import ModelShape, ParallelLayout, build_cost_model
-
     a = MegatronArgs.of(args)
     heads = int(a.num_attention_heads)
     kv = int(a.num_query_groups) if a.group_query_attention and a.num_query_groups else heads

@@ -21,6 +21,7 @@ batch functions the patch hooks, and the launcher is tested on 0.19 and main onl
 from __future__ import annotations
 
 import importlib
+from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 from packaging.version import InvalidVersion, Version
@@ -75,8 +76,6 @@ def installed_core_version() -> str:
     except ImportError:
         pass
     try:
-        from importlib.metadata import PackageNotFoundError, version
-
         return version("megatron-core")
     except PackageNotFoundError as exc:
         raise RuntimeError("megatron_wlb.megatron needs Megatron-LM's megatron-core: pip install "
