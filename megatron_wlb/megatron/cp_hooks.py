@@ -38,7 +38,7 @@ from megatron_wlb.cp.plan import RankMicroBatch
 from megatron_wlb.megatron import attention as wlb_attention
 from megatron_wlb.megatron import hooks
 from megatron_wlb.megatron.device import training_device
-from megatron_wlb.megatron.rebind import wrapping
+from megatron_wlb.megatron.rebind import original_of, wrapping
 from megatron_wlb.megatron.settings import WlbSettings
 
 
@@ -188,7 +188,10 @@ def install(settings: WlbSettings) -> None:
                          "without padding, WLB all-gather attention) or install TransformerEngine")
     previous = _STATE.get("cp")
     # gone from core_v0.18 on (the THD path of pretrain_gpt.get_batch was rewritten; our launcher uploads itself)
-    originals = previous.originals if previous else hooks.install("cp")
+    hooks.install("cp")
+    thd = "get_thd_batch_on_this_cp_rank"
+    originals = previous.originals if previous else \
+        ({thd: original_of(hooks.current(thd))} if hooks.is_installed(thd) else {})
     _STATE["cp"] = _Installed(settings=settings, originals=originals)
     wlb_attention.install_core_attention(enabled=not te_attention)
 

@@ -100,13 +100,13 @@ def build_train_iterator(args: Any, settings: WlbSettings, dp_rank: int, cp_rank
     (``gpt_samples``) unless a ``reader`` is given; evaluation keeps the document reader.
     """
     a = MegatronArgs.of(args)
-    config = packing_config_from_args(a, settings)
+    config = packing_config_from_args(args, settings)
     megatron_samples = config.pieces == "concat-and-cut" and split_name == "train" and reader is None
     if megatron_samples and config.read_ahead is None:  # no sample before the iteration Megatron's sampler gives it
         config = dataclasses.replace(config, read_ahead=False)
-    cost = cost_model_from_args(a, settings)
+    cost = cost_model_from_args(args, settings)  # Megatron's own args: the MoE flags are read from them
     packer = make_packer(settings.packer, config, cost)
-    sharding = cp_sharding_from_args(a, settings, cp_rank, cost)
+    sharding = cp_sharding_from_args(args, settings, cp_rank, cost)
     if megatron_samples:
         # Megatron's own GPTDataset samples, from the sample its sampler would give next (a resumed stock
         # job's consumed samples; a resumed balanced one opens its saved position instead)
@@ -118,8 +118,8 @@ def build_train_iterator(args: Any, settings: WlbSettings, dp_rank: int, cp_rank
         samples = MegatronSamples(dataset)
         return WlbDataIterator(None, samples.stream(int(a.consumed_train_samples or 0)), packer,
                                dp_rank, sharding, on_batch=on_batch, read_piece=samples.piece)
-    reader = reader if reader is not None else reader_from_args(a, split_name)
-    return WlbDataIterator(reader, reader.stream(stream_tokens_for(a, config, split_name)), packer, dp_rank,
+    reader = reader if reader is not None else reader_from_args(args, split_name)
+    return WlbDataIterator(reader, reader.stream(stream_tokens_for(args, config, split_name)), packer, dp_rank,
                            sharding, on_batch=on_batch)
 
 

@@ -108,7 +108,7 @@ def scheduler_cost_model() -> tuple[CostModel | None, int, int]:
 
     a = MegatronArgs.of(args)
     settings = runtime().settings or settings_from_args(args)
-    return cost_model_from_args(a, settings), a.pp, a.vpp
+    return cost_model_from_args(args, settings), a.pp, a.vpp
 
 
 def scheduler_class() -> type:

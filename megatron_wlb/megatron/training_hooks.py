@@ -122,7 +122,7 @@ def wrap_build_train_valid_test_data_iterators(original: Callable, mods: dict[st
         settings = rt.settings
         if rt.logger is None:
             gv = mods["global_vars"]
-            rt.logger = WlbMetricsLogger(cost_model_from_args(a, settings), int(a.seq_length),
+            rt.logger = WlbMetricsLogger(cost_model_from_args(args, settings), int(a.seq_length),
                                          settings.log_interval, print_fn=mods["utils"].print_rank_0,
                                          tb_writer=gv.get_tensorboard_writer, wandb_writer=gv.get_wandb_writer,
                                          stages=a.pp, virtual_stages=a.vpp)
