@@ -27,7 +27,7 @@ def install_python_shims() -> bool:
     if hasattr(typing, "override"):
         return False
     try:
-        import typing_extensions
+        import typing_extensions  # lazy: only Python < 3.12 needs it
     except ImportError as exc:
         raise RuntimeError(f"megatron-core >= 0.19 needs typing.override (Python 3.12+); on Python "
                            f"{sys.version_info.major}.{sys.version_info.minor} megatron_wlb stands in "

@@ -172,7 +172,7 @@ def pin_to_core(environ: Any = None) -> int | None:
                          f"{len(cores)} ranks per machine to measure, or unset {PIN_VARIABLE}")
     os.sched_setaffinity(0, {cores[rank]})
     os.environ["OMP_NUM_THREADS"] = "1"
-    import torch
+    import torch  # lazy: this module's constants serve benchmarks that import no torch
 
     torch.set_num_threads(1)
     return cores[rank]

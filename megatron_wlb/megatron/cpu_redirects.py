@@ -52,7 +52,7 @@ _INSTALLED = False
 
 
 def _is_cuda(device: Any) -> bool:
-    import torch
+    import torch  # lazy: cpu.py imports this module without torch (its constants serve the benchmarks)
 
     if isinstance(device, int) and not isinstance(device, bool):
         return True  # an int device is a CUDA ordinal
@@ -62,8 +62,8 @@ def _is_cuda(device: Any) -> bool:
 
 
 def _device_mode():
-    import torch
-    from torch.overrides import TorchFunctionMode
+    import torch  # lazy: cpu.py imports this module without torch (its constants serve the benchmarks)
+    from torch.overrides import TorchFunctionMode  # lazy: no torch at import
 
     to = torch.Tensor.to
 
@@ -140,7 +140,7 @@ def install_cpu_redirects() -> None:
     global _INSTALLED
     if _INSTALLED:
         return
-    import torch
+    import torch  # lazy: cpu.py imports this module without torch (its constants serve the benchmarks)
 
     refuse_spawned_reimport()
 
@@ -157,7 +157,7 @@ def install_cpu_redirects() -> None:
     # compiles C++ with inductor in every process at start-up (minutes on 2 cores); eager mode computes
     # the same values. TORCHDYNAMO_DISABLE=0 compiles anyway.
     if os.environ.get("TORCHDYNAMO_DISABLE", "1") != "0":
-        import torch._dynamo
+        import torch._dynamo  # lazy: cpu.py imports this module without torch (its constants serve the benchmarks)
 
         torch._dynamo.config.disable = True
     mode = _device_mode()
@@ -205,19 +205,19 @@ def install_megatron_redirects() -> None:
 
 # -- the factories of the cpu-phase hooks (hooks.HOOKS)
 def set_rng_state(original: Any) -> Any:
-    import torch
+    import torch  # lazy: cpu.py imports this module without torch (its constants serve the benchmarks)
 
     return lambda new_state, *a, **k: torch.set_rng_state(new_state)
 
 
 def get_rng_state(original: Any) -> Any:
-    import torch
+    import torch  # lazy: cpu.py imports this module without torch (its constants serve the benchmarks)
 
     return lambda *a, **k: torch.get_rng_state()
 
 
 def warmup_keeping_the_cpu_generator(warmup: Any) -> Any:
-    import torch
+    import torch  # lazy: cpu.py imports this module without torch (its constants serve the benchmarks)
 
     def warmup_keeping_the_cpu_generator(*args: Any, **kwargs: Any) -> Any:
         state = torch.get_rng_state()

@@ -11,6 +11,8 @@ document with ``--dataloader-inter-document-masking``), and each piece's tokens,
 are Megatron's own (``dataset[j]``: the label of a window's last input is its ``seq_length + 1``-th
 token; ``--eod-mask-loss`` as Megatron applies it). The packer only regroups the pieces into
 variable-length micro-batches, deals them to DP ranks and orders them, with its bounded delay.
+
+Megatron's dataset code is imported inside the functions (``# lazy``): the package imports this module without it.
 """
 
 from __future__ import annotations
@@ -84,7 +86,7 @@ def gpt_dataset_config(args: Any, tokenizer: Any, blends: tuple[Any, Any] | None
     """megatron-core's ``GPTDatasetConfig`` as ``pretrain_gpt.core_gpt_dataset_config_from_args`` builds it
     (the fields this release's config has), with no dense attention mask (we never use it). ``blends``
     (blend, blend per split) replaces the ones ``args``' data paths give."""
-    from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
+    from megatron.core.datasets.gpt_dataset import GPTDatasetConfig  # lazy: no Megatron at package import
 
     blend, blend_per_split = blends if blends is not None else _blends(args)
     a = MegatronArgs.of(args)
@@ -116,9 +118,9 @@ def gpt_dataset_config(args: Any, tokenizer: Any, blends: tuple[Any, Any] | None
 
 def _blends(args: Any) -> tuple[Any, Any]:
     try:
-        from megatron.training.utils import get_blend_and_blend_per_split
+        from megatron.training.utils import get_blend_and_blend_per_split  # lazy: no Megatron at package import
     except ImportError:  # pragma: no cover - every supported release has it
-        from megatron.core.datasets.utils import get_blend_from_list
+        from megatron.core.datasets.utils import get_blend_from_list  # lazy: no Megatron at package import
 
         a = MegatronArgs.of(args)
         per_split = [get_blend_from_list(a.data_path_of(s)) for s in ("train", "valid", "test")]
@@ -129,7 +131,7 @@ def _blends(args: Any) -> tuple[Any, Any]:
 def megatron_num_samples(args: Any) -> tuple[int, Any, Any]:
     """(train, valid, test) samples, as Megatron's ``get_train_valid_test_num_samples`` computes them."""
     try:
-        from megatron.training.training import get_train_valid_test_num_samples
+        from megatron.training.training import get_train_valid_test_num_samples  # lazy: no Megatron at package import
 
         train, valid, test = get_train_valid_test_num_samples()
         return int(train), valid, test
@@ -143,11 +145,11 @@ def megatron_num_samples(args: Any) -> tuple[int, Any, Any]:
 
 def build_train_dataset(args: Any, tokenizer: Any = None, num_samples: tuple[int, Any, Any] | None = None) -> Any:
     """Megatron's train dataset of this job (``GPTDataset`` or ``BlendedDataset``), built on every rank."""
-    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
-    from megatron.core.datasets.gpt_dataset import GPTDataset
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder  # lazy
+    from megatron.core.datasets.gpt_dataset import GPTDataset  # lazy: the package imports this module without Megatron
 
     if tokenizer is None:
-        from megatron.training import get_tokenizer
+        from megatron.training import get_tokenizer  # lazy: the package imports this module without Megatron
 
         tokenizer = get_tokenizer()
     sizes = list(num_samples if num_samples is not None else megatron_num_samples(args))

@@ -189,7 +189,7 @@ def pinned_tp_rank_batch(batch: RankMicroBatch) -> dict[str, Any]:
     """
     import torch  # lazy: importing the package needs no torch
 
-    from megatron_wlb.megatron.cp_hooks import upload_micro_batch
+    from megatron_wlb.megatron.cp_hooks import upload_micro_batch  # lazy: no torch at package import
 
     data, params = upload_micro_batch(batch)
     return {**data, "cu_seqlens": params, "max_seqlen": torch.tensor([params.max_seqlen_q], dtype=torch.int32)}

@@ -44,7 +44,7 @@ def te_problem() -> str:
     if not module_available("transformer_engine"):
         return "transformer_engine is not installed"
     try:
-        from megatron.core.utils import get_te_version, is_te_min_version
+        from megatron.core.utils import get_te_version, is_te_min_version  # lazy: no Megatron at package import
 
         return "" if is_te_min_version(TE_MIN_VERSION) else f"TransformerEngine {get_te_version()} is installed"
     except Exception as exc:  # noqa: BLE001 - a broken TE install is "not usable", said in one line
@@ -62,7 +62,7 @@ def prepare_main_path(args: Any) -> None:
     if a.sequence_packing_scheduler != SCHEDULER_NAME or runtime().installed:
         return
     if a.transformer_impl == "local":
-        from megatron_wlb.megatron.attention import install_core_attention
+        from megatron_wlb.megatron.attention import install_core_attention  # lazy: no Megatron at package import
 
         install_core_attention(True)
         return
@@ -157,7 +157,7 @@ def widen_config_check() -> list[str]:
     and ``ModelParallelConfig.__post_init__`` / ``TransformerConfig.__post_init__`` (``hooks.HOOKS``). Returns what
     it widened (nothing where this Megatron's config has no ``sequence_packing_scheduler``)."""
     from megatron.core.model_parallel_config import ModelParallelConfig  # lazy: Megatron is loaded by now
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_config import TransformerConfig  # lazy: no Megatron at package import
 
     widened = []
     fields = {f.name for f in dataclasses.fields(ModelParallelConfig)}

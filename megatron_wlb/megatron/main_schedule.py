@@ -99,7 +99,7 @@ def scheduler_cost_model() -> tuple[CostModel | None, int, int]:
     args where they are set (our settings from ``apply()``, else the args' ``--wlb-*`` values), else
     ``(None, 1, 1)`` (the ``d**2`` weight, one stage)."""
     try:
-        from megatron.training import global_vars
+        from megatron.training import global_vars  # lazy: the package imports this module without torch or Megatron
     except ImportError:
         return None, 1, 1
     args = global_vars._GLOBAL_ARGS  # None until Megatron's args are set
@@ -171,7 +171,7 @@ def _announce(samples: int, micro_batches: int) -> None:
     if _ANNOUNCED:
         return
     _ANNOUNCED = True
-    import torch.distributed as dist
+    import torch.distributed as dist  # lazy: the package imports this module without torch or Megatron
 
     if not dist.is_available() or not dist.is_initialized() or dist.get_rank() == 0:
         print(f"> megatron_wlb: Megatron's sequence-packing path plans with WlbPackingScheduler (first global "

@@ -85,7 +85,7 @@ def guard_dataset_helpers(which: Callable[[str], str | None] = shutil.which) -> 
 
 def nvcc_runs() -> bool:
     """Whether ``CUDA_HOME/bin/nvcc -V`` (what core 0.16's ``fused_kernels.load`` runs) would succeed."""
-    from torch.utils import cpp_extension
+    from torch.utils import cpp_extension  # lazy: no torch at import
 
     home = cpp_extension.CUDA_HOME
     nvcc = os.path.join(home, "bin", "nvcc") if home else None

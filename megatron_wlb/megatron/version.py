@@ -70,7 +70,7 @@ def installed_core_version() -> str:
     """The megatron-core version Python imports (a checkout on ``sys.path`` wins over an installed wheel,
     as it does for the import itself), or a RuntimeError saying how to install one."""
     try:
-        from megatron.core import package_info
+        from megatron.core import package_info  # lazy: the version check runs before Megatron is imported
 
         return str(package_info.__version__)
     except ImportError:
