@@ -26,11 +26,11 @@ from typing import Any
 from megatron_wlb.data.reader import IndexedSource, byte_documents, weighted_prefixes, write_indexed_dataset
 from megatron_wlb.megatron import main_schedule
 from megatron_wlb.megatron.compat import spawn_children_import_this_module
-from megatron_wlb.megatron.cpu_redirects import REDIRECTS, install_cpu_redirects, install_megatron_redirects
 from megatron_wlb.megatron.validation import exit_on_startup_error
 
-__all__ = ["REDIRECTS", "TINY_GPT_ARGS", "TINY_GPT_EOD", "install_cpu_redirects", "install_megatron_redirects",
-           "layout_from_env", "main", "measurement_env", "pin_to_core", "tiny_gpt_vocab_flags", "write_text_corpus"]
+#: also here, imported on first use (``__getattr__``): REDIRECTS, install_cpu_redirects, install_megatron_redirects
+__all__ = ["TINY_GPT_ARGS", "TINY_GPT_EOD", "layout_from_env", "main", "measurement_env", "pin_to_core",
+           "tiny_gpt_vocab_flags", "write_text_corpus"]
 
 #: A tiny GPT (2 layers, hidden 64, RoPE, RMSNorm, SwiGLU, GQA-free) with Megatron's local layer spec and
 #: what the CPU needs: no fused CUDA kernels, CPU initialization, fp32, no gradient clipping (CUDA-only
@@ -207,6 +207,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         argv = [*TINY_GPT_ARGS, *layout_flags, *tiny_gpt_vocab_flags(argv[1:]), *argv[1:]]
     elif "--distributed-backend" not in argv:
         argv = [*argv, "--distributed-backend", "gloo"]
+    from megatron_wlb.megatron.cpu_redirects import install_cpu_redirects, install_megatron_redirects  # lazy: torch
+
     install_cpu_redirects()
     from megatron_wlb.megatron import launcher  # lazy: it imports torch (this module's constants need none)
 
@@ -224,6 +226,15 @@ def main(argv: Sequence[str] | None = None) -> None:
         return
     install_megatron_redirects()
     launcher.main(argv)
+
+
+def __getattr__(name: str) -> Any:
+    """The CUDA redirects (``cpu_redirects``), imported on first use: this module's constants need no torch."""
+    if name in ("REDIRECTS", "install_cpu_redirects", "install_megatron_redirects"):
+        from megatron_wlb.megatron import cpu_redirects  # lazy: it imports torch
+
+        return getattr(cpu_redirects, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 if __name__ == "__main__":

@@ -13,6 +13,9 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+from torch.overrides import TorchFunctionMode
+
 from megatron_wlb.megatron import hooks
 from megatron_wlb.megatron.compat import install_python_shims, refuse_spawned_reimport
 from megatron_wlb.megatron.startup import guard_fused_kernels
@@ -52,8 +55,6 @@ _INSTALLED = False
 
 
 def _is_cuda(device: Any) -> bool:
-    import torch  # lazy: cpu.py imports this module without torch (its constants serve the benchmarks)
-
     if isinstance(device, int) and not isinstance(device, bool):
         return True  # an int device is a CUDA ordinal
     if isinstance(device, str):
@@ -62,9 +63,6 @@ def _is_cuda(device: Any) -> bool:
 
 
 def _device_mode():
-    import torch  # lazy: cpu.py imports this module without torch (its constants serve the benchmarks)
-    from torch.overrides import TorchFunctionMode  # lazy: no torch at import
-
     to = torch.Tensor.to
 
     class CudaToCpu(TorchFunctionMode):
@@ -140,7 +138,6 @@ def install_cpu_redirects() -> None:
     global _INSTALLED
     if _INSTALLED:
         return
-    import torch  # lazy: cpu.py imports this module without torch (its constants serve the benchmarks)
 
     refuse_spawned_reimport()
 
@@ -157,9 +154,9 @@ def install_cpu_redirects() -> None:
     # compiles C++ with inductor in every process at start-up (minutes on 2 cores); eager mode computes
     # the same values. TORCHDYNAMO_DISABLE=0 compiles anyway.
     if os.environ.get("TORCHDYNAMO_DISABLE", "1") != "0":
-        import torch._dynamo  # lazy: cpu.py imports this module without torch (its constants serve the benchmarks)
+        import torch._dynamo as dynamo  # lazy: heavy, and only when compiling is off
 
-        torch._dynamo.config.disable = True
+        dynamo.config.disable = True
     mode = _device_mode()
     mode.__enter__()  # for the life of the process
     torch.Tensor.cuda = lambda self, *a, **k: self  # type: ignore[method-assign]
@@ -205,20 +202,14 @@ def install_megatron_redirects() -> None:
 
 # -- the factories of the cpu-phase hooks (hooks.HOOKS)
 def set_rng_state(original: Any) -> Any:
-    import torch  # lazy: cpu.py imports this module without torch (its constants serve the benchmarks)
-
     return lambda new_state, *a, **k: torch.set_rng_state(new_state)
 
 
 def get_rng_state(original: Any) -> Any:
-    import torch  # lazy: cpu.py imports this module without torch (its constants serve the benchmarks)
-
     return lambda *a, **k: torch.get_rng_state()
 
 
 def warmup_keeping_the_cpu_generator(warmup: Any) -> Any:
-    import torch  # lazy: cpu.py imports this module without torch (its constants serve the benchmarks)
-
     def warmup_keeping_the_cpu_generator(*args: Any, **kwargs: Any) -> Any:
         state = torch.get_rng_state()
         try:

@@ -8,7 +8,6 @@ at call time, so a benchmark may substitute its own (``benchmarks/paired_train.p
 from __future__ import annotations
 
 import dataclasses
-import functools
 import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -18,7 +17,6 @@ from megatron_wlb.data.reader import DEFAULT_SPLIT, DocumentReader, parse_split
 from megatron_wlb.megatron.data import WlbDataIterator
 from megatron_wlb.megatron.gpt_samples import MegatronSamples, build_train_dataset, eod_problem
 from megatron_wlb.megatron.megatron_args import MegatronArgs
-from megatron_wlb.megatron.prefetch import PrefetchingIterator
 from megatron_wlb.megatron.settings import WlbSettings
 from megatron_wlb.megatron.validation import StartupError, cost_model_from_args, packing_config_from_args
 from megatron_wlb.packing import make_packer
@@ -129,37 +127,6 @@ def the_train_iterator_builder() -> Callable[..., WlbDataIterator]:
     return sys.modules["megatron_wlb.megatron"].build_train_iterator  # the package's attribute, not this module's
 
 
-def ranks() -> tuple[int, int]:
-    """(data-parallel rank, context-parallel rank) of this process."""
-    from megatron.core import parallel_state  # lazy: importing the package needs no Megatron
-
-    return parallel_state.get_data_parallel_rank(), parallel_state.get_context_parallel_rank()
-
-
-def eval_iterator(args: Any, settings: WlbSettings, split_name: str, megatron_iterator: Callable[[], Any],
-                  print_rank_0: Callable[[str], Any]) -> Any:
-    """Our packed iterator over the valid/test split (every rank, like training); None when evaluation is
-    off or the split is empty; Megatron's own one (``megatron_iterator()`` builds it) for several
-    validation sets or a split too small to pack without pipeline parallelism."""
-    from megatron.core.rerun_state_machine import RerunDataIterator  # lazy: no Megatron at package import
-
-    a = MegatronArgs.of(args)
-    if a.multiple_validation_sets or a.full_validation:
-        return megatron_iterator()
-    if iterations_for(a, split_name) < 1 or split_is_empty(a, split_name):
-        return None  # evaluation off, or e.g. --split 98,2,0 has no test split: Megatron builds none either
-    try:
-        it = the_train_iterator_builder()(args, settings, *ranks(), split_name=split_name)
-    except ValueError as exc:  # e.g. a split too small to hold one document
-        if a.pp > 1:
-            raise ValueError(f"megatron_wlb: no {split_name} iterator ({exc}); with pipeline parallelism every "
-                             "stage needs packed evaluation batches: give the split documents or set "
-                             "--eval-iters 0") from exc
-        print_rank_0(f"> megatron_wlb: {split_name} keeps Megatron's loader ({exc})")
-        return megatron_iterator()
-    return RerunDataIterator(it)
-
-
 def split_is_empty(args: Any, split_name: str) -> bool:
     """Whether ``--split`` gives ``split_name`` no share (and no ``--{split}-data-path`` is given)."""
     a = MegatronArgs.of(args)
@@ -167,16 +134,6 @@ def split_is_empty(args: Any, split_name: str) -> bool:
         return False
     fractions = parse_split(split_of(a))
     return fractions[{"train": 0, "valid": 1, "test": 2}[split_name]] == 0
-
-
-def prefetching(iterator: WlbDataIterator) -> Any:
-    """The training iterator with its next micro-batch built (and, on CUDA, uploaded) on a thread
-    (``prefetch.py``): the same micro-batches in the same order, off the step's critical path."""
-    from megatron_wlb.megatron.cp_hooks import stage_upload, training_device  # lazy: imports torch
-
-    device = training_device()
-    return PrefetchingIterator(iterator, stage=functools.partial(stage_upload, device=device)
-                               if device.type == "cuda" else None)
 
 
 def pinned_tp_rank_batch(batch: RankMicroBatch) -> dict[str, Any]:
@@ -214,6 +171,6 @@ def pretrain_gpt_batch(data_iterator: Any, keys: list[str]) -> list[Any]:
     return [fields.get(key) for key in keys]
 
 
-__all__ = ["build_train_iterator", "cp_sharding_from_args", "eval_iterator", "iterations_for", "pinned_tp_rank_batch",
-           "prefetching", "pretrain_gpt_batch", "reader_from_args", "split_is_empty", "split_of",
-           "stream_tokens_for"]
+__all__ = ["build_train_iterator", "cp_sharding_from_args", "iterations_for", "pinned_tp_rank_batch",
+           "pretrain_gpt_batch", "reader_from_args", "split_is_empty", "split_of", "stream_tokens_for",
+           "the_train_iterator_builder"]

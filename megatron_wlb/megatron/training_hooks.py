@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
+from megatron.core import parallel_state
 from megatron.core.rerun_state_machine import RerunDataIterator
 
 from megatron_wlb.megatron import cp_hooks, p2p, timing
@@ -26,16 +27,17 @@ from megatron_wlb.megatron.agreement import wrap_train_step as agreed_train_step
 from megatron_wlb.megatron.args import asks_for_help, wlb_extra_args_provider, wlb_help
 from megatron_wlb.megatron.checkpoint import wrap_load_checkpoint as load_with_sidecar
 from megatron_wlb.megatron.checkpoint import wrap_save_checkpoint as save_with_sidecar
+from megatron_wlb.megatron.cp_hooks import stage_upload
 from megatron_wlb.megatron.data import WlbDataIterator
+from megatron_wlb.megatron.device import training_device
 from megatron_wlb.megatron.iterators import (
-    eval_iterator,
+    iterations_for,
     pinned_tp_rank_batch,
-    prefetching,
-    ranks,
+    split_is_empty,
     the_train_iterator_builder,
 )
 from megatron_wlb.megatron.megatron_args import MegatronArgs
-from megatron_wlb.megatron.prefetch import unwrap
+from megatron_wlb.megatron.prefetch import PrefetchingIterator, unwrap
 from megatron_wlb.megatron.preflight import check_training_args
 from megatron_wlb.megatron.rebind import wrapping
 from megatron_wlb.megatron.recording import measure, start_recorder
@@ -51,6 +53,41 @@ from megatron_wlb.megatron.validation import (
 from megatron_wlb.megatron.version import TRAINING_MODULES, import_training_modules, training_import_error
 from megatron_wlb.megatron.wlb_logging import WlbMetricsLogger
 from megatron_wlb.megatron.wlb_logging import wrap_training_log as logged_training_log
+
+
+def ranks() -> tuple[int, int]:
+    """(data-parallel rank, context-parallel rank) of this process."""
+    return parallel_state.get_data_parallel_rank(), parallel_state.get_context_parallel_rank()
+
+
+def eval_iterator(args: Any, settings: WlbSettings, split_name: str, megatron_iterator: Callable[[], Any],
+                  print_rank_0: Callable[[str], Any]) -> Any:
+    """Our packed iterator over the valid/test split (every rank, like training); None when evaluation is
+    off or the split is empty; Megatron's own one (``megatron_iterator()`` builds it) for several
+    validation sets or a split too small to pack without pipeline parallelism."""
+    a = MegatronArgs.of(args)
+    if a.multiple_validation_sets or a.full_validation:
+        return megatron_iterator()
+    if iterations_for(a, split_name) < 1 or split_is_empty(a, split_name):
+        return None  # evaluation off, or e.g. --split 98,2,0 has no test split: Megatron builds none either
+    try:
+        it = the_train_iterator_builder()(args, settings, *ranks(), split_name=split_name)
+    except ValueError as exc:  # e.g. a split too small to hold one document
+        if a.pp > 1:
+            raise ValueError(f"megatron_wlb: no {split_name} iterator ({exc}); with pipeline parallelism every "
+                             "stage needs packed evaluation batches: give the split documents or set "
+                             "--eval-iters 0") from exc
+        print_rank_0(f"> megatron_wlb: {split_name} keeps Megatron's loader ({exc})")
+        return megatron_iterator()
+    return RerunDataIterator(it)
+
+
+def prefetching(iterator: WlbDataIterator) -> Any:
+    """The training iterator with its next micro-batch built (and, on CUDA, uploaded) on a thread
+    (``prefetch.py``): the same micro-batches in the same order, off the step's critical path."""
+    device = training_device()
+    return PrefetchingIterator(iterator, stage=functools.partial(stage_upload, device=device)
+                               if device.type == "cuda" else None)
 
 
 def wrap_parse_args(original: Callable) -> Callable:
