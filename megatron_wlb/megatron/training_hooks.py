@@ -178,9 +178,10 @@ def wrap_build_train_valid_test_data_iterators(original: Callable, mods: dict[st
                                mods["utils"].print_rank_0) for index, split_name in ((1, "valid"), (2, "test"))]
         # Megatron decides whether to train / evaluate from its own loaders, which our launcher does not
         # build (its datasets provider returns none): our iterators exist on every rank.
+        now = MegatronArgs.of(args)  # after Megatron's own loaders, if built, set do_valid / do_test
         args.do_train = True
-        args.do_valid = bool(a.do_valid) or evals[0] is not None
-        args.do_test = bool(a.do_test) or evals[1] is not None
+        args.do_valid = bool(now.do_valid) or evals[0] is not None
+        args.do_test = bool(now.do_test) or evals[1] is not None
         return RerunDataIterator(iterator), evals[0], evals[1]
 
     return build_train_valid_test_data_iterators
