@@ -7,7 +7,9 @@ may return None: nothing to replace on this machine or release). ``install_hook`
 assigns onto a Megatron module or class; every replacement it installs carries ``__wlb_hook__`` (its table
 name) and ``__wlb_original__`` (what it replaced), so an installed hook is found again (idempotence) and
 undone (``uninstall_hook``). ``tests/test_megatron_hooks.py`` compares, after every phase, each attribute of
-Megatron's modules and classes that changed against this table.
+Megatron's modules and classes that changed against this table. (The one other write: the
+``TransformerConfig.__post_init__`` replacement answers main's TransformerEngine version query for the duration of
+that one call, restoring it after.)
 
 Phases: ``main_schedule`` (``main_schedule.register()``, first in ``apply()``), ``apply``, then at
 ``validate_args`` time ``cp``, ``attention`` (unless TransformerEngine's attention is kept), ``pipeline``
