@@ -326,7 +326,7 @@ def megatron_moe_fields(args: Any) -> dict[str, Any]:
     ``--kv-channels`` where it is not ``hidden / heads``; refuses the flags the cost model cannot price
     (``UNSUPPORTED_MODEL_KEYS``) in one line. A dense run gives ``{}``."""
     # the flags read, each None where args lack it (--moe-layer-freq: 1, Megatron's default)
-    given = {key: getattr(args, key, 1 if key == "moe_layer_freq" else None) for key in MOE_READ_KEYS}
+    given: dict[str, Any] = {key: getattr(args, key, 1 if key == "moe_layer_freq" else None) for key in MOE_READ_KEYS}
     for key, why in UNSUPPORTED_MODEL_KEYS.items():
         if given[key]:
             raise ValueError(f"--{key.replace('_', '-')}: {why}")
