@@ -313,30 +313,37 @@ UNSUPPORTED_MODEL_KEYS = {"multi_latent_attention": "multi-latent attention (MLA
                                                     "priced by the cost model; use standard attention (GQA/MHA)"}
 
 
+#: the Megatron-LM flags ``megatron_moe_fields`` reads
+MOE_READ_KEYS = (*UNSUPPORTED_MODEL_KEYS, "kv_channels", "num_attention_heads", "hidden_size", "num_experts",
+                 "moe_router_topk", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
+                 "moe_expert_capacity_factor", "moe_layer_freq")
+
+
 def megatron_moe_fields(args: Any) -> dict[str, Any]:
     """The ``ModelShape`` fields beyond the dense ones from a Megatron-LM argument namespace: the MoE flags
     (``--num-experts``, ``--moe-router-topk``, ``--moe-ffn-hidden-size``,
     ``--moe-shared-expert-intermediate-size``, ``--moe-layer-freq``, ``--moe-expert-capacity-factor``) and
     ``--kv-channels`` where it is not ``hidden / heads``; refuses the flags the cost model cannot price
     (``UNSUPPORTED_MODEL_KEYS``) in one line. A dense run gives ``{}``."""
+    # the flags read, each None where args lack it (--moe-layer-freq: 1, Megatron's default)
+    given: dict[str, Any] = {key: getattr(args, key, 1 if key == "moe_layer_freq" else None) for key in MOE_READ_KEYS}
     for key, why in UNSUPPORTED_MODEL_KEYS.items():
-        if getattr(args, key, None):
+        if given[key]:
             raise ValueError(f"--{key.replace('_', '-')}: {why}")
     out: dict[str, Any] = {}
-    kv = getattr(args, "kv_channels", None)
-    heads, hidden = getattr(args, "num_attention_heads", None), getattr(args, "hidden_size", None)
+    kv, heads, hidden = given["kv_channels"], given["num_attention_heads"], given["hidden_size"]
     if kv and heads and hidden and int(kv) * int(heads) != int(hidden):
         out["kv_channels"] = int(kv)
-    if not getattr(args, "num_experts", None):
+    if not given["num_experts"]:
         return out
-    out["num_experts"] = int(args.num_experts)
+    out["num_experts"] = int(given["num_experts"])
     for megatron, name in (("moe_router_topk", "moe_topk"), ("moe_ffn_hidden_size", "moe_ffn_hidden"),
                            ("moe_shared_expert_intermediate_size", "moe_shared_expert_hidden"),
                            ("moe_expert_capacity_factor", "moe_capacity_factor")):
-        value = getattr(args, megatron, None)
+        value = given[megatron]
         if value is not None:
             out[name] = value
-    freq = getattr(args, "moe_layer_freq", 1)
+    freq = given["moe_layer_freq"]
     out["moe_layer_freq"] = tuple(int(f) for f in freq) if isinstance(freq, (list, tuple)) else int(freq)
     return out
 

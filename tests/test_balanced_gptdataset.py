@@ -213,7 +213,8 @@ def test_a_job_that_attends_across_documents_is_refused(corpora):
     assert masking_problem(_args(corpora, False)) is None
     import argparse
 
-    from megatron_wlb.megatron.args import add_wlb_args, validate_wlb_args
+    from megatron_wlb.megatron.args import add_wlb_args
+    from megatron_wlb.megatron.validation import validate_wlb_args
 
     parser = argparse.ArgumentParser()
     add_wlb_args(parser)

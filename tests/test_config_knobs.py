@@ -24,8 +24,9 @@ from megatron_wlb.config import (
     list_configs,
     load_config,
 )
-from megatron_wlb.megatron.args import FLAGS, add_wlb_args, config_flags, packing_config_from_args, settings_from_args
+from megatron_wlb.megatron.args import FLAGS, add_wlb_args, config_flags, settings_from_args
 from megatron_wlb.megatron.settings import FLAG_KNOBS, WlbSettings
+from megatron_wlb.megatron.validation import packing_config_from_args
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = {"name": "t", "model": "7b", "seq_len": 8192, "layout": {"tp": 1, "cp": 2, "pp": 2, "dp": 2}}

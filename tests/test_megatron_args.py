@@ -7,17 +7,14 @@ import os
 
 import pytest
 
-from megatron_wlb.megatron.args import (
-    add_wlb_args,
-    compose_providers,
+from megatron_wlb.megatron.args import add_wlb_args, compose_providers, settings_from_args, wlb_extra_args_provider
+from megatron_wlb.megatron.settings import WlbSettings
+from megatron_wlb.megatron.validation import (
     cost_model_from_args,
     num_microbatches_from_args,
     packing_config_from_args,
-    settings_from_args,
     validate_wlb_args,
-    wlb_extra_args_provider,
 )
-from megatron_wlb.megatron.settings import WlbSettings
 from megatron_wlb.megatron.version import check_core_version, is_supported
 
 
@@ -167,7 +164,7 @@ def test_misconfigurations_fail_with_what_to_change(extra, match):
 def test_flags_that_bypass_ours_are_refused(extra, equivalent):
     """Flags of megatron-core 0.19 / main after #6742 / dev / PR #7000 that would replace or bypass what our hooks
     feed: refused in one line naming the flag and our equivalent, before Megatron's own checks of them."""
-    from megatron_wlb.megatron.args import StartupError, refuse_bypassing_flags
+    from megatron_wlb.megatron.validation import StartupError, refuse_bypassing_flags
 
     args = parse(BASE + extra)
     with pytest.raises(ValueError) as err:
@@ -181,7 +178,7 @@ def test_flags_that_bypass_ours_are_refused(extra, equivalent):
 def test_inter_document_masking_and_p2p_shape_flag_at_pp1_are_accepted():
     """--dataloader-inter-document-masking asks for per-document attention, which our micro-batches give (it is
     honoured, not refused); the fixed-shape p2p flag means nothing without pipeline stages."""
-    from megatron_wlb.megatron.args import refuse_bypassing_flags
+    from megatron_wlb.megatron.validation import refuse_bypassing_flags
 
     args = parse(BASE + ["--dataloader-inter-document-masking"])
     assert validate_wlb_args(args, te_available=False, highspy_available=True, check_files=False).packer == "wlb"
@@ -306,8 +303,10 @@ it = W.build_train_iterator(args, rt.settings, parallel_state.get_data_parallel_
 tokens, labels, loss_mask, attention_mask, position_ids, params = pretrain_gpt.get_batch(RerunDataIterator(it))
 mb = it.current.for_dp_rank(0)[0]
 # the data hook (its Megatron original needs CUDA for a flags broadcast; a loader-less one stands in)
-mods = {name: sys.modules["megatron.training." + name] for name in W.TRAINING_MODULES}
-build = W._wrap_build_iterators(lambda provider: (None, "megatron-valid", "megatron-test"), mods)
+from megatron_wlb.megatron import training_hooks
+mods = {name: sys.modules["megatron.training." + name] for name in training_hooks.TRAINING_MODULES}
+build = training_hooks.wrap_build_train_valid_test_data_iterators(
+    lambda provider: (None, "megatron-valid", "megatron-test"), mods)
 train_it, valid_it, test_it = build(None)
 first = next(train_it)
 hook = {"train": type(train_it.iterable).__name__, "valid": type(getattr(valid_it, "iterable", valid_it)).__name__,
@@ -365,6 +364,7 @@ def test_help_prints_our_flags_without_megatrons(monkeypatch, capsys):
 
     import megatron_wlb.megatron as W
     from megatron_wlb.megatron import launcher
+    from megatron_wlb.megatron.training_hooks import wrap_parse_args
 
     def crashing_parse_args(*a, **k):  # what megatron-core 0.19.2's help does
         raise ValueError("unsupported format character ')' (0x29) at index 52")
@@ -375,8 +375,8 @@ def test_help_prints_our_flags_without_megatrons(monkeypatch, capsys):
     assert "--wlb-packer" in out and "--wlb-cp-sharding" in out and "arguments.py" in out
     monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", "-h"])
     with pytest.raises(SystemExit) as exit_info:
-        W._wrap_parse_args(crashing_parse_args)()
+        wrap_parse_args(crashing_parse_args)()
     assert exit_info.value.code == 0 and "--wlb-max-seq-len" in capsys.readouterr().out
     monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", "--", "--help"])  # after "--": not ours
     with pytest.raises(ValueError, match="unsupported format"):
-        W._wrap_parse_args(crashing_parse_args)()
+        wrap_parse_args(crashing_parse_args)()

@@ -454,8 +454,8 @@ def test_cp_sharding_from_args_uses_the_run_model_and_padding():
     from types import SimpleNamespace
 
     from megatron_wlb.megatron import cp_sharding_from_args
-    from megatron_wlb.megatron.args import cost_model_from_args
     from megatron_wlb.megatron.settings import WlbSettings
+    from megatron_wlb.megatron.validation import cost_model_from_args
 
     args = SimpleNamespace(hidden_size=64, num_layers=2, num_attention_heads=4, num_query_groups=2,
                            group_query_attention=True, ffn_hidden_size=128, padded_vocab_size=256, swiglu=True,
@@ -508,7 +508,7 @@ def test_fallback_attention_refuses_batches_without_params_when_every_batch_is_p
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    import megatron_wlb.megatron as adapter
+    from megatron_wlb.megatron import state as adapter
     from megatron_wlb.megatron.attention import WlbCoreAttention
     from megatron_wlb.megatron.checkpoint import DataStateRegistry
 

@@ -130,7 +130,8 @@ def _startup_worker(rank: int, world: int, prefix: str, zeroed: str) -> None:
     import torch
 
     from megatron_wlb.megatron.agreement import check_startup_agreement, dataset_parts, run_fingerprint
-    from megatron_wlb.megatron.args import cost_model_from_args, packing_config_from_args, settings_from_args
+    from megatron_wlb.megatron.args import settings_from_args
+    from megatron_wlb.megatron.validation import cost_model_from_args, packing_config_from_args
 
     def fingerprint(args):
         settings = settings_from_args(args)

@@ -671,8 +671,9 @@ def run(args: argparse.Namespace) -> int:
                          "(the rest of wlb does not need it)") from None
     eff_out = output_file(args.efficiency_out or out.with_suffix(".efficiency.json"), "--efficiency-out")
     for flag in ("iters", "table_tokens", "tile", "holdout", "threads"):
-        if getattr(args, flag) is not None:
-            positive(getattr(args, flag), "--" + flag.replace("_", "-"))
+        value = getattr(args, flag)
+        if value is not None:
+            positive(value, "--" + flag.replace("_", "-"))
     if args.warmup is not None and args.warmup < 0:
         raise ValueError(f"--warmup {args.warmup}: must be >= 0")
     plan = plan_measurement(args, torch)

@@ -21,13 +21,19 @@ import json
 import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
 
 from megatron_wlb.data.blend import parse_data_path
 from megatron_wlb.data.fingerprint import dataset_fingerprint
 from megatron_wlb.megatron.data import plan_digest
+from megatron_wlb.megatron.device import training_device
+from megatron_wlb.megatron.megatron_args import MegatronArgs
 from megatron_wlb.megatron.rebind import wrapping
 from megatron_wlb.megatron.settings import FLAG_KNOBS
 from megatron_wlb.packing.types import GlobalBatch
@@ -147,13 +153,8 @@ def check_plan_agreement(batch: GlobalBatch | None, group: Any = None, device: A
     (name, digest) per micro-batch of the iteration; empty without CP); returns the seconds the check
     took. One all-reduce (MIN) of ``2 + 2 * dp_size`` int64 on the agreeing path: ``[key, -key]`` of the
     plan, then one such pair per DP rank, written by that DP rank's ranks only."""
-    import torch
-    import torch.distributed as dist
-
     start = time.perf_counter()
     if device is None:
-        from megatron_wlb.megatron.cp_hooks import training_device
-
         device = training_device()
     key = plan_key(batch)
     values = [UNWRITTEN] * (2 + 2 * dp_size)
@@ -197,7 +198,6 @@ def cost_fingerprint(cost: Any) -> str:
     bit for bit): equal exactly when the ranks balance and lay out with the same model."""
     if cost is None:
         return "none"
-    import numpy as np
 
     probe = np.asarray(COST_PROBE, dtype=np.int64)
     hw = cost.hardware
@@ -211,8 +211,9 @@ def dataset_parts(args: Any) -> list[tuple[str, str, str]]:
     the sampled ``.bin`` digest of each (``data.fingerprint``), named by flag and position (each rank may read
     its own copy at its own path, under its own name: only the digests are compared)."""
     parts: list[tuple[str, str, str]] = []
+    a = MegatronArgs.of(args)
     for attr in DATA_PATH_ARGS:
-        given = getattr(args, attr, None)
+        given = getattr(a, attr)
         if not given:
             continue
         for i, (prefix, _) in enumerate(parse_data_path(given)):
@@ -244,15 +245,14 @@ class RunFingerprint:
 def run_fingerprint(args: Any, settings: WlbSettings, config: Any, cost: Any,
                     datasets: Sequence[tuple[str, str, str]]) -> RunFingerprint:
     """This rank's ``RunFingerprint`` (``config``: the resolved ``PackingConfig``; ``datasets``: ``dataset_parts``)."""
-    from dataclasses import asdict
-
     parts = [("--wlb-packer", settings.packer), ("--wlb-cp-sharding", settings.cp_sharding),
              ("--wlb-log-interval", str(settings.log_interval)), ("--wlb-trace", "on" if settings.trace else "off")]
     for name, value in sorted(asdict(config).items()):
         flag = FLAG_KNOBS[name].flag() if name in FLAG_KNOBS else f"packing {name}"
         parts.append((flag, repr(value)))
+    a = MegatronArgs.of(args)
     for name in MEGATRON_PARTS:
-        parts.append((f"--{name.replace('_', '-')}", repr(getattr(args, name, None))))
+        parts.append((f"--{name.replace('_', '-')}", repr(getattr(a, name))))
     profile = settings.cost_profile
     parts.append(("--wlb-cost-profile (content)", _short(Path(profile).read_bytes()) if profile else "none"))
     parts.append(("cost model", cost_fingerprint(cost)))
@@ -287,13 +287,8 @@ def check_startup_agreement(fingerprint: RunFingerprint, group: Any = None, devi
     """Raise RuntimeError on every rank of ``group`` (default: the world) unless every rank's
     ``fingerprint`` is the same, naming each part that differs; returns the seconds the check took (one
     all-reduce of two int64 on the agreeing path)."""
-    import torch
-    import torch.distributed as dist
-
     start = time.perf_counter()
     if device is None:
-        from megatron_wlb.megatron.cp_hooks import training_device
-
         device = training_device()
     key = fingerprint.key
     both = torch.tensor([key, -key], dtype=torch.int64, device=device)

@@ -30,7 +30,6 @@ from __future__ import annotations
 import contextvars
 import dataclasses
 import functools
-import importlib
 import inspect
 import math
 from collections import OrderedDict
@@ -39,13 +38,16 @@ from typing import Any
 
 import torch
 from megatron.core import parallel_state
+from megatron.core.transformer.attention import SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_wlb.cp.attention import all_gather_cp_attention, varlen_attention
 from megatron_wlb.cp.device import DeviceBatch
-from megatron_wlb.megatron import runtime
-from megatron_wlb.megatron.rebind import is_wrapper, original_of, wrapping
+from megatron_wlb.megatron import hooks
+from megatron_wlb.megatron.rebind import wrapping
+from megatron_wlb.megatron.state import runtime
 
 _CAUSAL = {AttnMaskType.causal, AttnMaskType.padding_causal}
 
@@ -255,9 +257,6 @@ def _builder(inner: Any) -> Any:
 def swap_core_attention(spec: Any) -> Any:
     """Return ``spec`` (a ``ModuleSpec`` tree) with every self-attention's ``core_attention`` wrapped in
     ``WlbCoreAttention``; the input is not modified."""
-    from megatron.core.transformer.attention import SelfAttentionSubmodules
-    from megatron.core.transformer.spec_utils import ModuleSpec
-
     if isinstance(spec, SelfAttentionSubmodules):
         return dataclasses.replace(spec, core_attention=_builder(spec.core_attention))
     if isinstance(spec, ModuleSpec):
@@ -280,7 +279,7 @@ _ACTIVE: contextvars.ContextVar[Any] = contextvars.ContextVar("wlb_active_varlen
 def wlb_apply_rotary_pos_emb(original: Callable) -> Callable:
     """Wrap Megatron's ``apply_rotary_pos_emb(t, freqs, config, cu_seqlens=None, mscale=1.0, cp_group=None)``:
     for the active WLB micro-batch's cu_seqlens, rotate row i of ``t`` [R, H, D] by ``freqs[positions[i]]``."""
-    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd  # lazy: a private helper
 
     @wrapping(original)
     def apply_rotary_pos_emb(t, freqs, config, cu_seqlens=None, mscale=1.0, cp_group=None, **extra):
@@ -325,22 +324,8 @@ def _with_active_varlen(forward: Callable) -> Callable:
     return wrapped
 
 
-def install_core_attention(enabled: bool = True) -> None:
-    """Make every ``SelfAttention`` built from now on use ``WlbCoreAttention``, and RoPE follow the
-    plan's positions (``enabled=False`` undoes both)."""
-    from megatron.core.transformer.attention import SelfAttention
-
-    attn_mod = importlib.import_module("megatron.core.transformer.attention")
-    current = SelfAttention.__init__
-    original = original_of(current)
-    if not enabled:
-        SelfAttention.__init__ = original
-        if "forward" in SelfAttention.__dict__ and is_wrapper(SelfAttention.forward):
-            del SelfAttention.forward  # the wrapper shadowed the inherited Attention.forward
-        setattr(attn_mod, ROPE_NAME, original_of(getattr(attn_mod, ROPE_NAME)))
-        return
-    if current is not original:
-        return
+def wrap_self_attention_init(original: Callable) -> Callable:
+    """``SelfAttention.__init__`` building ``WlbCoreAttention`` around the spec's core attention (``hooks.HOOKS``)."""
 
     @wrapping(original)
     @functools.wraps(original)
@@ -348,9 +333,25 @@ def install_core_attention(enabled: bool = True) -> None:
         submodules = dataclasses.replace(submodules, core_attention=_builder(submodules.core_attention))
         original(self, config, submodules, *args, **kwargs)
 
-    SelfAttention.__init__ = __init__
-    SelfAttention.forward = _with_active_varlen(SelfAttention.forward)
-    setattr(attn_mod, ROPE_NAME, wlb_apply_rotary_pos_emb(getattr(attn_mod, ROPE_NAME)))
+    return __init__
+
+
+def wrap_self_attention_forward(forward: Callable) -> Callable:
+    """``SelfAttention.forward`` with the call's WLB micro-batch active for RoPE (``hooks.HOOKS``)."""
+    return _with_active_varlen(forward)
+
+
+#: the hooks that make every SelfAttention built afterwards ours (``hooks.HOOKS``, phase ``attention``)
+ATTENTION_HOOKS = ("SelfAttention.__init__", "SelfAttention.forward", ROPE_NAME)
+
+
+def install_core_attention(enabled: bool = True) -> None:
+    """Make every ``SelfAttention`` built from now on use ``WlbCoreAttention``, and RoPE follow the
+    plan's positions (``enabled=False`` undoes both)."""
+    if enabled:
+        hooks.install("attention")
+    else:
+        hooks.uninstall("attention")
 
 
 __all__ = ["WlbCoreAttention", "install_core_attention", "swap_core_attention", "wlb_apply_rotary_pos_emb",

@@ -14,18 +14,20 @@
 
 from __future__ import annotations
 
+import os
+import runpy
 import sys
+import typing
+from multiprocessing import spawn
 
 
 def install_python_shims() -> bool:
     """Stand ``typing_extensions.override`` in for ``typing.override`` where Python < 3.12; returns whether
     it installed it (False on Python >= 3.12 or when already there)."""
-    import typing
-
     if hasattr(typing, "override"):
         return False
     try:
-        import typing_extensions
+        import typing_extensions  # lazy: only Python < 3.12 needs it
     except ImportError as exc:
         raise RuntimeError(f"megatron-core >= 0.19 needs typing.override (Python 3.12+); on Python "
                            f"{sys.version_info.major}.{sys.version_info.minor} megatron_wlb stands in "
@@ -56,9 +58,6 @@ def spawn_children_import_this_module(script: str) -> None:
     """Spawned children of this process import this module as their ``__main__`` instead of re-running
     ``script`` (a Megatron-LM ``pretrain_gpt.py``: its module-level imports need ``typing.override`` on
     Python < 3.12, which a fresh child lacks, and its work belongs to the parent). Idempotent."""
-    import os
-    from multiprocessing import spawn
-
     original = spawn.get_preparation_data
     if getattr(original, "__wlb_compat__", False):
         return
@@ -79,9 +78,6 @@ def spawn_children_import_this_module(script: str) -> None:
 def run_script(argv: list[str]) -> None:
     """Run ``argv[0]`` (a Python script) as ``__main__`` with ``argv[1:]``, after ``install_python_shims``;
     its directory comes first on ``sys.path``, as when Python runs it."""
-    import os
-    import runpy
-
     if not argv or not os.path.isfile(argv[0]):
         raise SystemExit("usage: python -m megatron_wlb.megatron.compat SCRIPT [ARGS...] (e.g. a Megatron-LM "
                          f"checkout's tools/preprocess_data.py){'; no such file: ' + argv[0] if argv else ''}")

@@ -30,12 +30,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from megatron.core import parallel_state
 from megatron.core.packed_seq_params import PackedSeqParams
 
 from megatron_wlb.cp.device import DeviceBatch, upload
 from megatron_wlb.cp.plan import RankMicroBatch
 from megatron_wlb.megatron import attention as wlb_attention
-from megatron_wlb.megatron.rebind import rebind
+from megatron_wlb.megatron import hooks
+from megatron_wlb.megatron.device import training_device
+from megatron_wlb.megatron.rebind import original_of, wrapping
 from megatron_wlb.megatron.settings import WlbSettings
 
 
@@ -51,14 +54,7 @@ def te_available() -> bool:
     return importlib.util.find_spec("transformer_engine") is not None
 
 
-def training_device() -> torch.device:
-    """This rank's device: its current GPU, else the CPU."""
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-
-
 def _cp_group() -> Any:
-    from megatron.core import parallel_state
-
     return parallel_state.get_context_parallel_group(check_initialized=False)
 
 
@@ -129,6 +125,17 @@ def get_thd_batch_on_this_cp_rank(batch: dict[str, Any], cu_seqlens: Any, cu_seq
                                                                    cp_size, cp_rank)
 
 
+def wrap_get_thd_batch_on_this_cp_rank(original: Callable) -> Callable:
+    """Megatron's ``get_thd_batch_on_this_cp_rank`` replaced by ours (``hooks.HOOKS``; ours calls the original
+    for any batch that is not a WLB one)."""
+
+    @wrapping(original)
+    def thd_batch(*args: Any, **kwargs: Any) -> Any:
+        return get_thd_batch_on_this_cp_rank(*args, **kwargs)
+
+    return thd_batch
+
+
 def packed_seq_params_from_iterator(data_iterator: Iterator[RankMicroBatch] | None) -> WlbPackedSeqParams:
     """Middle pipeline stages: this CP rank's params of the next micro-batch (metadata only),
     identical to the first and last stages'."""
@@ -180,14 +187,12 @@ def install(settings: WlbSettings) -> None:
                          "transformer_engine is not installed; use --wlb-cp-sharding per-document (same layout "
                          "without padding, WLB all-gather attention) or install TransformerEngine")
     previous = _STATE.get("cp")
-    utils = importlib.import_module("megatron.core.utils")
     # gone from core_v0.18 on (the THD path of pretrain_gpt.get_batch was rewritten; our launcher uploads itself)
-    originals = previous.originals if previous else {
-        name: getattr(utils, name) for name in ("get_thd_batch_on_this_cp_rank",) if hasattr(utils, name)}
+    hooks.install("cp")
+    thd = "get_thd_batch_on_this_cp_rank"
+    originals = previous.originals if previous else \
+        ({thd: original_of(hooks.current(thd))} if hooks.is_installed(thd) else {})
     _STATE["cp"] = _Installed(settings=settings, originals=originals)
-    if previous is None and "get_thd_batch_on_this_cp_rank" in originals:
-        rebind("get_thd_batch_on_this_cp_rank", originals["get_thd_batch_on_this_cp_rank"],
-               get_thd_batch_on_this_cp_rank, skip=(__name__,))
     wlb_attention.install_core_attention(enabled=not te_attention)
 
 
@@ -196,8 +201,7 @@ def uninstall() -> None:
     state = _STATE.pop("cp", None)
     if state is None:
         return
-    for name, original in state.originals.items():
-        rebind(name, get_thd_batch_on_this_cp_rank, original, skip=(__name__,))
+    hooks.uninstall("cp")
     wlb_attention.install_core_attention(enabled=False)
 
 

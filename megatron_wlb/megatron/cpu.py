@@ -1,4 +1,4 @@
-"""Megatron-LM's own training loop on CPU (gloo): the CUDA redirects and the entry point.
+"""Megatron-LM's own training loop on CPU (gloo): the entry point (the CUDA redirects: ``cpu_redirects``).
 
 Megatron-LM is written for GPUs and calls CUDA unconditionally in a few places even when every tensor
 could live on the CPU. ``install_cpu_redirects()`` points exactly those calls at the CPU, and nothing
@@ -18,221 +18,19 @@ from __future__ import annotations
 import os
 import runpy
 import sys
+import sysconfig
 from collections.abc import Sequence
-from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-#: What is redirected and why (Megatron calls each unconditionally; none hides a bug of ours).
-REDIRECTS: tuple[tuple[str, str], ...] = (
-    ("device= arguments of tensor factories and Tensor.to",
-     "Megatron allocates with device=torch.cuda.current_device() (p2p buffers, broadcasts, RoPE, "
-     "the loss and grad-norm reductions); a torch function mode maps CUDA devices to the CPU, and "
-     "random tensors asked for on the device draw from a generator of their own, as on a GPU"),
-    ("Tensor.cuda / Module.cuda", "model build and batch code move tensors with .cuda(): identity"),
-    ("torch.cuda.current_device / device_count / set_device / synchronize / get_device_properties / "
-     "memory queries / Stream / Event / is_current_stream_capturing",
-     "initialization (it builds the model-parallel groups only when device_count() > 0), argument "
-     "validation (device arch), timers and memory reporting query the CUDA runtime: answered as for "
-     "one idle device 0 of arch 0.0"),
-    ("torch.cuda RNG (get_rng_state, set_rng_state, manual_seed) and Megatron's _get/_set_cuda_rng_state",
-     "the tensor-parallel RNG tracker seeds and forks the CUDA generator (weight init, recomputation): "
-     "the CPU generator stands in, so the states are the same functions of --seed as on a GPU"),
-    ("the CPU generator's state around initialize's _warmup_jit_function",
-     "the JIT warm-up runs dropout on seq_length/CP-sized random device tensors after seeding; on a GPU "
-     "that draws from the device generator, here it would move the CPU generator that "
-     "--use-cpu-initialization initializes the weights from (and differently for each CP size)"),
-    ("megatron.legacy.fused_kernels.load (core 0.16)",
-     "initialize calls it unconditionally; it only runs nvcc -V (no CUDA toolkit here) and builds nothing"),
-    ("initialize_megatron(allow_no_cuda=True)",
-     "initialize asserts torch.cuda.is_available() unless asked not to, and pretrain() does not ask"),
-    ("Python 3.11: typing.override (not CUDA; compat.install_python_shims, which apply() also calls)",
-     "megatron-core >= 0.19 imports typing.override (3.12); typing_extensions.override stands in"),
-    ("WrappedTorchNorm under --sequence-parallel (not CUDA: apex is missing)",
-     "apex's and TE's norms mark their weights sequence_parallel, so Megatron sums their gradients over "
-     "TP; the local spec's torch fallback refuses SP instead. Here it builds the torch norm and marks it "
-     "the same way, so SP runs on the CPU"),
-)
+from megatron_wlb.data.reader import IndexedSource, byte_documents, weighted_prefixes, write_indexed_dataset
+from megatron_wlb.megatron import main_schedule
+from megatron_wlb.megatron.compat import spawn_children_import_this_module
+from megatron_wlb.megatron.validation import exit_on_startup_error
 
-_INSTALLED = False
-
-
-def _is_cuda(device: Any) -> bool:
-    import torch
-
-    if isinstance(device, int) and not isinstance(device, bool):
-        return True  # an int device is a CUDA ordinal
-    if isinstance(device, str):
-        return device.startswith("cuda")
-    return isinstance(device, torch.device) and device.type == "cuda"
-
-
-def _device_mode():
-    import torch
-    from torch.overrides import TorchFunctionMode
-
-    to = torch.Tensor.to
-
-    class CudaToCpu(TorchFunctionMode):
-        """Rewrite CUDA ``device`` arguments to the CPU (factories, ``Tensor.to``)."""
-
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            kwargs = kwargs or {}
-            if getattr(func, "__name__", "") == "all_to_all_single":
-                # MoE's alltoall dispatcher moves its split sizes to host numpy only off a CUDA device
-                # (moe_utils.maybe_move_tensor_to_cpu); on the CPU they stay tensors, which gloo's binding refuses
-                kwargs = {k: v.tolist() if k.endswith("split_sizes") and torch.is_tensor(v) else v
-                          for k, v in kwargs.items()}
-            if "device" in kwargs and _is_cuda(kwargs["device"]):
-                kwargs = {**kwargs, "device": "cpu"}
-            if func is to and len(args) > 1 and _is_cuda(args[1]):
-                args = (args[0], "cpu", *args[2:])
-            return func(*args, **kwargs)
-
-    return CudaToCpu()
-
-
-@dataclass(frozen=True)
-class _DeviceProperties:
-    """What ``torch.cuda.get_device_properties`` answers for the stand-in device (arch 0.0: pre-Volta)."""
-
-    name: str = "cpu"
-    major: int = 0
-    minor: int = 0
-    total_memory: int = 0
-    multi_processor_count: int = 1
-
-
-_DEVICE_PROPERTIES = _DeviceProperties()
-
-
-class _Stream:
-    """Stand-in for torch.cuda.Stream/Event on the CPU: everything is already synchronous."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
-
-    def wait_stream(self, *args: Any) -> None:
-        pass
-
-    def wait_event(self, *args: Any) -> None:
-        pass
-
-    def record_event(self, *args: Any) -> _Stream:
-        return _Stream()
-
-    def record(self, *args: Any) -> None:
-        pass
-
-    def synchronize(self) -> None:
-        pass
-
-    def query(self) -> bool:
-        return True
-
-    def elapsed_time(self, other: Any) -> float:
-        return 0.0
-
-
-def install_cpu_redirects() -> None:
-    """Install the redirects of ``REDIRECTS`` in this process (idempotent). Call before importing Megatron
-    and before anything uses CUDA: on a GPU machine the GPUs are hidden from this process."""
-    global _INSTALLED
-    if _INSTALLED:
-        return
-    import torch
-
-    from megatron_wlb.megatron.compat import install_python_shims, refuse_spawned_reimport
-
-    refuse_spawned_reimport()
-
-    if not torch.cuda.is_initialized():
-        # CPU mode on a GPU machine: hide its GPUs from this process (read when CUDA initialises), so
-        # the redirects below answer every CUDA query, as on a machine without one.
-        os.environ["CUDA_VISIBLE_DEVICES"] = ""
-    if torch.cuda.is_available():
-        raise RuntimeError("install_cpu_redirects() must run before this process uses CUDA (it already has): "
-                           "call it first, or run Megatron on the GPU normally")
-    install_python_shims()
-
-    # Not a CUDA redirect: Megatron's jit_fuser wraps small fusions in torch.compile, which on the CPU
-    # compiles C++ with inductor in every process at start-up (minutes on 2 cores); eager mode computes
-    # the same values. TORCHDYNAMO_DISABLE=0 compiles anyway.
-    if os.environ.get("TORCHDYNAMO_DISABLE", "1") != "0":
-        import torch._dynamo
-
-        torch._dynamo.config.disable = True
-    mode = _device_mode()
-    mode.__enter__()  # for the life of the process
-    torch.Tensor.cuda = lambda self, *a, **k: self  # type: ignore[method-assign]
-    torch.nn.Module.cuda = lambda self, *a, **k: self  # type: ignore[method-assign]
-    cuda: Any = torch.cuda  # monkeypatched on purpose: its stubs type the real CUDA API
-    cuda.current_device = lambda: 0
-    cuda.set_device = lambda *a, **k: None
-    cuda.device_count = lambda: 1  # initialize_megatron builds the model-parallel groups only if > 0
-    cuda.synchronize = lambda *a, **k: None
-    cuda.get_device_name = lambda *a, **k: "cpu"
-    cuda.get_device_capability = lambda *a, **k: (0, 0)
-    cuda.get_device_properties = lambda *a, **k: _DEVICE_PROPERTIES
-    for name in ("memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved"):
-        setattr(cuda, name, lambda *a, **k: 0)
-    cuda.reset_peak_memory_stats = lambda *a, **k: None
-    cuda.empty_cache = lambda *a, **k: None
-    cuda.memory_stats = lambda *a, **k: {}
-    cuda.mem_get_info = lambda *a, **k: (0, 0)
-    cuda.is_current_stream_capturing = lambda: False  # Megatron-LM dev's p2p asks before each send
-    cuda.Stream = _Stream
-    cuda.Event = _Stream
-    cuda.current_stream = lambda *a, **k: _Stream()
-    cuda.default_stream = lambda *a, **k: _Stream()
-    cuda.stream = lambda *a, **k: _Stream()
-    cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
-    cuda.set_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
-    # the tracker seeds "the device generator": the CPU one stands in (not torch.manual_seed, which calls these)
-    cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
-    cuda.manual_seed_all = lambda seed: torch.default_generator.manual_seed(int(seed))
-    _INSTALLED = True
-
-
-def install_megatron_redirects() -> None:
-    """The redirects that live in Megatron's own modules (imported here, after ``install_cpu_redirects``)."""
-    import functools
-
-    import torch
-    from megatron.core.tensor_parallel import random as tp_random
-    from megatron.training import initialize, training
-
-    tp_random._set_cuda_rng_state = lambda new_state, *a, **k: torch.set_rng_state(new_state)
-    if hasattr(tp_random, "_get_cuda_rng_state"):  # activation recomputation saves and restores the state
-        tp_random._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
-    warmup = getattr(initialize, "_warmup_jit_function", None)
-    if warmup is not None and not getattr(warmup, "__wlb_cpu__", False):
-        def warmup_keeping_the_cpu_generator(*args: Any, **kwargs: Any) -> Any:
-            state = torch.get_rng_state()
-            try:
-                return warmup(*args, **kwargs)
-            finally:
-                torch.set_rng_state(state)
-
-        warmup_keeping_the_cpu_generator.__wlb_cpu__ = True  # type: ignore[attr-defined]
-        initialize._warmup_jit_function = warmup_keeping_the_cpu_generator
-    install_sequence_parallel_torch_norm()
-    from megatron_wlb.megatron.startup import guard_fused_kernels
-
-    guard_fused_kernels(force=True)  # core <= 0.16: initialize calls it; it runs nvcc -V and compiles nothing
-    original = initialize.initialize_megatron
-    if not getattr(original, "__wlb_cpu__", False):
-        patched = functools.wraps(original)(lambda *a, **k: original(*a, **{**k, "allow_no_cuda": True}))
-        patched.__wlb_cpu__ = True  # type: ignore[attr-defined]
-        for module in (initialize, training):
-            if getattr(module, "initialize_megatron", None) is original:
-                module.initialize_megatron = patched
-
+#: also here, imported on first use (``__getattr__``): REDIRECTS, install_cpu_redirects, install_megatron_redirects
+__all__ = ["TINY_GPT_ARGS", "TINY_GPT_EOD", "layout_from_env", "main", "measurement_env", "pin_to_core",
+           "tiny_gpt_vocab_flags", "write_text_corpus"]
 
 #: A tiny GPT (2 layers, hidden 64, RoPE, RMSNorm, SwiGLU, GQA-free) with Megatron's local layer spec and
 #: what the CPU needs: no fused CUDA kernels, CPU initialization, fp32, no gradient clipping (CUDA-only
@@ -277,8 +75,6 @@ def tiny_gpt_vocab_flags(argv: Sequence[str]) -> list[str]:
     """``--vocab-size`` for the tiny GPT from the data in ``argv``: none when its default (300) covers the
     largest token id, else that id + 1; a ``--vocab-size`` given in ``argv`` that does not cover it is
     refused (SystemExit naming the largest id and the flag)."""
-    from megatron_wlb.data.reader import IndexedSource, weighted_prefixes
-
     try:
         # argparse keeps a flag's last occurrence (train_cpu.sh puts its default --data-path first)
         prefixes = sorted({p for flag in DATA_PATH_FLAGS for values in _flag_values(argv, flag)[-1:] if values
@@ -334,44 +130,12 @@ def write_text_corpus(prefix: str, max_bytes: int = 600_000, separator: str = "\
     (cut at blank lines: functions and paragraphs, each followed by EOD 256); returns (documents,
     tokens). Real text whose document lengths span three orders of magnitude, on every machine with
     Python."""
-    import sysconfig
-    from pathlib import Path
-
-    from megatron_wlb.data.reader import byte_documents, write_indexed_dataset
-
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     paths = sorted(str(p) for p in stdlib.glob("*.py"))
     docs = byte_documents(paths, separator=separator, max_bytes=max_bytes)
     os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
     write_indexed_dataset(prefix, docs)
     return len(docs), int(sum(len(d) for d in docs))
-
-
-def install_sequence_parallel_torch_norm() -> None:
-    """Let Megatron's ``WrappedTorchNorm`` (the local spec's norm without apex) run under sequence
-    parallelism: build the torch norm as without SP and mark its parameters ``sequence_parallel``, as
-    apex's fused norms do, so ``finalize_model_grads`` sums their gradients over the TP group."""
-    from megatron.core.transformer import torch_norm
-
-    wrapped = torch_norm.WrappedTorchNorm
-    if getattr(wrapped, "__wlb_sequence_parallel__", False):
-        return
-    original_new = wrapped.__new__
-
-    def __new__(cls, config, hidden_size, *args, **kwargs):
-        if not getattr(config, "sequence_parallel", False):
-            return original_new(cls, config, hidden_size, *args, **kwargs)
-        config.sequence_parallel = False
-        try:
-            norm = original_new(cls, config, hidden_size, *args, **kwargs)
-        finally:
-            config.sequence_parallel = True
-        for param in norm.parameters():
-            param.sequence_parallel = True
-        return norm
-
-    wrapped.__new__ = staticmethod(__new__)
-    wrapped.__wlb_sequence_parallel__ = True
 
 
 #: ``WLB_PIN_CORES=1``: each rank runs on one core of its own (measurements: no rank shares a core)
@@ -408,7 +172,7 @@ def pin_to_core(environ: Any = None) -> int | None:
                          f"{len(cores)} ranks per machine to measure, or unset {PIN_VARIABLE}")
     os.sched_setaffinity(0, {cores[rank]})
     os.environ["OMP_NUM_THREADS"] = "1"
-    import torch
+    import torch  # lazy: this module's constants serve benchmarks that import no torch
 
     torch.set_num_threads(1)
     return cores[rank]
@@ -443,16 +207,15 @@ def main(argv: Sequence[str] | None = None) -> None:
         argv = [*TINY_GPT_ARGS, *layout_flags, *tiny_gpt_vocab_flags(argv[1:]), *argv[1:]]
     elif "--distributed-backend" not in argv:
         argv = [*argv, "--distributed-backend", "gloo"]
-    install_cpu_redirects()
-    if script is not None:
-        from megatron_wlb.megatron.args import exit_on_startup_error
-        from megatron_wlb.megatron.compat import spawn_children_import_this_module
+    from megatron_wlb.megatron.cpu_redirects import install_cpu_redirects, install_megatron_redirects  # lazy: torch
 
+    install_cpu_redirects()
+    from megatron_wlb.megatron import launcher  # lazy: it imports torch (this module's constants need none)
+
+    if script is not None:
         sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
         spawn_children_import_this_module(script)  # the torch_dist writer's children must not re-run the script
         install_megatron_redirects()
-        from megatron_wlb.megatron import launcher, main_schedule
-
         # what a main user's launcher does (main_schedule's module runner): "wlb" among the checkout's own
         # sequence-packing schedulers, before its flags are parsed (a no-op, saying why, where it has none)
         main_schedule.register()
@@ -462,9 +225,16 @@ def main(argv: Sequence[str] | None = None) -> None:
         launcher.release_process_groups()
         return
     install_megatron_redirects()
-    from megatron_wlb.megatron import launcher
-
     launcher.main(argv)
+
+
+def __getattr__(name: str) -> Any:
+    """The CUDA redirects (``cpu_redirects``), imported on first use: this module's constants need no torch."""
+    if name in ("REDIRECTS", "install_cpu_redirects", "install_megatron_redirects"):
+        from megatron_wlb.megatron import cpu_redirects  # lazy: it imports torch
+
+        return getattr(cpu_redirects, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 if __name__ == "__main__":

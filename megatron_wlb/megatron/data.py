@@ -271,7 +271,6 @@ class WlbDataIterator(Iterator[RankMicroBatch]):
         self._batches = None
         self.current = None
         self._mine = ()
-        self._cp_plans = ()
         self.layouts = ()
         self._cursor = 0
 

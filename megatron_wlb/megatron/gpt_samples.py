@@ -11,6 +11,8 @@ document with ``--dataloader-inter-document-masking``), and each piece's tokens,
 are Megatron's own (``dataset[j]``: the label of a window's last input is its ``seq_length + 1``-th
 token; ``--eod-mask-loss`` as Megatron applies it). The packer only regroups the pieces into
 variable-length micro-batches, deals them to DP ranks and orders them, with its bounded delay.
+
+Megatron's dataset code is imported inside the functions (``# lazy``): the package imports this module without it.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import numpy as np
 
 from megatron_wlb.cp.plan import Packed
 from megatron_wlb.data.samples import SAMPLE_CHUNK, GptIndices, SampleOrder, SampleStream, piece_sample
+from megatron_wlb.megatron.megatron_args import MegatronArgs
 
 #: samples whose arrays the piece reader keeps (a micro-batch's pieces come from many samples)
 SAMPLE_CACHE = 256
@@ -39,9 +42,9 @@ def masking_problem(args: Any) -> str | None:
     Without per-document masking every window of a stock job attends across its documents and costs
     the same, so there is nothing to balance, and pieces that attend only within themselves would be
     a silent change of the training."""
-    inter = bool(getattr(args, "dataloader_inter_document_masking", False))
-    reset_mask = bool(getattr(args, "reset_attention_mask", False))
-    reset_pos = bool(getattr(args, "reset_position_ids", False))
+    a = MegatronArgs.of(args)
+    inter, reset_mask, reset_pos = bool(a.dataloader_inter_document_masking), bool(a.reset_attention_mask), \
+        bool(a.reset_position_ids)
     if inter or (reset_mask and reset_pos):
         return None
     if reset_mask:
@@ -83,30 +86,30 @@ def gpt_dataset_config(args: Any, tokenizer: Any, blends: tuple[Any, Any] | None
     """megatron-core's ``GPTDatasetConfig`` as ``pretrain_gpt.core_gpt_dataset_config_from_args`` builds it
     (the fields this release's config has), with no dense attention mask (we never use it). ``blends``
     (blend, blend per split) replaces the ones ``args``' data paths give."""
-    from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
+    from megatron.core.datasets.gpt_dataset import GPTDatasetConfig  # lazy: no Megatron at package import
 
     blend, blend_per_split = blends if blends is not None else _blends(args)
+    a = MegatronArgs.of(args)
     values: dict[str, Any] = {
-        "random_seed": int(args.seed), "sequence_length": int(args.seq_length), "blend": blend,
-        "blend_per_split": blend_per_split, "split": getattr(args, "split", None),
-        "multiple_validation_sets": getattr(args, "multiple_validation_sets", None),
-        "full_validation": getattr(args, "full_validation", None),
-        "num_dataset_builder_threads": getattr(args, "num_dataset_builder_threads", None),
-        "path_to_cache": getattr(args, "data_cache_path", None),
-        "mmap_bin_files": getattr(args, "mmap_bin_files", None), "tokenizer": tokenizer,
-        "reset_position_ids": bool(getattr(args, "reset_position_ids", False)),
-        "reset_attention_mask": bool(getattr(args, "reset_attention_mask", False)),
-        "eod_mask_loss": bool(getattr(args, "eod_mask_loss", False)), "create_attention_mask": False,
-        "object_storage_cache_path": getattr(args, "object_storage_cache_path", None),
-        "mid_level_dataset_surplus": getattr(args, "mid_level_dataset_surplus", None),
-        "allow_ambiguous_pad_tokens": getattr(args, "allow_ambiguous_pad_tokens", None),
-        "context_parallel_size": getattr(args, "context_parallel_size", None),
-        "data_parallel_size": getattr(args, "data_parallel_size", None),
-        "sequence_parallel_size": int(getattr(args, "tensor_model_parallel_size", 1) or 1)
-        * bool(getattr(args, "sequence_parallel", False)),
-        "inter_document_masking": bool(getattr(args, "dataloader_inter_document_masking", False)),
-        "defer_npy_index_mmap": getattr(args, "defer_npy_index_mmap", None),
-        "fast_cache_load": getattr(args, "fast_cache_load", None),
+        "random_seed": int(a.seed), "sequence_length": int(a.seq_length), "blend": blend,
+        "blend_per_split": blend_per_split, "split": a.split,
+        "multiple_validation_sets": a.multiple_validation_sets,
+        "full_validation": a.full_validation,
+        "num_dataset_builder_threads": a.num_dataset_builder_threads,
+        "path_to_cache": a.data_cache_path,
+        "mmap_bin_files": a.mmap_bin_files, "tokenizer": tokenizer,
+        "reset_position_ids": bool(a.reset_position_ids),
+        "reset_attention_mask": bool(a.reset_attention_mask),
+        "eod_mask_loss": bool(a.eod_mask_loss), "create_attention_mask": False,
+        "object_storage_cache_path": a.object_storage_cache_path,
+        "mid_level_dataset_surplus": a.mid_level_dataset_surplus,
+        "allow_ambiguous_pad_tokens": a.allow_ambiguous_pad_tokens,
+        "context_parallel_size": a.context_parallel_size,
+        "data_parallel_size": a.data_parallel_size,
+        "sequence_parallel_size": a.tp * bool(a.sequence_parallel),
+        "inter_document_masking": bool(a.dataloader_inter_document_masking),
+        "defer_npy_index_mmap": a.defer_npy_index_mmap,
+        "fast_cache_load": a.fast_cache_load,
     }
     keep_none = {"blend", "blend_per_split", "split", "path_to_cache"}
     accepted = {f.name for f in dataclasses.fields(GPTDatasetConfig) if f.init}
@@ -115,36 +118,38 @@ def gpt_dataset_config(args: Any, tokenizer: Any, blends: tuple[Any, Any] | None
 
 def _blends(args: Any) -> tuple[Any, Any]:
     try:
-        from megatron.training.utils import get_blend_and_blend_per_split
+        from megatron.training.utils import get_blend_and_blend_per_split  # lazy: no Megatron at package import
     except ImportError:  # pragma: no cover - every supported release has it
-        from megatron.core.datasets.utils import get_blend_from_list
+        from megatron.core.datasets.utils import get_blend_from_list  # lazy: no Megatron at package import
 
-        per_split = [get_blend_from_list(getattr(args, f"{s}_data_path", None)) for s in ("train", "valid", "test")]
-        return get_blend_from_list(args.data_path), (per_split if any(per_split) else None)
+        a = MegatronArgs.of(args)
+        per_split = [get_blend_from_list(a.data_path_of(s)) for s in ("train", "valid", "test")]
+        return get_blend_from_list(a.data_path), (per_split if any(per_split) else None)
     return get_blend_and_blend_per_split(args)
 
 
 def megatron_num_samples(args: Any) -> tuple[int, Any, Any]:
     """(train, valid, test) samples, as Megatron's ``get_train_valid_test_num_samples`` computes them."""
     try:
-        from megatron.training.training import get_train_valid_test_num_samples
+        from megatron.training.training import get_train_valid_test_num_samples  # lazy: no Megatron at package import
 
         train, valid, test = get_train_valid_test_num_samples()
         return int(train), valid, test
     except (ImportError, AttributeError, AssertionError):
-        gbs = int(args.global_batch_size)
-        train = int(args.train_samples) if getattr(args, "train_samples", None) else int(args.train_iters) * gbs
-        eval_iters = int(getattr(args, "eval_iters", 0) or 0)
+        a = MegatronArgs.of(args)
+        gbs = int(a.global_batch_size)
+        train = int(a.train_samples) if a.train_samples else int(a.train_iters) * gbs
+        eval_iters = int(a.eval_iters or 0)
         return train, eval_iters * gbs, eval_iters * gbs
 
 
 def build_train_dataset(args: Any, tokenizer: Any = None, num_samples: tuple[int, Any, Any] | None = None) -> Any:
     """Megatron's train dataset of this job (``GPTDataset`` or ``BlendedDataset``), built on every rank."""
-    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
-    from megatron.core.datasets.gpt_dataset import GPTDataset
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder  # lazy
+    from megatron.core.datasets.gpt_dataset import GPTDataset  # lazy: the package imports this module without Megatron
 
     if tokenizer is None:
-        from megatron.training import get_tokenizer
+        from megatron.training import get_tokenizer  # lazy: the package imports this module without Megatron
 
         tokenizer = get_tokenizer()
     sizes = list(num_samples if num_samples is not None else megatron_num_samples(args))

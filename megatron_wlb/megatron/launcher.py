@@ -12,22 +12,30 @@ uploads the same rows and the same ``WlbPackedSeqParams``; stages that do not em
 loss simply ignore the tokens or labels. The loss is per token
 (``--calculate-per-token-loss`` is required): Megatron then divides the summed loss by the tokens of
 the whole global batch, so every token weighs the same whatever micro-batch it was packed into.
+
+Megatron is imported inside the functions (``# lazy``): ``--help`` runs without importing it.
 """
 
 from __future__ import annotations
 
 import inspect
+import sys
 from collections.abc import Sequence
 from functools import partial
 from typing import Any
 
 import torch
+import torch.distributed as dist
+
+import megatron_wlb.megatron as wlb
+from megatron_wlb.megatron.args import asks_for_help, wlb_help
+from megatron_wlb.megatron.validation import exit_on_startup_error
 
 
 def get_batch(data_iterator: Any, model: Any = None) -> tuple[Any, ...]:
     """(tokens, labels, loss_mask, position_ids, packed_seq_params) of this rank's next micro-batch,
     already planned for this CP rank by the iterator: one upload, no device-to-host sync."""
-    from megatron_wlb.megatron.cp_hooks import upload_micro_batch
+    from megatron_wlb.megatron.cp_hooks import upload_micro_batch  # lazy: --help runs without importing Megatron
 
     batch, params = upload_micro_batch(next(data_iterator))
     return batch["tokens"], batch["labels"], batch["loss_mask"], batch["position_ids"], params
@@ -45,7 +53,7 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor, model: Any =
 
 def forward_step(data_iterator: Any, model: Any, return_schedule_plan: bool = False):
     """Megatron's forward-step contract: (output tensor, loss function of it)."""
-    from megatron.training import get_timers
+    from megatron.training import get_timers  # lazy: --help runs without importing Megatron
 
     timers = get_timers()
     timers("batch-generator", log_level=2).start()
@@ -66,13 +74,13 @@ datasets_provider.is_distributed = True  # type: ignore[attr-defined]  # called 
 def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage: int | None = None,
                    config: Any = None, pg_collection: Any = None):
     """A GPTModel with Megatron's local (non-TE) or TE layer spec from the run's args (core < 0.19 API)."""
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import (
+    from megatron.core.models.gpt import GPTModel  # lazy: --help runs without importing Megatron
+    from megatron.core.models.gpt.gpt_layer_specs import (  # lazy: --help runs without importing Megatron
         get_gpt_layer_local_spec,
         get_gpt_layer_with_transformer_engine_spec,
     )
-    from megatron.training import get_args
-    from megatron.training.arguments import core_transformer_config_from_args
+    from megatron.training import get_args  # lazy: --help runs without importing Megatron
+    from megatron.training.arguments import core_transformer_config_from_args  # lazy: --help needs no Megatron
 
     args = get_args()
     config = config if config is not None else core_transformer_config_from_args(args)
@@ -100,11 +108,8 @@ ARGS_DEFAULTS = {"tokenizer_type": "NullTokenizer"}
 def main(argv: Sequence[str] | None = None) -> None:
     """Apply the WLB-LLM hooks and run Megatron's ``pretrain`` with this module's providers; a start-up problem
     (flags, data) exits with its one-line message (``args.StartupError``)."""
-    import sys
-
     if argv is not None:
         sys.argv = [sys.argv[0], *argv]
-    from megatron_wlb.megatron.args import asks_for_help, exit_on_startup_error, wlb_help
 
     if asks_for_help(sys.argv[1:]):  # ours only: Megatron's --help crashes on 0.19.2 (upstream)
         print(wlb_help("python -m megatron_wlb.megatron.launcher"), end="")
@@ -118,8 +123,6 @@ def release_process_groups() -> None:
     """Once training has returned: every rank meets, then the process groups are destroyed, so that gloo's
     worker threads do not outlive the interpreter. Megatron's ``pretrain`` leaves them up, and an exit with
     them alive can abort ("terminate called without an active exception", SIGABRT; pytorch#190489)."""
-    import torch.distributed as dist
-
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
@@ -127,15 +130,13 @@ def release_process_groups() -> None:
 
 def _pretrain() -> None:
     """`apply()`, then Megatron's ``pretrain`` (the megatron-core >= 0.19 config container or the older API)."""
-    import megatron_wlb.megatron as wlb
-
     wlb.apply(middle_stage_batches=True)  # also makes the dataset-helper build safe (startup.py)
-    from megatron.core.enums import ModelType
-    from megatron.training import pretrain
+    from megatron.core.enums import ModelType  # lazy: --help runs without importing Megatron
+    from megatron.training import pretrain  # lazy: --help runs without importing Megatron
 
     if "cfg_container" in inspect.signature(pretrain).parameters:  # megatron-core >= 0.19
-        from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_container_from_args
-        from megatron.training.arguments import parse_and_validate_args
+        from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_container_from_args  # lazy
+        from megatron.training.arguments import parse_and_validate_args  # lazy: --help runs without importing Megatron
 
         args = parse_and_validate_args(args_defaults=ARGS_DEFAULTS)
         container = pretrain_cfg_container_from_args(args, gpt_config_from_args(args))

@@ -46,17 +46,29 @@ from __future__ import annotations
 import enum
 import importlib
 import importlib.util
+import inspect
+import os
+import runpy
+import sys
 from typing import TYPE_CHECKING, Any
+
+from megatron_wlb.megatron import hooks
+from megatron_wlb.megatron.args import settings_from_args
+from megatron_wlb.megatron.compat import install_python_shims, spawn_children_import_this_module
+from megatron_wlb.megatron.main_checks import SCHEDULER_FLAG, SCHEDULER_NAME, TE_MIN_VERSION, widen_config_check
+from megatron_wlb.megatron.megatron_args import MegatronArgs
+from megatron_wlb.megatron.state import runtime
+from megatron_wlb.megatron.validation import cost_model_from_args
+from megatron_wlb.packing.wlb import place_whole_batch
 
 if TYPE_CHECKING:
     from megatron_wlb.costmodel import CostModel
 
-__all__ = ["DATA_SCHEDULE_MODULE", "SCHEDULER_NAME", "register", "scheduler_class", "scheduler_cost_model"]
+__all__ = ["DATA_SCHEDULE_MODULE", "SCHEDULER_FLAG", "SCHEDULER_NAME", "TE_MIN_VERSION", "register", "scheduler_class",
+           "scheduler_cost_model", "widen_config_check"]
 
 #: main's sequence-packing scheduler module
 DATA_SCHEDULE_MODULE = "megatron.core.datasets.data_schedule"
-#: the value of ``config.sequence_packing_scheduler`` that selects our scheduler (enum member ``WLB``)
-SCHEDULER_NAME = "wlb"
 
 _CLASS: type | None = None
 
@@ -87,19 +99,16 @@ def scheduler_cost_model() -> tuple[CostModel | None, int, int]:
     args where they are set (our settings from ``apply()``, else the args' ``--wlb-*`` values), else
     ``(None, 1, 1)`` (the ``d**2`` weight, one stage)."""
     try:
-        from megatron.training import global_vars
+        from megatron.training import global_vars  # lazy: the package imports this module without torch or Megatron
     except ImportError:
         return None, 1, 1
-    args = getattr(global_vars, "_GLOBAL_ARGS", None)
-    if args is None or not getattr(args, "num_attention_heads", None):
+    args = global_vars._GLOBAL_ARGS  # None until Megatron's args are set
+    if args is None or not MegatronArgs.of(args).num_attention_heads:
         return None, 1, 1
-    from megatron_wlb.megatron import runtime
-    from megatron_wlb.megatron.args import cost_model_from_args, settings_from_args
 
+    a = MegatronArgs.of(args)
     settings = runtime().settings or settings_from_args(args)
-    stages = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
-    virtual = int(getattr(args, "virtual_pipeline_model_parallel_size", None) or 1)
-    return cost_model_from_args(args, settings), stages, virtual
+    return cost_model_from_args(args, settings), a.pp, a.vpp
 
 
 def scheduler_class() -> type:
@@ -162,7 +171,7 @@ def _announce(samples: int, micro_batches: int) -> None:
     if _ANNOUNCED:
         return
     _ANNOUNCED = True
-    import torch.distributed as dist
+    import torch.distributed as dist  # lazy: the package imports this module without torch or Megatron
 
     if not dist.is_available() or not dist.is_initialized() or dist.get_rank() == 0:
         print(f"> megatron_wlb: Megatron's sequence-packing path plans with WlbPackingScheduler (first global "
@@ -171,8 +180,6 @@ def _announce(samples: int, micro_batches: int) -> None:
 
 def _takes(function: Any, name: str) -> bool:
     """Whether ``function`` names the parameter ``name`` (by its signature, not by the Megatron version)."""
-    import inspect
-
     try:
         params = inspect.signature(function).parameters
     except (TypeError, ValueError):
@@ -186,166 +193,11 @@ def plan_sample_groups(sample_id_seqlens: Any, window: int, dp: int, cp: int, co
     """``get_groups_and_subsamples``'s answer for ``(sample id, length)`` pairs: ``groups[k][j]`` holds the
     sample ids of micro-batch k on DPxCP rank j (DP rank ``j // cp``), at most ``max_items`` per micro-batch
     (dev's ``max_num_seqs``), torch-free."""
-    from megatron_wlb.packing.wlb import place_whole_batch
-
     pairs = [(int(i), int(n)) for i, n in sample_id_seqlens]
     plan = place_whole_batch([n for _, n in pairs], dp, window, cost, stages, virtual_stages, multiple,
                              max_items=max_items)
     n_micro = len(plan[0])
     return [[[pairs[i][0] for i in plan[j // cp][k]] for j in range(dp * cp)] for k in range(n_micro)]
-
-
-#: main's (after PR #6742) and dev's flag that picks the scheduler (``choices`` without ``wlb`` there)
-SCHEDULER_FLAG = "--sequence-packing-scheduler"
-#: TransformerConfig refuses any sequence-packing scheduler below this TransformerEngine (main after #6742, dev)
-TE_MIN_VERSION = "2.9.0"
-_MARK = "__wlb_widened__"
-
-
-def widen_flag_choices(parser: Any) -> Any:
-    """An ``extra_args_provider``: add ``wlb`` to the choices of ``--sequence-packing-scheduler`` where the
-    parser has that flag with a fixed list (main after #6742: ``['dp_balanced']``; dev: its config's Literal)."""
-    action = getattr(parser, "_option_string_actions", {}).get(SCHEDULER_FLAG)
-    if action is not None and action.choices is not None and SCHEDULER_NAME not in action.choices:
-        action.choices = [*action.choices, SCHEDULER_NAME]
-    return parser
-
-
-def te_problem() -> str:
-    """Why main's sequence-packing path cannot run here ("" if it can): its TransformerConfig requires
-    TransformerEngine >= ``TE_MIN_VERSION`` for any scheduler."""
-    from megatron_wlb.megatron.args import module_available
-
-    if not module_available("transformer_engine"):
-        return "transformer_engine is not installed"
-    try:
-        from megatron.core.utils import get_te_version, is_te_min_version
-
-        return "" if is_te_min_version(TE_MIN_VERSION) else f"TransformerEngine {get_te_version()} is installed"
-    except Exception as exc:  # noqa: BLE001 - a broken TE install is "not usable", said in one line
-        return f"TransformerEngine does not import ({type(exc).__name__}: {exc})"
-
-
-def prepare_main_path(args: Any) -> None:
-    """After main's flags are parsed with ``--sequence-packing-scheduler wlb`` (main's own path, without
-    ``apply()``, under which the flag is refused by ``args.bypass_problems``): with ``--transformer-impl local``
-    our core attention serves the THD micro-batches main packs (Megatron's local attention has no THD path;
-    ``attention.WlbCoreAttention``, CP 1), so TransformerConfig's TransformerEngine >= 2.9 requirement, which
-    guards TE's THD attention, does not apply (``widen_config_check`` lifts it for that case only); with
-    TransformerEngine's layers it stands, and without that TE the run exits in one line."""
-    from megatron_wlb.megatron import runtime
-
-    if getattr(args, "sequence_packing_scheduler", None) != SCHEDULER_NAME or runtime().installed:
-        return
-    if getattr(args, "transformer_impl", None) == "local":
-        from megatron_wlb.megatron.attention import install_core_attention
-
-        install_core_attention(True)
-        return
-    why = te_problem()
-    if why:
-        raise SystemExit(f"megatron_wlb: {SCHEDULER_FLAG} {SCHEDULER_NAME} runs Megatron's own sequence-packing path, "
-                         f"whose TransformerConfig requires TransformerEngine >= {TE_MIN_VERSION}, but {why}; install "
-                         f"TransformerEngine >= {TE_MIN_VERSION}, use --transformer-impl local (our attention serves "
-                         "main's THD micro-batches at CP 1), or train through our data path: python -m "
-                         "megatron_wlb.megatron.launcher <Megatron flags> --wlb-packer wlb")
-
-
-def _wrap_transformer_config_check() -> list[str]:
-    """Wrap ``TransformerConfig.__post_init__`` where it checks the scheduler (main after #6742: TransformerEngine >=
-    ``TE_MIN_VERSION`` for any scheduler; dev: also the name): for ``sequence_packing_scheduler="wlb"`` its checks
-    run as for ``dp_balanced``, and with ``transformer_impl="local"`` the TE version query answers yes (only that
-    query, only during that call): no TE kernel runs there, our attention serves the THD batches
-    (``prepare_main_path``)."""
-    import inspect
-
-    from megatron.core.transformer import transformer_config as module
-
-    cls = module.TransformerConfig
-    post_init = cls.__dict__.get("__post_init__")
-    if post_init is None:
-        return []
-    try:
-        checks = "sequence_packing_scheduler" in inspect.getsource(post_init)
-    except (OSError, TypeError):
-        checks = False
-    if not checks:
-        return []
-    if not getattr(post_init, _MARK, False):
-        def __post_init__(self: Any) -> None:
-            if getattr(self, "sequence_packing_scheduler", None) != SCHEDULER_NAME:
-                post_init(self)
-                return
-            original: Any = getattr(module, "is_te_min_version", None)
-            local = getattr(self, "transformer_impl", None) == "local" and original is not None
-
-            def is_te_min_version(version: str, *args: Any, **kwargs: Any) -> bool:
-                return True if str(version) == TE_MIN_VERSION else bool(original(version, *args, **kwargs))
-
-            self.sequence_packing_scheduler = "dp_balanced"
-            if local:
-                module.is_te_min_version = is_te_min_version
-            try:
-                post_init(self)
-            finally:
-                self.sequence_packing_scheduler = SCHEDULER_NAME
-                if local:
-                    module.is_te_min_version = original
-
-        setattr(__post_init__, _MARK, True)
-        cls.__post_init__ = __post_init__
-    return ["TransformerConfig check"]
-
-
-def widen_config_check() -> list[str]:
-    """Let ``sequence_packing_scheduler = "wlb"`` through Megatron's own checks (idempotent): the flag's choices
-    (``widen_flag_choices`` composed into ``megatron.training.arguments.parse_args``, with ``refuse_without_te``)
-    and ``ModelParallelConfig.__post_init__`` (main after #6742 and dev refuse any other name than theirs: its
-    checks run as for ``dp_balanced``, whose window and variable-length p2p ours share). Returns what it wrapped
-    (nothing where this Megatron's config has no ``sequence_packing_scheduler``)."""
-    import dataclasses
-
-    widened = []
-    from megatron.core.model_parallel_config import ModelParallelConfig
-
-    fields = {f.name for f in dataclasses.fields(ModelParallelConfig)}
-    post_init = ModelParallelConfig.__dict__.get("__post_init__")
-    if "sequence_packing_scheduler" in fields and post_init is not None:
-        if not getattr(post_init, _MARK, False):
-            def __post_init__(self: Any) -> None:
-                if getattr(self, "sequence_packing_scheduler", None) != SCHEDULER_NAME:
-                    post_init(self)
-                    return
-                self.sequence_packing_scheduler = "dp_balanced"
-                try:
-                    post_init(self)
-                finally:
-                    self.sequence_packing_scheduler = SCHEDULER_NAME
-
-            setattr(__post_init__, _MARK, True)
-            ModelParallelConfig.__post_init__ = __post_init__
-        widened.append("ModelParallelConfig check")
-    widened += _wrap_transformer_config_check()
-    try:
-        from megatron.training import arguments
-    except ImportError:
-        arguments = None
-    parse_args = getattr(arguments, "parse_args", None)
-    if parse_args is not None and "sequence_packing_scheduler" in fields:
-        if not getattr(parse_args, _MARK, False):
-            from megatron_wlb.megatron.args import compose_providers
-            from megatron_wlb.megatron.rebind import rebind, wrapping
-
-            @wrapping(parse_args)
-            def widened_parse_args(extra_args_provider: Any = None, ignore_unknown_args: bool = False) -> Any:
-                args = parse_args(compose_providers(extra_args_provider, widen_flag_choices), ignore_unknown_args)
-                prepare_main_path(args)
-                return args
-
-            setattr(widened_parse_args, _MARK, True)
-            rebind("parse_args", parse_args, widened_parse_args)
-        widened.append(f"{SCHEDULER_FLAG} choices")
-    return widened
 
 
 def register() -> str:
@@ -375,6 +227,16 @@ def register() -> str:
             return f"registered: sequence_packing_scheduler={SCHEDULER_NAME!r} (already)"
         raise RuntimeError(f"Megatron's PackingSchedulerEnum already has {key} (scheduler {current!r}); "
                            f"megatron-wlb will not replace it")
+    hooks.install_hook("PackingSchedulerEnum")  # enum_with_wlb: main's members plus WLB
+    return f"registered: sequence_packing_scheduler={SCHEDULER_NAME!r} ({cls.__qualname__})"
+
+
+def enum_with_wlb(old: Any) -> Any:
+    """``PackingSchedulerEnum`` rebuilt with ``WLB`` (``hooks.HOOKS``; an Enum gains no members through a public API):
+    main's members, same names and values, plus ``WLB``; ``scheduler_map`` keyed by the new members and the old
+    ones, ``WLB`` mapped to ``WlbPackingScheduler``."""
+    data_schedule = importlib.import_module(DATA_SCHEDULE_MODULE)
+    key = SCHEDULER_NAME.upper()
     members = {m.name: m.value for m in old}
     members[key] = SCHEDULER_NAME
     new = enum.Enum(old.__name__, members, module=old.__module__, qualname=old.__qualname__)  # type: ignore[misc]
@@ -382,23 +244,17 @@ def register() -> str:
     schedulers = data_schedule.scheduler_map
     for member in old:
         schedulers[new[member.name]] = schedulers[member]  # the old members stay keys too
-    schedulers[new[key]] = cls
-    setattr(data_schedule, "PackingSchedulerEnum", new)  # noqa: B010 - the module attribute wrap_data_iterator reads
-    return f"registered: sequence_packing_scheduler={SCHEDULER_NAME!r} ({cls.__qualname__})"
+    schedulers[new[key]] = scheduler_class()
+    return new
 
 
 def run_script(argv: list[str]) -> None:
     """``python -m megatron_wlb.megatron.main_schedule PRETRAIN_GPT [FLAGS...]`` (under torchrun): a Megatron-LM
     checkout's own ``pretrain_gpt.py`` with ``wlb`` registered before its flags are parsed, so that
     ``--sequence-packing-scheduler wlb`` plans its packing path with our packer (``register()``)."""
-    import os
-    import runpy
-    import sys
-
     if not argv or not os.path.isfile(argv[0]):
         raise SystemExit("usage: python -m megatron_wlb.megatron.main_schedule PRETRAIN_GPT [FLAGS...] (a Megatron-LM "
                          f"checkout's pretrain_gpt.py){'; no such file: ' + argv[0] if argv else ''}")
-    from megatron_wlb.megatron.compat import install_python_shims, spawn_children_import_this_module
 
     install_python_shims()
     sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))

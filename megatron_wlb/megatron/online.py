@@ -21,6 +21,7 @@ from megatron_wlb.costmodel.fit import BASE_TERMS, RefitStats
 from megatron_wlb.costmodel.refit import cost_model_from_state, cost_state, rounded
 from megatron_wlb.costmodel.trace import MicroBatchRow, profile_points
 from megatron_wlb.megatron.data import plan_digest
+from megatron_wlb.megatron.state import print_rank0, runtime
 from megatron_wlb.packing.types import GlobalBatch
 
 #: iterations whose steps the refit leaves out (start-up: allocation, first-call costs)
@@ -77,3 +78,25 @@ class OnlineRefit:
         self.apply(cost_model_from_state(state, self.base), state)
         self.refits += 1
         return state
+
+
+def start_online_refit(cost: CostModel, layout: dict[str, int], interval: int, recorder: Any) -> OnlineRefit:
+    """The process's ``OnlineRefit`` (``runtime().refit``): every refit hands the new model to every training
+    iterator's packer, to ``recorder`` (its trace rows' predictions) and to the metrics logger, and says so."""
+    registry = runtime().registry
+
+    def apply_refit(new: CostModel, state: dict[str, Any]) -> None:
+        for it in registry.iterators:
+            it.packer.set_cost(new, state)
+        recorder.cost = new
+        logger = runtime().logger
+        if logger is not None:
+            logger.cost, logger.latest = new, None
+        fit = state["fit"]
+        print_rank0(f"> megatron_wlb: online cost model refit at iteration {state['iteration'] + 1} from "
+                    f"{fit['extra']['points']} measured micro-batches: attention {fit['attn_per_pair']:.4g} "
+                    f"s/pair, linear {fit['linear_per_token']:.4g} s/token, overhead {fit['overhead']:.4g} s "
+                    f"per layer; bwd/fwd {fit['bwd_attention']:.2f} / {fit['bwd_linear']:.2f}")
+
+    return OnlineRefit(cost, layout, interval, apply_refit,
+                       lambda: registry.iterators[0].current if registry.iterators else None, recorder.clock.kind)

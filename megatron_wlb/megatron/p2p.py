@@ -15,14 +15,14 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from megatron.core.pipeline_parallel import p2p_communication
 
-from megatron_wlb.megatron.rebind import is_wrapper, wrapping
+from megatron_wlb.megatron import hooks
+from megatron_wlb.megatron.rebind import wrapping
 
 
 def _ordered_communicate_shapes(self: Any, tensor_send_next: Any, tensor_send_prev: Any, recv_prev: bool,
                                 recv_next: bool) -> tuple[list[int], list[int]]:
-    from megatron.core.pipeline_parallel import p2p_communication
-
     device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
 
     def shape_of(tensor: Any) -> torch.Tensor | None:
@@ -40,16 +40,16 @@ def _ordered_communicate_shapes(self: Any, tensor_send_next: Any, tensor_send_pr
             recv_next_shape.tolist() if recv_next_shape is not None else [0, 0, 0])
 
 
+def ordered_communicate_shapes(original: Any) -> Any:
+    """The replacement of ``P2PCommunicator._communicate_shapes`` (``hooks.HOOKS``); None where this Megatron's
+    p2p module has no ``_p2p_ops`` to order the exchange with."""
+    if not hasattr(p2p_communication, "_p2p_ops"):
+        return None
+    return wrapping(original)(_ordered_communicate_shapes)
+
+
 def install() -> bool:
     """Replace ``P2PCommunicator._communicate_shapes`` (megatron-core 0.16 and 0.19); idempotent.
     Returns False where this Megatron has no such method (nothing to fix)."""
-    from megatron.core.pipeline_parallel import p2p_communication
-
-    communicator = getattr(p2p_communication, "P2PCommunicator", None)
-    if communicator is None or not hasattr(communicator, "_communicate_shapes") \
-            or not hasattr(p2p_communication, "_p2p_ops"):
-        return False
-    if not is_wrapper(communicator._communicate_shapes):
-        original = communicator._communicate_shapes
-        communicator._communicate_shapes = wrapping(original)(_ordered_communicate_shapes)
-    return True
+    hooks.install("pipeline")
+    return hooks.is_installed("P2PCommunicator._communicate_shapes")

@@ -9,9 +9,12 @@ one-line ValueError (``args.StartupError``) listing every problem with what to c
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
-from megatron_wlb.megatron.args import configuration_error, module_available
+from megatron_wlb.megatron import hooks
+from megatron_wlb.megatron.megatron_args import MegatronArgs
+from megatron_wlb.megatron.validation import configuration_error, module_available
 
 #: Megatron flags that our packing already implies (positions restart at every document piece, attention
 #: never crosses a piece, the last token of a piece has no label): accepted, with a note.
@@ -22,18 +25,13 @@ IMPLIED_FLAGS = {
 }
 
 
-def _cuda_graphs(args: Any) -> bool:
-    impl = getattr(args, "cuda_graph_impl", None)
-    return bool(getattr(args, "enable_cuda_graph", False) or getattr(args, "external_cuda_graph", False)
-                or impl not in (None, "none"))
+def _cuda_graphs(a: MegatronArgs) -> bool:
+    return bool(a.enable_cuda_graph or a.external_cuda_graph or a.cuda_graph_impl not in (None, "none"))
 
 
 def _torch_norm_handles_sequence_parallel() -> bool:
     """Whether the CPU harness taught Megatron's torch norm sequence parallelism (cpu.py)."""
-    import sys
-
-    module = sys.modules.get("megatron.core.transformer.torch_norm")
-    return bool(module is not None and getattr(module.WrappedTorchNorm, "__wlb_sequence_parallel__", False))
+    return "megatron.core.transformer.torch_norm" in sys.modules and hooks.is_installed("WrappedTorchNorm.__new__")
 
 
 def check_training_args(args: Any, *, middle_stage_batches: bool) -> list[str]:
@@ -46,9 +44,10 @@ def check_training_args(args: Any, *, middle_stage_batches: bool) -> list[str]:
     """
     notes: list[str] = []
     problems: list[str] = []
-    pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
-    vpp = getattr(args, "virtual_pipeline_model_parallel_size", None)
-    if not getattr(args, "calculate_per_token_loss", False):
+    a = MegatronArgs.of(args)  # read before the write below (calculate_per_token_loss, which it does not read again)
+    pp = a.pp
+    vpp = a.virtual_pipeline_model_parallel_size
+    if not a.calculate_per_token_loss:
         # Megatron would divide each micro-batch's loss by its own token count and by N: a token's weight
         # would depend on how full its micro-batch is (our micro-batches hold 0..S_max tokens).
         args.calculate_per_token_loss = True
@@ -61,23 +60,23 @@ def check_training_args(args: Any, *, middle_stage_batches: bool) -> list[str]:
                         "boundaries: launch with `python -m megatron_wlb.megatron.launcher`, or patch "
                         "pretrain_gpt.py (scripts/apply_patches.sh), or call apply(middle_stage_batches=True) "
                         "from a get_batch that returns cp_hooks.packed_seq_params_from_iterator() on middle stages")
-    if getattr(args, "tp_comm_overlap", False):
+    if a.tp_comm_overlap:
         problems.append("--tp-comm-overlap needs fixed-shape userbuffers (seq_length x micro-batch); packed "
                         "micro-batches vary in length: remove --tp-comm-overlap")
-    if _cuda_graphs(args):
+    if _cuda_graphs(a):
         problems.append("CUDA graphs capture fixed shapes; packed micro-batches vary in length: remove "
                         "--enable-cuda-graph / --external-cuda-graph / --cuda-graph-impl")
-    if getattr(args, "sequence_parallel", False) and getattr(args, "transformer_impl", None) == "local":
+    if a.sequence_parallel and a.transformer_impl == "local":
         if not module_available("apex") and not _torch_norm_handles_sequence_parallel():
             problems.append("--sequence-parallel with --transformer-impl local: without apex, Megatron's local "
                             "spec normalises with WrappedTorchNorm, which does not support sequence parallelism; "
                             "use --transformer-impl transformer_engine or drop --sequence-parallel")
-    if getattr(args, "persist_layer_norm", False) and getattr(args, "transformer_impl", None) == "local":
+    if a.persist_layer_norm and a.transformer_impl == "local":
         if not module_available("apex"):
             problems.append("--transformer-impl local without apex normalises with WrappedTorchNorm, which "
                             "refuses persist_layer_norm (Megatron's default): add --no-persist-layer-norm")
-    implied = [flag for attr, flag in IMPLIED_FLAGS.items() if getattr(args, attr, False)]
-    if getattr(args, "wlb_pieces", None) == "concat-and-cut":
+    implied = [flag for attr, flag in IMPLIED_FLAGS.items() if getattr(a, attr)]
+    if a.wlb_pieces == "concat-and-cut":
         notes.append("--wlb-pieces concat-and-cut: training Megatron's own GPTDataset samples (labels, loss mask and "
                      "position ids as its flags make them), regrouped per document into balanced micro-batches")
     elif implied:

@@ -30,8 +30,10 @@ def is_wrapper(fn: Any) -> bool:
     return hasattr(fn, WRAPPED_ATTR)
 
 
-def rebind(name: str, original: Callable, replacement: Callable, skip: tuple[str, ...] = ()) -> list[str]:
-    """Point ``name`` at ``replacement`` in every loaded module whose ``name`` is ``original``.
+def rebind(name: str, original: Any, replacement: Any, skip: tuple[str, ...] = (),
+           only: tuple[str, ...] = ()) -> list[str]:
+    """Point ``name`` at ``replacement`` in every loaded module whose ``name`` is ``original`` (of ``only``, if
+    given; none of ``skip``). ``hooks.install_hook`` is its one caller that changes Megatron's modules.
 
     Reads each module's ``__dict__`` directly: lazy modules (transformers, six.moves, ...) may raise
     anything from ``__getattr__``, and a binding they would create lazily cannot be ``original``.
@@ -39,7 +41,7 @@ def rebind(name: str, original: Callable, replacement: Callable, skip: tuple[str
     """
     patched = []
     for mod_name, module in list(sys.modules.items()):
-        if module is None or mod_name in skip:
+        if module is None or mod_name in skip or (only and mod_name not in only):
             continue
         namespace = getattr(module, "__dict__", None)
         if isinstance(namespace, dict) and namespace.get(name) is original:

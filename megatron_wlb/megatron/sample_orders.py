@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import tempfile
+import types
 from collections.abc import Sequence
 from typing import Any
 
@@ -59,9 +60,9 @@ class LengthsDataset:
 def null_tokenizer(vocab_size: int = NULL_VOCAB) -> Any:
     """megatron-core's ``NullTokenizer`` (the config requires a tokenizer; the indices do not use it)."""
     try:
-        from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer
+        from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer  # lazy: Megatron on use
     except ImportError:  # pragma: no cover - releases before megatron.core.tokenizers
-        from megatron.training.tokenizer.tokenizer import _NullTokenizer as NullTokenizer
+        from megatron.training.tokenizer.tokenizer import _NullTokenizer as NullTokenizer  # lazy: Megatron on use
     return NullTokenizer(vocab_size)
 
 
@@ -69,8 +70,6 @@ def gpt_config(seq_len: int, seed: int, *, blend: tuple[list[str], list[float] |
                path_to_cache: str | None = None) -> Any:
     """The ``GPTDatasetConfig`` of a job that masks per document (``--reset-position-ids
     --reset-attention-mask``, what the balanced concat-and-cut requires), no dense mask."""
-    import types
-
     if seq_len < 1:
         raise ValueError(f"seq_len must be a positive token count, got {seq_len}")
     job = types.SimpleNamespace(seed=int(seed), seq_length=int(seq_len), split=split, data_cache_path=path_to_cache,
@@ -83,8 +82,8 @@ def lengths_dataset(lengths: np.ndarray | Sequence[int], seq_len: int, num_sampl
     """megatron-core's ``GPTDataset`` (train split) over documents of ``lengths`` tokens: its
     ``document_index`` / ``sample_index`` / ``shuffle_index`` exactly as for a ``.bin/.idx`` of those
     documents. ``path_to_cache`` None: built in a temporary folder that is removed afterwards."""
-    from megatron.core.datasets.gpt_dataset import GPTDataset
-    from megatron.core.datasets.utils import Split
+    from megatron.core.datasets.gpt_dataset import GPTDataset  # lazy: Megatron on use
+    from megatron.core.datasets.utils import Split  # lazy: Megatron on use
 
     low = LengthsDataset(lengths, name)
     if num_samples < 1:
@@ -111,9 +110,9 @@ def indexed_dataset(data_path: Sequence[str], seq_len: int, num_samples: int, se
     ``pretrain_gpt.py`` builds it: a ``GPTDataset`` over ``IndexedDataset(prefix)``, or a
     ``BlendedDataset`` of them. ``path_to_cache`` None: a temporary folder (``--data-cache-path`` of the
     stock job shares its cached indices instead)."""
-    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
-    from megatron.core.datasets.gpt_dataset import GPTDataset
-    from megatron.core.datasets.utils import get_blend_from_list
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder  # lazy
+    from megatron.core.datasets.gpt_dataset import GPTDataset  # lazy: Megatron on use
+    from megatron.core.datasets.utils import get_blend_from_list  # lazy: Megatron on use
 
     if num_samples < 1:
         raise ValueError(f"num_samples must be >= 1 (iterations x global batch), got {num_samples}")

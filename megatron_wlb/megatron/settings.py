@@ -122,9 +122,9 @@ class WlbSettings:
         """Build from Megatron's parsed ``args`` (its ``wlb_*`` attributes; missing ones keep defaults)."""
         values: dict[str, Any] = {}
         for name in cls.names():
-            attr = f"wlb_{name}"
-            if hasattr(args, attr) and getattr(args, attr) is not None:
-                values[name] = getattr(args, attr)
+            value = getattr(args, f"wlb_{name}", None)  # our own flags, by name
+            if value is not None:
+                values[name] = value
         return cls(**values)
 
     def to_dict(self) -> dict[str, Any]:

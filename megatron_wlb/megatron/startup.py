@@ -18,11 +18,14 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import runpy
 import shutil
 import subprocess
 import sys
 import sysconfig
 from collections.abc import Callable
+
+from megatron_wlb.megatron import hooks
 
 #: what compile_helpers' Makefile runs: make, $(CXX) (g++ by default), python3-config, python3 -m pybind11
 HELPER_TOOLS = ("make", "g++", "python3-config")
@@ -46,15 +49,13 @@ def missing_helper_toolchain(which: Callable[[str], str | None] = shutil.which) 
     return missing
 
 
-def guard_dataset_helpers(which: Callable[[str], str | None] = shutil.which) -> str:
-    """Make ``megatron.core.datasets.utils.compile_helpers`` safe; returns what it will do:
-    ``"prebuilt"`` (the compiled module is importable: nothing to build), ``"compile"`` (Megatron's own
-    ``make``, the toolchain is here) or ``"skipped"`` (no toolchain: a no-op that says why)."""
-    from megatron.core.datasets import utils
+def guarded_compile_helpers(original: Callable[[], None], which: Callable[[str], str | None] = shutil.which
+                            ) -> Callable[[], None]:
+    """``megatron.core.datasets.utils.compile_helpers`` made safe (``hooks.HOOKS``): its ``__wlb_guard__`` says
+    what it will do: ``"prebuilt"`` (the compiled module is importable: nothing to build), ``"compile"``
+    (Megatron's own ``make``, the toolchain is here) or ``"skipped"`` (no toolchain: a no-op that says why)."""
+    from megatron.core.datasets import utils  # lazy: Megatron is imported by the time hooks are installed
 
-    if getattr(utils.compile_helpers, "__wlb_guard__", None) is not None:
-        return str(utils.compile_helpers.__wlb_guard__)
-    original = utils.compile_helpers
     makefile = os.path.join(os.path.dirname(os.path.abspath(utils.__file__)), "Makefile")
     if importlib.util.find_spec("megatron.core.datasets.helpers_cpp") is not None:
         mode, note = "prebuilt", ""
@@ -72,13 +73,19 @@ def guard_dataset_helpers(which: Callable[[str], str | None] = shutil.which) -> 
             _say(note)
 
     compile_helpers.__wlb_guard__ = mode  # type: ignore[attr-defined]
-    utils.compile_helpers = compile_helpers
-    return mode
+    return compile_helpers
+
+
+def guard_dataset_helpers(which: Callable[[str], str | None] = shutil.which) -> str:
+    """Make ``megatron.core.datasets.utils.compile_helpers`` safe (``guarded_compile_helpers``, idempotent);
+    returns what it will do: ``"prebuilt"``, ``"compile"`` or ``"skipped"``."""
+    hooks.install_hook("compile_helpers", which=which)
+    return str(hooks.current("compile_helpers").__wlb_guard__)
 
 
 def nvcc_runs() -> bool:
     """Whether ``CUDA_HOME/bin/nvcc -V`` (what core 0.16's ``fused_kernels.load`` runs) would succeed."""
-    from torch.utils import cpp_extension
+    from torch.utils import cpp_extension  # lazy: no torch at import
 
     home = cpp_extension.CUDA_HOME
     nvcc = os.path.join(home, "bin", "nvcc") if home else None
@@ -87,27 +94,29 @@ def nvcc_runs() -> bool:
     return subprocess.run([nvcc, "-V"], capture_output=True).returncode == 0
 
 
-def guard_fused_kernels(force: bool = False) -> str:
-    """Make core 0.16's ``megatron.legacy.fused_kernels.load`` safe; returns ``"absent"`` (no such module:
-    core >= 0.17), ``"kept"`` (nvcc runs: Megatron's own) or ``"skipped"`` (a no-op; ``force``: always)."""
-    try:
-        from megatron.legacy import fused_kernels
-    except ImportError:
-        return "absent"
-    if getattr(fused_kernels.load, "__wlb_guard__", None) == "skipped":
-        return "skipped"
+def guarded_fused_kernels_load(original: Callable[..., None], force: bool = False) -> Callable[..., None] | None:
+    """Core 0.16's ``megatron.legacy.fused_kernels.load`` made safe (``hooks.HOOKS``): None (Megatron's own is
+    kept) where nvcc runs, else a no-op (``force``: always, and silently)."""
     if not force and nvcc_runs():
-        return "kept"
+        return None
 
     def load(*args: object, **kwargs: object) -> None:
         """core 0.16's fused_kernels.load only reads nvcc's version (it builds no kernel): skipped."""
 
     load.__wlb_guard__ = "skipped"  # type: ignore[attr-defined]
-    fused_kernels.load = load
     if not force:
         _say("no runnable nvcc (CUDA_HOME/bin/nvcc): Megatron's legacy fused_kernels.load, which only reads "
              "nvcc's version at this release and builds nothing, is skipped")
-    return "skipped"
+    return load
+
+
+def guard_fused_kernels(force: bool = False) -> str:
+    """Make core 0.16's ``megatron.legacy.fused_kernels.load`` safe; returns ``"absent"`` (no such module:
+    core >= 0.17), ``"kept"`` (nvcc runs: Megatron's own) or ``"skipped"`` (a no-op; ``force``: always)."""
+    if hooks.current("fused_kernels.load") is None:
+        return "absent"
+    hooks.install_hook("fused_kernels.load", force=force)
+    return "skipped" if hooks.is_installed("fused_kernels.load") else "kept"
 
 
 def guard_startup_builds() -> dict[str, str]:
@@ -117,15 +126,13 @@ def guard_startup_builds() -> dict[str, str]:
     return {"dataset_helpers": guard_dataset_helpers(), "fused_kernels": guard_fused_kernels()}
 
 
-__all__ = ["guard_dataset_helpers", "guard_fused_kernels", "guard_startup_builds", "missing_helper_toolchain",
-           "nvcc_runs"]
+__all__ = ["guard_dataset_helpers", "guard_fused_kernels", "guard_startup_builds", "guarded_compile_helpers",
+           "guarded_fused_kernels_load", "missing_helper_toolchain", "nvcc_runs"]
 
 
 def main(argv: list[str] | None = None) -> None:
     """``python -m megatron_wlb.megatron.startup PRETRAIN_SCRIPT [flags...]``: a Megatron-LM entry script as
     ``__main__`` with only these guards (no WLB-LLM hook): stock Megatron on a machine without a toolchain."""
-    import runpy
-
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or not os.path.isfile(argv[0]):
         raise SystemExit("usage: python -m megatron_wlb.megatron.startup PATH/pretrain_gpt.py [flags...]")

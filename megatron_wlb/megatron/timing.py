@@ -30,9 +30,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import IO, Any, Protocol
+from typing import IO, Any
 
 import numpy as np
+import torch
+import torch.distributed as dist
 
 from megatron_wlb.costmodel import CostModel, causal_pairs
 from megatron_wlb.costmodel.measured import IterationTotals, MeasuredIteration
@@ -44,86 +46,14 @@ from megatron_wlb.costmodel.trace import (
     trace_path_for_rank,
 )
 from megatron_wlb.cp.plan import RankMicroBatch
-from megatron_wlb.megatron.rebind import is_wrapper, rebind, wrapping
+from megatron_wlb.megatron import hooks
+from megatron_wlb.megatron.clocks import Clock as Clock
+from megatron_wlb.megatron.clocks import CpuClock as CpuClock
+from megatron_wlb.megatron.clocks import CudaClock as CudaClock
+from megatron_wlb.megatron.clocks import ThreadClock as ThreadClock
+from megatron_wlb.megatron.device import training_device
+from megatron_wlb.megatron.rebind import wrapping
 from megatron_wlb.packing.metrics import bins_seconds
-
-#: the pipeline communicator's methods whose time is waiting (every send/receive of core 0.16 and 0.19)
-P2P_METHODS = ("recv_forward", "recv_backward", "send_forward", "send_backward", "send_forward_recv_backward",
-               "send_backward_recv_forward", "send_forward_recv_forward", "send_backward_recv_backward",
-               "send_forward_backward_recv_forward_backward")
-SCHEDULES = ("forward_backward_no_pipelining", "forward_backward_pipelining_with_interleaving",
-             "forward_backward_pipelining_without_interleaving")
-
-
-class Clock(Protocol):
-    """Where timestamps come from; ``seconds`` is only called on stamps that are ``ready``."""
-    kind: str
-    #: iterations the training log stays behind, so that it reads only completed stamps
-    lag: int
-
-    def stamp(self) -> Any: ...
-
-    def ready(self, stamp: Any) -> bool: ...
-
-    def wait(self, stamp: Any) -> None: ...
-
-    def seconds(self, start: Any, end: Any) -> float: ...
-
-
-class CpuClock:
-    """A monotonic clock: the CPU executes synchronously, so a stamp is final when taken."""
-    kind = "cpu"
-    lag = 0
-
-    def stamp(self) -> float:
-        return time.perf_counter()
-
-    def ready(self, stamp: Any) -> bool:
-        return True
-
-    def wait(self, stamp: Any) -> None:
-        return None
-
-    def seconds(self, start: Any, end: Any) -> float:
-        return float(end - start)
-
-
-class ThreadClock(CpuClock):
-    """This thread's CPU time (``time.thread_time``): what the step itself computed, without the time the
-    process waited, was preempted or had its core stolen (``WLB_TRACE_CLOCK=thread``, for fitting a cost
-    model; its walls and waits are then thread seconds too, not the iteration's wall)."""
-    kind = "cpu-thread"
-
-    def stamp(self) -> float:
-        return time.thread_time()
-
-
-class CudaClock:
-    """CUDA events recorded on the current stream; read only after they completed (no host sync)."""
-    kind = "cuda"
-    lag = 1  # the training log measures the previous iteration, whose events have long completed
-
-    def __init__(self, event_type: Any = None):
-        if event_type is None:
-            import torch
-
-            event_type = torch.cuda.Event
-        self.event_type = event_type
-
-    def stamp(self) -> Any:
-        event = self.event_type(enable_timing=True)
-        event.record()
-        return event
-
-    def ready(self, stamp: Any) -> bool:
-        return bool(stamp.query())
-
-    def wait(self, stamp: Any) -> None:
-        stamp.synchronize()
-
-    def seconds(self, start: Any, end: Any) -> float:
-        return float(start.elapsed_time(end)) / 1e3
-
 
 Span = tuple[Any, Any]
 
@@ -367,7 +297,7 @@ def _timed(original: Callable[..., Any], on_done: Callable[[Recorder, tuple, dic
     return timed
 
 
-def _wrap_pass(original: Callable[..., Any]) -> Callable[..., Any]:
+def wrap_pass(original: Callable[..., Any]) -> Callable[..., Any]:
     """A schedule function: one pass per training step (evaluation's forward-only passes are skipped)."""
 
     @wrapping(original)
@@ -395,11 +325,6 @@ def _backward_done(recorder: Recorder, args: tuple, kwargs: dict, out: Any, span
 def all_reduce(values: np.ndarray, op: str) -> np.ndarray:
     """``values`` combined over every rank ("max", "min" or "sum"), on the training device, float64: a new
     array every call (the caller's is never written, so the MIN and MAX of one array stay two results)."""
-    import torch
-    import torch.distributed as dist
-
-    from megatron_wlb.megatron.cp_hooks import training_device
-
     if not dist.is_initialized():
         return np.array(values, dtype=np.float64)  # a copy, as on the distributed path
     ops = {"max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN, "sum": dist.ReduceOp.SUM}
@@ -409,28 +334,25 @@ def all_reduce(values: np.ndarray, op: str) -> np.ndarray:
     return tensor.cpu().numpy()
 
 
+def wrap_forward_step(original: Callable[..., Any]) -> Callable[..., Any]:
+    return _timed(original, _forward_done)
+
+
+def wrap_backward_step(original: Callable[..., Any]) -> Callable[..., Any]:
+    return _timed(original, _backward_done)
+
+
+def wrap_p2p(original: Callable[..., Any]) -> Callable[..., Any]:
+    return _timed(original, lambda rec, a, k, o, span: rec.p2p(span))
+
+
+def wrap_finalize_model_grads(original: Callable[..., Any]) -> Callable[..., Any]:
+    return _timed(original, lambda rec, a, k, o, span: rec.dp_wait(span))
+
+
 def install() -> None:
-    """Wrap the schedule, step, pipeline and gradient-reduction functions (idempotent). Call before
-    Megatron sets up the model (``validate_args`` time): ``training`` copies ``finalize_model_grads``
-    into the model config there. Until ``activate`` names a recorder the wrappers only pass through."""
-    import importlib
-
-    from megatron.core.pipeline_parallel import p2p_communication, schedules
-
-    if not is_wrapper(schedules.forward_step):
-        rebind("forward_step", schedules.forward_step, _timed(schedules.forward_step, _forward_done))
-        rebind("backward_step", schedules.backward_step, _timed(schedules.backward_step, _backward_done))
-        for name in SCHEDULES:
-            original = getattr(schedules, name, None)
-            if original is not None:
-                rebind(name, original, _wrap_pass(original))
-    communicator = getattr(p2p_communication, "P2PCommunicator", None)
-    for name in P2P_METHODS:
-        method = getattr(communicator, name, None)
-        if method is not None and not is_wrapper(method):
-            setattr(communicator, name, _timed(method, lambda rec, a, k, o, span: rec.p2p(span)))
-    module = importlib.import_module("megatron.core.distributed.finalize_model_grads")
-    original = module.finalize_model_grads
-    if not is_wrapper(original):
-        rebind("finalize_model_grads", original,
-               _timed(original, lambda rec, a, k, o, span: rec.dp_wait(span)))
+    """Wrap the schedule, step, pipeline and gradient-reduction functions (``hooks.HOOKS``, phase ``timing``;
+    idempotent). Call before Megatron sets up the model (``validate_args`` time): ``training`` copies
+    ``finalize_model_grads`` into the model config there. Until ``activate`` names a recorder the wrappers only
+    pass through."""
+    hooks.install("timing")

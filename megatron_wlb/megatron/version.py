@@ -20,6 +20,10 @@ batch functions the patch hooks, and the launcher is tested on 0.19 and main onl
 
 from __future__ import annotations
 
+import importlib
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
 from packaging.version import InvalidVersion, Version
 
 PINNED_MEGATRON_COMMIT = "55ac7082517c3878ae653c07c09c534b8aed49f6"
@@ -66,14 +70,12 @@ def installed_core_version() -> str:
     """The megatron-core version Python imports (a checkout on ``sys.path`` wins over an installed wheel,
     as it does for the import itself), or a RuntimeError saying how to install one."""
     try:
-        from megatron.core import package_info
+        from megatron.core import package_info  # lazy: the version check runs before Megatron is imported
 
         return str(package_info.__version__)
     except ImportError:
         pass
     try:
-        from importlib.metadata import PackageNotFoundError, version
-
         return version("megatron-core")
     except PackageNotFoundError as exc:
         raise RuntimeError("megatron_wlb.megatron needs Megatron-LM's megatron-core: pip install "
@@ -89,3 +91,36 @@ def check_core_version(version: str | None = None) -> str:
         raise RuntimeError(f"megatron-core {version} is not supported by megatron_wlb.megatron; supported: {ways} "
                            f"(CI trains with {', '.join(TESTED_RELEASES)})")
     return version
+
+
+# -- Megatron's training code (megatron/training: checkouts, and wheels from 0.19 on) ------------------------
+#: Megatron training-code modules apply() hooks (all present at the pinned commit)
+TRAINING_MODULES = ("arguments", "initialize", "training", "checkpointing", "utils", "global_vars")
+
+
+def training_import_error(module: str, exc: ImportError) -> str:
+    """The one-line reason ``megatron.training.<module>`` failed to import, naming the real cause: the training
+    code itself missing (a megatron-core wheel before 0.19), or a module or name it imports."""
+    missing = getattr(exc, "name", None) if isinstance(exc, ModuleNotFoundError) else None
+    if missing in ("megatron", "megatron.training", f"megatron.training.{module}"):
+        return (f"megatron_wlb.megatron.apply() hooks Megatron-LM's training code (megatron.training.{module}), "
+                "which is not importable here: pip install --no-deps megatron-core=="
+                f"{TESTED_RELEASES[-1]} (its wheel ships megatron/training; earlier wheels do not), or put a "
+                f"Megatron-LM checkout at {PINNED_MEGATRON_TAG} ({PINNED_MEGATRON_COMMIT[:12]}) on PYTHONPATH "
+                f"(import error: {exc})")
+    if missing:
+        return (f"megatron.training.{module} failed to import: it needs the module {missing!r}, which is not "
+                f"installed: pip install {missing.split('.')[0]} (megatron_wlb's [megatron] extra lists what "
+                f"Megatron's training code imports) (import error: {exc})")
+    return f"megatron.training.{module} failed to import: {exc}"
+
+
+def import_training_modules() -> dict[str, Any]:
+    """Megatron's ``TRAINING_MODULES`` by name; a RuntimeError naming the cause where one does not import."""
+    mods = {}
+    for name in TRAINING_MODULES:
+        try:
+            mods[name] = importlib.import_module(f"megatron.training.{name}")
+        except ImportError as exc:
+            raise RuntimeError(training_import_error(name, exc)) from exc
+    return mods

@@ -1,0 +1,176 @@
+"""Building the data path from Megatron's args: readers, the packed iterators of every split, their batches.
+
+``build_train_iterator`` is the one builder (pure: same inputs, same plans, any rank); the data hook
+(``training_hooks``) and the evaluation iterators look it up as ``megatron_wlb.megatron.build_train_iterator``
+at call time, so a benchmark may substitute its own (``benchmarks/paired_train.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from megatron_wlb.cp.plan import CPSharding, RankMicroBatch
+from megatron_wlb.data.reader import DEFAULT_SPLIT, DocumentReader, parse_split
+from megatron_wlb.megatron.data import WlbDataIterator
+from megatron_wlb.megatron.gpt_samples import MegatronSamples, build_train_dataset, eod_problem
+from megatron_wlb.megatron.megatron_args import MegatronArgs
+from megatron_wlb.megatron.settings import WlbSettings
+from megatron_wlb.megatron.validation import StartupError, cost_model_from_args, packing_config_from_args
+from megatron_wlb.packing import make_packer
+
+if TYPE_CHECKING:
+    from megatron_wlb.costmodel import CostModel
+
+
+def reader_from_args(args: Any, split_name: str = "train") -> DocumentReader:
+    """A ``DocumentReader`` for one split: ``--{train,valid,test}-data-path`` (all of it) if given, else
+    ``--data-path`` with ``--split``. Megatron's ``--data-cache-path``, when given, also holds the epoch
+    orders of large datasets (built once, memory-mapped by the ranks of a node; ``reader.cached_order``)."""
+    a = MegatronArgs.of(args)
+    mmap = True if a.mmap_bin_files is None else bool(a.mmap_bin_files)
+    seed = 1234 if a.seed is None else int(a.seed)
+    cache = a.data_cache_path or None
+    own = a.data_path_of(split_name)
+    if own:
+        reader = DocumentReader.from_data_path(own, split="1,0,0", split_name="train", seed=seed, mmap=mmap,
+                                               order_cache=cache)
+    elif not a.data_path:
+        raise ValueError("WLB-LLM reads Megatron indexed datasets: give --data-path [WEIGHT] PREFIX ...")
+    else:
+        reader = DocumentReader.from_data_path(a.data_path, split=split_of(a), split_name=split_name, seed=seed,
+                                               mmap=mmap, order_cache=cache)
+    if a.padded_vocab_size:  # the embedding's rows (set by Megatron's tokenizer build)
+        reader.check_vocabulary(int(a.padded_vocab_size), "--vocab-size / the tokenizer")
+    return reader
+
+
+def split_of(args: Any) -> str:
+    """``--split``, or the reader's default split."""
+    return MegatronArgs.of(args).split or DEFAULT_SPLIT
+
+
+def iterations_for(args: Any, split_name: str) -> int:
+    """Iterations Megatron runs on a split: train_iters, all evaluations' eval_iters, or one test pass."""
+    a = MegatronArgs.of(args)
+    gbs = int(a.global_batch_size)
+    train = int(a.train_iters) if a.train_iters else -(-int(a.train_samples or 0) // gbs)
+    if split_name == "train":
+        return train
+    eval_iters = int(a.eval_iters or 0)
+    if split_name == "valid":
+        interval = int(a.eval_interval or 0) or max(train, 1)
+        return (train // interval + 1) * eval_iters
+    return eval_iters
+
+
+def stream_tokens_for(args: Any, config: Any, split_name: str = "train") -> int:
+    """Tokens the stream must cover: every iteration on the split plus slack for queues and windows."""
+    iters = iterations_for(args, split_name)
+    if iters < 1:
+        raise ValueError(f"no {split_name} iterations: set --train-iters (or --train-samples) and, for "
+                         "evaluation, --eval-iters; the document stream is sized from them")
+    slack = config.max_delay + config.window + 2
+    return (iters + slack) * config.tokens_per_iteration
+
+
+def cp_sharding_from_args(args: Any, settings: WlbSettings, cp_rank: int, cost: CostModel | None = None
+                          ) -> CPSharding:
+    """How this run cuts micro-batches over CP (``cp.plan.CPSharding``) for CP rank ``cp_rank``.
+
+    T is padded to a multiple of CP, so the per-sequence / per-document layouts give every CP rank
+    exactly T/CP tokens; under sequence parallelism also of TP, and every rank to a multiple of TP.
+    """
+    a = MegatronArgs.of(args)
+    return CPSharding(layout=settings.cp_sharding, cp_size=a.cp, cp_rank=cp_rank, sequence_multiple=a.cp * a.sp,
+                      rank_multiple=a.sp, te_attention=settings.cp_sharding == "per-document-te", cost=cost)
+
+
+def build_train_iterator(args: Any, settings: WlbSettings, dp_rank: int, cp_rank: int = 0, *,
+                         on_batch: Callable | None = None, reader: DocumentReader | None = None,
+                         split_name: str = "train") -> WlbDataIterator:
+    """This rank's ``WlbDataIterator`` for Megatron's ``args`` (pure: same inputs, same plans, any rank).
+
+    ``split_name`` "valid"/"test" builds the evaluation iterators the same way over those splits. With
+    ``--wlb-pieces concat-and-cut`` the training split reads Megatron's own GPTDataset samples
+    (``gpt_samples``) unless a ``reader`` is given; evaluation keeps the document reader.
+    """
+    a = MegatronArgs.of(args)
+    config = packing_config_from_args(args, settings)
+    megatron_samples = config.pieces == "concat-and-cut" and split_name == "train" and reader is None
+    if megatron_samples and config.read_ahead is None:  # no sample before the iteration Megatron's sampler gives it
+        config = dataclasses.replace(config, read_ahead=False)
+    cost = cost_model_from_args(args, settings)  # Megatron's own args: the MoE flags are read from them
+    packer = make_packer(settings.packer, config, cost)
+    sharding = cp_sharding_from_args(args, settings, cp_rank, cost)
+    if megatron_samples:
+        # Megatron's own GPTDataset samples, from the sample its sampler would give next (a resumed stock
+        # job's consumed samples; a resumed balanced one opens its saved position instead)
+        dataset = build_train_dataset(args)  # Megatron's own helpers read its args namespace
+        if not a.dataloader_inter_document_masking:
+            problem = eod_problem(dataset)
+            if problem is not None:
+                raise StartupError(f"megatron_wlb: {problem}")
+        samples = MegatronSamples(dataset)
+        return WlbDataIterator(None, samples.stream(int(a.consumed_train_samples or 0)), packer,
+                               dp_rank, sharding, on_batch=on_batch, read_piece=samples.piece)
+    reader = reader if reader is not None else reader_from_args(args, split_name)
+    return WlbDataIterator(reader, reader.stream(stream_tokens_for(args, config, split_name)), packer, dp_rank,
+                           sharding, on_batch=on_batch)
+
+
+def the_train_iterator_builder() -> Callable[..., WlbDataIterator]:
+    """``megatron_wlb.megatron.build_train_iterator`` as it is now (looked up at call time: a benchmark may
+    substitute its own, ``benchmarks/paired_train.py``)."""
+    return sys.modules["megatron_wlb.megatron"].build_train_iterator  # the package's attribute, not this module's
+
+
+def split_is_empty(args: Any, split_name: str) -> bool:
+    """Whether ``--split`` gives ``split_name`` no share (and no ``--{split}-data-path`` is given)."""
+    a = MegatronArgs.of(args)
+    if a.data_path_of(split_name) or not a.data_path:
+        return False
+    fractions = parse_split(split_of(a))
+    return fractions[{"train": 0, "valid": 1, "test": 2}[split_name]] == 0
+
+
+def pinned_tp_rank_batch(batch: RankMicroBatch) -> dict[str, Any]:
+    """One ``RankMicroBatch``, uploaded, as the pinned ``pretrain_gpt.get_batch`` reads its TP-rank batch.
+
+    The params ride in ``cu_seqlens``, which that ``get_batch`` hands to
+    ``get_thd_batch_on_this_cp_rank`` (ours passes them through); ``max_seqlen`` is the host tensor
+    its ``dim()`` check reads. Key order: it returns ``(*batch.values(), packed_seq_params)`` after
+    popping the metadata keys, i.e. tokens, labels, loss_mask, attention_mask, position_ids.
+    """
+    import torch  # lazy: importing the package needs no torch
+
+    from megatron_wlb.megatron.cp_hooks import upload_micro_batch  # lazy: no torch at package import
+
+    data, params = upload_micro_batch(batch)
+    return {**data, "cu_seqlens": params, "max_seqlen": torch.tensor([params.max_seqlen_q], dtype=torch.int32)}
+
+
+def pretrain_gpt_batch(data_iterator: Any, keys: list[str]) -> list[Any]:
+    """This rank's next micro-batch for a core 0.19 ``pretrain_gpt.get_batch`` (patched: ``patches/core_v0.19.0``),
+    as the values of its ``BATCH_KEYS`` in order: tokens, labels, loss_mask and position_ids uploaded once;
+    ``cu_seqlens`` holds our ``WlbPackedSeqParams`` (the patched ``forward_step`` passes them to the model);
+    attention_mask, cu_seqlens_padded, max_seqlen, hybrid_cp_group and local_cp_size are None. Every rank
+    reads its own copy (no TP broadcast), middle pipeline stages included."""
+    from megatron_wlb.megatron.cp_hooks import upload_micro_batch  # lazy: imports torch
+
+    batch, params = upload_micro_batch(next(data_iterator))
+    fields = {**batch, "cu_seqlens": params}
+    unknown = sorted(set(keys) - set(fields) - {"attention_mask", "cu_seqlens_padded", "max_seqlen",
+                                                 "hybrid_cp_group", "local_cp_size"})
+    if unknown:
+        raise RuntimeError(f"megatron_wlb: this pretrain_gpt.py's get_batch returns {', '.join(unknown)}, which "
+                           "WLB-LLM's micro-batches do not carry; use the patch of its release (patches/) or "
+                           "python -m megatron_wlb.megatron.launcher")
+    return [fields.get(key) for key in keys]
+
+
+__all__ = ["build_train_iterator", "cp_sharding_from_args", "iterations_for", "pinned_tp_rank_batch",
+           "pretrain_gpt_batch", "reader_from_args", "split_is_empty", "split_of", "stream_tokens_for",
+           "the_train_iterator_builder"]
