@@ -203,7 +203,16 @@ def test_a_corpus_without_the_tokenizers_eod_is_named(corpora, tmp_path):
         "0.3", str(corpora / "a"), "0.7", str(tmp_path / "b")], "data_cache_path": str(tmp_path / "cache")})
     problem = eod_problem(_dataset(mixed, 2))
     assert problem is not None and "EOD id 299" in problem and str(tmp_path / "b") in problem
-    assert "last ids: 256" in problem and "\n" not in problem
+    assert "none of" in problem and "last ids: 256" in problem and "\n" not in problem
+    # issue 49 (9): a corpus where only document 0 ends with the EOD passed (any hit among the samples was taken)
+    rng = np.random.default_rng(5)
+    docs = [rng.integers(0, 256, int(n)) for n in rng.integers(20, 400, 2000)]
+    docs[0][-1] = _tokenizer().eod
+    write_indexed_dataset(str(tmp_path / "c"), docs)
+    one = types.SimpleNamespace(**{**vars(_args(corpora, False)), "data_path": [str(tmp_path / "c")],
+                                   "data_cache_path": str(tmp_path / "cache")})
+    problem = eod_problem(_dataset(one, 2))
+    assert problem is not None and "only 1 of 64 sampled documents" in problem, problem
 
 
 def test_a_job_that_attends_across_documents_is_refused(corpora):

@@ -4,6 +4,7 @@ absurd layout / micro-batch counts, calibrate --smoke flags and the int32 bound 
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -152,3 +153,22 @@ def test_a_micro_batch_past_int32_is_refused():
         micro_batch_lengths([2**31 - 2, 3], 4)
     with pytest.raises(ValueError, match=r"max_seq_len=3000000000 .* int32"):
         PackingConfig(seq_len=2_000_000_000, n=1)
+
+
+@pytest.mark.parametrize("leave, released", [(None, True), (SystemExit(0), True), (SystemExit(None), True),
+                                             (SystemExit(1), False), (SystemExit("megatron_wlb: bad flag"), False),
+                                             (RuntimeError("crash"), False)])
+def test_megatrons_early_exits_release_the_process_groups(monkeypatch, leave, released):
+    """Issue 49 (6): --exit-interval, --exit-duration-in-mins and --exit-signal-handler leave Megatron's ``pretrain``
+    by ``sys.exit(0)``, past ``release_process_groups``; every rank leaves there alike, so they are released (not
+    on an error: another rank might never reach the barrier)."""
+    pytest.importorskip("torch")
+    from megatron_wlb.megatron import launcher
+
+    calls: list[int] = []
+    monkeypatch.setattr(launcher, "release_process_groups", lambda: calls.append(1))
+    with pytest.raises(type(leave)) if leave is not None else contextlib.nullcontext():
+        with launcher.released_at_exit():
+            if leave is not None:
+                raise leave
+    assert calls == ([1] if released else [])

@@ -143,6 +143,10 @@ def _startup_worker(rank: int, world: int, prefix: str, zeroed: str) -> None:
     other = _args(data_path=[prefix], wlb_log_interval=5 if rank == 2 else 1)
     with pytest.raises(RuntimeError, match=r"--wlb-log-interval: 1 on ranks 0-1, 5 on rank 2"):
         check_startup_agreement(fingerprint(other), device=torch.device("cpu"))
+    # issue 49 (4): ranks told to train for different lengths hung in the later iteration's agreement
+    longer = _args(data_path=[prefix], train_iters=5 if rank == 1 else 4)
+    with pytest.raises(RuntimeError, match=r"--train-iters: 4 on ranks 0,2, 5 on rank 1"):
+        check_startup_agreement(fingerprint(longer), device=torch.device("cpu"))
     copy = _args(data_path=[zeroed if rank == 1 else prefix])
     with pytest.raises(RuntimeError, match=r"--data-path #1 \.bin: [0-9a-f]{16} \(a_text_document\) on ranks 0,2, "
                                            r"[0-9a-f]{16} \(a_text_document\) on rank 1.*interrupted midway"):

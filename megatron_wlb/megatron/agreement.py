@@ -180,9 +180,11 @@ def check_plan_agreement(batch: GlobalBatch | None, group: Any = None, device: A
 
 
 # -- the start-up agreement: settings, cost model and datasets, before the first plan ---------------------
-#: Megatron's flags that shape what is trained beside ours (the data flags are also in the plan)
+#: Megatron's flags that shape what is trained beside ours (the data flags are also in the plan); the training
+#: length too: ranks that stop at different iterations would leave the others waiting in the next agreement
 MEGATRON_PARTS = ("seed", "split", "seq_length", "global_batch_size", "micro_batch_size", "padded_vocab_size",
-                  "reset_position_ids", "reset_attention_mask", "eod_mask_loss", "dataloader_inter_document_masking")
+                  "reset_position_ids", "reset_attention_mask", "eod_mask_loss", "dataloader_inter_document_masking",
+                  "train_iters", "train_samples")
 #: Megatron's flags naming datasets, in the order their parts are listed
 DATA_PATH_ARGS = ("data_path", "train_data_path", "valid_data_path", "test_data_path")
 #: lengths of probe documents the cost model's fingerprint prices (one token to 128K)
@@ -202,6 +204,7 @@ def cost_fingerprint(cost: Any) -> str:
     probe = np.asarray(COST_PROBE, dtype=np.int64)
     hw = cost.hardware
     prices = np.concatenate([cost.workload(probe), cost.attention_run(probe, probe), cost.linear_compute(probe),
+                             cost.size_cost(probe, probe),
                              [cost.microbatch_overhead, hw.bwd_attention, hw.bwd_linear]]).astype(np.float64)
     return _short(cost.describe().encode() + prices.tobytes())
 

@@ -220,9 +220,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         # sequence-packing schedulers, before its flags are parsed (a no-op, saying why, where it has none)
         main_schedule.register()
         sys.argv = [script, *argv]
-        with exit_on_startup_error():
+        with exit_on_startup_error(), launcher.released_at_exit():
             runpy.run_path(script, run_name="__main__")
-        launcher.release_process_groups()
         return
     install_megatron_redirects()
     launcher.main(argv)

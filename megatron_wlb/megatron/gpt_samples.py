@@ -66,17 +66,21 @@ def eod_problem(dataset: Any) -> str | None:
     Those flags cut a sample where a token equals the tokenizer's EOD id; a corpus whose documents end
     with another id trains every window as one document, without a word, and there is nothing to
     balance. Reads the last token of up to ``EOD_CHECK_DOCUMENTS`` documents of each indexed dataset and
-    compares it with the EOD id of the tokenizer the dataset was built with."""
+    compares it with the EOD id of the tokenizer the dataset was built with: fewer than half ending with it
+    is refused (one hit among many misses is a coincidence, not an end-of-document marker)."""
     parts = list(dataset.datasets) if hasattr(dataset, "dataset_index") else [dataset]
     for part in parts:
         indexed, eod = part.dataset, int(part.config.tokenizer.eod)
         lengths = np.asarray(indexed.sequence_lengths)
         picks = np.unique(np.linspace(0, lengths.size - 1, min(EOD_CHECK_DOCUMENTS, lengths.size)).astype(np.int64))
         last = [int(indexed.get(int(i), offset=int(lengths[i]) - 1, length=1)[0]) for i in picks if lengths[i] > 0]
-        if last and eod not in last:
+        ending = sum(x == eod for x in last)
+        if last and ending * 2 < len(last):  # most documents would run into the next: not a few odd ones
+            others = sorted({x for x in last if x != eod})
             return (f"--reset-attention-mask --reset-position-ids cut documents at the tokenizer's EOD id {eod}, "
-                    f"but none of {len(last)} sampled documents of {indexed.path_prefix} ends with it (their last "
-                    f"ids: {', '.join(map(str, sorted(set(last))[:4]))}): every window would train as one document; "
+                    f"but {'none' if not ending else f'only {ending}'} of {len(last)} sampled documents of "
+                    f"{indexed.path_prefix} ends with it (the others' last ids: "
+                    f"{', '.join(map(str, others[:4]))}): most windows would train as one document; "
                     f"write the corpus with EOD {eod}, use the tokenizer it was written for, or mask with "
                     "--dataloader-inter-document-masking (documents from the .idx)")
     return None

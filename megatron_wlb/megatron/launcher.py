@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import inspect
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from functools import partial
 from typing import Any
 
@@ -114,8 +115,21 @@ def main(argv: Sequence[str] | None = None) -> None:
     if asks_for_help(sys.argv[1:]):  # ours only: Megatron's --help crashes on 0.19.2 (upstream)
         print(wlb_help("python -m megatron_wlb.megatron.launcher"), end="")
         return
-    with exit_on_startup_error():
+    with exit_on_startup_error(), released_at_exit():
         _pretrain()
+
+
+@contextmanager
+def released_at_exit() -> Iterator[None]:
+    """``release_process_groups`` once training returns, or leaves by Megatron's own early exits (``sys.exit(0)``
+    of ``--exit-interval``, ``--exit-duration-in-mins``, ``--exit-signal-handler``: every rank leaves at the same
+    iteration, so every rank meets the barrier); not on an error, where another rank may never arrive."""
+    try:
+        yield
+    except SystemExit as exc:
+        if exc.code in (None, 0):
+            release_process_groups()
+        raise
     release_process_groups()
 
 
