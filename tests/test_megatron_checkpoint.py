@@ -282,6 +282,25 @@ def test_a_checkpoint_without_its_sidecar_names_the_ckpt_step_that_resumes(tmp_p
     assert "(--ckpt-step N); as a last resort pass --wlb-reset-data-stream" in message
 
 
+def test_a_balanced_run_stopped_before_its_sidecar_is_refused_not_resumed_as_stock(tmp_path):
+    """Issue 49 (2): a --wlb-pieces concat-and-cut job killed between Megatron's save and the sidecar resumed as a
+    stock Megatron run and skipped its waiting pieces; an earlier sidecar of the same run says it was ours, so the
+    resume is refused naming --ckpt-step. A checkpoint directory with no sidecar at all is a stock run: it continues."""
+    balanced = {"pieces": "concat-and-cut"}
+    args = Namespace(save=str(tmp_path), load=str(tmp_path), consumed_train_samples=12)
+    save_data_state(iteration_dir(args.save, 2), 2, {"stream_position": 2})
+    megatron_like_save(args.save)(4, None, None, None, 0)  # Megatron's save, then the kill
+    with pytest.raises(RuntimeError, match="resume from iteration 2, .*--ckpt-step 2"):
+        wrap_load_checkpoint(megatron_like_load(args.load), DataStateRegistry(), lambda: args,
+                             lambda: balanced)(None, None, None)
+    stock = Namespace(save=str(tmp_path / "stock"), load=str(tmp_path / "stock"), consumed_train_samples=12)
+    megatron_like_save(stock.save)(4, None, None, None, 0)
+    logged: list[str] = []
+    load = wrap_load_checkpoint(megatron_like_load(stock.load), DataStateRegistry(), lambda: stock, lambda: balanced,
+                                log=logged.append)
+    assert load(None, None, None)[0] == 4 and "a stock Megatron run" in logged[0]
+
+
 # -- issue 37 D15: --wlb-reset-data-stream left in a requeue script applies once ----------------------------
 def test_reset_data_stream_applies_once_and_is_ignored_after_it(tmp_path):
     args = Namespace(save=str(tmp_path), load=str(tmp_path), wlb_reset_data_stream=True,

@@ -348,7 +348,10 @@ def wrap_load_checkpoint(original: Callable, registry: DataStateRegistry, get_ar
                 f"{iteration} (data-stream reset {registry.data_stream_resets} of this training); optimizer, "
                 "iteration and learning-rate schedule resume from the checkpoint")
             return out
-        if payload is None and (settings() or {}).get("pieces") == "concat-and-cut":
+        if (payload is None and (settings() or {}).get("pieces") == "concat-and-cut"
+                and newest_sidecar_before(getattr(margs, load_arg), iteration) is None):
+            # no checkpoint of this run holds a sidecar: a stock run, whose samples the balanced mode continues (one
+            # that does was a balanced run stopped between Megatron's save and ours: refused below, naming the step)
             log(f"> megatron_wlb: the checkpoint at iteration {iteration} holds no {SIDECAR_NAME} (a stock Megatron "
                 "run): --wlb-pieces concat-and-cut continues with Megatron's samples from its consumed_train_samples "
                 f"({int(getattr(margs, 'consumed_train_samples', 0) or 0)})")
