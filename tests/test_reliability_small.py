@@ -172,3 +172,34 @@ def test_megatrons_early_exits_release_the_process_groups(monkeypatch, leave, re
             if leave is not None:
                 raise leave
     assert calls == ([1] if released else [])
+
+
+def test_the_end_of_training_names_what_the_packer_still_holds(monkeypatch, capsys):
+    """Issue 49 (3): pieces still waiting when training ends were never trained and nothing said so. A wlb packer
+    that delays outliers holds some after its first plans; the launcher's exit path prints them (tokens, pieces,
+    documents), and nothing when nothing waits."""
+    pytest.importorskip("torch")
+    from types import SimpleNamespace
+
+    from megatron_wlb.megatron import launcher, state
+    from megatron_wlb.megatron.checkpoint import DataStateRegistry
+    from megatron_wlb.packing import make_packer
+    from megatron_wlb.packing.base import ArraySource
+    from megatron_wlb.packing.types import PackingConfig
+
+    packer = make_packer("wlb", PackingConfig(seq_len=1024, n=2, dp=1, max_seq_len=1536))
+    plans = packer.pack_source(ArraySource(np.array([60, 1000, 900, 30, 1400, 20, 1300, 40] * 20), np.arange(160)))
+    next(plans)
+    assert packer.pending() > 0
+    registry = DataStateRegistry()
+    registry.iterators.append(SimpleNamespace(packer=packer))
+    monkeypatch.setattr(state._RUNTIME, "registry", registry)
+    monkeypatch.setattr(launcher, "release_process_groups", lambda: None)
+    with launcher.released_at_exit():
+        pass
+    out = capsys.readouterr().out
+    assert f"training ended with {packer.pending()} tokens read but not trained ({len(packer.waiting)} pieces" in out
+    registry.iterators[0] = SimpleNamespace(packer=make_packer("wlb", PackingConfig(seq_len=1024, n=2, dp=1)))
+    with launcher.released_at_exit():
+        pass
+    assert "training ended" not in capsys.readouterr().out

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 import megatron_wlb.megatron as wlb
+from megatron_wlb.megatron import state as wlb_state
 from megatron_wlb.megatron.args import asks_for_help, wlb_help
 from megatron_wlb.megatron.validation import exit_on_startup_error
 
@@ -128,9 +129,18 @@ def released_at_exit() -> Iterator[None]:
         yield
     except SystemExit as exc:
         if exc.code in (None, 0):
+            _report_untrained()
             release_process_groups()
         raise
+    _report_untrained()
     release_process_groups()
+
+
+def _report_untrained() -> None:
+    """Rank 0 says what the packer still held when training ended (issue 49: it was skipped without a word)."""
+    report = wlb_state.untrained_report()
+    if report is not None:
+        wlb_state.print_rank0(report)
 
 
 def release_process_groups() -> None:

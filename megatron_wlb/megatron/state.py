@@ -55,6 +55,23 @@ def first_train_iterator() -> WlbDataIterator | None:
     return registry.iterators[0] if registry is not None and registry.iterators else None
 
 
+def untrained_report() -> str | None:
+    """What the packer still holds when training ends (read but never trained: pieces waiting for a later
+    iteration), as one line for rank 0's log, or None when nothing waits (or no training iterator was built)."""
+    iterator = first_train_iterator()
+    if iterator is None:
+        return None
+    waiting = list(getattr(iterator.packer, "waiting", ()))  # the packers that hold pieces back expose them
+    tokens = int(iterator.packer.pending())
+    if not tokens:
+        return None
+    documents = sorted({p.doc_id for p in waiting})
+    shown = ", ".join(map(str, documents[:8])) + (", ..." if len(documents) > 8 else "")
+    return (f"> megatron_wlb: training ended with {tokens} tokens read but not trained ({len(waiting)} pieces of "
+            f"{len(documents)} documents or samples waiting for a later iteration: {shown}); a run resumed from the "
+            "last checkpoint with the same --wlb-* flags trains them (or raise --train-iters)")
+
+
 def is_rank0() -> bool:
     import torch.distributed as dist  # lazy: importing the package needs no torch
 
