@@ -301,6 +301,21 @@ def test_a_balanced_run_stopped_before_its_sidecar_is_refused_not_resumed_as_sto
     assert load(None, None, None)[0] == 4 and "a stock Megatron run" in logged[0]
 
 
+def test_reset_data_stream_in_the_balanced_mode_says_what_continues_and_what_is_dropped(tmp_path):
+    """Issue 49 (8): with Megatron's samples the reset said "restarts at its first document" while the samples
+    continue at consumed_train_samples, and did not say which waiting pieces it drops."""
+    args = Namespace(save=str(tmp_path), load=str(tmp_path), wlb_reset_data_stream=True, consumed_train_samples=12)
+    megatron_like_save(args.save)(3, None, None, None, 0)
+    saved = {"packer": {"extra": {"waiting": [[1, 0, 100, 0], [2, 50, 30, 1]]}}}
+    save_data_state(iteration_dir(args.save, 3), 3, saved, {"pieces": "concat-and-cut", "max_delay": 8})
+    lines: list[str] = []
+    load = wrap_load_checkpoint(megatron_like_load(args.load), DataStateRegistry(), lambda: args,
+                                lambda: {"pieces": "concat-and-cut", "max_delay": 4}, lines.append)
+    assert load(None, None, None) == (3, 0)
+    assert "consumed_train_samples (12)" in lines[0] and "first document" not in lines[0]
+    assert "the 130 tokens of the 2 pieces the checkpoint's packer held back are not trained" in lines[0]
+
+
 # -- issue 37 D15: --wlb-reset-data-stream left in a requeue script applies once ----------------------------
 def test_reset_data_stream_applies_once_and_is_ignored_after_it(tmp_path):
     args = Namespace(save=str(tmp_path), load=str(tmp_path), wlb_reset_data_stream=True,

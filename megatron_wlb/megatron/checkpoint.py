@@ -298,6 +298,14 @@ def stale_reset(payload: dict[str, Any], iteration: int, margs: Any, now: dict[s
             "stopped (a reset applies once: remove the flag from the job script)")
 
 
+def waiting_pieces(payload: dict | None) -> list[list[int]]:
+    """The pieces ``[doc, offset, length, arrival]`` a saved packer held back (its ``extra["waiting"]``; [] for a
+    packer that holds none, or no sidecar)."""
+    data = (payload or {}).get("data") or {}
+    packer = data.get("packer") if isinstance(data.get("packer"), dict) else data
+    return [list(p) for p in ((packer or {}).get("extra") or {}).get("waiting", [])]
+
+
 def missing_sidecar_refusal(load_dir: str, iteration: int) -> str:
     """The one-line refusal of a checkpoint at ``iteration`` > 0 without a sidecar, naming the ``--ckpt-step`` of
     the newest earlier checkpoint that has one (a job killed between Megatron's save and ours leaves this)."""
@@ -344,6 +352,14 @@ def wrap_load_checkpoint(original: Callable, registry: DataStateRegistry, get_ar
         if reset:
             registry.data_stream_resets = int((payload or {}).get("data_stream_resets", 0)) + 1
             registry.data_stream_reset = reset_record(iteration, margs)
+            if (settings() or {}).get("pieces") == "concat-and-cut":  # Megatron's samples: its sampler's position
+                waiting = waiting_pieces(payload)
+                log(f"> megatron_wlb: {RESET_FLAG}: Megatron's samples continue from consumed_train_samples "
+                    f"({int(getattr(margs, 'consumed_train_samples', 0) or 0)}) at iteration {iteration}, planned "
+                    f"afresh; the {sum(p[2] for p in waiting)} tokens of the {len(waiting)} pieces the checkpoint's "
+                    f"packer held back are not trained (data-stream reset {registry.data_stream_resets} of this "
+                    "training); optimizer, iteration and learning-rate schedule resume from the checkpoint")
+                return out
             log(f"> megatron_wlb: {RESET_FLAG}: the data stream restarts at its first document at iteration "
                 f"{iteration} (data-stream reset {registry.data_stream_resets} of this training); optimizer, "
                 "iteration and learning-rate schedule resume from the checkpoint")
