@@ -248,8 +248,11 @@ class SampleStream:
                              "(--wlb-pieces concat-and-cut); resume with the --wlb-pieces it was saved with")
         if parts[1] != self.fingerprint:
             raise ValueError(f"the checkpoint trained Megatron samples of dataset {parts[1]}, this run builds "
-                             f"{self.fingerprint}: resume with the same --data-path, --split, --seed, --seq-length "
-                             "and tokenizer")
+                             f"{self.fingerprint} (megatron-core's description of the dataset: its files, --split, "
+                             "--seed, --seq-length, tokenizer and number of samples, which --train-iters / "
+                             "--train-samples set): resume with the same flags, or, to train longer, pass "
+                             "--wlb-reset-data-stream (Megatron's samples then continue at consumed_train_samples of "
+                             "the longer run's order)")
         sample, piece = int(parts[3]), int(parts[4])
         return SamplePieceCursor(self.segment, self.seq_len, sample, self.end_sample, position=int(position),
                                  skip=piece, chunk=self.chunk, fingerprint=self.fingerprint)
