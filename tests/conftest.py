@@ -212,12 +212,9 @@ def text_corpus(tmp_path_factory) -> str:
 def eod_corpus(tmp_path_factory) -> str:
     """The stdlib corpus with every document ending in the tiny GPT tokenizer's own EOD (NullTokenizer,
     vocabulary 300: EOD 299), so Megatron's --reset-* flags find the document boundaries."""
-    import sysconfig
-
-    from megatron_wlb.data.reader import byte_documents, write_indexed_dataset
+    from megatron_wlb.megatron.cpu import TINY_GPT_EOD, write_text_corpus
 
     prefix = str(tmp_path_factory.mktemp("eod_corpus") / "stdlib_eod_text_document")
-    paths = sorted(str(p) for p in Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
-    write_indexed_dataset(prefix, byte_documents(paths, separator="\n\n", eod=299, max_bytes=600_000))
+    write_text_corpus(prefix, eod=TINY_GPT_EOD)  # what scripts/compare_loss.sh --cpu writes
     return prefix
 

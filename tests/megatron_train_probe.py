@@ -5,6 +5,8 @@ Usage: ``torchrun ... tests/megatron_train_probe.py [--pretrain-gpt PATH] [--tin
 writes, per rank, ``rank{R}.json``:
 
 - ``losses``: ``{iteration: lm loss}`` as ``train_step`` returned it (last pipeline stage only);
+- ``grad_norms``: ``{iteration: grad norm}`` as ``train_step`` returned it (full precision; Megatron's log line
+  prints three decimals);
 - ``doc_tokens``: tokens of each stream document that reached the model after CP sharding, per data
   iterator (first model chunk first), counted on TP rank 0 of the last pipeline stage from the rows
   each upload carries (``RankMicroBatch.rows`` mapped to the pieces' documents);
@@ -48,7 +50,7 @@ def main() -> None:
     RANK = int(os.environ.get("RANK", "0"))
     from megatron.core import package_info
 
-    record: dict = {"losses": {}, "doc_tokens": [], "plans": [], "pieces": [], "piece_data": {}, "parallel": {},
+    record: dict = {"losses": {}, "grad_norms": {}, "doc_tokens": [], "plans": [], "pieces": [], "piece_data": {}, "parallel": {},
                     "core_version": str(package_info.__version__)}
     _iterator_index: dict[int, int] = {}
 
@@ -125,6 +127,8 @@ def main() -> None:
                 else float(value)
         else:
             record["losses"][iteration] = None
+        grad_norm = result[5] if len(result) > 5 else None
+        record["grad_norms"][iteration] = None if grad_norm is None else float(grad_norm)
         if iteration == 1:
             model = kwargs.get("model", args[2] if len(args) > 2 else None)
             grads = {}

@@ -19,7 +19,7 @@ from megatron_wlb.config import renamed_option_hint
 from megatron_wlb.requirements import MissingDependency
 
 # Subcommand modules, in the order `wlb --help` lists them.
-SUBCOMMANDS = ("pack", "bench", "shard", "simulate", "reproduce", "analyze", "calibrate")
+SUBCOMMANDS = ("pack", "bench", "shard", "simulate", "reproduce", "analyze", "calibrate", "compare-loss")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -31,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"megatron-wlb {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in SUBCOMMANDS:
-        module_name = f"megatron_wlb.cli.{name}"
+        module_name = f"megatron_wlb.cli.{name.replace('-', '_')}"
         if importlib.util.find_spec(module_name) is None:
             continue
         importlib.import_module(module_name).add_parser(sub)

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from megatron_wlb.data.reader import IndexedSource, byte_documents, weighted_prefixes, write_indexed_dataset
+from megatron_wlb.data.reader import BYTE_EOD, IndexedSource, byte_documents, weighted_prefixes, write_indexed_dataset
 from megatron_wlb.megatron import main_schedule
 from megatron_wlb.megatron.compat import spawn_children_import_this_module
 from megatron_wlb.megatron.validation import exit_on_startup_error
@@ -125,14 +125,15 @@ def world_size(layout: dict[str, int]) -> int:
     return layout["TP"] * layout["CP"] * layout["PP"] * layout["DP"]
 
 
-def write_text_corpus(prefix: str, max_bytes: int = 600_000, separator: str = "\n\n") -> tuple[int, int]:
+def write_text_corpus(prefix: str, max_bytes: int = 600_000, separator: str = "\n\n",
+                      eod: int = BYTE_EOD) -> tuple[int, int]:
     """Write ``prefix.bin/.idx``: the Python standard library's ``.py`` files as byte-level documents
-    (cut at blank lines: functions and paragraphs, each followed by EOD 256); returns (documents,
+    (cut at blank lines: functions and paragraphs, each followed by ``eod``, default 256); returns (documents,
     tokens). Real text whose document lengths span three orders of magnitude, on every machine with
-    Python."""
+    Python. ``eod=TINY_GPT_EOD`` ends them with the tiny GPT's own EOD, for Megatron's ``--reset-*`` flags."""
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     paths = sorted(str(p) for p in stdlib.glob("*.py"))
-    docs = byte_documents(paths, separator=separator, max_bytes=max_bytes)
+    docs = byte_documents(paths, separator=separator, eod=eod, max_bytes=max_bytes)
     os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
     write_indexed_dataset(prefix, docs)
     return len(docs), int(sum(len(d) for d in docs))
@@ -179,15 +180,16 @@ def pin_to_core(environ: Any = None) -> int | None:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """Entry point: ``--write-corpus PREFIX``, or train: redirects, then the thin launcher or
+    """Entry point: ``--write-corpus PREFIX [--tiny-gpt-eod]``, or train: redirects, then the thin launcher or
     ``--pretrain-gpt PATH`` as ``__main__``. ``--tiny-gpt`` puts ``TINY_GPT_ARGS`` and the layout of
     the environment (``layout_from_env``) and a vocabulary covering the data (``tiny_gpt_vocab_flags``)
     before the given flags."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--write-corpus"]:
-        if len(argv) != 2:
-            raise SystemExit("usage: python -m megatron_wlb.megatron.cpu --write-corpus PREFIX")
-        docs, tokens = write_text_corpus(argv[1])
+        if len(argv) not in (2, 3) or argv[2:] not in ([], ["--tiny-gpt-eod"]):
+            raise SystemExit("usage: python -m megatron_wlb.megatron.cpu --write-corpus PREFIX [--tiny-gpt-eod] "
+                             f"(documents end with {BYTE_EOD}, or with the tiny GPT's EOD {TINY_GPT_EOD})")
+        docs, tokens = write_text_corpus(argv[1], eod=TINY_GPT_EOD if argv[2:] else BYTE_EOD)
         print(f"wrote {argv[1]}.bin/.idx: {docs} documents, {tokens} tokens")
         return
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
