@@ -80,4 +80,5 @@ echo "compare_loss.sh: balanced (${balanced[*]}) -> $OUT/balanced.log"
 require=()
 [[ $delay == 0 ]] && require=(--require-equal)
 exec "$PYTHON" -m megatron_wlb compare-loss --stock "$OUT/stock.log" --balanced "$OUT/balanced.log" \
-    --plot "$OUT/loss_curves.png" --json "$OUT/loss_compare.json" "${require[@]}"
+    --plot "$OUT/loss_curves.png" --json "$OUT/loss_compare.json" --label "balanced, --wlb-max-delay $delay" \
+    "${require[@]}"

@@ -50,8 +50,8 @@ def main() -> None:
     RANK = int(os.environ.get("RANK", "0"))
     from megatron.core import package_info
 
-    record: dict = {"losses": {}, "grad_norms": {}, "doc_tokens": [], "plans": [], "pieces": [], "piece_data": {}, "parallel": {},
-                    "core_version": str(package_info.__version__)}
+    record: dict = {"losses": {}, "grad_norms": {}, "doc_tokens": [], "plans": [], "pieces": [], "piece_data": {},
+                    "parallel": {}, "core_version": str(package_info.__version__)}
     _iterator_index: dict[int, int] = {}
 
     # produce() builds every micro-batch, whether __next__ or the prefetch thread (megatron/prefetch.py) calls it

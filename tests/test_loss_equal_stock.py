@@ -85,7 +85,8 @@ def test_compare_loss_cli_plots_and_refuses_in_one_line(tmp_path):
     ok = subprocess.run([*run, "--balanced", str(stock), "--plot", str(tmp_path / "c.png"), "--json",
                          str(tmp_path / "c.json"), "--require-equal"], capture_output=True, text=True)
     assert ok.returncode == 0 and ok.stdout.startswith("equal: all 5 iterations"), ok.stderr
-    assert (tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG" and json.loads((tmp_path / "c.json").read_text())["equal"]
+    assert (tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"
+    assert json.loads((tmp_path / "c.json").read_text())["equal"]
     differ = subprocess.run([*run, "--balanced", str(balanced), "--require-equal"], capture_output=True, text=True)
     assert differ.returncode == 1 and differ.stdout.startswith("differ: from iteration 4")
     assert subprocess.run([*run, "--balanced", str(balanced)], capture_output=True).returncode == 0
@@ -109,6 +110,23 @@ def test_compare_loss_sh_refuses_before_training(tmp_path):
     save = subprocess.run([str(SCRIPT), "--cpu", "--save", "ckpt"], capture_output=True, text=True, env=env)
     assert save.returncode == 2 and "--save: both runs would share its checkpoints" in save.stderr
     assert not (tmp_path / "out" / "stock.log").exists()
+
+
+def test_the_docs_quote_the_recorded_run():
+    """docs/megatron.md's verdicts are benchmarks/bench_loss_curve.py's recorded run (rerun it with --docs), which
+    met the targets: equal at max delay 0 (DP2, PP2), a reported difference at the default delay, its figures."""
+    from conftest import load_script
+
+    mod = load_script("bench_loss_curve")
+    result = json.loads((REPO / "benchmarks" / "results" / "loss_curve.json").read_text())
+    docs = (REPO / "docs" / "megatron.md").read_text()
+    block = docs.split(mod.DOCS_BEGIN, 1)[1].split(mod.DOCS_END, 1)[0]
+    assert block.strip() == mod.docs_summary(result).strip()
+    cases = result["cases"]
+    assert cases["dp2_delay0"]["equal"] and cases["pp2_delay0"]["equal"] and not cases["dp2_delay8"]["equal"]
+    assert all(cases[name]["iterations"] == ITERATIONS for name in mod.CASES)
+    for name in mod.FIGURES:
+        assert (REPO / "benchmarks" / "img" / f"loss_curve_{name}.png").read_bytes()[:4] == b"\x89PNG"
 
 
 # --- through Megatron's loop (slow) ------------------------------------------------------------------------

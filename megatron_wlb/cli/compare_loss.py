@@ -141,7 +141,7 @@ def compare_curves(stock: dict[int, Step], balanced: dict[int, Step], rtol: floa
 
 
 def plot_curves(stock: dict[int, Step], balanced: dict[int, Step], comparison: LossComparison, path: Path,
-                title: str = "") -> Path:
+                balanced_label: str = "balanced (--wlb-pieces concat-and-cut)") -> Path:
     """Both lm-loss curves (top) and the balanced run's relative difference from stock (bottom), one PNG."""
     from megatron_wlb.sim.report import DPI, _plt  # lazy: matplotlib only for the figure
 
@@ -151,16 +151,17 @@ def plot_curves(stock: dict[int, Step], balanced: dict[int, Step], comparison: L
     top.plot(sorted(stock), [stock[i].loss for i in sorted(stock)], color="#8c8c8c", lw=3.5, alpha=0.7,
              label="stock Megatron")
     top.plot(sorted(balanced), [balanced[i].loss for i in sorted(balanced)], color="#9b59b6", lw=1.3, marker=".",
-             label="balanced (--wlb-pieces concat-and-cut)")
+             label=balanced_label)
     top.set_ylabel("lm loss")
     top.legend(loc="upper right")
-    top.set_title(title or comparison.verdict().split(" (")[0], fontsize=10)
+    top.set_title(comparison.verdict().split(" (")[0], fontsize=10)
     rel = [(balanced[i].loss - stock[i].loss) / abs(stock[i].loss) if stock[i].loss else 0.0 for i in common]
     bottom.axhspan(-comparison.rtol, comparison.rtol, color="#6dbf74", alpha=0.3, label=f"±{comparison.rtol:g}")
     bottom.plot(common, rel, color="#9b59b6", marker=".", lw=1)
     bottom.axhline(0, color="black", lw=0.5)
     bottom.set_ylabel("(balanced - stock)\n/ stock", fontsize=8)
     bottom.set_xlabel("iteration")
+    bottom.xaxis.get_major_locator().set_params(integer=True)
     bottom.legend(loc="upper right", fontsize=8)
     if max(abs(r) for r in rel) <= comparison.rtol:
         bottom.set_ylim(-3 * comparison.rtol, 3 * comparison.rtol)
@@ -179,6 +180,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--rtol", type=float, default=DEFAULT_RTOL, help=f"relative tolerance (default {DEFAULT_RTOL:g})")
     p.add_argument("--plot", default=None, metavar="PNG", help="write both curves to this PNG")
     p.add_argument("--json", default=None, metavar="OUT", help="write the comparison as JSON")
+    p.add_argument("--label", default="balanced (--wlb-pieces concat-and-cut)", help="the balanced curve's legend")
     p.add_argument("--require-equal", action="store_true", help="exit with status 1 when the curves differ")
     p.set_defaults(func=run)
 
@@ -190,7 +192,7 @@ def run(args: argparse.Namespace) -> int:
     balanced = read_megatron_log(input_file(args.balanced, "--balanced"))
     comparison = compare_curves(stock, balanced, args.rtol)
     if args.plot:
-        plot_curves(stock, balanced, comparison, output_file(args.plot, "--plot"))
+        plot_curves(stock, balanced, comparison, output_file(args.plot, "--plot"), args.label)
     if args.json:
         output_file(args.json, "--json").write_text(json.dumps(
             {**asdict(comparison), "verdict": comparison.verdict(),
