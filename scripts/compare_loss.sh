@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Is the balanced mode's loss curve stock Megatron's? Train both on your data, plot both curves, one verdict.
 #
-#   MEGATRON_LM=/path/to/Megatron-LM [NPROC_PER_NODE=8] [OUT=out/compare_loss] \
+#   MEGATRON_LM=/path/to/Megatron-LM [NPROC_PER_NODE=8] [TORCHRUN_ARGS="--nnodes ..."] [OUT=out/compare_loss] \
 #       scripts/compare_loss.sh <your Megatron flags> [--wlb-* flags of the balanced run]
 #   MEGATRON_LM=... [TP=1 PP=2 CP=1 DP=1] scripts/compare_loss.sh --cpu [flags]   # the tiny GPT on CPU (gloo)
 #

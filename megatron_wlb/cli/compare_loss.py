@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from megatron_wlb.cli.common import input_file, output_file
+from megatron_wlb.sim.report import DPI, _plt  # matplotlib is imported by _plt(), for the figure only
 
 #: relative tolerance of an equal curve: float32 sums of the same terms in another order
 DEFAULT_RTOL = 1e-5
@@ -143,8 +144,6 @@ def compare_curves(stock: dict[int, Step], balanced: dict[int, Step], rtol: floa
 def plot_curves(stock: dict[int, Step], balanced: dict[int, Step], comparison: LossComparison, path: Path,
                 balanced_label: str = "balanced (--wlb-pieces concat-and-cut)") -> Path:
     """Both lm-loss curves (top) and the balanced run's relative difference from stock (bottom), one PNG."""
-    from megatron_wlb.sim.report import DPI, _plt  # lazy: matplotlib only for the figure
-
     plt = _plt()
     common = sorted(set(stock) & set(balanced))
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 5), sharex=True, height_ratios=(3, 1.4))
