@@ -84,8 +84,13 @@ def run_control(work: Path) -> dict:
 
 
 def docs_summary(result: dict) -> str:
-    """One line per case: its label and ``wlb compare-loss``'s verdict."""
-    return "\n".join(f"- {LABELS[name]}: {case['verdict']}" for name, case in result["cases"].items())
+    """One line per case: its label and ``wlb compare-loss``'s verdict (the control's runs named by their micro-batch
+    size, not stock and balanced)."""
+    def verdict(name: str, case: dict) -> str:
+        text = case["verdict"]
+        return text.replace("stock ", "mbs 1 ").replace("balanced ", "mbs 2 ") if name == CONTROL else text
+
+    return "\n".join(f"- {LABELS[name]}: {verdict(name, case)}" for name, case in result["cases"].items())
 
 
 def to_markdown(result: dict) -> str:
