@@ -137,3 +137,23 @@ def test_a_tokenizer_without_a_chat_template_is_named(sft, tmp_path):
         own = F.megatron_sft_tokenizer(root / "tok", prompt_format="default")
     corpus = SftCorpus.build(path, own, SEQ)
     assert corpus.num_conversations > 100
+
+
+def test_sft_flags_wlb_cannot_honour_are_one_line_each(tmp_path):
+    import types
+
+    from megatron_wlb.megatron.settings import WlbSettings
+    from megatron_wlb.megatron.sft import sft_problems
+
+    jsonl = tmp_path / "c.jsonl"
+    jsonl.write_text("")
+    args = types.SimpleNamespace(sft=True, tokenizer_type="SFTTokenizer", seq_length=SEQ, data_path=[str(jsonl)],
+                                 train_data_path=None, valid_data_path=None, test_data_path=None)
+    assert sft_problems(args, WlbSettings()) == []
+    args.tokenizer_type, args.data_path = "NullTokenizer", [str(tmp_path / "missing.jsonl")]
+    problems = sft_problems(args, WlbSettings(pieces="concat-and-cut", cut="any"))
+    assert len(problems) == 4 and all("\n" not in p for p in problems)
+    assert any("--tokenizer-type SFTTokenizer" in p for p in problems)
+    assert any("--wlb-pieces documents" in p for p in problems)
+    assert any("--wlb-cut split" in p for p in problems)
+    assert any("missing.jsonl: no such file" in p for p in problems)
