@@ -16,8 +16,9 @@ import numpy as np
 WORDS = 200
 SPECIALS = ["<unk>", "<eos>", "<SPECIAL_10>", "<SPECIAL_11>", "<SPECIAL_12>", "<SPECIAL_233>"]
 #: a chat template of the tokenizer's own (what --sft-tokenizer-prompt-format default uses)
-CHAT_TEMPLATE = ("{% for message in messages %}{{ '<SPECIAL_11>' + message['role'] + '\n' + message['content'] + '\n' }}"
-                 "{% endfor %}{% if add_generation_prompt %}{{ '<SPECIAL_11>assistant\n' }}{% endif %}")
+CHAT_TEMPLATE = ("{% for message in messages %}"
+                 "{{ '<SPECIAL_11>' + message['role'] + '\n' + message['content'] + '\n' }}{% endfor %}"
+                 "{% if add_generation_prompt %}{{ '<SPECIAL_11>assistant\n' }}{% endif %}")
 
 
 def build_tokenizer(directory: Path, chat_template: str | None = CHAT_TEMPLATE) -> Path:
@@ -30,7 +31,8 @@ def build_tokenizer(directory: Path, chat_template: str | None = CHAT_TEMPLATE) 
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()  # the special tokens are split out before it
     tok.add_special_tokens(SPECIALS)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>", pad_token="<SPECIAL_233>")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>",
+                                   pad_token="<SPECIAL_233>")
     if chat_template is not None:
         fast.chat_template = chat_template
     directory.mkdir(parents=True, exist_ok=True)

@@ -109,7 +109,8 @@ def test_every_conversation_equals_sftdatasets_sample(sft, seq):
     ('{"messages": [{"role": "user", "content": "w1"}, {"role": "assistant", "content": "w2"}]}\n\n{"text": "w1"}\n',
      ':3: no "messages" key'),
     ('{"messages": [{"role": "system", "content": "w1"}, {"role": "user", "content": "w2"}, '
-     '{"role": "assistant", "content": "w3"}, {"role": "system", "content": "w4"}, {"role": "user", "content": "w5"}]}\n',
+     '{"role": "assistant", "content": "w3"}, {"role": "system", "content": "w4"}, '
+     '{"role": "user", "content": "w5"}]}\n',
      ":1: conversation 2 has no assistant turn (roles: system, user)"),
     ('{"messages": [{"role": "user", "content": "w1"}, {"role": "bot", "content": "w2"}]}\n', ":1: message 2 has role"),
 ])

@@ -85,7 +85,8 @@ def _assert_sftdatasets_data_once(run: Run, path, tokenizer) -> None:
     # a conversation not trained yet is one the packer holds for a later iteration, named at the end
     waiting = re.search(r"waiting for a later iteration: ([0-9, ]+)\)", run.log)
     held = {int(d) for d in waiting.group(1).split(",")} if waiting else set()
-    assert first_epoch | held >= set(range(n)), f"epoch 0 lost conversations {sorted(set(range(n)) - first_epoch - held)}"
+    lost = sorted(set(range(n)) - first_epoch - held)
+    assert not lost, f"epoch 0 lost conversations {lost}"
     assert len(first_epoch) >= n - 3 and not held & set(trained)
     fed = _fed(run)
     assert set(fed) >= first_epoch

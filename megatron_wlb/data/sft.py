@@ -244,9 +244,16 @@ class SftCorpus:
                 f"({self.truncated_tokens - self.truncated * self.seq_len} tokens not trained)")
 
 
-def jsonl_lengths(path: str | os.PathLike[str], tokenizer: ConversationTokenizer) -> np.ndarray:
-    """Token count of every conversation of an SFT jsonl (file order, uncut): what ``wlb analyze`` plans."""
-    lengths = [tokenize(tokenizer, c, f"{os.fspath(path)}:{n} conversation {k + 1}")[0].size
-               for n, k, c in read_conversations(path)]
-    return np.asarray(lengths, dtype=np.int64)
+def jsonl_line_lengths(path: str | os.PathLike[str], tokenizer: ConversationTokenizer) -> list[list[int]]:
+    """Token count of every conversation of an SFT jsonl (uncut), line by line: what ``wlb analyze --sft``
+    plans (Megatron's grouping keeps a line's conversations in one sample)."""
+    lines: dict[int, list[int]] = {}
+    for n, k, c in read_conversations(path):
+        tokens = tokenize(tokenizer, c, f"{os.fspath(path)}:{n} conversation {k + 1}")[0]
+        lines.setdefault(n, []).append(int(tokens.size))
+    return list(lines.values())
 
+
+def jsonl_lengths(path: str | os.PathLike[str], tokenizer: ConversationTokenizer) -> np.ndarray:
+    """Token count of every conversation of an SFT jsonl (file order, uncut)."""
+    return np.asarray([n for line in jsonl_line_lengths(path, tokenizer) for n in line], dtype=np.int64)
