@@ -107,3 +107,17 @@ def test_wlb_analyze_sft_writes_the_table(tmp_path, capsys):
     assert methods.count("Megatron SFTDataset grouping") == 2 and "wlb (megatron-wlb)" in methods
     assert "| 4 | prepacked lines | Megatron SFTDataset grouping |" in (tmp_path / "out" / "sft.md").read_text()
     assert "1,500 conversations, one a line" in capsys.readouterr().out
+
+
+def test_the_results_page_sft_table_is_the_recorded_run():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    page = (root / "benchmarks" / "results.md").read_text()
+    block = page.split("<!-- sft-table -->\n", 1)[1].split("<!-- /sft-table -->", 1)[0]
+    recorded = (root / "benchmarks" / "results" / "sft" / "sft.md").read_text()
+    table = "\n".join(line for line in recorded.splitlines() if line.startswith("|"))
+    assert block.strip() == table
+    rows = json.loads((root / "benchmarks" / "results" / "sft" / "sft.json").read_text())["rows"]
+    ours = [r for r in rows if r["method"] == "wlb (megatron-wlb)"]
+    assert {r["dp"] for r in ours} == {4, 8} and all(r["slowest_over_balanced"] <= 1.02 for r in ours)
