@@ -158,3 +158,45 @@ def test_sft_flags_wlb_cannot_honour_are_one_line_each(tmp_path):
     assert any("--wlb-pieces documents" in p for p in problems)
     assert any("--wlb-cut split" in p for p in problems)
     assert any("missing.jsonl: no such file" in p for p in problems)
+
+
+def test_mains_tokenizer_where_it_differs_is_what_the_intake_gives(sft, tmp_path):
+    """Main's SFTTokenizer masks the prompts under the ``identity`` prompt format too (0.19 trains every token
+    there); the intake calls the tokenizer's own ``tokenize_conversation``, so it follows whichever is run."""
+    import importlib.util
+    import os
+    import subprocess
+
+    from conftest import DEFAULT_MEGATRON_LM, MEGATRON_LM_VAR
+
+    source = os.environ.get(MEGATRON_LM_VAR) or DEFAULT_MEGATRON_LM
+    got = subprocess.run(["git", "-C", source, "show", "main:megatron/core/tokenizers/text/libraries/sft_tokenizer.py"],
+                         capture_output=True, text=True)
+    if got.returncode:
+        pytest.skip(f"no Megatron-LM main at {source} (set {MEGATRON_LM_VAR})")
+    (tmp_path / "main_sft_tokenizer.py").write_text(got.stdout)
+    spec = importlib.util.spec_from_file_location("main_sft_tokenizer", tmp_path / "main_sft_tokenizer.py")
+    main_module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(main_module)
+    from megatron.core.tokenizers.text.libraries.sft_tokenizer import SFTTokenizer as Release
+
+    root, _, _ = sft
+    path = tmp_path / "spaced.jsonl"
+    turns = [{"role": "system", "content": "w1 w2 "}, {"role": "user", "content": "w3 w4 w5 "},
+             {"role": "assistant", "content": "w6 w7 "}]
+    path.write_text(json.dumps({"messages": turns}) + "\n")
+
+    class Pad:  # the raw SFTTokenizer names its pad ``pad_id`` (Megatron's wrapper says ``pad``)
+        def __init__(self, inner):
+            self.inner, self.pad = inner, inner.pad_id
+
+        def tokenize_conversation(self, *args, **kwargs):
+            return self.inner.tokenize_conversation(*args, **kwargs)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        release = SftCorpus.build(path, Pad(Release(str(root / "tok"), "identity")), SEQ)
+        main = SftCorpus.build(path, Pad(main_module.SFTTokenizer(str(root / "tok"), "identity")), SEQ)
+    np.testing.assert_array_equal(release.tokens, main.tokens)
+    assert not (release.targets == IGNORE_INDEX).any()  # 0.19: every token trained
+    assert (main.targets[:5] == IGNORE_INDEX).all() and (main.targets[5:] != IGNORE_INDEX).all()  # main: the reply
