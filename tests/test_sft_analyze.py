@@ -60,7 +60,9 @@ def test_karmarkar_karp_places_every_item_once_and_balances():
         assert len(groups) == k and sorted(i for g in groups for i in g) == list(range(w.size))
         sums = np.array([w[g].sum() for g in groups])
         assert sums.max() - sums.min() <= w.max()  # LDM's spread is within the largest item
-    assert karmarkar_karp([5.0, 4.0, 3.0, 3.0, 3.0], 2) in ([[0, 2], [1, 3, 4]], [[0, 3], [1, 2, 4]], [[0, 4], [1, 2, 3]])
+    # the textbook case: differencing 5-4, 3-3, 3-1, 2-0 leaves 2 (8 + 10), where 9 + 9 exists (a heuristic)
+    split = karmarkar_karp([5.0, 4.0, 3.0, 3.0, 3.0], 2)
+    assert sorted(sorted([5.0, 4.0, 3.0, 3.0, 3.0][i] for i in g) for g in split) == [[3.0, 3.0, 4.0], [3.0, 5.0]]
 
 
 @pytest.fixture(scope="module")
