@@ -34,6 +34,8 @@ from megatron_wlb.data.reader import IndexedSource
 
 #: the target of a token no loss is computed on (Megatron's ``IGNORE_INDEX``)
 IGNORE_INDEX = -100
+#: how the intake holds token ids and targets (4 bytes each: a vocabulary below 2**31, and -100)
+TOKEN_DTYPE = np.int32
 #: the roles ``SFTTokenizer.tokenize_conversation`` accepts
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -167,7 +169,7 @@ class SftCorpus:
     """Every conversation of an SFT jsonl, tokenized: flat tokens and targets, one document per
     conversation (``lengths``/``starts``), the line each came from, and how many were cut to ``seq_len``.
 
-    Held in memory (8 bytes a token for each of tokens and targets): the intake tokenizes the file once
+    Held in memory (4 bytes a token for each of tokens and targets): the intake tokenizes the file once
     at start-up, on every rank, like ``SFTDataset`` reads the whole jsonl through HF ``datasets``."""
 
     path: str
@@ -209,7 +211,8 @@ class SftCorpus:
             raise SftInputError(f"{path}: holds no conversation; give a jsonl of {{\"messages\": [...]}} lines")
         lengths = np.fromiter((t.size for t in toks), dtype=np.int64, count=len(toks))
         starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
-        return cls(path, int(seq_len), pad, np.concatenate(toks), np.concatenate(tgts), lengths, starts,
+        return cls(path, int(seq_len), pad, np.concatenate(toks).astype(TOKEN_DTYPE),
+                   np.concatenate(tgts).astype(TOKEN_DTYPE), lengths, starts,
                    np.asarray(lines, dtype=np.int64), truncated, truncated_tokens, h.hexdigest()[:32])
 
     @property
@@ -219,7 +222,7 @@ class SftCorpus:
     def source(self) -> IndexedSource:
         """The conversations as a ``reader.IndexedSource`` (what ``DocumentReader`` splits, shuffles and
         streams; its prefix is the jsonl path)."""
-        return IndexedSource(self.path, self.lengths, self.starts, self.tokens, itemsize=1)
+        return IndexedSource(self.path, self.lengths, self.starts, self.tokens, itemsize=1)  # starts count tokens
 
     def sample(self, doc: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(inputs, labels, loss mask) of conversation ``doc`` (file order), as ``SFTDataset`` gives them."""
