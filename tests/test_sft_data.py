@@ -200,3 +200,34 @@ def test_mains_tokenizer_where_it_differs_is_what_the_intake_gives(sft, tmp_path
     np.testing.assert_array_equal(release.tokens, main.tokens)
     assert not (release.targets == IGNORE_INDEX).any()  # 0.19: every token trained
     assert (main.targets[:5] == IGNORE_INDEX).all() and (main.targets[5:] != IGNORE_INDEX).all()  # main: the reply
+
+
+def test_sft_reader_splits_blends_and_reads_each_piece_with_its_own_labels(sft, tmp_path):
+    """The conversations of a weighted blend of two jsonl files through the training reader: train and valid
+    splits disjoint, every stream id (past the first epoch too) read as its conversation's SFTDataset arrays."""
+    import types
+
+    from megatron_wlb.megatron.sft import sft_reader
+
+    _, tokenizer, path = sft
+    other = F.write_corpus(tmp_path / "other.jsonl", 40, seed=9)
+    args = types.SimpleNamespace(sft=True, seq_length=SEQ, seed=1234, split="90,10,0",
+                                 data_path=["0.7", str(path), "0.3", str(other)], train_data_path=None,
+                                 valid_data_path=None, test_data_path=None)
+    notes: list[str] = []
+    train_reader, read_piece = sft_reader(args, "train", tokenizer, print_fn=notes.append)
+    valid_reader, _ = sft_reader(args, "valid", tokenizer)
+    corpora = [SftCorpus.build(p, tokenizer, SEQ) for p in (path, other)]
+    assert train_reader.num_documents == sum(c.num_conversations for c in corpora)
+    ids, lengths = train_reader.stream(3 * sum(int(c.lengths.sum()) for c in corpora)).collect()
+    valid_ids, _ = valid_reader.stream(10_000).collect()
+    assert not {int(i) % train_reader.num_documents for i in ids} & {int(i) % train_reader.num_documents
+                                                                     for i in valid_ids}
+    assert int(ids.max()) >= train_reader.num_documents  # a later epoch
+    for stream_id, n in zip(ids.tolist(), lengths.tolist(), strict=True):
+        _, which, doc = train_reader.locate(stream_id)
+        want = corpora[which].sample(doc)
+        got = read_piece(stream_id, 0, n)
+        for a, b in zip(got, want, strict=True):
+            np.testing.assert_array_equal(a, b)
+    assert any("were cut to it" in line for line in notes)
