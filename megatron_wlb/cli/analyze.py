@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from megatron_wlb.cli.analyze_sft import add_sft_args, run_sft
 from megatron_wlb.cli.common import (
     add_stream_args,
     corpus_sample,
@@ -96,6 +97,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--data-cache-path", default=None, metavar="DIR",
                    help="with --data-prefix/--data-path: your job's --data-cache-path (GPTDataset's indices are shared "
                         "with it; default: built in a temporary folder)")
+    add_sft_args(p)
     p.set_defaults(func=run)
 
 
@@ -130,6 +132,8 @@ def gpt_samples(corpus: np.ndarray | list[str] | str, seq_len: int, num_samples:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.sft or args.sft_jsonl:  # fine-tuning conversations: Megatron's SFT grouping, KK and the packer
+        return run_sft(args)
 
     # every input is checked before any work: the simulation takes minutes
     if args.iterations is not None:

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_wlb.data.blend import parse_data_path
-from megatron_wlb.data.fingerprint import dataset_fingerprint
+from megatron_wlb.data.fingerprint import dataset_fingerprint, file_sha256
 from megatron_wlb.megatron.data import plan_digest
 from megatron_wlb.megatron.device import training_device
 from megatron_wlb.megatron.megatron_args import MegatronArgs
@@ -220,8 +220,11 @@ def dataset_parts(args: Any) -> list[tuple[str, str, str]]:
         if not given:
             continue
         for i, (prefix, _) in enumerate(parse_data_path(given)):
-            found, name = dataset_fingerprint(prefix), os.path.basename(prefix)
             where = f"--{attr.replace('_', '-')} #{i + 1}"
+            if a.sft:  # a jsonl of conversations (Megatron's SFT data): the whole file's digest
+                parts.append((f"{where} .jsonl", file_sha256(prefix)[:16], os.path.basename(prefix)))
+                continue
+            found, name = dataset_fingerprint(prefix), os.path.basename(prefix)
             parts += [(f"{where} .idx", found["idx"][:16], name), (f"{where} .bin", found["bin"][:16], name)]
     return parts
 

@@ -75,6 +75,8 @@ def tiny_gpt_vocab_flags(argv: Sequence[str]) -> list[str]:
     """``--vocab-size`` for the tiny GPT from the data in ``argv``: none when its default (300) covers the
     largest token id, else that id + 1; a ``--vocab-size`` given in ``argv`` that does not cover it is
     refused (SystemExit naming the largest id and the flag)."""
+    if "--sft" in argv:  # jsonl conversations: the SFT tokenizer sets the vocabulary
+        return []
     try:
         # argparse keeps a flag's last occurrence (train_cpu.sh puts its default --data-path first)
         prefixes = sorted({p for flag in DATA_PATH_FLAGS for values in _flag_values(argv, flag)[-1:] if values

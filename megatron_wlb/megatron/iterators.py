@@ -18,6 +18,8 @@ from megatron_wlb.megatron.data import WlbDataIterator
 from megatron_wlb.megatron.gpt_samples import MegatronSamples, build_train_dataset, eod_problem
 from megatron_wlb.megatron.megatron_args import MegatronArgs
 from megatron_wlb.megatron.settings import WlbSettings
+from megatron_wlb.megatron.sft import sft_reader
+from megatron_wlb.megatron.state import print_rank0
 from megatron_wlb.megatron.validation import StartupError, cost_model_from_args, packing_config_from_args
 from megatron_wlb.packing import make_packer
 
@@ -93,7 +95,8 @@ def build_train_iterator(args: Any, settings: WlbSettings, dp_rank: int, cp_rank
                          split_name: str = "train") -> WlbDataIterator:
     """This rank's ``WlbDataIterator`` for Megatron's ``args`` (pure: same inputs, same plans, any rank).
 
-    ``split_name`` "valid"/"test" builds the evaluation iterators the same way over those splits. With
+    ``split_name`` "valid"/"test" builds the evaluation iterators the same way over those splits. ``--sft``
+    reads the conversations of Megatron's SFT jsonl (``sft.sft_reader``), each whole, with its own labels. With
     ``--wlb-pieces concat-and-cut`` the training split reads Megatron's own GPTDataset samples
     (``gpt_samples``) unless a ``reader`` is given; evaluation keeps the document reader.
     """
@@ -116,6 +119,12 @@ def build_train_iterator(args: Any, settings: WlbSettings, dp_rank: int, cp_rank
         samples = MegatronSamples(dataset)
         return WlbDataIterator(None, samples.stream(int(a.consumed_train_samples or 0)), packer,
                                dp_rank, sharding, on_batch=on_batch, read_piece=samples.piece)
+    if a.sft and reader is None:  # conversations from Megatron's SFT jsonl, each with its own labels and loss mask
+        reader, read_piece = sft_reader(args, split_name, print_fn=lambda line: print_rank0(f"> {line}"))
+        if a.padded_vocab_size:
+            reader.check_vocabulary(int(a.padded_vocab_size), "--vocab-size / the tokenizer")
+        return WlbDataIterator(reader, reader.stream(stream_tokens_for(args, config, split_name)), packer, dp_rank,
+                               sharding, on_batch=on_batch, read_piece=read_piece)
     reader = reader if reader is not None else reader_from_args(args, split_name)
     return WlbDataIterator(reader, reader.stream(stream_tokens_for(args, config, split_name)), packer, dp_rank,
                            sharding, on_batch=on_batch)

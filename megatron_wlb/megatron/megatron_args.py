@@ -72,6 +72,9 @@ class MegatronArgs:
     reset_attention_mask: bool | None = None
     eod_mask_loss: bool | None = None
     sft: bool | None = None
+    sft_tokenizer_prompt_format: str | None = None  # core >= 0.19
+    tokenizer_type: str | None = None
+    tokenizer_model: str | None = None
     fim_data: bool | None = None  # core >= 0.19
     yaml_cfg: str | None = None
     # -- model

@@ -23,6 +23,7 @@ from megatron_wlb.megatron.args import _show, load_run_config, settings_from_arg
 from megatron_wlb.megatron.gpt_samples import masking_problem
 from megatron_wlb.megatron.megatron_args import MegatronArgs
 from megatron_wlb.megatron.settings import WlbSettings
+from megatron_wlb.megatron.sft import sft_problems
 from megatron_wlb.packing.types import PackingConfig, resolve_max_seq_len
 
 
@@ -207,7 +208,7 @@ def validate_wlb_args(args: Any, *, te_available: bool | None = None, highspy_av
                         "give --data-path [WEIGHT] PREFIX ... or --train-data-path")
     for flag, value in (("data_path", a.data_path), ("train_data_path", a.train_data_path),
                         ("valid_data_path", a.valid_data_path), ("test_data_path", a.test_data_path)):
-        if not value or not check_files:
+        if not value or not check_files or a.sft:  # --sft: jsonl files, checked by sft_problems
             continue
 
         try:
@@ -220,10 +221,12 @@ def validate_wlb_args(args: Any, *, te_available: bool | None = None, highspy_av
                 problems.append(f"--{flag.replace('_', '-')}: no {prefix}.bin/.idx; give the prefix of a Megatron "
                                 "indexed dataset (made with tools/preprocess_data.py), without the extension")
     problems.extend(bypass_problems(args))
-    for flag, given in (("--sft", a.sft), ("--fim-data", a.fim_data)):
-        if given:
-            problems.append(f"{flag} replaces the data path WLB installs; remove {flag} or do not call "
-                            "megatron_wlb.megatron.apply()")
+    if a.fim_data:
+        problems.append("--fim-data replaces the data path WLB installs; remove --fim-data or do not call "
+                        "megatron_wlb.megatron.apply()")
+    if a.sft:
+        problems.extend(sft_problems(a, settings) if check_files else
+                        [p for p in sft_problems(a, settings) if "no such file" not in p])
     if settings.pieces == "concat-and-cut":
         problem = masking_problem(a)
         if problem:

@@ -1,0 +1,98 @@
+"""``--sft`` with WLB: Megatron's SFT jsonl, one conversation one document, packed by work.
+
+Translation only: Megatron's args name the jsonl files (``--data-path [WEIGHT] FILE.jsonl ...`` or the
+per-split flags, as for Megatron's own ``SFTDataset``) and its tokenizer (``--tokenizer-type SFTTokenizer
+--tokenizer-model DIR --sft-tokenizer-prompt-format ...``, built by Megatron: ``get_tokenizer()``); the data
+layer (``data.sft``) tokenizes each conversation through that tokenizer's ``tokenize_conversation`` and
+``data.reader.DocumentReader`` splits, shuffles and streams the conversations like any documents, so
+checkpoints and resume are the documents mode's. Each piece the packer places is read with its own
+labels and loss mask (``read_piece``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+from megatron_wlb.data.blend import parse_data_path
+from megatron_wlb.data.reader import DocumentReader
+from megatron_wlb.data.sft import SftCorpus, SftInputError
+from megatron_wlb.megatron.megatron_args import MegatronArgs
+
+#: (stream id, offset, length) -> a piece's tokens, labels and loss mask
+PieceRead = Callable[[int, int, int], Any]
+#: corpora already tokenized in this process: (path, seq_len, tokenizer id) -> corpus (train/valid/test share)
+_CORPORA: dict[tuple[str, int, int], SftCorpus] = {}
+
+
+def sft_problems(args: Any, settings: Any) -> list[str]:
+    """What keeps ``--sft`` from running with WLB's flags, one line each (none: it runs)."""
+    a = MegatronArgs.of(args)
+    problems: list[str] = []
+    if a.tokenizer_type != "SFTTokenizer":
+        problems.append(f"--sft reads conversations through a chat template: give --tokenizer-type SFTTokenizer "
+                        f"--tokenizer-model DIR (not {a.tokenizer_type})")
+    if settings.pieces == "concat-and-cut":
+        problems.append("--sft packs each conversation whole: --wlb-pieces concat-and-cut cuts Megatron's GPT "
+                        "samples; use --wlb-pieces documents")
+    if settings.cut == "any":
+        problems.append("--sft trains each conversation whole: --wlb-cut any would cut forced outliers; use "
+                        "--wlb-cut split (a conversation over --seq-length is cut as Megatron's SFTDataset cuts it)")
+    for flag in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
+        given = getattr(a, flag)
+        if not given:
+            continue
+        try:
+            paths = [p for p, _ in parse_data_path(given)]
+        except ValueError as exc:
+            problems.append(str(exc))
+            continue
+        for path in paths:
+            if not os.path.isfile(path):
+                problems.append(f"--{flag.replace('_', '-')} {path}: no such file; --sft reads a jsonl of "
+                                "{\"messages\": [...]} lines (as Megatron's SFTDataset)")
+    return problems
+
+
+def sft_corpus(path: str, tokenizer: Any, seq_len: int) -> SftCorpus:
+    """``data.sft.SftCorpus`` of one jsonl, tokenized once per process."""
+    key = (os.path.abspath(path), int(seq_len), id(tokenizer))
+    if key not in _CORPORA:
+        _CORPORA[key] = SftCorpus.build(path, tokenizer, seq_len)
+    return _CORPORA[key]
+
+
+def sft_reader(args: Any, split_name: str, tokenizer: Any = None,
+               print_fn: Callable[[str], None] | None = None) -> tuple[DocumentReader, PieceRead]:
+    """The conversations of one split as a ``DocumentReader`` (blend, split, epoch order and stream ids as
+    for indexed data) and the ``read_piece`` that gives each piece its tokens, labels and loss mask."""
+    a = MegatronArgs.of(args)
+    if tokenizer is None:
+        from megatron.training import get_tokenizer  # lazy: the package imports this module without Megatron
+
+        tokenizer = get_tokenizer()
+    own = a.data_path_of(split_name)
+    given = own or a.data_path
+    if not given:
+        raise SftInputError("--sft with WLB reads jsonl conversations: give --data-path [WEIGHT] FILE.jsonl ...")
+    parts = parse_data_path(given)
+    corpora = [sft_corpus(path, tokenizer, int(a.seq_length)) for path, _ in parts]
+    for corpus in corpora:
+        note = corpus.truncation_note()
+        if note is not None and print_fn is not None:
+            print_fn(f"megatron_wlb: {note}")
+    weights = [1.0 if w is None else float(w) for _, w in parts]
+    seed = 1234 if a.seed is None else int(a.seed)
+    split = "1,0,0" if own else (a.split or "969,30,1")
+    reader = DocumentReader([(c.source(), w) for c, w in zip(corpora, weights, strict=True)], split=split,
+                            split_name="train" if own else split_name, seed=seed)
+
+    def read_piece(stream_id: int, offset: int, length: int) -> Any:
+        _, dataset, doc = reader.locate(stream_id)
+        return corpora[dataset].piece(doc, offset, length)
+
+    return reader, read_piece
+
+
+__all__ = ["sft_corpus", "sft_problems", "sft_reader"]

@@ -1,0 +1,233 @@
+"""The SFT intake gives every conversation exactly what Megatron's own ``SFTDataset`` gives it (issue 50).
+
+Megatron-LM's ``SFTDataset`` (the 0.19.2 wheel's ``megatron/training/datasets/sft_dataset.py``) runs here
+over a jsonl of conversations with a tokenizer and chat template built locally (``sft_fixtures``), through
+Megatron's own ``SFTTokenizer`` (``build_tokenizer`` for ``--tokenizer-type SFTTokenizer``). Its low-level
+dataset is the file's lines' ``"messages"`` (``SFTLowLevelDataset`` reads the same through HF ``datasets``,
+which is not installed here).
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+pytest.importorskip("megatron.core.tokenizers.text.libraries.sft_tokenizer")
+
+import sft_fixtures as F  # noqa: E402
+
+from megatron_wlb.data.sft import (  # noqa: E402
+    IGNORE_INDEX,
+    SftCorpus,
+    SftInputError,
+    jsonl_lengths,
+    split_conversations,
+)
+
+SEQ = 256
+
+
+@pytest.fixture(scope="module")
+def sft(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sft")
+    F.build_tokenizer(root / "tok")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tokenizer = F.megatron_sft_tokenizer(root / "tok")
+    path = F.write_corpus(root / "chat.jsonl", 120, seed=3, scale=1.5)
+    return root, tokenizer, path
+
+
+def _sft_dataset(lines: list[list[dict]], tokenizer, seq: int = SEQ, cp: int = 1):
+    """Megatron's own SFTDataset over ``lines`` (each a line's messages), one sample a line."""
+    from megatron_wlb.megatron.compat import install_python_shims
+
+    install_python_shims()  # the 0.19 wheel's megatron.training needs typing.override
+    from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
+    from megatron.core.datasets.utils import Split
+    from megatron.training.datasets.sft_dataset import SFTDataset
+
+    config = GPTDatasetConfig(random_seed=1234, sequence_length=seq, blend=None, blend_per_split=None, split="100,0,0",
+                              path_to_cache=None, tokenizer=tokenizer, reset_position_ids=False,
+                              reset_attention_mask=False, eod_mask_loss=False, create_attention_mask=False,
+                              context_parallel_size=cp)
+    return SFTDataset(lines, "chat.jsonl", np.arange(len(lines)), len(lines), Split.train, config)
+
+
+def _lines(path: Path) -> list[list[dict]]:
+    return [json.loads(t)["messages"] for t in open(path) if t.strip()]
+
+
+def test_split_conversations_is_megatrons(sft):
+    from megatron_wlb.megatron.compat import install_python_shims
+
+    install_python_shims()
+    from megatron.training.datasets.sft_dataset import SFTDataset
+
+    _, _, path = sft
+    for messages in _lines(path):
+        assert split_conversations(messages) == SFTDataset._split_conversations(None, messages)
+
+
+@pytest.mark.parametrize("seq", [SEQ, 64], ids=["fits", "cut"])
+def test_every_conversation_equals_sftdatasets_sample(sft, seq):
+    """One conversation per SFTDataset sample: inputs, labels and loss mask equal element by element
+    (the long ones cut to the window as SFTDataset cuts them, and counted)."""
+    _, tokenizer, path = sft
+    conversations = [c for m in _lines(path) for c in split_conversations(m)]
+    corpus = SftCorpus.build(path, tokenizer, seq)
+    dataset = _sft_dataset(conversations, tokenizer, seq)
+    assert corpus.num_conversations == len(conversations) == len(dataset)
+    for doc in range(corpus.num_conversations):
+        tokens, labels, mask = corpus.sample(doc)
+        item = dataset[doc]
+        n = tokens.size
+        assert n <= seq
+        np.testing.assert_array_equal(tokens, item["tokens"][:n].numpy())
+        np.testing.assert_array_equal(labels, item["labels"][:n].numpy())
+        np.testing.assert_array_equal(mask, item["loss_mask"][:n].numpy())
+        np.testing.assert_array_equal(np.arange(n), item["position_ids"][:n].numpy())
+        assert not item["loss_mask"][n:].any()  # the rest of SFTDataset's window is padding
+        assert (labels == IGNORE_INDEX).any()  # prompts masked
+        assert mask.any() or n == seq  # replies trained (a cut one may have lost its reply)
+    uncut = jsonl_lengths(path, tokenizer)
+    assert corpus.truncated == int((uncut > seq).sum()) > 0
+    assert corpus.truncated_tokens == int(uncut[uncut > seq].sum())
+    assert "cut to it, as Megatron's SFTDataset" in corpus.truncation_note()
+
+
+# -- bad input: one line naming the line or the missing piece -----------------------------------------------
+@pytest.mark.parametrize("text, named", [
+    ('{"messages": [{"role": "user", "content": "w1"}, {"role": "assistant", "content": "w2"}]}\n{"messages": [\n',
+     ":2: not JSON"),
+    ('{"messages": [{"role": "user", "content": "w1"}, {"role": "assistant", "content": "w2"}]}\n\n{"text": "w1"}\n',
+     ':3: no "messages" key'),
+    ('{"messages": [{"role": "system", "content": "w1"}, {"role": "user", "content": "w2"}, '
+     '{"role": "assistant", "content": "w3"}, {"role": "system", "content": "w4"}, '
+     '{"role": "user", "content": "w5"}]}\n',
+     ":1: conversation 2 has no assistant turn (roles: system, user)"),
+    ('{"messages": [{"role": "user", "content": "w1"}, {"role": "bot", "content": "w2"}]}\n', ":1: message 2 has role"),
+])
+def test_bad_jsonl_is_one_line_naming_the_line(sft, tmp_path, text, named):
+    _, tokenizer, _ = sft
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(text)
+    with pytest.raises(SftInputError) as err:
+        SftCorpus.build(bad, tokenizer, SEQ)
+    assert named in str(err.value) and str(bad) in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_tokenizer_without_a_chat_template_is_named(sft, tmp_path):
+    root, _, path = sft
+    F.build_tokenizer(tmp_path / "plain", chat_template=None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plain = F.megatron_sft_tokenizer(tmp_path / "plain", prompt_format="default")
+    with pytest.raises(SftInputError) as err:
+        SftCorpus.build(path, plain, SEQ)
+    assert "no chat template" in str(err.value) and "\n" not in str(err.value)
+    # the same tokenizer with its own template trains every token (Megatron's default format)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        own = F.megatron_sft_tokenizer(root / "tok", prompt_format="default")
+    corpus = SftCorpus.build(path, own, SEQ)
+    assert corpus.num_conversations > 100
+
+
+def test_sft_flags_wlb_cannot_honour_are_one_line_each(tmp_path):
+    import types
+
+    from megatron_wlb.megatron.settings import WlbSettings
+    from megatron_wlb.megatron.sft import sft_problems
+
+    jsonl = tmp_path / "c.jsonl"
+    jsonl.write_text("")
+    args = types.SimpleNamespace(sft=True, tokenizer_type="SFTTokenizer", seq_length=SEQ, data_path=[str(jsonl)],
+                                 train_data_path=None, valid_data_path=None, test_data_path=None)
+    assert sft_problems(args, WlbSettings()) == []
+    args.tokenizer_type, args.data_path = "NullTokenizer", [str(tmp_path / "missing.jsonl")]
+    problems = sft_problems(args, WlbSettings(pieces="concat-and-cut", cut="any"))
+    assert len(problems) == 4 and all("\n" not in p for p in problems)
+    assert any("--tokenizer-type SFTTokenizer" in p for p in problems)
+    assert any("--wlb-pieces documents" in p for p in problems)
+    assert any("--wlb-cut split" in p for p in problems)
+    assert any("missing.jsonl: no such file" in p for p in problems)
+
+
+def test_mains_tokenizer_where_it_differs_is_what_the_intake_gives(sft, tmp_path):
+    """Main's SFTTokenizer masks the prompts under the ``identity`` prompt format too (0.19 trains every token
+    there); the intake calls the tokenizer's own ``tokenize_conversation``, so it follows whichever is run."""
+    import importlib.util
+    import os
+    import subprocess
+
+    from conftest import DEFAULT_MEGATRON_LM, MEGATRON_LM_VAR
+
+    source = os.environ.get(MEGATRON_LM_VAR) or DEFAULT_MEGATRON_LM
+    got = subprocess.run(["git", "-C", source, "show", "main:megatron/core/tokenizers/text/libraries/sft_tokenizer.py"],
+                         capture_output=True, text=True)
+    if got.returncode:
+        pytest.skip(f"no Megatron-LM main at {source} (set {MEGATRON_LM_VAR})")
+    (tmp_path / "main_sft_tokenizer.py").write_text(got.stdout)
+    spec = importlib.util.spec_from_file_location("main_sft_tokenizer", tmp_path / "main_sft_tokenizer.py")
+    main_module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(main_module)
+    from megatron.core.tokenizers.text.libraries.sft_tokenizer import SFTTokenizer as Release
+
+    root, _, _ = sft
+    path = tmp_path / "spaced.jsonl"
+    turns = [{"role": "system", "content": "w1 w2 "}, {"role": "user", "content": "w3 w4 w5 "},
+             {"role": "assistant", "content": "w6 w7 "}]
+    path.write_text(json.dumps({"messages": turns}) + "\n")
+
+    class Pad:  # the raw SFTTokenizer names its pad ``pad_id`` (Megatron's wrapper says ``pad``)
+        def __init__(self, inner):
+            self.inner, self.pad = inner, inner.pad_id
+
+        def tokenize_conversation(self, *args, **kwargs):
+            return self.inner.tokenize_conversation(*args, **kwargs)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        release = SftCorpus.build(path, Pad(Release(str(root / "tok"), "identity")), SEQ)
+        main = SftCorpus.build(path, Pad(main_module.SFTTokenizer(str(root / "tok"), "identity")), SEQ)
+    np.testing.assert_array_equal(release.tokens, main.tokens)
+    assert not (release.targets == IGNORE_INDEX).any()  # 0.19: every token trained
+    assert (main.targets[:5] == IGNORE_INDEX).all() and (main.targets[5:] != IGNORE_INDEX).all()  # main: the reply
+
+
+def test_sft_reader_splits_blends_and_reads_each_piece_with_its_own_labels(sft, tmp_path):
+    """The conversations of a weighted blend of two jsonl files through the training reader: train and valid
+    splits disjoint, every stream id (past the first epoch too) read as its conversation's SFTDataset arrays."""
+    import types
+
+    from megatron_wlb.megatron.sft import sft_reader
+
+    _, tokenizer, path = sft
+    other = F.write_corpus(tmp_path / "other.jsonl", 40, seed=9)
+    args = types.SimpleNamespace(sft=True, seq_length=SEQ, seed=1234, split="90,10,0",
+                                 data_path=["0.7", str(path), "0.3", str(other)], train_data_path=None,
+                                 valid_data_path=None, test_data_path=None)
+    notes: list[str] = []
+    train_reader, read_piece = sft_reader(args, "train", tokenizer, print_fn=notes.append)
+    valid_reader, _ = sft_reader(args, "valid", tokenizer)
+    corpora = [SftCorpus.build(p, tokenizer, SEQ) for p in (path, other)]
+    assert train_reader.num_documents == sum(c.num_conversations for c in corpora)
+    ids, lengths = train_reader.stream(3 * sum(int(c.lengths.sum()) for c in corpora)).collect()
+    valid_ids, _ = valid_reader.stream(10_000).collect()
+    assert not {int(i) % train_reader.num_documents for i in ids} & {int(i) % train_reader.num_documents
+                                                                     for i in valid_ids}
+    assert int(ids.max()) >= train_reader.num_documents  # a later epoch
+    for stream_id, n in zip(ids.tolist(), lengths.tolist(), strict=True):
+        _, which, doc = train_reader.locate(stream_id)
+        want = corpora[which].sample(doc)
+        got = read_piece(stream_id, 0, n)
+        for a, b in zip(got, want, strict=True):
+            np.testing.assert_array_equal(a, b)
+    assert any("were cut to it" in line for line in notes)

@@ -1,0 +1,136 @@
+"""``--sft`` with WLB's flags through Megatron's own training loop on the CPU (issue 50).
+
+The probe (``megatron_train_probe.py``) runs ``pretrain_gpt``'s loop with ``--sft --tokenizer-type SFTTokenizer``
+over a jsonl of conversations and a tokenizer with a chat template built locally (``sft_fixtures``), at DP2 and
+PP2, and records what every rank fed the model. Each conversation's tokens, labels and loss mask are checked
+against Megatron's own ``SFTDataset`` (one conversation a sample), every conversation of the first epoch is
+trained exactly once, and a run resumed from a checkpoint gives the uninterrupted run's losses.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import shutil
+import warnings
+from collections import Counter
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+import sft_fixtures as F  # noqa: E402
+from test_megatron_train import Run, assert_documents_once, assert_trains, train  # noqa: E402
+from test_sft_data import _sft_dataset  # noqa: E402
+
+from megatron_wlb.data.sft import SftCorpus, split_conversations  # noqa: E402
+
+SEQ = 256  # the tiny GPT's --seq-length
+ITERS = 6
+
+
+@pytest.fixture(scope="module")
+def sft(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sft_loop")
+    F.build_tokenizer(root / "tok")
+    path = F.write_corpus(root / "chat.jsonl", 40, seed=11)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tokenizer = F.megatron_sft_tokenizer(root / "tok")
+    return root, path, tokenizer
+
+
+def _flags(root, path) -> tuple[str, ...]:
+    return ("--sft", "--tokenizer-type", "SFTTokenizer", "--tokenizer-model", str(root / "tok"),
+            "--sft-tokenizer-prompt-format", "nemotron-h-aligned", "--split", "100,0,0")
+
+
+def _expected_piece_data(path, tokenizer) -> dict[int, str]:
+    """sha256 of each conversation's (tokens, labels, loss mask) as Megatron's SFTDataset gives it (one
+    conversation a sample), hashed as the probe hashes what reached the model."""
+    import json
+
+    conversations = [c for t in open(path) if t.strip() for c in split_conversations(json.loads(t)["messages"])]
+    dataset = _sft_dataset(conversations, tokenizer, SEQ)
+    corpus = SftCorpus.build(path, tokenizer, SEQ)
+    out = {}
+    for doc in range(len(conversations)):
+        item, n = dataset[doc], int(corpus.lengths[doc])
+        h = hashlib.sha256()
+        for key in ("tokens", "labels", "loss_mask"):
+            h.update(np.ascontiguousarray(item[key][:n].numpy(), dtype=np.float64).tobytes())
+        out[doc] = h.hexdigest()
+    return out
+
+
+def _fed(run: Run) -> dict[int, str]:
+    fed: dict[int, str] = {}
+    for record in run.ranks.values():
+        for doc, digest in record["piece_data"].items():
+            assert fed.get(int(doc), digest) == digest
+            fed[int(doc)] = digest
+    return fed
+
+
+def _assert_sftdatasets_data_once(run: Run, path, tokenizer) -> None:
+    expected = _expected_piece_data(path, tokenizer)
+    n = len(expected)
+    plans = next(r["pieces"] for r in run.ranks.values() if r["pieces"])
+    trained = Counter(doc for plan in plans for doc, offset, _ in plan if offset == 0)
+    assert all(offset == 0 for plan in plans for _, offset, _ in plan), "a conversation was cut"
+    assert max(trained.values()) == 1, "a conversation was trained twice"
+    first_epoch = {d for d in trained if d < n}
+    # a conversation not trained yet is one the packer holds for a later iteration, named at the end
+    waiting = re.search(r"waiting for a later iteration: ([0-9, ]+)\)", run.log)
+    held = {int(d) for d in waiting.group(1).split(",")} if waiting else set()
+    lost = sorted(set(range(n)) - first_epoch - held)
+    assert not lost, f"epoch 0 lost conversations {lost}"
+    assert len(first_epoch) >= n - 3 and not held & set(trained)
+    fed = _fed(run)
+    assert set(fed) >= first_epoch
+    differ = [d for d in fed if fed[d] != expected[d % n]]
+    assert not differ, f"conversations whose tokens, labels or loss mask differ from SFTDataset's: {differ}"
+
+
+@pytest.fixture(scope="module")
+def full(sft, tmp_path_factory):
+    root, path, _ = sft
+    tmp = tmp_path_factory.mktemp("sft_full")
+    return tmp, train(tmp, "full", str(path), *_flags(root, path), "--train-iters", str(ITERS), "--save",
+                      str(tmp / "ckpt"), "--save-interval", "3", "--ckpt-format", "torch", env={"DP": "2"})
+
+
+def test_sft_trains_every_conversation_once_with_sftdatasets_data_at_dp2(sft, full):
+    _, path, tokenizer = sft
+    _, run = full
+    assert_trains(run, ITERS)
+    assert_documents_once(run)
+    _assert_sftdatasets_data_once(run, path, tokenizer)
+    assert "longer than --seq-length 256 and were cut to it" in run.log  # the one long conversation, said
+
+
+def test_sft_resume_equals_the_uninterrupted_run(sft, full):
+    root, path, _ = sft
+    tmp, run = full
+    ckpt = tmp / "ckpt"
+    shutil.rmtree(ckpt / f"iter_{ITERS:07d}", ignore_errors=True)
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("3")
+    resumed = train(tmp, "resumed", str(path), *_flags(root, path), "--train-iters", str(ITERS), "--save",
+                    str(ckpt), "--save-interval", "3", "--ckpt-format", "torch", "--load", str(ckpt), env={"DP": "2"})
+    assert sorted(resumed.losses) == [1, 2, 3], resumed.losses  # the probe counts steps from the restart
+    assert [resumed.losses[k] for k in (1, 2, 3)] == pytest.approx([run.losses[k] for k in (4, 5, 6)], rel=1e-5)
+    plans = next(r["plans"] for r in run.ranks.values() if r["plans"])
+    again = next(r["plans"] for r in resumed.ranks.values() if r["plans"])
+    assert again == plans[3:]
+
+
+def test_sft_pp2_trains_sftdatasets_data(sft, tmp_path):
+    root, path, tokenizer = sft
+    run = train(tmp_path, "pp2", str(path), *_flags(root, path), "--train-iters", "4", env={"PP": "2"})
+    assert_trains(run, 4)
+    assert_documents_once(run)
+    fed = _fed(run)
+    expected = _expected_piece_data(path, tokenizer)
+    assert fed and all(fed[d] == expected[d % len(expected)] for d in fed)
