@@ -223,7 +223,7 @@ def readme_summary(result: dict) -> str:
             "Because no sample is trained before its iteration (no read-ahead), an iteration whose outliers wait "
             f"is short: the 5th percentile of tokens per iteration is {_span(short, 2) if short else 'never'} of the "
             f"budget on {len(short)} of {len(rows(lo, 1))} streams at DP {lo}, "
-            f"{_span([r['fill_p5'] for r in rows(hi, 1)], 2)} at DP {hi}. With `--wlb-read-ahead true` the schedule is "
+            f"{_span([r['fill_p5'] for r in rows(hi, 1)], 2)} at DP {hi}. With `packing.read_ahead: true` the schedule is "
             f"{_span([r['schedule_ratio'] for r in on_all], 2)} and the fill p5 "
             f"{_span([r['fill_p5'] for r in on_all], 2)}, but up to {max(r['early_tokens'] for r in on_all):.0%} of a "
             "stream's tokens are then trained before the iteration Megatron gives them (at most "

@@ -620,7 +620,9 @@ def test_online_cost_model_refits_agree_and_resume_exactly(tmp_path, text_corpus
     equal inside), the packer plans with the refitted model, and a run resumed from a checkpoint taken
     after a refit plans (and trains) exactly what the uninterrupted run did until the next refit."""
     ckpt = tmp_path / "ckpt"
-    common = ("--wlb-packer", "wlb", "--wlb-cost-model", "online", "--wlb-refit-interval", "2", "--train-iters", "6",
+    settings = tmp_path / "refit.yaml"  # a settings file: the research knob refit_interval is a YAML key
+    settings.write_text("cost: {refit_interval: 2}\n")
+    common = ("--wlb-packer", "wlb", "--wlb-cost-model", "online", "--wlb-config", str(settings), "--train-iters", "6",
               "--save", str(ckpt), "--save-interval", "4", "--ckpt-format", "torch")
     full = train(tmp_path, "full", text_corpus, *common, env={"DP": "2"})
     assert_trains(full, iterations=6)

@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from megatron_wlb.costmodel import CostModel
-from megatron_wlb.cp.layouts import LAYOUT_ALIASES, LAYOUT_NAMES, RankShard, ShardLayout, build_layout
+from megatron_wlb.cp.layouts import LAYOUT_NAMES, RankShard, ShardLayout, build_layout
 from megatron_wlb.packing.types import MAX_MICRO_BATCH_TOKENS, MicroBatch
 
 __all__ = ["CPSharding", "Packed", "RankMicroBatch", "layout_batch", "layout_micro_batch", "micro_batch_lengths",
@@ -65,8 +65,7 @@ class CPSharding:
     cost: CostModel | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
-        name = LAYOUT_ALIASES.get(self.layout, self.layout)
-        if name not in LAYOUT_NAMES:
+        if self.layout not in LAYOUT_NAMES:
             raise ValueError(f"CP layout {self.layout!r}; valid: {', '.join(LAYOUT_NAMES)}")
         if self.cp_size < 1 or not 0 <= self.cp_rank < self.cp_size:
             raise ValueError(f"cp_rank={self.cp_rank} is outside the CP group of size {self.cp_size}")
