@@ -660,8 +660,8 @@ def choices_from_dict(raw: dict, source: str = "<dict>") -> RunChoices:
                          f"{', '.join(cp_sharding_names())}")
     logging, _ = _section(LoggingConfig, raw.get("logging"), "logging", source)
     _positive_int(logging.log_interval, f"{source}: logging.log_interval")
-    return RunChoices(name=str(raw.get("name", source)), packer=packer, preset=preset, knobs=tuple(sorted(knobs.items())),
-                      cp=cp, cost=cost, logging=logging)
+    return RunChoices(name=str(raw.get("name", source)), packer=packer, preset=preset,
+                      knobs=tuple(sorted(knobs.items())), cp=cp, cost=cost, logging=logging)
 
 
 def config_from_dict(raw: dict, source: str = "<dict>") -> RunConfig:

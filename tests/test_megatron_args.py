@@ -244,7 +244,8 @@ def test_more_misconfigurations(capsys, tmp_path):
     with pytest.raises(SystemExit):
         parse(BASE + ["--wlb-packer", "best"])
     with pytest.raises(ValueError, match="strictly increasing"):
-        settings_from_args(parse(BASE + ["--wlb-config", settings_file(tmp_path, "packing: {queue_thresholds: [4096, 1024]}")]))
+        settings_from_args(parse(BASE + ["--wlb-config",
+                                         settings_file(tmp_path, "packing: {queue_thresholds: [4096, 1024]}")]))
     with pytest.raises(ValueError, match="give 'auto' or comma-separated"):
         settings_from_args(parse(BASE + ["--wlb-config", settings_file(tmp_path, "packing: {queue_thresholds: big}")]))
     with pytest.raises(SystemExit):

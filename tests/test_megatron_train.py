@@ -429,7 +429,8 @@ def stock_samples(corpus: str, tmp_path: Path, iterations: int, first: int = 0, 
     from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer
     from megatron.training.datasets.data_samplers import MegatronPretrainingSampler
 
-    from megatron_wlb.megatron.gpt_samples import MegatronSamples, build_train_dataset
+    from megatron_wlb.megatron.gpt_datasets import build_train_dataset
+    from megatron_wlb.megatron.gpt_samples import MegatronSamples
 
     seq, gbs, train_iters = 256, 4, 4
     args = types.SimpleNamespace(seed=1234, seq_length=seq, data_path=[corpus], split="98,2,0",

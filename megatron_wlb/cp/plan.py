@@ -72,7 +72,7 @@ class CPSharding:
         if self.sequence_multiple < 1 or self.rank_multiple < 1:
             raise ValueError(f"sequence_multiple={self.sequence_multiple} and rank_multiple={self.rank_multiple} "
                              "must be >= 1")
-        if self.te_attention and name != "per-document-te":
+        if self.te_attention and self.layout != "per-document-te":
             raise ValueError(f"te_attention needs the per-document-te layout, got {self.layout!r}")
 
     @property

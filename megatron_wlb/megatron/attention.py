@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 from megatron.core import parallel_state
+from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd  # the per-row rotation
 from megatron.core.transformer.attention import SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
@@ -279,8 +280,6 @@ _ACTIVE: contextvars.ContextVar[Any] = contextvars.ContextVar("wlb_active_varlen
 def wlb_apply_rotary_pos_emb(original: Callable) -> Callable:
     """Wrap Megatron's ``apply_rotary_pos_emb(t, freqs, config, cu_seqlens=None, mscale=1.0, cp_group=None)``:
     for the active WLB micro-batch's cu_seqlens, rotate row i of ``t`` [R, H, D] by ``freqs[positions[i]]``."""
-    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd  # lazy: a private helper
-
     @wrapping(original)
     def apply_rotary_pos_emb(t, freqs, config, cu_seqlens=None, mscale=1.0, cp_group=None, **extra):
         # extra: keywords newer Megatron passes (main: mla_rotary_interleaved, inverse,

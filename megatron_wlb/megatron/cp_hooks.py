@@ -136,6 +136,13 @@ def wrap_get_thd_batch_on_this_cp_rank(original: Callable) -> Callable:
     return thd_batch
 
 
+def pinned_batch_fields(batch: RankMicroBatch) -> dict[str, Any]:
+    """``iterators.pinned_tp_rank_batch``'s fields: the uploaded batch, the params in ``cu_seqlens`` and
+    ``max_seqlen`` as the host tensor the pinned ``get_batch``'s ``dim()`` check reads."""
+    data, params = upload_micro_batch(batch)
+    return {**data, "cu_seqlens": params, "max_seqlen": torch.tensor([params.max_seqlen_q], dtype=torch.int32)}
+
+
 def packed_seq_params_from_iterator(data_iterator: Iterator[RankMicroBatch] | None) -> WlbPackedSeqParams:
     """Middle pipeline stages: this CP rank's params of the next micro-batch (metadata only),
     identical to the first and last stages'."""

@@ -177,11 +177,13 @@ def validate_wlb_args(args: Any, *, te_available: bool | None = None, highspy_av
     try:  # cross-field checks of the packer's own config (each knob alone was checked when parsed)
         packing = PackingConfig(seq_len=seq_length, n=1, **knobs)
     except ValueError as exc:
-        problems.append(f"the packer settings (--wlb-* flags, --wlb-config) do not fit --seq-length {seq_length}: {exc}")
+        problems.append(f"the packer settings (--wlb-* flags, --wlb-config) do not fit --seq-length {seq_length}: "
+                        f"{exc}")
     else:
         threshold_problem = packing.queue_threshold_problem()
         if threshold_problem:
-            problems.append(f"{setting_source('queue_thresholds')} {_show(settings.queue_thresholds)}: {threshold_problem}")
+            source = setting_source("queue_thresholds")
+            problems.append(f"{source} {_show(settings.queue_thresholds)}: {threshold_problem}")
     if seq_length % (2 * cp):
         problems.append(f"--seq-length {seq_length} must be divisible by 2 x --context-parallel-size = {2 * cp}")
     if settings.cp_sharding == "per-document-te":
@@ -243,7 +245,8 @@ def validate_wlb_args(args: Any, *, te_available: bool | None = None, highspy_av
         if (lay.tp, lay.cp, lay.pp, lay.dp) != (tp, cp, pp, dp) or cfg.seq_len != seq_length:
             problems.append(f"--wlb-config {settings.config} describes TP{lay.tp} CP{lay.cp} PP{lay.pp} DP{lay.dp} "
                             f"with --seq-length {cfg.seq_len}, but this run is TP{tp} CP{cp} PP{pp} DP{dp} with "
-                            f"--seq-length {seq_length}; pick the config of this layout or a settings file (its packing, cp, cost, logging sections alone)")
+                            f"--seq-length {seq_length}; pick the config of this layout or a settings file "
+                            "(its packing, cp, cost, logging sections alone)")
         elif a.global_batch_size and int(a.global_batch_size) != cfg.packing.n * dp:
             problems.append(f"--wlb-config {settings.config} packs {cfg.packing.n} micro-batches per DP rank; "
                             f"set --global-batch-size {cfg.packing.n * dp} (= micro_batches x DP) "
