@@ -6,7 +6,7 @@ The path of a micro-batch from the length stream to the kernel (see ``megatron_w
       -> micro_batch_lengths(): the packed sequence's segments (pieces, then one padding segment)
       -> layout_micro_batch(): ShardLayout, every CP rank's runs (cp/layouts.py)
       -> rank_batch(): RankMicroBatch, this rank's rows, tokens, positions, padding and kernel metadata
-      -> cp.device.upload(): DeviceBatch, one copy from pinned memory, read by every layer
+      -> cp.device.upload(): DeviceBatch (batch tensors + the Varlen record), one copy from pinned memory
 
 Every CP rank builds the same layout from the same pieces (the packer is deterministic), so no
 rank waits for another and nothing travels device -> host. Pure numpy: no torch, no global state.
