@@ -25,7 +25,7 @@ try:  # megatron-core >= 0.19: pretrain takes a config container built from the 
     from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_container_from_args
     from megatron.training.arguments import parse_and_validate_args
 except ImportError:  # older releases: pretrain parses the args itself
-    gpt_config_from_args = pretrain_cfg_container_from_args = parse_and_validate_args = None  # type: ignore[assignment]
+    gpt_config_from_args = pretrain_cfg_container_from_args = parse_and_validate_args = None
 
 from megatron_wlb.megatron.cp_hooks import upload_micro_batch
 
