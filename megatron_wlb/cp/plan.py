@@ -49,7 +49,7 @@ __all__ = ["CPSharding", "Packed", "RankMicroBatch", "layout_batch", "layout_mic
 class CPSharding:
     """How every micro-batch of a run is cut over its CP group (identical on every rank but ``cp_rank``).
 
-    - ``layout``: a name of ``cp.layouts.LAYOUT_NAMES`` (or an alias).
+    - ``layout``: a name of ``cp.layouts.LAYOUT_NAMES``.
     - ``sequence_multiple``: the micro-batch's token count is padded to a multiple of this.
     - ``rank_multiple``: every rank's token count is padded to a multiple of this (TP under SP).
     - ``te_attention``: build TransformerEngine's varlen fields (``per-document-te`` only).

@@ -115,8 +115,7 @@ def yaml_only_hint(name: str) -> str:
     key = knob_yaml_key(name)
     section, field = key.split(".", 1)
     return (f"--wlb-{name.replace('_', '-')} is not a flag: set {key} in the YAML of --wlb-config (a settings file "
-            f"'{section}: {{{field}: ...}}' serves a run of any shape; the --wlb-* flags are the user's choices: "
-            f"{', '.join(FLAGS.values())})")
+            f"'{section}: {{{field}: ...}}' serves a run of any shape)")
 
 
 HELP_FLAGS = ("-h", "--help")
