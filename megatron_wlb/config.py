@@ -592,7 +592,6 @@ def _section(cls: type, raw: Any, name: str, source: str, knob_keys: Collection[
     return cls(**{k: knobs[k].parse(v, f"{source}: {name}.{k}") for k, v in raw.items() if k in knobs}), packer_knobs
 
 
-
 @dataclass(frozen=True)
 class RunChoices:
     """The packing, cp, cost and logging sections of a config: what a run chooses, whatever its shape.
