@@ -154,10 +154,10 @@ class WlbCoreAttention(MegatronModule):
                 attn_mask_type: AttnMaskType | None = None, attention_bias: Any = None,
                 packed_seq_params: Any = None) -> torch.Tensor:
         """q [T, Hq, D] / k, v [T, Hkv, D] (THD) or [s, b=1, H, D]; returns [T, Hq*D] or [s, 1, Hq*D]."""
-        wlb = getattr(packed_seq_params, "varlen", None)
-        if wlb is None and getattr(packed_seq_params, "qkv_format", None) == "thd":
+        varlen = getattr(packed_seq_params, "varlen", None)
+        if varlen is None and getattr(packed_seq_params, "qkv_format", None) == "thd":
             return self._megatron_thd(query, key, value, attn_mask_type, packed_seq_params)
-        if wlb is None or wlb.te:
+        if varlen is None or varlen.te:
             if packed_seq_params is None and _every_batch_is_packed():
                 raise RuntimeError("a micro-batch reached the attention without packed-sequence params, but every "
                                    "batch of this run is a packed WLB micro-batch: the fallback attention would "
@@ -176,7 +176,7 @@ class WlbCoreAttention(MegatronModule):
             raise ValueError(f"WLB-LLM attention is document-causal; got attn_mask_type={mask_type}")
         if attention_bias is not None:
             raise ValueError("WLB-LLM attention takes no attention_bias")
-        return wlb_attention_forward(query, key, value, wlb, self.cp_group(), self.softmax_scale)
+        return wlb_attention_forward(query, key, value, varlen, self.cp_group(), self.softmax_scale)
 
     def _megatron_thd(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       attn_mask_type: AttnMaskType | None, params: Any) -> torch.Tensor:
@@ -281,19 +281,19 @@ def wlb_apply_rotary_pos_emb(original: Callable) -> Callable:
     def apply_rotary_pos_emb(t, freqs, config, cu_seqlens=None, mscale=1.0, cp_group=None, **extra):
         # extra: keywords newer Megatron passes (main: mla_rotary_interleaved, inverse,
         # mla_output_remove_interleaving, max_seqlen), handed to Megatron's function as given
-        wlb = varlen_of(cu_seqlens)
-        if wlb is None or wlb.te:
+        varlen = varlen_of(cu_seqlens)
+        if varlen is None or varlen.te:
             return original(t, freqs, config, cu_seqlens=cu_seqlens, mscale=mscale, cp_group=cp_group, **extra)
         unsupported = sorted(k for k in ("inverse", "mla_rotary_interleaved", "mla_output_remove_interleaving")
                              if extra.get(k))
         if unsupported:
             raise ValueError(f"RoPE: {', '.join(unsupported)} is not supported for WLB packed micro-batches")
-        if wlb.rope_positions.shape[0] != t.shape[0]:
-            raise ValueError(f"RoPE: {wlb.rope_positions.shape[0]} position ids for {t.shape[0]} local tokens")
-        if wlb.rope_length > freqs.shape[0]:
-            raise ValueError(f"RoPE: position {wlb.rope_length - 1} beyond the {freqs.shape[0]} rotary positions "
+        if varlen.rope_positions.shape[0] != t.shape[0]:
+            raise ValueError(f"RoPE: {varlen.rope_positions.shape[0]} position ids for {t.shape[0]} local tokens")
+        if varlen.rope_length > freqs.shape[0]:
+            raise ValueError(f"RoPE: position {varlen.rope_length - 1} beyond the {freqs.shape[0]} rotary positions "
                              "computed (max_seqlen too small)")
-        local = freqs.index_select(0, wlb.rope_positions)
+        local = freqs.index_select(0, varlen.rope_positions)
         return _apply_rotary_pos_emb_bshd(t.unsqueeze(1), local, rotary_interleaved=config.rotary_interleaved,
                                           multi_latent_attention=config.multi_latent_attention,
                                           mscale=mscale).squeeze(1)
