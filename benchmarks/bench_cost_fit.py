@@ -17,7 +17,7 @@ The runs are ``benchmarks/bench_measured.py``'s calibration run (Megatron's loop
 DP2, wlb with the analytic model, ``WLB_PIN_CORES=1``), traced twice: on the monotonic clock (what
 ``--wlb-trace`` records by default: wall seconds of each step) and on the thread clock
 (``WLB_TRACE_CLOCK=thread``: the thread's CPU seconds, without preemption and steal). Each trace is fitted
-as ``wlb calibrate --from-trace`` does (iterations from ``--warmup``; iterations i with i % 5 == 4 held
+as ``wlb calibrate --from-trace`` does (iterations from ``--skip-iters``; iterations i with i % 5 == 4 held
 out) and the mean absolute percentage error (MAPE) of forward + backward on the held-out rows is reported
 for the linear-in-pairs fit and for the table at 2..5 knots, with each fit's condition number.
 Writes ``OUT.json`` and ``OUT.md`` (default ``benchmarks/results/costmodel_fit``), naming the machine.

@@ -70,13 +70,15 @@ COEFFICIENTS = ("attn_per_pair", "linear_per_token", "attn_per_run", "overhead")
 
 @dataclass(frozen=True)
 class Run:
-    """One training run: a name, its layout (environment TP/CP/PP/DP) and its --wlb-* flags."""
+    """One training run: a name, its layout (environment TP/CP/PP/DP), its --wlb-* flags and the research knobs
+    of its settings file (``--wlb-config``: YAML sections, e.g. ``{"packing": {"cut": "any"}}``)."""
 
     name: str
     experiment: str
     layout: dict[str, str]
     flags: tuple[str, ...]
     calibrated: bool = True  # balances the calibrated profile (not the analytic model)
+    settings: dict[str, dict[str, Any]] | None = None
 
     @property
     def ranks(self) -> int:
@@ -94,10 +96,11 @@ def experiments(which: list[str]) -> list[list[Run]]:
                   Run("DP2 balanced concat-and-cut", "users", {"DP": "2"},
                       ("--wlb-packer", "wlb", "--wlb-pieces", "concat-and-cut")),
                   Run("DP2 wlb", "users", {"DP": "2"}, ("--wlb-packer", "wlb")),
-                  Run("DP2 wlb cut any", "users", {"DP": "2"}, ("--wlb-packer", "wlb", "--wlb-cut", "any"))],
+                  Run("DP2 wlb cut any", "users", {"DP": "2"}, ("--wlb-packer", "wlb"),
+                      settings={"packing": {"cut": "any"}})],
         "online": [Run("DP2 wlb online (from H100 model)", "online", {"DP": "2"},
-                       ("--wlb-packer", "wlb", "--wlb-cost-model", "online", "--wlb-refit-interval", "10"),
-                       calibrated=False)],
+                       ("--wlb-packer", "wlb", "--wlb-cost-model", "online"),
+                       calibrated=False, settings={"cost": {"refit_interval": 10}})],
     }
     unknown = sorted(set(which) - set(groups))
     if unknown:
@@ -141,6 +144,10 @@ def train(run: Run, data: Path, out: Path, iters: int, profile: Path | None, log
         return trace
     env = measurement_env(run.layout)
     flags = [*MODEL_FLAGS, "--train-iters", str(iters), *run.flags, "--wlb-trace", str(trace)]
+    if run.settings:
+        settings_file = out / "settings.yaml"  # JSON is YAML: a settings file of the run's research knobs
+        settings_file.write_text(json.dumps(run.settings) + "\n")
+        flags += ["--wlb-config", str(settings_file)]
     if run.calibrated and profile is not None:
         flags += ["--wlb-cost-profile", str(profile)]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc-per-node",

@@ -54,7 +54,7 @@ RUN_FIELDS = {"seq_len": "--seq-length", "n": "--global-batch-size", "dp": "the 
 
 # -- old spellings: refused with a one-line hint to the new one (YAML, --wlb-* flags, CLI options) ----------
 #: packer knobs merged into others (issue 34): old name -> (new knob names, how); the YAML key
-#: ``packing.<old>``, the flag ``--wlb-<old>`` and the ``wlb pack --<old>`` option are all refused with it
+#: ``packing.<old>`` and the ``wlb pack --<old>`` option are refused with it
 RENAMED_KNOBS: dict[str, tuple[tuple[str, ...], str]] = {
     "min_fill": (("fill", "fill_target"), "was merged into the one fill fraction {fill_target}; {fill} "
                  "'waiting' tops up from waiting pieces alone (the old min_fill with fill_target 0)"),
@@ -69,9 +69,6 @@ RENAMED_KNOBS: dict[str, tuple[tuple[str, ...], str]] = {
     "cut_policy": (("cut",), "was merged into {cut}: cut_policy 'none' is 'split' (default), 'overlong' and "
                    "'any' keep their names"),
 }
-#: WlbSettings fields renamed (their ``--wlb-*`` flag and keyword): old -> the one-line hint
-RENAMED_SETTINGS: dict[str, str] = {
-    "packing": "--wlb-packing was renamed --wlb-packer (the packer: packing.packer in YAML, --packer in the CLI)"}
 #: YAML keys moved into a section: old key -> where it is now
 RENAMED_KEYS: dict[str, str] = {"cp_sharding": "cp: {sharding: ...}"}
 #: old values of a kept knob: (knob, old value) -> hint
@@ -84,7 +81,8 @@ RENAMED_VALUES: dict[tuple[str, str], str] = {
 }
 #: CLI options renamed for one name per concept: command -> {old: new}
 RENAMED_OPTIONS: dict[str, dict[str, str]] = {
-    **{command: {"--profile": "--cost-profile"} for command in ("analyze", "bench", "pack", "reproduce")},
+    **{command: {"--profile": "--cost-profile"} for command in ("analyze", "bench", "reproduce")},
+    "pack": {"--profile": "--cost-profile", "--thresholds": "--queue-thresholds"},
     "simulate": {"--profile": "--cost-profile", "--cp-layout": "--cp-sharding"},
     "shard": {"--profile": "--kernel-table (a kernel-efficiency table) or --cost-profile (a cost-model profile)",
               "--layout": "--cp-sharding"},
@@ -92,15 +90,14 @@ RENAMED_OPTIONS: dict[str, dict[str, str]] = {
 
 
 def renamed_knob_hint(old: str, style: str) -> str | None:
-    """The one-line refusal of packer knob ``old`` in ``style`` "yaml" (``packing.x``), "flag"
-    (``--wlb-x``) or "cli" (``--x``), or None when ``old`` is not an old spelling."""
+    """The one-line refusal of packer knob ``old`` in ``style`` "yaml" (``packing.x``) or "cli" (``--x``),
+    or None when ``old`` is not an old spelling."""
     if old not in RENAMED_KNOBS:
         return None
     new, how = RENAMED_KNOBS[old]
 
     def spell(name: str) -> str:
-        return {"yaml": f"packing.{name}", "flag": "--wlb-" + name.replace("_", "-"),
-                "cli": "--" + name.replace("_", "-")}[style]
+        return {"yaml": f"packing.{name}", "cli": "--" + name.replace("_", "-")}[style]
 
     return f"{spell(old)} " + how.format(**{n: spell(n) for n in new})
 
@@ -405,7 +402,7 @@ class CostConfig:
       ``--wlb-cost-profile``, ``wlb ... --cost-profile``.
 
     The section's ``model`` (static / online) and ``refit_interval`` keys are the packer's
-    ``PackingConfig.cost_model`` and ``refit_interval`` (``--wlb-cost-model``, ``--wlb-refit-interval``;
+    ``PackingConfig.cost_model`` and ``refit_interval`` (``--wlb-cost-model``, YAML ``cost.refit_interval``;
     ``KNOB_SECTIONS``): the packer holds them, as it refits.
     """
 
@@ -476,13 +473,7 @@ class RunConfig:
 
     def settings(self) -> dict[str, Any]:
         """The cp / cost / logging sections as WlbSettings fields (``SECTION_SETTINGS``), those not default."""
-        out = {}
-        for (section, key), name in SECTION_SETTINGS.items():
-            record = getattr(self, section)
-            value = getattr(record, key)
-            if value != getattr(type(record)(), key):
-                out[name] = value
-        return out
+        return _section_settings(self)
 
     def packing_overrides(self) -> dict[str, Any]:
         """The packer knobs this config sets beyond its preset (what ``--wlb-*`` flags must restate)."""
@@ -601,6 +592,77 @@ def _section(cls: type, raw: Any, name: str, source: str, knob_keys: Collection[
     return cls(**{k: knobs[k].parse(v, f"{source}: {name}.{k}") for k, v in raw.items() if k in knobs}), packer_knobs
 
 
+@dataclass(frozen=True)
+class RunChoices:
+    """The packing, cp, cost and logging sections of a config: what a run chooses, whatever its shape.
+
+    A YAML of these sections alone (no ``model``, ``seq_len``, ``layout``) is a settings file: ``--wlb-config``
+    takes one for a run of any shape (Megatron's flags give it), the home of the knobs that are not flags.
+    """
+
+    name: str
+    packer: str = "wlb"
+    preset: str = DEFAULT_PRESET
+    #: the packer knobs the sections give explicitly (PackingConfig fields), sorted
+    knobs: tuple[tuple[str, Any], ...] = ()
+    cp: CpConfig = CpConfig()
+    cost: CostConfig = CostConfig()
+    logging: LoggingConfig = LoggingConfig()
+
+    def settings(self) -> dict[str, Any]:
+        """The cp / cost / logging sections as WlbSettings fields (``SECTION_SETTINGS``), those not default."""
+        return _section_settings(self)
+
+    def packing_overrides(self) -> dict[str, Any]:
+        """The packer knobs these sections set beyond their preset."""
+        return {name: value for name, value in self.knobs if value != preset_default(self.preset, name)}
+
+
+def _section_settings(config: Any) -> dict[str, Any]:
+    out = {}
+    for (section, key), name in SECTION_SETTINGS.items():
+        record = getattr(config, section)
+        value = getattr(record, key)
+        if value != getattr(type(record)(), key):
+            out[name] = value
+    return out
+
+
+def choices_from_dict(raw: dict, source: str = "<dict>") -> RunChoices:
+    """The packing, cp, cost and logging sections of a parsed config; one-line errors naming the key."""
+    packing_raw = raw.get("packing") or {}
+    if not isinstance(packing_raw, dict):
+        raise ValueError(f"{source}: packing must be a mapping of packer settings, got {packing_raw!r}")
+    valid = ("packer", "preset", *(k for k in PACKING_KNOBS if k not in KNOB_SECTIONS))
+    for key in packing_raw:
+        hint = renamed_knob_hint(key, "yaml")
+        if hint:
+            raise ValueError(f"{source}: {hint}")
+        if key in KNOB_SECTIONS:
+            raise ValueError(f"{source}: packing.{key} moved to {knob_yaml_key(key)} (the cost section)")
+    unknown = [k for k in packing_raw if k not in valid]
+    if unknown:
+        raise ValueError(f"{source}: unknown packing key(s) {', '.join(map(repr, unknown))}; valid: {', '.join(valid)}")
+    packer = packing_raw.get("packer", "wlb")
+    if packer not in PACKERS:
+        raise ValueError(f"{source}: packing.packer={packer!r}; choose one of {', '.join(PACKER_NAMES)}")
+    preset = packing_raw.get("preset", DEFAULT_PRESET)
+    if preset not in PRESET_NAMES:
+        raise ValueError(f"{source}: packing.preset={preset!r}; choose one of {', '.join(PRESET_NAMES)}")
+    cost, cost_knobs = _section(CostConfig, raw.get("cost"), "cost", source,
+                                [key for section, key in KNOB_SECTIONS.values() if section == "cost"])
+    knobs = {**{k: PACKING_KNOBS[k].parse(v, f"{source}: packing.{k}")
+                for k, v in packing_raw.items() if k not in ("packer", "preset")}, **cost_knobs}
+    cp, _ = _section(CpConfig, raw.get("cp"), "cp", source)
+    if cp.sharding not in cp_sharding_names():
+        raise ValueError(f"{source}: cp.sharding={cp.sharding!r} is not a CP layout; choose one of "
+                         f"{', '.join(cp_sharding_names())}")
+    logging, _ = _section(LoggingConfig, raw.get("logging"), "logging", source)
+    _positive_int(logging.log_interval, f"{source}: logging.log_interval")
+    return RunChoices(name=str(raw.get("name", source)), packer=packer, preset=preset,
+                      knobs=tuple(sorted(knobs.items())), cp=cp, cost=cost, logging=logging)
+
+
 def config_from_dict(raw: dict, source: str = "<dict>") -> RunConfig:
     """Validate a parsed config; every error is one line naming the key, the value and what is valid."""
     for key in raw:
@@ -630,29 +692,9 @@ def config_from_dict(raw: dict, source: str = "<dict>") -> RunConfig:
         check_expert_layout(model, layout)
     except ValueError as exc:
         raise ValueError(f"{source}: {exc}") from None
-    packing_raw = raw.get("packing") or {}
-    if not isinstance(packing_raw, dict):
-        raise ValueError(f"{source}: packing must be a mapping of packer settings, got {packing_raw!r}")
-    valid = ("packer", "preset", *(k for k in PACKING_KNOBS if k not in KNOB_SECTIONS))
-    for key in packing_raw:
-        hint = renamed_knob_hint(key, "yaml")
-        if hint:
-            raise ValueError(f"{source}: {hint}")
-        if key in KNOB_SECTIONS:
-            raise ValueError(f"{source}: packing.{key} moved to {knob_yaml_key(key)} (the cost section)")
-    unknown = [k for k in packing_raw if k not in valid]
-    if unknown:
-        raise ValueError(f"{source}: unknown packing key(s) {', '.join(map(repr, unknown))}; valid: {', '.join(valid)}")
-    packer = packing_raw.get("packer", "wlb")
-    if packer not in PACKERS:
-        raise ValueError(f"{source}: packing.packer={packer!r}; choose one of {', '.join(PACKER_NAMES)}")
-    preset = packing_raw.get("preset", DEFAULT_PRESET)
-    if preset not in PRESET_NAMES:
-        raise ValueError(f"{source}: packing.preset={preset!r}; choose one of {', '.join(PRESET_NAMES)}")
-    cost, cost_knobs = _section(CostConfig, raw.get("cost"), "cost", source,
-                                [key for section, key in KNOB_SECTIONS.values() if section == "cost"])
-    knobs = with_preset(preset, **{k: PACKING_KNOBS[k].parse(v, f"{source}: packing.{k}")
-                                   for k, v in packing_raw.items() if k not in ("packer", "preset")}, **cost_knobs)
+    choices = choices_from_dict(raw, source)
+    packer, preset, cp, cost, logging = choices.packer, choices.preset, choices.cp, choices.cost, choices.logging
+    knobs = with_preset(preset, **dict(choices.knobs))
     seq_len = _positive_int(raw["seq_len"], f"{source}: seq_len")
     if seq_len % (2 * layout.cp):
         raise ValueError(f"{source}: seq_len={seq_len} must be divisible by 2 x cp = {2 * layout.cp} "
@@ -667,19 +709,13 @@ def config_from_dict(raw: dict, source: str = "<dict>") -> RunConfig:
                                 virtual_stages=virtual, **knobs)
     except ValueError as exc:
         raise ValueError(f"{source}: packing: {exc}") from None
-    cp, _ = _section(CpConfig, raw.get("cp"), "cp", source)
-    if cp.sharding not in cp_sharding_names():
-        raise ValueError(f"{source}: cp.sharding={cp.sharding!r} is not a CP layout; choose one of "
-                         f"{', '.join(cp_sharding_names())}")
-    logging, _ = _section(LoggingConfig, raw.get("logging"), "logging", source)
-    _positive_int(logging.log_interval, f"{source}: logging.log_interval")
     return RunConfig(name=str(raw.get("name", source)), model=model, layout=layout, seq_len=seq_len,
                      packer=packer, packing=packing, virtual_stages=virtual, preset=preset, cp=cp, cost=cost,
                      logging=logging)
 
 
-def load_config(name_or_path: str | Path) -> RunConfig:
-    """The config of a shipped name or a YAML path; every error is one line naming the file."""
+def _read_config(name_or_path: str | Path) -> tuple[dict, str]:
+    """The parsed YAML of a shipped name or a path (named, if it does not say), and where it came from."""
     path = resolve_config_path(name_or_path)
     try:
         text = path.read_text()
@@ -696,4 +732,30 @@ def load_config(name_or_path: str | Path) -> RunConfig:
     if not isinstance(raw, dict):
         raise ValueError(f"{path}: expected a mapping at the top level, got {type(raw).__name__}")
     raw.setdefault("name", path.name.rsplit(".", 1)[0])
-    return config_from_dict(raw, source=str(path))
+    return raw, str(path)
+
+
+def load_config(name_or_path: str | Path) -> RunConfig:
+    """The config of a shipped name or a YAML path; every error is one line naming the file."""
+    raw, source = _read_config(name_or_path)
+    return config_from_dict(raw, source=source)
+
+
+#: the keys of a settings file (``RunChoices``): a config without its run shape
+SETTINGS_FILE_KEYS = ("name", "description", *_SECTIONS)
+
+
+def load_choices(name_or_path: str | Path) -> RunConfig | RunChoices:
+    """A whole run config, or a settings file (the packing / cp / cost / logging sections alone,
+    ``RunChoices``) when the YAML gives none of ``model``, ``seq_len``, ``layout``."""
+    raw, source = _read_config(name_or_path)
+    if any(key in raw for key in ("model", "seq_len", "layout")):
+        return config_from_dict(raw, source=source)
+    for key in raw:
+        if key in RENAMED_KEYS:
+            raise ValueError(f"{source}: {key} moved into a section: {RENAMED_KEYS[key]}")
+    unknown = [k for k in raw if k not in SETTINGS_FILE_KEYS]
+    if unknown:
+        raise ValueError(f"{source}: unknown key(s) {', '.join(map(repr, unknown))} in a settings file (no model, "
+                         f"seq_len, layout); valid keys: {', '.join(SETTINGS_FILE_KEYS)}, or a whole run config")
+    return choices_from_dict(raw, source=source)

@@ -21,9 +21,9 @@ pytest.importorskip("megatron.core.datasets.gpt_dataset")
 from megatron_wlb.costmodel import AnalyticCostModel, ParallelLayout, get_model  # noqa: E402
 from megatron_wlb.data.reader import write_indexed_dataset  # noqa: E402
 from megatron_wlb.megatron.data import WlbDataIterator  # noqa: E402
+from megatron_wlb.megatron.gpt_datasets import build_train_dataset  # noqa: E402
 from megatron_wlb.megatron.gpt_samples import (  # noqa: E402
     MegatronSamples,
-    build_train_dataset,
     masking_problem,
     sample_order,
 )

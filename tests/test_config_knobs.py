@@ -91,12 +91,18 @@ def test_every_knob_is_a_yaml_key(name: str):
 
 
 @pytest.mark.parametrize("name", list(FLAG_KNOBS))
-def test_every_knob_is_a_wlb_flag(name: str):
+def test_every_knob_is_a_wlb_flag_or_a_settings_file_key(name: str, tmp_path: Path):
+    """A user's knob is a --wlb-* flag; a research knob is a key of a settings file given to --wlb-config."""
     knob = FLAG_KNOBS[name]
     value = other_value(knob)
     text = ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
     parser = add_wlb_args(argparse.ArgumentParser())
-    args = parser.parse_args([FLAGS[name], text])
+    if name in FLAGS:
+        args = parser.parse_args([FLAGS[name], text])
+    else:
+        settings_file = tmp_path / "settings.yaml"
+        settings_file.write_text(yaml.safe_dump(knob_yaml(name, list(value) if isinstance(value, tuple) else value)))
+        args = parser.parse_args(["--wlb-config", str(settings_file)])
     args.seq_length, args.micro_batch_size, args.global_batch_size, args.data_parallel_size = 8192, 1, 4, 1
     settings = settings_from_args(args)
     assert getattr(settings, name) == value

@@ -17,16 +17,16 @@ from megatron_wlb.cp.attention import (
     reference_varlen_attention,
     resolve_backend,
 )
-from megatron_wlb.cp.device import DeviceBatch, upload
+from megatron_wlb.cp.device import Varlen, upload
 from megatron_wlb.cp.layouts import LAYOUT_NAMES, ShardLayout, build_layout
 from megatron_wlb.cp.plan import layout_batch
 
 HEADS, KV_HEADS, DIM = 4, 2, 8
 
 
-def _meta(layout: ShardLayout, rank: int) -> DeviceBatch:
-    """Rank ``rank``'s device record of ``layout``, as the training path makes it (one upload)."""
-    return upload(layout_batch(layout, rank), "cpu", tokens=False)
+def _meta(layout: ShardLayout, rank: int) -> Varlen:
+    """Rank ``rank``'s varlen record of ``layout``, as the training path makes it (one upload)."""
+    return upload(layout_batch(layout, rank), "cpu", tokens=False).varlen
 
 
 def _length_mixes(cp: int, seed: int) -> list[list[int]]:
@@ -112,7 +112,7 @@ def test_single_process_cp1_and_errors():
     with pytest.raises(ValueError, match="not initialised"):
         two = _meta(build_layout("per-sequence", [3, 1, 6], 2), 0)
         all_gather_cp_attention(q[:5], k[:5], v[:5], two, None)
-    with pytest.raises(ValueError, match="reads a DeviceBatch"):
+    with pytest.raises(ValueError, match="reads a Varlen record"):
         all_gather_cp_attention(q, k, v, lay.ranks[0], None)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="unknown attention backend"):
         AllGatherCPAttention(backend="ring")
@@ -243,7 +243,7 @@ def test_flash_attn_gets_causal_bottom_right_and_the_scale(monkeypatch):
 
 
 def test_the_kernel_gets_the_uploaded_metadata_as_is(monkeypatch):
-    """all_gather_cp_attention with a DeviceBatch: the kernel receives the very cu_seqlens tensors
+    """all_gather_cp_attention with a Varlen record: the kernel receives the very cu_seqlens tensors
     uploaded once per micro-batch (no per-layer copy) and host ints for max_seqlen; the result is the
     reference's."""
     import megatron_wlb.cp.attention as attention

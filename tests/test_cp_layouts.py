@@ -260,8 +260,8 @@ def test_bad_inputs_raise_clear_errors():
         build_layout("per-document", [[4]], 2)
     with pytest.raises(ValueError, match="token_slack"):
         build_layout("hybrid", [4], 2, token_slack=-1)
-    alias = build_layout("per-document-choice", [4, 4], 2)
-    assert alias.requested == "per-document-choice" and alias.name in ("hybrid", "per-sequence")
+    with pytest.raises(ValueError, match="unknown CP layout 'per-document-choice'"):  # the old alias: one name
+        build_layout("per-document-choice", [4, 4], 2)
 
 
 def test_to_json_contract_is_serialisable():

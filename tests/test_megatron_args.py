@@ -91,10 +91,17 @@ def test_provider_composes_with_an_existing_one():
     assert args2.wlb_max_delay == 2
     # a provider that mutates in place and returns None keeps the parser
     in_place = compose_providers(lambda p: None, add_wlb_args)
-    assert megatron_like_parser(in_place).parse_args(["--wlb-window", "3"]).wlb_window == 3
+    assert megatron_like_parser(in_place).parse_args(["--wlb-max-delay", "3"]).wlb_max_delay == 3
 
 
-def test_defaults_and_full_flag_list():
+def settings_file(tmp_path, text: str) -> str:
+    """A settings file (--wlb-config): the research knobs are YAML keys, not flags."""
+    path = tmp_path / "settings.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_defaults_and_full_flag_list(tmp_path):
     args = parse(BASE)
     s = validate_wlb_args(args, te_available=False, highspy_available=True, check_files=False)
     assert s == WlbSettings()
@@ -106,8 +113,9 @@ def test_defaults_and_full_flag_list():
     moe = parse(BASE + ["--num-experts", "4"])
     with pytest.raises(ValueError, match="--moe-token-dispatcher-type alltoall"):
         validate_wlb_args(moe, te_available=False, highspy_available=True, check_files=False)
-    args = parse(BASE + ["--wlb-packer", "wlb", "--wlb-queue-thresholds", "2048,4096", "--wlb-num-queues", "3",
-                         "--wlb-max-seq-len", "8192", "--wlb-max-delay", "3", "--wlb-window", "2",
+    research = settings_file(tmp_path, "packing: {queue_thresholds: [2048, 4096], num_queues: 3, window: 2}\n")
+    args = parse(BASE + ["--wlb-packer", "wlb", "--wlb-config", research,
+                         "--wlb-max-seq-len", "8192", "--wlb-max-delay", "3",
                          "--wlb-cp-sharding", "per-sequence", "--wlb-log-interval", "10"])
     s = validate_wlb_args(args, te_available=False, highspy_available=True, check_files=False)
     assert s.queue_thresholds == (2048, 4096) and s.num_queues == 3 and s.max_seq_len == 8192
@@ -138,8 +146,8 @@ def test_config_supplies_defaults_and_flags_override_it():
     (["--wlb-max-seq-len", "2048"], r"--wlb-max-seq-len 2048 is below --seq-length 4096; raise"),
     (["--wlb-cp-sharding", "per-document-te"], r"transformer_engine is not installed"),
     (["--wlb-config", "no_such_config"], r"--wlb-config 'no_such_config' is neither a YAML file nor one of"),
-    (["--wlb-queue-thresholds", "100000"],  # S_max defaults to 1.5 x seq_length
-     r"--wlb-queue-thresholds 100000: 100000 exceeds the wlb micro-batch capacity max_seq_len=6144"),
+    (["--wlb-config", "SETTINGS:packing: {queue_thresholds: [100000]}"],  # S_max defaults to 1.5 x seq_length
+     r"packing.queue_thresholds 100000: 100000 exceeds the wlb micro-batch capacity max_seq_len=6144"),
     (["--position-embedding-type", "learned_absolute", "--max-position-embeddings", "4096"],
      r"raise --max-position-embeddings to 6144"),
     (["--wlb-cost-profile", "/nonexistent/profile.json"], r"no such file"),
@@ -148,7 +156,8 @@ def test_config_supplies_defaults_and_flags_override_it():
                                     r"--wlb-cp-sharding adaptive"),
     (["--dataloader-type", "external"], r"use single or cyclic"),
 ])
-def test_misconfigurations_fail_with_what_to_change(extra, match):
+def test_misconfigurations_fail_with_what_to_change(extra, match, tmp_path):
+    extra = [settings_file(tmp_path, a[len("SETTINGS:"):]) if a.startswith("SETTINGS:") else a for a in extra]
     args = parse(BASE + extra)
     with pytest.raises(ValueError, match=match):
         validate_wlb_args(args, te_available=False, highspy_available=True, check_files=False)
@@ -214,7 +223,7 @@ def test_data_path_files_are_checked_at_start_up(tmp_path):
     assert validate_wlb_args(args, te_available=False, highspy_available=True).packer == "wlb"
 
 
-def test_more_misconfigurations(capsys):
+def test_more_misconfigurations(capsys, tmp_path):
     args = parse([*BASE[:2], "--micro-batch-size", "2", *BASE[4:]])
     with pytest.raises(ValueError, match="set --micro-batch-size 1"):
         validate_wlb_args(args, te_available=False, highspy_available=True, check_files=False)
@@ -235,10 +244,13 @@ def test_more_misconfigurations(capsys):
     with pytest.raises(SystemExit):
         parse(BASE + ["--wlb-packer", "best"])
     with pytest.raises(ValueError, match="strictly increasing"):
-        settings_from_args(parse(BASE + ["--wlb-queue-thresholds", "4096,1024"]))
+        settings_from_args(parse(BASE + ["--wlb-config",
+                                         settings_file(tmp_path, "packing: {queue_thresholds: [4096, 1024]}")]))
+    with pytest.raises(ValueError, match="give 'auto' or comma-separated"):
+        settings_from_args(parse(BASE + ["--wlb-config", settings_file(tmp_path, "packing: {queue_thresholds: big}")]))
     with pytest.raises(SystemExit):
-        parse(BASE + ["--wlb-queue-thresholds", "big"])
-    assert "give 'auto' or comma-separated" in capsys.readouterr().err
+        parse(BASE + ["--wlb-max-delay", "big"])
+    assert "--wlb-max-delay" in capsys.readouterr().err
 
 
 def test_version_check_admits_the_releases_ci_trains_with():
@@ -316,7 +328,7 @@ print(json.dumps({"hooked": hooked, "bad": bad_msg, "my_extra": args.my_extra, "
                   "max_seq_len": rt.settings.max_seq_len, "T": tokens.shape[1], "expect_T": mb.tokens,
                   "labels_shift": bool((labels[0, :-1][loss_mask[0, :-1] > 0]
                                         == tokens[0, 1:][loss_mask[0, :-1] > 0]).all()),
-                  "cu": params.cu_seqlens_q.tolist(), "shard_tokens": int(params.wlb.num_tokens),
+                  "cu": params.cu_seqlens_q.tolist(), "shard_tokens": int(params.varlen.num_tokens),
                   "qkv_format": params.qkv_format, "attention_mask": attention_mask is None, "hook": hook}))
 '''
 

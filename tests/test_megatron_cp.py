@@ -15,6 +15,8 @@ Single-process tests cover errors, the TE path's params, sequence-parallel paddi
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -22,6 +24,8 @@ import torch
 pytest.importorskip("megatron.core")
 
 from conftest import run_world  # noqa: E402
+
+from megatron_wlb.cp.device import varlen_of  # noqa: E402
 
 LAYOUTS = ("per-sequence", "per-document", "per-document-te", "adaptive", "hybrid")
 
@@ -92,7 +96,7 @@ def _check_layouts(cp_group, cp_size: int, cp_rank: int, seed: int) -> None:
             layout = build_layout(name, segs, cp_size)
             shard = layout.ranks[cp_rank]
             padded = np.asarray(layout.padded_lengths)
-            assert params.wlb.layout == layout.name and batch.layout.name == layout.name
+            assert params.varlen.layout == layout.name and batch.layout.name == layout.name
             real = np.concatenate([tokens, np.zeros(int(segs.sum()) - tokens.size, dtype=np.int64)])
             full = _padded_view(real, segs, padded)[shard.token_index]
             expect = np.maximum(full, 0)  # TE's padding slots hold token 0
@@ -111,22 +115,24 @@ def _check_layouts(cp_group, cp_size: int, cp_rank: int, seed: int) -> None:
             assert torch.equal(data["position_ids"][0], torch.as_tensor(shard.position_ids)), name
             assert data["attention_mask"] is None
             if name == "per-document-te":  # TE's own THD fields, and no CP group (TE keeps its own)
-                assert params.wlb.te and params.cp_group is None
+                assert params.varlen.te and params.cp_group is None
                 assert np.array_equal(params.cu_seqlens_q_padded.numpy(), np.concatenate([[0], np.cumsum(padded)]))
             else:
-                meta = params.wlb
+                meta = params.varlen
                 assert params.qkv_format == "thd" and params.cp_group is cp_group
-                assert params.cu_seqlens_q is meta.cu_seqlens_q and meta.cu_seqlens_q.dtype == torch.int32
+                # the params' cu_seqlens carry the record (what RoPE reads): a view of its tensor, no copy
+                assert varlen_of(params.cu_seqlens_q) is meta and meta.cu_seqlens_q.dtype == torch.int32
+                assert params.cu_seqlens_q.data_ptr() == meta.cu_seqlens_q.data_ptr()
                 assert np.array_equal(meta.cu_seqlens_q.numpy(), shard.cu_seqlens_q)
                 assert np.array_equal(meta.segment_index.numpy(), shard.gather_rows())
                 assert params.max_seqlen_q >= int(padded.max())
                 # the middle-stage entry point: the same params, without the tokens
                 mid = cp_hooks.packed_seq_params_from_iterator(iter([batch]))
-                assert torch.equal(mid.wlb.segment_index, meta.segment_index) and mid.wlb.tokens is None
-                assert torch.equal(mid.wlb.rope_positions, params.wlb.rope_positions)
-                # the pinned pretrain_gpt's THD path passes our params through
-                same = cp_hooks.get_thd_batch_on_this_cp_rank(dict(data), params, None, None)
-                assert same[1] is params and same[0]["tokens"] is data["tokens"]
+                assert torch.equal(mid.varlen.segment_index, meta.segment_index)
+                assert torch.equal(mid.varlen.rope_positions, params.varlen.rope_positions)
+                # the pinned pretrain_gpt's THD path: the cu_seqlens our TP-rank hook gives back their params
+                same = cp_hooks.get_thd_batch_on_this_cp_rank(dict(data), params.cu_seqlens_q, None, None)
+                assert same[1].varlen is meta and same[0]["tokens"] is data["tokens"]
             # the CP ranks' token positions tile the padded micro-batch, each exactly once
             gathered = [None] * cp_size
             dist.all_gather_object(gathered, (shard.token_index.tolist(), expect[held].tolist()), group=cp_group)
@@ -169,7 +175,7 @@ def _check_core_attention(cp_group, cp_size: int, cp_rank: int) -> None:
     # sequence-parallel padding rows (rank_multiple): the real rows are unchanged, the padding rows are 0
     batch, _, params, segs, _ = _planned(7, "hybrid", cp_size, cp_rank, rank_multiple=8, cp_group=cp_group)
     idx = torch.as_tensor(batch.shard.token_index)
-    n, pad = len(idx), params.wlb.local_pad
+    n, pad = len(idx), params.varlen.local_pad
     assert (n + pad) % 8 == 0 and pad < 8 and batch.num_rows == n + pad
     rows = [t[idx] for t in (q, k, v)]
     rows = [torch.cat([r, torch.randn(pad, *r.shape[1:])]) for r in rows]
@@ -338,14 +344,14 @@ def test_te_padding_document_rows_are_padding():
     padding document, that document's rows are padding (token 0, loss mask 0), not rows past the sequence."""
     out, params = _te_rank([4], 0, rank_multiple=4)  # TE layout [4, 4]: rank 0 holds [0, 3] and [4, 7]
     assert out["tokens"][0].tolist() == [1, 4, 0, 0] and out["loss_mask"][0].tolist() == [1.0, 1.0, 0.0, 0.0]
-    assert params.cu_seqlens_q.tolist() == [0, 4, 8] and params.wlb.te
+    assert params.cu_seqlens_q.tolist() == [0, 4, 8] and params.varlen.te
 
 
 def test_te_params_describe_te_layout():
     """The TE path's params: real and padded offsets of TE's per-document layout (golden vectors)."""
     out, params = _te_rank([8, 8], 0)
     assert out["tokens"][0].tolist() == [1, 2, 7, 8, 9, 10, 15, 16]  # rank 0 owns [0,1,6,7,8,9,14,15]
-    assert params.wlb.te and params.cu_seqlens_q_padded.tolist() == [0, 8, 16]
+    assert params.varlen.te and params.cu_seqlens_q_padded.tolist() == [0, 8, 16]
     assert params.cp_group is None  # as Megatron's own THD path: TE keeps the CP group it was built with
     assert params.max_seqlen_q == 8 and params.qkv_format == "thd"
     # nothing padded: the padded offsets are the very tensor of the real ones (TE would otherwise infer padding
@@ -363,10 +369,10 @@ def test_sequence_parallel_padding():
         seen = []
         for rank in range(4):
             batch, out, params, _, tokens = _planned(6, name, 4, rank, rank_multiple=4)
-            n, pad = len(batch.shard.token_index), params.wlb.local_pad
+            n, pad = len(batch.shard.token_index), params.varlen.local_pad
             assert out["tokens"].shape[1] == n + pad and (n + pad) % 4 == 0 and 0 <= pad < 4
             assert torch.all(out["loss_mask"][0, n:] == 0) and torch.all(out["tokens"][0, n:] == 0)
-            assert params.wlb.rope_positions.numel() == n + pad
+            assert params.varlen.rope_positions.numel() == n + pad
             seen += out["tokens"][0, :n].tolist()
         assert sorted(seen) == sorted(tokens.tolist())  # padding rows add no tokens, lose none
     # TE path: one trailing padding document (identical on every rank) instead of local rows
@@ -403,22 +409,14 @@ def test_rope_hook_rotates_by_true_positions():
         positions = torch.as_tensor(np.concatenate([np.arange(n) for n in segs]))
         full = _apply_rotary_pos_emb_bshd(t.unsqueeze(1), freqs[positions]).squeeze(1)
         idx = torch.as_tensor(batch.shard.token_index)
-        token = attention._ACTIVE.set(params.wlb)
-        try:
-            for cu in (params.cu_seqlens_q, params.cu_seqlens_kv):
-                torch.testing.assert_close(hooked(t[idx], freqs, cfg, cu_seqlens=cu), full[idx])
-            with pytest.raises(ValueError, match="beyond"):
-                hooked(t[idx], freqs[:2], cfg, cu_seqlens=params.cu_seqlens_q)
-        finally:
-            attention._ACTIVE.reset(token)
+        for cu in (params.cu_seqlens_q, params.cu_seqlens_kv):  # the params' cu_seqlens carry the record
+            torch.testing.assert_close(hooked(t[idx], freqs, cfg, cu_seqlens=cu), full[idx])
+        with pytest.raises(ValueError, match="beyond"):
+            hooked(t[idx], freqs[:2], cfg, cu_seqlens=params.cu_seqlens_q)
         assert fallen_through == []
-        # outside a WLB forward, or for other cu_seqlens, Megatron's own RoPE runs
-        hooked(t[idx], freqs, cfg, cu_seqlens=params.cu_seqlens_q)
-        token = attention._ACTIVE.set(params.wlb)
-        try:
-            hooked(t[idx], freqs, cfg, cu_seqlens=params.cu_seqlens_q.clone())
-        finally:
-            attention._ACTIVE.reset(token)
+        # any other cu_seqlens (even the same values, or the record's own tensor): Megatron's own RoPE runs
+        hooked(t[idx], freqs, cfg, cu_seqlens=params.cu_seqlens_q.clone())
+        hooked(t[idx], freqs, cfg, cu_seqlens=params.varlen.cu_seqlens_q)
         assert len(fallen_through) == 2
         fallen_through.clear()
 
@@ -581,25 +579,25 @@ def test_the_batch_path_reads_nothing_back_from_the_device(monkeypatch):
     assert q.grad is not None and rows == batch.num_rows and rows % 4 == 0
 
 
-def test_the_active_micro_batch_is_set_around_each_attention_forward():
-    """The RoPE wrapper's context: the call's DeviceBatch, found by keyword or by position, reset afterwards."""
-    from types import SimpleNamespace
+def test_the_varlen_record_travels_in_the_params_alone():
+    """Issue 47: one varlen record, kept apart from the batch tensors, reaching the attention (params.varlen) and
+    RoPE (the params' cu_seqlens) by the params alone; nothing holds it once the params are gone (no cycle)."""
+    import gc
+    import weakref
 
-    from megatron_wlb.megatron import attention
+    from megatron_wlb.cp.device import Varlen
 
-    seen = []
-
-    def forward(self, hidden_states, attention_mask, packed_seq_params=None):
-        seen.append(attention._ACTIVE.get())
-        return hidden_states
-
-    wrapped = attention._with_active_varlen(forward)
-    mine = SimpleNamespace(wlb="varlen-1")
-    wrapped(None, 1, None, packed_seq_params=mine)
-    wrapped(None, 1, None, mine)
-    wrapped(None, 1, None)
-    wrapped(None, 1, None, packed_seq_params=SimpleNamespace())  # Megatron's own params: nothing active
-    assert seen == ["varlen-1", "varlen-1", None, None] and attention._ACTIVE.get() is None
+    assert not {"tokens", "labels", "loss_mask", "position_ids"} & {f.name for f in dataclasses.fields(Varlen)}
+    _, data, params, _, _ = _planned(3, "hybrid", 2, 1)
+    assert varlen_of(params.cu_seqlens_q) is params.varlen and varlen_of(params.cu_seqlens_kv) is params.varlen
+    assert varlen_of(data["tokens"]) is None and varlen_of(params.varlen.cu_seqlens_q) is None
+    record = weakref.ref(params.varlen)
+    gc.disable()
+    try:
+        del params
+        assert record() is None  # freed by reference counting: the record does not hold the carrier
+    finally:
+        gc.enable()
 
 
 def test_rope_hook_passes_newer_megatron_keywords_through():
@@ -625,14 +623,10 @@ def test_rope_hook_passes_newer_megatron_keywords_through():
     assert seen == [{"inverse": True, "max_seqlen": 6}]
     batch, _, params, segs, _ = _planned(4, "hybrid", 1, 0)
     x = torch.randn(int(segs.sum()), 2, 8)
-    token = attention._ACTIVE.set(params.wlb)
-    try:
-        out = hooked(x, torch.randn(int(segs.max()), 1, 1, 8), cfg, cu_seqlens=params.cu_seqlens_q, max_seqlen=5)
-        assert out.shape == x.shape and len(seen) == 1  # ours: rotated by the plan's positions
-        with pytest.raises(ValueError, match="inverse is not supported"):
-            hooked(x, torch.randn(int(segs.max()), 1, 1, 8), cfg, cu_seqlens=params.cu_seqlens_q, inverse=True)
-    finally:
-        attention._ACTIVE.reset(token)
+    out = hooked(x, torch.randn(int(segs.max()), 1, 1, 8), cfg, cu_seqlens=params.cu_seqlens_q, max_seqlen=5)
+    assert out.shape == x.shape and len(seen) == 1  # ours: rotated by the plan's positions
+    with pytest.raises(ValueError, match="inverse is not supported"):
+        hooked(x, torch.randn(int(segs.max()), 1, 1, 8), cfg, cu_seqlens=params.cu_seqlens_q, inverse=True)
 
 
 def test_the_device_record_is_one_buffer_copied_once():
@@ -641,14 +635,15 @@ def test_the_device_record_is_one_buffer_copied_once():
     from megatron_wlb.cp.device import upload
 
     batch, data, params, _, _ = _planned(6, "per-document", 2, 1, rank_multiple=4)
-    device = params.wlb
-    views = [device.tokens, device.labels, device.loss_mask, device.position_ids, device.rope_positions,
-             device.cu_seqlens_q, device.cu_seqlens_k]
+    device = upload(batch, "cpu")
+    varlen = device.varlen
+    views = [device.tokens, device.labels, device.loss_mask, device.position_ids, varlen.rope_positions,
+             varlen.cu_seqlens_q, varlen.cu_seqlens_k]
     assert len({t.untyped_storage().data_ptr() for t in views}) == 1
     assert device.tokens.tolist() == batch.tokens.tolist() and device.loss_mask.tolist() == batch.loss_mask.tolist()
-    assert device.cu_seqlens_k.tolist() == batch.cu_seqlens_k.tolist() and device.local_pad == batch.local_pad
-    assert device.segment_index.tolist() == batch.shard.gather_rows().tolist()
+    assert varlen.cu_seqlens_k.tolist() == batch.cu_seqlens_k.tolist() and varlen.local_pad == batch.local_pad
+    assert varlen.segment_index.tolist() == batch.shard.gather_rows().tolist()
     meta = upload(batch, "cpu", tokens=False)  # middle stages: the metadata only, from the same function
-    assert meta.tokens is None and meta.segment_index.tolist() == device.segment_index.tolist()
-    _, te = _te_rank([3, 3], 1)
-    assert te.wlb.te and te.cu_seqlens_q.untyped_storage().data_ptr() == te.wlb.tokens.untyped_storage().data_ptr()
+    assert meta.tokens is None and meta.varlen.segment_index.tolist() == varlen.segment_index.tolist()
+    out, te = _te_rank([3, 3], 1)
+    assert te.varlen.te and te.cu_seqlens_q.untyped_storage().data_ptr() == out["tokens"].untyped_storage().data_ptr()

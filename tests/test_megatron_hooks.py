@@ -118,11 +118,12 @@ def test_the_table_is_well_formed():
         assert hook.phase in hooks.PHASES and hook.why and "\n" not in hook.why and hook.releases, hook
         assert callable(hooks._factory(hook)), hook
         assert not hook.only or hook.everywhere, hook
-    # the 15 timing wrappers, the training loop's 8, the attention's 3
+    # the 15 timing wrappers, the training loop's 8, the attention's 2 (SelfAttention.__init__ and RoPE: the
+    # varlen record reaches RoPE through the params' cu_seqlens, no SelfAttention.forward wrapper; issue 47)
     assert sum(h.phase == "timing" for h in hooks.HOOKS) == 15
     assert sum(h.phase == "apply" and h.make.startswith("megatron_wlb.megatron.training_hooks:")
                for h in hooks.HOOKS) == 8
-    assert sum(h.phase == "attention" for h in hooks.HOOKS) == 3
+    assert sum(h.phase == "attention" for h in hooks.HOOKS) == 2
 
 
 def test_only_the_table_replaces_megatron_functions_installed_wheel(tmp_path):

@@ -100,8 +100,10 @@ def test_tiny_moe_ep2_resume_equals_an_uninterrupted_run(tmp_path, text_corpus):
 def test_tiny_moe_online_refit_at_ep2_agrees_and_trains(tmp_path, text_corpus):  # noqa: F811
     """--wlb-cost-model online on the MoE job at EP2 x DP2: the refits run on schedule (every rank's coefficients
     and plan digests checked equal inside), and the packer keeps planning with the refitted model."""
+    settings = tmp_path / "refit.yaml"  # a settings file: the research knob refit_interval is a YAML key
+    settings.write_text("cost: {refit_interval: 2}\n")
     run = train(tmp_path, "moe_online", text_corpus, *MOE_FLAGS, "--expert-model-parallel-size", "2", "--wlb-packer",
-                "wlb", "--wlb-cost-model", "online", "--wlb-refit-interval", "2", "--train-iters", "6",
+                "wlb", "--wlb-cost-model", "online", "--wlb-config", str(settings), "--train-iters", "6",
                 env={"DP": "2"})
     assert_trains(run, iterations=6)
     assert_documents_once(run)

@@ -429,7 +429,8 @@ def stock_samples(corpus: str, tmp_path: Path, iterations: int, first: int = 0, 
     from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer
     from megatron.training.datasets.data_samplers import MegatronPretrainingSampler
 
-    from megatron_wlb.megatron.gpt_samples import MegatronSamples, build_train_dataset
+    from megatron_wlb.megatron.gpt_datasets import build_train_dataset
+    from megatron_wlb.megatron.gpt_samples import MegatronSamples
 
     seq, gbs, train_iters = 256, 4, 4
     args = types.SimpleNamespace(seed=1234, seq_length=seq, data_path=[corpus], split="98,2,0",
@@ -620,7 +621,9 @@ def test_online_cost_model_refits_agree_and_resume_exactly(tmp_path, text_corpus
     equal inside), the packer plans with the refitted model, and a run resumed from a checkpoint taken
     after a refit plans (and trains) exactly what the uninterrupted run did until the next refit."""
     ckpt = tmp_path / "ckpt"
-    common = ("--wlb-packer", "wlb", "--wlb-cost-model", "online", "--wlb-refit-interval", "2", "--train-iters", "6",
+    settings = tmp_path / "refit.yaml"  # a settings file: the research knob refit_interval is a YAML key
+    settings.write_text("cost: {refit_interval: 2}\n")
+    common = ("--wlb-packer", "wlb", "--wlb-cost-model", "online", "--wlb-config", str(settings), "--train-iters", "6",
               "--save", str(ckpt), "--save-interval", "4", "--ckpt-format", "torch")
     full = train(tmp_path, "full", text_corpus, *common, env={"DP": "2"})
     assert_trains(full, iterations=6)

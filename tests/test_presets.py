@@ -86,8 +86,8 @@ def test_flags_preset_and_explicit_flags(tmp_path: Path):
     assert (s.preset, s.release, s.fill, s.schedule_order, s.max_delay) == ("paper", "paper", "off", False, 4)
     cfg = tmp_path / "job.yaml"
     cfg.write_text(yaml.safe_dump({**RUN, "packing": {"preset": "paper", "max_delay": 3}}))
-    s = settings_from_args(_parse(["--wlb-config", str(cfg), "--wlb-schedule-order", "true"]))
-    assert (s.release, s.fill, s.schedule_order, s.max_delay) == ("paper", "off", True, 3)
+    s = settings_from_args(_parse(["--wlb-config", str(cfg), "--wlb-max-delay", "5"]))
+    assert (s.release, s.fill, s.schedule_order, s.max_delay) == ("paper", "off", False, 5)
     # a flag's preset replaces the config's; the config's explicit knobs still apply
     s = settings_from_args(_parse(["--wlb-config", str(cfg), "--wlb-preset", "default"]))
     assert (s.release, s.fill, s.max_delay) == ("balanced", "full", 3)
@@ -99,12 +99,12 @@ def test_old_knob_spellings_are_refused_everywhere(old: str, capsys):
     new = RENAMED_KNOBS[old][0]
     with pytest.raises(ValueError, match=rf"^<dict>: packing\.{old} .*packing\.{new[0]}"):
         config_from_dict({**RUN, "packing": {old: 0.5}})
-    flag = "--wlb-" + old.replace("_", "-")
+    flag = "--wlb-" + old.replace("_", "-")  # no hidden old flag: an unknown option, in one line
     with pytest.raises(SystemExit):
         _parse([flag, "0.5"])
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and f"{flag} " in err and "--wlb-" + new[0].replace("_", "-") in err, err
-    with pytest.raises(ValueError, match="--wlb-" + new[0].replace("_", "-")):
+    assert len(err.splitlines()) == 1 and flag in err, err
+    with pytest.raises(ValueError, match=rf"packing\.{new[0]}"):
         WlbSettings(**{old: 0.5})
     option = "--" + old.replace("_", "-")
     with pytest.raises(SystemExit):
@@ -118,8 +118,8 @@ def test_old_release_values_are_refused_with_a_hint(value: str, capsys):
     with pytest.raises(ValueError, match=rf"packing.release='{value}': .*(balanced|removed)"):
         config_from_dict({**RUN, "packing": {"release": value}})
     with pytest.raises(SystemExit):
-        _parse(["--wlb-release", value])
-    assert "balanced" in capsys.readouterr().err
+        _parse(["--wlb-release", value])  # a research knob: a YAML key, not a flag
+    assert "set packing.release in the YAML of --wlb-config" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["pack", "--release", value])
     assert "balanced" in capsys.readouterr().err
@@ -228,8 +228,8 @@ def test_the_packer_flag_is_named_as_in_yaml_and_the_cli(capsys):
     with pytest.raises(SystemExit):
         _parse(["--wlb-packing", "wlb"])
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "--wlb-packing was renamed --wlb-packer" in err, err
-    with pytest.raises(ValueError, match="--wlb-packer"):
+    assert len(err.splitlines()) == 1 and "--wlb-packing" in err, err  # no hidden old spelling: unknown
+    with pytest.raises(ValueError, match="unknown WLB setting.* packing; valid: packer"):
         WlbSettings(packing="wlb")
     from megatron_wlb.megatron.checkpoint import settings_difference
 

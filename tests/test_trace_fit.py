@@ -138,14 +138,16 @@ def test_bad_traces_end_in_one_line(tmp_path: Path, capsys):
     assert "no micro_batch rows" in _one_line_error(["calibrate", "--from-trace", str(empty), "--out", out], capsys)
     short = write_trace(tmp_path / "short.jsonl", iterations=3, micro_batches=1, pp=1)
     err = _one_line_error(["calibrate", "--from-trace", str(short), "--out", out], capsys)
-    assert "usable micro-batch rows after --warmup 2" in err
+    assert "usable micro-batch rows after --skip-iters 2" in err
     err = _one_line_error(["calibrate", "--from-trace", str(tmp_path / "none.jsonl"), "--out", out], capsys)
     assert "no trace there" in err
     ok = write_trace(tmp_path / "ok.jsonl", pp=1)
     assert "--efficiency-out" in _one_line_error(["calibrate", "--from-trace", str(ok), "--out", out,
                                                   "--efficiency-out", str(tmp_path / "e.json")], capsys)
-    assert "--warmup -1" in _one_line_error(["calibrate", "--from-trace", str(ok), "--out", out, "--warmup", "-1"],
-                                            capsys)
+    assert "--skip-iters -1" in _one_line_error(["calibrate", "--from-trace", str(ok), "--out", out,
+                                                 "--skip-iters", "-1"], capsys)
+    assert "--skip-iters N" in _one_line_error(["calibrate", "--from-trace", str(ok), "--out", out, "--warmup", "1"],
+                                               capsys)  # one meaning per name: --warmup is the measured calls
     mixed = write_trace(tmp_path / "mixed.jsonl", pp=2)
     rank1 = trace_path_for_rank(mixed, 1)
     rank1.write_text(rank1.read_text().replace('"vocab": 32000', '"vocab": 2000'))

@@ -53,19 +53,20 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                               epilog=columns_legend().replace("%", "%%"))
     p.add_argument("--config", default="7b_128k", help="config for the main table (default 7b_128k)")
     p.add_argument("--iterations", type=int, default=200, help="global batches per row (default 200)")
-    p.add_argument("--solver-iterations", type=int, default=50, help="cap for the fixed-solver rows (default 50)")
     p.add_argument("--lengths", default="wlbllm", help="comma-separated streams: wlbllm, stdlib or files")
     p.add_argument("--data-prefix", metavar="PREFIX", action="append", default=[],
                    help="also benchmark this Megatron indexed dataset PREFIX.idx/.bin (file order); repeatable")
     p.add_argument("--data-path", nargs="+", metavar="W_OR_PREFIX", action="append", default=[],
                    help="also benchmark this Megatron --data-path blend ('W1 PREFIX1 W2 PREFIX2 ...'); repeatable")
-    p.add_argument("--scale-config", default=None, help="also time wlb on this layout (e.g. 405b_128k_8k)")
-    p.add_argument("--scale-iterations", type=int, default=100, help="global batches at --scale-config")
     p.add_argument("--cost-profile", default=None, help="calibrated cost-model profile JSON (default: analytic)")
     add_cache_arg(p)
     p.add_argument("--out", default=None, help="directory for packing_bench.md / .json (default: print only)")
-    p.add_argument("--quick", action="store_true", help="fewer rows (for smoke tests)")
-    p.add_argument("--label", default=None, help="command line to record in the output (default: wlb bench ...)")
+    lab = p.add_argument_group("lab: what the benchmark covers and records")
+    lab.add_argument("--solver-iterations", type=int, default=50, help="cap for the fixed-solver rows (default 50)")
+    lab.add_argument("--scale-config", default=None, help="also time wlb on this layout (e.g. 405b_128k_8k)")
+    lab.add_argument("--scale-iterations", type=int, default=100, help="global batches at --scale-config")
+    lab.add_argument("--quick", action="store_true", help="fewer rows (for smoke tests)")
+    lab.add_argument("--label", default=None, help="command line to record in the output (default: wlb bench ...)")
     p.set_defaults(func=run)
 
 

@@ -28,8 +28,8 @@ Writes ``OUT`` in the ``megatron-wlb-profile/1`` format that ``costmodel.load_pr
 suffix ``.efficiency.json``: the achieved attention TFLOP/s over (query run, key range) shapes in the
 ``megatron-wlb-attn-efficiency/1`` format of ``cp/data/default_efficiency.json`` (``wlb shard --kernel-table``).
 
-``--from-trace`` reads every rank's file of a ``--wlb-trace`` (``costmodel.trace``), drops iterations
-before ``--warmup``, and writes the profile's measured-micro-batch form (``"micro_batches"``: each
+``--from-trace`` reads every rank's file of a ``--wlb-trace`` (``costmodel.trace``), drops the first
+``--skip-iters`` iterations, and writes the profile's measured-micro-batch form (``"micro_batches"``: each
 row's causal pairs and tokens on its rank, its seconds per layer); every ``--holdout-every``-th
 iteration is held out for the MAPE, then the written fit uses every row. A trace times whole
 micro-batches, not kernel shapes: it gives no kernel table.
@@ -177,8 +177,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--backend", default="auto", help="attention kernel: auto | torch-varlen | flash-attn | reference "
                    "(auto: a varlen kernel on a GPU, reference on the CPU)")
     p.add_argument("--warmup", type=int, default=None,
-                   help=f"measuring: untimed calls per shape (default 3 on a GPU, {CPU.warmup} on the CPU); "
-                        "--from-trace: iterations dropped from the start (default 2)")
+                   help=f"untimed calls per measured shape (default 3 on a GPU, {CPU.warmup} on the CPU)")
+    p.add_argument("--skip-iters", type=int, default=None,
+                   help="--from-trace: the trace's first iterations, dropped (default 2)")
     p.add_argument("--threads", type=int, default=None,
                    help="CPU: torch threads (default: torch's, i.e. OMP_NUM_THREADS or every core); give what each "
                         "training process uses, 1 for one process per core")
@@ -752,9 +753,12 @@ def run_from_trace(args: argparse.Namespace, out: Path) -> int:
     if args.efficiency_out is not None:
         raise ValueError("--efficiency-out: a trace times whole micro-batches, not kernel shapes, so --from-trace "
                          "writes no kernel table; measure one with `wlb calibrate` without --from-trace")
-    warmup = 2 if args.warmup is None else args.warmup
+    if args.warmup is not None:
+        raise ValueError(f"--warmup {args.warmup}: --warmup is the untimed calls per measured shape; with --from-trace "
+                         "drop the trace's first iterations with --skip-iters N")
+    warmup = 2 if args.skip_iters is None else args.skip_iters
     if warmup < 0:
-        raise ValueError(f"--warmup {warmup}: must be >= 0 (iterations dropped from the start of the trace)")
+        raise ValueError(f"--skip-iters {warmup}: must be >= 0 (iterations dropped from the start of the trace)")
     if args.holdout_every < 2:
         raise ValueError(f"--holdout-every {args.holdout_every}: must be >= 2")
     traces = [read_trace(path) for path in args.from_trace]
@@ -779,15 +783,15 @@ def run_from_trace(args: argparse.Namespace, out: Path) -> int:
     packings = sorted(set(points["packing"]))
     n = len(points["fwd_s"])
     if n < MIN_TRACE_POINTS:
-        raise ValueError(f"--from-trace {named}: {n} usable micro-batch rows after --warmup {warmup} "
+        raise ValueError(f"--from-trace {named}: {n} usable micro-batch rows after --skip-iters {warmup} "
                          f"({sum(len(t.micro_batches) for t in traces)} in the trace); the fit and its held-out check "
-                         f"need >= {MIN_TRACE_POINTS}: trace more iterations or lower --warmup")
+                         f"need >= {MIN_TRACE_POINTS}: trace more iterations or lower --skip-iters")
     model = ModelShape(**setup["model"])
     tp = int(setup["layout"].get("tp", 1))
     profile: dict[str, Any] = {
         "format": PROFILE_FORMAT, "device": setup["device"], "model": model.to_dict(), "tp": tp,
         "micro_batches": points,
-        "source": f"wlb calibrate --from-trace {named} --warmup {warmup}: {n} rows of "
+        "source": f"wlb calibrate --from-trace {named} --skip-iters {warmup}: {n} rows of "
                   f"{sum(len(t.headers) for t in traces)} rank file(s) of {len(packings)} packing(s) "
                   f"({', '.join(packings)}), layout {setup['layout']}",
     }

@@ -65,13 +65,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def add_knob_options(p: argparse.ArgumentParser) -> None:
     """One ``--<knob>`` option per PackingConfig knob (generated: a new field gets its option), each
     overriding the config's ``packing.<knob>``."""
-    g = p.add_argument_group("packer settings (override the config's packing section)")
+    g = p.add_argument_group("lab: packer knobs (each overrides the config's packing section; docs/packing.md)")
     g.add_argument("--preset", choices=PRESET_NAMES, default=None,
                    help="packer preset the knobs start from (default: the config's packing.preset; "
                         "docs/packing.md \"Presets\"); the knobs given here and in the config win")
     for name, knob in PACKING_KNOBS.items():
-        flags = [knob.flag("--")] + (["--thresholds"] if name == "queue_thresholds" else [])
-        g.add_argument(*flags, dest=f"knob_{name}", default=None, metavar=None if knob.choices else "V",
+        g.add_argument(knob.flag("--"), dest=f"knob_{name}", default=None, metavar=None if knob.choices else "V",
                        type=functools.partial(refuse_renamed_value, name) if knob.choices else str,
                        choices=[str(c) for c in knob.choices] if knob.choices else None,
                        help=(knob.help.replace("`", "") + ("" if knob.choices else f" ({knob.expects})"))

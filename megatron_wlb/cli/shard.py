@@ -31,7 +31,7 @@ import numpy as np
 from megatron_wlb.cli.common import input_file, output_file, positive, read_json_object
 from megatron_wlb.costmodel import PROFILE_FORMAT, CostModel, ParallelLayout, build_cost_model, get_model
 from megatron_wlb.cp.efficiency import EFFICIENCY_FORMAT, KernelEfficiency
-from megatron_wlb.cp.layouts import LAYOUT_ALIASES, LAYOUT_NAMES, ShardLayout, build_layout
+from megatron_wlb.cp.layouts import LAYOUT_NAMES, ShardLayout, build_layout
 from megatron_wlb.packing.types import MAX_MICRO_BATCH_TOKENS
 
 
@@ -40,7 +40,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--micro-batches", required=True, help="file with one JSON list of document lengths per line")
     p.add_argument("--cp", type=int, required=True, help="context-parallel size")
-    p.add_argument("--cp-sharding", required=True, choices=list(LAYOUT_NAMES) + list(LAYOUT_ALIASES),
+    p.add_argument("--cp-sharding", required=True, choices=LAYOUT_NAMES,
                    help="CP layout (the config's cp_sharding, --wlb-cp-sharding)")
     p.add_argument("--out", required=True, help="output JSON-lines file (one line per micro-batch)")
     prices = p.add_mutually_exclusive_group()

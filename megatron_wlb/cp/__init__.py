@@ -6,7 +6,6 @@
 
 from megatron_wlb.cp.efficiency import EFFICIENCY_FORMAT, KernelEfficiency, default_table
 from megatron_wlb.cp.layouts import (
-    LAYOUT_ALIASES,
     LAYOUT_NAMES,
     RankShard,
     ShardLayout,
@@ -17,7 +16,7 @@ from megatron_wlb.cp.layouts import (
 from megatron_wlb.cp.protocols import Layout, LayoutBuilder
 
 __all__ = [
-    "EFFICIENCY_FORMAT", "LAYOUT_ALIASES", "LAYOUT_NAMES", "KernelEfficiency", "Layout", "LayoutBuilder", "RankShard",
+    "EFFICIENCY_FORMAT", "LAYOUT_NAMES", "KernelEfficiency", "Layout", "LayoutBuilder", "RankShard",
     "ShardLayout",
     "attention_work", "build_layout", "default_cost_model", "default_table",
 ]

@@ -2,13 +2,13 @@
 
 Each CP rank holds q, k, v of its own tokens, in its layout order (``RankShard.token_index``),
 shaped ``[tokens, heads, head_dim]`` (GQA: fewer k/v heads than q heads), and the micro-batch's
-``DeviceBatch`` (``cp.device.upload``: one copy per micro-batch, read by every layer). Forward:
+``Varlen`` record (``cp.device.upload``: one copy per micro-batch, read by every layer). Forward:
 
 1. K and V (written once into one padded buffer: one collective) are all-gathered over the CP
    group: rank 0's tokens, then rank 1's, ... (each rank's block padded to the largest count, so
    unequal counts are fine; at CP = 1 nothing is gathered, and with one run per document nothing is
    copied either);
-2. ``segment_index`` (``DeviceBatch``) picks, for every query run, its document's keys
+2. ``segment_index`` (``Varlen``) picks, for every query run, its document's keys
    ``[doc_start, run_end)`` out of the gathered buffer: a materialised copy, because the key
    segments of one document's runs overlap;
 3. one varlen kernel call with ``cu_seqlens_q`` / ``cu_seqlens_k`` and a bottom-right-aligned causal
@@ -39,7 +39,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_wlb.cp.device import DeviceBatch
+from megatron_wlb.cp.device import Varlen
 
 BACKENDS = ("auto", "torch-varlen", "flash-attn", "reference")
 
@@ -308,7 +308,7 @@ class AllGatherKV(torch.autograd.Function):
         return mine[:local, 0], mine[:local, 1], *none
 
 
-def _check(q, k, v, meta: DeviceBatch, group) -> None:
+def _check(q, k, v, meta: Varlen, group) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 3:
             raise ValueError(f"{name} must be [tokens, heads, head_dim], got shape {tuple(t.shape)}")
@@ -333,18 +333,19 @@ def _check(q, k, v, meta: DeviceBatch, group) -> None:
 
 
 def all_gather_cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                            meta: DeviceBatch, group=None, backend: str = "auto",
+                            meta: Varlen, group=None, backend: str = "auto",
                             softmax_scale: float | None = None) -> torch.Tensor:
     """Document-causal attention of this rank's queries over the whole micro-batch's keys.
 
     ``q`` [T_r, H, D], ``k``/``v`` [T_r, Hkv, D] in the layout's order (``RankShard.token_index``);
-    ``meta`` is the rank's ``DeviceBatch`` (``cp.device.upload``, once per micro-batch; tests:
-    ``upload(cp.plan.layout_batch(layout, rank), device)``); ``group`` is the CP process group (``None``:
+    ``meta`` is the rank's ``Varlen`` record (``cp.device.upload``, once per micro-batch; tests:
+    ``upload(cp.plan.layout_batch(layout, rank), device).varlen``); ``group`` is the CP process group (``None``:
     the default group; single-process when the layout has cp=1). Returns [T_r, H, D]. Differentiable
     w.r.t. q, k, v (dk/dv reduce-scattered to their owners).
     """
-    if not isinstance(meta, DeviceBatch):
-        raise ValueError(f"the attention reads a DeviceBatch (cp.device.upload), got {type(meta).__name__}")
+    if not isinstance(meta, Varlen):
+        raise ValueError(f"the attention reads a Varlen record (cp.device.upload(...).varlen), got "
+                         f"{type(meta).__name__}")
     if meta.te:
         raise ValueError("a per-document-te micro-batch carries TransformerEngine's THD fields, not the all-gather "
                          "attention's metadata")
@@ -372,7 +373,7 @@ class AllGatherCPAttention(torch.nn.Module):
         self.backend = backend
         self.softmax_scale = softmax_scale
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: DeviceBatch, group=None):
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Varlen, group=None):
         return all_gather_cp_attention(q, k, v, meta, group, self.backend, self.softmax_scale)
 
     def extra_repr(self) -> str:

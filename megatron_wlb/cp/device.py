@@ -1,9 +1,10 @@
-"""The device record of one micro-batch: ``upload`` copies a host ``RankMicroBatch`` to the device once.
+"""The device record of one micro-batch: ``upload`` copies a host ``RankMicroBatch`` to the device once, as the
+batch tensors and, apart from them, the kernel's ``Varlen`` record.
 
 Every array of the host record (tokens, labels, loss mask, positions, cu_seqlens, the key pieces,
 and under deterministic algorithms the repeat count of each key row) is written into ONE pinned
 host buffer (pinned where CUDA is available), which goes to the device with ONE non-blocking copy;
-the ``DeviceBatch`` fields are views of it, plus the key rows of the all-gather buffer, expanded on
+the ``DeviceBatch`` and ``Varlen`` fields are views of it, plus the key rows of the all-gather buffer, expanded on
 the device from the O(runs) pieces. Every number a kernel call needs (``max_seqlen_*``, token
 counts, the total key count) is a host int, so nothing reads a device tensor back.
 This is the only place the batch path copies host -> device.
@@ -12,6 +13,7 @@ This is the only place the batch path copies host -> device.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -23,36 +25,36 @@ _ALIGN = 8  # bytes: every view starts at a multiple of the largest element size
 
 
 @dataclass(frozen=True, eq=False)
-class DeviceBatch:
-    """One micro-batch on one CP rank, on the device: made by ``upload`` only, read by every layer.
+class Varlen:
+    """The varlen record of one micro-batch on one CP rank: the kernel's metadata alone, no batch tensor. Made
+    by ``upload`` only, once per micro-batch; the attention and RoPE of every layer read it, both from the
+    micro-batch's packed-sequence params (``WlbPackedSeqParams.varlen``; RoPE, handed only their cu_seqlens,
+    finds it there: ``carrier``, ``varlen_of``).
 
-    ``tokens`` / ``labels`` / ``loss_mask`` / ``position_ids`` ``[1, R]`` (None: a metadata-only upload,
-    for middle pipeline stages); ``rope_positions`` long ``[R]`` (the RoPE position of each row);
-    ``cu_seqlens_q`` / ``cu_seqlens_k`` int32 and ``segment_index`` long (rows of the padded all-gather
-    buffer holding each query run's keys) for the all-gather attention; on the TE path
-    (``cu_seqlens_padded`` set) TE's THD offsets and no segments. ``occurrence`` / ``levels``: the repeat
-    of each segment row (deterministic backward only). ``layout`` is the layout used (for ``adaptive``,
-    the chosen one); ``local_pad`` trailing rows are rank padding (sequence parallelism).
+    ``cu_seqlens_q`` / ``cu_seqlens_k`` int32 and ``max_seqlen_q`` / ``max_seqlen_k`` (host ints) for the
+    varlen kernel; on the TE path (``cu_seqlens_padded`` set) TE's THD offsets. The all-gather layout:
+    ``segment_index`` long (rows of the padded all-gather buffer holding each query run's keys),
+    ``occurrence`` / ``levels`` (the repeat of each segment row, deterministic backward only), ``rank`` and
+    ``rank_counts`` (rows per CP rank), ``identity_segments`` (CP = 1, the key segments are the local rows
+    in order: K/V go to the kernel as they are), ``num_runs`` (query runs); ``local_pad`` trailing rows
+    are rank padding (sequence parallelism). RoPE: ``rope_positions`` long ``[R]`` (each row's position),
+    ``rope_length`` (the rotary table it needs). ``layout`` is the CP layout used (for ``adaptive``, the
+    chosen one).
     """
 
-    tokens: torch.Tensor | None
-    labels: torch.Tensor | None
-    loss_mask: torch.Tensor | None
-    position_ids: torch.Tensor | None
-    rope_positions: torch.Tensor
     cu_seqlens_q: torch.Tensor
     cu_seqlens_k: torch.Tensor
     cu_seqlens_padded: torch.Tensor | None
+    max_seqlen_q: int
+    max_seqlen_k: int
     segment_index: torch.Tensor
     occurrence: torch.Tensor | None
     levels: int
-    max_seqlen_q: int
-    max_seqlen_k: int
     num_runs: int
     rank: int
     rank_counts: tuple[int, ...]
-    #: CP = 1 and the key segments are the local rows in order: K/V go to the kernel as they are (no copy)
     identity_segments: bool
+    rope_positions: torch.Tensor
     rope_length: int
     layout: str
     local_pad: int = 0
@@ -68,10 +70,45 @@ class DeviceBatch:
         return self.cu_seqlens_padded is not None
 
     def tensors(self) -> list[torch.Tensor]:
-        """Every device tensor of the record (to keep them alive on another stream)."""
-        return [t for t in (self.tokens, self.labels, self.loss_mask, self.position_ids, self.rope_positions,
-                            self.cu_seqlens_q, self.cu_seqlens_k, self.cu_seqlens_padded, self.segment_index,
-                            self.occurrence) if t is not None]
+        """Every device tensor of the record."""
+        return [t for t in (self.rope_positions, self.cu_seqlens_q, self.cu_seqlens_k, self.cu_seqlens_padded,
+                            self.segment_index, self.occurrence) if t is not None]
+
+
+#: the attribute of a carrier tensor (``carrier``) that holds its record
+_VARLEN_OF = "_wlb_varlen"
+
+
+def carrier(varlen: Varlen, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """A view of the record's ``cu_seqlens`` (same storage, no copy) that holds the record: what the params
+    hand Megatron as their cu_seqlens, so that RoPE, given only those, reads the record (``varlen_of``). The
+    record does not hold the view, so nothing forms a reference cycle."""
+    view = cu_seqlens.view(cu_seqlens.shape)
+    setattr(view, _VARLEN_OF, varlen)
+    return view
+
+
+def varlen_of(cu_seqlens: Any) -> Varlen | None:
+    """The ``Varlen`` a carrier tensor (``carrier``) holds; None for any other tensor or object."""
+    return getattr(cu_seqlens, _VARLEN_OF, None)
+
+
+@dataclass(frozen=True, eq=False)
+class DeviceBatch:
+    """One micro-batch on one CP rank, on the device (made by ``upload`` only): the batch tensors Megatron
+    reads, ``tokens`` / ``labels`` / ``loss_mask`` / ``position_ids`` ``[1, R]`` (None: a metadata-only
+    upload, for middle pipeline stages), and apart from them the kernel's ``varlen`` record."""
+
+    tokens: torch.Tensor | None
+    labels: torch.Tensor | None
+    loss_mask: torch.Tensor | None
+    position_ids: torch.Tensor | None
+    varlen: Varlen
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every device tensor of the micro-batch (to keep them alive on another stream)."""
+        return [t for t in (self.tokens, self.labels, self.loss_mask, self.position_ids) if t is not None] + \
+            self.varlen.tensors()
 
 
 def row_occurrence(rows: np.ndarray) -> np.ndarray:
@@ -141,19 +178,20 @@ def upload(batch: RankMicroBatch, device: torch.device | str, *, tokens: bool = 
     cu_k = cu_q if same_k else view("cu_seqlens_k", torch.int32)
     cu_padded = None if not te else (cu_q if padded_alias else view("cu_seqlens_padded", torch.int32))
     segment_index = _expand_pieces(view("base", torch.long), view("length", torch.long), int(length.sum()))
-    shard_counts = batch.rank_counts
+    varlen = Varlen(
+        cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, cu_seqlens_padded=cu_padded,
+        max_seqlen_q=int(batch.max_seqlen_q), max_seqlen_k=int(batch.max_seqlen_k),
+        segment_index=segment_index, occurrence=view("occurrence", torch.int32) if occurrence is not None else None,
+        levels=int(occurrence.max()) + 1 if occurrence is not None and occurrence.size else 1,
+        num_runs=int(batch.cu_seqlens_q.size) - 1, rank=int(batch.rank),
+        rank_counts=tuple(int(c) for c in batch.rank_counts), identity_segments=batch.identity_segments,
+        rope_positions=position_ids[0], rope_length=int(batch.rope_length), layout=batch.layout.name,
+        local_pad=int(batch.local_pad))
     return DeviceBatch(
         tokens=view("tokens", torch.long) if tokens else None,
         labels=view("labels", torch.long) if tokens else None,
         loss_mask=view("loss_mask", torch.float32) if tokens else None,
-        position_ids=position_ids if tokens else None,
-        rope_positions=position_ids[0], cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, cu_seqlens_padded=cu_padded,
-        segment_index=segment_index, occurrence=view("occurrence", torch.int32) if occurrence is not None else None,
-        levels=int(occurrence.max()) + 1 if occurrence is not None and occurrence.size else 1,
-        max_seqlen_q=int(batch.max_seqlen_q), max_seqlen_k=int(batch.max_seqlen_k),
-        num_runs=int(batch.cu_seqlens_q.size) - 1, rank=int(batch.rank),
-        rank_counts=tuple(int(c) for c in shard_counts), identity_segments=batch.identity_segments,
-        rope_length=int(batch.rope_length), layout=batch.layout.name, local_pad=int(batch.local_pad))
+        position_ids=position_ids if tokens else None, varlen=varlen)
 
 
-__all__ = ["DeviceBatch", "row_occurrence", "upload"]
+__all__ = ["DeviceBatch", "Varlen", "carrier", "row_occurrence", "upload", "varlen_of"]

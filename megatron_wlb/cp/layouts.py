@@ -65,7 +65,6 @@ from megatron_wlb.cp.efficiency import KernelEfficiency
 from megatron_wlb.data.lengths import validate_lengths
 
 LAYOUT_NAMES: tuple[str, ...] = ("per-sequence", "per-document", "per-document-te", "adaptive", "hybrid")
-LAYOUT_ALIASES: dict[str, str] = {"per-document-choice": "hybrid"}
 
 
 def key_pieces(runs: np.ndarray, seg_start: np.ndarray, seg_end: np.ndarray,
@@ -478,15 +477,13 @@ def _assemble(name: str, requested: str, cp: int, lengths: np.ndarray, padded: n
 
 
 def _validate(name: str, lengths, cp, tile) -> tuple[str, np.ndarray]:
-    canonical = LAYOUT_ALIASES.get(name, name)
-    if canonical not in LAYOUT_NAMES:
-        raise ValueError(f"unknown CP layout {name!r}; valid layouts: {', '.join(LAYOUT_NAMES)} "
-                         f"(aliases: {', '.join(f'{a}={b}' for a, b in LAYOUT_ALIASES.items())})")
+    if name not in LAYOUT_NAMES:
+        raise ValueError(f"unknown CP layout {name!r}; valid layouts: {', '.join(LAYOUT_NAMES)}")
     if isinstance(cp, bool) or not isinstance(cp, int | np.integer) or cp < 1:
         raise ValueError(f"cp must be a positive integer, got {cp!r}")
     if isinstance(tile, bool) or not isinstance(tile, int | np.integer) or tile < 1:
         raise ValueError(f"tile must be a positive integer (1 = no tile rounding), got {tile!r}")
-    return canonical, validate_lengths(lengths, what="micro-batch document lengths")
+    return name, validate_lengths(lengths, what="micro-batch document lengths")
 
 
 def default_cost_model() -> CostModel:

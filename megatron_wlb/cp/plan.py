@@ -6,7 +6,7 @@ The path of a micro-batch from the length stream to the kernel (see ``megatron_w
       -> micro_batch_lengths(): the packed sequence's segments (pieces, then one padding segment)
       -> layout_micro_batch(): ShardLayout, every CP rank's runs (cp/layouts.py)
       -> rank_batch(): RankMicroBatch, this rank's rows, tokens, positions, padding and kernel metadata
-      -> cp.device.upload(): DeviceBatch, one copy from pinned memory, read by every layer
+      -> cp.device.upload(): DeviceBatch (batch tensors + the Varlen record), one copy from pinned memory
 
 Every CP rank builds the same layout from the same pieces (the packer is deterministic), so no
 rank waits for another and nothing travels device -> host. Pure numpy: no torch, no global state.
@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from megatron_wlb.costmodel import CostModel
-from megatron_wlb.cp.layouts import LAYOUT_ALIASES, LAYOUT_NAMES, RankShard, ShardLayout, build_layout
+from megatron_wlb.cp.layouts import LAYOUT_NAMES, RankShard, ShardLayout, build_layout
 from megatron_wlb.packing.types import MAX_MICRO_BATCH_TOKENS, MicroBatch
 
 __all__ = ["CPSharding", "Packed", "RankMicroBatch", "layout_batch", "layout_micro_batch", "micro_batch_lengths",
@@ -49,7 +49,7 @@ __all__ = ["CPSharding", "Packed", "RankMicroBatch", "layout_batch", "layout_mic
 class CPSharding:
     """How every micro-batch of a run is cut over its CP group (identical on every rank but ``cp_rank``).
 
-    - ``layout``: a name of ``cp.layouts.LAYOUT_NAMES`` (or an alias).
+    - ``layout``: a name of ``cp.layouts.LAYOUT_NAMES``.
     - ``sequence_multiple``: the micro-batch's token count is padded to a multiple of this.
     - ``rank_multiple``: every rank's token count is padded to a multiple of this (TP under SP).
     - ``te_attention``: build TransformerEngine's varlen fields (``per-document-te`` only).
@@ -65,15 +65,14 @@ class CPSharding:
     cost: CostModel | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
-        name = LAYOUT_ALIASES.get(self.layout, self.layout)
-        if name not in LAYOUT_NAMES:
+        if self.layout not in LAYOUT_NAMES:
             raise ValueError(f"CP layout {self.layout!r}; valid: {', '.join(LAYOUT_NAMES)}")
         if self.cp_size < 1 or not 0 <= self.cp_rank < self.cp_size:
             raise ValueError(f"cp_rank={self.cp_rank} is outside the CP group of size {self.cp_size}")
         if self.sequence_multiple < 1 or self.rank_multiple < 1:
             raise ValueError(f"sequence_multiple={self.sequence_multiple} and rank_multiple={self.rank_multiple} "
                              "must be >= 1")
-        if self.te_attention and name != "per-document-te":
+        if self.te_attention and self.layout != "per-document-te":
             raise ValueError(f"te_attention needs the per-document-te layout, got {self.layout!r}")
 
     @property

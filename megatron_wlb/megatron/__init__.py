@@ -8,10 +8,12 @@ One micro-batch, from the length stream to the kernel: one host record, one copy
     WlbDataIterator.__next__         -> RankMicroBatch (cp/plan.py rank_batch): this rank's rows, tokens,
                                         labels, loss mask, positions and attention metadata, numpy
     upload_micro_batch (cp_hooks.py) -> DeviceBatch (cp/device.py upload): one pinned buffer, one copy
-                                        (prefetch.py: on a side stream, a micro-batch ahead), in
-                                        WlbPackedSeqParams.wlb
-    every layer                      RoPE and WlbCoreAttention (attention.py -> cp/attention.py) read
-                                        that DeviceBatch; per-document-te: TE reads its THD fields
+                                        (prefetch.py: on a side stream, a micro-batch ahead): the batch
+                                        tensors, and apart from them the kernel's Varlen record, carried
+                                        in WlbPackedSeqParams.varlen
+    every layer                      WlbCoreAttention (attention.py -> cp/attention.py) reads the params'
+                                        Varlen, RoPE the same record through the params' cu_seqlens
+                                        (cp.device.varlen_of); per-document-te: TE reads its THD fields
 
 No step reads a device tensor back to the host; the only sync is the agreement before every training
 step (``agreement.py``: one all-reduce of ``2 + 2 * DP`` int64 over the world: the plan, and each CP

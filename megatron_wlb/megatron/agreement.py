@@ -35,7 +35,7 @@ from megatron_wlb.megatron.data import plan_digest
 from megatron_wlb.megatron.device import training_device
 from megatron_wlb.megatron.megatron_args import MegatronArgs
 from megatron_wlb.megatron.rebind import wrapping
-from megatron_wlb.megatron.settings import FLAG_KNOBS
+from megatron_wlb.megatron.settings import FLAG_KNOBS, setting_source
 from megatron_wlb.packing.types import GlobalBatch
 
 if TYPE_CHECKING:
@@ -254,7 +254,7 @@ def run_fingerprint(args: Any, settings: WlbSettings, config: Any, cost: Any,
     parts = [("--wlb-packer", settings.packer), ("--wlb-cp-sharding", settings.cp_sharding),
              ("--wlb-log-interval", str(settings.log_interval)), ("--wlb-trace", "on" if settings.trace else "off")]
     for name, value in sorted(asdict(config).items()):
-        flag = FLAG_KNOBS[name].flag() if name in FLAG_KNOBS else f"packing {name}"
+        flag = setting_source(name) if name in FLAG_KNOBS else f"packing {name}"
         parts.append((flag, repr(value)))
     a = MegatronArgs.of(args)
     for name in MEGATRON_PARTS:

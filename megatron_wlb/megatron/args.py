@@ -17,29 +17,29 @@ from typing import Any, NoReturn
 
 from megatron_wlb.config import (
     PACKER_NAMES,
-    RENAMED_KNOBS,
-    RENAMED_SETTINGS,
     SECTION_SETTINGS,
     Knob,
+    RunChoices,
     RunConfig,
     cp_sharding_names,
     field_docs,
     knob_yaml_key,
     list_configs,
-    load_config,
-    renamed_knob_hint,
+    load_choices,
     renamed_value_hint,
 )
-from megatron_wlb.megatron.settings import FLAG_KNOBS, WlbSettings
+from megatron_wlb.megatron.settings import FLAG_KNOBS, USER_FLAGS, WlbSettings
 from megatron_wlb.packing.presets import DEFAULT_PRESET, PRESET_NAMES
 from megatron_wlb.packing.types import DEFAULT_MAX_SEQ_LEN_FACTOR
 
 ArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
 
-# setting -> flag, generated from WlbSettings' fields and PackingConfig's knobs. Every flag defaults
-# to None so that "not given" is distinguishable from a value equal to the default (needed to let
-# --wlb-config fill in what the command line leaves out).
-FLAGS: dict[str, str] = {name: "--wlb-" + name.replace("_", "-") for name in WlbSettings.names()}
+# setting -> flag, for the settings a user chooses (``settings.USER_FLAGS``); the other settings are YAML keys
+# of --wlb-config. Every flag defaults to None so that "not given" is distinguishable from a value equal to
+# the default (needed to let --wlb-config fill in what the command line leaves out).
+FLAGS: dict[str, str] = {name: "--wlb-" + name.replace("_", "-") for name in USER_FLAGS}
+#: the settings that are YAML keys only: their old ``--wlb-*`` flag is refused naming the key
+YAML_ONLY: tuple[str, ...] = tuple(name for name in WlbSettings.names() if name not in FLAGS)
 
 
 def flag_table() -> list[tuple[str, str, str, str]]:
@@ -51,7 +51,7 @@ def flag_table() -> list[tuple[str, str, str, str]]:
     yaml_keys = {"packer": "packing.packer", "preset": "packing.preset",
                  **{name: f"{section}.{key}" for (section, key), name in SECTION_SETTINGS.items()}}
     rows = []
-    for name in WlbSettings.names():
+    for name in FLAGS:
         if name in FLAG_KNOBS:
             knob = FLAG_KNOBS[name]
             default = (f"{DEFAULT_MAX_SEQ_LEN_FACTOR:g} x --seq-length" if name == "max_seq_len"
@@ -82,15 +82,15 @@ def add_wlb_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                                   "(megatron_wlb; see docs/megatron.md)")
     choices = {"packer": PACKER_NAMES, "cp_sharding": cp_sharding_names(), "preset": PRESET_NAMES}
     metavars = {"cost_profile": "PATH", "config": "NAME|YAML", "trace": "PATH"}
-    for (flag, _, default, text), name in zip(flag_table(), WlbSettings.names()):
+    for (flag, _, default, text), name in zip(flag_table(), FLAGS):
         knob = FLAG_KNOBS.get(name)
         kind = _flag_type(knob, flag) if knob else (int if name == "log_interval" else str)
         options = choices.get(name) or (knob.choices if knob and knob.choices else None)
         g.add_argument(flag, type=kind, choices=options, default=None, metavar=metavars.get(name),
                        help=f"{text} (default {default})".replace("%", "%%"))
-    for old in (*RENAMED_KNOBS, *RENAMED_SETTINGS):  # old spellings: refused with the hint to the new one
-        g.add_argument("--wlb-" + old.replace("_", "-"), action=_Renamed, nargs="?", help=argparse.SUPPRESS,
-                       default=None, dest=f"wlb_renamed_{old}")
+    for name in YAML_ONLY:  # research knobs, flags no more: refused with their YAML key
+        g.add_argument("--wlb-" + name.replace("_", "-"), action=_YamlOnly, nargs="?", help=argparse.SUPPRESS,
+                       default=None, dest=f"wlb_yaml_only_{name}")
     # an action on resume, not a setting (it is neither saved nor compared): megatron_wlb.megatron.checkpoint
     g.add_argument("--wlb-reset-data-stream", action="store_true",
                    help="on resume (--load), restart only the data stream at its first document, with the "
@@ -101,14 +101,21 @@ def add_wlb_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
-class _Renamed(argparse.Action):
-    """An old ``--wlb-*`` spelling: the parser's one-line error names the new one (``config.RENAMED_KNOBS``,
-    ``RENAMED_SETTINGS``)."""
+class _YamlOnly(argparse.Action):
+    """A setting that is a YAML key, not a flag: the parser's one-line error names the key."""
 
     def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
                  option_string: str | None = None) -> None:
-        old = (option_string or self.option_strings[0])[len("--wlb-"):].replace("-", "_")
-        parser.error(renamed_knob_hint(old, "flag") or RENAMED_SETTINGS.get(old) or f"{option_string} was renamed")
+        flag = option_string or self.option_strings[0]
+        parser.error(yaml_only_hint(flag[len("--wlb-"):].replace("-", "_")))
+
+
+def yaml_only_hint(name: str) -> str:
+    """The one-line refusal of ``--wlb-<name>`` for a setting that is a YAML key only."""
+    key = knob_yaml_key(name)
+    section, field = key.split(".", 1)
+    return (f"--wlb-{name.replace('_', '-')} is not a flag: set {key} in the YAML of --wlb-config (a settings file "
+            f"'{section}: {{{field}: ...}}' serves a run of any shape)")
 
 
 HELP_FLAGS = ("-h", "--help")
@@ -149,16 +156,21 @@ def _flag_type(knob: Knob, flag: str) -> Callable[[str], Any]:
 
 def config_flags(run: RunConfig) -> list[str]:
     """The ``--wlb-*`` flags that reproduce a RunConfig's packing choices without ``--wlb-config``
-    (whose start-up check demands the config's exact layout): for launchers that rescale a layout."""
+    (whose start-up check demands the config's exact layout): for launchers that rescale a layout.
+    Raises ValueError when the config sets a knob that is a YAML key only (``YAML_ONLY``)."""
     out = ["--wlb-packer", run.packer, "--wlb-cp-sharding", run.cp.sharding]
     for name, value in run.settings().items():
         if name != "cp_sharding":
             out += [FLAGS[name], _show(value)]
     if run.preset != DEFAULT_PRESET:
         out += ["--wlb-preset", run.preset]
-    for name, value in run.packing_overrides().items():
-        if name in FLAG_KNOBS:
-            out += [FLAG_KNOBS[name].flag(), _show(value)]
+    overrides = {name: value for name, value in run.packing_overrides().items() if name in FLAG_KNOBS}
+    yaml_only = [knob_yaml_key(name) for name in overrides if name not in FLAGS]
+    if yaml_only:
+        raise ValueError(f"{run.name} sets {', '.join(yaml_only)}, which no --wlb-* flag gives: for another layout, "
+                         "pass a settings file (its packing, cp, cost and logging sections) to --wlb-config")
+    for name, value in overrides.items():
+        out += [FLAGS[name], _show(value)]
     return out
 
 
@@ -220,10 +232,11 @@ def settings_from_args(args: Any) -> WlbSettings:
     return WlbSettings(**{**base, **given})
 
 
-def load_run_config(name_or_path: str) -> RunConfig:
-    """``megatron_wlb.config.load_config`` with errors that name the flag and the valid configs."""
+def load_run_config(name_or_path: str) -> RunConfig | RunChoices:
+    """``megatron_wlb.config.load_choices`` (a run config, or a settings file of its sections alone) with errors
+    that name the flag and the valid configs."""
     try:
-        return load_config(name_or_path)
+        return load_choices(name_or_path)
     except ValueError as exc:
         raise ValueError(f"--wlb-config {name_or_path}: {exc}") from None
     except FileNotFoundError:
@@ -242,6 +255,8 @@ def flag_table_markdown() -> str:
     for flag, key, default, text in flag_table():
         cells = [f"`{flag}`", f"`{key}`" if key else "", f"`{default}`", text]
         lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    lines += ["", "YAML keys only (`--wlb-config`, a preset; their meaning: [packing.md](packing.md)): "
+              + ", ".join(f"`{knob_yaml_key(name)}`" for name in YAML_ONLY) + "."]
     return "\n".join(lines)
 
 

@@ -6,8 +6,8 @@ packed_seq_params=...)``. With a packed (THD) micro-batch Megatron has already s
 ``[T, heads, head_dim]`` and expects ``[T, heads * head_dim]`` back; otherwise they are
 ``[s, b, heads, head_dim]`` and it expects ``[s, b, heads * head_dim]``. This module:
 
-- with ``WlbPackedSeqParams`` carrying our ``DeviceBatch`` (``cp_hooks``' non-TE layouts): calls
-  ``megatron_wlb.cp.attention.all_gather_cp_attention(q, k, v, batch, group)`` over the CP group
+- with ``WlbPackedSeqParams`` carrying our ``Varlen`` record (``cp_hooks``' non-TE layouts): calls
+  ``megatron_wlb.cp.attention.all_gather_cp_attention(q, k, v, varlen, group)`` over the CP group
   (``pg_collection.cp``, else ``parallel_state``'s); GQA passes through (k/v keep their
   ``num_query_groups`` heads and are all-gathered un-repeated);
 - otherwise (no WLB metadata: Megatron's own batches, e.g. a non-WLB eval loader, or TE's THD params)
@@ -19,18 +19,16 @@ does the same on an explicit ``ModuleSpec`` tree. The all-gather attention has n
 no sliding window and no softmax variants: those configurations are refused when the module is built.
 
 RoPE: Megatron's THD RoPE assumes TE's per-document head-tail layout. ``install_core_attention`` also
-wraps ``SelfAttention.forward`` so that, while one runs on a WLB micro-batch, its ``DeviceBatch`` is the
-active one (a context variable, set and reset around the call, recomputation included), and
-``apply_rotary_pos_emb`` as ``megatron.core.transformer.attention`` calls it rotates each local row
-by its position (``DeviceBatch.rope_positions``) when it is handed that micro-batch's cu_seqlens.
+replaces ``apply_rotary_pos_emb`` as ``megatron.core.transformer.attention`` calls it: handed the cu_seqlens
+of a WLB micro-batch's params (they carry its ``Varlen`` record: ``cp.device.carrier``), it rotates each
+local row by its position (``Varlen.rope_positions``); the record reaches RoPE by the params, as it reaches
+the attention, recomputation included.
 """
 
 from __future__ import annotations
 
-import contextvars
 import dataclasses
 import functools
-import inspect
 import math
 from collections import OrderedDict
 from collections.abc import Callable
@@ -38,13 +36,14 @@ from typing import Any
 
 import torch
 from megatron.core import parallel_state
+from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd  # the per-row rotation
 from megatron.core.transformer.attention import SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_wlb.cp.attention import all_gather_cp_attention, varlen_attention
-from megatron_wlb.cp.device import DeviceBatch
+from megatron_wlb.cp.device import Varlen, varlen_of
 from megatron_wlb.megatron import hooks
 from megatron_wlb.megatron.rebind import wrapping
 from megatron_wlb.megatron.state import runtime
@@ -155,10 +154,10 @@ class WlbCoreAttention(MegatronModule):
                 attn_mask_type: AttnMaskType | None = None, attention_bias: Any = None,
                 packed_seq_params: Any = None) -> torch.Tensor:
         """q [T, Hq, D] / k, v [T, Hkv, D] (THD) or [s, b=1, H, D]; returns [T, Hq*D] or [s, 1, Hq*D]."""
-        wlb = getattr(packed_seq_params, "wlb", None)
-        if wlb is None and getattr(packed_seq_params, "qkv_format", None) == "thd":
+        varlen = getattr(packed_seq_params, "varlen", None)
+        if varlen is None and getattr(packed_seq_params, "qkv_format", None) == "thd":
             return self._megatron_thd(query, key, value, attn_mask_type, packed_seq_params)
-        if wlb is None or wlb.te:
+        if varlen is None or varlen.te:
             if packed_seq_params is None and _every_batch_is_packed():
                 raise RuntimeError("a micro-batch reached the attention without packed-sequence params, but every "
                                    "batch of this run is a packed WLB micro-batch: the fallback attention would "
@@ -177,7 +176,7 @@ class WlbCoreAttention(MegatronModule):
             raise ValueError(f"WLB-LLM attention is document-causal; got attn_mask_type={mask_type}")
         if attention_bias is not None:
             raise ValueError("WLB-LLM attention takes no attention_bias")
-        return wlb_attention_forward(query, key, value, wlb, self.cp_group(), self.softmax_scale)
+        return wlb_attention_forward(query, key, value, varlen, self.cp_group(), self.softmax_scale)
 
     def _megatron_thd(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       attn_mask_type: AttnMaskType | None, params: Any) -> torch.Tensor:
@@ -212,12 +211,12 @@ def _every_batch_is_packed() -> bool:
     return rt.registry is not None and bool(rt.registry.iterators) and not rt.megatron_loaders
 
 
-def wlb_attention_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, meta: DeviceBatch, group: Any,
+def wlb_attention_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, meta: Varlen, group: Any,
                           softmax_scale: float | None = None) -> torch.Tensor:
     """The tensor plumbing of ``WlbCoreAttention`` (separate so tests can drive it without a layer).
 
     Accepts THD ``[T, H, D]`` or ``[s, b, H, D]`` with b == 1 (a packed micro-batch), runs the
-    all-gather CP attention on ``[T, H, D]`` with ``meta`` (the micro-batch's ``DeviceBatch``) and
+    all-gather CP attention on ``[T, H, D]`` with ``meta`` (the micro-batch's ``Varlen`` record) and
     returns ``[T, H*D]`` or ``[s, b, H*D]``. The last ``meta.local_pad`` rows (sequence-parallel
     padding) attend to nothing: their output is zero.
     """
@@ -272,56 +271,34 @@ def swap_core_attention(spec: Any) -> Any:
 
 #: the RoPE function ``megatron.core.transformer.attention`` calls (replaced there by ``install_core_attention``)
 ROPE_NAME = "apply_rotary_pos_emb"
-#: the DeviceBatch of the SelfAttention forward running now (None outside one, or for other batches)
-_ACTIVE: contextvars.ContextVar[Any] = contextvars.ContextVar("wlb_active_varlen", default=None)
 
 
 def wlb_apply_rotary_pos_emb(original: Callable) -> Callable:
     """Wrap Megatron's ``apply_rotary_pos_emb(t, freqs, config, cu_seqlens=None, mscale=1.0, cp_group=None)``:
-    for the active WLB micro-batch's cu_seqlens, rotate row i of ``t`` [R, H, D] by ``freqs[positions[i]]``."""
-    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd  # lazy: a private helper
-
+    for the cu_seqlens of a WLB micro-batch (they carry its ``Varlen``), rotate row i of ``t`` [R, H, D] by
+    ``freqs[positions[i]]``."""
     @wrapping(original)
     def apply_rotary_pos_emb(t, freqs, config, cu_seqlens=None, mscale=1.0, cp_group=None, **extra):
         # extra: keywords newer Megatron passes (main: mla_rotary_interleaved, inverse,
         # mla_output_remove_interleaving, max_seqlen), handed to Megatron's function as given
-        wlb = _ACTIVE.get()
-        if wlb is None or wlb.te or (cu_seqlens is not wlb.cu_seqlens_q and cu_seqlens is not wlb.cu_seqlens_k):
+        varlen = varlen_of(cu_seqlens)
+        if varlen is None or varlen.te:
             return original(t, freqs, config, cu_seqlens=cu_seqlens, mscale=mscale, cp_group=cp_group, **extra)
         unsupported = sorted(k for k in ("inverse", "mla_rotary_interleaved", "mla_output_remove_interleaving")
                              if extra.get(k))
         if unsupported:
             raise ValueError(f"RoPE: {', '.join(unsupported)} is not supported for WLB packed micro-batches")
-        if wlb.rope_positions.shape[0] != t.shape[0]:
-            raise ValueError(f"RoPE: {wlb.rope_positions.shape[0]} position ids for {t.shape[0]} local tokens")
-        if wlb.rope_length > freqs.shape[0]:
-            raise ValueError(f"RoPE: position {wlb.rope_length - 1} beyond the {freqs.shape[0]} rotary positions "
+        if varlen.rope_positions.shape[0] != t.shape[0]:
+            raise ValueError(f"RoPE: {varlen.rope_positions.shape[0]} position ids for {t.shape[0]} local tokens")
+        if varlen.rope_length > freqs.shape[0]:
+            raise ValueError(f"RoPE: position {varlen.rope_length - 1} beyond the {freqs.shape[0]} rotary positions "
                              "computed (max_seqlen too small)")
-        local = freqs.index_select(0, wlb.rope_positions)
+        local = freqs.index_select(0, varlen.rope_positions)
         return _apply_rotary_pos_emb_bshd(t.unsqueeze(1), local, rotary_interleaved=config.rotary_interleaved,
                                           multi_latent_attention=config.multi_latent_attention,
                                           mscale=mscale).squeeze(1)
 
     return apply_rotary_pos_emb
-
-
-def _with_active_varlen(forward: Callable) -> Callable:
-    """``SelfAttention.forward`` with the call's WLB micro-batch active for the RoPE wrapper
-    (``packed_seq_params`` found by keyword, as Megatron's layers pass it, or by position)."""
-    position = list(inspect.signature(forward).parameters).index("packed_seq_params") - 1  # after self
-
-    @wrapping(forward)
-    @functools.wraps(forward)
-    def wrapped(self, *args, **kwargs):
-        params = kwargs["packed_seq_params"] if "packed_seq_params" in kwargs else \
-            (args[position] if len(args) > position else None)
-        token = _ACTIVE.set(getattr(params, "wlb", None))
-        try:
-            return forward(self, *args, **kwargs)
-        finally:
-            _ACTIVE.reset(token)
-
-    return wrapped
 
 
 def wrap_self_attention_init(original: Callable) -> Callable:
@@ -336,13 +313,8 @@ def wrap_self_attention_init(original: Callable) -> Callable:
     return __init__
 
 
-def wrap_self_attention_forward(forward: Callable) -> Callable:
-    """``SelfAttention.forward`` with the call's WLB micro-batch active for RoPE (``hooks.HOOKS``)."""
-    return _with_active_varlen(forward)
-
-
 #: the hooks that make every SelfAttention built afterwards ours (``hooks.HOOKS``, phase ``attention``)
-ATTENTION_HOOKS = ("SelfAttention.__init__", "SelfAttention.forward", ROPE_NAME)
+ATTENTION_HOOKS = ("SelfAttention.__init__", ROPE_NAME)
 
 
 def install_core_attention(enabled: bool = True) -> None:

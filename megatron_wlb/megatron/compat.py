@@ -20,18 +20,21 @@ import sys
 import typing
 from multiprocessing import spawn
 
+try:  # Python < 3.12: typing.override's stand-in (install_python_shims)
+    import typing_extensions
+except ImportError:  # pragma: no cover - reported by install_python_shims where it is needed
+    typing_extensions = None  # type: ignore[assignment]
+
 
 def install_python_shims() -> bool:
     """Stand ``typing_extensions.override`` in for ``typing.override`` where Python < 3.12; returns whether
     it installed it (False on Python >= 3.12 or when already there)."""
     if hasattr(typing, "override"):
         return False
-    try:
-        import typing_extensions  # lazy: only Python < 3.12 needs it
-    except ImportError as exc:
+    if typing_extensions is None:
         raise RuntimeError(f"megatron-core >= 0.19 needs typing.override (Python 3.12+); on Python "
                            f"{sys.version_info.major}.{sys.version_info.minor} megatron_wlb stands in "
-                           "typing_extensions.override: pip install typing_extensions") from exc
+                           "typing_extensions.override: pip install typing_extensions")
     typing.override = typing_extensions.override  # type: ignore[attr-defined]
     return True
 

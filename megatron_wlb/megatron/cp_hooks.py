@@ -2,16 +2,17 @@
 
 The data iterator has already built the micro-batch's host record for this CP rank
 (``cp.plan.RankMicroBatch``). ``upload_micro_batch`` moves it to the device once (``cp.device.upload``:
-one pinned buffer, one copy) and hands Megatron its tensors and the ``DeviceBatch`` inside a
-``WlbPackedSeqParams``, the ``PackedSeqParams`` that Megatron threads from ``forward_step`` through
-``GPTModel`` to every layer. Every attention layer of the forward (and of its recomputation and
-backward) reads that one record; nothing is read back to the host.
+one pinned buffer, one copy) and hands Megatron its batch tensors and, apart from them, the kernel's
+``Varlen`` record inside a ``WlbPackedSeqParams``, the ``PackedSeqParams`` that Megatron threads from
+``forward_step`` through ``GPTModel`` to every layer: the one route of the record. Every attention layer of
+the forward (and of its recomputation and backward) reads it there, and RoPE through the params'
+``cu_seqlens`` (``cp.device.varlen_of``); nothing is read back to the host.
 
 ``install(settings)`` (``megatron_wlb.megatron.apply()`` calls it once args are validated):
 
 - core < 0.18 (pinned core_v0.16.1): rebinds ``get_thd_batch_on_this_cp_rank`` (the packed path of
-  the pinned ``pretrain_gpt.get_batch``) so the params our TP-rank hook uploaded pass straight
-  through; any other THD batch goes to Megatron's own function;
+  the pinned ``pretrain_gpt.get_batch``) so that the ``cu_seqlens`` our TP-rank hook uploaded give back
+  their record's params; any other THD batch goes to Megatron's own function;
 - makes every ``SelfAttention`` built afterwards use ``WlbCoreAttention`` and rotate RoPE by the
   plan's positions (``megatron_wlb.megatron.attention``), unless TE's attention is kept
   (``per-document-te``, whose params are TE's own THD fields).
@@ -33,7 +34,7 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.packed_seq_params import PackedSeqParams
 
-from megatron_wlb.cp.device import DeviceBatch, upload
+from megatron_wlb.cp.device import DeviceBatch, Varlen, carrier, upload, varlen_of
 from megatron_wlb.cp.plan import RankMicroBatch
 from megatron_wlb.megatron import attention as wlb_attention
 from megatron_wlb.megatron import hooks
@@ -44,9 +45,9 @@ from megatron_wlb.megatron.settings import WlbSettings
 
 @dataclass
 class WlbPackedSeqParams(PackedSeqParams):
-    """``PackedSeqParams`` plus this CP rank's ``DeviceBatch`` (None: not a WLB micro-batch): Megatron
+    """``PackedSeqParams`` plus this CP rank's ``Varlen`` record (None: not a WLB micro-batch): Megatron
     threads the params from ``forward_step`` through ``GPTModel`` to every layer."""
-    wlb: DeviceBatch | None = None
+    varlen: Varlen | None = None
 
 
 def te_available() -> bool:
@@ -83,18 +84,26 @@ def megatron_batch(batch: DeviceBatch, cp_group: Any) -> tuple[dict[str, torch.T
     if batch.tokens is not None:
         data = {"tokens": batch.tokens, "labels": batch.labels, "loss_mask": batch.loss_mask, "attention_mask": None,
                 "position_ids": batch.position_ids}
-    if batch.te:
+    return data, packed_seq_params(batch.varlen, cp_group)
+
+
+def packed_seq_params(varlen: Varlen, cp_group: Any) -> WlbPackedSeqParams:
+    """The ``WlbPackedSeqParams`` of a record: its kernel fields in Megatron's names, and the record itself."""
+    if varlen.te:
         # TE infers padding between sequences whenever the padded offsets are another tensor, which rules
         # out its FlashAttention backend: nothing padded, the same tensor (``upload`` makes it so). cp_group
         # None, as in Megatron's own THD path: a group here would make TEDotProductAttention re-set its CP
         # group every call (dynamic CP)
-        return data, WlbPackedSeqParams(qkv_format="thd", cu_seqlens_q=batch.cu_seqlens_q,
-                                        cu_seqlens_kv=batch.cu_seqlens_k, cu_seqlens_q_padded=batch.cu_seqlens_padded,
-                                        cu_seqlens_kv_padded=batch.cu_seqlens_padded, max_seqlen_q=batch.max_seqlen_q,
-                                        max_seqlen_kv=batch.max_seqlen_k, cp_group=None, wlb=batch)
-    return data, WlbPackedSeqParams(qkv_format="thd", cu_seqlens_q=batch.cu_seqlens_q, cu_seqlens_kv=batch.cu_seqlens_k,
-                                    max_seqlen_q=batch.rope_length, max_seqlen_kv=batch.rope_length,
-                                    cp_group=cp_group, wlb=batch)
+        return WlbPackedSeqParams(qkv_format="thd", cu_seqlens_q=varlen.cu_seqlens_q, cu_seqlens_kv=varlen.cu_seqlens_k,
+                                  cu_seqlens_q_padded=varlen.cu_seqlens_padded,
+                                  cu_seqlens_kv_padded=varlen.cu_seqlens_padded, max_seqlen_q=varlen.max_seqlen_q,
+                                  max_seqlen_kv=varlen.max_seqlen_k, cp_group=None, varlen=varlen)
+    # the cu_seqlens Megatron hands RoPE carry the record (cp.device.carrier): RoPE finds it there
+    cu_q = carrier(varlen, varlen.cu_seqlens_q)
+    cu_k = cu_q if varlen.cu_seqlens_k is varlen.cu_seqlens_q else carrier(varlen, varlen.cu_seqlens_k)
+    return WlbPackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_q, cu_seqlens_kv=cu_k,
+                              max_seqlen_q=varlen.rope_length, max_seqlen_kv=varlen.rope_length,
+                              cp_group=cp_group, varlen=varlen)
 
 
 _SIDE_STREAMS: dict[Any, Any] = {}
@@ -117,10 +126,11 @@ def stage_upload(batch: RankMicroBatch, device: torch.device) -> RankMicroBatch:
 def get_thd_batch_on_this_cp_rank(batch: dict[str, Any], cu_seqlens: Any, cu_seqlens_padded: Any, max_seqlen: Any,
                                   cp_size: int | None = None, cp_rank: int | None = None):
     """Megatron's signature (the THD path of the pinned ``pretrain_gpt.get_batch``). Our TP-rank hook
-    hands the uploaded ``WlbPackedSeqParams`` in as ``cu_seqlens`` (the batch is this rank's already);
-    any other THD batch goes to Megatron's own function."""
-    if isinstance(cu_seqlens, WlbPackedSeqParams):
-        return batch, cu_seqlens
+    hands in the uploaded ``cu_seqlens`` of a ``Varlen`` record (the batch is this rank's already): its
+    params come back; any other THD batch goes to Megatron's own function."""
+    varlen = varlen_of(cu_seqlens)
+    if varlen is not None:
+        return batch, packed_seq_params(varlen, _cp_group())
     return _installed().originals["get_thd_batch_on_this_cp_rank"](batch, cu_seqlens, cu_seqlens_padded, max_seqlen,
                                                                    cp_size, cp_rank)
 
@@ -134,6 +144,18 @@ def wrap_get_thd_batch_on_this_cp_rank(original: Callable) -> Callable:
         return get_thd_batch_on_this_cp_rank(*args, **kwargs)
 
     return thd_batch
+
+
+def pinned_batch_fields(batch: RankMicroBatch) -> dict[str, Any]:
+    """``iterators.pinned_tp_rank_batch``'s fields: the uploaded batch, the record's ``cu_seqlens`` (from which
+    ``get_thd_batch_on_this_cp_rank`` gives back its params) and ``max_seqlen`` as the host tensor the
+    pinned ``get_batch``'s ``dim()`` check reads."""
+    data, params = upload_micro_batch(batch)
+    varlen = params.varlen
+    if varlen is None:  # pragma: no cover - upload_micro_batch always sets it
+        raise RuntimeError("an uploaded micro-batch without its Varlen record")
+    return {**data, "cu_seqlens": carrier(varlen, varlen.cu_seqlens_q),
+            "max_seqlen": torch.tensor([params.max_seqlen_q], dtype=torch.int32)}
 
 
 def packed_seq_params_from_iterator(data_iterator: Iterator[RankMicroBatch] | None) -> WlbPackedSeqParams:
@@ -205,5 +227,5 @@ def uninstall() -> None:
     wlb_attention.install_core_attention(enabled=False)
 
 
-__all__ = ["WlbPackedSeqParams", "get_thd_batch_on_this_cp_rank", "install", "megatron_batch",
+__all__ = ["WlbPackedSeqParams", "get_thd_batch_on_this_cp_rank", "install", "megatron_batch", "packed_seq_params",
            "packed_seq_params_from_iterator", "te_available", "training_device", "uninstall", "upload_micro_batch"]

@@ -211,15 +211,15 @@ def main(argv: Sequence[str] | None = None) -> None:
         argv = [*TINY_GPT_ARGS, *layout_flags, *tiny_gpt_vocab_flags(argv[1:]), *argv[1:]]
     elif "--distributed-backend" not in argv:
         argv = [*argv, "--distributed-backend", "gloo"]
-    from megatron_wlb.megatron.cpu_redirects import install_cpu_redirects, install_megatron_redirects  # lazy: torch
+    # lazy: both import torch (this module's constants need none); the launcher imports Megatron only later
+    from megatron_wlb.megatron import cpu_redirects, launcher
 
-    install_cpu_redirects()
-    from megatron_wlb.megatron import launcher  # lazy: it imports torch (this module's constants need none)
+    cpu_redirects.install_cpu_redirects()
 
     if script is not None:
         sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
         spawn_children_import_this_module(script)  # the torch_dist writer's children must not re-run the script
-        install_megatron_redirects()
+        cpu_redirects.install_megatron_redirects()
         # what a main user's launcher does (main_schedule's module runner): "wlb" among the checkout's own
         # sequence-packing schedulers, before its flags are parsed (a no-op, saying why, where it has none)
         main_schedule.register()
@@ -227,7 +227,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         with exit_on_startup_error(), launcher.released_at_exit():
             runpy.run_path(script, run_name="__main__")
         return
-    install_megatron_redirects()
+    cpu_redirects.install_megatron_redirects()
     launcher.main(argv)
 
 

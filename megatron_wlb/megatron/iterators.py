@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from megatron_wlb.cp.plan import CPSharding, RankMicroBatch
 from megatron_wlb.data.reader import DEFAULT_SPLIT, DocumentReader, parse_split
 from megatron_wlb.megatron.data import WlbDataIterator
-from megatron_wlb.megatron.gpt_samples import MegatronSamples, build_train_dataset, eod_problem
+from megatron_wlb.megatron.gpt_samples import MegatronSamples, eod_problem
 from megatron_wlb.megatron.megatron_args import MegatronArgs
 from megatron_wlb.megatron.settings import WlbSettings
 from megatron_wlb.megatron.sft import sft_reader
@@ -111,6 +111,8 @@ def build_train_iterator(args: Any, settings: WlbSettings, dp_rank: int, cp_rank
     if megatron_samples:
         # Megatron's own GPTDataset samples, from the sample its sampler would give next (a resumed stock
         # job's consumed samples; a resumed balanced one opens its saved position instead)
+        from megatron_wlb.megatron.gpt_datasets import build_train_dataset  # lazy: it imports Megatron
+
         dataset = build_train_dataset(args)  # Megatron's own helpers read its args namespace
         if not a.dataloader_inter_document_masking:
             problem = eod_problem(dataset)
@@ -153,12 +155,9 @@ def pinned_tp_rank_batch(batch: RankMicroBatch) -> dict[str, Any]:
     its ``dim()`` check reads. Key order: it returns ``(*batch.values(), packed_seq_params)`` after
     popping the metadata keys, i.e. tokens, labels, loss_mask, attention_mask, position_ids.
     """
-    import torch  # lazy: importing the package needs no torch
+    from megatron_wlb.megatron.cp_hooks import pinned_batch_fields  # lazy: torch and Megatron, not at package import
 
-    from megatron_wlb.megatron.cp_hooks import upload_micro_batch  # lazy: no torch at package import
-
-    data, params = upload_micro_batch(batch)
-    return {**data, "cu_seqlens": params, "max_seqlen": torch.tensor([params.max_seqlen_q], dtype=torch.int32)}
+    return pinned_batch_fields(batch)
 
 
 def pretrain_gpt_batch(data_iterator: Any, keys: list[str]) -> list[Any]:

@@ -4,6 +4,9 @@ Main after PR #6742 (and dev) give ``--sequence-packing-scheduler`` fixed choice
 ``ModelParallelConfig.__post_init__``; main's TransformerConfig requires TransformerEngine >= 2.9 for any
 scheduler. ``widen_config_check`` installs the ``hooks.HOOKS`` entries of phase ``main_schedule`` that lift
 those checks for ``wlb`` (``main_schedule.register()`` calls it); the factories are here.
+
+Imports Megatron at the top: ``main_schedule.register()`` imports this module only where main's scheduler
+registry exists (and the hooks table resolves its factories when it installs them).
 """
 
 from __future__ import annotations
@@ -12,21 +15,19 @@ import dataclasses
 import inspect
 from typing import Any
 
+from megatron.core.model_parallel_config import ModelParallelConfig
+from megatron.core.transformer import transformer_config
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.utils import get_te_version, is_te_min_version
+
 from megatron_wlb.megatron import hooks
 from megatron_wlb.megatron.args import compose_providers
+from megatron_wlb.megatron.attention import install_core_attention
+from megatron_wlb.megatron.main_schedule import SCHEDULER_FLAG, SCHEDULER_NAME, TE_MIN_VERSION
 from megatron_wlb.megatron.megatron_args import MegatronArgs
 from megatron_wlb.megatron.rebind import original_of, wrapping
 from megatron_wlb.megatron.state import runtime
 from megatron_wlb.megatron.validation import module_available
-
-#: the value of ``config.sequence_packing_scheduler`` that selects our scheduler (enum member ``WLB``)
-SCHEDULER_NAME = "wlb"
-
-
-#: main's (after PR #6742) and dev's flag that picks the scheduler (``choices`` without ``wlb`` there)
-SCHEDULER_FLAG = "--sequence-packing-scheduler"
-#: TransformerConfig refuses any sequence-packing scheduler below this TransformerEngine (main after #6742, dev)
-TE_MIN_VERSION = "2.9.0"
 
 
 def widen_flag_choices(parser: Any) -> Any:
@@ -44,8 +45,6 @@ def te_problem() -> str:
     if not module_available("transformer_engine"):
         return "transformer_engine is not installed"
     try:
-        from megatron.core.utils import get_te_version, is_te_min_version  # lazy: no Megatron at package import
-
         return "" if is_te_min_version(TE_MIN_VERSION) else f"TransformerEngine {get_te_version()} is installed"
     except Exception as exc:  # noqa: BLE001 - a broken TE install is "not usable", said in one line
         return f"TransformerEngine does not import ({type(exc).__name__}: {exc})"
@@ -62,8 +61,6 @@ def prepare_main_path(args: Any) -> None:
     if a.sequence_packing_scheduler != SCHEDULER_NAME or runtime().installed:
         return
     if a.transformer_impl == "local":
-        from megatron_wlb.megatron.attention import install_core_attention  # lazy: no Megatron at package import
-
         install_core_attention(True)
         return
     why = te_problem()
@@ -92,8 +89,7 @@ def wrap_transformer_config_check(post_init: Any) -> Any:
     run as for ``dp_balanced``, and with ``transformer_impl="local"`` the TE version query answers yes (only that
     query, only during that call: the one call-scoped swap of a Megatron attribute): no TE kernel runs there, our
     attention serves the THD batches (``prepare_main_path``). None where it does not check the scheduler."""
-    from megatron.core.transformer import transformer_config as module  # lazy: Megatron is loaded by now
-
+    module = transformer_config
     if not _checks_the_scheduler(module.TransformerConfig):
         return None
 
@@ -156,9 +152,6 @@ def widen_config_check() -> list[str]:
     (``widen_flag_choices`` composed into ``megatron.training.arguments.parse_args``, with ``prepare_main_path``)
     and ``ModelParallelConfig.__post_init__`` / ``TransformerConfig.__post_init__`` (``hooks.HOOKS``). Returns what
     it widened (nothing where this Megatron's config has no ``sequence_packing_scheduler``)."""
-    from megatron.core.model_parallel_config import ModelParallelConfig  # lazy: Megatron is loaded by now
-    from megatron.core.transformer.transformer_config import TransformerConfig  # lazy: no Megatron at package import
-
     widened = []
     fields = {f.name for f in dataclasses.fields(ModelParallelConfig)}
     if "sequence_packing_scheduler" in fields and ModelParallelConfig.__dict__.get("__post_init__") is not None:

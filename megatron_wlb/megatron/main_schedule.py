@@ -55,7 +55,6 @@ from typing import TYPE_CHECKING, Any
 from megatron_wlb.megatron import hooks
 from megatron_wlb.megatron.args import settings_from_args
 from megatron_wlb.megatron.compat import install_python_shims, spawn_children_import_this_module
-from megatron_wlb.megatron.main_checks import SCHEDULER_FLAG, SCHEDULER_NAME, TE_MIN_VERSION, widen_config_check
 from megatron_wlb.megatron.megatron_args import MegatronArgs
 from megatron_wlb.megatron.state import runtime
 from megatron_wlb.megatron.validation import cost_model_from_args
@@ -65,7 +64,16 @@ if TYPE_CHECKING:
     from megatron_wlb.costmodel import CostModel
 
 __all__ = ["DATA_SCHEDULE_MODULE", "SCHEDULER_FLAG", "SCHEDULER_NAME", "TE_MIN_VERSION", "register", "scheduler_class",
-           "scheduler_cost_model", "widen_config_check"]
+           "scheduler_cost_model"]
+
+#: the value of ``config.sequence_packing_scheduler`` that selects our scheduler (enum member ``WLB``)
+SCHEDULER_NAME = "wlb"
+
+
+#: main's (after PR #6742) and dev's flag that picks the scheduler (``choices`` without ``wlb`` there)
+SCHEDULER_FLAG = "--sequence-packing-scheduler"
+#: TransformerConfig refuses any sequence-packing scheduler below this TransformerEngine (main after #6742, dev)
+TE_MIN_VERSION = "2.9.0"
 
 #: main's sequence-packing scheduler module
 DATA_SCHEDULE_MODULE = "megatron.core.datasets.data_schedule"
@@ -209,6 +217,8 @@ def register() -> str:
                 "our packer runs through our data iterator instead")
     data_schedule = importlib.import_module(DATA_SCHEDULE_MODULE)
     cls = scheduler_class()
+    from megatron_wlb.megatron.main_checks import widen_config_check  # lazy: it imports Megatron (main's, here)
+
     widen_config_check()
     if not hasattr(data_schedule, "PackingSchedulerEnum"):  # dev: scheduler_map keyed by the config's string
         current = data_schedule.scheduler_map.get(SCHEDULER_NAME)

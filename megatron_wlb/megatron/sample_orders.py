@@ -13,7 +13,8 @@ itself, never with a copy of its index building:
 
 Each returns a ``SampleOrder`` (``gpt_samples.sample_order``): its ``segments`` cut every sample at
 document boundaries, and ``sample_stream`` turns it into the piece stream the packers read.
-megatron-core and torch are imported here, lazily by callers: the core stays importable without them.
+megatron-core and torch are imported here, at the top; callers import this module lazily, so the core stays
+importable without them.
 """
 
 from __future__ import annotations
@@ -25,9 +26,18 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+from megatron.core.datasets.gpt_dataset import GPTDataset
+from megatron.core.datasets.utils import Split, get_blend_from_list
 
 from megatron_wlb.data.samples import SampleOrder, SampleStream, order_fingerprint
-from megatron_wlb.megatron.gpt_samples import gpt_dataset_config, sample_order
+from megatron_wlb.megatron.gpt_datasets import gpt_dataset_config
+from megatron_wlb.megatron.gpt_samples import sample_order
+
+try:
+    from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer
+except ImportError:  # pragma: no cover - releases before megatron.core.tokenizers
+    from megatron.training.tokenizer.tokenizer import _NullTokenizer as NullTokenizer
 
 #: the split of a corpus that is all training data (Megatron's ``--split``)
 TRAIN_ONLY = "1,0,0"
@@ -59,10 +69,6 @@ class LengthsDataset:
 
 def null_tokenizer(vocab_size: int = NULL_VOCAB) -> Any:
     """megatron-core's ``NullTokenizer`` (the config requires a tokenizer; the indices do not use it)."""
-    try:
-        from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer  # lazy: Megatron on use
-    except ImportError:  # pragma: no cover - releases before megatron.core.tokenizers
-        from megatron.training.tokenizer.tokenizer import _NullTokenizer as NullTokenizer  # lazy: Megatron on use
     return NullTokenizer(vocab_size)
 
 
@@ -82,9 +88,6 @@ def lengths_dataset(lengths: np.ndarray | Sequence[int], seq_len: int, num_sampl
     """megatron-core's ``GPTDataset`` (train split) over documents of ``lengths`` tokens: its
     ``document_index`` / ``sample_index`` / ``shuffle_index`` exactly as for a ``.bin/.idx`` of those
     documents. ``path_to_cache`` None: built in a temporary folder that is removed afterwards."""
-    from megatron.core.datasets.gpt_dataset import GPTDataset  # lazy: Megatron on use
-    from megatron.core.datasets.utils import Split  # lazy: Megatron on use
-
     low = LengthsDataset(lengths, name)
     if num_samples < 1:
         raise ValueError(f"num_samples must be >= 1 (iterations x global batch), got {num_samples}")
@@ -110,10 +113,6 @@ def indexed_dataset(data_path: Sequence[str], seq_len: int, num_samples: int, se
     ``pretrain_gpt.py`` builds it: a ``GPTDataset`` over ``IndexedDataset(prefix)``, or a
     ``BlendedDataset`` of them. ``path_to_cache`` None: a temporary folder (``--data-cache-path`` of the
     stock job shares its cached indices instead)."""
-    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder  # lazy
-    from megatron.core.datasets.gpt_dataset import GPTDataset  # lazy: Megatron on use
-    from megatron.core.datasets.utils import get_blend_from_list  # lazy: Megatron on use
-
     if num_samples < 1:
         raise ValueError(f"num_samples must be >= 1 (iterations x global batch), got {num_samples}")
     blend = get_blend_from_list(list(data_path))

@@ -5,8 +5,9 @@ The flags (``--wlb-*``, see ``megatron_wlb.megatron.args``) land on Megatron's `
 that every hook (data, CP, checkpoint, logging) reads. Torch-free and Megatron-free on purpose.
 
 The packer settings are not repeated here: they are the typed fields of ``PackingConfig``
-(``megatron_wlb.config.PACKING_KNOBS``), so a field added there is a setting (``settings.<name>``),
-a ``--wlb-<name>`` flag and a YAML ``packing.<name>`` key without any list kept by hand.
+(``megatron_wlb.config.PACKING_KNOBS``), so a field added there is a setting (``settings.<name>``) and a
+YAML ``packing.<name>`` key without any list kept by hand; only those in ``USER_FLAGS`` (what a user
+chooses) are ``--wlb-*`` flags too.
 """
 
 from __future__ import annotations
@@ -17,18 +18,30 @@ from typing import Any
 from megatron_wlb.config import (
     PACKER_NAMES,
     PACKING_KNOBS,
-    RENAMED_SETTINGS,
     RUN_FIELDS,
     Knob,
     cp_sharding_names,
+    knob_yaml_key,
     renamed_knob_hint,
 )
 from megatron_wlb.packing.presets import DEFAULT_PRESET, PRESET_NAMES, preset_default
 
-__all__ = ["FLAG_KNOBS", "WlbSettings"]
+__all__ = ["FLAG_KNOBS", "USER_FLAGS", "WlbSettings", "setting_source"]
 
-#: the PackingConfig fields a ``--wlb-*`` flag sets (the others come from Megatron's own flags)
+#: the PackingConfig fields a WLB setting holds (the others come from Megatron's own flags)
 FLAG_KNOBS: dict[str, Knob] = {k: v for k, v in PACKING_KNOBS.items() if k not in RUN_FIELDS}
+
+#: the settings a user chooses, each a ``--wlb-*`` flag (megatron_wlb.megatron.args); every other one (the
+#: research knobs: queue thresholds, window, release, fill, ...) is a YAML key of ``--wlb-config`` or a preset's
+USER_FLAGS: tuple[str, ...] = ("packer", "preset", "config", "cp_sharding", "pieces", "max_seq_len", "max_delay",
+                               "cost_profile", "cost_model", "log_interval", "trace")
+
+
+def setting_source(name: str) -> str:
+    """Where a user sets ``name``: its ``--wlb-*`` flag, else its YAML key (errors name it)."""
+    if name in USER_FLAGS:
+        return "--wlb-" + name.replace("_", "-")
+    return knob_yaml_key(name) if name in FLAG_KNOBS else name
 
 
 @dataclass(frozen=True, init=False)
@@ -42,7 +55,8 @@ class WlbSettings:
     - ``cp_sharding``: CP layout of each micro-batch (docs/cp.md).
     - ``cost_profile``: a calibrated cost-model profile JSON written by ``wlb calibrate`` (None = analytic model).
     - ``config``: a shipped config name or YAML path whose packing, cp, cost and logging sections supply the
-      defaults (its run shape is checked against Megatron's flags).
+      defaults (its run shape is checked against Megatron's flags; a settings file, those sections alone,
+      serves a run of any shape).
     - ``log_interval``: log the packing metrics (and the measured ones) every this many iterations.
     - ``trace``: write a per-micro-batch timing trace, one JSON-lines file per rank (PATH-rank00000.jsonl,
       ...), for `wlb calibrate --from-trace` (None = no trace; the measured metrics are logged either way).
@@ -72,7 +86,7 @@ class WlbSettings:
             raise ValueError(f"--wlb-preset={preset!r} is not a packer preset; choose one of {', '.join(PRESET_NAMES)}")
         knobs = {**dict(packer_knobs), **knobs}  # packer_knobs: what dataclasses.replace passes back
         for name in knobs:
-            hint = renamed_knob_hint(name, "flag") or RENAMED_SETTINGS.get(name)
+            hint = renamed_knob_hint(name, "yaml")
             if hint:
                 raise ValueError(hint)
         unknown = sorted(set(knobs) - set(FLAG_KNOBS))
@@ -83,7 +97,7 @@ class WlbSettings:
         parsed = {}
         for name, value in knobs.items():
             knob = FLAG_KNOBS[name]
-            value = knob.parse(value, knob.flag())
+            value = knob.parse(value, setting_source(name))
             if value != preset_default(preset, name):
                 parsed[name] = value
         object.__setattr__(self, "packer_knobs", tuple(sorted(parsed.items())))

@@ -25,6 +25,8 @@ import sys
 import sysconfig
 from collections.abc import Callable
 
+from torch.utils import cpp_extension
+
 from megatron_wlb.megatron import hooks
 
 #: what compile_helpers' Makefile runs: make, $(CXX) (g++ by default), python3-config, python3 -m pybind11
@@ -85,8 +87,6 @@ def guard_dataset_helpers(which: Callable[[str], str | None] = shutil.which) -> 
 
 def nvcc_runs() -> bool:
     """Whether ``CUDA_HOME/bin/nvcc -V`` (what core 0.16's ``fused_kernels.load`` runs) would succeed."""
-    from torch.utils import cpp_extension  # lazy: no torch at import
-
     home = cpp_extension.CUDA_HOME
     nvcc = os.path.join(home, "bin", "nvcc") if home else None
     if nvcc is None or not os.access(nvcc, os.X_OK):

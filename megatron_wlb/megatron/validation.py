@@ -16,13 +16,13 @@ import traceback
 from collections.abc import Iterator
 from typing import Any
 
-from megatron_wlb.config import RunConfig, megatron_moe_fields
+from megatron_wlb.config import RunChoices, RunConfig, megatron_moe_fields
 from megatron_wlb.costmodel import CostModel, ModelShape, ParallelLayout, build_cost_model
 from megatron_wlb.data.blend import parse_data_path
 from megatron_wlb.megatron.args import _show, load_run_config, settings_from_args
 from megatron_wlb.megatron.gpt_samples import masking_problem
 from megatron_wlb.megatron.megatron_args import MegatronArgs
-from megatron_wlb.megatron.settings import WlbSettings
+from megatron_wlb.megatron.settings import WlbSettings, setting_source
 from megatron_wlb.megatron.sft import sft_problems
 from megatron_wlb.packing.types import PackingConfig, resolve_max_seq_len
 
@@ -178,11 +178,13 @@ def validate_wlb_args(args: Any, *, te_available: bool | None = None, highspy_av
     try:  # cross-field checks of the packer's own config (each knob alone was checked when parsed)
         packing = PackingConfig(seq_len=seq_length, n=1, **knobs)
     except ValueError as exc:
-        problems.append(f"the --wlb-* packer settings do not fit --seq-length {seq_length}: {exc}")
+        problems.append(f"the packer settings (--wlb-* flags, --wlb-config) do not fit --seq-length {seq_length}: "
+                        f"{exc}")
     else:
         threshold_problem = packing.queue_threshold_problem()
         if threshold_problem:
-            problems.append(f"--wlb-queue-thresholds {_show(settings.queue_thresholds)}: {threshold_problem}")
+            source = setting_source("queue_thresholds")
+            problems.append(f"{source} {_show(settings.queue_thresholds)}: {threshold_problem}")
     if seq_length % (2 * cp):
         problems.append(f"--seq-length {seq_length} must be divisible by 2 x --context-parallel-size = {2 * cp}")
     if settings.cp_sharding == "per-document-te":
@@ -236,17 +238,18 @@ def validate_wlb_args(args: Any, *, te_available: bool | None = None, highspy_av
                             "single); --dataloader-type cyclic reshuffles samples differently: use single")
     if a.dataloader_type == "external":
         problems.append("--dataloader-type external: WLB supplies the training iterator itself; use single or cyclic")
-    cfg: RunConfig | None = None
+    cfg: RunConfig | RunChoices | None = None
     try:
         cfg = load_run_config(settings.config) if settings.config else None
     except ValueError as exc:
         problems.append(str(exc))
-    if cfg is not None:
+    if isinstance(cfg, RunConfig):  # a settings file (RunChoices) has no shape to check
         lay = cfg.layout
         if (lay.tp, lay.cp, lay.pp, lay.dp) != (tp, cp, pp, dp) or cfg.seq_len != seq_length:
             problems.append(f"--wlb-config {settings.config} describes TP{lay.tp} CP{lay.cp} PP{lay.pp} DP{lay.dp} "
                             f"with --seq-length {cfg.seq_len}, but this run is TP{tp} CP{cp} PP{pp} DP{dp} with "
-                            f"--seq-length {seq_length}; pick the config of this layout or pass --wlb-* flags instead")
+                            f"--seq-length {seq_length}; pick the config of this layout or a settings file "
+                            "(its packing, cp, cost, logging sections alone)")
         elif a.global_batch_size and int(a.global_batch_size) != cfg.packing.n * dp:
             problems.append(f"--wlb-config {settings.config} packs {cfg.packing.n} micro-batches per DP rank; "
                             f"set --global-batch-size {cfg.packing.n * dp} (= micro_batches x DP) "

@@ -748,8 +748,8 @@ def equal_delay_lines(verdict: Verdict) -> list[str]:
     best = max(verdict.summary(base, m)["max"] for m in (WLB.name, BALANCED_CUT.name) if m in over)
     if best < 1.0:
         line += (f" **{label} is faster here in every ordering**: `packer: fixed-greedy`, `window: "
-                 f"{dict(EQUAL_DELAY.overrides)['window']}` (`--wlb-packer fixed-greedy --wlb-window "
-                 f"{dict(EQUAL_DELAY.overrides)['window']}`).")
+                 f"{dict(EQUAL_DELAY.overrides)['window']}` (Megatron: `--wlb-packer fixed-greedy`, "
+                 f"`packing: {{window: {dict(EQUAL_DELAY.overrides)['window']}}}` in the YAML of `--wlb-config`).")
     return [line]
 
 
