@@ -16,7 +16,8 @@ same with every micro-batch at the iteration's mean); writes benchmarks/results/
 ``--page``, the summary table after the results page's ``<!-- main-scheduler-table -->``.
 
 ``--dynamic-cp``: Megatron-LM dev's ``default_dynamic_cp`` (``DefaultDynamicCPScheduler``, imported from a dev
-checkout at ``version.DEV_COMMIT``) against ours on the same global batches, PP 1, scored on the DP x CP grid
+checkout at ``version.DEV_COMMIT``), our fixed-group wlb and our dynamic-CP planner (``cp.dynamic``) on the same
+global batches, PP 1, scored on the DP x CP grid with every group's CP communication charged
 (``rank_groups_critical_path``); writes benchmarks/results/dynamic_cp_scheduler.{json,md} (results page: after
 ``<!-- dynamic-cp-scheduler-table -->``).
 """
@@ -44,8 +45,9 @@ from bench_packing import STREAMS, stream_lengths  # noqa: E402
 
 from megatron_wlb.config import load_config  # noqa: E402
 from megatron_wlb.costmodel import build_cost_model  # noqa: E402
+from megatron_wlb.cp.dynamic import group_cost_models, memory_bound, plan_dynamic_cp  # noqa: E402
 from megatron_wlb.megatron.version import DEV_COMMIT, MAIN_COMMIT  # noqa: E402
-from megatron_wlb.packing.metrics import piece_latency, slowest_rank_schedule_time  # noqa: E402
+from megatron_wlb.packing.metrics import overhead_seconds, piece_latency, slowest_rank_schedule_time  # noqa: E402
 from megatron_wlb.packing.types import DocPiece, GlobalBatch, MicroBatch  # noqa: E402
 from megatron_wlb.provenance import machine  # noqa: E402
 from megatron_wlb.sim.iteration import split_documents  # noqa: E402
@@ -253,12 +255,14 @@ def dev_checkout(keep: Path) -> Path:
     return dest
 
 
-def rank_groups_critical_path(groups: list, latency: np.ndarray) -> float:
+def rank_groups_critical_path(groups: list, prices: dict[int, np.ndarray], overheads: dict[int, float]) -> float:
     """Seconds per layer of one global batch's plan on the DP x CP grid: ``groups[k][j]`` holds the sample ids of
-    micro-batch k on rank j; a sample held by several ranks runs as one CP group over them, each doing
-    ``latency / group size``. Within a micro-batch, ranks joined by shared samples start together (when the
-    last of them finished the previous micro-batch); a rank's time is the sum of its shares. Our plans hold
-    each DP rank's samples on all of its CP ranks, so there each DP rank is its own chain."""
+    micro-batch k on rank j; a sample held by ``g`` ranks runs as one CP group over them, each paying
+    ``prices[g][sample]`` (the cost model's forward + backward latency at CP ``g``: its share of the compute plus
+    the K/V all-gather over ``g`` ranks), and a rank holding anything in a micro-batch pays ``overheads[g]`` (the
+    micro-batch's fixed cost and collective latencies at its largest group). Within a micro-batch, ranks joined by
+    shared samples start together (when the last of them finished the previous micro-batch); a rank's time is
+    the sum of its shares."""
     ranks = len(groups[0])
     finish = np.zeros(ranks)
     for micro_batch in groups:
@@ -275,9 +279,12 @@ def rank_groups_critical_path(groups: list, latency: np.ndarray) -> float:
             r = _root(parent, j)
             start[r] = max(start.get(r, 0.0), float(finish[j]))
         work = np.zeros(ranks)
+        widest = np.zeros(ranks, dtype=np.int64)
         for i, members in holders.items():
             for j in members:
-                work[j] += latency[i] / len(members)
+                work[j] += prices[len(members)][i]
+                widest[j] = max(widest[j], len(members))
+        work += np.array([overheads[int(g)] if g else 0.0 for g in widest])
         finish = np.array([start[_root(parent, j)] + work[j] for j in range(ranks)])
     return float(finish.max())
 
@@ -296,10 +303,16 @@ def check_grid_plan(groups: list, size: int, ranks: int, name: str) -> None:
         raise AssertionError(f"{name}: the plan does not place every sample over the {ranks} DP x CP ranks")
 
 
+#: the planners of ``--dynamic-cp``: dev's, our fixed-group wlb (adaptive sharding inside each DP rank's CP group),
+#: and our joint dynamic-CP planner (``cp.dynamic``)
+DYNAMIC_PLANNERS = ("default_dynamic_cp", "wlb", "dynamic")
+
+
 def run_dynamic(streams: list[str], dps: list[int], iterations: int) -> dict:
-    """dev's ``default_dynamic_cp`` (``DefaultDynamicCPScheduler``, imported from a dev checkout) and ours on the
-    same global batches, PP 1 (dev's dynamic CP plans one pipeline stage), scored by
-    ``rank_groups_critical_path`` with the cost model's per-GPU latency of each sample at CP 1."""
+    """dev's ``default_dynamic_cp`` (``DefaultDynamicCPScheduler``, imported from a dev checkout), our fixed-group
+    wlb and our dynamic-CP planner (``cp.dynamic.plan_dynamic_cp``) on the same global batches, PP 1 (dev's
+    dynamic CP plans one pipeline stage), scored by ``rank_groups_critical_path`` with each sample priced at the
+    CP size of the group that runs it (communication charged to all three)."""
     run_cfg = load_config(CONFIG)
     window, cp, n = run_cfg.packing.seq_len, run_cfg.layout.cp, run_cfg.packing.n
     with tempfile.TemporaryDirectory() as keep:
@@ -319,7 +332,8 @@ def run_dynamic(streams: list[str], dps: list[int], iterations: int) -> dict:
         rows = []
         for dp in dps:
             plan_cost = build_cost_model(run_cfg.model, dataclasses.replace(run_cfg.layout, dp=dp, pp=1))
-            score_cost = build_cost_model(run_cfg.model, dataclasses.replace(run_cfg.layout, dp=dp, pp=1, cp=1))
+            costs = group_cost_models(plan_cost, dp * cp)
+            overheads = {g: overhead_seconds(c) for g, c in costs.items()}
             budget = dp * n * window
             for stream in streams:
                 raw, docs = stream_lengths(stream, (iterations + 2) * budget)
@@ -327,15 +341,19 @@ def run_dynamic(streams: list[str], dps: list[int], iterations: int) -> dict:
                 schedulers = {"default_dynamic_cp": Dynamic(window // cp, cp, dp, None, min_cp_size=1),
                               "wlb": Wlb(window // cp, cp, dp, None, cost=plan_cost, stages=1)}
                 stats = {name: {"time_s": 0.0, "micro_batches": [], "plan_s": 0.0, "refused": 0, "refusal": ""}
-                         for name in schedulers}
-                ideal, scored = 0.0, 0
+                         for name in DYNAMIC_PLANNERS}
+                ideal, bound, scored = 0.0, 0.0, 0
                 for batch in global_batches(lengths, budget, iterations):
-                    latency = piece_latency(score_cost, batch)
+                    prices = {g: piece_latency(c, batch) for g, c in costs.items()}
                     plans = {}
-                    for name, scheduler in schedulers.items():
+                    for name in DYNAMIC_PLANNERS:
                         t0 = time.perf_counter()
                         try:
-                            groups = scheduler.get_groups_and_subsamples(list(enumerate(batch.tolist())))
+                            if name == "dynamic":
+                                ours = plan_dynamic_cp(batch, dp * cp, window // cp, costs)
+                                groups = ours.rank_groups()
+                            else:
+                                groups = schedulers[name].get_groups_and_subsamples(list(enumerate(batch.tolist())))
                         except (AssertionError, ValueError) as exc:
                             stats[name]["refused"] += 1
                             stats[name]["refusal"] = f"{type(exc).__name__}: {exc}"
@@ -344,58 +362,101 @@ def run_dynamic(streams: list[str], dps: list[int], iterations: int) -> dict:
                             stats[name]["plan_s"] += time.perf_counter() - t0
                         check_grid_plan(groups, batch.size, dp * cp, name)
                         plans[name] = groups
-                    if len(plans) < len(schedulers):
-                        continue  # scored only where both planned
+                    if len(plans) < len(DYNAMIC_PLANNERS):
+                        continue  # scored only where all planned
                     scored += 1
-                    ideal += float(latency.sum()) / (dp * cp)
+                    ideal += float(prices[1].sum()) / (dp * cp)
+                    bound += memory_bound(batch, dp * cp, window // cp, costs)
                     for name, groups in plans.items():
-                        stats[name]["time_s"] += rank_groups_critical_path(groups, latency)
+                        took = rank_groups_critical_path(groups, prices, overheads)
+                        if name == "dynamic" and not np.isclose(took, ours.slowest_seconds, rtol=1e-9):
+                            raise AssertionError(f"dynamic: the planner predicted {ours.slowest_seconds} s, the grid "
+                                                 f"scorer says {took} s")
+                        stats[name]["time_s"] += took
                         stats[name]["micro_batches"].append(len(groups))
                 row: dict = {"stream": stream, "dp": dp, "documents": docs, "global_batches": iterations,
-                             "scored_batches": scored, "ideal_s": ideal}
+                             "scored_batches": scored, "ideal_s": ideal,
+                             "memory_bound_over_ideal": bound / ideal if ideal else float("nan")}
                 for name, st in stats.items():
                     row[name] = {"time_s": st["time_s"], "over_ideal": st["time_s"] / ideal if ideal else float("nan"),
                                  "micro_batches": float(np.mean(st["micro_batches"])) if st["micro_batches"] else 0.0,
                                  "plan_ms": 1e3 * st["plan_s"] / iterations, "refused": st["refused"],
                                  "refusal": st["refusal"]}
                 row["dynamic_over_wlb"] = row["default_dynamic_cp"]["time_s"] / row["wlb"]["time_s"]
-                print(f"dp {dp} {stream:8s} default_dynamic_cp {row['default_dynamic_cp']['over_ideal']:.3f} wlb "
-                      f"{row['wlb']['over_ideal']:.3f} time dynamic / wlb {row['dynamic_over_wlb']:.3f}; refused "
-                      f"{row['default_dynamic_cp']['refused']} / {row['wlb']['refused']} of {iterations}",
-                      file=sys.stderr, flush=True)
+                row["dev_over_ours"] = row["default_dynamic_cp"]["time_s"] / row["dynamic"]["time_s"]
+                row["wlb_over_ours"] = row["wlb"]["time_s"] / row["dynamic"]["time_s"]
+                print(f"dp {dp} {stream:8s} over ideal: default_dynamic_cp {row['default_dynamic_cp']['over_ideal']:.3f}"
+                      f" wlb {row['wlb']['over_ideal']:.3f} dynamic {row['dynamic']['over_ideal']:.3f}; time dev / "
+                      f"dynamic {row['dev_over_ours']:.3f}; refused {[row[k]['refused'] for k in DYNAMIC_PLANNERS]} of "
+                      f"{iterations}", file=sys.stderr, flush=True)
                 rows.append(row)
     return {"machine": machine(), "command": "python benchmarks/bench_main_scheduler.py --dynamic-cp",
             "config": CONFIG, "megatron_commit": commit, "window": window, "cp": cp, "pp": 1,
-            "iterations": iterations, "rows": rows}
+            "iterations": iterations, "communication_charged": True, "rows": rows}
 
 
 def dynamic_readme_table(result: dict) -> str:
-    """Per stream and DP size: critical path / ideal of default_dynamic_cp and wlb, and their time ratio."""
-    return compact_table(result, "default_dynamic_cp", "over_ideal", "dynamic_over_wlb")
+    """Per stream and DP size: time over ideal of default_dynamic_cp, fixed-group wlb and our dynamic CP, then
+    the geometric mean over the streams per DP size."""
+    dps = sorted({r["dp"] for r in result["rows"]})
+    present = [s for s in STREAMS if any(r["stream"] == s for r in result["rows"])]
+    by = {(r["stream"], r["dp"]): r for r in result["rows"]}
+    lines = ["| stream | " + " | ".join(f"DP {dp}: default_dynamic_cp / wlb / **dynamic** (bound)" for dp in dps) + " |",
+             "|---|" + "---|" * len(dps)]
+    for stream in present:
+        cells = []
+        for dp in dps:
+            r = by.get((stream, dp))
+            cells.append("" if r is None else " / ".join(f"{r[k]['over_ideal']:.2f}" for k in DYNAMIC_PLANNERS[:2])
+                         + f" / **{r['dynamic']['over_ideal']:.2f}** ({r['memory_bound_over_ideal']:.2f})")
+        lines.append(f"| {stream} | " + " | ".join(cells) + " |")
+    cells = []
+    for dp in dps:
+        rows = [r for r in result["rows"] if r["dp"] == dp]
+        cells.append(" / ".join(f"{_geo([r[k]['over_ideal'] for r in rows]):.3f}" for k in DYNAMIC_PLANNERS[:2])
+                     + f" / **{_geo([r['dynamic']['over_ideal'] for r in rows]):.3f}** "
+                     f"({_geo([r['memory_bound_over_ideal'] for r in rows]):.3f})")
+    lines.append("| geo-mean | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _geo(values: list[float]) -> float:
+    return float(np.exp(np.mean(np.log(values)))) if values else float("nan")
 
 
 def dynamic_markdown(result: dict) -> str:
-    ratios = [r["dynamic_over_wlb"] for r in result["rows"]]
+    dev = [r["dev_over_ours"] for r in result["rows"]]
+    fixed = [r["wlb_over_ours"] for r in result["rows"]]
+    ours = [r["dynamic"]["over_ideal"] for r in result["rows"]]
     return "\n".join([
-        "# Megatron-LM dev's dynamic-CP scheduler (default_dynamic_cp) vs wlb", "",
+        "# Dynamic CP: Megatron-LM dev's default_dynamic_cp, fixed-group wlb, and our dynamic-CP planner", "",
         f"Machine: {result['machine']}. Generated by `{result['command']}` ({result['iterations']} global batches "
         f"per row; Megatron-LM dev at {result['megatron_commit']}; {result['config']}'s 7B cost model, CP "
         f"{result['cp']} x DP ranks, PP 1, {result['window'] // result['cp']} tokens per rank).", "",
-        "Both answer dev's `get_groups_and_subsamples` for the same global batches (documents in arrival order, "
-        "DP x 4 x 128K tokens, longer ones cut at 128K). default_dynamic_cp gives each sample a power-of-two CP "
-        "group over the DP x CP ranks (seq_len^2 / cp greedy); wlb keeps each DP rank's CP group and balances the "
-        "cost model's latency over DP ranks. Scored alike: each sample costs the cost model's forward + backward "
-        "latency per layer at CP 1, split evenly over the ranks that hold it (no communication charged to either); "
-        "ranks joined by a shared sample start a micro-batch together; the iteration ends with the last rank "
-        "(`rank_groups_critical_path`). over ideal = that time over the batch's total latency / (DP x CP); time "
-        "ratio = default_dynamic_cp / wlb (> 1: wlb's iterations are shorter by this model).", "",
+        "All three plan the same global batches (documents in arrival order, DP x 4 x 128K tokens, longer ones cut "
+        "at 128K) over the DP x CP ranks. default_dynamic_cp (dev's `get_groups_and_subsamples`) gives each sample "
+        "a power-of-two CP group (seq_len^2 / cp greedy); wlb keeps each DP rank's CP group and balances the cost "
+        "model's latency over DP ranks; dynamic (`megatron_wlb.cp.dynamic.plan_dynamic_cp`, `--wlb-cp-sharding "
+        "dynamic`) picks each micro-batch's group size and ranks together with the packing, pricing each group's "
+        "CP all-gather. Scored alike (`rank_groups_critical_path`): a sample held by g ranks costs each of them the "
+        "cost model's forward + backward latency per layer at CP g (its 1/g of the compute plus the K/V all-gather "
+        "over g ranks: communication charged to all three), plus the micro-batch's fixed cost; ranks joined by a "
+        "shared sample start a micro-batch together; the iteration ends with the last rank. over ideal = that time "
+        "over the batch's latency at CP 1 (compute only, no CP communication) / (DP x CP). The planner's own "
+        "prediction equals the scorer's time on every batch (checked). bound = a lower bound for any plan under "
+        "the memory cap (`cp.dynamic.memory_bound`): every document at the smallest group its tokens fit "
+        f"({result['window'] // result['cp']} per rank), its rank-seconds spread perfectly; over the ideal it is "
+        "the CP communication the cap forces.", "",
         dynamic_readme_table(result),
-        f"time default_dynamic_cp / wlb: {min(ratios):.3f} to {max(ratios):.3f} (geo-mean "
-        f"{float(np.exp(np.mean(np.log(ratios)))):.3f}); micro-batches per global batch: default_dynamic_cp "
-        f"{np.mean([r['default_dynamic_cp']['micro_batches'] for r in result['rows']]):.1f}, wlb "
-        f"{np.mean([r['wlb']['micro_batches'] for r in result['rows']]):.1f} (mean over rows).", ""]
+        f"dynamic over ideal: {min(ours):.3f} to {max(ours):.3f}; time default_dynamic_cp / dynamic: {min(dev):.3f} to "
+        f"{max(dev):.3f} (geo-mean {_geo(dev):.3f}); time wlb / dynamic: {min(fixed):.3f} to {max(fixed):.3f} "
+        f"(geo-mean {_geo(fixed):.3f}); micro-batch steps per global batch: "
+        + ", ".join(f"{k} {np.mean([r[k]['micro_batches'] for r in result['rows']]):.1f}" for k in DYNAMIC_PLANNERS)
+        + "; plan time per global batch: "
+        + ", ".join(f"{k} {np.mean([r[k]['plan_ms'] for r in result['rows']]):.1f} ms" for k in DYNAMIC_PLANNERS)
+        + " (mean over rows, one CPU thread).", ""]
         + [f"- {r['stream']}, DP {r['dp']}: {name} refused {r[name]['refused']} ({r[name]['refusal']})"
-           for r in result["rows"] for name in ("default_dynamic_cp", "wlb") if r[name]["refused"]] + [""])
+           for r in result["rows"] for name in DYNAMIC_PLANNERS if r[name]["refused"]] + [""])
 
 
 def main(argv: list[str] | None = None) -> int:

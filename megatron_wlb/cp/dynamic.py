@@ -15,13 +15,16 @@ The plan (``plan_dynamic_cp``):
 2. for a granularity ``alpha`` (tried: no limit, 1, 1/2, ... 1/64), ``g(d)`` = the smallest power of
    two >= ``g_min(d)`` whose per-rank price is at most ``alpha x`` the ideal (the batch's latency at CP 1
    over ``P``), at most the largest block;
-3. place documents in decreasing group size, then decreasing price, each on the aligned block of its size
-   whose busiest slot is least loaded (longest-processing-time first). Because every block of size
-   ``g`` is inside exactly one aligned block of each larger size, all slots of a block have run the same
-   larger-group micro-batches before it: a group never waits for a member (no synchronisation idle), and
-   a slot's time is the sum of its shares;
+3. place documents in decreasing per-rank price (or: larger groups first, then price; both are tried), each
+   on the aligned block of its size whose busiest slot is least loaded (longest-processing-time first).
+   Every slot runs its micro-batches in decreasing group size (blocks in a fixed order within a size).
+   Because a block of size ``g`` lies inside exactly one aligned block of each larger size, all slots of a
+   block have run the same larger-group micro-batches before its own: a group never waits for a member
+   (no synchronisation idle), and a slot's time is the sum of its shares;
 4. per block and size, documents are packed (first-fit decreasing) into micro-batches under the cap;
-5. the ``alpha`` with the least predicted slowest slot wins.
+5. the ``alpha`` with the least predicted slowest slot wins; then its ``k`` costliest documents are moved one
+   size up together (the best ``k`` of 0 .. ``P``), and a local search doubles, one at a time, the group of a
+   document on the slowest slot while that shortens it.
 
 Predicted time = the slowest slot's summed seconds per layer (PP 1). Pure numpy: no torch, no global
 state. Pipeline parallelism (PP > 1) is not planned here: every stage would need the same groups per
@@ -40,12 +43,16 @@ import numpy as np
 from megatron_wlb.costmodel import CostModel
 from megatron_wlb.costmodel.model import CalibratedCostModel, build_cost_model
 
-__all__ = ["ALPHAS", "DynamicCPPlan", "GroupMicroBatch", "group_cost_models", "plan_dynamic_cp"]
+__all__ = ["ALPHAS", "DynamicCPPlan", "GroupMicroBatch", "group_cost_models", "memory_bound", "plan_dynamic_cp"]
 
 #: the granularities tried (a document's per-rank price at most alpha x the ideal); inf: only memory decides
 ALPHAS: tuple[float, ...] = (float("inf"), 1.0, 0.5, 0.25, 0.125, 1 / 16, 1 / 32, 1 / 64)
 #: documents of the slowest slot tried per promotion step (costliest first, one of each group size and price)
 _PROMOTION_TRIES = 6
+#: documents of the slowest slot tried per move / swap of the final placement's local search (costliest first)
+_REFINE_TRIES = 32
+#: moves / swaps of that local search at most
+_REFINE_ROUNDS = 256
 
 
 @dataclass(frozen=True)
@@ -141,6 +148,16 @@ def _min_groups(lengths: np.ndarray, max_tokens_per_rank: int, largest: int) -> 
     return g
 
 
+def memory_bound(lengths: Sequence[int] | np.ndarray, ranks: int, max_tokens_per_rank: int,
+                 costs: dict[int, CostModel]) -> float:
+    """A lower bound on any plan's slowest slot: every document at its smallest group that fits the memory cap,
+    its rank-seconds (communication included) spread perfectly over the ``ranks`` slots. Over the ideal (the
+    same at CP 1) it is the communication the memory cap forces."""
+    d = np.asarray(lengths, dtype=np.int64).reshape(-1)
+    g_min = _min_groups(d, max_tokens_per_rank, max(g for g in costs if g <= ranks))
+    return sum(float(_price(costs[int(g)], d[g_min == g]).sum()) * int(g) for g in np.unique(g_min)) / ranks
+
+
 def plan_dynamic_cp(lengths: Sequence[int] | np.ndarray, ranks: int, max_tokens_per_rank: int,
                     costs: dict[int, CostModel], alphas: Sequence[float] = ALPHAS,
                     promotions: int = 64) -> DynamicCPPlan:
@@ -161,14 +178,32 @@ def plan_dynamic_cp(lengths: Sequence[int] | np.ndarray, ranks: int, max_tokens_
     ideal = float(prices[1].sum()) / ranks
     g_min = _min_groups(d, max_tokens_per_rank, largest)
     best: DynamicCPPlan | None = None
-    best_group = g_min
+    best_group, best_order = g_min, True
     for alpha in alphas:
         group = _groups_for(g_min, sizes, prices, alpha * ideal)
-        plan = _place(d, group, ranks, max_tokens_per_rank, costs, prices, ideal, alpha)
-        if best is None or plan.slowest_seconds < best.slowest_seconds * (1 - 1e-12):
-            best, best_group = plan, group
+        for by_price in (True, False):
+            plan = _place(d, group, ranks, max_tokens_per_rank, costs, prices, ideal, alpha, by_price)
+            if best is None or _score(plan) < _score(best):
+                best, best_group, best_order = plan, group, by_price
     assert best is not None
-    return _promote(best, best_group, d, max_tokens_per_rank, costs, prices, largest, promotions)
+    # promote the k costliest documents one size up at once (k = 1 .. ranks): identical window-long documents
+    # that leave some blocks one item heavier need several promotions together before the slowest slot moves
+    start = best_group
+    movable = np.flatnonzero(start < largest)
+    if promotions and movable.size:
+        share = np.array([prices[int(g)][i] for i, g in enumerate(start)])
+        order = movable[np.argsort(-share[movable], kind="stable")]
+        for k in range(1, min(ranks, order.size) + 1):
+            group = start.copy()
+            group[order[:k]] *= 2
+            plan = _place(d, group, ranks, max_tokens_per_rank, costs, prices, ideal, best.alpha, best_order)
+            if _score(plan) < _score(best):
+                best, best_group = plan, group
+    best, best_group = _promote(best, best_group, d, max_tokens_per_rank, costs, prices, largest, promotions,
+                                best_order)
+    refined = _place(d, best_group, ranks, max_tokens_per_rank, costs, prices, ideal, best.alpha, best_order,
+                     refine=_REFINE_ROUNDS)
+    return refined if _score(refined) < _score(best) else best
 
 
 def _groups_for(g_min: np.ndarray, sizes: list[int], prices: dict[int, np.ndarray], limit: float) -> np.ndarray:
@@ -181,7 +216,8 @@ def _groups_for(g_min: np.ndarray, sizes: list[int], prices: dict[int, np.ndarra
 
 
 def _promote(plan: DynamicCPPlan, group: np.ndarray, d: np.ndarray, cap: int, costs: dict[int, CostModel],
-             prices: dict[int, np.ndarray], largest: int, promotions: int) -> DynamicCPPlan:
+             prices: dict[int, np.ndarray], largest: int, promotions: int,
+             by_price: bool) -> tuple[DynamicCPPlan, np.ndarray]:
     """Local search: while it shortens the slowest slot (or leaves fewer slots that slow), double the group of
     one of that slot's costliest documents (a coarse item the blocks cannot balance becomes finer shares)."""
     for _ in range(promotions):
@@ -191,13 +227,13 @@ def _promote(plan: DynamicCPPlan, group: np.ndarray, d: np.ndarray, cap: int, co
         for i in sorted(distinct.values(), key=lambda i: -float(prices[int(group[i])][i]))[:_PROMOTION_TRIES]:
             trial = group.copy()
             trial[i] *= 2
-            candidate = _place(d, trial, plan.ranks, cap, costs, prices, plan.ideal_seconds, plan.alpha)
+            candidate = _place(d, trial, plan.ranks, cap, costs, prices, plan.ideal_seconds, plan.alpha, by_price)
             if _score(candidate) < _score(plan):
                 plan, group = candidate, trial
                 break
         else:
             break
-    return plan
+    return plan, group
 
 
 def _score(plan: DynamicCPPlan) -> tuple[float, int]:
@@ -207,17 +243,24 @@ def _score(plan: DynamicCPPlan) -> tuple[float, int]:
 
 
 def _place(d: np.ndarray, group: np.ndarray, ranks: int, cap: int, costs: dict[int, CostModel],
-           prices: dict[int, np.ndarray], ideal: float, alpha: float) -> DynamicCPPlan:
-    """Steps 3 and 4 of the module doc for the documents' group sizes ``group``."""
+           prices: dict[int, np.ndarray], ideal: float, alpha: float, by_price: bool = True,
+           refine: int = 0) -> DynamicCPPlan:
+    """Steps 3 and 4 of the module doc for the documents' group sizes ``group``: placed costliest first
+    (``by_price``) or larger groups first, then costliest; then up to ``refine`` moves or swaps (``_refine``)."""
     price = np.array([prices[int(g)][i] for i, g in enumerate(group)]) if d.size else np.zeros(0)
     load = np.zeros(ranks)
-    placed: dict[tuple[int, int], list[int]] = {}  # (group size, first rank) -> documents, in placement order
-    for i in np.lexsort((-price, -group)):  # decreasing group size, then decreasing price
+    first = np.zeros(d.size, dtype=np.int64)
+    for i in (np.argsort(-price, kind="stable") if by_price else np.lexsort((-price, -group))):
         g = int(group[i])
         blocks = load[: ranks // g * g].reshape(-1, g).max(axis=1)
         b = int(np.argmin(blocks))
         load[b * g:(b + 1) * g] += price[i]
-        placed.setdefault((g, b * g), []).append(int(i))
+        first[i] = b * g
+    if refine:
+        _refine(price, group, first, load, refine)
+    placed: dict[tuple[int, int], list[int]] = {}  # (group size, first rank) -> documents
+    for i in range(d.size):
+        placed.setdefault((int(group[i]), int(first[i])), []).append(i)
     rank_mbs: list[list[GroupMicroBatch]] = [[] for _ in range(ranks)]
     for (g, first), docs in sorted(placed.items(), key=lambda kv: (-kv[0][0], kv[0][1])):
         over = _overhead(costs[g])
@@ -228,6 +271,58 @@ def _place(d: np.ndarray, group: np.ndarray, ranks: int, cap: int, costs: dict[i
                 rank_mbs[j].append(mb)
     seconds = np.array([sum(mb.seconds for mb in mbs) for mbs in rank_mbs])
     return DynamicCPPlan(ranks, tuple(tuple(m) for m in rank_mbs), seconds, ideal, alpha)
+
+
+def _load_score(load: np.ndarray) -> tuple[float, int]:
+    top = float(load.max())
+    return round(top, 12), int(np.sum(load >= top * (1 - 1e-9)))
+
+
+def _refine(price: np.ndarray, group: np.ndarray, first: np.ndarray, load: np.ndarray, rounds: int) -> None:
+    """Local search on a placement (in place): move a document of the slowest slot to another block of its size,
+    or swap it with a cheaper document of the same size elsewhere, while that lowers the slowest slot (or the
+    number of slots that slow)."""
+    ranks = load.size
+    for _ in range(rounds):
+        slow = int(np.argmax(load))
+        score = _load_score(load)
+        on_slow = np.flatnonzero((first <= slow) & (slow < first + group))
+        done = False
+        for i in on_slow[np.argsort(-price[on_slow], kind="stable")][:_REFINE_TRIES]:
+            g, b0, p = int(group[i]), int(first[i]), float(price[i])
+            nb = ranks // g
+            rest = load.copy()
+            rest[b0:b0 + g] -= p
+            block_max = rest[:nb * g].reshape(nb, g).max(axis=1)
+            moves = np.maximum(block_max + p, rest.max())
+            moves[b0 // g] = np.inf
+            same = np.flatnonzero((group == g) & (first != b0) & (price < p))
+            swaps = np.maximum(block_max[first[same] // g] + p - price[same], block_max[b0 // g] + price[same])
+            for kind, values in (("move", moves), ("swap", swaps)):
+                if values.size == 0:
+                    continue
+                k = int(np.argmin(values))
+                trial = load.copy()
+                trial[b0:b0 + g] -= p
+                if kind == "move":
+                    trial[k * g:(k + 1) * g] += p
+                else:
+                    j = int(same[k])
+                    bj = int(first[j])
+                    trial[bj:bj + g] += p - price[j]
+                    trial[b0:b0 + g] += price[j]
+                if _load_score(trial) < score:
+                    if kind == "move":
+                        first[i] = k * g
+                    else:
+                        first[i], first[j] = bj, b0
+                    load[:] = trial
+                    done = True
+                    break
+            if done:
+                break
+        if not done:
+            return
 
 
 def _first_fit(docs: list[int], lengths: np.ndarray, capacity: int) -> list[list[int]]:
