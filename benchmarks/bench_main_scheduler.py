@@ -385,7 +385,7 @@ def run_dynamic(streams: list[str], dps: list[int], iterations: int) -> dict:
                 row["dynamic_over_wlb"] = row["default_dynamic_cp"]["time_s"] / row["wlb"]["time_s"]
                 row["dev_over_ours"] = row["default_dynamic_cp"]["time_s"] / row["dynamic"]["time_s"]
                 row["wlb_over_ours"] = row["wlb"]["time_s"] / row["dynamic"]["time_s"]
-                print(f"dp {dp} {stream:8s} over ideal: default_dynamic_cp {row['default_dynamic_cp']['over_ideal']:.3f}"
+                print(f"dp {dp} {stream:8s} over ideal: dev {row['default_dynamic_cp']['over_ideal']:.3f}"
                       f" wlb {row['wlb']['over_ideal']:.3f} dynamic {row['dynamic']['over_ideal']:.3f}; time dev / "
                       f"dynamic {row['dev_over_ours']:.3f}; refused {[row[k]['refused'] for k in DYNAMIC_PLANNERS]} of "
                       f"{iterations}", file=sys.stderr, flush=True)
@@ -401,7 +401,8 @@ def dynamic_readme_table(result: dict) -> str:
     dps = sorted({r["dp"] for r in result["rows"]})
     present = [s for s in STREAMS if any(r["stream"] == s for r in result["rows"])]
     by = {(r["stream"], r["dp"]): r for r in result["rows"]}
-    lines = ["| stream | " + " | ".join(f"DP {dp}: default_dynamic_cp / wlb / **dynamic** (bound)" for dp in dps) + " |",
+    head = " | ".join(f"DP {dp}: default_dynamic_cp / wlb / **dynamic** (bound)" for dp in dps)
+    lines = [f"| stream | {head} |",
              "|---|" + "---|" * len(dps)]
     for stream in present:
         cells = []

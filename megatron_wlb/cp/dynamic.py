@@ -207,7 +207,7 @@ def plan_dynamic_cp(lengths: Sequence[int] | np.ndarray, ranks: int, max_tokens_
 
 
 def _groups_for(g_min: np.ndarray, sizes: list[int], prices: dict[int, np.ndarray], limit: float) -> np.ndarray:
-    """Each document's group: from ``g_min`` doubled while its per-rank price exceeds ``limit`` (not past the largest)."""
+    """Each document's group: ``g_min`` doubled while its per-rank price exceeds ``limit`` (up to the largest)."""
     group = g_min.copy()
     if np.isfinite(limit):
         for g in sizes[:-1]:
