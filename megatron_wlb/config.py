@@ -388,7 +388,9 @@ def model_from_yaml(raw: Any, source: str) -> ModelShape:
 class CpConfig:
     """The ``cp`` section: how each micro-batch is laid out over its CP ranks.
 
-    - ``sharding``: the CP layout (docs/cp.md); ``--wlb-cp-sharding``, ``wlb simulate/shard --cp-sharding``.
+    - ``sharding``: the CP layout (docs/cp.md), or ``dynamic``: a CP group size and ranks per micro-batch over
+      the DP x CP ranks (``cp.dynamic``; simulated at PP 1, not yet trained); ``--wlb-cp-sharding``,
+      ``wlb simulate/shard --cp-sharding``.
     """
 
     sharding: str = "adaptive"
@@ -532,10 +534,14 @@ def resolve_config_path(name_or_path: str | Path) -> Path | Traversable:
 
 
 def cp_sharding_names() -> tuple[str, ...]:
-    """The CP layouts a config or ``--wlb-cp-sharding`` may name (``cp.layouts.LAYOUT_NAMES``)."""
+    """The CP shardings a config or ``--wlb-cp-sharding`` may name: the layouts inside a fixed CP group
+    (``cp.layouts.LAYOUT_NAMES``), then ``dynamic`` (a CP group per micro-batch over the DP x CP ranks,
+    ``cp.dynamic``)."""
+    from megatron_wlb.cp.dynamic import DYNAMIC_SHARDING
     from megatron_wlb.cp.layouts import LAYOUT_NAMES
 
-    return tuple(LAYOUT_NAMES) if "per-document-te" in LAYOUT_NAMES else (*LAYOUT_NAMES, "per-document-te")
+    layouts = tuple(LAYOUT_NAMES) if "per-document-te" in LAYOUT_NAMES else (*LAYOUT_NAMES, "per-document-te")
+    return (*layouts, DYNAMIC_SHARDING)
 
 
 #: the largest world (tp x cp x pp x dp) and micro-batches per DP rank per iteration a config may ask for

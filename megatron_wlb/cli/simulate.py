@@ -17,9 +17,11 @@ from megatron_wlb.cli.common import (
 )
 from megatron_wlb.config import cp_sharding_names, load_config
 from megatron_wlb.costmodel import build_cost_model
+from megatron_wlb.cp.dynamic import DYNAMIC_SHARDING
 from megatron_wlb.packing.base import PACKERS
+from megatron_wlb.sim.dyncp import simulate_dynamic_stream
 from megatron_wlb.sim.experiments import schedule_label
-from megatron_wlb.sim.iteration import simulate_stream
+from megatron_wlb.sim.iteration import simulate_stream, split_documents
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -31,7 +33,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--packer", help="original | fixed-greedy | fixed-solver | wlb | whole-document (the baseline "
                                     "of packing/whole_document.py) (default: the config's)")
     p.add_argument("--cp-sharding", help="per-sequence | per-document | per-document-te | adaptive | hybrid | "
-                                       "dynamic-cp (default: the config's cp_sharding)")
+                                       "dynamic (ours: a CP group per micro-batch over the DP x CP ranks, PP 1) | "
+                                       "dynamic-cp (Megatron's per-document CP sizes inside the group) (default: "
+                                       "the config's cp_sharding)")
     p.add_argument("--iterations", type=int, default=20, help="iterations to simulate (default 20)")
     p.add_argument("--virtual-stages", type=int, help="interleaved 1F1B with this many virtual stages")
     p.add_argument("--cost-profile", metavar="JSON",
@@ -56,8 +60,14 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--cp-sharding {layout}: choose one of {', '.join((*cp_sharding_names(), 'dynamic-cp'))}")
     profile = cost_profile(args.cost_profile, config=cfg)
     json_out = output_file(args.json, "--json") if args.json else None
+    if layout == DYNAMIC_SHARDING and cfg.layout.pp != 1:
+        raise ValueError(f"--cp-sharding {DYNAMIC_SHARDING} plans one pipeline stage (PP 1), but {cfg.name} has PP "
+                         f"{cfg.layout.pp}: use a config with layout pp: 1")
     lengths, source = load_stream(args)
     cost = build_cost_model(cfg.model, cfg.layout, profile)
+    if layout == DYNAMIC_SHARDING:
+        return _run_dynamic(cfg, cost, packer, lengths if args.no_split else split_documents(lengths, cfg.seq_len),
+                            args.iterations, source, json_out)
     run_ = simulate_stream(cfg, cost, packer, layout, lengths, args.iterations,
                            split_at=None if args.no_split else cfg.seq_len,
                            progress=tqdm_progress)
@@ -86,4 +96,32 @@ def run(args: argparse.Namespace) -> int:
         with open(json_out, "w") as f:
             json.dump({"config": cfg.name, "packer": packer, "cp_sharding": layout, "cost_model": cost.describe(),
                        "stream": source, "packing_metrics": run_.packing_metrics, "iterations": rows}, f, indent=1)
+    return 0
+
+
+def _run_dynamic(cfg: Any, cost: Any, packer: str, lengths: Any, iterations: int, source: str,
+                 json_out: Any) -> int:
+    """``--cp-sharding dynamic``: the packer's documents per iteration, planned over the DP x CP ranks."""
+    its = simulate_dynamic_stream(cfg, cost, packer, lengths, iterations)
+    print(f"# {cfg.name} {cfg.layout}: packer={packer}, cp sharding={DYNAMIC_SHARDING} (a CP group per micro-batch "
+          f"over the {cfg.layout.dp * cfg.layout.cp} DP x CP ranks); {cost.describe()}; stream: {source}")
+    print(f"{'iter':>4} {'time ms':>10} {'/ideal':>7} {'/bound':>7} {'tokens':>10} {'steps':>5}  micro-batches per "
+          "group size")
+    for r in its:
+        print(f"{r.iteration:>4} {1e3 * r.time:>10.1f} {r.over_ideal:>7.3f} {r.time / r.bound:>7.3f} {r.tokens:>10} "
+              f"{r.steps:>5}  {r.group_sizes}")
+    total, ideal = sum(r.time for r in its), sum(r.ideal for r in its)
+    print("time: the slowest rank's forward + backward, all layers (PP 1, communication charged); ideal: the "
+          "documents' compute at CP 1 spread evenly, no communication; bound: the communication the memory cap "
+          "forces")
+    print(f"mean {1e3 * total / len(its):.1f} ms/iteration, over ideal {total / ideal:.3f}, "
+          f"{sum(r.tokens for r in its) / total:,.0f} tokens/s")
+    if json_out is not None:
+        with open(json_out, "w") as f:
+            json.dump({"config": cfg.name, "packer": packer, "cp_sharding": DYNAMIC_SHARDING,
+                       "cost_model": cost.describe(), "stream": source,
+                       "iterations": [{"iteration": r.iteration, "time_s": r.time, "ideal_s": r.ideal,
+                                       "bound_s": r.bound, "tokens": r.tokens, "steps": r.steps,
+                                       "group_sizes": r.group_sizes, "plan_s": r.plan_seconds} for r in its]},
+                      f, indent=1)
     return 0

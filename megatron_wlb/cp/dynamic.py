@@ -43,7 +43,16 @@ import numpy as np
 from megatron_wlb.costmodel import CostModel
 from megatron_wlb.costmodel.model import CalibratedCostModel, build_cost_model
 
-__all__ = ["ALPHAS", "DynamicCPPlan", "GroupMicroBatch", "group_cost_models", "memory_bound", "plan_dynamic_cp"]
+__all__ = ["ALPHAS", "DYNAMIC_SHARDING", "RUNTIME_MISSING", "DynamicCPPlan", "GroupMicroBatch", "group_cost_models",
+           "memory_bound", "plan_dynamic_cp"]
+
+#: the CP sharding value (``cp.sharding`` / ``--wlb-cp-sharding``) that asks for this planner
+DYNAMIC_SHARDING = "dynamic"
+#: why a training run refuses it (one line): the planner and the simulator exist, the runtime does not yet
+RUNTIME_MISSING = (f"--wlb-cp-sharding {DYNAMIC_SHARDING} is planned and simulated (wlb simulate / wlb analyze at "
+                   "PP 1, benchmarks/bench_main_scheduler.py --dynamic-cp) but its runtime in Megatron's loop "
+                   "(a CP group per micro-batch over the DP x CP ranks) is not built yet; train with "
+                   "--wlb-cp-sharding adaptive")
 
 #: the granularities tried (a document's per-rank price at most alpha x the ideal); inf: only memory decides
 ALPHAS: tuple[float, ...] = (float("inf"), 1.0, 0.5, 0.25, 0.125, 1 / 16, 1 / 32, 1 / 64)
@@ -262,12 +271,12 @@ def _place(d: np.ndarray, group: np.ndarray, ranks: int, cap: int, costs: dict[i
     for i in range(d.size):
         placed.setdefault((int(group[i]), int(first[i])), []).append(i)
     rank_mbs: list[list[GroupMicroBatch]] = [[] for _ in range(ranks)]
-    for (g, first), docs in sorted(placed.items(), key=lambda kv: (-kv[0][0], kv[0][1])):
+    for (g, lead), docs in sorted(placed.items(), key=lambda kv: (-kv[0][0], kv[0][1])):
         over = _overhead(costs[g])
         for bin_docs in _first_fit(docs, d, g * cap):
-            mb = GroupMicroBatch(first, g, tuple(bin_docs), int(d[bin_docs].sum()),
+            mb = GroupMicroBatch(lead, g, tuple(bin_docs), int(d[bin_docs].sum()),
                                  float(price[bin_docs].sum()) + over)
-            for j in range(first, first + g):
+            for j in range(lead, lead + g):
                 rank_mbs[j].append(mb)
     seconds = np.array([sum(mb.seconds for mb in mbs) for mbs in rank_mbs])
     return DynamicCPPlan(ranks, tuple(tuple(m) for m in rank_mbs), seconds, ideal, alpha)

@@ -17,17 +17,27 @@ model it inside one micro-batch's CP group:
 Approximations, stated in the report: the pool is one micro-batch's CP group, not DP x CP; the K/V
 all-gather is still charged for the whole micro-batch (documents on one rank need none); token
 counts per rank are not capped by memory; Megatron's feature has no PP support, we run it under PP.
+
+``simulate_dynamic_stream`` runs ours, ``--wlb-cp-sharding dynamic`` (``cp.dynamic``): the packer chooses each
+iteration's documents (wlb's queues and outlier delay included), and the dynamic-CP planner gives them groups,
+ranks and micro-batches over the stage's DP x CP ranks; PP 1 only (the planner plans one pipeline stage).
 """
 
 from __future__ import annotations
 
+import time
+from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
 
+from megatron_wlb.config import RunConfig
 from megatron_wlb.costmodel import CostModel
+from megatron_wlb.cp.dynamic import DYNAMIC_SHARDING, group_cost_models, memory_bound, plan_dynamic_cp
 from megatron_wlb.cp.efficiency import KernelEfficiency
 from megatron_wlb.cp.layouts import attention_work, build_layout
+from megatron_wlb.packing import make_packer
+from megatron_wlb.packing.types import piece_lengths
 
 
 @dataclass(frozen=True)
@@ -87,3 +97,55 @@ def dynamic_cp_layout(lengths: np.ndarray, cp: int, cost: CostModel,
             work[sl] += shard.rank_work
             tokens[sl] += shard.rank_tokens
     return DynamicCPLayout("dynamic-cp", work, tokens, sizes)
+
+
+@dataclass(frozen=True)
+class DynamicIteration:
+    """One iteration under ``--wlb-cp-sharding dynamic``: seconds of all layers (forward + backward) on the
+    slowest DP x CP rank, the ideal (the documents' compute at CP 1 spread evenly, no communication), the
+    memory-forced bound (``cp.dynamic.memory_bound``), tokens, micro-batch steps, micro-batches per group size,
+    and the planner's wall time."""
+
+    iteration: int
+    time: float
+    ideal: float
+    bound: float
+    tokens: int
+    steps: int
+    group_sizes: dict[int, int]
+    plan_seconds: float
+
+    @property
+    def over_ideal(self) -> float:
+        return self.time / self.ideal if self.ideal > 0 else 1.0
+
+
+def simulate_dynamic_stream(config: RunConfig, cost: CostModel, packer: str, lengths: np.ndarray,
+                            iterations: int) -> list[DynamicIteration]:
+    """``packer`` chooses each iteration's documents of ``lengths`` (already cut at the window), and
+    ``cp.dynamic.plan_dynamic_cp`` plans them over the ``dp x cp`` ranks of the one pipeline stage, at most
+    ``seq_len / cp`` tokens per rank (the memory a fixed CP group gives a rank)."""
+    lay = config.layout
+    if lay.pp != 1:
+        raise ValueError(f"--cp-sharding {DYNAMIC_SHARDING} plans one pipeline stage (PP 1), but {config.name} has "
+                         f"PP {lay.pp}: use a config with layout pp: 1")
+    if iterations < 1:
+        raise ValueError(f"iterations must be at least 1, got {iterations}")
+    ranks, per_rank = lay.dp * lay.cp, max(1, config.seq_len // lay.cp)
+    costs = group_cost_models(cost, ranks)
+    layers = config.model.num_layers
+    out = []
+    for batch in make_packer(packer, config.packing, cost).pack(lengths):
+        docs = piece_lengths([p for mb in batch.micro_batches for p in mb.pieces])
+        t0 = time.perf_counter()
+        plan = plan_dynamic_cp(docs, ranks, per_rank, costs)
+        took = time.perf_counter() - t0
+        sizes = Counter(mb.size for mb in plan.micro_batches)
+        out.append(DynamicIteration(batch.iteration, layers * plan.slowest_seconds, layers * plan.ideal_seconds,
+                                    layers * memory_bound(docs, ranks, per_rank, costs), int(docs.sum()),
+                                    plan.steps, dict(sorted(sizes.items())), took))
+        if len(out) >= iterations:
+            break
+    if not out:
+        raise ValueError("the length stream produced no global batch")
+    return out
