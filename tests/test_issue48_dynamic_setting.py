@@ -54,3 +54,17 @@ def test_wlb_simulate_plans_dynamic_at_pp1_and_refuses_pp2(tmp_path: Path, capsy
     assert "over ideal" in capsys.readouterr().out
     assert main(["simulate", "--config", _config(tmp_path, 2), "--iterations", "1"]) != 0
     assert "plans one pipeline stage (PP 1)" in capsys.readouterr().err
+
+
+def test_wlb_analyze_reports_dynamic_cp_at_pp1(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    import numpy as np
+
+    rng = np.random.default_rng(48)
+    np.save(tmp_path / "lengths.npy", np.minimum(rng.lognormal(7.5, 1.6, size=3000).astype(np.int64) + 1, 40000))
+    out, verdict = tmp_path / "out", tmp_path / "v.json"
+    assert main(["analyze", "--config", _config(tmp_path, 1), "--lengths", str(tmp_path / "lengths.npy"),
+                 "--iterations", "2", "--shuffles", "2", "--out", str(out), "--json", str(verdict)]) == 0
+    assert "Dynamic CP (--wlb-cp-sharding dynamic, PP 1" in capsys.readouterr().out
+    dynamic = json.loads(verdict.read_text())["dynamic_cp"]
+    assert dynamic["simulated"] and len(dynamic["over_ideal"]) == 2 and min(dynamic["over_ideal"]) >= 1.0
+    assert "## Dynamic CP" in (out / "report.md").read_text()

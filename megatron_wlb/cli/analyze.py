@@ -38,9 +38,11 @@ from megatron_wlb.cli.common import (
 )
 from megatron_wlb.config import RunConfig, load_config
 from megatron_wlb.costmodel import build_cost_model
+from megatron_wlb.cp.dynamic import DYNAMIC_SHARDING
 from megatron_wlb.data import load_lengths
 from megatron_wlb.data.blend import DEFAULT_SEED, parse_data_path, read_blend, shuffle_documents
 from megatron_wlb.data.samples import SampleStream
+from megatron_wlb.sim.dyncp import simulate_dynamic_stream
 from megatron_wlb.sim.experiments import EQUAL_DELAY_WINDOW, PAPER_VIRTUAL_STAGES
 from megatron_wlb.sim.iteration import split_documents
 from megatron_wlb.sim.moe import attention_shares, moe_table, share_summary
@@ -236,14 +238,41 @@ def run(args: argparse.Namespace) -> int:
     moe: dict | None = None
     if cfg.model.is_moe:  # the same corpus, orderings and samples under the dense model of equal active parameters
         moe = moe_beside_dense(out, cfg, streams, iterations, profile, source, notes, samples, path, verdict)
+    dynamic = dynamic_beside(cfg, profile, streams, iterations, path)
     print(f"\n{verdict.iterations} iterations x {verdict.shuffles} orderings per method, {verdict.schedule}{of}; "
           f"wrote {path} and its figures in {time.perf_counter() - start:.0f} s")
     if json_out is not None:
         with open(json_out, "w") as f:
             json.dump({**verdict.to_json(), "documents_analyzed": analyzed, "documents_in_corpus": in_corpus,
                        "sampled": sample is not None, "recommendation": recommendation(verdict),
-                       **({"moe": moe} if moe is not None else {})}, f, indent=1)
+                       **({"moe": moe} if moe is not None else {}), "dynamic_cp": dynamic}, f, indent=1)
     return 0
+
+
+def dynamic_beside(cfg: RunConfig, profile: str | None, streams: list[np.ndarray], iterations: int,
+                   report: Path) -> dict:
+    """``--wlb-cp-sharding dynamic`` on the same orderings (PP 1 only: the planner plans one stage): the wlb
+    packer's documents per iteration planned over the DP x CP ranks, beside the same micro-batches on fixed CP
+    groups; printed, appended to ``report`` and returned as JSON (with PP > 1: the reason it is not simulated)."""
+    if cfg.layout.pp != 1:
+        why = (f"not simulated: the dynamic-CP planner plans one pipeline stage (PP 1), this config has PP "
+               f"{cfg.layout.pp}")
+        if cfg.cp_sharding == DYNAMIC_SHARDING:
+            print(f"\nDynamic CP (--wlb-cp-sharding {DYNAMIC_SHARDING}): {why}")
+        return {"simulated": False, "reason": why}
+    cost = build_cost_model(cfg.model, cfg.layout, profile)
+    runs = [simulate_dynamic_stream(cfg, cost, "wlb", split_documents(s, cfg.seq_len), iterations) for s in streams]
+    over = [sum(r.time for r in run) / sum(r.ideal for r in run) for run in runs]
+    gain = [sum(r.fixed for r in run) / sum(r.time for r in run) for run in runs]
+    line = (f"Dynamic CP (--wlb-cp-sharding {DYNAMIC_SHARDING}, PP 1, the wlb packer's documents planned over the "
+            f"{cfg.layout.dp * cfg.layout.cp} DP x CP ranks, CP communication charged): slowest rank over ideal "
+            f"{np.mean(over):.3f} [{min(over):.3f}, {max(over):.3f}]; the same micro-batches on fixed CP "
+            f"{cfg.layout.cp} groups take {np.mean(gain):.3f}x [{min(gain):.3f}, {max(gain):.3f}] as long "
+            f"(cost model, per layer x layers; its training runtime is not built yet)")
+    print(f"\n{line}")
+    with open(report, "a") as f:
+        f.write(f"\n## Dynamic CP\n\n{line}\n")
+    return {"simulated": True, "over_ideal": over, "fixed_group_over_dynamic": gain}
 
 
 def moe_beside_dense(out: Path, cfg: RunConfig, streams: list[np.ndarray], iterations: int, profile: str | None,

@@ -105,23 +105,26 @@ def _run_dynamic(cfg: Any, cost: Any, packer: str, lengths: Any, iterations: int
     its = simulate_dynamic_stream(cfg, cost, packer, lengths, iterations)
     print(f"# {cfg.name} {cfg.layout}: packer={packer}, cp sharding={DYNAMIC_SHARDING} (a CP group per micro-batch "
           f"over the {cfg.layout.dp * cfg.layout.cp} DP x CP ranks); {cost.describe()}; stream: {source}")
-    print(f"{'iter':>4} {'time ms':>10} {'/ideal':>7} {'/bound':>7} {'tokens':>10} {'steps':>5}  micro-batches per "
-          "group size")
+    print(f"{'iter':>4} {'time ms':>10} {'/ideal':>7} {'/bound':>7} {'fixed/':>7} {'tokens':>10} {'steps':>5}  "
+          "micro-batches per group size")
     for r in its:
-        print(f"{r.iteration:>4} {1e3 * r.time:>10.1f} {r.over_ideal:>7.3f} {r.time / r.bound:>7.3f} {r.tokens:>10} "
-              f"{r.steps:>5}  {r.group_sizes}")
+        print(f"{r.iteration:>4} {1e3 * r.time:>10.1f} {r.over_ideal:>7.3f} {r.time / r.bound:>7.3f} "
+              f"{r.fixed / r.time:>7.3f} {r.tokens:>10} {r.steps:>5}  {r.group_sizes}")
     total, ideal = sum(r.time for r in its), sum(r.ideal for r in its)
     print("time: the slowest rank's forward + backward, all layers (PP 1, communication charged); ideal: the "
           "documents' compute at CP 1 spread evenly, no communication; bound: the communication the memory cap "
-          "forces")
+          f"forces; fixed/: the packer's own micro-batches on each DP rank's fixed CP {cfg.layout.cp} group over "
+          "this time")
     print(f"mean {1e3 * total / len(its):.1f} ms/iteration, over ideal {total / ideal:.3f}, "
-          f"{sum(r.tokens for r in its) / total:,.0f} tokens/s")
+          f"{sum(r.tokens for r in its) / total:,.0f} tokens/s; fixed CP group / dynamic "
+          f"{sum(r.fixed for r in its) / total:.3f}")
     if json_out is not None:
         with open(json_out, "w") as f:
             json.dump({"config": cfg.name, "packer": packer, "cp_sharding": DYNAMIC_SHARDING,
                        "cost_model": cost.describe(), "stream": source,
                        "iterations": [{"iteration": r.iteration, "time_s": r.time, "ideal_s": r.ideal,
-                                       "bound_s": r.bound, "tokens": r.tokens, "steps": r.steps,
+                                       "bound_s": r.bound, "fixed_group_s": r.fixed, "tokens": r.tokens,
+                                       "steps": r.steps,
                                        "group_sizes": r.group_sizes, "plan_s": r.plan_seconds} for r in its]},
                       f, indent=1)
     return 0

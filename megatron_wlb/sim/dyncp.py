@@ -37,6 +37,7 @@ from megatron_wlb.cp.dynamic import DYNAMIC_SHARDING, group_cost_models, memory_
 from megatron_wlb.cp.efficiency import KernelEfficiency
 from megatron_wlb.cp.layouts import attention_work, build_layout
 from megatron_wlb.packing import make_packer
+from megatron_wlb.packing.metrics import piece_latency
 from megatron_wlb.packing.types import piece_lengths
 
 
@@ -103,13 +104,15 @@ def dynamic_cp_layout(lengths: np.ndarray, cp: int, cost: CostModel,
 class DynamicIteration:
     """One iteration under ``--wlb-cp-sharding dynamic``: seconds of all layers (forward + backward) on the
     slowest DP x CP rank, the ideal (the documents' compute at CP 1 spread evenly, no communication), the
-    memory-forced bound (``cp.dynamic.memory_bound``), tokens, micro-batch steps, micro-batches per group size,
-    and the planner's wall time."""
+    memory-forced bound (``cp.dynamic.memory_bound``), ``fixed``: the same documents as the packer placed them,
+    each DP rank's micro-batches on its fixed CP group, priced alike (PP 1: a rank's time is the sum), tokens,
+    micro-batch steps, micro-batches per group size, and the planner's wall time."""
 
     iteration: int
     time: float
     ideal: float
     bound: float
+    fixed: float
     tokens: int
     steps: int
     group_sizes: dict[int, int]
@@ -133,16 +136,20 @@ def simulate_dynamic_stream(config: RunConfig, cost: CostModel, packer: str, len
         raise ValueError(f"iterations must be at least 1, got {iterations}")
     ranks, per_rank = lay.dp * lay.cp, max(1, config.seq_len // lay.cp)
     costs = group_cost_models(cost, ranks)
-    layers = config.model.num_layers
+    fixed_cost, layers = costs[lay.cp], config.model.num_layers
+    overhead = fixed_cost.microbatch_overhead * (1.0 + fixed_cost.hardware.bwd_linear)
     out = []
     for batch in make_packer(packer, config.packing, cost).pack(lengths):
         docs = piece_lengths([p for mb in batch.micro_batches for p in mb.pieces])
+        fixed = max(sum(float(piece_latency(fixed_cost, mb.lengths).sum()) + overhead
+                        for mb in batch.for_dp_rank(r) if mb.pieces) for r in range(batch.dp))
         t0 = time.perf_counter()
         plan = plan_dynamic_cp(docs, ranks, per_rank, costs)
         took = time.perf_counter() - t0
         sizes = Counter(mb.size for mb in plan.micro_batches)
         out.append(DynamicIteration(batch.iteration, layers * plan.slowest_seconds, layers * plan.ideal_seconds,
-                                    layers * memory_bound(docs, ranks, per_rank, costs), int(docs.sum()),
+                                    layers * memory_bound(docs, ranks, per_rank, costs), layers * fixed,
+                                    int(docs.sum()),
                                     plan.steps, dict(sorted(sizes.items())), took))
         if len(out) >= iterations:
             break
