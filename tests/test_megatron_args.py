@@ -153,7 +153,7 @@ def test_config_supplies_defaults_and_flags_override_it():
     (["--wlb-cost-profile", "/nonexistent/profile.json"], r"no such file"),
     (["--mock-data"], r"--mock-data has no documents"),
     (["--hybrid-context-parallel"], r"--hybrid-context-parallel picks .*; remove it \(our equivalent: "
-                                    r"--wlb-cp-sharding adaptive"),
+                                    r"--wlb-cp-sharding dynamic .*--wlb-cp-sharding adaptive"),
     (["--dataloader-type", "external"], r"use single or cyclic"),
 ])
 def test_misconfigurations_fail_with_what_to_change(extra, match, tmp_path):
