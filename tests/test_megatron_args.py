@@ -166,7 +166,7 @@ def test_misconfigurations_fail_with_what_to_change(extra, match, tmp_path):
 @pytest.mark.parametrize("extra, equivalent", [
     (["--sequence-packing-scheduler", "dp_balanced"], "--wlb-packer wlb"),
     (["--use-varlen-dataset"], "--wlb-packer wlb with --data-path"),
-    (["--dynamic-context-parallel"], "--wlb-cp-sharding adaptive"),
+    (["--dynamic-context-parallel"], "--wlb-cp-sharding dynamic"),
     (["--max-seqlen-per-dp-cp-rank", "2048"], "--wlb-max-seq-len"),
     (["--pipeline-p2p-fixed-shape"], "nothing to set: WLB turns the shape exchange on"),
 ])
