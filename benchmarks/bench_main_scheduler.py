@@ -33,6 +33,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -50,6 +51,7 @@ from megatron_wlb.megatron.version import DEV_COMMIT, MAIN_COMMIT  # noqa: E402
 from megatron_wlb.packing.metrics import overhead_seconds, piece_latency, slowest_rank_schedule_time  # noqa: E402
 from megatron_wlb.packing.types import DocPiece, GlobalBatch, MicroBatch  # noqa: E402
 from megatron_wlb.provenance import machine  # noqa: E402
+from megatron_wlb.sim.dyncp import simulate_dynamic_stream  # noqa: E402
 from megatron_wlb.sim.iteration import split_documents  # noqa: E402
 
 DEFAULT_MIRROR = "/work/.mirror/NVIDIA+Megatron-LM/repo"
@@ -308,11 +310,13 @@ def check_grid_plan(groups: list, size: int, ranks: int, name: str) -> None:
 DYNAMIC_PLANNERS = ("default_dynamic_cp", "wlb", "dynamic")
 
 
-def run_dynamic(streams: list[str], dps: list[int], iterations: int) -> dict:
+def run_dynamic(streams: list[str], dps: list[int], iterations: int, intake_iterations: int = 0) -> dict:
     """dev's ``default_dynamic_cp`` (``DefaultDynamicCPScheduler``, imported from a dev checkout), our fixed-group
     wlb and our dynamic-CP planner (``cp.dynamic.plan_dynamic_cp``) on the same global batches, PP 1 (dev's
     dynamic CP plans one pipeline stage), scored by ``rank_groups_critical_path`` with each sample priced at the
-    CP size of the group that runs it (communication charged to all three)."""
+    CP size of the group that runs it (communication charged to all three). With ``intake_iterations``, also
+    ours with wlb's intake (``sim.dyncp.simulate_dynamic_stream``: the wlb packer, outlier delay included, picks
+    each iteration's documents, the planner places them), beside those micro-batches on fixed CP groups."""
     run_cfg = load_config(CONFIG)
     window, cp, n = run_cfg.packing.seq_len, run_cfg.layout.cp, run_cfg.packing.n
     with tempfile.TemporaryDirectory() as keep:
@@ -382,6 +386,8 @@ def run_dynamic(streams: list[str], dps: list[int], iterations: int) -> dict:
                                  "micro_batches": float(np.mean(st["micro_batches"])) if st["micro_batches"] else 0.0,
                                  "plan_ms": 1e3 * st["plan_s"] / iterations, "refused": st["refused"],
                                  "refusal": st["refusal"]}
+                if intake_iterations:
+                    row["wlb_intake"] = wlb_intake(run_cfg, plan_cost, lengths, dp, intake_iterations)
                 row["dynamic_over_wlb"] = row["default_dynamic_cp"]["time_s"] / row["wlb"]["time_s"]
                 row["dev_over_ours"] = row["default_dynamic_cp"]["time_s"] / row["dynamic"]["time_s"]
                 row["wlb_over_ours"] = row["wlb"]["time_s"] / row["dynamic"]["time_s"]
@@ -392,7 +398,36 @@ def run_dynamic(streams: list[str], dps: list[int], iterations: int) -> dict:
                 rows.append(row)
     return {"machine": machine(), "command": "python benchmarks/bench_main_scheduler.py --dynamic-cp",
             "config": CONFIG, "megatron_commit": commit, "window": window, "cp": cp, "pp": 1,
-            "iterations": iterations, "communication_charged": True, "rows": rows}
+            "iterations": iterations, "intake_iterations": intake_iterations, "communication_charged": True,
+            "rows": rows}
+
+
+def wlb_intake(run_cfg: Any, cost: Any, lengths: np.ndarray, dp: int, iterations: int) -> dict:
+    """Our dynamic CP with wlb's intake at PP 1 and ``dp``: over ideal, the memory bound over ideal, and the
+    packer's own micro-batches on fixed CP groups over ours (``sim.dyncp.simulate_dynamic_stream``)."""
+    cfg = dataclasses.replace(run_cfg, layout=dataclasses.replace(run_cfg.layout, dp=dp, pp=1),
+                              packing=dataclasses.replace(run_cfg.packing, dp=dp, pipeline_stages=1))
+    its = simulate_dynamic_stream(cfg, cost, "wlb", lengths, iterations)
+    took, ideal = sum(r.time for r in its), sum(r.ideal for r in its)
+    return {"iterations": len(its), "over_ideal": took / ideal, "bound_over_ideal": sum(r.bound for r in its) / ideal,
+            "fixed_over_dynamic": sum(r.fixed for r in its) / took}
+
+
+def intake_table(result: dict) -> str:
+    """Per stream and DP size: ours with wlb's intake, over ideal (bound), and fixed CP groups / ours."""
+    dps = sorted({r["dp"] for r in result["rows"] if "wlb_intake" in r})
+    by = {(r["stream"], r["dp"]): r["wlb_intake"] for r in result["rows"] if "wlb_intake" in r}
+    lines = ["| stream | " + " | ".join(f"DP {dp}: **dynamic** (bound), fixed / dynamic" for dp in dps) + " |",
+             "|---|" + "---|" * len(dps)]
+    for stream in [s for s in STREAMS if any(k[0] == s for k in by)]:
+        cells = [f"**{w['over_ideal']:.2f}** ({w['bound_over_ideal']:.2f}), {w['fixed_over_dynamic']:.2f}x"
+                 if (w := by.get((stream, dp))) else "" for dp in dps]
+        lines.append(f"| {stream} | " + " | ".join(cells) + " |")
+    geo = [f"**{_geo([by[k]['over_ideal'] for k in by if k[1] == dp]):.3f}** "
+           f"({_geo([by[k]['bound_over_ideal'] for k in by if k[1] == dp]):.3f}), "
+           f"{_geo([by[k]['fixed_over_dynamic'] for k in by if k[1] == dp]):.2f}x" for dp in dps]
+    lines.append("| geo-mean | " + " | ".join(geo) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def dynamic_readme_table(result: dict) -> str:
@@ -457,7 +492,14 @@ def dynamic_markdown(result: dict) -> str:
         + ", ".join(f"{k} {np.mean([r[k]['plan_ms'] for r in result['rows']]):.1f} ms" for k in DYNAMIC_PLANNERS)
         + " (mean over rows, one CPU thread).", ""]
         + [f"- {r['stream']}, DP {r['dp']}: {name} refused {r[name]['refused']} ({r[name]['refusal']})"
-           for r in result["rows"] for name in DYNAMIC_PLANNERS if r[name]["refused"]] + [""])
+           for r in result["rows"] for name in DYNAMIC_PLANNERS if r[name]["refused"]] + [""]
+        + ([f"## Dynamic CP with wlb's intake ({result['intake_iterations']} iterations per row)", "",
+            "Dev's API hands a scheduler fixed global batches; planned with the packing, the wlb packer (its queues "
+            "and outlier delay) picks each iteration's documents (DP x 4 x 128K tokens of the same stream, cut at "
+            "128K) and the dynamic-CP planner places them (`sim.dyncp.simulate_dynamic_stream`, what `wlb simulate "
+            "--cp-sharding dynamic` runs). Cells: over ideal, same definition (bound), and the packer's own "
+            "micro-batches on each DP rank's fixed CP 2 group, priced alike, over ours.", "",
+            intake_table(result)] if result.get("intake_iterations") else []))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -471,6 +513,8 @@ def main(argv: list[str] | None = None) -> int:
                     "main_scheduler, or dynamic_cp_scheduler with --dynamic-cp)")
     ap.add_argument("--page", action="store_true", help=f"also write the summary table after {README_MARK} "
                     f"(with --dynamic-cp: {DYNAMIC_README_MARK}) in the results page")
+    ap.add_argument("--intake-iterations", type=int, default=20, help="with --dynamic-cp: iterations per row of "
+                    "ours with wlb's intake (0: skip)")
     ap.add_argument("--dynamic-cp", action="store_true", help="compare Megatron-LM dev's default_dynamic_cp "
                     f"scheduler (a dev checkout, {DEV_COMMIT[:12]}) with wlb instead of main's dp_balanced")
     args = ap.parse_args(argv)
@@ -479,7 +523,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.render:
         result = json.loads(Path(args.render).read_text())
     elif dynamic:
-        result = run_dynamic(args.streams.split(","), [int(x) for x in args.dp.split(",")], args.iterations)
+        result = run_dynamic(args.streams.split(","), [int(x) for x in args.dp.split(",")], args.iterations,
+                             args.intake_iterations)
     else:
         result = run(args.streams.split(","), [int(x) for x in args.dp.split(",")], args.iterations)
     write_result(out, result, dynamic_markdown if dynamic else to_markdown)
