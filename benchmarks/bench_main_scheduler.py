@@ -242,6 +242,7 @@ def to_markdown(result: dict) -> str:
 # -- dev's dynamic context parallelism (``--dynamic-cp``) --------------------------------------------------------
 DYNAMIC_OUT = ROOT / "benchmarks" / "results" / "dynamic_cp_scheduler"
 DYNAMIC_README_MARK = "<!-- dynamic-cp-scheduler-table -->"
+INTAKE_README_MARK = "<!-- dynamic-cp-intake-table -->"
 
 
 def dev_checkout(keep: Path) -> Path:
@@ -531,6 +532,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.page:
         if dynamic:
             replace_readme_table(RESULTS_PAGE, DYNAMIC_README_MARK, dynamic_readme_table(result))
+            if result.get("intake_iterations"):
+                replace_readme_table(RESULTS_PAGE, INTAKE_README_MARK, intake_table(result))
         else:
             replace_readme_table(RESULTS_PAGE, README_MARK, readme_table(result))
     return 0
