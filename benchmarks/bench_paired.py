@@ -2,7 +2,7 @@
 """Paired runs at equal work: two methods in one Megatron process, alternating ABBA, wall and replay.
 
     python benchmarks/bench_paired.py --page   # calibration + the paired runs (~20 min on 2 cores) + page block
-    python benchmarks/bench_paired.py --quick    # a short smoke run of the same code (slow lane)
+    python benchmarks/bench_paired.py --quick    # a short smoke run of the same code, window 1024 (slow lane)
 
 First the calibration: one short traced run per packing (wlb, fixed-greedy, whole documents, the balanced
 concat-and-cut and stock Megatron's grouping, analytic model, thread clock), so the fit sees every
@@ -65,9 +65,19 @@ from megatron_wlb.provenance import machine  # noqa: E402
 
 SEQ_LEN = 4096
 EOD = TINY_GPT_EOD
-MODEL_FLAGS = ("--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--ffn-hidden-size", "256",
-               "--seq-length", str(SEQ_LEN), "--max-position-embeddings", str(2 * SEQ_LEN), "--vocab-size", "300",
-               "--log-interval", "1000", "--split", "100,0,0", "--reset-attention-mask", "--reset-position-ids")
+#: the quick run's window and heap (``--quick``, the suite's smoke run): the same code at a sixteenth of the
+#: attention work per micro-batch (Megatron's local attention is quadratic in the window)
+QUICK_SEQ_LEN = 1024
+QUICK_PREFAULT_MB = 256
+
+
+def model_flags(seq_len: int) -> tuple[str, ...]:
+    """The tiny GPT's flags (on top of ``TINY_GPT_ARGS``) at a window of ``seq_len`` tokens."""
+    return ("--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--ffn-hidden-size", "256",
+            "--seq-length", str(seq_len), "--max-position-embeddings", str(2 * seq_len), "--vocab-size", "300",
+            "--log-interval", "1000", "--split", "100,0,0", "--reset-attention-mask", "--reset-position-ids")
+
+
 #: pairs dropped at the start: the heap grows to its high-water mark over the first steps (page faults)
 WARMUP_PAIRS = 3
 #: training steps of each packing's calibration run (``CALIBRATIONS``; 5 packings: ~88 micro-batch rows each after the
@@ -111,7 +121,7 @@ COMPARISONS = (
 )
 
 
-def build_corpus(prefix: Path) -> dict[str, Any]:
+def build_corpus(prefix: Path, seq_len: int = SEQ_LEN) -> dict[str, Any]:
     """PREFIX.bin/.idx: the standard library's .py files whole, byte-level, each ended with the tokenizer's
     EOD, those up to the window (longer ones left out, counted): a heavy tail of lengths up to the window.
     Reuses an existing corpus."""
@@ -122,13 +132,13 @@ def build_corpus(prefix: Path) -> dict[str, Any]:
     paths = sorted(str(p) for p in Path(sysconfig.get_paths()["stdlib"]).rglob("*.py")
                    if "site-packages" not in p.parts and "test" not in p.parts)
     every = byte_documents(paths, separator=None, eod=EOD)
-    docs = [d for d in every if d.size <= SEQ_LEN]
+    docs = [d for d in every if d.size <= seq_len]
     if not prefix.with_suffix(".idx").exists():
         prefix.parent.mkdir(parents=True, exist_ok=True)
         write_indexed_dataset(str(prefix), docs)
     lengths = np.array([d.size for d in docs])
     return {"source": f"{len(paths)} stdlib .py files (every package but tests) whole, byte-level (+EOD {EOD}), "
-                      f"those of at most {SEQ_LEN} tokens ({len(every) - len(docs)} longer ones left out)",
+                      f"those of at most {seq_len} tokens ({len(every) - len(docs)} longer ones left out)",
             "documents": int(lengths.size), "tokens": int(lengths.sum()), "median": float(np.median(lengths)),
             "p90": float(np.percentile(lengths, 90)), "left_out": len(every) - len(docs)}
 
@@ -160,7 +170,7 @@ def calibrate(data: Path, out: Path, steps: int, log: Any, quick: bool = False) 
     for c in CALIBRATIONS:
         if quick and c.name not in QUICK_CALIBRATIONS:
             continue
-        train(c, data, out / c.name, steps, log)
+        train(c, data, out / c.name, steps, log, quick=quick)
         traces.append(str(out / c.name / "trace.jsonl"))
     profile = out / "profile.json"
     cmd = [sys.executable, "-m", "megatron_wlb", "calibrate", "--from-trace", *traces, "--out", str(profile)]
@@ -171,15 +181,17 @@ def calibrate(data: Path, out: Path, steps: int, log: Any, quick: bool = False) 
     return profile, json.loads(profile.read_text())
 
 
-def train(c: Comparison, data: Path, out: Path, steps: int, log: Any, profile: Path | None = None) -> None:
-    """One paired training run of ``steps`` training steps (``steps / 2`` pairs), balancing ``profile``."""
+def train(c: Comparison, data: Path, out: Path, steps: int, log: Any, profile: Path | None = None,
+          quick: bool = False) -> None:
+    """One paired training run of ``steps`` training steps (``steps / 2`` pairs), balancing ``profile``
+    (``quick``: the quick run's window and heap)."""
     out.mkdir(parents=True, exist_ok=True)
     env = {**measurement_env(c.layout), "WLB_TRACE_CLOCK": "thread", "WLB_PAIRED_OUT": str(out),
-           "WLB_PREFAULT_MB": str(PREFAULT_MB),
+           "WLB_PREFAULT_MB": str(QUICK_PREFAULT_MB if quick else PREFAULT_MB),
            "WLB_PAIRED_B": json.dumps(c.b_fields), "WLB_PAIRED_B_DEAL": "megatron" if c.megatron_deal else ""}
     ranks = int(np.prod([int(v) for v in c.layout.values()]))
-    flags = [*MODEL_FLAGS, "--global-batch-size", str(c.global_batch), "--train-iters", str(steps), *c.flags,
-             "--wlb-trace", str(out / "trace.jsonl")]
+    flags = [*model_flags(QUICK_SEQ_LEN if quick else SEQ_LEN), "--global-batch-size", str(c.global_batch),
+             "--train-iters", str(steps), *c.flags, "--wlb-trace", str(out / "trace.jsonl")]
     if profile is not None:
         flags += ["--wlb-cost-profile", str(profile)]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc-per-node",
@@ -383,8 +395,10 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         raise SystemExit(f"--comparisons {','.join(unknown)}: unknown; valid: {', '.join(known)}")
     work = Path(args.work)
-    data = work / "corpus" / "stdlib_files_text_document"
-    corpus = build_corpus(data)
+    seq_len = QUICK_SEQ_LEN if args.quick else SEQ_LEN
+    data = work / "corpus" / ("stdlib_files_text_document" if seq_len == SEQ_LEN else
+                              f"stdlib_files_{seq_len}_text_document")
+    corpus = build_corpus(data, seq_len)
     start = time.perf_counter()
 
     def log(s: str) -> None:
@@ -400,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         c = known[name]
         if not (args.reuse and (work / name / "train.log").exists()):
-            train(c, data, work / name, steps, log, profile)
+            train(c, data, work / name, steps, log, profile, quick=args.quick)
         results.append(analyse(c, work / name, profile))
     minutes = (time.perf_counter() - start) / 60
     if args.reuse and Path(args.out).with_suffix(".json").exists():  # the training's machine and time, not this one's

@@ -292,8 +292,13 @@ def _worker_cp(rank, world, configs):
 
 @pytest.mark.slow
 def test_world8_tp2_cp2_pp2_then_cp4_dp2_then_cp2_dp4():
-    """One spawn (process start-up and the megatron.core import dominate), three 4D layouts in turn."""
-    run_world(_worker_cp, 8, configs=[(2, 2, 2, True), (1, 4, 1, True), (1, 2, 1, False)])
+    """One world, three 4D layouts in turn. Its 8 processes fork from this one with megatron.core's modules
+    already imported (each would otherwise spend seconds of CPU importing them, 8 at once on the 2 cores)."""
+    import megatron.core.models.gpt.gpt_layer_specs  # noqa: F401 - what the workers import, imported once here
+    import megatron.core.parallel_state  # noqa: F401
+
+    run_world(_worker_cp, 8, start_method="fork",
+              configs=[(2, 2, 2, True), (1, 4, 1, True), (1, 2, 1, False)])
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -29,17 +29,47 @@ MOE_FLAGS = ("--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-s
              "--moe-aux-loss-coeff", "1e-2")
 
 
-def test_tiny_moe_pp2_trains_with_wlb_packer(tmp_path, text_corpus):  # noqa: F811
-    run = train(tmp_path, "moe_pp2", text_corpus, *MOE_FLAGS, "--wlb-packer", "wlb", env={"PP": "2"})
-    assert_trains(run)
-    assert_documents_once(run)
-    assert "[wlb] iteration" in run.log
+#: the traced PP2 runs that ``wlb calibrate --from-trace`` fits: 14 iterations, thread clock
+TRACED_ITERATIONS = 14
 
 
-def test_tiny_moe_ep2_dp2_trains_with_wlb_packer(tmp_path, text_corpus):  # noqa: F811
-    trace = tmp_path / "moe_ep2" / "trace.jsonl"
-    run = train(tmp_path, "moe_ep2", text_corpus, *MOE_FLAGS, "--expert-model-parallel-size", "2", "--wlb-packer",
-                "wlb", "--wlb-trace", str(trace), env={"DP": "2"})
+def traced_pp2_run(tmp_path: Path, name: str, corpus: str, *flags: str):
+    """A PP2 run of ``TRACED_ITERATIONS`` with ``--wlb-trace NAME/trace.jsonl`` (thread clock)."""
+    return train(tmp_path, name, corpus, *flags, "--train-iters", str(TRACED_ITERATIONS), "--wlb-packer", "wlb",
+                 "--wlb-trace", str(tmp_path / name / "trace.jsonl"), env={"PP": "2", "WLB_TRACE_CLOCK": "thread"})
+
+
+@pytest.fixture(scope="module")
+def moe_pp2(tmp_path_factory, text_corpus):  # noqa: F811
+    """The traced MoE PP2 run (``traced_pp2_run``), shared: it trains (test below) and is fitted (the trace test)."""
+    return traced_pp2_run(tmp_path_factory.mktemp("moe_pp2"), "moe", text_corpus, *MOE_FLAGS)
+
+
+#: the EP2 x DP2 run's flags (``moe_ep2``), the resumed run's too
+MOE_EP2_SAVED = (*MOE_FLAGS, "--expert-model-parallel-size", "2", "--wlb-packer", "wlb", "--save-interval", "2",
+                 "--ckpt-format", "torch")
+
+
+@pytest.fixture(scope="module")
+def moe_ep2(tmp_path_factory, text_corpus):  # noqa: F811
+    """The MoE run at EP2 x DP2, traced and saving Megatron's torch checkpoint at iterations 2 and 4, shared: it
+    trains (test below) and is resumed (the resume test). The run and its checkpoint folder."""
+    tmp = tmp_path_factory.mktemp("moe_ep2")
+    ckpt = tmp / "ckpt"
+    run = train(tmp, "full", text_corpus, *MOE_EP2_SAVED, "--save", str(ckpt), "--wlb-trace",
+                str(tmp / "full" / "trace.jsonl"), env={"DP": "2"})
+    return run, ckpt
+
+
+def test_tiny_moe_pp2_trains_with_wlb_packer(moe_pp2):
+    assert_trains(moe_pp2, iterations=TRACED_ITERATIONS)
+    assert_documents_once(moe_pp2)
+    assert "[wlb] iteration" in moe_pp2.log
+
+
+def test_tiny_moe_ep2_dp2_trains_with_wlb_packer(moe_ep2):
+    run, _ = moe_ep2
+    trace = run.out / "trace.jsonl"
     assert_trains(run)
     assert_documents_once(run)
     from megatron_wlb.costmodel.trace import read_trace
@@ -56,16 +86,13 @@ def _calibrate(trace: Path, out: Path, capsys) -> tuple[dict, str]:
     return json.loads(out.read_text()), capsys.readouterr().out
 
 
-def test_moe_trace_fits_a_cost_model_beside_the_dense_one(tmp_path, text_corpus, capsys):  # noqa: F811
+def test_moe_trace_fits_a_cost_model_beside_the_dense_one(tmp_path, text_corpus, capsys, moe_pp2):  # noqa: F811
     """``--wlb-trace`` times the MoE run and ``wlb calibrate --from-trace`` fits it (the experts, router and
     dispatcher inside its per-token term), with a held-out MAPE beside the same run's dense model's."""
     fits = {}
-    for name, flags in (("moe", MOE_FLAGS), ("dense", ())):
-        trace = tmp_path / name / "trace.jsonl"
-        run = train(tmp_path, name, text_corpus, *flags, "--train-iters", "14", "--wlb-packer", "wlb",
-                    "--wlb-trace", str(trace), env={"PP": "2", "WLB_TRACE_CLOCK": "thread"})
-        assert_trains(run, iterations=14)
-        fits[name] = _calibrate(trace, tmp_path / f"{name}.json", capsys)
+    for name, run in (("moe", moe_pp2), ("dense", traced_pp2_run(tmp_path, "dense", text_corpus))):
+        assert_trains(run, iterations=TRACED_ITERATIONS)
+        fits[name] = _calibrate(run.out / "trace.jsonl", tmp_path / f"{name}.json", capsys)
     moe, dense = fits["moe"][0], fits["dense"][0]
     assert moe["model"]["num_experts"] == 4 and "num_experts" not in dense["model"]
     for profile, printed in fits.values():
@@ -85,11 +112,11 @@ def test_tiny_moe_balanced_concat_and_cut_pp2_trains_the_stock_jobs_samples(tmp_
     assert_fed_stock_samples(run, stock_samples(eod_corpus, tmp_path, 4, dp=1, eod_mask_loss=False))
 
 
-def test_tiny_moe_ep2_resume_equals_an_uninterrupted_run(tmp_path, text_corpus):  # noqa: F811
+def test_tiny_moe_ep2_resume_equals_an_uninterrupted_run(tmp_path, text_corpus, moe_ep2):  # noqa: F811
+    full, saved = moe_ep2
     ckpt = tmp_path / "ckpt"
-    common = (*MOE_FLAGS, "--expert-model-parallel-size", "2", "--wlb-packer", "wlb", "--save", str(ckpt),
-              "--save-interval", "2", "--ckpt-format", "torch")
-    full = train(tmp_path, "full", text_corpus, *common, env={"DP": "2"})
+    shutil.copytree(saved, ckpt)
+    common = (*MOE_EP2_SAVED, "--save", str(ckpt))
     shutil.rmtree(ckpt / "iter_0000004", ignore_errors=True)
     (ckpt / "latest_checkpointed_iteration.txt").write_text("2")
     resumed = train(tmp_path, "resumed", text_corpus, *common, "--load", str(ckpt), env={"DP": "2"})

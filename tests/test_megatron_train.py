@@ -356,13 +356,32 @@ def test_a_rank_started_otherwise_stops_every_rank_at_start_up(tmp_path, text_co
         assert "cost model: " in stops[0]
 
 
-def test_a_resume_onto_a_zeroed_copy_is_refused(tmp_path, text_corpus):
+#: the DP2 run that saves Megatron's torch-format checkpoint at iterations 2 and 4 (``dp2_saved``)
+SAVED_FLAGS = ("--wlb-packer", "wlb", "--save-interval", "2", "--ckpt-format", "torch")
+
+
+@pytest.fixture(scope="module")
+def dp2_saved(tmp_path_factory, text_corpus) -> tuple[Run, Path]:
+    """One uninterrupted DP2 run of 4 iterations saving at 2 and 4 (``SAVED_FLAGS``), shared by the resume tests
+    (each resumes a copy: ``saved_copy``); the run and its checkpoint folder."""
+    tmp = tmp_path_factory.mktemp("dp2_saved")
+    ckpt = tmp / "ckpt"
+    run = train(tmp, "full", text_corpus, *SAVED_FLAGS, "--save", str(ckpt), env={"DP": "2"})
+    return run, ckpt
+
+
+def saved_copy(dp2_saved: tuple[Run, Path], dest: Path) -> tuple[Run, Path]:
+    """``dp2_saved``'s run and a copy of its checkpoint at ``dest`` (a test may change or resume into it)."""
+    run, ckpt = dp2_saved
+    shutil.copytree(ckpt, dest)
+    return run, dest
+
+
+def test_a_resume_onto_a_zeroed_copy_is_refused(tmp_path, text_corpus, dp2_saved):
     """D2 on resume: a checkpoint trained on the text_corpus, resumed with every rank reading a same-size copy whose
     .bin is partly zeros, is refused at start-up naming the file (it was accepted); the same files resume."""
-    ckpt = tmp_path / "ckpt"
-    common = ("--wlb-packer", "wlb", "--train-iters", "4", "--save", str(ckpt), "--save-interval", "2",
-              "--ckpt-format", "torch")
-    first = train(tmp_path, "first", text_corpus, *common, env={"DP": "2"})
+    first, ckpt = saved_copy(dp2_saved, tmp_path / "ckpt")
+    common = (*SAVED_FLAGS, "--save", str(ckpt))
     assert_trains(first)
     sidecar = json.loads((ckpt / "iter_0000004" / "wlb_packer_state.json").read_text())
     assert sidecar["version"] == 4 and any(name.endswith(".bin") for name in sidecar["fingerprint"])
@@ -397,12 +416,17 @@ def test_sequence_parallel_gives_the_losses_of_tp2_without_it(tmp_path, text_cor
 
 
 @pytest.mark.parametrize("ckpt_format", ["torch", "torch_dist"])
-def test_checkpoint_resume_equals_an_uninterrupted_run(tmp_path, text_corpus, ckpt_format):
+def test_checkpoint_resume_equals_an_uninterrupted_run(tmp_path, text_corpus, ckpt_format, request):
     """torch_dist is Megatron's default format (its writer needs psutil, and spawns a process that re-imports
-    the launching script: the probe keeps its training under the __main__ guard)."""
+    the launching script: the probe keeps its training under the __main__ guard). The torch format resumes
+    the shared ``dp2_saved`` run."""
     ckpt = tmp_path / "ckpt"
-    common = ("--wlb-packer", "wlb", "--save", str(ckpt), "--save-interval", "2", "--ckpt-format", ckpt_format)
-    full = train(tmp_path, "full", text_corpus, *common, env={"DP": "2"})
+    common = ("--wlb-packer", "wlb", "--save-interval", "2", "--ckpt-format", ckpt_format, "--save", str(ckpt))
+    if ckpt_format == "torch":
+        assert common[:-2] == SAVED_FLAGS  # what dp2_saved ran
+        full, _ = saved_copy(request.getfixturevalue("dp2_saved"), ckpt)
+    else:
+        full = train(tmp_path, "full", text_corpus, *common, env={"DP": "2"})
     if ckpt_format == "torch_dist":
         assert (ckpt / "iter_0000002" / "metadata.json").is_file()  # Megatron's distributed checkpoint
     shutil.rmtree(ckpt / "iter_0000004", ignore_errors=True)
@@ -561,13 +585,12 @@ def test_balanced_gptdataset_through_megatrons_loop(tmp_path, eod_corpus):
     assert pieces and pieces <= set(later), "the resumed run trained pieces of samples the stock job already had"
 
 
-def test_dp_size_change_and_data_stream_reset_on_resume(tmp_path, text_corpus):
+def test_dp_size_change_and_data_stream_reset_on_resume(tmp_path, text_corpus, dp2_saved):
     """Saved at DP2 (iteration 2 of 4): resumed at DP1 with the same global batch, the saved plans continue and
     the losses are the uninterrupted run's; another global batch is refused naming the one that continues;
     --wlb-reset-data-stream restarts the documents at the first plan while Megatron keeps its iteration."""
-    ckpt = tmp_path / "ckpt"
-    common = ("--wlb-packer", "wlb", "--save", str(ckpt), "--save-interval", "2", "--ckpt-format", "torch")
-    full = train(tmp_path, "full", text_corpus, *common, env={"DP": "2"})
+    full, ckpt = saved_copy(dp2_saved, tmp_path / "ckpt")
+    common = (*SAVED_FLAGS, "--save", str(ckpt))
     shutil.rmtree(ckpt / "iter_0000004", ignore_errors=True)
     (ckpt / "latest_checkpointed_iteration.txt").write_text("2")
 

@@ -125,6 +125,23 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
         shutil.rmtree(work, ignore_errors=True)
 
 
+def _submit_and_wait(args: list[str], env: dict, cwd: Path, timeout_s: float = 600) -> tuple[tuple[str, str], str]:
+    """``sbatch ARGS``, then the job's (final state, exit code) once it ends, and sbatch's output. Polled every
+    half second: ``sbatch --wait`` sleeps ever longer between its polls (CI: 42 s for a job of under 30 s)."""
+    res = subprocess.run(["sbatch", "--parsable", *args], env=env, cwd=cwd, capture_output=True, text=True,
+                         timeout=60)
+    assert res.returncode == 0, res.stdout + res.stderr
+    job_id = res.stdout.strip().split(";")[0]
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        shown = subprocess.run(["scontrol", "show", "job", "-o", job_id], env=env, capture_output=True, text=True)
+        fields = dict(f.split("=", 1) for f in shown.stdout.split() if "=" in f)
+        if fields.get("JobState") not in (None, "PENDING", "CONFIGURING", "RUNNING", "COMPLETING"):
+            return (fields["JobState"], fields.get("ExitCode", "")), res.stdout + res.stderr
+        time.sleep(0.5)
+    pytest.fail(f"SLURM job {job_id} did not end within {timeout_s} s")
+
+
 def test_a_shipped_sbatch_script_trains_under_slurm_in_cpu_mode(slurm_cluster, tmp_path):
     env, work = slurm_cluster
     job = work / "job"  # reachable by slurmd (root) and outside pytest's private tmp
@@ -134,11 +151,10 @@ def test_a_shipped_sbatch_script_trains_under_slurm_in_cpu_mode(slurm_cluster, t
                "PYTHONPATH": str(ROOT), "LOG_DIR": str(job / "logs"), "CKPT_DIR": str(job / "ckpt")}
     job_env.pop("MEGATRON_LM", None)
     script = ROOT / "scripts" / "slurm" / "550m_64k.sbatch"  # 4 nodes x 8 GPUs on a GPU cluster
-    res = subprocess.run(["sbatch", "--wait", "--nodes=1", "--gpus-per-node=0", str(script)], env=job_env,
-                         cwd=job, capture_output=True, text=True, timeout=600)
+    state, submitted = _submit_and_wait(["--nodes=1", "--gpus-per-node=0", str(script)], job_env, job)
     outputs = list(job.glob("wlb-550m_64k-*.out"))
     log = outputs[0].read_text() if outputs else ""
-    assert res.returncode == 0 and outputs, f"{res.stdout}{res.stderr}\n{log[-4000:]}"
+    assert state == ("COMPLETED", "0:0") and outputs, f"{state} {submitted}\n{log[-4000:]}"
     assert "(CPU mode): 1 node(s) x 2 process(es), DP=2" in log
     assert "iteration        4/       4" in log, log[-4000:]
     assert log.count("[wlb] iteration") >= 4 and "lm loss" in log
