@@ -669,15 +669,20 @@ def choices_from_dict(raw: dict, source: str = "<dict>") -> RunChoices:
                       knobs=tuple(sorted(knobs.items())), cp=cp, cost=cost, logging=logging)
 
 
-def config_from_dict(raw: dict, source: str = "<dict>") -> RunConfig:
-    """Validate a parsed config; every error is one line naming the key, the value and what is valid."""
+def _refuse_unknown_keys(raw: dict, source: str, valid: tuple[str, ...], where: str, alternative: str = "") -> None:
+    """One line for a top-level key that moved into a section or that ``valid`` lacks."""
     for key in raw:
         if key in RENAMED_KEYS:
             raise ValueError(f"{source}: {key} moved into a section: {RENAMED_KEYS[key]}")
-    unknown = [k for k in raw if k not in _TOP_KEYS]
+    unknown = [k for k in raw if k not in valid]
     if unknown:
-        raise ValueError(f"{source}: unknown key(s) {', '.join(map(repr, unknown))}; "
-                         f"valid keys: {', '.join(_TOP_KEYS)}")
+        raise ValueError(f"{source}: unknown key(s) {', '.join(map(repr, unknown))}{where}; "
+                         f"valid keys: {', '.join(valid)}{alternative}")
+
+
+def config_from_dict(raw: dict, source: str = "<dict>") -> RunConfig:
+    """Validate a parsed config; every error is one line naming the key, the value and what is valid."""
+    _refuse_unknown_keys(raw, source, _TOP_KEYS, "")
     for key in ("model", "seq_len", "layout"):
         if key not in raw:
             raise ValueError(f"{source}: missing required key {key!r}")
@@ -757,11 +762,6 @@ def load_choices(name_or_path: str | Path) -> RunConfig | RunChoices:
     raw, source = _read_config(name_or_path)
     if any(key in raw for key in ("model", "seq_len", "layout")):
         return config_from_dict(raw, source=source)
-    for key in raw:
-        if key in RENAMED_KEYS:
-            raise ValueError(f"{source}: {key} moved into a section: {RENAMED_KEYS[key]}")
-    unknown = [k for k in raw if k not in SETTINGS_FILE_KEYS]
-    if unknown:
-        raise ValueError(f"{source}: unknown key(s) {', '.join(map(repr, unknown))} in a settings file (no model, "
-                         f"seq_len, layout); valid keys: {', '.join(SETTINGS_FILE_KEYS)}, or a whole run config")
+    _refuse_unknown_keys(raw, source, SETTINGS_FILE_KEYS, " in a settings file (no model, seq_len, layout)",
+                         ", or a whole run config")
     return choices_from_dict(raw, source=source)
