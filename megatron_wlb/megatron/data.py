@@ -31,7 +31,7 @@ import numpy as np
 
 from megatron_wlb.cp.layouts import ShardLayout, layout_digest
 from megatron_wlb.cp.plan import CPSharding, Packed, RankMicroBatch, layout_micro_batch, micro_batch_lengths, rank_batch
-from megatron_wlb.data.reader import DocumentReader, DocumentStream, StreamCursor
+from megatron_wlb.data.reader import ORDER_NUMPY_SHUFFLE, DocumentReader, DocumentStream, StreamCursor
 from megatron_wlb.data.samples import SamplePieceCursor, SampleStream
 from megatron_wlb.packing import make_packer
 from megatron_wlb.packing.types import GlobalBatch, MicroBatch
@@ -250,11 +250,13 @@ class WlbDataIterator(Iterator[RankMicroBatch]):
         """Restore the packer and check that this run's stream starts with the saved run's documents."""
         if state.get("version") != STREAM_STATE_VERSION:
             raise ValueError(f"data state version {state.get('version')!r}; this build reads {STREAM_STATE_VERSION}")
-        if self.reader is not None and state.get("reader") is not None and \
-                _reader_key(state["reader"]) != _reader_key(self.reader.describe()):
-            raise ValueError("the checkpoint's data state was saved with other data settings: saved "
-                             f"{state['reader']}, now {self.reader.describe()}; resume with the same --data-path, "
-                             "--split and --seed")
+        if self.reader is not None and state.get("reader") is not None:
+            saved = {**state["reader"], "order": saved_order(state["reader"])}
+            self.reader.use_order(saved["order"])  # the checkpoint's epoch order goes on, whichever this build's
+            if _reader_key(saved) != _reader_key(self.reader.describe()):
+                raise ValueError("the checkpoint's data state was saved with other data settings: saved "
+                                 f"{saved}, now {self.reader.describe()}; resume with the same --data-path, "
+                                 "--split and --seed")
         position = int(state["stream_position"])
         source: StreamCursor | SamplePieceCursor
         if isinstance(self.stream, SampleStream):  # Megatron's samples: open a cursor at the saved sample and piece
@@ -301,6 +303,12 @@ class PlanLayoutError(ValueError):
         self.saved_dp, self.saved_n, self.dp, self.n = saved_dp, saved_n, dp, n
         super().__init__(f"the checkpoint planned {saved_dp * saved_n} micro-batches per iteration (DP {saved_dp} x "
                          f"{saved_n}), this run {dp * n} (DP {dp} x {n}): its plans cannot be dealt to this layout")
+
+
+def saved_order(described: dict[str, Any]) -> str:
+    """The epoch order a checkpoint's reader state names (one saved before the orders had names: the numpy
+    shuffle it was trained in)."""
+    return str(described.get("order", ORDER_NUMPY_SHUFFLE))
 
 
 def _reader_key(described: dict[str, Any]) -> dict[str, Any]:
