@@ -114,7 +114,7 @@ class WlbDataIterator(Iterator[RankMicroBatch]):
     def __init__(self, reader: DocumentReader | None, stream: DocumentStream | SampleStream, packer: Any,
                  dp_rank: int, sharding: CPSharding | None = None,
                  on_batch: Callable[[GlobalBatch], None] | None = None, read: ReadFn | None = None,
-                 read_piece: PieceReadFn | None = None):
+                 read_piece: PieceReadFn | None = None, sample_identity: Any = None):
         if read is None and read_piece is None:
             if reader is None:
                 raise ValueError("WlbDataIterator needs a DocumentReader or a read(doc_id, offset, length) function")
@@ -123,6 +123,9 @@ class WlbDataIterator(Iterator[RankMicroBatch]):
         self.read: ReadFn = read if read is not None else _no_token_read
         #: Megatron's own samples (the balanced concat-and-cut intake): pieces read with their labels and loss mask
         self.read_piece = read_piece
+        #: what keys the documents behind Megatron's samples (``sample_agreement.SampleIdentity``; None: the
+        #: reader's stream ids are the documents), agreed every step with the plan
+        self.sample_identity = sample_identity
         self.sharding = sharding if sharding is not None else CPSharding()
         self.stream = stream
         self.packer = packer

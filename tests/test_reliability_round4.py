@@ -1,0 +1,162 @@
+"""Issue 49, the open items: the whole-document order as a keyed permutation (scale), ranks whose GPTDataset
+index caches differ (item 1), refusals as one line on every rank (item 7), and extending a balanced run
+(item 5). The Megatron-loop tests share one balanced run (``B``: ``--wlb-pieces concat-and-cut
+--reset-attention-mask --reset-position-ids --global-batch-size 4`` at DP2) and its GPTDataset cache."""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from megatron_wlb.data.permutation import KeyedPermutation
+from megatron_wlb.data.reader import ORDER_FEISTEL, ORDER_NUMPY_SHUFFLE, DocumentReader
+from megatron_wlb.megatron.data import WlbDataIterator
+from megatron_wlb.packing import PackingConfig, make_packer
+
+
+# -- the keyed permutation (scale) --------------------------------------------------------------------------
+@pytest.mark.parametrize("size", [0, 1, 2, 3, 5, 7, 8, 9, 63, 64, 65, 1000, 4097, 65_537, 300_001])
+def test_the_keyed_permutation_is_a_bijection_of_any_size(size):
+    values = KeyedPermutation(size, (1234, 0, 3))[:]
+    assert values.dtype == np.int64 and values.size == size
+    assert np.array_equal(np.sort(values), np.arange(size))
+    if size >= 64:
+        assert not np.array_equal(values, np.arange(size))  # shuffled
+        assert abs(np.corrcoef(np.arange(size), values)[0, 1]) < 0.2
+
+
+def test_the_keyed_permutation_is_the_same_per_block_per_key_and_in_another_process():
+    perm = KeyedPermutation(100_003, (7, 1, 2))
+    whole = perm[:]
+    blocks = np.concatenate([perm[a:a + 4099] for a in range(0, 100_003, 4099)])
+    assert np.array_equal(blocks, whole)
+    assert np.array_equal(perm.at([5, 0, 100_002]), whole[[5, 0, 100_002]])
+    assert not np.array_equal(KeyedPermutation(100_003, (7, 1, 3))[:], whole)  # another epoch
+    assert not np.array_equal(KeyedPermutation(100_003, (8, 1, 2))[:], whole)  # another seed
+    code = ("import sys; from megatron_wlb.data.permutation import KeyedPermutation as K; "
+            "sys.stdout.write(','.join(map(str, K(100003, (7, 1, 2))[99000:99050])))")
+    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                           env={**os.environ, "PYTHONHASHSEED": "12345"}).stdout
+    assert other == ",".join(map(str, whole[99000:99050]))  # another process, another hash seed: the same
+
+
+def test_a_billion_document_permutation_holds_nothing():
+    perm = KeyedPermutation(10**9, (1234, 0, 0))
+    block = perm[10**9 - 1000:]
+    assert block.size == 1000 and np.unique(block).size == 1000 and int(block.max()) < 10**9
+    assert len(perm.__dict__) <= 6 and all(np.asarray(v).nbytes <= 64 for v in perm.__dict__.values())
+
+
+def _blend(tmp_path, **kwargs) -> DocumentReader:
+    from test_stream_scale import synthetic  # the sparse synthetic corpus, one definition
+
+    rng = np.random.default_rng(0)
+    if (tmp_path / "a.idx").exists():
+        prefixes = (str(tmp_path / "a"), str(tmp_path / "b"))
+    else:
+        prefixes = (synthetic(tmp_path, "a", rng.integers(1, 3000, size=4000)),
+                    synthetic(tmp_path, "b", rng.integers(1, 500, size=300)))
+    return DocumentReader([(prefixes[0], 0.7), (prefixes[1], 0.3)], split="9,1,0", seed=5, **kwargs)
+
+
+def test_the_reader_visits_each_document_once_per_epoch_in_the_feistel_order(tmp_path):
+    reader = _blend(tmp_path, order_cache=str(tmp_path / "cache"))
+    assert reader.order == ORDER_FEISTEL and reader.describe()["order"] == ORDER_FEISTEL
+    b, e = reader.ranges[0]
+    ids, _ = reader.stream(reader.epoch_tokens()).collect()
+    first = ids[ids < reader.num_documents]
+    mine = np.sort(first[first < reader.offsets[1]])
+    assert np.array_equal(mine, np.arange(b, e))  # dataset a's split range once, no repeat
+    expected = KeyedPermutation(e - b, (5, 0, 0))[:] + b
+    assert np.array_equal(first[first < reader.offsets[1]], expected)
+    assert not os.path.exists(tmp_path / "cache")  # no order file is built, whatever --data-cache-path says
+    legacy = _blend(tmp_path, order=ORDER_NUMPY_SHUFFLE)
+    assert not np.array_equal(legacy.stream(20_000_000).collect()[0], reader.stream(20_000_000).collect()[0])
+    with pytest.raises(ValueError, match="epoch order 'nope' is not one this build knows"):
+        _blend(tmp_path, order="nope")
+
+
+def test_a_checkpoint_saved_before_the_feistel_order_resumes_in_its_own_order(tmp_path):
+    """A data state saved by a release whose reader had no ``order`` (the numpy shuffle) resumes in that order:
+    the plans after the resume are the uninterrupted old run's; a new state names its order."""
+    cfg = PackingConfig(seq_len=4096, n=2, dp=2, max_seq_len=6144)
+    tokens = 30 * cfg.tokens_per_iteration
+    old_reader = _blend(tmp_path, order=ORDER_NUMPY_SHUFFLE)
+    full = WlbDataIterator(old_reader, old_reader.stream(tokens), make_packer("wlb", cfg), 0)
+    plans = [full.next_plan().micro_batches for _ in range(10)]
+    first = WlbDataIterator(old_reader, old_reader.stream(tokens), make_packer("wlb", cfg), 0)
+    for _ in range(4):
+        first.next_plan()
+    state = first.state_dict()
+    assert state["reader"]["order"] == ORDER_NUMPY_SHUFFLE
+    del state["reader"]["order"]  # as the releases before issue 49 saved it
+    new_reader = _blend(tmp_path)  # this release's default: the Feistel order
+    resumed = WlbDataIterator(new_reader, new_reader.stream(tokens), make_packer("wlb", cfg), 0)
+    resumed.load_state_dict(state)
+    assert new_reader.order == ORDER_NUMPY_SHUFFLE
+    assert [resumed.next_plan().micro_batches for _ in range(6)] == plans[4:]
+    fresh = _blend(tmp_path)
+    feistel = WlbDataIterator(fresh, fresh.stream(tokens), make_packer("wlb", cfg), 0)
+    feistel.next_plan()
+    assert feistel.state_dict()["reader"]["order"] == ORDER_FEISTEL
+    assert feistel.current.micro_batches != plans[0]
+
+
+# -- through Megatron's loop ---------------------------------------------------------------------------------
+BALANCED = ("--wlb-packer", "wlb", "--wlb-pieces", "concat-and-cut", "--reset-attention-mask",
+            "--reset-position-ids", "--global-batch-size", "4")
+
+
+@pytest.fixture(scope="module")
+def balanced(tmp_path_factory, eod_corpus):
+    """One untampered balanced run at DP2 with its GPTDataset cache (the reference the tampered runs differ from)."""
+    pytest.importorskip("megatron.training")
+    from test_megatron_train import train
+
+    root = tmp_path_factory.mktemp("round4")
+    cache = root / "cache"
+    run = train(root, "reference", eod_corpus, *BALANCED, "--data-cache-path", str(cache), "--train-iters", "5",
+                env={"DP": "2"})
+    return root, cache, run
+
+
+def _one_piece_positions(cache, corpus: str, positions: int) -> list[int]:
+    """Training positions among the first ``positions`` whose sample lies inside one document (one piece)."""
+    shuffle = np.load(glob.glob(str(cache / "*GPTDataset-train-shuffle_index.npy"))[0])
+    sample = np.load(glob.glob(str(cache / "*GPTDataset-train-sample_index.npy"))[0])
+    return [p for p in range(positions) if sample[shuffle[p]][0] == sample[shuffle[p] + 1][0]]
+
+
+@pytest.mark.slow
+def test_ranks_whose_gptdataset_index_caches_differ_stop_naming_the_rank_and_the_file(balanced, eod_corpus):
+    """Item 1: rank 1 reads a copy of the job's --data-cache-path whose shuffle_index.npy swaps two one-piece
+    samples (the plan's pieces are the same on both ranks): every rank stops at the step that trains them with
+    one line naming rank 1, the array and its cache file (before: rc 0, the losses apart from iteration 3)."""
+    from test_megatron_train import train
+
+    root, cache, reference = balanced
+    assert "their GPTDataset" not in reference.log  # the untampered run agrees every step
+    copy = root / "cache_rank1"
+    shutil.copytree(cache, copy)
+    ones = _one_piece_positions(copy, eod_corpus, 20)
+    assert len(ones) >= 2, ones
+    path = glob.glob(str(copy / "*GPTDataset-train-shuffle_index.npy"))[0]
+    shuffle = np.load(path)
+    p, q = ones[-2], ones[-1]
+    shuffle[[p, q]] = shuffle[[q, p]]
+    np.save(path, shuffle)
+    run = train(root, "tampered", eod_corpus, *BALANCED, "--data-cache-path", str(cache), "--train-iters", "5",
+                env={"DP": "2", "WLB_PROBE_RANK_FLAGS": f"1:--data-cache-path {copy}"}, expect_ok=False)
+    assert run.returncode != 0  # type: ignore[attr-defined]
+    stops = [line for line in run.log.splitlines() if "but Megatron's samples behind them differ" in line]
+    assert len(stops) >= 2, run.log[-4000:]  # every rank
+    assert f"at training position {p} rank 1 read document" in stops[0]
+    assert "their GPTDataset shuffle_index differs" in stops[0]
+    assert f"{path} on rank 1" in stops[0] and str(cache) in stops[0]
+    assert "Traceback" not in run.log or "megatron_wlb/" not in run.log.split("Traceback", 1)[1][:4000]
