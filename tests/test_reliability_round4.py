@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -66,16 +67,15 @@ def _blend(tmp_path, **kwargs) -> DocumentReader:
 
 
 def test_the_reader_visits_each_document_once_per_epoch_in_the_feistel_order(tmp_path):
-    reader = _blend(tmp_path, order_cache=str(tmp_path / "cache"))
+    _blend(tmp_path)  # writes the corpora
+    reader = DocumentReader([(str(tmp_path / "a"), 1.0)], split="9,1,0", seed=5, order_cache=str(tmp_path / "cache"))
     assert reader.order == ORDER_FEISTEL and reader.describe()["order"] == ORDER_FEISTEL
     b, e = reader.ranges[0]
     ids, _ = reader.stream(reader.epoch_tokens()).collect()
-    first = ids[ids < reader.num_documents]
-    mine = np.sort(first[first < reader.offsets[1]])
-    assert np.array_equal(mine, np.arange(b, e))  # dataset a's split range once, no repeat
-    expected = KeyedPermutation(e - b, (5, 0, 0))[:] + b
-    assert np.array_equal(first[first < reader.offsets[1]], expected)
+    assert np.array_equal(np.sort(ids), np.arange(b, e))  # the split range once, no repeat
+    assert np.array_equal(ids, KeyedPermutation(e - b, (5, 0, 0))[:] + b)
     assert not os.path.exists(tmp_path / "cache")  # no order file is built, whatever --data-cache-path says
+    reader = _blend(tmp_path)
     legacy = _blend(tmp_path, order=ORDER_NUMPY_SHUFFLE)
     assert not np.array_equal(legacy.stream(20_000_000).collect()[0], reader.stream(20_000_000).collect()[0])
     with pytest.raises(ValueError, match="epoch order 'nope' is not one this build knows"):
@@ -116,20 +116,29 @@ BALANCED = ("--wlb-packer", "wlb", "--wlb-pieces", "concat-and-cut", "--reset-at
 @pytest.fixture(scope="module")
 def balanced(tmp_path_factory, eod_corpus):
     """One untampered balanced run at DP2 with its GPTDataset cache (the reference the tampered runs differ from)."""
-    pytest.importorskip("megatron.training")
     from test_megatron_train import train
 
     root = tmp_path_factory.mktemp("round4")
     cache = root / "cache"
     run = train(root, "reference", eod_corpus, *BALANCED, "--data-cache-path", str(cache), "--train-iters", "5",
-                env={"DP": "2"})
+                "--save", str(root / "ckpt"), "--save-interval", "5", "--ckpt-format", "torch", env={"DP": "2"})
     return root, cache, run
+
+
+def _train_index(cache, array: str, samples: int = 20) -> str:
+    """The cached GPTDataset train ``array`` of the job with ``samples`` train samples (the reference run's 5 x 4)."""
+    import json
+
+    for description in glob.glob(str(cache / "*-GPTDataset-train-description.txt")):
+        if json.loads(open(description).read())["num_samples"] == samples:
+            return description.replace("description.txt", f"{array}.npy")
+    raise AssertionError(f"no GPTDataset train indices of {samples} samples in {cache}")
 
 
 def _one_piece_positions(cache, corpus: str, positions: int) -> list[int]:
     """Training positions among the first ``positions`` whose sample lies inside one document (one piece)."""
-    shuffle = np.load(glob.glob(str(cache / "*GPTDataset-train-shuffle_index.npy"))[0])
-    sample = np.load(glob.glob(str(cache / "*GPTDataset-train-sample_index.npy"))[0])
+    shuffle = np.load(_train_index(cache, "shuffle_index"))
+    sample = np.load(_train_index(cache, "sample_index"))
     return [p for p in range(positions) if sample[shuffle[p]][0] == sample[shuffle[p] + 1][0]]
 
 
@@ -146,7 +155,7 @@ def test_ranks_whose_gptdataset_index_caches_differ_stop_naming_the_rank_and_the
     shutil.copytree(cache, copy)
     ones = _one_piece_positions(copy, eod_corpus, 20)
     assert len(ones) >= 2, ones
-    path = glob.glob(str(copy / "*GPTDataset-train-shuffle_index.npy"))[0]
+    path = _train_index(copy, "shuffle_index")
     shuffle = np.load(path)
     p, q = ones[-2], ones[-1]
     shuffle[[p, q]] = shuffle[[q, p]]
@@ -160,3 +169,72 @@ def test_ranks_whose_gptdataset_index_caches_differ_stop_naming_the_rank_and_the
     assert "their GPTDataset shuffle_index differs" in stops[0]
     assert f"{path} on rank 1" in stops[0] and str(cache) in stops[0]
     assert "Traceback" not in run.log or "megatron_wlb/" not in run.log.split("Traceback", 1)[1][:4000]
+
+
+def rank_tracebacks(log: str) -> int:
+    """Tracebacks the training ranks printed: every ``Traceback`` but torchrun's own report that a worker
+    failed (its agent raises ``ChildFailedError`` whenever a rank exits non-zero, however it exits)."""
+    blocks = log.split("Traceback (most recent call last):")[1:]
+    return sum("ChildFailedError" not in block.split("\n=====", 1)[0] for block in blocks)
+
+
+def _refused_in_one_line(run, needle: str) -> str:
+    """The one line every rank stopped with (containing ``needle``), and no rank's traceback in the output."""
+    assert run.returncode != 0, run.log[-3000:]  # type: ignore[attr-defined]
+    assert rank_tracebacks(run.log) == 0, run.log[run.log.index("Traceback"):][:3000]
+    lines = [line for line in run.log.splitlines() if needle in line]
+    assert lines, run.log[-3000:]
+    assert all(not r["losses"] for r in run.ranks.values()), "a rank trained a step"
+    return lines[0]
+
+
+@pytest.mark.slow
+def test_a_balanced_run_extends_its_train_iters_while_megatrons_order_is_the_same(balanced, eod_corpus):
+    """Item 5: resuming the balanced run with a larger --train-iters (megatron-core's dataset description, so its
+    hash, changes with the sample count) continues from the saved sample when the order up to it is the same
+    (before: refused on every rank naming flags that had not changed); a length whose epochs reshuffle the
+    samples is refused in one line naming --wlb-reset-data-stream (item 7: no traceback)."""
+    from test_megatron_train import train
+
+    root, cache, reference = balanced
+    common = (*BALANCED, "--data-cache-path", str(cache), "--load", str(root / "ckpt"), "--ckpt-format", "torch",
+              "--override-opt_param-scheduler")  # Megatron's own way to a longer schedule
+    longer = train(root, "longer", eod_corpus, *common, "--train-iters", "8", env={"DP": "2"})
+    assert len(longer.losses) == 3 and re.search(r"iteration +6/ +8 ", longer.log), longer.log[-3000:]
+    assert re.search(r"iteration +8/ +8 ", longer.log)
+    saved = int(next(r["pieces"] for r in reference.ranks.values() if r["pieces"])[-1][-1][0]) // 256
+    resumed = next(r["pieces"] for r in longer.ranks.values() if r["pieces"])
+    assert min(doc // 256 for plan in resumed for doc, _, _ in plan) >= saved - 8  # from the saved samples on
+    far = train(root, "reshuffled", eod_corpus, *common, "--train-iters", "1500", env={"DP": "2"}, expect_ok=False)
+    line = _refused_in_one_line(far, "cannot resume the checkpoint at iteration 5")
+    assert "are not this run's" in line and "--wlb-reset-data-stream" in line
+
+
+@pytest.mark.slow
+def test_start_up_and_cache_refusals_are_one_line_on_every_rank(balanced, eod_corpus):
+    """Item 7: a balanced job with an empty train split; one rank with another --seed (named by the start-up
+    agreement, which now runs before megatron-core builds anything) or its own empty --data-cache-path; a
+    truncated cached .npy: each stops in one line, 0 tracebacks (before: megatron-core's FileNotFoundError,
+    numpy's ValueError and our ValueError with every rank's traceback)."""
+    from test_megatron_train import train
+
+    root, cache, _ = balanced
+    empty = train(root, "empty_split", eod_corpus, *BALANCED, "--split", "0,100,0", env={"DP": "2"},
+                  expect_ok=False)
+    assert "--split '0,100,0'" in _refused_in_one_line(empty, "Megatron built no train dataset")
+    seed = train(root, "seed", eod_corpus, *BALANCED, "--data-cache-path", str(cache),
+                 env={"DP": "2", "WLB_PROBE_RANK_FLAGS": "1:--seed 99"}, expect_ok=False)
+    assert "--seed: 1234 on rank 0, 99 on rank 1" in _refused_in_one_line(seed, "start with different settings")
+    own = root / "own_cache"
+    alone = train(root, "own_cache", eod_corpus, *BALANCED, "--data-cache-path", str(cache),
+                  env={"DP": "2", "WLB_PROBE_RANK_FLAGS": f"1:--data-cache-path {own}"}, expect_ok=False)
+    line = _refused_in_one_line(alone, "found no GPTDataset index file")
+    assert f"{own}/" in line and "rank 1" in line
+    damaged = root / "damaged_cache"
+    shutil.copytree(cache, damaged)
+    path = _train_index(damaged, "shuffle_index")
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+    cut = train(root, "truncated", eod_corpus, *BALANCED, "--data-cache-path", str(damaged), "--train-iters", "5",
+                env={"DP": "2"}, expect_ok=False)
+    assert path in _refused_in_one_line(cut, "cannot read its GPTDataset index cache")

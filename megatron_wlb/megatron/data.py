@@ -241,13 +241,18 @@ class WlbDataIterator(Iterator[RankMicroBatch]):
         source = self._source
         digest = source.digest(position) if source is not None and position >= source.start else \
             self.stream.digest(position)
-        return {
+        state = {
             "version": STREAM_STATE_VERSION,
             "reader": self.reader.describe() if self.reader is not None else None,
             "stream_position": position,
             "stream_digest": digest,
             "packer": self.packer.state_dict(),
         }
+        if self.sample_identity is not None and str(digest).startswith("samples:"):
+            # Megatron's samples up to the saved one, witnessed: a longer run (another dataset description)
+            # resumes when its order agrees there
+            state["sample_order"] = self.sample_identity.order_witness(int(str(digest).split(":")[3]))
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the packer and check that this run's stream starts with the saved run's documents."""
@@ -263,7 +268,10 @@ class WlbDataIterator(Iterator[RankMicroBatch]):
         position = int(state["stream_position"])
         source: StreamCursor | SamplePieceCursor
         if isinstance(self.stream, SampleStream):  # Megatron's samples: open a cursor at the saved sample and piece
-            source = self.stream.resume_cursor(position, state["stream_digest"])
+            witness, identity = state.get("sample_order"), self.sample_identity
+            source = self.stream.resume_cursor(
+                position, state["stream_digest"],
+                None if witness is None or identity is None else lambda sample: identity.same_order(witness))
         else:  # read on from the saved position (the documents before it are hashed)
             source = self.stream.cursor()
         if not isinstance(source, SamplePieceCursor) and source.digest(position) != state["stream_digest"]:

@@ -188,6 +188,9 @@ def dataset_build_problem(args: Any, exc: BaseException) -> str:
         return text[len("megatron_wlb: "):]
     folders = index_cache_folders(args)
     rank = os.environ.get("RANK", "0")
+    if isinstance(exc, RuntimeError) and ("closed by peer" in text or "DistBackendError" in type(exc).__name__):
+        return (f"rank {rank}: another rank stopped while megatron-core built the train dataset (its own line says "
+                f"why; {type(exc).__name__}: {text[:160]})")
     if isinstance(exc, FileNotFoundError) and str(exc.filename or "").endswith((".npy", ".txt")):
         return (f"rank {rank} found no GPTDataset index file {exc.filename}: megatron-core builds the indices on "
                 "rank 0 into --data-cache-path and the other ranks read them there, so every rank must name the same "

@@ -109,7 +109,8 @@ def build_train_iterator(args: Any, settings: WlbSettings, dp_rank: int, cp_rank
         # job's consumed samples; a resumed balanced one opens its saved position instead)
         try:
             dataset = build_train_dataset(args)  # Megatron's own helpers read its args namespace
-        except (OSError, EOFError, ValueError) as exc:  # a missing or damaged cache file, an empty train split
+        except (OSError, EOFError, ValueError, RuntimeError) as exc:  # a missing or damaged cache file, an empty
+            # train split, or another rank that stopped for one of them (gloo: its connection closed)
             if isinstance(exc, StartupError):
                 raise
             raise StartupError(f"megatron_wlb: {dataset_build_problem(args, exc)}") from None

@@ -73,11 +73,27 @@ class SampleIdentity:
     def key(self, batch: GlobalBatch | None) -> int:
         """62 bits of the documents (dataset, ``.idx`` document, offset, length of every piece) that this rank's
         index arrays put at ``batch``'s positions."""
-        positions = self.positions(batch)
-        h = hashlib.blake2b(positions.tobytes(), digest_size=8)
+        return self.positions_key(self.positions(batch))
+
+    def positions_key(self, positions: np.ndarray) -> int:
+        """62 bits of the documents this rank's index arrays put at training ``positions``."""
+        h = hashlib.blake2b(np.ascontiguousarray(positions, dtype=np.int64).tobytes(), digest_size=8)
         for part in self.order.document_pieces(positions):
             h.update(np.ascontiguousarray(part, dtype=np.int64).tobytes())
         return int.from_bytes(h.digest(), "little") >> (64 - KEY_BITS)
+
+    def order_witness(self, sample: int) -> dict[str, int]:
+        """What a checkpoint saved at ``sample`` records of the sample order up to it (JSON-ready): the key of
+        ``witness_positions(sample + 1)``, a fixed number of positions whatever the run's length."""
+        end = min(int(sample) + 1, len(self.order))
+        return {"end": end, "key": self.positions_key(witness_positions(end))}
+
+    def same_order(self, witness: dict[str, int]) -> bool:
+        """Whether this run's samples at a checkpoint's ``order_witness`` positions are the checkpoint's (a run
+        extended with a larger ``--train-iters`` keeps megatron-core's order while its epochs do not change)."""
+        end = int(witness["end"])
+        return end <= len(self.order) and self.positions_key(witness_positions(end)) == int(witness["key"])
+
 
     def witness(self, batch: GlobalBatch | None) -> dict[str, Any]:
         """This rank's view of ``batch``'s positions (what ``describe_disagreement`` compares), JSON-ready:
@@ -100,6 +116,18 @@ class SampleIdentity:
                 "prefixes": [str(getattr(p.dataset, "path_prefix", "?")) for p in
                              (self.dataset.datasets if hasattr(self.dataset, "dataset_index") else [self.dataset])]}
 
+
+#: training positions an order witness compares: spread over the samples read, and the last ones before the save
+WITNESS_SPREAD, WITNESS_TAIL = 64, 64
+
+
+def witness_positions(end: int) -> np.ndarray:
+    """The positions below ``end`` an order witness keys: ``WITNESS_SPREAD`` evenly spaced from 0 and the last
+    ``WITNESS_TAIL`` (a reshuffle moves nearly every sample, a changed split or seed every one)."""
+    if end <= 0:
+        return np.zeros(0, dtype=np.int64)
+    spread = np.linspace(0, end - 1, min(end, WITNESS_SPREAD)).astype(np.int64)
+    return np.union1d(spread, np.arange(max(0, end - WITNESS_TAIL), end, dtype=np.int64))
 
 def describe_disagreement(iteration: int, every: Sequence[tuple[int, dict[str, Any]]]) -> str:
     """One line: the first training position whose documents differ, which ranks read which, the index array
