@@ -20,6 +20,9 @@ from megatron_wlb.data.reader import ORDER_FEISTEL, ORDER_NUMPY_SHUFFLE, Documen
 from megatron_wlb.megatron.data import WlbDataIterator
 from megatron_wlb.packing import PackingConfig, make_packer
 
+pytest.importorskip("megatron.core.datasets.gpt_dataset")
+from test_balanced_gptdataset import corpora  # noqa: E402,F401  (the shared GPTDataset corpora fixture)
+
 
 # -- the keyed permutation (scale) --------------------------------------------------------------------------
 @pytest.mark.parametrize("size", [0, 1, 2, 3, 5, 7, 8, 9, 63, 64, 65, 1000, 4097, 65_537, 300_001])
@@ -106,6 +109,46 @@ def test_a_checkpoint_saved_before_the_feistel_order_resumes_in_its_own_order(tm
     feistel.next_plan()
     assert feistel.state_dict()["reader"]["order"] == ORDER_FEISTEL
     assert feistel.current.micro_batches != plans[0]
+
+
+# -- what fills Megatron's samples (items 1 and 5), over megatron-core's real GPTDataset ------------------------
+def test_the_sample_identity_sees_swapped_one_piece_samples_and_witnesses_the_order(corpora, tmp_path):  # noqa: F811
+    """Item 1's key differs when a copy of the cache swaps two samples whose pieces look alike, and the line
+    names the position, the array and each rank's file; item 5's witness accepts a longer run of the same epochs
+    and refuses another seed."""
+    from test_balanced_gptdataset import GBS, _args, _dataset
+
+    from megatron_wlb.megatron.gpt_samples import MegatronSamples
+    from megatron_wlb.megatron.sample_agreement import SampleIdentity, describe_disagreement, index_cache_files
+
+    args = _args(corpora, False)
+    dataset = _dataset(args, 6)
+    files = index_cache_files(dataset)
+    ones = [p for p in range(len(dataset)) if dataset.sample_index[dataset.shuffle_index[p]][0]
+            == dataset.sample_index[dataset.shuffle_index[p] + 1][0]][:2]
+    copy = tmp_path / "copy"
+    shutil.copytree(os.path.dirname(files["shuffle_index"][0]), copy)
+    swapped = np.load(files["shuffle_index"][0])
+    swapped[ones] = swapped[ones[::-1]]
+    np.save(copy / os.path.basename(files["shuffle_index"][0]), swapped)
+    other = _dataset(_args(corpora, False, data_cache_path=str(copy)), 6)
+    samples = MegatronSamples(dataset)
+    mine, theirs = SampleIdentity(dataset, samples.seq_len), SampleIdentity(other, samples.seq_len)
+    cfg = PackingConfig(seq_len=samples.seq_len, n=2, dp=2, max_seq_len=samples.seq_len, read_ahead=False)
+    it = WlbDataIterator(None, samples.stream(0), make_packer("fixed-greedy", cfg), 0, read_piece=samples.piece,
+                         sample_identity=mine)
+    batch = it.next_plan()
+    while ones[1] not in mine.positions(batch):
+        assert mine.key(batch) == theirs.key(batch)  # the same samples there
+        batch = it.next_plan()
+    assert mine.key(batch) != theirs.key(batch)
+    line = describe_disagreement(batch.iteration, [(mine.key(batch), mine.witness(batch)),
+                                                   (theirs.key(batch), theirs.witness(batch))])
+    assert f"at training position {ones[0] if ones[0] in mine.positions(batch) else ones[1]} rank 1 read" in line
+    assert "their GPTDataset shuffle_index differs" in line and str(copy) in line and files["shuffle_index"][0] in line
+    witness = mine.order_witness(5 * GBS)
+    assert SampleIdentity(_dataset(args, 12), samples.seq_len).same_order(witness)  # a longer run, one epoch
+    assert not SampleIdentity(_dataset(_args(corpora, False, seed=7), 12), samples.seq_len).same_order(witness)
 
 
 # -- through Megatron's loop ---------------------------------------------------------------------------------
