@@ -24,7 +24,7 @@ from typing import Any
 
 from megatron_wlb.megatron.data import WlbDataIterator, dumps_state
 from megatron_wlb.megatron.rebind import wrapping
-from megatron_wlb.megatron.validation import RunRefusal, StartupError
+from megatron_wlb.megatron.validation import Refusal, RunRefusal, StartupError
 from megatron_wlb.packing.types import upgrade_old_knobs
 
 SIDECAR_NAME = "wlb_packer_state.json"
@@ -149,11 +149,9 @@ class DataStateRegistry:
         self.iterators.append(iterator)
 
     def state(self) -> dict[str, Any] | None:
-        """The data state to save: the one every chunk iterator that has been read holds (checked).
-
-        A chunk iterator nobody reads (a middle-stage chunk of an unpatched ``get_batch``) stays at its
-        start and is left out; the chunks that read must agree.
-        """
+        """The data state to save: the one every chunk iterator that has been read holds (checked). A chunk
+        iterator nobody reads (a middle-stage chunk of an unpatched ``get_batch``) stays at its start and is
+        left out; the chunks that read must agree."""
         if not self.iterators:
             return None
         used = [it for it in self.iterators if it.packer.iteration > 0] or self.iterators[:1]
@@ -172,15 +170,12 @@ class DataStateRegistry:
 
 
 def _restore(iterator: WlbDataIterator, state: dict[str, Any], iteration: int | None) -> None:
-    """``iterator.load_state_dict(state)``; a state this run cannot continue is refused in one line
-    (``StartupError``)."""
+    """``iterator.load_state_dict(state)``; a state this run cannot continue is refused in one line."""
     try:
         iterator.load_state_dict(state)
     except ValueError as exc:
-        if isinstance(exc, RunRefusal | StartupError):
-            raise
-        at = f" at iteration {iteration}" if iteration is not None else ""
-        raise StartupError(f"megatron_wlb: cannot resume the checkpoint{at}: {exc}") from None
+        raise exc if isinstance(exc, Refusal) else StartupError(
+            f"megatron_wlb: cannot resume the checkpoint at iteration {iteration}: {exc}") from None
 
 
 def wrap_save_checkpoint(original: Callable, registry: DataStateRegistry, get_args: Callable[[], Any],
