@@ -258,7 +258,7 @@ def test_resume_from_a_checkpoint_of_either_kind(corpora):
     expected = _stock_pieces(samples, 12 * GBS, 30 * GBS)
     assert set(fed) <= set(expected) and len(expected) - len(fed) == sum(1 for k in expected if k not in fed)
     assert sum(expected[k][1][0].size for k in set(expected) - set(fed)) == stock[0].packer.pending()
-    with pytest.raises(ValueError, match=r"--train-samples set\): resume with the same flags, or, to train longer, "
-                                         r"pass --wlb-reset-data-stream"):
+    with pytest.raises(ValueError, match=r"--train-samples need change\): resume with the saved flags, or pass "
+                                         r"--wlb-reset-data-stream"):
         other = MegatronSamples(_dataset(_args(corpora, True), 30))
         _iterators(other)[0].load_state_dict(state)

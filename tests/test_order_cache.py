@@ -3,7 +3,8 @@ dataset's epoch order is built once into a file and memory-mapped by every rank 
 the in-memory one; resume stays exact; ranks racing to build it get one good file; a damaged file is
 found by its checksums and rebuilt; an unusable directory is refused naming it. Issue 37: a full disk is a
 one-line refusal (space reserved first), the files are team-readable and the lock any permitted user's,
-a killed build's temp files go, and a refusal keeps why the file was unusable."""
+a killed build's temp files go, and a refusal keeps why the file was unusable. Since issue 49 the cache holds
+only ``ORDER_NUMPY_SHUFFLE``, the order of checkpoints saved before the Feistel order (which needs no file)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from test_stream_scale import synthetic  # the sparse synthetic corpus, one defi
 from megatron_wlb.data import reader as reader_module
 from megatron_wlb.data.reader import (
     ORDER_HEADER_BYTES,
+    ORDER_NUMPY_SHUFFLE,
     DocumentReader,
     cached_order,
     check_order_file,
@@ -41,7 +43,8 @@ def blend(tmp_path, cache: str | None) -> DocumentReader:
     else:
         prefixes = (synthetic(tmp_path, "a", rng.integers(1, 3000, size=4000)),
                     synthetic(tmp_path, "b", rng.integers(1, 500, size=300)))
-    return DocumentReader([(prefixes[0], 0.7), (prefixes[1], 0.3)], split="9,1,0", seed=5, order_cache=cache)
+    return DocumentReader([(prefixes[0], 0.7), (prefixes[1], 0.3)], split="9,1,0", seed=5, order_cache=cache,
+                          order=ORDER_NUMPY_SHUFFLE)
 
 
 def test_the_cached_order_is_the_in_memory_order(tmp_path):

@@ -246,11 +246,11 @@ def add_stream_args(parser: argparse.ArgumentParser, required: bool = False) -> 
 
 
 def add_cache_arg(parser: argparse.ArgumentParser) -> None:
-    """``--data-cache-path``: where a shuffled corpus's epoch orders are built once and memory-mapped."""
+    """``--data-cache-path``: accepted as the job's (the reader's epoch order is a keyed permutation: nothing is
+    cached; an older numpy order would build its files there)."""
     parser.add_argument("--data-cache-path", default=None, metavar="DIR",
-                        help="with --data-path: your job's --data-cache-path; the epoch order of a dataset of 1e6 "
-                             "documents or more is built there once and memory-mapped (page cache) instead of "
-                             "held in memory (4 bytes a document)")
+                        help="with --data-path: your job's --data-cache-path (the epoch order is a keyed "
+                             "permutation evaluated per block: nothing is built or cached there)")
 
 
 def corpus_reader(source: str, cache: str | None = None) -> DocumentReader:

@@ -9,14 +9,18 @@ with neither torch nor megatron-core (``indexed.read_index`` parses the index):
   a seed. ``stream(tokens)`` returns the first documents of that order (ids and lengths) covering
   ``tokens`` tokens; a longer request returns a longer stream with the same prefix, so a resumed
   run with more iterations replays the same documents. The stream is lazy: a packer reads it
-  through a ``StreamCursor``, a window generated a chunk at a time, so a rank holds the window,
-  one epoch's order per dataset (4 bytes a document) and views of the ``.idx``, not the stream.
-  With an order cache directory (``order_cache``; Megatron's ``--data-cache-path``) a large
-  dataset's epoch order is built once into a file there and memory-mapped by every rank of the
-  node (page cache, shared and reclaimable), so a rank's private memory no longer grows with the
-  corpus; the order, and so the stream, is the same as without the cache. A file's space is reserved
-  before it is written (a full disk is a one-line refusal, not a SIGBUS), its modes let a team share
-  the directory (``cache_modes``), and every refusal names ``--data-cache-path`` and why.
+  through a ``StreamCursor``, a window generated a chunk at a time, so a rank holds the window
+  and views of the ``.idx``, not the stream.
+- The epoch order (``order``, recorded in checkpoints by ``describe``): ``ORDER_FEISTEL`` (the
+  default) is a keyed pseudo-random permutation evaluated per block of positions
+  (``permutation.KeyedPermutation``, key: seed, dataset, epoch): no build step, no file, O(1)
+  memory at any corpus size, the same on every rank by construction. ``ORDER_NUMPY_SHUFFLE`` is the
+  order of checkpoints saved before it (a numpy shuffle: 4 bytes a document in memory, or, with an
+  order cache directory, ``order_cache``, Megatron's ``--data-cache-path``, built once into a file
+  there and memory-mapped by the ranks of a node); a resumed run keeps the order its checkpoint
+  names. A cache file's space is reserved before it is written (a full disk is a one-line refusal,
+  not a SIGBUS), its modes let a team share the directory (``cache_modes``), and every refusal names
+  ``--data-cache-path`` and why.
 - Stream ids are global and stable: ``epoch * num_documents + global_doc``, where ``global_doc`` is
   the dataset's offset (datasets in ``--data-path`` order) plus the document's index in its .idx.
 - ``write_indexed_dataset`` writes such files with megatron-core's own builder (tests, smoke runs).
@@ -37,6 +41,7 @@ import numpy as np
 
 from megatron_wlb.data.blend import interleave, parse_data_path, start_times
 from megatron_wlb.data.indexed import check_bin_matches_idx, document_lengths, read_index
+from megatron_wlb.data.permutation import KeyedPermutation
 from megatron_wlb.data.window import MovingWindow
 
 #: Megatron's default ``--split`` (train, valid, test weights)
@@ -192,7 +197,14 @@ class IndexedSource:
 STREAM_CHUNK = 1 << 18
 
 
-# -- epoch orders: in memory, or built once into a file shared by the ranks of a node ---------------------
+# -- epoch orders ------------------------------------------------------------------------------------------
+#: the epoch order of a new run: a keyed Feistel permutation evaluated per position (no build, no file)
+ORDER_FEISTEL = "feistel-v1"
+#: the epoch order of checkpoints saved before ``ORDER_FEISTEL`` (their data state names no order): a numpy
+#: shuffle, in memory or built once into a file shared by the ranks of a node (``cached_order``)
+ORDER_NUMPY_SHUFFLE = "numpy-shuffle"
+ORDERS = (ORDER_FEISTEL, ORDER_NUMPY_SHUFFLE)
+
 #: an epoch order of fewer documents than this stays in memory even with an order cache (4 MB as int32)
 ORDER_CACHE_MIN_DOCUMENTS = 1_000_000
 ORDER_MAGIC = b"WLBORDR1"
@@ -555,7 +567,7 @@ class _DatasetCursor:
         self.weight = float(reader.weights[i])
         self.begin, self.end = reader.ranges[i]
         self.epoch, self.at = 0, 0
-        self.order: np.ndarray | None = None
+        self.order: np.ndarray | KeyedPermutation | None = None
         self.before = 0  # tokens of this dataset scheduled before the next document
         self.done = False
 
@@ -645,15 +657,16 @@ class DocumentReader:
     ``tokens_before_k / weight_i`` (weights normalised), and the stream is all documents in that
     order, so each dataset contributes tokens in proportion to its weight. Within a dataset, the
     documents of the chosen split range are visited in a fresh permutation every epoch
-    (``numpy.random.default_rng([seed, dataset, epoch])``), or in file order if ``shuffle`` is off.
-    ``order_cache``: a directory where the epoch orders of datasets with at least
-    ``ORDER_CACHE_MIN_DOCUMENTS`` documents are built once and memory-mapped (``cached_order``); None
-    keeps them in memory. The order is the same either way.
+    (``order``: ``ORDER_FEISTEL``, a ``KeyedPermutation`` keyed by ``[seed, dataset, epoch]``, or the
+    older ``ORDER_NUMPY_SHUFFLE``, ``numpy.random.default_rng([seed, dataset, epoch])``), or in file order
+    if ``shuffle`` is off. ``order_cache``: with ``ORDER_NUMPY_SHUFFLE``, a directory where the epoch orders
+    of datasets with at least ``ORDER_CACHE_MIN_DOCUMENTS`` documents are built once and memory-mapped
+    (``cached_order``); None keeps them in memory. The order is the same either way.
     """
 
     def __init__(self, sources: Sequence[tuple[IndexedSource | str, float]], split: str = DEFAULT_SPLIT,
                  split_name: str = "train", seed: int = 1234, shuffle: bool = True, mmap: bool = True,
-                 order_cache: str | None = None):
+                 order_cache: str | None = None, order: str = ORDER_FEISTEL):
         if not sources:
             raise ValueError("DocumentReader needs at least one (source, weight)")
         if split_name not in SPLIT_NAMES:
@@ -674,6 +687,8 @@ class DocumentReader:
         self.seed = int(seed)
         self.shuffle = shuffle
         self.order_cache = order_cache
+        self.order = ORDER_FEISTEL
+        self.use_order(order)
         #: per dataset, the latest mapped epoch order (epoch, order): checked once, shared by its cursors;
         #: an older epoch's map is released when the next one is mapped
         self._mapped_orders: dict[int, tuple[int, np.ndarray]] = {}
@@ -734,14 +749,25 @@ class DocumentReader:
         """What determines the stream (saved with checkpoints, compared on resume)."""
         return {"prefixes": [s.prefix for s in self.sources], "weights": [float(w) for w in self.weights],
                 "documents": [s.num_documents for s in self.sources], "split": list(parse_split(self.split)),
-                "split_name": self.split_name, "seed": self.seed, "shuffle": self.shuffle}
+                "split_name": self.split_name, "seed": self.seed, "shuffle": self.shuffle, "order": self.order}
 
-    def _epoch_order(self, i: int, epoch: int) -> np.ndarray:
-        """Dataset ``i``'s split range in epoch ``epoch``'s order, relative to the range's start: a
-        ``numpy.random.default_rng([seed, i, epoch])`` shuffle (int32 while it fits: 4 bytes a document),
-        memory-mapped from the order cache when there is one and the range is large. Only with
-        ``shuffle`` on: in file order the cursors compute the positions and hold no order."""
+    def use_order(self, order: str) -> None:
+        """Visit each epoch in ``order`` (one of ``ORDERS``): a resumed run takes its checkpoint's."""
+        if order not in ORDERS:
+            raise ValueError(f"epoch order {order!r} is not one this build knows ({', '.join(ORDERS)}); resume "
+                             "with the megatron_wlb release that saved the checkpoint")
+        self.order = order
+
+    def _epoch_order(self, i: int, epoch: int) -> np.ndarray | KeyedPermutation:
+        """Dataset ``i``'s split range in epoch ``epoch``'s order, relative to the range's start, sliced by
+        the cursors: ``ORDER_FEISTEL``, a ``KeyedPermutation`` keyed by ``[seed, i, epoch]`` (evaluated per
+        slice, nothing held); ``ORDER_NUMPY_SHUFFLE``, a ``numpy.random.default_rng([seed, i, epoch])``
+        shuffle (int32 while it fits: 4 bytes a document), memory-mapped from the order cache when there is
+        one and the range is large. Only with ``shuffle`` on: in file order the cursors compute the
+        positions and hold no order."""
         b, e = self.ranges[i]
+        if self.order == ORDER_FEISTEL:
+            return KeyedPermutation(e - b, (self.seed, i, epoch))
         if self.order_cache is not None and e - b >= ORDER_CACHE_MIN_DOCUMENTS:
             held = self._mapped_orders.get(i)
             if held is None or held[0] != epoch:

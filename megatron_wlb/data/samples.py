@@ -240,20 +240,28 @@ class SampleStream:
         """``SamplePieceCursor.digest`` from the stream's start (cuts the samples before ``position``)."""
         return self.cursor().digest(position)
 
-    def resume_cursor(self, position: int, digest: str) -> SamplePieceCursor:
-        """A cursor whose piece ``position`` is the one ``digest`` names; refuses another sample order."""
+    def resume_cursor(self, position: int, digest: str,
+                      same_order: Callable[[int], bool | None] | None = None) -> SamplePieceCursor:
+        """A cursor whose piece ``position`` is the one ``digest`` names. A checkpoint of another dataset
+        description (megatron-core names its samples by their number too: a longer ``--train-iters`` is another
+        description) resumes when ``same_order(sample)`` says that this run's samples before the saved one are
+        the checkpoint's (None: the checkpoint cannot tell); else it is refused."""
         parts = str(digest).split(":")
         if len(parts) != 5 or parts[0] != "samples" or int(parts[2]) != int(position):
             raise ValueError(f"the checkpoint's data position {digest!r} was not saved from Megatron's samples "
                              "(--wlb-pieces concat-and-cut); resume with the --wlb-pieces it was saved with")
-        if parts[1] != self.fingerprint:
-            raise ValueError(f"the checkpoint trained Megatron samples of dataset {parts[1]}, this run builds "
-                             f"{self.fingerprint} (megatron-core's description of the dataset: its files, --split, "
-                             "--seed, --seq-length, tokenizer and number of samples, which --train-iters / "
-                             "--train-samples set): resume with the same flags, or, to train longer, pass "
-                             "--wlb-reset-data-stream (Megatron's samples then continue at consumed_train_samples of "
-                             "the longer run's order)")
         sample, piece = int(parts[3]), int(parts[4])
+        if parts[1] != self.fingerprint:
+            same = same_order(sample) if same_order is not None and sample <= self.end_sample else None
+            if not same:
+                why = ("its samples before the saved one (sample " + str(sample) + ") are not this run's" if same
+                       is not None else "it recorded no witness of its sample order to compare with")
+                raise ValueError(f"the checkpoint trained Megatron samples of dataset {parts[1]}, this run builds "
+                                 f"{self.fingerprint}, and {why} (megatron-core orders the samples anew when the "
+                                 "files, --split, --seed, --seq-length, tokenizer or the epochs that --train-iters / "
+                                 "--train-samples need change): resume with the saved flags, or pass "
+                                 "--wlb-reset-data-stream (Megatron's samples then continue at consumed_train_samples "
+                                 "of this run's order)")
         return SamplePieceCursor(self.segment, self.seq_len, sample, self.end_sample, position=int(position),
                                  skip=piece, chunk=self.chunk, fingerprint=self.fingerprint)
 

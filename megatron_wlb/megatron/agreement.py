@@ -35,7 +35,11 @@ from megatron_wlb.megatron.data import plan_digest
 from megatron_wlb.megatron.device import training_device
 from megatron_wlb.megatron.megatron_args import MegatronArgs
 from megatron_wlb.megatron.rebind import wrapping
+from megatron_wlb.megatron.sample_agreement import SampleIdentity
+from megatron_wlb.megatron.sample_agreement import describe_disagreement as describe_sample_disagreement
+from megatron_wlb.megatron.sample_agreement import rank_ranges as _ranges
 from megatron_wlb.megatron.settings import FLAG_KNOBS, setting_source
+from megatron_wlb.megatron.validation import RunRefusal
 from megatron_wlb.packing.types import GlobalBatch
 
 if TYPE_CHECKING:
@@ -102,20 +106,6 @@ def describe_disagreement(plans: Sequence[tuple[int, int, list[Piece]]]) -> str:
             "that differ), --split, --seed and --wlb-* settings")
 
 
-def _ranges(ranks: list[int]) -> str:
-    """``[0, 1, 2, 5]`` -> ``"0-2,5"``."""
-    out: list[str] = []
-    start = prev = ranks[0]
-    for r in [*ranks[1:], None]:
-        if r is not None and r == prev + 1:
-            prev = r
-            continue
-        out.append(str(start) if start == prev else f"{start}-{prev}")
-        if r is not None:
-            start = prev = r
-    return ",".join(out)
-
-
 #: an all-reduce slot no rank writes stays here (larger than every key and every negated key)
 UNWRITTEN = (1 << 63) - 1
 
@@ -147,20 +137,23 @@ def describe_layout_disagreement(iteration: int, dp_rank: int, every: Sequence[t
 
 
 def check_plan_agreement(batch: GlobalBatch | None, group: Any = None, device: Any = None, *, dp_rank: int = 0,
-                         dp_size: int = 1, layouts: Layouts = ()) -> float:
+                         dp_size: int = 1, layouts: Layouts = (), samples: SampleIdentity | None = None) -> float:
     """Raise RuntimeError on every rank of ``group`` (default: the world) unless all planned ``batch``
-    alike and the ranks of each DP rank laid out its micro-batches alike over CP (``layouts``: this rank's
-    (name, digest) per micro-batch of the iteration; empty without CP); returns the seconds the check
-    took. One all-reduce (MIN) of ``2 + 2 * dp_size`` int64 on the agreeing path: ``[key, -key]`` of the
-    plan, then one such pair per DP rank, written by that DP rank's ranks only."""
+    alike, the documents behind its pieces are the same on every rank (``samples``: Megatron's samples'
+    ``SampleIdentity``, None for the document reader, whose stream ids are the documents) and the ranks of
+    each DP rank laid out its micro-batches alike over CP (``layouts``: this rank's (name, digest) per
+    micro-batch of the iteration; empty without CP); returns the seconds the check took. One all-reduce
+    (MIN) of ``4 + 2 * dp_size`` int64 on the agreeing path: ``[key, -key]`` of the plan and of its
+    samples' documents, then one such pair per DP rank, written by that DP rank's ranks only."""
     start = time.perf_counter()
     if device is None:
         device = training_device()
     key = plan_key(batch)
-    values = [UNWRITTEN] * (2 + 2 * dp_size)
-    values[0], values[1] = key, -key
+    content = samples.key(batch) if samples is not None else 0
+    values = [UNWRITTEN] * (4 + 2 * dp_size)
+    values[0], values[1], values[2], values[3] = key, -key, content, -content
     layout = layouts_key(layouts)
-    values[2 + 2 * dp_rank], values[3 + 2 * dp_rank] = layout, -layout
+    values[4 + 2 * dp_rank], values[5 + 2 * dp_rank] = layout, -layout
     both = torch.tensor(values, dtype=torch.int64, device=device)
     dist.all_reduce(both, op=dist.ReduceOp.MIN, group=group)
     reduced = both.tolist()
@@ -168,13 +161,18 @@ def check_plan_agreement(batch: GlobalBatch | None, group: Any = None, device: A
         mine = (batch.iteration if batch is not None else -1, key, plan_pieces(batch))
         every: list[Any] = [None] * dist.get_world_size(group)
         dist.all_gather_object(every, mine, group=group)
-        raise RuntimeError(describe_disagreement(every))
-    differing = [d for d in range(dp_size) if reduced[2 + 2 * d] != UNWRITTEN
-                 and reduced[2 + 2 * d] != -reduced[3 + 2 * d]]
+        raise RunRefusal(describe_disagreement(every))
+    if reduced[2] != content or -reduced[3] != content:
+        witnesses: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(witnesses, (content, samples.witness(batch) if samples is not None else
+                                           {"rows": [], "files": {}, "prefixes": []}), group=group)
+        raise RunRefusal(describe_sample_disagreement(batch.iteration if batch is not None else -1, witnesses))
+    differing = [d for d in range(dp_size) if reduced[4 + 2 * d] != UNWRITTEN
+                 and reduced[4 + 2 * d] != -reduced[5 + 2 * d]]
     if differing:
         gathered: list[Any] = [None] * dist.get_world_size(group)
         dist.all_gather_object(gathered, (dist.get_rank(), dp_rank, [list(x) for x in layouts]), group=group)
-        raise RuntimeError(describe_layout_disagreement(batch.iteration if batch is not None else -1, differing[0],
+        raise RunRefusal(describe_layout_disagreement(batch.iteration if batch is not None else -1, differing[0],
                                                         gathered))
     return time.perf_counter() - start
 
@@ -303,7 +301,7 @@ def check_startup_agreement(fingerprint: RunFingerprint, group: Any = None, devi
     if lowest != key or -highest != key:
         every: list[Any] = [None] * dist.get_world_size(group)
         dist.all_gather_object(every, fingerprint, group=group)
-        raise RuntimeError(describe_fingerprint_disagreement(every))
+        raise RunRefusal(describe_fingerprint_disagreement(every))
     return time.perf_counter() - start
 
 
@@ -333,7 +331,8 @@ def wrap_train_step(original: Callable, first_iterator: Callable[[], Any],
         if iterator is not None:
             batch = iterator.prepare()
             on_checked(check_plan_agreement(batch, dp_rank=iterator.dp_rank, dp_size=iterator.dp_size,
-                                            layouts=iterator.layouts if batch is not None else ()))
+                                            layouts=iterator.layouts if batch is not None else (),
+                                            samples=iterator.sample_identity))
         return original(*args, **kwargs)
 
     return train_step

@@ -24,6 +24,7 @@ from typing import Any
 
 from megatron_wlb.megatron.data import WlbDataIterator, dumps_state
 from megatron_wlb.megatron.rebind import wrapping
+from megatron_wlb.megatron.validation import Refusal, RunRefusal, StartupError
 from megatron_wlb.packing.types import upgrade_old_knobs
 
 SIDECAR_NAME = "wlb_packer_state.json"
@@ -144,15 +145,13 @@ class DataStateRegistry:
     def register(self, iterator: WlbDataIterator) -> None:
         """Track ``iterator``; restore a state loaded earlier into it."""
         if self.pending is not None:
-            iterator.load_state_dict(self.pending)
+            _restore(iterator, self.pending, self.pending_iteration)
         self.iterators.append(iterator)
 
     def state(self) -> dict[str, Any] | None:
-        """The data state to save: the one every chunk iterator that has been read holds (checked).
-
-        A chunk iterator nobody reads (a middle-stage chunk of an unpatched ``get_batch``) stays at its
-        start and is left out; the chunks that read must agree.
-        """
+        """The data state to save: the one every chunk iterator that has been read holds (checked). A chunk
+        iterator nobody reads (a middle-stage chunk of an unpatched ``get_batch``) stays at its start and is
+        left out; the chunks that read must agree."""
         if not self.iterators:
             return None
         used = [it for it in self.iterators if it.packer.iteration > 0] or self.iterators[:1]
@@ -167,7 +166,16 @@ class DataStateRegistry:
         self.pending = state
         self.pending_iteration = iteration
         for it in self.iterators:
-            it.load_state_dict(state)
+            _restore(it, state, iteration)
+
+
+def _restore(iterator: WlbDataIterator, state: dict[str, Any], iteration: int | None) -> None:
+    """``iterator.load_state_dict(state)``; a state this run cannot continue is refused in one line."""
+    try:
+        iterator.load_state_dict(state)
+    except ValueError as exc:
+        raise exc if isinstance(exc, Refusal) else StartupError(
+            f"megatron_wlb: cannot resume the checkpoint at iteration {iteration}: {exc}") from None
 
 
 def wrap_save_checkpoint(original: Callable, registry: DataStateRegistry, get_args: Callable[[], Any],
@@ -373,18 +381,18 @@ def wrap_load_checkpoint(original: Callable, registry: DataStateRegistry, get_ar
                 f"({int(getattr(margs, 'consumed_train_samples', 0) or 0)})")
             return out
         if payload is None:
-            raise RuntimeError(missing_sidecar_refusal(getattr(margs, load_arg), iteration))
+            raise RunRefusal(missing_sidecar_refusal(getattr(margs, load_arg), iteration))
         registry.data_stream_resets = int(payload.get("data_stream_resets", 0))
         registry.data_stream_reset = payload.get("data_stream_reset")
         changed = settings_difference(payload.get("settings"), settings(), _seq_len(margs))
         if changed:
-            raise RuntimeError(f"megatron_wlb: the checkpoint at iteration {iteration} was saved with other "
+            raise RunRefusal(f"megatron_wlb: the checkpoint at iteration {iteration} was saved with other "
                                f"WLB settings ({'; '.join(changed)}); resume with the saved --wlb-* flags, or pass "
                                f"{RESET_FLAG} to restart the data stream with the new ones (the optimizer, "
                                "iteration and LR schedule resume)")
         refusal = plan_layout_refusal(payload["data"], margs)
         if refusal:
-            raise RuntimeError(f"megatron_wlb: {refusal}")
+            raise RunRefusal(f"megatron_wlb: {refusal}")
         registry.saved_fingerprint = payload.get("fingerprint")
         registry.set_pending(payload["data"], iteration)
         return out

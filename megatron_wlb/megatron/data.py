@@ -31,7 +31,7 @@ import numpy as np
 
 from megatron_wlb.cp.layouts import ShardLayout, layout_digest
 from megatron_wlb.cp.plan import CPSharding, Packed, RankMicroBatch, layout_micro_batch, micro_batch_lengths, rank_batch
-from megatron_wlb.data.reader import DocumentReader, DocumentStream, StreamCursor
+from megatron_wlb.data.reader import ORDER_NUMPY_SHUFFLE, DocumentReader, DocumentStream, StreamCursor
 from megatron_wlb.data.samples import SamplePieceCursor, SampleStream
 from megatron_wlb.packing import make_packer
 from megatron_wlb.packing.types import GlobalBatch, MicroBatch
@@ -114,7 +114,7 @@ class WlbDataIterator(Iterator[RankMicroBatch]):
     def __init__(self, reader: DocumentReader | None, stream: DocumentStream | SampleStream, packer: Any,
                  dp_rank: int, sharding: CPSharding | None = None,
                  on_batch: Callable[[GlobalBatch], None] | None = None, read: ReadFn | None = None,
-                 read_piece: PieceReadFn | None = None):
+                 read_piece: PieceReadFn | None = None, sample_identity: Any = None):
         if read is None and read_piece is None:
             if reader is None:
                 raise ValueError("WlbDataIterator needs a DocumentReader or a read(doc_id, offset, length) function")
@@ -123,6 +123,9 @@ class WlbDataIterator(Iterator[RankMicroBatch]):
         self.read: ReadFn = read if read is not None else _no_token_read
         #: Megatron's own samples (the balanced concat-and-cut intake): pieces read with their labels and loss mask
         self.read_piece = read_piece
+        #: what keys the documents behind Megatron's samples (``sample_agreement.SampleIdentity``; None: the
+        #: reader's stream ids are the documents), agreed every step with the plan
+        self.sample_identity = sample_identity
         self.sharding = sharding if sharding is not None else CPSharding()
         self.stream = stream
         self.packer = packer
@@ -238,27 +241,37 @@ class WlbDataIterator(Iterator[RankMicroBatch]):
         source = self._source
         digest = source.digest(position) if source is not None and position >= source.start else \
             self.stream.digest(position)
-        return {
+        state = {
             "version": STREAM_STATE_VERSION,
             "reader": self.reader.describe() if self.reader is not None else None,
             "stream_position": position,
             "stream_digest": digest,
             "packer": self.packer.state_dict(),
         }
+        if self.sample_identity is not None and str(digest).startswith("samples:"):
+            # Megatron's samples up to the saved one, witnessed: a longer run (another dataset description)
+            # resumes when its order agrees there
+            state["sample_order"] = self.sample_identity.order_witness(int(str(digest).split(":")[3]))
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the packer and check that this run's stream starts with the saved run's documents."""
         if state.get("version") != STREAM_STATE_VERSION:
             raise ValueError(f"data state version {state.get('version')!r}; this build reads {STREAM_STATE_VERSION}")
-        if self.reader is not None and state.get("reader") is not None and \
-                _reader_key(state["reader"]) != _reader_key(self.reader.describe()):
-            raise ValueError("the checkpoint's data state was saved with other data settings: saved "
-                             f"{state['reader']}, now {self.reader.describe()}; resume with the same --data-path, "
-                             "--split and --seed")
+        if self.reader is not None and state.get("reader") is not None:
+            saved = {**state["reader"], "order": saved_order(state["reader"])}
+            self.reader.use_order(saved["order"])  # the checkpoint's epoch order goes on, whichever this build's
+            if _reader_key(saved) != _reader_key(self.reader.describe()):
+                raise ValueError("the checkpoint's data state was saved with other data settings: saved "
+                                 f"{saved}, now {self.reader.describe()}; resume with the same --data-path, "
+                                 "--split and --seed")
         position = int(state["stream_position"])
         source: StreamCursor | SamplePieceCursor
         if isinstance(self.stream, SampleStream):  # Megatron's samples: open a cursor at the saved sample and piece
-            source = self.stream.resume_cursor(position, state["stream_digest"])
+            witness, identity = state.get("sample_order"), self.sample_identity
+            source = self.stream.resume_cursor(
+                position, state["stream_digest"],
+                None if witness is None or identity is None else lambda sample: identity.same_order(witness))
         else:  # read on from the saved position (the documents before it are hashed)
             source = self.stream.cursor()
         if not isinstance(source, SamplePieceCursor) and source.digest(position) != state["stream_digest"]:
@@ -301,6 +314,12 @@ class PlanLayoutError(ValueError):
         self.saved_dp, self.saved_n, self.dp, self.n = saved_dp, saved_n, dp, n
         super().__init__(f"the checkpoint planned {saved_dp * saved_n} micro-batches per iteration (DP {saved_dp} x "
                          f"{saved_n}), this run {dp * n} (DP {dp} x {n}): its plans cannot be dealt to this layout")
+
+
+def saved_order(described: dict[str, Any]) -> str:
+    """The epoch order a checkpoint's reader state names (one saved before the orders had names: the numpy
+    shuffle it was trained in)."""
+    return str(described.get("order", ORDER_NUMPY_SHUFFLE))
 
 
 def _reader_key(described: dict[str, Any]) -> dict[str, Any]:

@@ -90,8 +90,9 @@ def build_train_dataset(args: Any, tokenizer: Any = None, num_samples: tuple[int
     train, _, _ = BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True,
                                                 gpt_dataset_config(args, tokenizer)).build()
     if train is None:
-        raise ValueError("megatron_wlb: Megatron built no train dataset from --data-path / --split; give the train "
-                         "split documents")
+        raise ValueError(f"megatron_wlb: Megatron built no train dataset from --data-path with --split "
+                         f"{MegatronArgs.of(args).split!r}: the balanced concat-and-cut trains Megatron's train "
+                         "samples; give the train split a share (e.g. --split 98,2,0)")
     return train
 
 

@@ -18,12 +18,15 @@ without it.
 
 from __future__ import annotations
 
+import glob
+import os
 from collections import OrderedDict
 from typing import Any
 
 import numpy as np
 
 from megatron_wlb.cp.plan import Packed
+from megatron_wlb.data.blend import parse_data_path
 from megatron_wlb.data.samples import SAMPLE_CHUNK, GptIndices, SampleOrder, SampleStream, piece_sample
 from megatron_wlb.megatron.megatron_args import MegatronArgs
 
@@ -84,6 +87,46 @@ def eod_problem(dataset: Any) -> str | None:
                     f"write the corpus with EOD {eod}, use the tokenizer it was written for, or mask with "
                     "--dataloader-inter-document-masking (documents from the .idx)")
     return None
+
+
+def index_cache_folders(args: Any) -> list[str]:
+    """Where megatron-core keeps this job's GPTDataset / BlendedDataset index files: ``--data-cache-path``, else
+    a ``cache/GPTDataset_indices`` folder beside each dataset."""
+    a = MegatronArgs.of(args)
+    if a.data_cache_path:
+        return [str(a.data_cache_path)]
+    return [os.path.join(prefix, "cache", "GPTDataset_indices") for prefix, _ in parse_data_path(a.data_path or [])]
+
+
+def dataset_build_problem(args: Any, exc: BaseException) -> str:
+    """One line on why megatron-core could not build (or load) this job's train dataset (``build_train_dataset``
+    raised ``exc``): a rank that found no index file where rank 0 built them, a damaged cached ``.npy``, an
+    empty train split, or megatron-core's own message."""
+    text = " ".join(str(exc).split())
+    if text.startswith("megatron_wlb: "):
+        return text[len("megatron_wlb: "):]
+    folders = index_cache_folders(args)
+    rank = os.environ.get("RANK", "0")
+    if isinstance(exc, RuntimeError) and ("closed by peer" in text or "DistBackendError" in type(exc).__name__):
+        return (f"rank {rank}: another rank stopped while megatron-core built the train dataset (its own line says "
+                f"why; {type(exc).__name__}: {text[:160]})")
+    if isinstance(exc, FileNotFoundError) and str(exc.filename or "").endswith((".npy", ".txt")):
+        return (f"rank {rank} found no GPTDataset index file {exc.filename}: megatron-core builds the indices on "
+                "rank 0 into --data-cache-path and the other ranks read them there, so every rank must name the same "
+                f"(shared) --data-cache-path (this rank: {', '.join(folders)}) and describe the same dataset "
+                "(--data-path, --split, --seed, --seq-length, --train-iters / --train-samples, tokenizer)")
+    damaged = []
+    for folder in folders:
+        for path in sorted(glob.glob(os.path.join(folder, "*.npy"))):
+            try:
+                np.load(path, mmap_mode="r", allow_pickle=False)
+            except (OSError, ValueError, EOFError) as bad:
+                damaged.append(f"{path} ({' '.join(str(bad).split())[:80]})")
+    if damaged:
+        return (f"megatron-core cannot read its GPTDataset index cache: {'; '.join(damaged)} (a copy or write cut "
+                "short?); remove the damaged files and rank 0 rebuilds them at the next start")
+    paths = " ".join(MegatronArgs.of(args).data_path or [])
+    return f"megatron-core could not build the train dataset of --data-path {paths} ({type(exc).__name__}: {text})"
 
 
 def _loaded(dataset: Any) -> Any:

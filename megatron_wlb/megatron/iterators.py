@@ -15,8 +15,9 @@ from typing import TYPE_CHECKING, Any
 from megatron_wlb.cp.plan import CPSharding, RankMicroBatch
 from megatron_wlb.data.reader import DEFAULT_SPLIT, DocumentReader, parse_split
 from megatron_wlb.megatron.data import WlbDataIterator
-from megatron_wlb.megatron.gpt_samples import MegatronSamples, eod_problem
+from megatron_wlb.megatron.gpt_samples import MegatronSamples, dataset_build_problem, eod_problem
 from megatron_wlb.megatron.megatron_args import MegatronArgs
+from megatron_wlb.megatron.sample_agreement import SampleIdentity
 from megatron_wlb.megatron.settings import WlbSettings
 from megatron_wlb.megatron.sft import sft_reader
 from megatron_wlb.megatron.state import print_rank0
@@ -101,10 +102,8 @@ def build_train_iterator(args: Any, settings: WlbSettings, dp_rank: int, cp_rank
     (``gpt_samples``) unless a ``reader`` is given; evaluation keeps the document reader.
     """
     a = MegatronArgs.of(args)
-    config = packing_config_from_args(args, settings)
+    config = iterator_packing_config(args, settings, split_name, reader)
     megatron_samples = config.pieces == "concat-and-cut" and split_name == "train" and reader is None
-    if megatron_samples and config.read_ahead is None:  # no sample before the iteration Megatron's sampler gives it
-        config = dataclasses.replace(config, read_ahead=False)
     cost = cost_model_from_args(args, settings)  # Megatron's own args: the MoE flags are read from them
     packer = make_packer(settings.packer, config, cost)
     sharding = cp_sharding_from_args(args, settings, cp_rank, cost)
@@ -113,14 +112,21 @@ def build_train_iterator(args: Any, settings: WlbSettings, dp_rank: int, cp_rank
         # job's consumed samples; a resumed balanced one opens its saved position instead)
         from megatron_wlb.megatron.gpt_datasets import build_train_dataset  # lazy: it imports Megatron
 
-        dataset = build_train_dataset(args)  # Megatron's own helpers read its args namespace
+        try:
+            dataset = build_train_dataset(args)  # Megatron's own helpers read its args namespace
+        except (OSError, EOFError, ValueError, RuntimeError) as exc:  # a missing or damaged cache file, an empty
+            # train split, or another rank that stopped for one of them (gloo: its connection closed)
+            if isinstance(exc, StartupError):
+                raise
+            raise StartupError(f"megatron_wlb: {dataset_build_problem(args, exc)}") from None
         if not a.dataloader_inter_document_masking:
             problem = eod_problem(dataset)
             if problem is not None:
                 raise StartupError(f"megatron_wlb: {problem}")
         samples = MegatronSamples(dataset)
         return WlbDataIterator(None, samples.stream(int(a.consumed_train_samples or 0)), packer,
-                               dp_rank, sharding, on_batch=on_batch, read_piece=samples.piece)
+                               dp_rank, sharding, on_batch=on_batch, read_piece=samples.piece,
+                               sample_identity=SampleIdentity(dataset, samples.seq_len))
     if a.sft and reader is None:  # conversations from Megatron's SFT jsonl, each with its own labels and loss mask
         reader, read_piece = sft_reader(args, split_name, print_fn=lambda line: print_rank0(f"> {line}"))
         if a.padded_vocab_size:
@@ -130,6 +136,17 @@ def build_train_iterator(args: Any, settings: WlbSettings, dp_rank: int, cp_rank
     reader = reader if reader is not None else reader_from_args(args, split_name)
     return WlbDataIterator(reader, reader.stream(stream_tokens_for(args, config, split_name)), packer, dp_rank,
                            sharding, on_batch=on_batch)
+
+
+def iterator_packing_config(args: Any, settings: WlbSettings, split_name: str = "train",
+                            reader: DocumentReader | None = None) -> Any:
+    """The ``PackingConfig`` ``build_train_iterator`` packs with (what the start-up agreement compares before any
+    dataset is built): with Megatron's own samples no sample is read before its iteration by default."""
+    config = packing_config_from_args(args, settings)
+    megatron_samples = config.pieces == "concat-and-cut" and split_name == "train" and reader is None
+    if megatron_samples and config.read_ahead is None:
+        config = dataclasses.replace(config, read_ahead=False)
+    return config
 
 
 def the_train_iterator_builder() -> Callable[..., WlbDataIterator]:
@@ -179,6 +196,6 @@ def pretrain_gpt_batch(data_iterator: Any, keys: list[str]) -> list[Any]:
     return [fields.get(key) for key in keys]
 
 
-__all__ = ["build_train_iterator", "cp_sharding_from_args", "iterations_for", "pinned_tp_rank_batch",
-           "pretrain_gpt_batch", "reader_from_args", "split_is_empty", "split_of", "stream_tokens_for",
-           "the_train_iterator_builder"]
+__all__ = ["build_train_iterator", "cp_sharding_from_args", "iterations_for", "iterator_packing_config",
+           "pinned_tp_rank_batch", "pretrain_gpt_batch", "reader_from_args", "split_is_empty", "split_of",
+           "stream_tokens_for", "the_train_iterator_builder"]

@@ -32,6 +32,7 @@ from megatron_wlb.megatron.data import WlbDataIterator
 from megatron_wlb.megatron.device import training_device
 from megatron_wlb.megatron.iterators import (
     iterations_for,
+    iterator_packing_config,
     pinned_tp_rank_batch,
     split_is_empty,
     the_train_iterator_builder,
@@ -164,10 +165,10 @@ def wrap_build_train_valid_test_data_iterators(original: Callable, mods: dict[st
                                          tb_writer=gv.get_tensorboard_writer, wandb_writer=gv.get_wandb_writer,
                                          stages=a.pp, virtual_stages=a.vpp)
         first = not rt.registry.iterators
+        if first:  # before any dataset is built: a rank with another --seed must be named, not fail in megatron-core
+            agree_at_startup(args, settings, iterator_packing_config(args, settings), rt.logger.cost)
         iterator = prefetching(the_train_iterator_builder()(args, settings, *ranks(),
                                                             on_batch=rt.logger.on_batch if first else None))
-        if first:
-            agree_at_startup(args, settings, iterator)
         rt.registry.register(iterator)
         if first:
             start_recorder(a, settings, iterator.n, rt.logger.cost)
@@ -187,13 +188,14 @@ def wrap_build_train_valid_test_data_iterators(original: Callable, mods: dict[st
     return build_train_valid_test_data_iterators
 
 
-def agree_at_startup(args: Any, settings: WlbSettings, iterator: Any) -> None:
-    """Before the first plan: every rank must start with the same settings, cost model and datasets
-    (``agreement.check_startup_agreement``, one all-reduce over the world), and, resuming, with the datasets
-    the checkpoint trained on (its sidecar's fingerprint). Both stop every rank in one line naming what differs."""
+def agree_at_startup(args: Any, settings: WlbSettings, config: Any, cost: Any) -> None:
+    """Before any dataset is built: every rank must start with the same settings, packing ``config``, ``cost``
+    model and datasets (``agreement.check_startup_agreement``, one all-reduce over the world), and, resuming,
+    with the datasets the checkpoint trained on (its sidecar's fingerprint). Both stop every rank in one line
+    naming what differs."""
     start = time.perf_counter()
     a = MegatronArgs.of(args)
-    fingerprint = run_fingerprint(a, settings, iterator.packer.config, iterator.packer.cost, dataset_parts(a))
+    fingerprint = run_fingerprint(a, settings, config, cost, dataset_parts(a))
     registry = runtime().registry
     registry.fingerprint = fingerprint.datasets()
     if dist.is_initialized() and dist.get_world_size() > 1:

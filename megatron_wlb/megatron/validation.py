@@ -45,8 +45,18 @@ def num_microbatches_from_args(args: Any) -> int:
     return gbs // (mbs * dp)
 
 
-class StartupError(ValueError):
+class Refusal(Exception):  # noqa: N818 - a refusal, not an error of ours
+    """A problem that stops the run with its one-line message on every rank that meets it (flags, data, a
+    checkpoint that cannot be resumed, ranks that disagree): the entry points exit with it, no traceback."""
+
+
+class StartupError(Refusal, ValueError):
     """A start-up problem (flags, data): the entry points exit with its one-line message, no traceback."""
+
+
+class RunRefusal(Refusal, RuntimeError):
+    """A refusal once the run is under way (a checkpoint it cannot resume, ranks whose plans or samples
+    differ): the entry points exit with its one-line message, no traceback."""
 
 
 def rejected_by_megatron(exc: BaseException) -> StartupError:
@@ -63,10 +73,11 @@ def rejected_by_megatron(exc: BaseException) -> StartupError:
 
 @contextlib.contextmanager
 def exit_on_startup_error() -> Iterator[None]:
-    """Turn a ``StartupError`` into ``SystemExit`` with its message: an entry point exits with one line."""
+    """Turn a ``Refusal`` (``StartupError``, ``RunRefusal``) into ``SystemExit`` with its message: an entry point
+    exits with one line."""
     try:
         yield
-    except StartupError as exc:
+    except Refusal as exc:
         raise SystemExit(str(exc)) from None
 
 
