@@ -194,24 +194,20 @@ _PROBE: Conversation = [{"role": "system", "content": "You are a helpful assista
 PROGRESS_SECONDS = 30.0
 
 
-def tokenizer_identity(tokenizer: ConversationTokenizer, sample: Conversation | None = None, extra: str = "") -> str:
-    """What identifies a tokenizer for the cache: its class, pad id and vocabulary size, and the tokens and
-    targets it gives a probe conversation of every role and ``sample`` (the jsonl's first conversation: the
-    vocabulary the data uses), plus ``extra`` (the adapter's: the tokenizer files' digest, the prompt format)."""
+def tokenizer_identity(tokenizer: ConversationTokenizer, extra: str = "") -> str:
+    """What identifies a tokenizer for the cache's key: its class, pad id and vocabulary size, the tokens and
+    targets it gives a probe conversation of every role (its template and masking), and ``extra`` (the
+    adapter's: the tokenizer files' digest and prompt format). ``SftCorpus.build`` also checks the jsonl's
+    first conversation against the cache (the vocabulary the data uses)."""
     inner = getattr(tokenizer, "_tokenizer", tokenizer)
     h = hashlib.sha256()
     h.update(json.dumps([type(tokenizer).__qualname__, type(inner).__module__, type(inner).__qualname__,
                          int(tokenizer.pad), getattr(tokenizer, "vocab_size", None), extra]).encode())
-    for conversation in (_PROBE, sample):
-        if conversation is None:
-            continue
-        try:
-            tokens, targets = tokenize(tokenizer, conversation, "the tokenizer's identity probe")
-        except SftInputError as exc:
-            if conversation is sample:
-                raise
-            h.update(str(exc).encode())  # a tokenizer refusing the tool role is an identity too
-            continue
+    try:
+        tokens, targets = tokenize(tokenizer, _PROBE, "the tokenizer's identity probe")
+    except SftInputError as exc:
+        h.update(str(exc).encode())  # a tokenizer refusing the tool role is an identity too
+    else:
         h.update(tokens.tobytes())
         h.update(targets.tobytes())
     return h.hexdigest()
@@ -252,7 +248,8 @@ class SftCorpus:
         first = _first_conversation(path)
         if first is None:
             raise SftInputError(f"{path}: holds no conversation; give a jsonl of {{\"messages\": [...]}} lines")
-        identity = tokenizer_identity(tokenizer, first, identity_extra)
+        identity = tokenizer_identity(tokenizer, identity_extra)
+        first_tokens, first_targets = (a[:seq_len] for a in tokenize(tokenizer, first, f"{path}: conversation 1"))
         prefix = cache_prefix(cache_dir or default_cache_dir(path), path, identity, seq_len)
         built: list[bool] = []
 
@@ -260,7 +257,15 @@ class SftCorpus:
             manifest = read_manifest(prefix)
             if manifest is None:
                 return "missing"
-            return stale_reason(manifest, path)
+            stale = stale_reason(manifest, path)
+            if stale is not None:
+                return stale
+            cached = map_cache(prefix)  # a damaged cache is refused here
+            n = int(cached.lengths[0])
+            same = np.array_equal(cached.tokens[:n], first_tokens) and np.array_equal(cached.targets[:n], first_targets)
+            if not same:
+                return "the tokenizer gives the first conversation other tokens than the cache holds"
+            return None
 
         def build(why: str | None) -> None:
             if why != "missing" and print_fn is not None:

@@ -90,10 +90,11 @@ def read_manifest(prefix: str) -> dict[str, Any] | None:
     try:
         with open(prefix + ".json") as f:
             data = json.load(f)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         return None
     except (OSError, ValueError) as exc:
-        raise SftCacheError(f"SFT cache {prefix}.json: unreadable ({exc}); remove {prefix}.* to rebuild it") from None
+        why = exc.strerror if isinstance(exc, OSError) else str(exc).splitlines()[0]
+        raise SftCacheError(f"SFT cache {prefix}.json: unreadable ({why}); remove {prefix}.* to rebuild it") from None
     return data if isinstance(data, dict) else None
 
 
