@@ -15,6 +15,10 @@ than ``seq_length`` is cut as ``SFTDataset`` cuts it (its first ``seq_length`` t
 ``SftCorpus.truncated`` and said by the caller). Unlike ``SFTDataset``, a line's later conversations are
 not dropped when the line overflows the window: each is its own document.
 
+``SftCorpus.build`` tokenizes the jsonl once, streaming, into the on-disk cache of ``data.sft_cache``
+(Megatron ``.bin``/``.idx`` tokens and targets, keyed by the jsonl, the tokenizer and ``seq_length``), which
+every process then memory-maps: what a rank holds does not grow with the number of conversations.
+
 Pure: numpy and the standard library; the tokenizer is any object with Megatron's
 ``tokenize_conversation`` and ``pad`` (the adapter passes Megatron's own).
 """

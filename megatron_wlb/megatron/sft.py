@@ -19,7 +19,7 @@ from typing import Any
 from megatron_wlb.data.blend import parse_data_path
 from megatron_wlb.data.reader import DocumentReader
 from megatron_wlb.data.sft import SftCorpus, SftInputError
-from megatron_wlb.data.sft_cache import file_sha256
+from megatron_wlb.data.sft_cache import default_cache_dir, file_sha256
 from megatron_wlb.megatron.megatron_args import MegatronArgs
 
 #: (stream id, offset, length) -> a piece's tokens, labels and loss mask
@@ -112,7 +112,7 @@ def sft_reader(args: Any, split_name: str, tokenizer: Any = None,
     split = "1,0,0" if own else (a.split or "969,30,1")
     reader = DocumentReader([(c.source(), w) for c, w in zip(corpora, weights, strict=True)], split=split,
                             split_name="train" if own else split_name, seed=seed,
-                            order_cache=a.data_cache_path or None)
+                            order_cache=a.data_cache_path or default_cache_dir(parts[0][0]))
 
     def read_piece(stream_id: int, offset: int, length: int) -> Any:
         _, dataset, doc = reader.locate(stream_id)
