@@ -40,7 +40,7 @@ CACHE_FORMAT = 1
 #: the dtype of tokens and targets on disk (megatron-core's code 4: int32)
 CACHE_DTYPE = np.int32
 #: conversations gathered before their tokens are written (the builder's memory: one batch)
-WRITE_BATCH_TOKENS = 1 << 22
+WRITE_BATCH_TOKENS = 1 << 20
 #: lengths read back at a time while the ``.idx`` is written
 _LENGTH_CHUNK = 1 << 22
 
