@@ -164,3 +164,19 @@ def test_an_unwritable_cache_directory_is_one_line(tmp_path):
     with pytest.raises(SftCacheError) as err:
         SftCorpus.build(jsonl, CountingTokenizer(), SEQ, cache_dir=str(blocker / "sub"))
     assert "\n" not in str(err.value) and "--data-cache-path" in str(err.value)
+
+
+def test_a_long_build_prints_its_progress(tmp_path, monkeypatch):
+    import megatron_wlb.data.sft as sft
+
+    monkeypatch.setattr(sft, "PROGRESS_SECONDS", 0.0)
+    monkeypatch.setattr(sft, "WRITE_BATCH_TOKENS", 256)  # several batches: the builder holds one at a time
+    jsonl = _write(tmp_path / "chat.jsonl", 40)
+    notes: list[str] = []
+    corpus = SftCorpus.build(jsonl, CountingTokenizer(), SEQ, print_fn=notes.append)
+    progress = [line for line in notes if "tokenizing" in line and "% of the file" in line]
+    assert len(progress) == 40 and "40 conversations, 100.0% of the file" in progress[-1]
+    assert corpus.num_conversations == 40 and sum("tokenized in" in line for line in notes) == 1
+    tokenizer = CountingTokenizer()
+    for doc, (tokens, _) in enumerate(_expected(jsonl, tokenizer)):
+        np.testing.assert_array_equal(corpus.sample(doc)[0], tokens)
