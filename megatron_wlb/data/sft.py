@@ -256,8 +256,10 @@ class SftCorpus:
         first_tokens, first_targets = (a[:seq_len] for a in tokenize(tokenizer, first, f"{path}: conversation 1"))
         prefix = cache_prefix(cache_dir or default_cache_dir(path), path, identity, seq_len)
         built: list[bool] = []
+        found: list[CachedArrays] = []  # the cache mapped and checked by the last ``usable``
 
         def usable() -> str | None:
+            found.clear()
             manifest = read_manifest(prefix)
             if manifest is None:
                 return "missing"
@@ -269,6 +271,7 @@ class SftCorpus:
             same = np.array_equal(cached.tokens[:n], first_tokens) and np.array_equal(cached.targets[:n], first_targets)
             if not same:
                 return "the tokenizer gives the first conversation other tokens than the cache holds"
+            found.append(cached)
             return None
 
         def build(why: str | None) -> None:
@@ -278,7 +281,7 @@ class SftCorpus:
             built.append(True)
 
         locked_build(prefix, usable, build)
-        arrays = map_cache(prefix)
+        arrays = found[0] if found else map_cache(prefix)  # its checks (a scan of the .idx) run once a start
         m = arrays.manifest
         if m.get("tokenizer") != identity or m.get("seq_len") != int(seq_len) or m.get("pad") != int(tokenizer.pad):
             raise SftCacheError(f"SFT cache {prefix}.json: built for another tokenizer or --seq-length "
