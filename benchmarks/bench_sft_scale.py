@@ -37,6 +37,9 @@ from bench_data_scale import PeakSampler, status_kib  # noqa: E402
 CONFIG = "8b_sft_32k"
 SEQ = 4096
 PLANS, READS = 20, 10_000
+#: two ranks start one after the other over each cache: the first also builds the epoch order files (of a
+#: dataset of 1e6 conversations or more: ``reader.ORDER_CACHE_MIN_DOCUMENTS``), the second maps them
+RANKS = ("first", "later")
 #: conversations generated per batch of the synthetic cache
 BATCH = 1 << 20
 
@@ -175,11 +178,12 @@ def to_markdown(result: dict) -> str:
     lines = [f"SFT intake over its tokenized cache (issue 50, scale): {result['machine']}.", "",
              "Reading side: one rank maps a cache written in its format, plans "
              f"{PLANS} iterations ({CONFIG}, wlb) and reads {READS:,} conversations.", "",
-             "| conversations | tokens | cache on disk | map (checks) | first plan | reads | peak private | "
+             "| conversations | rank | tokens | cache on disk | map (checks) | first plan | reads | peak private | "
              "private at end | peak file pages (shared) | held in memory before (8 B a token, 24 a conversation) |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in result["reading"]:
-        lines.append(f"| {r['conversations']:.0e} | {r['tokens']:,} | {r['cache_mib']:.0f} MiB | {r['map_s']:.2f} s | "
+        lines.append(f"| {r['conversations']:.0e} | {r['rank']} | {r['tokens']:,} | {r['cache_mib']:.0f} MiB | "
+                     f"{r['map_s']:.2f} s | "
                      f"{r['first_plan_s']:.2f} s | {r['reads_s']:.2f} s | {r['peak_anon_mib']:.0f} MiB | "
                      f"{r['anon_end_mib']:.0f} MiB | {r['peak_file_mib']:.0f} MiB | {held_before_mib(r):.0f} MiB |")
     if result["building"]:
@@ -190,14 +194,21 @@ def to_markdown(result: dict) -> str:
             lines.append(f"| {r['conversations']:.0e} | {r['jsonl_mib']:.0f} MiB | {r['tokens']:,} | "
                          f"{r['build_s']:.1f} s | {r['conversations'] / r['build_s']:,.0f} | "
                          f"{r['peak_anon_mib']:.0f} MiB | {r['anon_end_mib']:.0f} MiB |")
-    reading = result["reading"]
-    if len(reading) > 1:
-        low, top = reading[0], reading[-1]
-        lines += ["", f"- Peak private memory of the reading rank: {low['peak_anon_mib']:.0f} MiB at "
-                  f"{low['conversations']:.0e} conversations, {top['peak_anon_mib']:.0f} MiB at "
-                  f"{top['conversations']:.0e} ({top['conversations'] / low['conversations']:.0f}x the corpus); "
-                  f"holding the corpus as before would take {held_before_mib(top):.0f} MiB at "
-                  f"{top['conversations']:.0e}."]
+    later = [r for r in result["reading"] if r["rank"] == "later"]
+    first = [r for r in result["reading"] if r["rank"] == "first"]
+    if len(later) > 1:
+        low, top = later[0], later[-1]
+        lines += ["", f"- Private memory of a rank that maps the cache (and the epoch orders): peak "
+                  f"{low['peak_anon_mib']:.0f} MiB at {low['conversations']:.0e} conversations, "
+                  f"{top['peak_anon_mib']:.0f} MiB at {top['conversations']:.0e} "
+                  f"({top['conversations'] / low['conversations']:.0f}x the corpus); at the end "
+                  f"{low['anon_end_mib']:.0f} and {top['anon_end_mib']:.0f} MiB. The rank that builds the epoch order "
+                  f"file peaks at {first[-1]['peak_anon_mib']:.0f} MiB at {top['conversations']:.0e} (4 bytes a "
+                  f"conversation while it shuffles). Holding the corpus as before would take "
+                  f"{held_before_mib(top):.0f} MiB at {top['conversations']:.0e}.",
+                  "- File pages are the maps' pages resident in this process (page cache: shared by a node's ranks, "
+                  "reclaimable); with the cache just written they are all cached, and the kernel maps cached "
+                  "neighbours around each page read (fault-around), so they exceed the tokens read."]
     return "\n".join(lines) + "\n"
 
 
@@ -227,12 +238,13 @@ def main(argv: list[str] | None = None) -> int:
             jsonl, tokens = write_synthetic_cache(directory, n)
             written = time.perf_counter() - t
             cache_bytes = sum(f.stat().st_size for f in (directory / "cache").iterdir())
-            proc = subprocess.run([sys.executable, __file__, "--read", str(jsonl)], capture_output=True, text=True,
-                                  check=True)
-            row = {"conversations": n, "tokens": tokens, "cache_mib": cache_bytes / 2**20, "write_s": written,
-                   **json.loads(proc.stdout.strip().splitlines()[-1])}
-            print(json.dumps(row), flush=True)
-            reading.append(row)
+            for rank in RANKS:  # the second finds the epoch order files the first wrote (1e6 conversations up)
+                proc = subprocess.run([sys.executable, __file__, "--read", str(jsonl)], capture_output=True,
+                                      text=True, check=True)
+                row = {"conversations": n, "rank": rank, "tokens": tokens, "cache_mib": cache_bytes / 2**20,
+                       "write_s": written, **json.loads(proc.stdout.strip().splitlines()[-1])}
+                print(json.dumps(row), flush=True)
+                reading.append(row)
             for f in (directory / "cache").iterdir():
                 f.unlink()
         for n in (int(float(s)) for s in args.build_sizes.split(",") if s):
