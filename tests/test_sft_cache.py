@@ -180,3 +180,16 @@ def test_a_long_build_prints_its_progress(tmp_path, monkeypatch):
     tokenizer = CountingTokenizer()
     for doc, (tokens, _) in enumerate(_expected(jsonl, tokenizer)):
         np.testing.assert_array_equal(corpus.sample(doc)[0], tokens)
+
+
+def test_the_docs_scale_figures_are_the_recorded_run():
+    """docs/sft.md quotes benchmarks/results/sft_scale.json (bench_sft_scale.py): the 1e7 rank's memory."""
+    root = Path(__file__).resolve().parents[1]
+    result = json.loads((root / "benchmarks" / "results" / "sft_scale.json").read_text())
+    docs = (root / "docs" / "sft.md").read_text()
+    top = next(r for r in result["reading"] if r["conversations"] == 10**7 and r["rank"] == "later")
+    end, peak = top["anon_end_mib"], top["peak_anon_mib"]
+    assert f"ends at {end:.0f} MiB of private memory and peaks at {peak:.0f} MiB" in docs
+    held = (8 * top["tokens"] + 24 * top["conversations"]) / 2**20
+    assert f"Holding the\n  1e7 conversations in memory as before took {held:.0f} MiB" in docs
+    assert top["peak_anon_mib"] < 128 and top["peak_anon_mib"] < held / 10
