@@ -28,7 +28,8 @@ from test_sft_data import _sft_dataset  # noqa: E402
 from megatron_wlb.data.sft import SftCorpus, split_conversations  # noqa: E402
 
 SEQ = 256  # the tiny GPT's --seq-length
-ITERS = 6
+ITERS = 4  # the run; it saves at SAVE and the resumed run restarts there
+SAVE = ITERS // 2
 
 
 @pytest.fixture(scope="module")
@@ -74,8 +75,7 @@ def _fed(run: Run) -> dict[int, str]:
     return fed
 
 
-def _assert_sftdatasets_data_once(run: Run, path, tokenizer) -> None:
-    expected = _expected_piece_data(path, tokenizer)
+def _assert_sftdatasets_data_once(run: Run, expected: dict[int, str]) -> None:
     n = len(expected)
     plans = next(r["pieces"] for r in run.ranks.values() if r["pieces"])
     trained = Counter(doc for plan in plans for doc, offset, _ in plan if offset == 0)
@@ -99,15 +99,22 @@ def full(sft, tmp_path_factory):
     root, path, _ = sft
     tmp = tmp_path_factory.mktemp("sft_full")
     return tmp, train(tmp, "full", str(path), *_flags(root, path), "--train-iters", str(ITERS), "--save",
-                      str(tmp / "ckpt"), "--save-interval", "3", "--ckpt-format", "torch", env={"DP": "2"})
+                      str(tmp / "ckpt"), "--save-interval", str(SAVE), "--ckpt-format", "torch", env={"DP": "2"})
 
 
-def test_sft_trains_every_conversation_once_with_sftdatasets_data_at_dp2(sft, full):
+@pytest.fixture(scope="module")
+def expected(sft) -> dict[int, str]:
+    """What SFTDataset gives each conversation (hashed), computed once for the module's runs."""
     _, path, tokenizer = sft
+    return _expected_piece_data(path, tokenizer)
+
+
+def test_sft_trains_every_conversation_once_with_sftdatasets_data_at_dp2(full, expected):
     _, run = full
     assert_trains(run, ITERS)
     assert_documents_once(run)
-    _assert_sftdatasets_data_once(run, path, tokenizer)
+    _assert_sftdatasets_data_once(run, expected)
+    assert run.log.count("tokenized in") == 1  # one of the two ranks built the SFT cache, the other mapped it
     assert "longer than --seq-length 256 and were cut to it" in run.log  # the one long conversation, said
 
 
@@ -116,21 +123,23 @@ def test_sft_resume_equals_the_uninterrupted_run(sft, full):
     tmp, run = full
     ckpt = tmp / "ckpt"
     shutil.rmtree(ckpt / f"iter_{ITERS:07d}", ignore_errors=True)
-    (ckpt / "latest_checkpointed_iteration.txt").write_text("3")
+    (ckpt / "latest_checkpointed_iteration.txt").write_text(str(SAVE))
     resumed = train(tmp, "resumed", str(path), *_flags(root, path), "--train-iters", str(ITERS), "--save",
-                    str(ckpt), "--save-interval", "3", "--ckpt-format", "torch", "--load", str(ckpt), env={"DP": "2"})
-    assert sorted(resumed.losses) == [1, 2, 3], resumed.losses  # the probe counts steps from the restart
-    assert [resumed.losses[k] for k in (1, 2, 3)] == pytest.approx([run.losses[k] for k in (4, 5, 6)], rel=1e-5)
+                    str(ckpt), "--save-interval", str(SAVE), "--ckpt-format", "torch", "--load", str(ckpt),
+                    env={"DP": "2"})
+    assert "tokenized in" not in resumed.log  # the restart maps the cache the first run built
+    after = range(1, ITERS - SAVE + 1)  # the probe counts steps from the restart
+    assert sorted(resumed.losses) == list(after), resumed.losses
+    assert [resumed.losses[k] for k in after] == pytest.approx([run.losses[SAVE + k] for k in after], rel=1e-5)
     plans = next(r["plans"] for r in run.ranks.values() if r["plans"])
     again = next(r["plans"] for r in resumed.ranks.values() if r["plans"])
-    assert again == plans[3:]
+    assert again == plans[SAVE:]
 
 
-def test_sft_pp2_trains_sftdatasets_data(sft, tmp_path):
-    root, path, tokenizer = sft
-    run = train(tmp_path, "pp2", str(path), *_flags(root, path), "--train-iters", "4", env={"PP": "2"})
-    assert_trains(run, 4)
+def test_sft_pp2_trains_sftdatasets_data(sft, expected, tmp_path):
+    root, path, _ = sft
+    run = train(tmp_path, "pp2", str(path), *_flags(root, path), "--train-iters", "3", env={"PP": "2"})
+    assert_trains(run, 3)
     assert_documents_once(run)
     fed = _fed(run)
-    expected = _expected_piece_data(path, tokenizer)
     assert fed and all(fed[d] == expected[d % len(expected)] for d in fed)

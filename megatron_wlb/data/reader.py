@@ -100,13 +100,13 @@ class IndexedSource:
     lengths and pointers stay views of the ``.idx`` (no per-document copy in memory)."""
 
     def __init__(self, prefix: str, lengths: np.ndarray, starts: np.ndarray, tokens: np.ndarray,
-                 itemsize: int = 1):
+                 itemsize: int = 1, token_range: tuple[int, int] | None = None):
         self.prefix = prefix
         self.lengths = lengths
         self.starts = starts          # where each document starts in ``tokens``, in units of ``itemsize`` bytes
         self.tokens = tokens
         self.itemsize = int(itemsize)
-        self._token_range: tuple[int, int] | None = None
+        self._token_range = token_range  # (smallest, largest) token id when known (else scanned once)
 
     @classmethod
     def open(cls, prefix: str, mmap: bool = True, flag: str = "--data-path") -> IndexedSource:

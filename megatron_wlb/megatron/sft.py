@@ -11,6 +11,7 @@ labels and loss mask (``read_piece``).
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Callable
 from typing import Any
@@ -18,12 +19,15 @@ from typing import Any
 from megatron_wlb.data.blend import parse_data_path
 from megatron_wlb.data.reader import DocumentReader
 from megatron_wlb.data.sft import SftCorpus, SftInputError
+from megatron_wlb.data.sft_cache import default_cache_dir, file_sha256
 from megatron_wlb.megatron.megatron_args import MegatronArgs
 
 #: (stream id, offset, length) -> a piece's tokens, labels and loss mask
 PieceRead = Callable[[int, int, int], Any]
 #: corpora already tokenized in this process: (path, seq_len, tokenizer id) -> corpus (train/valid/test share)
 _CORPORA: dict[tuple[str, int, int], SftCorpus] = {}
+#: the files of a --tokenizer-model directory that make its identity (weights are left out)
+_TOKENIZER_FILES = (".json", ".txt", ".model", ".jinja", ".tiktoken", ".vocab", ".py")
 
 
 def sft_problems(args: Any, settings: Any) -> list[str]:
@@ -55,11 +59,31 @@ def sft_problems(args: Any, settings: Any) -> list[str]:
     return problems
 
 
-def sft_corpus(path: str, tokenizer: Any, seq_len: int) -> SftCorpus:
-    """``data.sft.SftCorpus`` of one jsonl, tokenized once per process."""
+def tokenizer_files_digest(args: Any) -> str:
+    """``--tokenizer-model``'s small files (vocabulary, merges, config, chat template; not weights) hashed with
+    the prompt format: part of the SFT cache's tokenizer identity (``data.sft.tokenizer_identity``)."""
+    a = MegatronArgs.of(args)
+    h = hashlib.sha256(f"{a.tokenizer_model}|{a.sft_tokenizer_prompt_format}".encode())
+    model = a.tokenizer_model
+    if model and os.path.isdir(model):
+        for name in sorted(os.listdir(model)):
+            full = os.path.join(model, name)
+            if name.endswith(_TOKENIZER_FILES) and os.path.isfile(full) and os.path.getsize(full) < 1 << 28:
+                h.update(name.encode())
+                h.update(file_sha256(full).encode())
+    elif model and os.path.isfile(model):
+        h.update(file_sha256(model).encode())
+    return h.hexdigest()
+
+
+def sft_corpus(path: str, tokenizer: Any, seq_len: int, cache_dir: str | None = None, identity_extra: str = ""
+               ) -> SftCorpus:
+    """``data.sft.SftCorpus`` of one jsonl, opened once per process: mapped from its cache (``--data-cache-path``,
+    else ``cache/`` beside the jsonl), which the first rank to start tokenizes while the others wait."""
     key = (os.path.abspath(path), int(seq_len), id(tokenizer))
     if key not in _CORPORA:
-        _CORPORA[key] = SftCorpus.build(path, tokenizer, seq_len)
+        _CORPORA[key] = SftCorpus.build(path, tokenizer, seq_len, cache_dir=cache_dir, identity_extra=identity_extra,
+                                        print_fn=lambda line: print(f"> {line}", flush=True))
     return _CORPORA[key]
 
 
@@ -77,7 +101,8 @@ def sft_reader(args: Any, split_name: str, tokenizer: Any = None,
     if not given:
         raise SftInputError("--sft with WLB reads jsonl conversations: give --data-path [WEIGHT] FILE.jsonl ...")
     parts = parse_data_path(given)
-    corpora = [sft_corpus(path, tokenizer, int(a.seq_length)) for path, _ in parts]
+    extra = tokenizer_files_digest(args)
+    corpora = [sft_corpus(path, tokenizer, int(a.seq_length), a.data_cache_path or None, extra) for path, _ in parts]
     for corpus in corpora:
         note = corpus.truncation_note()
         if note is not None and print_fn is not None:
@@ -86,7 +111,8 @@ def sft_reader(args: Any, split_name: str, tokenizer: Any = None,
     seed = 1234 if a.seed is None else int(a.seed)
     split = "1,0,0" if own else (a.split or "969,30,1")
     reader = DocumentReader([(c.source(), w) for c, w in zip(corpora, weights, strict=True)], split=split,
-                            split_name="train" if own else split_name, seed=seed)
+                            split_name="train" if own else split_name, seed=seed,
+                            order_cache=a.data_cache_path or default_cache_dir(parts[0][0]))
 
     def read_piece(stream_id: int, offset: int, length: int) -> Any:
         _, dataset, doc = reader.locate(stream_id)

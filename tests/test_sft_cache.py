@@ -1,0 +1,195 @@
+"""The tokenized SFT cache (issue 50, scale): built once, reused, rebuilt when the jsonl changes, refused
+when damaged, built by one of the processes starting together.
+
+The data layer takes any tokenizer with Megatron's ``tokenize_conversation`` and ``pad``; here a word-level
+one counts its calls (that the cache is equal to Megatron's ``SFTDataset`` is ``test_sft_data``'s check,
+through Megatron's own ``SFTTokenizer``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from megatron_wlb.data.indexed import read_index
+from megatron_wlb.data.sft import IGNORE_INDEX, SftCorpus
+from megatron_wlb.data.sft_cache import SftCacheError
+
+SEQ = 64
+
+
+class CountingTokenizer:
+    """Words ``w<i>`` -> id i + 10; each turn starts with its role's id; only assistant turns are targets."""
+
+    pad = 0
+    roles = {"system": 1, "user": 2, "assistant": 3, "tool": 4}
+
+    def __init__(self, offset: int = 10) -> None:
+        self.calls, self.offset = 0, offset
+        self.lock = threading.Lock()
+
+    def tokenize_conversation(self, conversation, return_target, add_generation_prompt):
+        with self.lock:
+            self.calls += 1
+        tokens: list[int] = []
+        targets: list[int] = []
+        for message in conversation:
+            ids = [self.roles[message["role"]]] + [self.offset + int(w[1:]) if w[1:].isdigit() else 5
+                                                   for w in message["content"].split()]
+            tokens += ids
+            targets += ids if message["role"] == "assistant" else [IGNORE_INDEX] * len(ids)
+        return np.asarray(tokens), np.asarray(targets)
+
+
+def _write(path: Path, conversations: int, seed: int = 0) -> Path:
+    rng = np.random.default_rng(seed)
+    with open(path, "w") as f:
+        for _ in range(conversations):
+            turns = [{"role": "system", "content": "w1"},
+                     {"role": "user", "content": " ".join(f"w{i}" for i in rng.integers(0, 50, rng.integers(1, 30)))},
+                     {"role": "assistant", "content": " ".join(f"w{i}" for i in rng.integers(0, 50,
+                                                                                             rng.integers(1, 60)))}]
+            f.write(json.dumps({"messages": turns}) + "\n")
+    return path
+
+
+def _expected(path: Path, tokenizer: CountingTokenizer) -> list[tuple[np.ndarray, np.ndarray]]:
+    out = []
+    for text in open(path):
+        tokens, targets = tokenizer.tokenize_conversation(json.loads(text)["messages"], True, False)
+        out.append((tokens[:SEQ], targets[:SEQ]))
+    return out
+
+
+def _cache_files(directory: Path) -> list[Path]:
+    return sorted(p for p in directory.iterdir() if p.suffix in (".bin", ".idx", ".json"))
+
+
+def test_the_cache_is_built_once_then_mapped_without_tokenizing(tmp_path):
+    jsonl = _write(tmp_path / "chat.jsonl", 200)
+    tokenizer = CountingTokenizer()
+    first = SftCorpus.build(jsonl, tokenizer, SEQ)
+    assert first.built and tokenizer.calls > 200
+    files = _cache_files(tmp_path / "cache")
+    assert [p.name.split(".", 1)[1] for p in files] == ["json", "targets.bin", "targets.idx", "tokens.bin",
+                                                        "tokens.idx"]
+    mtimes = [p.stat().st_mtime_ns for p in files]
+    tokenizer.calls = 0
+    again = SftCorpus.build(jsonl, tokenizer, SEQ)
+    assert not again.built and tokenizer.calls <= 2  # the identity probe and the first conversation
+    assert [p.stat().st_mtime_ns for p in _cache_files(tmp_path / "cache")] == mtimes
+    # lengths come from the mapped .idx (Megatron's layout), each conversation's arrays from the mapped .bin
+    assert isinstance(again.tokens, np.memmap) and again.lengths.base is not None
+    idx = read_index(str(files[-1].with_suffix("")))
+    np.testing.assert_array_equal(idx.sequence_lengths, again.lengths)
+    expected = _expected(jsonl, tokenizer)
+    assert again.num_conversations == len(expected)
+    truncated = sum(len(t) == SEQ for t, _ in expected)
+    for doc, (tokens, targets) in enumerate(expected):
+        got_tokens, labels, mask = again.sample(doc)
+        np.testing.assert_array_equal(got_tokens, tokens)
+        np.testing.assert_array_equal(labels, np.append(targets[1:], 0))
+        np.testing.assert_array_equal(mask, (np.append(targets[1:], 0) > 0).astype(np.float32))
+    assert again.truncated == first.truncated <= truncated
+    # another window is another cache (beside the first)
+    SftCorpus.build(jsonl, tokenizer, SEQ // 2)
+    assert len(_cache_files(tmp_path / "cache")) == 10
+
+
+def test_a_changed_jsonl_rebuilds_the_cache_and_says_so(tmp_path):
+    jsonl = _write(tmp_path / "chat.jsonl", 50)
+    tokenizer = CountingTokenizer()
+    before = SftCorpus.build(jsonl, tokenizer, SEQ, cache_dir=str(tmp_path / "c"))
+    n = before.num_conversations
+    _write(jsonl, 60, seed=1)
+    notes: list[str] = []
+    after = SftCorpus.build(jsonl, tokenizer, SEQ, cache_dir=str(tmp_path / "c"), print_fn=notes.append)
+    assert after.built and after.num_conversations == 60 != n
+    assert sum("stale" in line and "rebuilding" in line for line in notes) == 1
+    np.testing.assert_array_equal(after.sample(59)[0], _expected(jsonl, tokenizer)[59][0])
+    # the same bytes written again (a new mtime) keep the cache: its sha256 decides
+    os.utime(jsonl, ns=(1, 1))
+    assert not SftCorpus.build(jsonl, tokenizer, SEQ, cache_dir=str(tmp_path / "c")).built
+    # a tokenizer alike in class, pad and template (the same key) but with another vocabulary: the jsonl's
+    # first conversation, checked against the cache, tells
+    other = CountingTokenizer(offset=20)
+    notes.clear()
+    rebuilt = SftCorpus.build(jsonl, other, SEQ, cache_dir=str(tmp_path / "c"), print_fn=notes.append)
+    assert rebuilt.built and any("other tokens than the cache holds" in line for line in notes)
+    np.testing.assert_array_equal(rebuilt.sample(0)[0], _expected(jsonl, other)[0][0])
+
+
+@pytest.mark.parametrize("part", ["tokens.bin", "targets.bin", "tokens.idx"])
+def test_a_truncated_cache_file_is_one_line_naming_it(tmp_path, part):
+    jsonl = _write(tmp_path / "chat.jsonl", 30)
+    tokenizer = CountingTokenizer()
+    SftCorpus.build(jsonl, tokenizer, SEQ, cache_dir=str(tmp_path / "c"))
+    damaged = next((tmp_path / "c").glob(f"*.{part}"))
+    with open(damaged, "r+b") as f:
+        f.truncate(damaged.stat().st_size - 8)
+    with pytest.raises(SftCacheError) as err:
+        SftCorpus.build(jsonl, tokenizer, SEQ, cache_dir=str(tmp_path / "c"))
+    message = str(err.value)
+    assert "\n" not in message and "truncated" in message and damaged.name.split(".")[0] in message
+    assert "to rebuild it" in message
+
+
+def test_processes_starting_together_build_it_once(tmp_path):
+    """Four starts at once (threads: each takes the lock through its own descriptor, as processes do): one
+    tokenizes, the others wait on the lock and map its files."""
+    jsonl = _write(tmp_path / "chat.jsonl", 300)
+    tokenizer = CountingTokenizer()
+    corpora: list[SftCorpus] = []
+    threads = [threading.Thread(target=lambda: corpora.append(SftCorpus.build(jsonl, tokenizer, SEQ)))
+               for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(corpora) == 4 and sum(c.built for c in corpora) == 1
+    assert tokenizer.calls < 300 + 4 * 2 + 1 + 300  # one pass over the file (plus each start's two probes)
+    assert len({c.arrays.prefix for c in corpora}) == 1
+    assert not list((tmp_path / "cache").glob("*.tmp"))
+
+
+def test_an_unwritable_cache_directory_is_one_line(tmp_path):
+    jsonl = _write(tmp_path / "chat.jsonl", 5)
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(SftCacheError) as err:
+        SftCorpus.build(jsonl, CountingTokenizer(), SEQ, cache_dir=str(blocker / "sub"))
+    assert "\n" not in str(err.value) and "--data-cache-path" in str(err.value)
+
+
+def test_a_long_build_prints_its_progress(tmp_path, monkeypatch):
+    import megatron_wlb.data.sft as sft
+
+    monkeypatch.setattr(sft, "PROGRESS_SECONDS", 0.0)
+    monkeypatch.setattr(sft, "WRITE_BATCH_TOKENS", 256)  # several batches: the builder holds one at a time
+    jsonl = _write(tmp_path / "chat.jsonl", 40)
+    notes: list[str] = []
+    corpus = SftCorpus.build(jsonl, CountingTokenizer(), SEQ, print_fn=notes.append)
+    progress = [line for line in notes if "tokenizing" in line and "% of the file" in line]
+    assert len(progress) == 40 and "40 conversations, 100.0% of the file" in progress[-1]
+    assert corpus.num_conversations == 40 and sum("tokenized in" in line for line in notes) == 1
+    tokenizer = CountingTokenizer()
+    for doc, (tokens, _) in enumerate(_expected(jsonl, tokenizer)):
+        np.testing.assert_array_equal(corpus.sample(doc)[0], tokens)
+
+
+def test_the_docs_scale_figures_are_the_recorded_run():
+    """docs/sft.md quotes benchmarks/results/sft_scale.json (bench_sft_scale.py): the 1e7 rank's memory."""
+    root = Path(__file__).resolve().parents[1]
+    result = json.loads((root / "benchmarks" / "results" / "sft_scale.json").read_text())
+    docs = (root / "docs" / "sft.md").read_text()
+    top = next(r for r in result["reading"] if r["conversations"] == 10**7 and r["rank"] == "later")
+    end, peak = top["anon_end_mib"], top["peak_anon_mib"]
+    assert f"ends at {end:.0f} MiB of private memory and peaks at {peak:.0f} MiB" in docs
+    held = (8 * top["tokens"] + 24 * top["conversations"]) / 2**20
+    assert f"Holding the\n  1e7 conversations in memory as before took {held:.0f} MiB" in docs
+    assert top["peak_anon_mib"] < 128 and top["peak_anon_mib"] < held / 10
