@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+import sys
 import traceback
 from collections.abc import Iterator
 from typing import Any
@@ -73,12 +74,15 @@ def rejected_by_megatron(exc: BaseException) -> StartupError:
 
 @contextlib.contextmanager
 def exit_on_startup_error() -> Iterator[None]:
-    """Turn a ``Refusal`` (``StartupError``, ``RunRefusal``) into ``SystemExit`` with its message: an entry point
-    exits with one line."""
+    """Turn a ``Refusal`` (``StartupError``, ``RunRefusal``) into its message on stderr and ``SystemExit(1)``: an
+    entry point exits with one line."""
     try:
         yield
     except Refusal as exc:
-        raise SystemExit(str(exc)) from None
+        # one write of the line and its newline: ranks that refuse together print whole lines, not interleaved
+        sys.stdout.flush()
+        os.write(2, (str(exc) + "\n").encode())
+        raise SystemExit(1) from None
 
 
 def configuration_error(problems: list[str], what: str = "invalid WLB-LLM configuration") -> StartupError:
