@@ -92,7 +92,7 @@ def _worker(rank: int, world: int) -> None:
     v = torch.randn(total, KV_HEADS, DIM, dtype=torch.float64)
     weight = torch.randn(total, HEADS, DIM, dtype=torch.float64)
     groups = block_groups([list(range(world))])
-    assert sorted(groups) == sorted(b for b in aligned_blocks(world) if rank in range(b[0], b[0] + b[1]))
+    assert sorted(groups) == sorted([(rank, 1)] + [b for b in aligned_blocks(world) if rank in range(b[0], b[0] + b[1])])
     plan = _plan()
     out = torch.zeros_like(q)
     grads = [torch.zeros_like(t) for t in (q, k, v)]
@@ -127,3 +127,32 @@ def _worker(rank: int, world: int) -> None:
 
 def test_group_attention_over_a_dp2_cp2_pool_equals_cp1():
     run_world(_worker, SLOTS)
+
+
+# --- through Megatron's loop -----------------------------------------------------------------------------------
+def _train(tmp_path, name: str, corpus: str, env: dict, *flags: str):
+    from test_megatron_train import train
+
+    return train(tmp_path, name, corpus, "--wlb-packer", "original", "--global-batch-size", "8",
+                 "--train-iters", "3", *flags, env=env)
+
+
+@pytest.mark.slow
+def test_dynamic_cp_training_at_dp2_cp2_equals_cp1(tmp_path, text_corpus):
+    """DP2 x CP2 with ``--wlb-cp-sharding dynamic`` trains the CP 1 run's loss and grad norm (DP2, the same plan)
+    within 1e-5 relative per iteration, every document's tokens once over the pool."""
+    from test_megatron_train import assert_documents_once
+
+    base = _train(tmp_path, "cp1", text_corpus, {"DP": "2"}, "--wlb-cp-sharding", "per-document")
+    run = _train(tmp_path, "dynamic", text_corpus, {"DP": "2", "CP": "2"}, "--wlb-cp-sharding", "dynamic")
+    plans = {name: next(r["plans"] for r in r_.ranks.values() if r["plans"]) for name, r_ in
+             (("cp1", base), ("dynamic", run))}
+    assert plans["dynamic"] == plans["cp1"]
+    assert sorted(run.losses) == [1, 2, 3]
+    for it, loss in base.losses.items():
+        assert run.losses[it] == pytest.approx(loss, rel=1e-5), it
+    norms = next(r["grad_norms"] for r in base.ranks.values())
+    got = next(r["grad_norms"] for r in run.ranks.values())
+    for it, norm in norms.items():
+        assert got[it] == pytest.approx(norm, rel=1e-5), it
+    assert_documents_once(run)

@@ -1,9 +1,9 @@
 """Dynamic CP at run time, process groups: one per aligned power-of-two block of a DP x CP pool, made once.
 
 ``torch.distributed.new_group`` is collective over the whole world, so every rank creates the groups of every
-pool (one pool per stage and TP rank) in one order (``cp.dynamic_steps.aligned_blocks`` per pool, pools
-sorted) and keeps its own pool's: ``{(first slot, size): group}``. Size-1 blocks need no group: CP 1
-attention runs on one process (``cp.attention`` with ``group=None``).
+pool (one pool per stage and TP rank) in one order (pools sorted; per pool its single slots, then
+``cp.dynamic_steps.aligned_blocks``) and keeps its own pool's: ``{(first slot, size): group}``. A single slot
+gets a group of its own too, so that a CP 1 micro-batch never reaches a collective of the default group.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ __all__ = ["block_groups", "group_of"]
 
 def block_groups(pools: Sequence[Sequence[int]], rank: int | None = None,
                  largest: int | None = None) -> dict[tuple[int, int], Any]:
-    """Create the process group of every aligned block (size 2 .. ``largest``) of every pool in ``pools``
+    """Create the process group of every aligned block (size 1 .. ``largest``) of every pool in ``pools``
     (global ranks per slot; the same list on every rank) and return this rank's pool's: ``(first slot,
     size) -> group``. Every rank of the world must call it with the same ``pools``."""
     me = dist.get_rank() if rank is None else rank
@@ -33,7 +33,7 @@ def block_groups(pools: Sequence[Sequence[int]], rank: int | None = None,
         raise ValueError(f"a rank is in two pools: {ordered}")
     mine: dict[tuple[int, int], Any] = {}
     for pool in ordered:
-        for first, size in aligned_blocks(len(pool), largest):
+        for first, size in [(slot, 1) for slot in range(len(pool))] + aligned_blocks(len(pool), largest):
             members = list(pool[first:first + size])
             group = dist.new_group(ranks=members)
             if me in members:
@@ -42,9 +42,7 @@ def block_groups(pools: Sequence[Sequence[int]], rank: int | None = None,
 
 
 def group_of(groups: dict[tuple[int, int], Any], first: int, size: int) -> Any:
-    """The process group of block ``(first, size)`` (None for size 1: single-process attention)."""
-    if size == 1:
-        return None
+    """The process group of block ``(first, size)``."""
     if (first, size) not in groups:
         raise KeyError(f"no process group for the block of {size} slots from slot {first}; made: {sorted(groups)}")
     return groups[(first, size)]

@@ -14,14 +14,17 @@ token once, as with a fixed CP group.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
-from megatron_wlb.cp.dynamic import DynamicCPPlan, GroupMicroBatch
+from megatron_wlb.costmodel import CostModel
+from megatron_wlb.cp.dynamic import DynamicCPPlan, GroupMicroBatch, group_cost_models, plan_dynamic_cp
 from megatron_wlb.cp.plan import CPSharding, Packed, RankMicroBatch, micro_batch_lengths, rank_batch
 
-__all__ = ["DYNAMIC_LAYOUT", "aligned_blocks", "slot_step", "step_batch"]
+__all__ = ["DYNAMIC_LAYOUT", "DynamicPool", "aligned_blocks", "slot_step", "slot_steps", "step_batch"]
 
 #: how a group's micro-batch is cut over its ranks (head-tail per document: balanced causal attention)
 DYNAMIC_LAYOUT = "per-document"
@@ -57,12 +60,46 @@ def step_batch(group_batch: GroupMicroBatch | None, slot: int, lengths: np.ndarr
     """Slot ``slot``'s host record of ``group_batch``: the group's documents (``lengths`` indexed by the
     plan's document numbers; ``packed_of(docs)`` their tokens, labels and loss mask concatenated) laid out
     per document over the group, this slot's shard. None: an empty micro-batch (``empty_tokens`` padding
-    tokens, loss mask zero), which every slot runs at CP 1."""
-    if group_batch is None:
-        return rank_batch(micro_batch_lengths([], empty_tokens=empty_tokens), CPSharding(DYNAMIC_LAYOUT))
+    tokens, loss mask zero), which the slot runs alone. ``block`` names the (first slot, size) whose process
+    group runs it."""
+    if group_batch is None:  # on the slot's own group (never the run's fixed CP group)
+        empty = rank_batch(micro_batch_lengths([], empty_tokens=empty_tokens), CPSharding(DYNAMIC_LAYOUT))
+        return dataclasses.replace(empty, block=(slot, 1))
     if slot not in group_batch.ranks:
         raise ValueError(f"slot {slot} is not a member of the group on slots {group_batch.first_rank} .. "
                          f"{group_batch.first_rank + group_batch.size - 1}")
     doc_lengths = np.asarray(lengths, dtype=np.int64)[list(group_batch.docs)]
     sharding = CPSharding(DYNAMIC_LAYOUT, cp_size=group_batch.size, cp_rank=slot - group_batch.first_rank)
-    return rank_batch(micro_batch_lengths(doc_lengths), sharding, packed=packed_of(group_batch.docs))
+    batch = rank_batch(micro_batch_lengths(doc_lengths), sharding, packed=packed_of(group_batch.docs))
+    return dataclasses.replace(batch, block=(group_batch.first_rank, group_batch.size))
+
+
+@dataclass(frozen=True)
+class DynamicPool:
+    """One rank's view of its stage's DP x CP pool: ``slots`` ranks, this rank ``slot``; ``max_tokens_per_rank``
+    the memory cap of a slot's share of a micro-batch; ``cost`` the run's cost model (priced per group size)."""
+
+    slots: int
+    slot: int
+    max_tokens_per_rank: int
+    cost: CostModel
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.slot < self.slots:
+            raise ValueError(f"slot {self.slot} is outside the pool of {self.slots} slots")
+
+    def plan(self, lengths: np.ndarray) -> DynamicCPPlan:
+        """The dynamic-CP plan of one global batch's pieces (the same on every rank)."""
+        return plan_dynamic_cp(lengths, self.slots, self.max_tokens_per_rank,
+                               group_cost_models(self.cost, self.slots))
+
+
+def slot_steps(plan: DynamicCPPlan, slot: int, steps: int) -> tuple[GroupMicroBatch | None, ...]:
+    """Slot ``slot``'s micro-batch at each of ``steps`` steps (Megatron's micro-batches per iteration): its
+    own in plan order, then None (empty ones). Raises ValueError, naming both counts, when the plan needs more."""
+    if plan.steps > steps:
+        raise ValueError(f"the dynamic-CP plan of this global batch needs {plan.steps} micro-batches on its busiest "
+                         f"rank, but Megatron runs {steps} per iteration; raise --global-batch-size or lower "
+                         "--micro-batch-size (more micro-batches per iteration)")
+    mbs = plan.rank_micro_batches[slot]
+    return tuple(mbs) + (None,) * (steps - len(mbs))

@@ -202,7 +202,7 @@ def validate_wlb_args(args: Any, *, te_available: bool | None = None, highspy_av
             problems.append(f"{source} {_show(settings.queue_thresholds)}: {threshold_problem}")
     if seq_length % (2 * cp):
         problems.append(f"--seq-length {seq_length} must be divisible by 2 x --context-parallel-size = {2 * cp}")
-    if settings.cp_sharding == DYNAMIC_SHARDING:
+    if settings.cp_sharding == DYNAMIC_SHARDING and pp > 1:
         problems.append(RUNTIME_MISSING)
     if settings.cp_sharding == "per-document-te":
         if te_available is None:
