@@ -183,3 +183,58 @@ def test_dynamic_cp_training_at_dp2_cp2_equals_cp1_across_a_resume(tmp_path, tex
         assert resumed.losses[it] == pytest.approx(base.losses[it + 2], rel=1e-5), (it, resumed.losses)
         assert resumed_norms[it] == pytest.approx(norms[it + 2], rel=1e-5), (it, resumed_norms)
     assert_documents_once(resumed)
+
+
+# --- the iterator (no Megatron): every slot of a DP2 x CP2 pool, step by step ------------------------------------
+def _pool_iterators(tmp_path, n: int, cap: int):
+    import os
+    import sysconfig
+
+    from megatron_wlb.cp.dynamic_steps import DynamicPool
+    from megatron_wlb.data.reader import DocumentReader, byte_documents, write_indexed_dataset
+    from megatron_wlb.megatron.data import WlbDataIterator
+    from megatron_wlb.packing import make_packer
+    from megatron_wlb.packing.types import PackingConfig
+
+    root = sysconfig.get_paths()["stdlib"]
+    files = sorted(os.path.join(root, f) for f in os.listdir(root) if f.endswith(".py"))[:12]
+    prefix = write_indexed_dataset(str(tmp_path / "a_text_document"), byte_documents(files))
+    reader = DocumentReader([(prefix, 1.0)], split="1,0,0", seed=3)
+    cfg = PackingConfig(seq_len=512, n=n, dp=2)
+    stream = reader.stream(6 * cfg.tokens_per_iteration)
+    cost = build_cost_model("7b", ParallelLayout(tp=1, cp=2, dp=2))
+    return reader, [WlbDataIterator(reader, stream, make_packer("original", cfg), slot // 2,
+                                    dynamic=DynamicPool(SLOTS, slot, cap, cost)) for slot in range(SLOTS)]
+
+
+def test_the_iterator_gives_every_slot_its_group_step_and_every_token_once(tmp_path):
+    reader, its = _pool_iterators(tmp_path, n=4, cap=768 // 2)  # capacity 1.5 x 512 over CP 2
+    sizes: set[int] = set()
+    for _ in range(2):  # iterations
+        steps = [[next(it) for _ in range(it.n)] for it in its]
+        batch = its[0].current
+        covered = {(p.doc_id, p.offset): np.zeros(p.length, dtype=np.int64)
+                   for mb in batch.micro_batches for p in mb.pieces}
+        for slot, records in enumerate(steps):
+            for step, rec in enumerate(records):
+                first, size = rec.block
+                assert first <= slot < first + size and first % size == 0
+                sizes.add(size)
+                for member in range(first, first + size):  # the group's members run it at the same step
+                    assert steps[member][step].micro_batch == rec.micro_batch and steps[member][step].block == rec.block
+                if not rec.micro_batch.pieces:
+                    assert size == 1 and rec.loss_mask.sum() == 0
+                    continue
+                starts = np.concatenate([[0], np.cumsum(rec.micro_batch.lengths)])
+                for i, p in enumerate(rec.micro_batch.pieces):
+                    mine = (rec.rows >= starts[i]) & (rec.rows < starts[i + 1])
+                    within = rec.rows[mine] - starts[i]
+                    covered[(p.doc_id, p.offset)][within] += 1
+                    assert np.array_equal(rec.tokens[0, mine], reader.read(p.doc_id, p.offset, p.length)[within])
+        assert all((c == 1).all() for c in covered.values()), "every token of the global batch once over the pool"
+    assert 2 in sizes and 1 in sizes, sizes
+    # a plan that needs more micro-batches than Megatron runs per iteration stops in one line
+    (tmp_path / "tight").mkdir()
+    _, tight = _pool_iterators(tmp_path / "tight", n=1, cap=128)  # 4 x 128: the longest piece fits
+    with pytest.raises(ValueError, match=r"needs \d+ micro-batches on its busiest rank, but Megatron runs 1 per"):
+        next(tight[0])
