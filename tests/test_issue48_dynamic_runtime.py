@@ -236,5 +236,8 @@ def test_the_iterator_gives_every_slot_its_group_step_and_every_token_once(tmp_p
     # a plan that needs more micro-batches than Megatron runs per iteration stops in one line
     (tmp_path / "tight").mkdir()
     _, tight = _pool_iterators(tmp_path / "tight", n=1, cap=128)  # 4 x 128: the longest piece fits
-    with pytest.raises(ValueError, match=r"needs \d+ micro-batches on its busiest rank, but Megatron runs 1 per"):
+    from megatron_wlb.megatron.validation import RunRefusal
+
+    with pytest.raises(RunRefusal, match=r"^megatron_wlb: iteration 0: the dynamic-CP plan of this global batch needs "
+                                          r"\d+ micro-batches on its busiest rank, but Megatron runs 1 per"):
         next(tight[0])

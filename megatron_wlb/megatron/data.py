@@ -34,6 +34,7 @@ from megatron_wlb.cp.layouts import ShardLayout, layout_digest
 from megatron_wlb.cp.plan import CPSharding, Packed, RankMicroBatch, layout_micro_batch, micro_batch_lengths, rank_batch
 from megatron_wlb.data.reader import ORDER_NUMPY_SHUFFLE, DocumentReader, DocumentStream, StreamCursor
 from megatron_wlb.data.samples import SamplePieceCursor, SampleStream
+from megatron_wlb.megatron.validation import RunRefusal
 from megatron_wlb.packing import make_packer
 from megatron_wlb.packing.types import GlobalBatch, MicroBatch
 
@@ -179,7 +180,10 @@ class WlbDataIterator(Iterator[RankMicroBatch]):
         if self.dynamic is not None:  # the whole global batch's pieces over the pool, this slot's steps
             pieces = [p for mb in batch.micro_batches for p in mb.pieces]
             plan = self.dynamic.plan(np.array([p.length for p in pieces], dtype=np.int64))
-            self._steps = slot_steps(plan, self.dynamic.slot, self.n)
+            try:
+                self._steps = slot_steps(plan, self.dynamic.slot, self.n)
+            except ValueError as exc:  # every rank plans alike: each stops here, in one line
+                raise RunRefusal(f"megatron_wlb: iteration {batch.iteration}: {exc}") from None
             capacity = max(mb.capacity for mb in batch.micro_batches)
             self._mine = tuple(MicroBatch(tuple(pieces[d] for d in step.docs) if step is not None else (), capacity)
                                for step in self._steps)
