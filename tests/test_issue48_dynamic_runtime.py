@@ -152,17 +152,28 @@ def _grad_norms(run) -> dict[int, float]:
     return {int(k): v for k, v in next(r["grad_norms"] for r in run.ranks.values()).items()}
 
 
+@pytest.fixture(scope="module")
+def dynamic_runs(tmp_path_factory, text_corpus):
+    """The CP 1 run (DP2) and the dynamic DP2 x CP2 run of the same plans, the latter saving at iterations 2 and 4;
+    its checkpoint folder."""
+    tmp = tmp_path_factory.mktemp("dynamic_cp")
+    base = _train(tmp, "cp1", text_corpus, {"DP": "2"}, "--wlb-cp-sharding", "per-document")
+    ckpt = tmp / "ckpt"
+    run = _train(tmp, "dynamic", text_corpus, {"DP": "2", "CP": "2"}, *_saving(ckpt))
+    return base, run, ckpt
+
+
+def _saving(ckpt) -> tuple[str, ...]:
+    return "--wlb-cp-sharding", "dynamic", "--save-interval", "2", "--ckpt-format", "torch", "--save", str(ckpt)
+
+
 @pytest.mark.slow
-def test_dynamic_cp_training_at_dp2_cp2_equals_cp1_across_a_resume(tmp_path, text_corpus):
+def test_dynamic_cp_training_at_dp2_cp2_equals_cp1(dynamic_runs):
     """DP2 x CP2 with ``--wlb-cp-sharding dynamic`` trains the CP 1 run's (DP2, the same plans) loss and grad norm
-    within 1e-5 relative at every iteration, every document's tokens once over the pool; resumed from its
-    iteration-2 checkpoint it trains iterations 3 and 4 again the same."""
+    within 1e-5 relative at every iteration, every document's tokens once over the pool."""
     from test_megatron_train import assert_documents_once, assert_trains
 
-    base = _train(tmp_path, "cp1", text_corpus, {"DP": "2"}, "--wlb-cp-sharding", "per-document")
-    ckpt = tmp_path / "ckpt"
-    saving = ("--wlb-cp-sharding", "dynamic", "--save-interval", "2", "--ckpt-format", "torch", "--save", str(ckpt))
-    run = _train(tmp_path, "dynamic", text_corpus, {"DP": "2", "CP": "2"}, *saving)
+    base, run, _ = dynamic_runs
     assert_trains(run, ITERATIONS)
     assert _plans(run) == _plans(base)
     # mixed lengths: every iteration has pieces a slot cannot hold alone (a group of 2 ran them) and short ones
@@ -175,10 +186,23 @@ def test_dynamic_cp_training_at_dp2_cp2_equals_cp1_across_a_resume(tmp_path, tex
         assert run.losses[it] == pytest.approx(loss, rel=1e-5), (it, run.losses, base.losses)
         assert got[it] == pytest.approx(norms[it], rel=1e-5), (it, got, norms)
     assert_documents_once(run)
+
+
+@pytest.mark.slow
+def test_dynamic_cp_resumes_to_the_same_iterations(tmp_path, text_corpus, dynamic_runs):
+    """Resumed from its iteration-2 checkpoint, the dynamic run trains iterations 3 and 4 with the CP 1 run's
+    plans, loss and grad norm (within 1e-5), every document once."""
+    import shutil
+
+    from test_megatron_train import assert_documents_once
+
+    base, _, saved = dynamic_runs
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(saved, ckpt)
     (ckpt / "latest_checkpointed_iteration.txt").write_text("2")
-    resumed = _train(tmp_path, "resumed", text_corpus, {"DP": "2", "CP": "2"}, *saving, "--load", str(ckpt))
+    resumed = _train(tmp_path, "resumed", text_corpus, {"DP": "2", "CP": "2"}, *_saving(ckpt), "--load", str(ckpt))
     assert _plans(resumed) == _plans(base)[2:]
-    resumed_norms = _grad_norms(resumed)
+    norms, resumed_norms = _grad_norms(base), _grad_norms(resumed)
     for it in (1, 2):
         assert resumed.losses[it] == pytest.approx(base.losses[it + 2], rel=1e-5), (it, resumed.losses)
         assert resumed_norms[it] == pytest.approx(norms[it + 2], rel=1e-5), (it, resumed_norms)
