@@ -37,11 +37,15 @@ def _starts() -> np.ndarray:
     return np.concatenate([[0], np.cumsum(LENGTHS)[:-1]])
 
 
-def _packed_of(docs: tuple[int, ...]):
-    """The documents' global token numbers as tokens and labels (so a row names its token), loss mask 1."""
+def _packed_of(docs: tuple[int, ...], segments: np.ndarray):
+    """The documents' global token numbers as tokens and labels (so a row names its token), loss mask 1; the
+    padding segment (if any) -1 with loss mask 0."""
     starts = _starts()
     ids = np.concatenate([np.arange(starts[d], starts[d] + LENGTHS[d]) for d in docs]).astype(np.int64)
-    return ids, ids, np.ones(ids.size, dtype=np.float32)
+    pad = int(np.sum(segments)) - ids.size
+    mask = np.concatenate([np.ones(ids.size, dtype=np.float32), np.zeros(pad, dtype=np.float32)])
+    ids = np.concatenate([ids, np.full(pad, -1, dtype=np.int64)])
+    return ids, ids, mask
 
 
 def test_aligned_blocks_are_every_power_of_two_block_in_one_order():
@@ -76,6 +80,20 @@ def test_every_slot_runs_every_step_and_every_token_runs_once():
         step_batch(pair, outsider, LENGTHS, _packed_of)
     with pytest.raises(ValueError, match="step 99 is outside"):
         slot_step(plan, 0, 99)
+
+
+def test_sequence_parallel_pads_every_slot_to_a_multiple_of_tp():
+    plan = _plan()
+    seen = np.zeros(int(LENGTHS.sum()), dtype=np.int64)
+    for step in range(plan.steps):
+        for slot in range(SLOTS):
+            batch = step_batch(slot_step(plan, slot, step), slot, LENGTHS, _packed_of, rank_multiple=4)
+            assert batch.rows.size % 4 == 0, (step, slot, batch.rows.size)
+            assert batch.local_pad == (-(batch.rows.size - batch.local_pad)) % 4
+            assert (batch.rows[batch.rows.size - batch.local_pad:] == -1).all()
+            assert batch.loss_mask[0, batch.rows < 0].sum() == 0
+            np.add.at(seen, batch.tokens[0, batch.loss_mask[0] > 0], 1)
+    assert (seen == 1).all()
 
 
 def _worker(rank: int, world: int) -> None:
@@ -207,6 +225,24 @@ def test_dynamic_cp_resumes_to_the_same_iterations(tmp_path, text_corpus, dynami
         assert resumed.losses[it] == pytest.approx(base.losses[it + 2], rel=1e-5), (it, resumed.losses)
         assert resumed_norms[it] == pytest.approx(norms[it + 2], rel=1e-5), (it, resumed_norms)
     assert_documents_once(resumed)
+
+
+@pytest.mark.slow
+def test_dynamic_cp_under_tp2_sequence_parallel_equals_cp1(tmp_path, text_corpus):
+    """TP2 with --sequence-parallel, CP2 (a pool of 2 slots, each slot's rows padded to a multiple of TP): the loss
+    and grad norm of TP2 at CP 1 within 1e-5 at every iteration, every document once."""
+    from test_megatron_train import assert_documents_once
+
+    flags = ("--sequence-parallel", "--global-batch-size", "4")
+    base = _train(tmp_path, "tp2", text_corpus, {"TP": "2"}, *flags, "--wlb-cp-sharding", "per-document")
+    run = _train(tmp_path, "tp2_dynamic", text_corpus, {"TP": "2", "CP": "2"}, *flags, "--wlb-cp-sharding", "dynamic")
+    assert _plans(run) == _plans(base)
+    assert any(length > SLOT_CAP for plan in _plans(run) for _, length in plan)
+    norms, got = _grad_norms(base), _grad_norms(run)
+    for it, loss in base.losses.items():
+        assert run.losses[it] == pytest.approx(loss, rel=1e-5), (it, run.losses, base.losses)
+        assert got[it] == pytest.approx(norms[it], rel=1e-5), (it, got, norms)
+    assert_documents_once(run)
 
 
 # --- the iterator (no Megatron): every slot of a DP2 x CP2 pool, step by step ------------------------------------

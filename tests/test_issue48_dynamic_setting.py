@@ -38,10 +38,6 @@ def test_training_with_dynamic_at_pp2_refuses_in_one_line_and_never_falls_back()
     with pytest.raises(ValueError, match=refusal) as e:
         validate_wlb_args(args, te_available=False, highspy_available=True, check_files=False)
     assert "\n" not in str(e.value) and "--wlb-cp-sharding adaptive" in str(e.value)
-    sp = parse(BASE + ["--wlb-cp-sharding", "dynamic", "--pipeline-model-parallel-size", "1"])
-    sp.sequence_parallel = True
-    with pytest.raises(ValueError, match="dynamic with --sequence-parallel \\(TP 2\\).*drop --sequence-parallel"):
-        validate_wlb_args(sp, te_available=False, highspy_available=True, check_files=False)
 
 
 def test_devs_dynamic_context_parallel_stays_refused_naming_dynamic() -> None:

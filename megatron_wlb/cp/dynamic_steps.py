@@ -56,33 +56,40 @@ def slot_step(plan: DynamicCPPlan, slot: int, step: int) -> GroupMicroBatch | No
 
 
 def step_batch(group_batch: GroupMicroBatch | None, slot: int, lengths: np.ndarray,
-               packed_of: Callable[[tuple[int, ...]], Packed], *, empty_tokens: int = 1) -> RankMicroBatch:
+               packed_of: Callable[[tuple[int, ...], np.ndarray], Packed], *, empty_tokens: int = 1,
+               rank_multiple: int = 1) -> RankMicroBatch:
     """Slot ``slot``'s host record of ``group_batch``: the group's documents (``lengths`` indexed by the
-    plan's document numbers; ``packed_of(docs)`` their tokens, labels and loss mask concatenated) laid out
-    per document over the group, this slot's shard. None: an empty micro-batch (``empty_tokens`` padding
-    tokens, loss mask zero), which the slot runs alone. ``block`` names the (first slot, size) whose process
-    group runs it."""
+    plan's document numbers; ``packed_of(docs, segments)`` their tokens, labels and loss mask concatenated over
+    ``segments``, the documents then a padding segment) laid out per document over the group, this slot's shard,
+    every slot's rows a multiple of ``rank_multiple`` (TP under sequence parallelism). None: an empty
+    micro-batch (padding tokens, loss mask zero), which the slot runs alone. ``block`` names the (first slot,
+    size) whose process group runs it."""
     if group_batch is None:  # on the slot's own group (never the run's fixed CP group)
-        empty = rank_batch(micro_batch_lengths([], empty_tokens=empty_tokens), CPSharding(DYNAMIC_LAYOUT))
+        alone = CPSharding(DYNAMIC_LAYOUT, rank_multiple=rank_multiple)
+        empty = rank_batch(micro_batch_lengths([], empty_tokens=empty_tokens), alone)
         return dataclasses.replace(empty, block=(slot, 1))
     if slot not in group_batch.ranks:
         raise ValueError(f"slot {slot} is not a member of the group on slots {group_batch.first_rank} .. "
                          f"{group_batch.first_rank + group_batch.size - 1}")
     doc_lengths = np.asarray(lengths, dtype=np.int64)[list(group_batch.docs)]
-    sharding = CPSharding(DYNAMIC_LAYOUT, cp_size=group_batch.size, cp_rank=slot - group_batch.first_rank)
-    batch = rank_batch(micro_batch_lengths(doc_lengths), sharding, packed=packed_of(group_batch.docs))
+    sharding = CPSharding(DYNAMIC_LAYOUT, cp_size=group_batch.size, cp_rank=slot - group_batch.first_rank,
+                          rank_multiple=rank_multiple)  # per rank: its rows padded (``local_pad``), no padding segment
+    segments = micro_batch_lengths(doc_lengths)
+    batch = rank_batch(segments, sharding, packed=packed_of(group_batch.docs, segments))
     return dataclasses.replace(batch, block=(group_batch.first_rank, group_batch.size))
 
 
 @dataclass(frozen=True)
 class DynamicPool:
     """One rank's view of its stage's DP x CP pool: ``slots`` ranks, this rank ``slot``; ``max_tokens_per_rank``
-    the memory cap of a slot's share of a micro-batch; ``cost`` the run's cost model (priced per group size)."""
+    the memory cap of a slot's share of a micro-batch; ``cost`` the run's cost model (priced per group size);
+    ``rank_multiple``: each slot's rows are padded to a multiple of it (TP under sequence parallelism)."""
 
     slots: int
     slot: int
     max_tokens_per_rank: int
     cost: CostModel
+    rank_multiple: int = 1
 
     def __post_init__(self) -> None:
         if not 0 <= self.slot < self.slots:

@@ -246,8 +246,8 @@ class WlbDataIterator(Iterator[RankMicroBatch]):
             if step is not None:  # the planner numbers the global batch's pieces; this step's are mine's, in order
                 step = replace(step, docs=tuple(range(len(mine.pieces))))
             record = step_batch(step, self.dynamic.slot, lengths,
-                                lambda _docs: pack_tokens(self.read, mine, lengths, self.read_piece),
-                                empty_tokens=self.sharding.empty_tokens)
+                                lambda _docs, segments: pack_tokens(self.read, mine, segments, self.read_piece),
+                                empty_tokens=self.sharding.empty_tokens, rank_multiple=self.dynamic.rank_multiple)
             return replace(record, micro_batch=mine)
         return rank_micro_batch(self.read, self._mine[at], self.sharding, read_piece=self.read_piece,
                                 layout=self._cp_layouts[at] if self._cp_layouts else None)

@@ -104,7 +104,7 @@ def dynamic_pool(args: Any, settings: WlbSettings, config: Any, dp_rank: int, cp
         return None
     a = MegatronArgs.of(args)
     return DynamicPool(slots=a.dp * a.cp, slot=dp_rank * a.cp + cp_rank,
-                       max_tokens_per_rank=-(-config.capacity_var // a.cp), cost=cost)
+                       max_tokens_per_rank=-(-config.capacity_var // a.cp), cost=cost, rank_multiple=a.sp)
 
 
 def build_train_iterator(args: Any, settings: WlbSettings, dp_rank: int, cp_rank: int = 0, *,

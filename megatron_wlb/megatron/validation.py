@@ -203,10 +203,6 @@ def validate_wlb_args(args: Any, *, te_available: bool | None = None, highspy_av
         problems.append(f"--seq-length {seq_length} must be divisible by 2 x --context-parallel-size = {2 * cp}")
     if settings.cp_sharding == DYNAMIC_SHARDING and pp > 1:
         problems.append(RUNTIME_MISSING)
-    if settings.cp_sharding == DYNAMIC_SHARDING and a.sp > 1:
-        problems.append(f"--wlb-cp-sharding {DYNAMIC_SHARDING} with --sequence-parallel (TP {tp}): a group's shards "
-                        "are not padded to a multiple of TP yet; drop --sequence-parallel, or use --wlb-cp-sharding "
-                        "adaptive")
     if settings.cp_sharding == "per-document-te":
         if te_available is None:
             te_available = module_available("transformer_engine")
