@@ -8,6 +8,11 @@ one) is run step by step on 4 gloo processes: at every step each slot builds its
 at the same time, and backpropagates a per-token loss. Outputs and q/k/v gradients, gathered per token over
 the pool, equal single-process document-causal attention over all documents (the CP 1 run) within 1e-5, and
 every token of every document is computed exactly once.
+
+The data iterator (no Megatron) gives a group's members the same micro-batch at the same step over a DP2 x CP2
+pool, every token once; through Megatron's loop (torchrun, gloo, the tiny GPT, ``slow``) DP2 x CP2 and TP2 (SP)
+x CP2 with ``--wlb-cp-sharding dynamic`` train the CP 1 run's loss and grad norm within 1e-5 relative, every
+document once, and a resume from iteration 2 trains iterations 3 and 4 the same.
 """
 
 from __future__ import annotations
