@@ -30,9 +30,11 @@ def test_dynamic_is_a_cp_sharding_of_settings_and_yaml(tmp_path: Path) -> None:
         WlbSettings(cp_sharding="dynamicc")
 
 
-def test_training_with_dynamic_refuses_in_one_line_and_never_falls_back() -> None:
-    args = parse(BASE + ["--wlb-cp-sharding", "dynamic"])
-    refusal = "--wlb-cp-sharding dynamic .* runtime in Megatron's loop .* not built yet"
+def test_training_with_dynamic_at_pp2_refuses_in_one_line_and_never_falls_back() -> None:
+    pp1 = parse(BASE + ["--wlb-cp-sharding", "dynamic", "--pipeline-model-parallel-size", "1"])
+    validate_wlb_args(pp1, te_available=False, highspy_available=True, check_files=False)  # PP 1 trains
+    args = parse(BASE + ["--wlb-cp-sharding", "dynamic"])  # BASE is PP 2
+    refusal = "--wlb-cp-sharding dynamic trains at --pipeline-model-parallel-size 1 only"
     with pytest.raises(ValueError, match=refusal) as e:
         validate_wlb_args(args, te_available=False, highspy_available=True, check_files=False)
     assert "\n" not in str(e.value) and "--wlb-cp-sharding adaptive" in str(e.value)

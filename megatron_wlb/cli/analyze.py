@@ -268,7 +268,7 @@ def dynamic_beside(cfg: RunConfig, profile: str | None, streams: list[np.ndarray
             f"{cfg.layout.dp * cfg.layout.cp} DP x CP ranks, CP communication charged): slowest rank over ideal "
             f"{np.mean(over):.3f} [{min(over):.3f}, {max(over):.3f}]; the same micro-batches on fixed CP "
             f"{cfg.layout.cp} groups take {np.mean(gain):.3f}x [{min(gain):.3f}, {max(gain):.3f}] as long "
-            f"(cost model, per layer x layers; its training runtime is not built yet)")
+            f"(cost model, per layer x layers)")
     print(f"\n{line}")
     with open(report, "a") as f:
         f.write(f"\n## Dynamic CP\n\n{line}\n")

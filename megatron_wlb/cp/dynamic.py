@@ -48,11 +48,11 @@ __all__ = ["ALPHAS", "DYNAMIC_SHARDING", "RUNTIME_MISSING", "DynamicCPPlan", "Gr
 
 #: the CP sharding value (``cp.sharding`` / ``--wlb-cp-sharding``) that asks for this planner
 DYNAMIC_SHARDING = "dynamic"
-#: why a training run refuses it (one line): the planner and the simulator exist, the runtime does not yet
-RUNTIME_MISSING = (f"--wlb-cp-sharding {DYNAMIC_SHARDING} is planned and simulated (wlb simulate / wlb analyze at "
-                   "PP 1, benchmarks/bench_main_scheduler.py --dynamic-cp) but its runtime in Megatron's loop "
-                   "(a CP group per micro-batch over the DP x CP ranks) is not built yet; train with "
-                   "--wlb-cp-sharding adaptive")
+#: why a training run with pipeline parallelism refuses it (one line): the runtime trains at PP 1 only
+RUNTIME_MISSING = (f"--wlb-cp-sharding {DYNAMIC_SHARDING} trains at --pipeline-model-parallel-size 1 only: with "
+                   "PP > 1 every stage would need the same CP groups per micro-batch and the same micro-batch count "
+                   "per rank (planned and simulated at PP 1 only, not built); train with "
+                   "--pipeline-model-parallel-size 1, or with --wlb-cp-sharding adaptive")
 
 #: the granularities tried (a document's per-rank price at most alpha x the ideal); inf: only memory decides
 ALPHAS: tuple[float, ...] = (float("inf"), 1.0, 0.5, 0.25, 0.125, 1 / 16, 1 / 32, 1 / 64)

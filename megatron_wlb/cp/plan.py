@@ -139,6 +139,9 @@ class RankMicroBatch:
     cu_seqlens_padded: np.ndarray | None = None
     micro_batch: MicroBatch | None = None
     staged: Any = None
+    #: dynamic CP (``cp.dynamic_steps``): the (first slot, size) block of the pool whose process group runs this
+    #: micro-batch; None: the run's fixed CP group
+    block: tuple[int, int] | None = None
 
     @property
     def shard(self) -> RankShard:

@@ -31,10 +31,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.packed_seq_params import PackedSeqParams
 
 from megatron_wlb.cp.device import DeviceBatch, Varlen, carrier, upload, varlen_of
+from megatron_wlb.cp.dynamic_groups import block_groups, group_of
 from megatron_wlb.cp.plan import RankMicroBatch
 from megatron_wlb.megatron import attention as wlb_attention
 from megatron_wlb.megatron import hooks
@@ -46,8 +48,10 @@ from megatron_wlb.megatron.settings import WlbSettings
 @dataclass
 class WlbPackedSeqParams(PackedSeqParams):
     """``PackedSeqParams`` plus this CP rank's ``Varlen`` record (None: not a WLB micro-batch): Megatron
-    threads the params from ``forward_step`` through ``GPTModel`` to every layer."""
+    threads the params from ``forward_step`` through ``GPTModel`` to every layer. ``dynamic_group``: dynamic CP,
+    the process group of this micro-batch's block (the attention uses it instead of the run's CP group)."""
     varlen: Varlen | None = None
+    dynamic_group: Any = None
 
 
 def te_available() -> bool:
@@ -75,7 +79,33 @@ def upload_micro_batch(batch: RankMicroBatch, device: torch.device | None = None
             tensor.record_stream(stream)  # the caching allocator must not reuse them before this stream is done
     else:
         on_device = upload(batch, device, tokens=tokens)
+    if batch.block is not None:  # dynamic CP: the group of the micro-batch's block
+        group = group_of(_DYNAMIC_GROUPS, *batch.block)
+        data, params = megatron_batch(on_device, group)
+        params.dynamic_group = group
+        return data, params
     return megatron_batch(on_device, _cp_group() if cp_group is None else cp_group)
+
+
+#: dynamic CP: this rank's pool's block process groups, ``(first slot, size) -> group`` (``make_dynamic_groups``)
+_DYNAMIC_GROUPS: dict[tuple[int, int], Any] = {}
+
+
+def make_dynamic_groups(dp_rank: int, cp_rank: int, cp_size: int) -> None:
+    """Dynamic CP: the process group of every aligned block of every DP x CP pool, made once at start-up by every
+    rank (``new_group`` is collective over the world); this rank keeps its pool's. Its slot in the pool is
+    ``dp_rank x CP + cp_rank`` (what the data iterator plans with), checked against Megatron's DP x CP group."""
+    if _DYNAMIC_GROUPS:
+        return
+    pool_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    pool = [int(r) for r in dist.get_process_group_ranks(pool_group)]
+    slot = dp_rank * cp_size + cp_rank
+    if pool.index(dist.get_rank()) != slot:
+        raise RuntimeError(f"dynamic CP: rank {dist.get_rank()} is slot {pool.index(dist.get_rank())} of its DP x CP "
+                           f"group {pool}, not dp_rank x CP + cp_rank = {slot}")
+    pools: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(pools, pool)
+    _DYNAMIC_GROUPS.update(block_groups(sorted({tuple(p) for p in pools})))
 
 
 def megatron_batch(batch: DeviceBatch, cp_group: Any) -> tuple[dict[str, torch.Tensor | None], WlbPackedSeqParams]:
@@ -227,5 +257,6 @@ def uninstall() -> None:
     wlb_attention.install_core_attention(enabled=False)
 
 
-__all__ = ["WlbPackedSeqParams", "get_thd_batch_on_this_cp_rank", "install", "megatron_batch", "packed_seq_params",
-           "packed_seq_params_from_iterator", "te_available", "training_device", "uninstall", "upload_micro_batch"]
+__all__ = ["WlbPackedSeqParams", "get_thd_batch_on_this_cp_rank", "install", "make_dynamic_groups", "megatron_batch",
+           "packed_seq_params", "packed_seq_params_from_iterator", "te_available", "training_device", "uninstall",
+           "upload_micro_batch"]

@@ -29,10 +29,12 @@ from typing import Any
 
 import numpy as np
 
+from megatron_wlb.cp.dynamic_steps import DynamicPool, slot_steps, step_batch
 from megatron_wlb.cp.layouts import ShardLayout, layout_digest
 from megatron_wlb.cp.plan import CPSharding, Packed, RankMicroBatch, layout_micro_batch, micro_batch_lengths, rank_batch
 from megatron_wlb.data.reader import ORDER_NUMPY_SHUFFLE, DocumentReader, DocumentStream, StreamCursor
 from megatron_wlb.data.samples import SamplePieceCursor, SampleStream
+from megatron_wlb.megatron.validation import RunRefusal
 from megatron_wlb.packing import make_packer
 from megatron_wlb.packing.types import GlobalBatch, MicroBatch
 
@@ -114,7 +116,8 @@ class WlbDataIterator(Iterator[RankMicroBatch]):
     def __init__(self, reader: DocumentReader | None, stream: DocumentStream | SampleStream, packer: Any,
                  dp_rank: int, sharding: CPSharding | None = None,
                  on_batch: Callable[[GlobalBatch], None] | None = None, read: ReadFn | None = None,
-                 read_piece: PieceReadFn | None = None, sample_identity: Any = None):
+                 read_piece: PieceReadFn | None = None, sample_identity: Any = None,
+                 dynamic: DynamicPool | None = None):
         if read is None and read_piece is None:
             if reader is None:
                 raise ValueError("WlbDataIterator needs a DocumentReader or a read(doc_id, offset, length) function")
@@ -127,6 +130,10 @@ class WlbDataIterator(Iterator[RankMicroBatch]):
         #: reader's stream ids are the documents), agreed every step with the plan
         self.sample_identity = sample_identity
         self.sharding = sharding if sharding is not None else CPSharding()
+        #: dynamic CP: this rank's slot of its DP x CP pool; every iteration's pieces are planned over the pool
+        #: (``cp.dynamic_steps``) and this slot runs its step's group micro-batch (or an empty one)
+        self.dynamic = dynamic
+        self._steps: tuple[Any, ...] = ()
         self.stream = stream
         self.packer = packer
         self.dp_rank = int(dp_rank)
@@ -170,6 +177,16 @@ class WlbDataIterator(Iterator[RankMicroBatch]):
         dp_size equal shares), with CP its micro-batches laid out now (``layouts``, agreed before the step)."""
         self.current = batch
         self._mine = batch.micro_batches[self.dp_rank * self.n:(self.dp_rank + 1) * self.n]
+        if self.dynamic is not None:  # the whole global batch's pieces over the pool, this slot's steps
+            pieces = [p for mb in batch.micro_batches for p in mb.pieces]
+            plan = self.dynamic.plan(np.array([p.length for p in pieces], dtype=np.int64))
+            try:
+                self._steps = slot_steps(plan, self.dynamic.slot, self.n)
+            except ValueError as exc:  # every rank plans alike: each stops here, in one line
+                raise RunRefusal(f"megatron_wlb: iteration {batch.iteration}: {exc}") from None
+            capacity = max(mb.capacity for mb in batch.micro_batches)
+            self._mine = tuple(MicroBatch(tuple(pieces[d] for d in step.docs) if step is not None else (), capacity)
+                               for step in self._steps)
         if self.sharding.cp_size > 1:
             self._cp_layouts = tuple(layout_micro_batch(segment_lengths(mb, self.sharding), self.sharding)
                                      for mb in self._mine)
@@ -222,6 +239,16 @@ class WlbDataIterator(Iterator[RankMicroBatch]):
         at = self._cursor
         self._cursor += 1
         self.yielded += 1
+        if self.dynamic is not None:
+            mine = self._mine[at]
+            lengths = mine.lengths
+            step = self._steps[at]
+            if step is not None:  # the planner numbers the global batch's pieces; this step's are mine's, in order
+                step = replace(step, docs=tuple(range(len(mine.pieces))))
+            record = step_batch(step, self.dynamic.slot, lengths,
+                                lambda _docs, segments: pack_tokens(self.read, mine, segments, self.read_piece),
+                                empty_tokens=self.sharding.empty_tokens, rank_multiple=self.dynamic.rank_multiple)
+            return replace(record, micro_batch=mine)
         return rank_micro_batch(self.read, self._mine[at], self.sharding, read_piece=self.read_piece,
                                 layout=self._cp_layouts[at] if self._cp_layouts else None)
 

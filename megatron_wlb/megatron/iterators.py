@@ -12,6 +12,8 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from megatron_wlb.cp.dynamic import DYNAMIC_SHARDING
+from megatron_wlb.cp.dynamic_steps import DynamicPool
 from megatron_wlb.cp.plan import CPSharding, RankMicroBatch
 from megatron_wlb.data.reader import DEFAULT_SPLIT, DocumentReader, parse_split
 from megatron_wlb.megatron.data import WlbDataIterator
@@ -87,8 +89,22 @@ def cp_sharding_from_args(args: Any, settings: WlbSettings, cp_rank: int, cost: 
     exactly T/CP tokens; under sequence parallelism also of TP, and every rank to a multiple of TP.
     """
     a = MegatronArgs.of(args)
+    if settings.cp_sharding == DYNAMIC_SHARDING:  # each micro-batch carries its own group's layout (dynamic_pool)
+        return CPSharding()
     return CPSharding(layout=settings.cp_sharding, cp_size=a.cp, cp_rank=cp_rank, sequence_multiple=a.cp * a.sp,
                       rank_multiple=a.sp, te_attention=settings.cp_sharding == "per-document-te", cost=cost)
+
+
+def dynamic_pool(args: Any, settings: WlbSettings, config: Any, dp_rank: int, cp_rank: int,
+                 cost: CostModel) -> DynamicPool | None:
+    """With ``--wlb-cp-sharding dynamic``: this rank's slot of its stage's DP x CP pool (slot = dp_rank x CP +
+    cp_rank, the order of Megatron's DP x CP group), each slot holding at most a fixed CP rank's share of the
+    packer's capacity; else None."""
+    if settings.cp_sharding != DYNAMIC_SHARDING:
+        return None
+    a = MegatronArgs.of(args)
+    return DynamicPool(slots=a.dp * a.cp, slot=dp_rank * a.cp + cp_rank,
+                       max_tokens_per_rank=-(-config.capacity_var // a.cp), cost=cost, rank_multiple=a.sp)
 
 
 def build_train_iterator(args: Any, settings: WlbSettings, dp_rank: int, cp_rank: int = 0, *,
@@ -107,6 +123,7 @@ def build_train_iterator(args: Any, settings: WlbSettings, dp_rank: int, cp_rank
     cost = cost_model_from_args(args, settings)  # Megatron's own args: the MoE flags are read from them
     packer = make_packer(settings.packer, config, cost)
     sharding = cp_sharding_from_args(args, settings, cp_rank, cost)
+    dynamic = dynamic_pool(args, settings, config, dp_rank, cp_rank, cost)
     if megatron_samples:
         # Megatron's own GPTDataset samples, from the sample its sampler would give next (a resumed stock
         # job's consumed samples; a resumed balanced one opens its saved position instead)
@@ -126,16 +143,16 @@ def build_train_iterator(args: Any, settings: WlbSettings, dp_rank: int, cp_rank
         samples = MegatronSamples(dataset)
         return WlbDataIterator(None, samples.stream(int(a.consumed_train_samples or 0)), packer,
                                dp_rank, sharding, on_batch=on_batch, read_piece=samples.piece,
-                               sample_identity=SampleIdentity(dataset, samples.seq_len))
+                               sample_identity=SampleIdentity(dataset, samples.seq_len), dynamic=dynamic)
     if a.sft and reader is None:  # conversations from Megatron's SFT jsonl, each with its own labels and loss mask
         reader, read_piece = sft_reader(args, split_name, print_fn=lambda line: print_rank0(f"> {line}"))
         if a.padded_vocab_size:
             reader.check_vocabulary(int(a.padded_vocab_size), "--vocab-size / the tokenizer")
         return WlbDataIterator(reader, reader.stream(stream_tokens_for(args, config, split_name)), packer, dp_rank,
-                               sharding, on_batch=on_batch, read_piece=read_piece)
+                               sharding, on_batch=on_batch, read_piece=read_piece, dynamic=dynamic)
     reader = reader if reader is not None else reader_from_args(args, split_name)
     return WlbDataIterator(reader, reader.stream(stream_tokens_for(args, config, split_name)), packer, dp_rank,
-                           sharding, on_batch=on_batch)
+                           sharding, on_batch=on_batch, dynamic=dynamic)
 
 
 def iterator_packing_config(args: Any, settings: WlbSettings, split_name: str = "train",

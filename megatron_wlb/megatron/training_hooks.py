@@ -16,6 +16,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.rerun_state_machine import RerunDataIterator
 
+from megatron_wlb.cp.dynamic import DYNAMIC_SHARDING
 from megatron_wlb.megatron import cp_hooks, p2p, timing
 from megatron_wlb.megatron.agreement import (
     check_startup_agreement,
@@ -167,6 +168,8 @@ def wrap_build_train_valid_test_data_iterators(original: Callable, mods: dict[st
         first = not rt.registry.iterators
         if first:  # before any dataset is built: a rank with another --seed must be named, not fail in megatron-core
             agree_at_startup(args, settings, iterator_packing_config(args, settings), rt.logger.cost)
+            if settings.cp_sharding == DYNAMIC_SHARDING:  # every block's process group, once, on every rank
+                cp_hooks.make_dynamic_groups(*ranks(), a.cp)
         iterator = prefetching(the_train_iterator_builder()(args, settings, *ranks(),
                                                             on_batch=rt.logger.on_batch if first else None))
         rt.registry.register(iterator)
