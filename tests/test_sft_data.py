@@ -156,7 +156,7 @@ def test_sft_flags_wlb_cannot_honour_are_one_line_each(tmp_path):
     assert len(problems) == 4 and all("\n" not in p for p in problems)
     assert any("--tokenizer-type SFTTokenizer" in p for p in problems)
     assert any("--wlb-pieces documents" in p for p in problems)
-    assert any("--wlb-cut split" in p for p in problems)
+    assert any("packing.cut split" in p for p in problems)
     assert any("missing.jsonl: no such file" in p for p in problems)
 
 

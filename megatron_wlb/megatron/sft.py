@@ -41,8 +41,9 @@ def sft_problems(args: Any, settings: Any) -> list[str]:
         problems.append("--sft packs each conversation whole: --wlb-pieces concat-and-cut cuts Megatron's GPT "
                         "samples; use --wlb-pieces documents")
     if settings.cut == "any":
-        problems.append("--sft trains each conversation whole: --wlb-cut any would cut forced outliers; use "
-                        "--wlb-cut split (a conversation over --seq-length is cut as Megatron's SFTDataset cuts it)")
+        problems.append("--sft trains each conversation whole: packing.cut any would cut forced outliers; use "
+                        "packing.cut split in the YAML of --wlb-config (a conversation over --seq-length is cut as "
+                        "Megatron's SFTDataset cuts it)")
     for flag in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
         given = getattr(a, flag)
         if not given:
