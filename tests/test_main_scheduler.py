@@ -367,12 +367,19 @@ def test_rank_groups_critical_path():
 
     bench = load_script("bench_main_scheduler")
     latency = np.array([4.0, 3.0, 1.0, 1.0, 4.0])
+    prices = {1: latency, 2: latency / 2}  # a sample's latency split evenly over its CP group, no all-gather
+    free = {1: 0.0, 2: 0.0}
     # micro-batch 0: sample 0 over both ranks (2 each); micro-batch 1: ranks alone (3 and 1)
-    assert bench.rank_groups_critical_path([[[0], [0]], [[1], [2]]], latency) == pytest.approx(5.0)
+    assert bench.rank_groups_critical_path([[[0], [0]], [[1], [2]]], prices, free) == pytest.approx(5.0)
     # separate chains: rank 0 does 4 + 1, rank 1 does 1 + 4
-    assert bench.rank_groups_critical_path([[[0], [3]], [[2], [4]]], latency) == pytest.approx(5.0)
+    assert bench.rank_groups_critical_path([[[0], [3]], [[2], [4]]], prices, free) == pytest.approx(5.0)
     # joined in micro-batch 1 by sample 1: rank 1 waits for rank 0 (4), then both do 1.5 (+ 1 more on rank 1)
-    assert bench.rank_groups_critical_path([[[0], [3]], [[1], [1, 2]]], latency) == pytest.approx(6.5)
+    assert bench.rank_groups_critical_path([[[0], [3]], [[1], [1, 2]]], prices, free) == pytest.approx(6.5)
+    # the group's all-gather and a micro-batch's fixed cost: each holder of a 2-rank group pays 0.5 more, a lone
+    # rank 0.25: 2 + 0.5 on both, then 3 + 0.25 and 1 + 0.25
+    priced = {1: latency, 2: latency / 2 + 0.5}
+    assert bench.rank_groups_critical_path([[[0], [0]], [[1], [2]]], priced, {1: 0.25, 2: 0.0}) == \
+        pytest.approx(5.75)
 
 
 @pytest.mark.slow
