@@ -70,6 +70,12 @@ def _world_entry(worker, rank: int, world: int, store: str, queue, kwargs: dict)
         queue.put((rank, None))
     except BaseException:  # noqa: BLE001 - every failure goes to the parent
         queue.put((rank, traceback.format_exc()))
+        return
+    # done: the result is sent (the queue flushed), so leave without the interpreter's teardown of torch and
+    # Megatron (a spawned child runs it, ~1-2 s of CPU; a forked one leaves like this already)
+    queue.close()
+    queue.join_thread()
+    os._exit(0)
 
 
 def run_world(worker, world: int, *, start_method: str = "spawn", **kwargs) -> None:

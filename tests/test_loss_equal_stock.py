@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from rank_launch import run_ranks
 
 from megatron_wlb.cli.compare_loss import DEFAULT_RTOL, Step, compare_curves, read_megatron_log
 
@@ -172,10 +173,9 @@ def runs(checkouts, eod_corpus, tmp_path_factory):
             out = tmp_path_factory.mktemp(f"{side}_{layout}")
             flags = COMMON if side == "stock" else (*COMMON, *BALANCED, "--wlb-max-delay", "0")
             env = {**_env(checkout, LAYOUTS[layout]), "WLB_PROBE_OUT": str(out)}
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc-per-node",
-                   "2", str(PROBE), "--pretrain-gpt", str(checkout / "pretrain_gpt.py"), "--tiny-gpt",
-                   "--data-path", eod_corpus, "--data-cache-path", str(out / "cache"), *flags]
-            proc = subprocess.run(cmd, env=env, cwd=out, capture_output=True, text=True, timeout=400)
+            args = [str(PROBE), "--pretrain-gpt", str(checkout / "pretrain_gpt.py"), "--tiny-gpt",
+                    "--data-path", eod_corpus, "--data-cache-path", str(out / "cache"), *flags]
+            proc = run_ranks(args, 2, env=env, cwd=out, timeout=400)
             log = out / "train.log"
             log.write_text(proc.stdout + proc.stderr)
             assert proc.returncode == 0, f"{side} {layout} failed; log tail:\n{log.read_text()[-5000:]}"

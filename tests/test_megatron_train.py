@@ -1,8 +1,9 @@
 """Megatron-LM's own training loop, end to end on CPU (gloo), with the WLB-LLM hooks.
 
-Each test launches ``tests/megatron_train_probe.py`` under torchrun (``megatron_wlb.megatron.cpu``
-plus records: losses, iteration-1 gradients, tokens of every document that reached the model) on a
-tiny GPT and real text (the standard library as a byte-level .bin/.idx).
+Each test launches ``tests/megatron_train_probe.py`` as a one-node world (tests/rank_launch.py: the ranks
+torchrun starts, without its agent; ``megatron_wlb.megatron.cpu`` plus records: losses, iteration-1
+gradients, tokens of every document that reached the model) on a tiny GPT and real text (the standard
+library as a byte-level .bin/.idx).
 
 Two ways in: ``megatron_wlb.megatron.launcher`` over the installed megatron-core's
 ``megatron.training`` (0.19.x ships it; CI installs 0.19.2), and the pinned Megatron-LM checkout's
@@ -24,6 +25,7 @@ from pathlib import Path
 
 import pytest
 from packaging.version import Version
+from rank_launch import run_ranks
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.slow  # Megatron training runs: minutes; `pytest -m "not slow"` is the fast lane
@@ -91,7 +93,8 @@ class Run:
 
 def train(tmp_path: Path, name: str, corpus: str | None, *flags: str, env: dict | None = None,
           pretrain_gpt: str | None = None, expect_ok: bool = True) -> Run:
-    """Run the probe under torchrun with the layout in ``env`` (TP/CP/PP/VPP/DP) and ``flags`` (no
+    """Run the probe as the ranks of a one-node world (``rank_launch.run_ranks``: torchrun's worker environment,
+    without its agent) with the layout in ``env`` (TP/CP/PP/VPP/DP) and ``flags`` (no
     ``--data-path`` where ``corpus`` is None: Megatron's mock data)."""
     from megatron_wlb.megatron.cpu import layout_from_env, world_size
 
@@ -102,10 +105,8 @@ def train(tmp_path: Path, name: str, corpus: str | None, *flags: str, env: dict 
     env["WLB_PROBE_OUT"] = str(out)
     env.pop("CUDA_VISIBLE_DEVICES", None)
     entry = ["--pretrain-gpt", pretrain_gpt] if pretrain_gpt else []
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
-           "--nproc-per-node", str(world_size(layout)), str(PROBE), *entry, "--tiny-gpt",
-           *(["--data-path", corpus] if corpus else []), *flags]
-    proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=TIMEOUT)
+    args = [str(PROBE), *entry, "--tiny-gpt", *(["--data-path", corpus] if corpus else []), *flags]
+    proc = run_ranks(args, world_size(layout), env=env, cwd=tmp_path, timeout=TIMEOUT)
     log = proc.stdout + proc.stderr
     (out / "train.log").write_text(log)
     if expect_ok:

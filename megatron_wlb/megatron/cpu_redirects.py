@@ -152,11 +152,10 @@ def install_cpu_redirects() -> None:
 
     # Not a CUDA redirect: Megatron's jit_fuser wraps small fusions in torch.compile, which on the CPU
     # compiles C++ with inductor in every process at start-up (minutes on 2 cores); eager mode computes
-    # the same values. TORCHDYNAMO_DISABLE=0 compiles anyway.
+    # the same values. torch.compile hands back the function itself (what a disabled dynamo runs, without
+    # importing dynamo and inductor: ~2 s a process). TORCHDYNAMO_DISABLE=0 compiles anyway.
     if os.environ.get("TORCHDYNAMO_DISABLE", "1") != "0":
-        import torch._dynamo as dynamo  # lazy: heavy, and only when compiling is off
-
-        dynamo.config.disable = True
+        torch.compile = _eager_compile
     mode = _device_mode()
     mode.__enter__()  # for the life of the process
     torch.Tensor.cuda = lambda self, *a, **k: self  # type: ignore[method-assign]
@@ -198,6 +197,12 @@ def install_megatron_redirects() -> None:
     hooks.install_hook("WrappedTorchNorm.__new__")
     guard_fused_kernels(force=True)  # core <= 0.16: initialize calls it; it runs nvcc -V and compiles nothing
     hooks.install_hook("initialize_megatron")
+
+
+def _eager_compile(model: Any = None, **_options: Any) -> Any:
+    """``torch.compile`` while compiling is off: the function itself, used bare or with options
+    (``@torch.compile``, ``@torch.compile(...)``, ``torch.compile(fn, ...)``)."""
+    return model if model is not None else (lambda fn: fn)
 
 
 # -- the factories of the cpu-phase hooks (hooks.HOOKS)
