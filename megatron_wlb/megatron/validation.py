@@ -20,7 +20,7 @@ from typing import Any
 from megatron_wlb.config import RunChoices, RunConfig, megatron_moe_fields
 from megatron_wlb.costmodel import CostModel, ModelShape, ParallelLayout, build_cost_model
 from megatron_wlb.cp.dynamic import DYNAMIC_SHARDING, RUNTIME_MISSING
-from megatron_wlb.data.blend import parse_data_path
+from megatron_wlb.data.blend import data_path_problems
 from megatron_wlb.megatron.args import _show, load_run_config, settings_from_args
 from megatron_wlb.megatron.gpt_samples import masking_problem
 from megatron_wlb.megatron.megatron_args import MegatronArgs
@@ -228,20 +228,13 @@ def validate_wlb_args(args: Any, *, te_available: bool | None = None, highspy_av
     elif not (a.data_path or a.train_data_path):
         problems.append("no --data-path: WLB reads documents from Megatron indexed datasets (PREFIX.bin/.idx); "
                         "give --data-path [WEIGHT] PREFIX ... or --train-data-path")
-    for flag, value in (("data_path", a.data_path), ("train_data_path", a.train_data_path),
-                        ("valid_data_path", a.valid_data_path), ("test_data_path", a.test_data_path)):
-        if not value or not check_files or a.sft:  # --sft: jsonl files, checked by sft_problems
-            continue
-
-        try:
-            prefixes = [p for p, _ in parse_data_path(value)]
-        except ValueError as exc:
-            problems.append(str(exc))
-            continue
-        for prefix in prefixes:
-            if not (os.path.isfile(prefix + ".bin") and os.path.isfile(prefix + ".idx")):
-                problems.append(f"--{flag.replace('_', '-')}: no {prefix}.bin/.idx; give the prefix of a Megatron "
-                                "indexed dataset (made with tools/preprocess_data.py), without the extension")
+    if check_files and not a.sft:  # --sft: jsonl files, checked by sft_problems
+        problems.extend(data_path_problems(
+            (("data_path", a.data_path), ("train_data_path", a.train_data_path),
+             ("valid_data_path", a.valid_data_path), ("test_data_path", a.test_data_path)),
+            lambda flag, prefix: None if os.path.isfile(prefix + ".bin") and os.path.isfile(prefix + ".idx") else (
+                f"--{flag.replace('_', '-')}: no {prefix}.bin/.idx; give the prefix of a Megatron indexed dataset "
+                "(made with tools/preprocess_data.py), without the extension")))
     problems.extend(bypass_problems(args))
     if a.fim_data:
         problems.append("--fim-data replaces the data path WLB installs; remove --fim-data or do not call "
