@@ -45,6 +45,7 @@ from megatron_wlb.costmodel.trace import (
     row_to_json,
     trace_path_for_rank,
 )
+from megatron_wlb.cp.dynamic import group_cost_models
 from megatron_wlb.cp.plan import RankMicroBatch
 from megatron_wlb.megatron import hooks
 from megatron_wlb.megatron.clocks import Clock as Clock
@@ -114,6 +115,7 @@ class Recorder:
         self._in_flight: dict[int, tuple[Any, _Step]] = {}
         self._p2p_since: list[Span] = []
         self._resolved: dict[int, IterationTotals] = {}
+        self._group_costs: dict[int, CostModel] = {}  # dynamic CP: the cost model per group size (``_cost_of``)
         self.latest = -1  # plan iteration of the newest recorded pass
         self.overhead_s = 0.0  # host seconds of timing work not yet charged to a pass
         self._file: IO[str] | None = None
@@ -163,14 +165,16 @@ class Recorder:
         lengths = tuple(p.length for p in batch.micro_batch.pieces) if batch.micro_batch is not None else ()
         pred_fwd = pred_bwd = 0.0
         if self.cost is not None and lengths:
-            fwd, bwd = bins_seconds(self.cost, [np.asarray(lengths, dtype=np.int64)])
+            fwd, bwd = bins_seconds(self._cost_of(batch), [np.asarray(lengths, dtype=np.int64)])
             layers = self.ids.layers_per_chunk
             pred_fwd, pred_bwd = float(fwd[0]) * layers, float(bwd[0]) * layers
         rank_tokens, rank_pairs, rank_runs = rank_share(batch)
         d = np.asarray(lengths, dtype=np.float64)
         ids = self.ids
+        # dynamic CP: the CP rank within the micro-batch's own group (its tokens are then counted once)
+        cp = ids.cp if batch.block is None else ids.dp * ids.cp_size + ids.cp - batch.block[0]
         row = MicroBatchRow(
-            iteration=inner.iteration, rank=ids.rank, dp=ids.dp, pp=ids.pp, cp=ids.cp, tp=ids.tp, chunk=chunk,
+            iteration=inner.iteration, rank=ids.rank, dp=ids.dp, pp=ids.pp, cp=cp, tp=ids.tp, chunk=chunk,
             micro_batch=inner.position - 1, layers=ids.layers_per_chunk, tokens=int(d.sum()),
             sum_d2=float((d * d).sum()), lengths=lengths, rank_tokens=rank_tokens, rank_pairs=rank_pairs,
             rank_runs=rank_runs, pred_fwd_s=pred_fwd, pred_bwd_s=pred_bwd, fwd_s=0.0, bwd_s=0.0,
@@ -179,6 +183,15 @@ class Recorder:
         self._p2p_since = []
         self._pass.steps.append(step)
         self._in_flight[id(output)] = (output, step)  # the reference keeps the id unique until backward
+
+    def _cost_of(self, batch: RankMicroBatch) -> CostModel | None:
+        """The cost model that prices ``batch``: the run's, or under dynamic CP (``batch.block``) the run's at
+        the CP size of the micro-batch's group over the stage's DP x CP pool, as its plan priced it."""
+        if batch.block is None or self.cost is None:
+            return self.cost
+        if not self._group_costs:
+            self._group_costs.update(group_cost_models(self.cost, self.ids.dp_size * self.ids.cp_size))
+        return self._group_costs[batch.block[1]]
 
     def backward(self, output: Any, span: Span) -> None:
         found = self._in_flight.pop(id(output), None)

@@ -19,7 +19,6 @@ from typing import Any
 
 from megatron_wlb.config import RunChoices, RunConfig, megatron_moe_fields
 from megatron_wlb.costmodel import CostModel, ModelShape, ParallelLayout, build_cost_model
-from megatron_wlb.cp.dynamic import DYNAMIC_SHARDING, RUNTIME_MISSING
 from megatron_wlb.data.blend import parse_data_path
 from megatron_wlb.megatron.args import _show, load_run_config, settings_from_args
 from megatron_wlb.megatron.gpt_samples import masking_problem
@@ -205,8 +204,6 @@ def validate_wlb_args(args: Any, *, te_available: bool | None = None, highspy_av
             problems.append(f"{source} {_show(settings.queue_thresholds)}: {threshold_problem}")
     if seq_length % (2 * cp):
         problems.append(f"--seq-length {seq_length} must be divisible by 2 x --context-parallel-size = {2 * cp}")
-    if settings.cp_sharding == DYNAMIC_SHARDING and pp > 1:
-        problems.append(RUNTIME_MISSING)
     if settings.cp_sharding == "per-document-te":
         if te_available is None:
             te_available = module_available("transformer_engine")
