@@ -112,13 +112,14 @@ BYPASSING_FLAGS: dict[str, tuple[str, str, str]] = {
     "dynamic_context_parallel": (
         "--dynamic-context-parallel", "picks a CP group size per sample (default_dynamic_cp) over data our CP "
         "sharding replaces", "--wlb-cp-sharding dynamic (a CP group size and ranks per micro-batch over the DP x "
-        "CP ranks, planned with the packing and its CP communication priced; trains at PP 1), or --wlb-cp-sharding "
-        "adaptive (per-sequence or per-document sharding chosen per micro-batch over --context-parallel-size)"),
+        "CP ranks of a pipeline stage, planned with the packing and its CP communication priced), or "
+        "--wlb-cp-sharding adaptive (per-sequence or per-document sharding chosen per micro-batch over "
+        "--context-parallel-size)"),
     "hybrid_context_parallel": (
         "--hybrid-context-parallel", "picks a CP group size per sample over data our CP sharding replaces",
-        "--wlb-cp-sharding dynamic (a CP group size and ranks per micro-batch over the DP x CP ranks; trains at "
-        "PP 1), or --wlb-cp-sharding adaptive (per-sequence or per-document sharding chosen per micro-batch over "
-        "--context-parallel-size)"),
+        "--wlb-cp-sharding dynamic (a CP group size and ranks per micro-batch over the DP x CP ranks of a "
+        "pipeline stage), or --wlb-cp-sharding adaptive (per-sequence or per-document sharding chosen per "
+        "micro-batch over --context-parallel-size)"),
     "max_seqlen_per_dp_cp_rank": (
         "--max-seqlen-per-dp-cp-rank", "caps what Megatron's own scheduler packs per rank, which our packer "
         "replaces", "--wlb-max-seq-len (a micro-batch's tokens over all CP ranks: this value x CP)"),
