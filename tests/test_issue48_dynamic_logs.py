@@ -7,7 +7,8 @@ the plan's slowest slot seconds, its ratio to the slots' mean and to the ideal, 
 over its micro-batch seconds, all equal to the plan recomputed here; they differ from what the fixed CP 2 pricing
 gives. The timing recorder (``timing.Recorder``) predicts each slot's micro-batch at its group's CP size: forward +
 backward = the plan's seconds of that slot at that step, times the chunk's layers; a row's ``cp`` is the rank's
-place in that group, so the measured tokens count each micro-batch once.
+place in that group, so the measured tokens count each micro-batch once, and the measured latency table has a row
+per slot: its predicted imbalance is the log's.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import numpy as np
 import pytest
 
 from megatron_wlb.costmodel import ParallelLayout, build_cost_model
+from megatron_wlb.costmodel.measured import IterationTotals
 from megatron_wlb.cp.dynamic import group_cost_models, plan_dynamic_cp
 from megatron_wlb.cp.dynamic_steps import DynamicPool, slot_step_seconds
 from megatron_wlb.data.reader import DocumentReader, byte_documents, write_indexed_dataset
@@ -102,10 +104,10 @@ def test_the_trace_prices_each_micro_batch_at_its_groups_cp_size(tmp_path):
 
     layers = 3
     its = _iterators(tmp_path, None)
-    rows_of = []
+    rows_of, totals = [], []
     for slot, it in enumerate(its):
         ids = RankIds(rank=slot, dp=slot // CP, pp=0, cp=slot % CP, tp=0, dp_size=DP, cp_size=CP, tp_size=1,
-                      layers_per_chunk=layers)
+                      layers_per_chunk=layers, dynamic=True)
         recorder = Recorder(CpuClock(), ids, COST, N, lambda i, it=it: 0 if i is it else None)
         recorder.begin_pass()
         for _ in range(it.n):
@@ -116,6 +118,7 @@ def test_the_trace_prices_each_micro_batch_at_its_groups_cp_size(tmp_path):
             recorder.backward(out, (clock.stamp(), clock.stamp()))
         recorder.end_pass()
         rows_of.append([r for r in recorder.flush() if hasattr(r, "pred_fwd_s")])
+        totals.append(recorder.totals(it.current.iteration))
     table = slot_step_seconds(_plan_of(its[0].current), N)
     fixed_differs = False
     for slot, rows in enumerate(rows_of):
@@ -132,3 +135,10 @@ def test_the_trace_prices_each_micro_batch_at_its_groups_cp_size(tmp_path):
     rows = [r for slot_rows in rows_of for r in slot_rows]
     assert sum(r.tokens for r in rows if r.cp == 0) == its[0].current.tokens
     assert any(r.cp == 1 for r in rows) and any(r.cp == 0 and r.rank % CP == 1 and r.lengths for r in rows)
+    # the measured side's predicted latency table (what every rank's all-reduce sums): a row per slot, the plan's
+    measured = IterationTotals(totals[0].iteration, SLOTS, N, totals[0].maxima, sum(t.sums for t in totals))
+    assert np.allclose(measured.latencies(predicted=True), layers * table, rtol=1e-12, atol=0)
+    summary = measured.summary()
+    degrees = table.max(axis=1) * N / table.sum(axis=1)
+    assert summary.imbalance_planned == pytest.approx(degrees.mean(), rel=1e-12)  # the log's ``imbalance``
+    assert summary.tokens == its[0].current.tokens

@@ -92,6 +92,16 @@ class RankIds:
     cp_size: int
     tp_size: int
     layers_per_chunk: int
+    #: ``--wlb-cp-sharding dynamic``: the measured latency table has a row per slot of the DP x CP pool
+    dynamic: bool = False
+
+    @property
+    def table(self) -> tuple[int, int, int]:
+        """(this rank's row, rows, ranks per row and stage) of the measured ``(rows, n)`` latency table: per DP
+        rank over its CP x TP ranks, or under dynamic CP per pool slot (``dp x CP + cp``) over its TP ranks."""
+        if self.dynamic:
+            return self.dp * self.cp_size + self.cp, self.dp_size * self.cp_size, self.tp_size
+        return self.dp, self.dp_size, self.cp_size * self.tp_size
 
 
 def rank_share(batch: RankMicroBatch) -> tuple[int, float, int]:
@@ -236,8 +246,9 @@ class Recorder:
                                wall_s=s(p.start, p.end), compute_s=sum(r.fwd_s + r.bwd_s for r in rows),
                                pp_wait_s=self._seconds(p.p2p), dp_wait_s=self._seconds(p.dp),
                                timing_s=p.timing_s, micro_batches=len({st.row.micro_batch for st in p.steps}))
-        self._resolved[iteration] = IterationTotals.of(rows, [summary], ids.dp_size, self.n,
-                                                       ids.cp_size * ids.tp_size)
+        row, table_rows, per_row = ids.table
+        self._resolved[iteration] = IterationTotals.of([replace(r, dp=row) for r in rows], [summary], table_rows,
+                                                       self.n, per_row)
         for old in [k for k in self._resolved if k < iteration - 8]:
             del self._resolved[old]
         return [*rows, summary]
@@ -251,14 +262,15 @@ class Recorder:
         (every rank must call this for the same iteration). None if this rank has not flushed it."""
         mine = self._resolved.get(iteration)
         # every rank takes part in the reductions, even one without the iteration (it then adds nothing)
-        size = IterationTotals.SCALAR_SUMS + 2 * self.ids.dp_size * self.n
+        table_rows = self.ids.table[1]
+        size = IterationTotals.SCALAR_SUMS + 2 * table_rows * self.n
         maxima = mine.maxima if mine is not None else np.zeros(2)
         sums = mine.sums if mine is not None else np.zeros(size)
         have = all_reduce(np.array([1.0 if mine is not None else 0.0]), "min")
         maxima, sums = all_reduce(maxima, "max"), all_reduce(sums, "sum")
         if have[0] < 1.0:
             return None
-        return IterationTotals(iteration, self.ids.dp_size, self.n, maxima, sums).summary()
+        return IterationTotals(iteration, table_rows, self.n, maxima, sums).summary()
 
     def write(self, row: dict[str, Any]) -> None:
         """Add a row of another kind (the online refit's ``refit`` rows) to the trace file, if any."""
