@@ -1,5 +1,6 @@
 """Issue 48: under ``--wlb-cp-sharding dynamic`` the per-step log and the timing trace report the dynamic-CP plan's
-own predictions, not the fixed CP size's.
+own predictions, not the fixed CP size's, and the plan is priced by the packer's cost model (the one an online
+refit replaces), not a copy the pool was built with.
 
 Four data iterators, one per slot of a DP2 x CP2 pool, plan mixed-length global batches (pieces too long for one
 slot run on a group of 2 or 4, short ones alone). The metrics logger (``wlb_logging``) logs, for each iteration,
@@ -33,6 +34,8 @@ SLOTS, CP, DP = 4, 2, 2
 SEQ_LEN, N = 512, 4
 CAP = SEQ_LEN * 3 // 2 // CP  # a slot's share of the packer's capacity (1.5 x --seq-length) at CP 2
 COST = build_cost_model("7b", ParallelLayout(tp=1, cp=CP, dp=DP))
+#: the pool's own model, which the packer's (``COST``: the run's, or its online refit) overrides
+POOL_COST = build_cost_model("550m", ParallelLayout(tp=1, cp=CP, dp=DP))
 
 
 def _iterators(tmp_path, on_batch):
@@ -42,14 +45,14 @@ def _iterators(tmp_path, on_batch):
     reader = DocumentReader([(prefix, 1.0)], split="1,0,0", seed=3)
     cfg = PackingConfig(seq_len=SEQ_LEN, n=N, dp=DP)
     stream = reader.stream(6 * cfg.tokens_per_iteration)
-    return [WlbDataIterator(reader, stream, make_packer("original", cfg), slot // CP,
+    return [WlbDataIterator(reader, stream, make_packer("original", cfg, COST), slot // CP,
                             on_batch=on_batch if slot == 0 else None,
-                            dynamic=DynamicPool(SLOTS, slot, CAP, COST)) for slot in range(SLOTS)]
+                            dynamic=DynamicPool(SLOTS, slot, CAP, POOL_COST)) for slot in range(SLOTS)]
 
 
-def _plan_of(batch):
+def _plan_of(batch, cost=COST):
     lengths = np.array([p.length for mb in batch.micro_batches for p in mb.pieces], dtype=np.int64)
-    return plan_dynamic_cp(lengths, SLOTS, CAP, group_cost_models(COST, SLOTS))
+    return plan_dynamic_cp(lengths, SLOTS, CAP, group_cost_models(cost, SLOTS))
 
 
 class _Writer:
@@ -72,6 +75,8 @@ def test_the_log_reports_the_dynamic_plans_prediction(tmp_path):
         batch = its[0].current
         plan = _plan_of(batch)
         assert {mb.size for mb in plan.micro_batches} >= {1, 2}  # groups of several sizes: a real dynamic plan
+        pool_plan = _plan_of(batch, POOL_COST)  # what the pool's own model would plan (not what runs)
+        assert pool_plan.slowest_seconds != pytest.approx(plan.slowest_seconds, rel=1e-3)
         m = logger.log(iteration)
         assert m is not None and m.iteration == batch.iteration
         # the plan's own numbers, recomputed from its micro-batches (each slot's share of its group's)

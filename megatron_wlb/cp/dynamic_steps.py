@@ -96,10 +96,11 @@ class DynamicPool:
         if not 0 <= self.slot < self.slots:
             raise ValueError(f"slot {self.slot} is outside the pool of {self.slots} slots")
 
-    def plan(self, lengths: np.ndarray) -> DynamicCPPlan:
-        """The dynamic-CP plan of one global batch's pieces (the same on every rank)."""
+    def plan(self, lengths: np.ndarray, cost: CostModel | None = None) -> DynamicCPPlan:
+        """The dynamic-CP plan of one global batch's pieces (the same on every rank), priced by ``cost`` (the
+        packer's, which an online refit replaces and a resumed packer restores) or else the pool's."""
         return plan_dynamic_cp(lengths, self.slots, self.max_tokens_per_rank,
-                               group_cost_models(self.cost, self.slots))
+                               group_cost_models(self.cost if cost is None else cost, self.slots))
 
 
 def slot_steps(plan: DynamicCPPlan, slot: int, steps: int) -> tuple[GroupMicroBatch | None, ...]:

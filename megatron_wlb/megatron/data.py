@@ -181,7 +181,8 @@ class WlbDataIterator(Iterator[RankMicroBatch]):
         plan = None
         if self.dynamic is not None:  # the whole global batch's pieces over the pool, this slot's steps
             pieces = [p for mb in batch.micro_batches for p in mb.pieces]
-            plan = self.dynamic.plan(np.array([p.length for p in pieces], dtype=np.int64))
+            plan = self.dynamic.plan(np.array([p.length for p in pieces], dtype=np.int64),
+                                     self.packer.cost)  # the packer's model: an online refit included
             try:
                 self._steps = slot_steps(plan, self.dynamic.slot, self.n)
             except ValueError as exc:  # every rank plans alike: each stops here, in one line

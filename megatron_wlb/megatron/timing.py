@@ -126,6 +126,7 @@ class Recorder:
         self._p2p_since: list[Span] = []
         self._resolved: dict[int, IterationTotals] = {}
         self._group_costs: dict[int, CostModel] = {}  # dynamic CP: the cost model per group size (``_cost_of``)
+        self._group_costs_of: CostModel | None = None  # ... of this model
         self.latest = -1  # plan iteration of the newest recorded pass
         self.overhead_s = 0.0  # host seconds of timing work not yet charged to a pass
         self._file: IO[str] | None = None
@@ -199,8 +200,9 @@ class Recorder:
         the CP size of the micro-batch's group over the stage's DP x CP pool, as its plan priced it."""
         if batch.block is None or self.cost is None:
             return self.cost
-        if not self._group_costs:
-            self._group_costs.update(group_cost_models(self.cost, self.ids.dp_size * self.ids.cp_size))
+        if self._group_costs_of is not self.cost:  # first use, or an online refit replaced the model
+            self._group_costs = group_cost_models(self.cost, self.ids.dp_size * self.ids.cp_size)
+            self._group_costs_of = self.cost
         return self._group_costs[batch.block[1]]
 
     def backward(self, output: Any, span: Span) -> None:
