@@ -89,6 +89,8 @@ def upload_micro_batch(batch: RankMicroBatch, device: torch.device | None = None
 
 #: dynamic CP: this rank's pool's block process groups, ``(first slot, size) -> group`` (``make_dynamic_groups``)
 _DYNAMIC_GROUPS: dict[tuple[int, int], Any] = {}
+#: the attribute of a carrier ``cu_seqlens`` (pinned ``get_batch``) that names its micro-batch's dynamic-CP group
+_DYNAMIC_GROUP_OF = "_wlb_dynamic_group"
 
 
 def make_dynamic_groups(dp_rank: int, cp_rank: int, cp_size: int) -> None:
@@ -159,8 +161,11 @@ def get_thd_batch_on_this_cp_rank(batch: dict[str, Any], cu_seqlens: Any, cu_seq
     hands in the uploaded ``cu_seqlens`` of a ``Varlen`` record (the batch is this rank's already): its
     params come back; any other THD batch goes to Megatron's own function."""
     varlen = varlen_of(cu_seqlens)
-    if varlen is not None:
-        return batch, packed_seq_params(varlen, _cp_group())
+    if varlen is not None:  # dynamic CP: the carrier also names the micro-batch's group (``pinned_batch_fields``)
+        group = getattr(cu_seqlens, _DYNAMIC_GROUP_OF, None)
+        params = packed_seq_params(varlen, _cp_group() if group is None else group)
+        params.dynamic_group = group
+        return batch, params
     return _installed().originals["get_thd_batch_on_this_cp_rank"](batch, cu_seqlens, cu_seqlens_padded, max_seqlen,
                                                                    cp_size, cp_rank)
 
@@ -184,8 +189,10 @@ def pinned_batch_fields(batch: RankMicroBatch) -> dict[str, Any]:
     varlen = params.varlen
     if varlen is None:  # pragma: no cover - upload_micro_batch always sets it
         raise RuntimeError("an uploaded micro-batch without its Varlen record")
-    return {**data, "cu_seqlens": carrier(varlen, varlen.cu_seqlens_q),
-            "max_seqlen": torch.tensor([params.max_seqlen_q], dtype=torch.int32)}
+    cu_seqlens = carrier(varlen, varlen.cu_seqlens_q)
+    if params.dynamic_group is not None:  # dynamic CP: the group travels with the record to the THD hook
+        setattr(cu_seqlens, _DYNAMIC_GROUP_OF, params.dynamic_group)
+    return {**data, "cu_seqlens": cu_seqlens, "max_seqlen": torch.tensor([params.max_seqlen_q], dtype=torch.int32)}
 
 
 def packed_seq_params_from_iterator(data_iterator: Iterator[RankMicroBatch] | None) -> WlbPackedSeqParams:
