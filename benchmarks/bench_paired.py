@@ -711,7 +711,8 @@ def main(argv: list[str] | None = None) -> int:
 
     holdout = fitted.get("holdout") or {}
     command = "python benchmarks/bench_paired.py" + (" --dynamic-cp" if args.dynamic_cp else "") + \
-        (" --quick" if args.quick else "")
+        (" --quick" if args.quick else "") + (f" --steps {steps}" if args.steps else "") + \
+        (f" --comparisons {','.join(names)}" if not args.dynamic_cp and names != list(DEFAULT_COMPARISONS) else "")
     result = {"machine": machine_name, "command": command,
               "torch": torch.__version__, "megatron_core": megatron.core.__version__,
               "steps": steps, "corpus": corpus, "minutes": minutes,
