@@ -13,42 +13,19 @@ their params back from the ``cu_seqlens`` carrier) keeps each micro-batch's grou
 from __future__ import annotations
 
 import pytest
-
-ITERATIONS = 4
-#: at CP 2 a slot holds at most 192 tokens of a micro-batch (capacity 384 over CP 2): pieces above run on 2 slots
-SLOT_CAP = 192
-
-
-def _train(tmp_path, name: str, corpus: str, env: dict, *flags: str):
-    from test_megatron_train import train
-
-    return train(tmp_path, name, corpus, "--wlb-packer", "original", "--global-batch-size", "4",
-                 "--train-iters", str(ITERATIONS), *flags, env=env)
-
-
-def _plans(run) -> list:
-    return next(r["plans"] for r in run.ranks.values() if r["plans"])
-
-
-def _grad_norms(run) -> dict[int, float]:
-    return {int(k): v for k, v in next(r["grad_norms"] for r in run.ranks.values()).items()}
+from test_issue48_dynamic_runtime import ITERATIONS, assert_equals_cp1, train_dynamic
 
 
 @pytest.mark.slow
 def test_dynamic_cp_at_pp2_cp2_equals_cp1(tmp_path, text_corpus):
-    from test_megatron_train import assert_documents_once, assert_trains
+    from test_megatron_train import assert_trains
 
-    base = _train(tmp_path, "pp2", text_corpus, {"PP": "2"}, "--wlb-cp-sharding", "per-document")
-    run = _train(tmp_path, "pp2_dynamic", text_corpus, {"PP": "2", "CP": "2"}, "--wlb-cp-sharding", "dynamic",
-                 "--wlb-trace", str(tmp_path / "pp2_dynamic" / "trace.jsonl"))
+    base = train_dynamic(tmp_path, "pp2", text_corpus, {"PP": "2"}, "--wlb-cp-sharding", "per-document",
+                         global_batch=4)
+    run = train_dynamic(tmp_path, "pp2_dynamic", text_corpus, {"PP": "2", "CP": "2"}, "--wlb-cp-sharding", "dynamic",
+                        "--wlb-trace", str(tmp_path / "pp2_dynamic" / "trace.jsonl"), global_batch=4)
     assert_trains(run, ITERATIONS)
-    assert _plans(run) == _plans(base)
-    assert any(length > SLOT_CAP for plan in _plans(run) for _, length in plan)
-    norms, got = _grad_norms(base), _grad_norms(run)
-    for it, loss in base.losses.items():
-        assert run.losses[it] == pytest.approx(loss, rel=1e-5), (it, run.losses, base.losses)
-        assert got[it] == pytest.approx(norms[it], rel=1e-5), (it, got, norms)
-    assert_documents_once(run)
+    assert_equals_cp1(base, run)
     _assert_stages_run_the_same_groups(run)
 
 

@@ -160,19 +160,35 @@ ITERATIONS = 4
 SLOT_CAP = 192
 
 
-def _train(tmp_path, name: str, corpus: str, env: dict, *flags: str):
+def train_dynamic(tmp_path, name: str, corpus: str, env: dict, *flags: str, global_batch: int = 8):
+    """The tiny GPT through Megatron's loop: ``ITERATIONS`` iterations of the original packer's plans."""
     from test_megatron_train import train
 
-    return train(tmp_path, name, corpus, "--wlb-packer", "original", "--global-batch-size", "8",
+    return train(tmp_path, name, corpus, "--wlb-packer", "original", "--global-batch-size", str(global_batch),
                  "--train-iters", str(ITERATIONS), *flags, env=env)
 
 
-def _plans(run) -> list:
+def plans_of(run) -> list:
     return next(r["plans"] for r in run.ranks.values() if r["plans"])
 
 
-def _grad_norms(run) -> dict[int, float]:
+def grad_norms_of(run) -> dict[int, float]:
     return {int(k): v for k, v in next(r["grad_norms"] for r in run.ranks.values()).items()}
+
+
+def assert_equals_cp1(base, run) -> None:
+    """``run`` trained ``base``'s plans with the same losses and grad norms (1e-5 relative), every document once,
+    and some piece over a slot's cap (it ran on a group)."""
+    from test_megatron_train import assert_documents_once
+
+    assert plans_of(run) == plans_of(base)
+    assert any(length > SLOT_CAP for plan in plans_of(run) for _, length in plan)
+    norms, got = grad_norms_of(base), grad_norms_of(run)
+    assert sorted(run.losses) == sorted(norms) == list(range(1, ITERATIONS + 1))
+    for it, loss in base.losses.items():
+        assert run.losses[it] == pytest.approx(loss, rel=1e-5), (it, run.losses, base.losses)
+        assert got[it] == pytest.approx(norms[it], rel=1e-5), (it, got, norms)
+    assert_documents_once(run)
 
 
 @pytest.fixture(scope="module")
@@ -180,9 +196,9 @@ def dynamic_runs(tmp_path_factory, text_corpus):
     """The CP 1 run (DP2) and the dynamic DP2 x CP2 run of the same plans, the latter saving at iterations 2 and 4;
     its checkpoint folder."""
     tmp = tmp_path_factory.mktemp("dynamic_cp")
-    base = _train(tmp, "cp1", text_corpus, {"DP": "2"}, "--wlb-cp-sharding", "per-document")
+    base = train_dynamic(tmp, "cp1", text_corpus, {"DP": "2"}, "--wlb-cp-sharding", "per-document")
     ckpt = tmp / "ckpt"
-    run = _train(tmp, "dynamic", text_corpus, {"DP": "2", "CP": "2"}, *_saving(ckpt))
+    run = train_dynamic(tmp, "dynamic", text_corpus, {"DP": "2", "CP": "2"}, *_saving(ckpt))
     return base, run, ckpt
 
 
@@ -194,21 +210,15 @@ def _saving(ckpt) -> tuple[str, ...]:
 def test_dynamic_cp_training_at_dp2_cp2_equals_cp1(dynamic_runs):
     """DP2 x CP2 with ``--wlb-cp-sharding dynamic`` trains the CP 1 run's (DP2, the same plans) loss and grad norm
     within 1e-5 relative at every iteration, every document's tokens once over the pool."""
-    from test_megatron_train import assert_documents_once, assert_trains
+    from test_megatron_train import assert_trains
 
     base, run, _ = dynamic_runs
     assert_trains(run, ITERATIONS)
-    assert _plans(run) == _plans(base)
+    assert_equals_cp1(base, run)
     # mixed lengths: every iteration has pieces a slot cannot hold alone (a group of 2 ran them) and short ones
-    for plan in _plans(run):
+    for plan in plans_of(run):
         lengths = [length for _, length in plan]
         assert max(lengths) > SLOT_CAP and min(lengths) < SLOT_CAP // 2, lengths
-    norms, got = _grad_norms(base), _grad_norms(run)
-    assert sorted(run.losses) == sorted(norms) == list(range(1, ITERATIONS + 1))
-    for it, loss in base.losses.items():
-        assert run.losses[it] == pytest.approx(loss, rel=1e-5), (it, run.losses, base.losses)
-        assert got[it] == pytest.approx(norms[it], rel=1e-5), (it, got, norms)
-    assert_documents_once(run)
 
 
 @pytest.mark.slow
@@ -223,9 +233,10 @@ def test_dynamic_cp_resumes_to_the_same_iterations(tmp_path, text_corpus, dynami
     ckpt = tmp_path / "ckpt"
     shutil.copytree(saved, ckpt)
     (ckpt / "latest_checkpointed_iteration.txt").write_text("2")
-    resumed = _train(tmp_path, "resumed", text_corpus, {"DP": "2", "CP": "2"}, *_saving(ckpt), "--load", str(ckpt))
-    assert _plans(resumed) == _plans(base)[2:]
-    norms, resumed_norms = _grad_norms(base), _grad_norms(resumed)
+    resumed = train_dynamic(tmp_path, "resumed", text_corpus, {"DP": "2", "CP": "2"}, *_saving(ckpt),
+                            "--load", str(ckpt))
+    assert plans_of(resumed) == plans_of(base)[2:]
+    norms, resumed_norms = grad_norms_of(base), grad_norms_of(resumed)
     for it in (1, 2):
         assert resumed.losses[it] == pytest.approx(base.losses[it + 2], rel=1e-5), (it, resumed.losses)
         assert resumed_norms[it] == pytest.approx(norms[it + 2], rel=1e-5), (it, resumed_norms)
@@ -236,38 +247,39 @@ def test_dynamic_cp_resumes_to_the_same_iterations(tmp_path, text_corpus, dynami
 def test_dynamic_cp_under_tp2_sequence_parallel_equals_cp1(tmp_path, text_corpus):
     """TP2 with --sequence-parallel, CP2 (a pool of 2 slots, each slot's rows padded to a multiple of TP): the loss
     and grad norm of TP2 at CP 1 within 1e-5 at every iteration, every document once."""
-    from test_megatron_train import assert_documents_once
-
-    flags = ("--sequence-parallel", "--global-batch-size", "4")
-    base = _train(tmp_path, "tp2", text_corpus, {"TP": "2"}, *flags, "--wlb-cp-sharding", "per-document")
-    run = _train(tmp_path, "tp2_dynamic", text_corpus, {"TP": "2", "CP": "2"}, *flags, "--wlb-cp-sharding", "dynamic")
-    assert _plans(run) == _plans(base)
-    assert any(length > SLOT_CAP for plan in _plans(run) for _, length in plan)
-    norms, got = _grad_norms(base), _grad_norms(run)
-    for it, loss in base.losses.items():
-        assert run.losses[it] == pytest.approx(loss, rel=1e-5), (it, run.losses, base.losses)
-        assert got[it] == pytest.approx(norms[it], rel=1e-5), (it, got, norms)
-    assert_documents_once(run)
+    base = train_dynamic(tmp_path, "tp2", text_corpus, {"TP": "2"}, "--sequence-parallel", "--wlb-cp-sharding",
+                         "per-document", global_batch=4)
+    run = train_dynamic(tmp_path, "tp2_dynamic", text_corpus, {"TP": "2", "CP": "2"}, "--sequence-parallel",
+                        "--wlb-cp-sharding", "dynamic", global_batch=4)
+    assert_equals_cp1(base, run)
 
 
 # --- the iterator (no Megatron): every slot of a DP2 x CP2 pool, step by step ------------------------------------
-def _pool_iterators(tmp_path, n: int, cap: int):
+def stdlib_pool_inputs(tmp_path, n: int, files: int, iterations: int):
+    """A DP2 x CP2 pool's inputs: a reader over the first ``files`` stdlib ``.py`` files (a Megatron .bin/.idx),
+    its stream of ``iterations`` iterations of ``n`` micro-batches of 512 tokens a DP rank, that packing
+    config, and the 7b cost model at CP2 x DP2."""
     import os
     import sysconfig
 
-    from megatron_wlb.cp.dynamic_steps import DynamicPool
     from megatron_wlb.data.reader import DocumentReader, byte_documents, write_indexed_dataset
-    from megatron_wlb.megatron.data import WlbDataIterator
-    from megatron_wlb.packing import make_packer
     from megatron_wlb.packing.types import PackingConfig
 
     root = sysconfig.get_paths()["stdlib"]
-    files = sorted(os.path.join(root, f) for f in os.listdir(root) if f.endswith(".py"))[:12]
-    prefix = write_indexed_dataset(str(tmp_path / "a_text_document"), byte_documents(files))
+    paths = sorted(os.path.join(root, f) for f in os.listdir(root) if f.endswith(".py"))[:files]
+    prefix = write_indexed_dataset(str(tmp_path / "a_text_document"), byte_documents(paths))
     reader = DocumentReader([(prefix, 1.0)], split="1,0,0", seed=3)
     cfg = PackingConfig(seq_len=512, n=n, dp=2)
-    stream = reader.stream(6 * cfg.tokens_per_iteration)
-    cost = build_cost_model("7b", ParallelLayout(tp=1, cp=2, dp=2))
+    return reader, reader.stream(iterations * cfg.tokens_per_iteration), cfg, \
+        build_cost_model("7b", ParallelLayout(tp=1, cp=2, dp=2))
+
+
+def _pool_iterators(tmp_path, n: int, cap: int):
+    from megatron_wlb.cp.dynamic_steps import DynamicPool
+    from megatron_wlb.megatron.data import WlbDataIterator
+    from megatron_wlb.packing import make_packer
+
+    reader, stream, cfg, cost = stdlib_pool_inputs(tmp_path, n, files=12, iterations=6)
     return reader, [WlbDataIterator(reader, stream, make_packer("original", cfg), slot // 2,
                                     dynamic=DynamicPool(SLOTS, slot, cap, cost)) for slot in range(SLOTS)]
 

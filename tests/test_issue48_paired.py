@@ -58,25 +58,15 @@ def test_fixed_group_prediction_is_the_slowest_dp_ranks_priced_micro_batches():
 
 def _paired_iterators(tmp_path, n: int, cap: int | None = None):
     """Every slot's paired iterator over a DP2 x CP2 pool: A dynamic CP, B the fixed CP2 groups (adaptive)."""
-    import os
-    import sysconfig
+    from test_issue48_dynamic_runtime import stdlib_pool_inputs
 
-    from megatron_wlb.costmodel import ParallelLayout, build_cost_model
     from megatron_wlb.cp.dynamic_steps import DynamicPool
     from megatron_wlb.cp.plan import CPSharding
-    from megatron_wlb.data.reader import DocumentReader, byte_documents, write_indexed_dataset
     from megatron_wlb.megatron.data import WlbDataIterator
     from megatron_wlb.packing import make_packer
-    from megatron_wlb.packing.types import PackingConfig
 
     paired = load_script("paired_train")
-    root = sysconfig.get_paths()["stdlib"]
-    files = sorted(os.path.join(root, f) for f in os.listdir(root) if f.endswith(".py"))[:16]
-    prefix = write_indexed_dataset(str(tmp_path / "a_text_document"), byte_documents(files))
-    reader = DocumentReader([(prefix, 1.0)], split="1,0,0", seed=3)
-    cfg = PackingConfig(seq_len=512, n=n, dp=2)
-    stream = reader.stream(40 * cfg.tokens_per_iteration)
-    cost = build_cost_model("7b", ParallelLayout(tp=1, cp=2, dp=2))
+    reader, stream, cfg, cost = stdlib_pool_inputs(tmp_path, n, files=16, iterations=40)
     out = []
     for slot in range(SLOTS):
         a = WlbDataIterator(reader, stream, make_packer("wlb", cfg, cost), slot // 2,
