@@ -12,19 +12,27 @@ finer-grained but pays more communication; a document on one rank pays none.
 The plan (``plan_dynamic_cp``):
 
 1. ``g_min(d)`` = the smallest power of two with ``d / g <= max_tokens_per_rank`` (memory);
-2. for a granularity ``alpha`` (tried: no limit, 1, 1/2, ... 1/64), ``g(d)`` = the smallest power of
-   two >= ``g_min(d)`` whose per-rank price is at most ``alpha x`` the ideal (the batch's latency at CP 1
-   over ``P``), at most the largest block;
-3. place documents in decreasing per-rank price (or: larger groups first, then price; both are tried), each
-   on the aligned block of its size whose busiest slot is least loaded (longest-processing-time first).
-   Every slot runs its micro-batches in decreasing group size (blocks in a fixed order within a size).
-   Because a block of size ``g`` lies inside exactly one aligned block of each larger size, all slots of a
-   block have run the same larger-group micro-batches before its own: a group never waits for a member
-   (no synchronisation idle), and a slot's time is the sum of its shares;
-4. per block and size, documents are packed (first-fit decreasing) into micro-batches under the cap;
-5. the ``alpha`` with the least predicted slowest slot wins; then its ``k`` costliest documents are moved one
-   size up together (the best ``k`` of 0 .. ``P``), and a local search doubles, one at a time, the group of a
-   document on the slowest slot while that shortens it.
+2. candidates for the documents' group sizes: for a granularity ``alpha`` (``ALPHAS``), ``g(d)`` = the smallest
+   power of two >= ``g_min(d)`` whose per-rank price is at most ``alpha x`` the ideal (the batch's latency at
+   CP 1 over ``P``); and sizes chosen during the placement (``_malleable``): each document, costliest first, at
+   the size and block that least raise a lower bound on the final slowest slot (its block's busiest slot after
+   it, or all rank-seconds so far and the rest's least over ``P``), ties to the fewest rank-seconds;
+3. placement in decreasing per-rank price (or: larger groups first, then price), each document on the aligned
+   block of its size whose busiest slot is least loaded (longest-processing-time first). Every slot runs its
+   micro-batches in decreasing group size (blocks in a fixed order within a size). Because a block of size
+   ``g`` lies inside exactly one aligned block of each larger size, all slots of a block have run the same
+   larger-group micro-batches before its own: a group never waits for a member (no synchronisation idle), and
+   a slot's time is the sum of its shares;
+4. the best few placements by their slowest slot are refined by a local search (``_refine``): a document of the
+   slowest slot moves to any block of any size its tokens fit (priced at that size), or swaps with a cheaper
+   document of its size, while that lowers the slowest slot (or the number of slots that slow);
+5. per block and size, documents are packed (first-fit decreasing) into micro-batches under the cap; the plan
+   with the least slowest slot (micro-batch fixed costs included) wins;
+6. with ``max_micro_batches`` (Megatron's micro-batches per iteration), a plan over it is brought within it
+   (``_within_count``), or the densest plan or the packer's own (``fixed_plan``) is taken; no plan exists when
+   the tokens or the documents that need the whole pool alone need more steps (``_check_count``: one line).
+
+``lower_bound`` bounds any plan from below (the planner's gap is reported against it).
 
 Predicted time = the slowest slot's summed seconds per layer (PP 1). Pure numpy: no torch, no global
 state. Pipeline parallelism (PP > 1) is not planned here: every stage would need the same groups per
