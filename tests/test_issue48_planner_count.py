@@ -131,3 +131,16 @@ def test_windows_filled_exactly_fit_with_the_packers_plan(dp: int, seed: int) ->
     assert plan.slowest_seconds <= on_fixed * (1 + 1e-9)  # never behind the packer's fixed CP 2 groups
     with pytest.raises(ValueError, match="fixed_plan must hold each of the"):
         plan_dynamic_cp(lengths, ranks, CAP, costs, max_micro_batches=n, fixed_plan=[fixed[0][:-1]] + fixed[1:])
+
+
+def test_the_recorded_comparison_is_above_its_lower_bound() -> None:
+    """benchmarks/results/dynamic_cp_scheduler.json: ours is never below ``lower_bound``, which is never below
+    ``memory_bound`` (so the gap reported against it is a gap any plan shares)."""
+    import json
+    from pathlib import Path
+
+    rows = json.loads((Path(__file__).resolve().parents[1] / "benchmarks" / "results" /
+                       "dynamic_cp_scheduler.json").read_text())["rows"]
+    for row in rows:
+        assert row["dynamic"]["over_ideal"] >= row["lower_bound_over_ideal"] * (1 - 1e-9)
+        assert row["lower_bound_over_ideal"] >= row["memory_bound_over_ideal"] * (1 - 1e-9)
