@@ -3,6 +3,7 @@
 
     python benchmarks/bench_paired.py --page   # calibration + the paired runs (~20 min on 2 cores) + page block
     python benchmarks/bench_paired.py --quick    # a short smoke run of the same code, window 1024 (slow lane)
+    python benchmarks/bench_paired.py --dynamic-cp --steps 100 --page   # dcp alone: its own results file and block
 
 First the calibration: one short traced run per packing (wlb, fixed-greedy, whole documents, the balanced
 concat-and-cut and stock Megatron's grouping, analytic model, thread clock), so the fit sees every
@@ -37,6 +38,23 @@ which attention is most of a step):
 - ``large``  DP2, one micro-batch per rank: the balanced concat-and-cut against stock grouping, where the
              prediction is large (each rank's one sample is all it runs, so the stock imbalance is a
              sample's).
+- ``dcp``    DP2 x CP2 (4 ranks), global batch 8 (``--dynamic-cp``: not in a plain run; its own results file and
+             block): ``--wlb-cp-sharding dynamic`` (each global batch's documents planned over the 4 ranks as one
+             pool, a power-of-two group per micro-batch, ``cp.dynamic``) against the same wlb global batch on the
+             fixed CP2 groups, sharded ``adaptive``. Both in one process: the dynamic runtime makes every block's
+             process group at start-up, and a micro-batch without a block runs on Megatron's CP group, so the
+             paired iterator switches method per step like the others. Differences from the other comparisons:
+             replay is group-synchronous (``replay_pool``: a group's micro-batch starts when all its members
+             are free and holds them for its slowest member, as its collectives do) for both sides; predicted is
+             the planner's own slowest slot (``DynamicCPPlan.slowest_seconds``, recorded per step) against the
+             same documents priced on the fixed groups (``fixed_group_seconds``, as the simulator prices them),
+             both with the planner's cost models; work is the global batch's documents. A global batch whose
+             dynamic plan needs more micro-batches on a slot than Megatron runs per iteration (the runtime
+             would stop there: the planner does not know that count) is passed over by both methods and counted
+             (``skipped_global_batches``). Before training, ``prior_prediction`` says what the cost model
+             predicts for the corpus. 4 ranks on 2 cores are oversubscribed (unpinned; two ranks share a core):
+             wall is disturbed by the sharing and by gloo's waits; the replay of thread CPU times is the robust
+             number.
 
 Writes benchmarks/results/paired.{json,md}; ``--page`` also writes the results page's paired block.
 """
@@ -45,6 +63,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -60,7 +79,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 from _results import RESULTS_PAGE, write_result  # noqa: E402
 
-from megatron_wlb.megatron.cpu import TINY_GPT_EOD, measurement_env  # noqa: E402
+from megatron_wlb.megatron.cpu import PIN_VARIABLE, TINY_GPT_EOD, measurement_env  # noqa: E402
 from megatron_wlb.provenance import machine  # noqa: E402
 
 SEQ_LEN = 4096
@@ -102,6 +121,8 @@ class Comparison:
     flags: tuple[str, ...]
     b_fields: dict[str, Any]
     megatron_deal: bool = False
+    #: dynamic CP on one side: the step's DP x CP ranks are one pool (``replay_pool``, ``predict_pool``)
+    pool: bool = False
 
 
 BALANCED = ("--wlb-packer", "wlb", "--wlb-pieces", "concat-and-cut", "--wlb-cp-sharding", "per-sequence")
@@ -118,7 +139,15 @@ COMPARISONS = (
                                                              "per-sequence"), {}),
     Comparison("large", "balanced concat-and-cut", "stock Megatron grouping", {"DP": "2"}, 2, BALANCED,
                {"packer": "original"}, megatron_deal=True),
+    Comparison("dcp", "dynamic CP", "fixed-group CP2, adaptive", {"DP": "2", "CP": "2"}, 8,
+               ("--wlb-packer", "wlb", "--wlb-cp-sharding", "dynamic"), {"cp_sharding": "adaptive"}, pool=True),
 )
+#: the comparisons a plain run makes (``dcp`` has its own results file and block: ``--dynamic-cp``)
+DEFAULT_COMPARISONS = ("users", "dp", "pp", "cp", "aa", "large")
+#: ``--dynamic-cp``: its comparison, results file and results-page block
+DYNAMIC_CP = "dcp"
+DYNAMIC_CP_OUT = REPO / "benchmarks" / "results" / "dynamic_cp_paired"
+DYNAMIC_CP_BEGIN, DYNAMIC_CP_END = "<!-- paired-dcp -->", "<!-- /paired-dcp -->"
 
 
 def build_corpus(prefix: Path, seq_len: int = SEQ_LEN) -> dict[str, Any]:
@@ -141,6 +170,49 @@ def build_corpus(prefix: Path, seq_len: int = SEQ_LEN) -> dict[str, Any]:
                       f"those of at most {seq_len} tokens ({len(every) - len(docs)} longer ones left out)",
             "documents": int(lengths.size), "tokens": int(lengths.sum()), "median": float(np.median(lengths)),
             "p90": float(np.percentile(lengths, 90)), "left_out": len(every) - len(docs)}
+
+
+#: global batches the prior prediction of ``dcp`` plans (``prior_prediction``)
+PRIOR_BATCHES = 200
+
+
+def prior_prediction(corpus: Path, profile: Path, model: dict[str, Any], seq_len: int, c: Comparison,
+                     batches: int = PRIOR_BATCHES) -> dict[str, Any]:
+    """Before ``dcp`` trains: what the cost model predicts for this corpus. The corpus's documents in a shuffled
+    order (seed 0), the wlb packer at its defaults (the run's window, DP and micro-batches), each global batch
+    planned by the dynamic-CP planner over the DP x CP slots (the runtime's memory cap, ``iterators.dynamic_pool``)
+    and priced on fixed CP groups as packed (``fixed_group_seconds``): the geometric mean of fixed over dynamic
+    (equal work: the same documents), and how often the planner uses each group size."""
+    from megatron_wlb.costmodel import CalibratedCostModel, ModelShape, ParallelLayout
+    from megatron_wlb.cp.dynamic import group_cost_models, plan_dynamic_cp
+    from megatron_wlb.data.reader import IndexedSource
+    from megatron_wlb.packing import make_packer
+    from megatron_wlb.packing.types import PackingConfig
+
+    dp, cp = int(c.layout.get("DP", "1")), int(c.layout.get("CP", "1"))
+    source = IndexedSource.open(str(corpus))
+    lengths = np.asarray(source.lengths, dtype=np.int64)
+    lengths = lengths[np.random.default_rng(0).permutation(lengths.size)]
+    cost = CalibratedCostModel.from_json(profile, ModelShape(**model), ParallelLayout(dp=dp, cp=cp))
+    costs = group_cost_models(cost, dp * cp)
+    config = PackingConfig(seq_len=seq_len, n=c.global_batch // dp, dp=dp)
+    cap = -(-config.capacity_var // cp)
+    ratios, fits, sizes = [], [], defaultdict(int)
+    for batch in make_packer("wlb", config, cost).pack(np.tile(lengths, 1 + batches * c.global_batch * seq_len
+                                                                  // max(1, int(lengths.sum())))):
+        per_mb = [[int(x) for x in mb.lengths] for mb in batch.micro_batches]
+        plan = plan_dynamic_cp(np.asarray([x for mb in per_mb for x in mb], dtype=np.int64), dp * cp, cap, costs)
+        ratios.append(fixed_group_seconds(per_mb, dp, costs[cp]) / plan.slowest_seconds)
+        fits.append(plan.steps <= config.n)
+        for mb in plan.micro_batches:
+            sizes[mb.size] += 1
+        if len(ratios) >= batches:
+            break
+    mean, lo, hi = geo_interval(np.asarray(ratios))
+    kept = np.asarray(ratios)[np.asarray(fits, dtype=bool)]
+    return {"batches": len(ratios), "ratio": mean, "low": lo, "high": hi, "max_tokens_per_rank": cap,
+            "group_sizes": dict(sorted(sizes.items())), "fitting": int(kept.size),
+            "fitting_ratio": float(np.exp(np.log(kept).mean())) if kept.size else None}
 
 
 #: the calibration: one short run per packing (A and B the same), each traced; fitted together
@@ -190,6 +262,8 @@ def train(c: Comparison, data: Path, out: Path, steps: int, log: Any, profile: P
            "WLB_PREFAULT_MB": str(QUICK_PREFAULT_MB if quick else PREFAULT_MB),
            "WLB_PAIRED_B": json.dumps(c.b_fields), "WLB_PAIRED_B_DEAL": "megatron" if c.megatron_deal else ""}
     ranks = int(np.prod([int(v) for v in c.layout.values()]))
+    if ranks > len(os.sched_getaffinity(0)):  # more ranks than cores (dcp's 4 on 2): unpinned, the OS shares the cores
+        env[PIN_VARIABLE] = "0"
     flags = [*model_flags(QUICK_SEQ_LEN if quick else SEQ_LEN), "--global-batch-size", str(c.global_batch),
              "--train-iters", str(steps), *c.flags, "--wlb-trace", str(out / "trace.jsonl")]
     if profile is not None:
@@ -223,6 +297,61 @@ def replay(rows: list[Any], pp: int, predicted: bool) -> float:
             bwd[r.pp, r.micro_batch] += r.pred_bwd_s if predicted else r.bwd_s
         worst = max(worst, simulate_pipeline(fwd, bwd, keep_events=False).makespan)
     return worst
+
+
+def replay_pool(rows: list[Any], cp: int, blocks: dict[int, list[Any]] | None = None) -> float:
+    """One training step's critical path on a stage's DP x CP pool (PP 1), from the measured thread times: slot
+    ``dp x cp + cp rank`` runs its micro-batches in order; one of a group (``blocks[slot][k]``: ``[first slot,
+    size]``, None alone; no ``blocks``: the fixed CP groups) starts when all its members are free and holds them
+    for its slowest member's forward plus its slowest member's backward (the group's collectives hold the others)."""
+    fwd: dict[tuple[int, int], float] = defaultdict(float)
+    bwd: dict[tuple[int, int], float] = defaultdict(float)
+    for r in rows:
+        if r.tp == 0:
+            fwd[(r.dp * cp + r.cp, r.micro_batch)] += r.fwd_s
+            bwd[(r.dp * cp + r.cp, r.micro_batch)] += r.bwd_s
+    if not fwd:
+        return 0.0
+    slots = 1 + max(slot for slot, _ in fwd)
+    steps = 1 + max(k for _, k in fwd)
+    free = np.zeros(slots)
+    for k in range(steps):
+        started: set[tuple[int, int]] = set()
+        for slot in range(slots):
+            group = blocks[slot][k] if blocks is not None and k < len(blocks[slot]) else None
+            if blocks is None:
+                group = (slot // cp * cp, cp)
+            first, size = (slot, 1) if group is None else (int(group[0]), int(group[1]))
+            if (first, size) in started:
+                continue
+            started.add((first, size))
+            members = range(first, first + size)
+            duration = max(fwd.get((m, k), 0.0) for m in members) + max(bwd.get((m, k), 0.0) for m in members)
+            free[first:first + size] = free[first:first + size].max() + duration
+    return float(free.max())
+
+
+def fixed_group_seconds(lengths: list[list[int]], dp: int, cost: Any) -> float:
+    """The cost model's slowest DP rank of a global batch (``lengths``: each micro-batch's pieces, DP rank r
+    the r-th contiguous share) on fixed CP groups, seconds per layer: per rank the sum of its micro-batches'
+    pieces priced at the group's CP size plus each micro-batch's fixed cost (``cost``: the planner's cost model
+    at that CP size), as ``sim.dyncp.simulate_dynamic_stream`` prices its ``fixed``."""
+    from megatron_wlb.packing.metrics import piece_latency
+
+    overhead = cost.microbatch_overhead * (1.0 + cost.hardware.bwd_linear)
+    n = len(lengths) // dp
+    return max(sum(float(piece_latency(cost, np.asarray(mb, dtype=np.int64)).sum()) + overhead
+                   for mb in lengths[r * n:(r + 1) * n] if mb) for r in range(dp))
+
+
+def imbalance_pool(rows: list[Any], cp: int) -> float:
+    """Measured compute of the slowest DP x CP slot over the mean slot (thread seconds)."""
+    per: dict[int, float] = defaultdict(float)
+    for r in rows:
+        if r.tp == 0:
+            per[r.dp * cp + r.cp] += r.fwd_s + r.bwd_s
+    values = np.array(list(per.values()))
+    return float(values.max() / values.mean()) if values.size > 1 and values.mean() > 0 else float("nan")
 
 
 def imbalance(rows: list[Any]) -> float:
@@ -269,22 +398,57 @@ def analyse(c: Comparison, out: Path, profile: Path) -> dict[str, Any]:
     beside it) from the run's step walls and trace."""
     from megatron_wlb.costmodel import CalibratedCostModel, ModelShape, ParallelLayout
     from megatron_wlb.costmodel.trace import read_trace
+    from megatron_wlb.cp.dynamic import group_cost_models, plan_dynamic_cp
+    from megatron_wlb.packing.metrics import piece_latency
 
     sys.path.insert(0, str(REPO / "benchmarks"))
     from paired_train import method_of
 
     walls: dict[int, float] = defaultdict(float)
     tokens: dict[int, int] = {}
+    records: dict[int, dict[str, Any]] = {}  # step -> rank 0's record (the global batch, the planner's prediction)
+    blocks: dict[int, dict[int, list[Any]]] = defaultdict(dict)  # step -> slot -> its micro-batches' groups
     for path in out.glob("rank*.json"):
         for s in json.loads(path.read_text())["steps"]:
             walls[s["step"]] = max(walls[s["step"]], s["wall_s"])
             tokens[s["step"]] = max(tokens.get(s["step"], 0), s["tokens"])
+            if path.name == "rank0.json":
+                records[s["step"]] = s
+            if "blocks" in s:
+                blocks[s["step"]][s["slot"]] = s["blocks"]
     trace = read_trace(out / "trace.jsonl")
     cost = CalibratedCostModel.from_json(profile, ModelShape(**trace.headers[0]["model"]), ParallelLayout())
     by_step: dict[int, list[Any]] = defaultdict(list)
     for r in trace.micro_batches:
         by_step[r.iteration].append(r)
     pp = int(c.layout.get("PP", "1"))
+    dp, cp = int(c.layout.get("DP", "1")), int(c.layout.get("CP", "1"))
+    shape = ModelShape(**trace.headers[0]["model"])
+    pool_costs = group_cost_models(CalibratedCostModel.from_json(profile, shape, ParallelLayout(dp=dp, cp=cp)),
+                                   dp * cp) if c.pool else {}
+    replanned: list[float] = []
+    plans: dict[int, Any] = {}  # A's steps: the plan, replanned from the recorded lengths
+
+    def measured_of(s: int) -> float:
+        if not c.pool:
+            return replay(by_step[s], pp, False)
+        return replay_pool(by_step[s], cp, blocks[s] if method_of(s) == "A" else None)
+
+    def predicted_of(s: int) -> float:
+        if not c.pool:
+            return replay(by_step[s], pp, True)
+        lengths = records[s]["lengths"]
+        if method_of(s) == "B":
+            return fixed_group_seconds(lengths, dp, pool_costs[cp])
+        flat = np.asarray([x for mb in lengths for x in mb], dtype=np.int64)  # the planner's input, in its order
+        plans[s] = plan_dynamic_cp(flat, dp * cp, records[s]["max_tokens_per_rank"], pool_costs)
+        replanned.append(abs(plans[s].slowest_seconds / records[s]["plan_slowest_s"] - 1))
+        return float(records[s]["plan_slowest_s"])
+
+    def work_of(s: int) -> float:
+        if not c.pool:
+            return step_work(by_step[s], cost)
+        return float(piece_latency(cost, np.asarray([x for mb in records[s]["lengths"] for x in mb])).sum())
     pairs = sorted({s // 2 for s in walls if s // 2 >= WARMUP_PAIRS and {2 * (s // 2), 2 * (s // 2) + 1} <= set(walls)
                     and {2 * (s // 2), 2 * (s // 2) + 1} <= set(by_step)})
     kinds: dict[str, list[float]] = {"wall": [], "replay": [], "predicted": [], "replay_per_token": []}
@@ -293,14 +457,14 @@ def analyse(c: Comparison, out: Path, profile: Path) -> dict[str, Any]:
     for k in pairs:
         steps = {method_of(s): s for s in (2 * k, 2 * k + 1)}
         a, b = steps["A"], steps["B"]
-        work = {s: step_work(by_step[s], cost) for s in (a, b)}
-        measured = {s: replay(by_step[s], pp, False) for s in (a, b)}
+        work = {s: work_of(s) for s in (a, b)}
+        measured = {s: measured_of(s) for s in (a, b)}
         kinds["wall"].append((walls[b] / work[b]) / (walls[a] / work[a]))
         kinds["replay"].append((measured[b] / work[b]) / (measured[a] / work[a]))
-        kinds["predicted"].append((replay(by_step[b], pp, True) / work[b]) / (replay(by_step[a], pp, True) / work[a]))
+        kinds["predicted"].append((predicted_of(b) / work[b]) / (predicted_of(a) / work[a]))
         kinds["replay_per_token"].append((measured[b] / max(1, tokens[b])) / (measured[a] / max(1, tokens[a])))
         for m, s in (("a", a), ("b", b)):
-            per_method[m]["imbalance"].append(imbalance(by_step[s]))
+            per_method[m]["imbalance"].append(imbalance_pool(by_step[s], cp) if c.pool else imbalance(by_step[s]))
             per_method[m]["idle_s"].append(idle(by_step[s], measured[s]))
             per_method[m]["work"].append(work[s])
             per_method[m]["tokens"].append(tokens[s])
@@ -311,6 +475,18 @@ def analyse(c: Comparison, out: Path, profile: Path) -> dict[str, Any]:
                               "work_total": {m: float(np.sum(v["work"])) for m, v in per_method.items()},
                               "tokens_total": {m: int(np.sum(v["tokens"])) for m, v in per_method.items()},
                               "seconds_per_step": float(np.median(list(walls.values()))) if walls else None}
+    if c.pool:
+        sizes: dict[int, int] = defaultdict(int)  # micro-batches per group size of A's steps (each group once)
+        for k in pairs:
+            a_step = 2 * k if method_of(2 * k) == "A" else 2 * k + 1
+            for slot, groups in blocks[a_step].items():
+                for g in groups:
+                    if g is not None and g[0] == slot:
+                        sizes[int(g[1])] += 1
+        result["a_group_sizes"] = dict(sorted(sizes.items()))
+        result["planner_replanned_max_rel_diff"] = max(replanned, default=None)
+        result["skipped_global_batches"] = max((int(r.get("skipped", 0)) for r in records.values()), default=0)
+        result.update(pool_breakdown(c, pairs, by_step, blocks, records, plans, pool_costs, shape.num_layers))
     for kind, values in kinds.items():
         if values:
             mean, lo, hi = geo_interval(np.asarray(values))
@@ -320,6 +496,59 @@ def analyse(c: Comparison, out: Path, profile: Path) -> dict[str, Any]:
         mean, lo, hi = geo_interval(np.exp(residual))
         result["replay_over_predicted"] = {"ratio": mean, "low": lo, "high": hi}
     return result
+
+
+def pool_breakdown(c: Comparison, pairs: list[int], by_step: dict[int, list[Any]], blocks: dict[int, dict[int, Any]],
+                   records: dict[int, dict[str, Any]], plans: dict[int, Any], costs: dict[int, Any],
+                   layers: int) -> dict[str, Any]:
+    """Where a dynamic-CP measurement departs from its prediction: the replay ratio without the groups' waits
+    (each slot's own summed times) and without A's empty micro-batches too; and per group size, the measured
+    thread seconds of a slot's micro-batches over the planner's price of them (B: the fixed groups' price), and
+    what an empty micro-batch takes (priced 0)."""
+    from paired_train import method_of
+
+    from megatron_wlb.packing.metrics import piece_latency
+
+    cp, dp = int(c.layout["CP"]), int(c.layout["DP"])
+
+    def slot_sums(rows: list[Any], keep: Any = None) -> float:
+        per: dict[int, float] = defaultdict(float)
+        for r in rows:
+            if r.tp == 0 and (keep is None or keep(r)):
+                per[r.dp * cp + r.cp] += r.fwd_s + r.bwd_s
+        return max(per.values(), default=0.0)
+
+    unsynced: list[float] = []
+    no_empty: list[float] = []
+    measured: dict[str, float] = defaultdict(float)
+    priced: dict[str, float] = defaultdict(float)
+    empty: list[float] = []
+    over = costs[cp].microbatch_overhead * (1.0 + costs[cp].hardware.bwd_linear)
+    for k in pairs:
+        a, b = (2 * k, 2 * k + 1) if method_of(2 * k) == "A" else (2 * k + 1, 2 * k)
+        groups = blocks[a]
+
+        def filled(r: Any, groups: dict[int, Any] = groups) -> bool:
+            return groups[r.dp * cp + r.cp][r.micro_batch] is not None
+
+        unsynced.append(slot_sums(by_step[b]) / slot_sums(by_step[a]))
+        no_empty.append(slot_sums(by_step[b]) / slot_sums(by_step[a], filled))
+        for r in by_step[a]:
+            mbs = plans[a].rank_micro_batches[r.dp * cp + r.cp]
+            if r.micro_batch >= len(mbs):
+                empty.append(r.fwd_s + r.bwd_s)
+                continue
+            measured[f"A{mbs[r.micro_batch].size}"] += r.fwd_s + r.bwd_s
+            priced[f"A{mbs[r.micro_batch].size}"] += mbs[r.micro_batch].seconds * layers
+        n = len(records[b]["lengths"]) // dp
+        for r in by_step[b]:
+            mb = records[b]["lengths"][r.dp * n + r.micro_batch]
+            measured[f"B{cp}"] += r.fwd_s + r.bwd_s
+            priced[f"B{cp}"] += (float(piece_latency(costs[cp], np.asarray(mb, dtype=np.int64)).sum()) + over) * layers
+    return {"replay_without_group_waits": geo_interval(np.asarray(unsynced))[0] if unsynced else None,
+            "replay_without_group_waits_or_empty": geo_interval(np.asarray(no_empty))[0] if no_empty else None,
+            "measured_over_priced_by_group": {g: measured[g] / priced[g] for g in sorted(measured) if priced[g] > 0},
+            "empty_micro_batches": {"count": len(empty), "mean_s": float(np.mean(empty)) if empty else None}}
 
 
 def _mean_or_none(values: list[float]) -> float | None:
@@ -367,7 +596,52 @@ def to_markdown(result: dict) -> str:
                      f"{r['pairs']} | {cell('wall')} | {cell('replay')} | {cell('predicted')} | "
                      f"{cell('replay_over_predicted')} | {cell('replay_per_token')} | {pair('measured_imbalance')} | "
                      f"{pair('replayed_idle_s')} |")
+    lines += pool_notes(result)
     return "\n".join(lines) + "\n"
+
+
+def _sizes(counts: dict) -> str:
+    """``{group size: micro-batches}`` as written (keys are strings once read back from JSON)."""
+    return ", ".join(f"{k}: {v}" for k, v in counts.items())
+
+
+def pool_notes(result: dict) -> list[str]:
+    """What a dynamic-CP row (``Comparison.pool``) needs said beside the table."""
+    out: list[str] = []
+    prior = result.get("prior_prediction") or {}
+    for r in result["comparisons"]:
+        if "a_group_sizes" not in r:
+            continue
+        name, p = r["name"], prior.get(r["name"])
+        out += ["", f"`{name}` ({r['a']} over the 4 slots of DP2 x CP2 against {r['b']}, global batch "
+                f"{r['global_batch']}):"]
+        if p:
+            fitting = (f"; on the {p['fitting']} whose plan fits Megatron's micro-batch count (those it can train) "
+                       f"{p['fitting_ratio']:.3f}" if p.get("fitting_ratio") is not None else "")
+            out.append(f"- predicted before training, for this corpus: B over A {p['ratio']:.3f} [{p['low']:.3f}, "
+                       f"{p['high']:.3f}] over {p['batches']} wlb global batches of the shuffled corpus (planner "
+                       f"at {p['max_tokens_per_rank']} tokens per slot; micro-batches by group size "
+                       f"{_sizes(p['group_sizes'])}){fitting}.")
+        out += [f"- trained: {r['pairs']} pairs; {r['skipped_global_batches']} global batches passed over by both "
+                "methods because their dynamic plan needs more micro-batches on a slot than Megatron runs per "
+                "iteration (the runtime would stop there); A's micro-batches by group size "
+                f"{_sizes(r['a_group_sizes'])}; the planner's recorded prediction replanned from the recorded lengths "
+                f"within {r['planner_replanned_max_rel_diff'] or 0:.1e}.",
+                "- where the replay departs from the prediction: measured thread seconds over the cost model's price, "
+                "summed per group size (A1/A2/A4: dynamic CP's micro-batches on 1, 2, 4 slots; B2: the fixed CP2 "
+                "groups'): " + ", ".join(f"{g} {v:.3f}" for g, v in r["measured_over_priced_by_group"].items())
+                + f"; {r['empty_micro_batches']['count']} empty micro-batches of A (a slot done before its "
+                f"Megatron count) took {r['empty_micro_batches']['mean_s'] or 0:.4f} s each, priced 0; the replay "
+                f"ratio without the groups' waits {r['replay_without_group_waits']:.3f}, and without A's empty "
+                f"micro-batches too {r['replay_without_group_waits_or_empty']:.3f}.",
+                "- replay is group-synchronous for both (a group's micro-batch starts when all its members are free "
+                "and holds them for its slowest member); predicted is the planner's own slowest slot against the "
+                "same documents priced on the fixed CP2 groups, both with the planner's cost models (this profile's "
+                "terms: a CP group is priced by its shares, with whatever CP communication and micro-batch cost the "
+                "profile has); imbalance: slowest of the 4 slots over their mean.",
+                "- 4 ranks on 2 cores (unpinned, two ranks share a core): wall is disturbed by the sharing and by "
+                "gloo's waits; the replay of thread CPU times is the robust number."]
+    return out
 
 
 def readme_summary(result: dict) -> str:
@@ -380,16 +654,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="a short smoke run (few steps)")
     ap.add_argument("--steps", type=int, default=None, help="training steps per comparison (even; default "
                                                             f"{DEFAULT_STEPS}, quick 12)")
-    ap.add_argument("--comparisons", default=",".join(c.name for c in COMPARISONS))
+    ap.add_argument("--comparisons", default=",".join(DEFAULT_COMPARISONS),
+                    help=f"of {', '.join(c.name for c in COMPARISONS)}")
+    ap.add_argument("--dynamic-cp", action="store_true", help=f"the {DYNAMIC_CP} comparison alone, into "
+                    f"{DYNAMIC_CP_OUT.relative_to(REPO)}.{{json,md}} and its own results-page block")
     ap.add_argument("--work", default=str(REPO / "out" / "paired"), help="run folder (traces, logs)")
-    ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "paired"))
+    ap.add_argument("--out", default=None, help="results file without suffix (default benchmarks/results/paired, "
+                                                "with --dynamic-cp benchmarks/results/dynamic_cp_paired)")
     ap.add_argument("--page", action="store_true", help="also write the results page's paired block")
     ap.add_argument("--reuse", action="store_true", help="analyse the runs already in --work again (no training)")
     args = ap.parse_args(argv)
     steps = args.steps or (12 if args.quick else DEFAULT_STEPS)
     if steps < 2 * (WARMUP_PAIRS + 1) or steps % 2:
         raise SystemExit(f"--steps must be even and >= {2 * (WARMUP_PAIRS + 1)}, got {steps}")
-    names = [n for n in args.comparisons.split(",") if n]
+    names = [DYNAMIC_CP] if args.dynamic_cp else [n for n in args.comparisons.split(",") if n]
+    args.out = args.out or str(DYNAMIC_CP_OUT if args.dynamic_cp else REPO / "benchmarks" / "results" / "paired")
     known = {c.name: c for c in COMPARISONS}
     unknown = sorted(set(names) - set(known))
     if unknown:
@@ -411,8 +690,13 @@ def main(argv: list[str] | None = None) -> int:
     else:
         profile, fitted = calibrate(data, work / CALIBRATION, calibration_steps, log, args.quick)
     results = []
+    prior = None
     for name in names:
         c = known[name]
+        if c.pool:  # said before it is measured
+            prior = {name: prior_prediction(data, profile, fitted["model"], seq_len, c)}
+            log(f"  {name}: predicted before training (fixed over dynamic, {prior[name]['batches']} global batches of "
+                f"the corpus): {prior[name]['ratio']:.3f} [{prior[name]['low']:.3f}, {prior[name]['high']:.3f}]")
         if not (args.reuse and (work / name / "train.log").exists()):
             train(c, data, work / name, steps, log, profile, quick=args.quick)
         results.append(analyse(c, work / name, profile))
@@ -426,7 +710,9 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     holdout = fitted.get("holdout") or {}
-    command = "python benchmarks/bench_paired.py" + (" --quick" if args.quick else "")
+    command = "python benchmarks/bench_paired.py" + (" --dynamic-cp" if args.dynamic_cp else "") + \
+        (" --quick" if args.quick else "") + (f" --steps {steps}" if args.steps else "") + \
+        (f" --comparisons {','.join(names)}" if not args.dynamic_cp and names != list(DEFAULT_COMPARISONS) else "")
     result = {"machine": machine_name, "command": command,
               "torch": torch.__version__, "megatron_core": megatron.core.__version__,
               "steps": steps, "corpus": corpus, "minutes": minutes,
@@ -435,14 +721,17 @@ def main(argv: list[str] | None = None) -> int:
                               "term_selection": fitted.get("term_selection")}
               if holdout.get("mape") else None,
               "comparisons": results}
+    if prior:
+        result["prior_prediction"] = prior
     write_result(args.out, result, to_markdown)
     if args.page:
         readme = RESULTS_PAGE
         text = readme.read_text()
-        a, b = text.find(README_BEGIN), text.find(README_END)
+        begin, end = (DYNAMIC_CP_BEGIN, DYNAMIC_CP_END) if args.dynamic_cp else (README_BEGIN, README_END)
+        a, b = text.find(begin), text.find(end)
         if a < 0 or b < a:
-            raise SystemExit(f"{readme}: no {README_BEGIN} ... {README_END} block")
-        readme.write_text(text[:a + len(README_BEGIN)] + "\n" + readme_summary(result) + "\n" + text[b:])
+            raise SystemExit(f"{readme}: no {begin} ... {end} block")
+        readme.write_text(text[:a + len(begin)] + "\n" + readme_summary(result) + "\n" + text[b:])
     return 0
 
 

@@ -11,8 +11,15 @@ samples (``--wlb-pieces concat-and-cut``) or the same documents. Training steps 
 pair k: A then B for even k, B then A for odd k (ABBA), so the machine's drift cancels in each pair.
 The optimizer steps after both (it is a timing run: the model sees every global batch twice).
 
+Dynamic CP on one side (``--wlb-cp-sharding dynamic`` as A, a fixed-group layout as B): the run starts as a dynamic
+run (every block's process group made at start-up); a step of A plans its global batch over the DP x CP pool and
+runs each micro-batch on its block's group, a step of B lays its micro-batches out over Megatron's fixed CP group
+(a micro-batch without a block runs there). A global batch whose dynamic plan needs more micro-batches on a slot
+than Megatron runs per iteration is passed over by both methods (counted: the runtime would stop on it).
+
 Per rank it writes ``WLB_PAIRED_OUT/rank{R}.json``: every training step's wall seconds (perf_counter
-around Megatron's ``train_step``), its method and its tokens. The micro-batches' forward and backward
+around Megatron's ``train_step``), its method, its tokens and its global batch's piece lengths (``step_record``;
+under dynamic CP also the planner's prediction and this slot's groups). The micro-batches' forward and backward
 times are in the ``--wlb-trace`` files (trace iteration = training step).
 """
 
@@ -25,6 +32,10 @@ import sys
 import time
 from typing import Any
 
+import numpy as np
+
+from megatron_wlb.cp.dynamic import DynamicCPPlan
+from megatron_wlb.cp.dynamic_steps import DynamicPool
 from megatron_wlb.megatron.data import WlbDataIterator
 from megatron_wlb.packing.types import GlobalBatch
 
@@ -54,30 +65,91 @@ class PairedDataIterator(WlbDataIterator):
 
     def __init__(self, a: WlbDataIterator, b: WlbDataIterator, deal_b: bool = False):
         super().__init__(a.reader, a.stream, a.packer, a.dp_rank, a.sharding, a.on_batch, read=a.read,
-                         read_piece=a.read_piece)
+                         read_piece=a.read_piece, dynamic=a.dynamic)
         if b.n != a.n or b.dp_size != a.dp_size:
             raise ValueError(f"paired methods plan different layouts: A {a.dp_size} x {a.n}, B {b.dp_size} x {b.n}")
         self.other = b
+        #: each method's CP sharding and dynamic-CP pool (kept here: ``self.sharding`` is the current method's)
+        self.shardings = {"A": a.sharding, "B": b.sharding}
+        self.pools = {"A": _recording(a.dynamic), "B": _recording(b.dynamic)}
         self.deal_b = deal_b
         self.step = 0
         self.method = ""
         self._plans: dict[str, Any] = {}
         self._pair: dict[str, GlobalBatch] = {}
+        #: global batches passed over because a dynamic-CP plan of theirs needs more micro-batches on a slot than
+        #: Megatron runs per iteration (the runtime would stop: ``cp.dynamic_steps.slot_steps``)
+        self.skipped = 0
+
+    def _fits(self, pair: dict[str, GlobalBatch]) -> bool:
+        for m, batch in pair.items():
+            pool = self.pools[m]
+            if pool is not None:
+                lengths = np.array([p.length for mb in batch.micro_batches for p in mb.pieces], dtype=np.int64)
+                if pool.plan(lengths).steps > self.n:
+                    return False
+        return True
 
     def _next_batch(self) -> GlobalBatch:
         if not self._plans:
             self._plans = {m: it.packer.pack_source(it.stream.cursor()) for m, it in zip(METHODS, (self, self.other))}
         if self.step % 2 == 0:
             self._pair = {m: next(plans) for m, plans in self._plans.items()}  # StopIteration ends training
+            while not self._fits(self._pair):  # both methods pass it over: pairs stay the same documents
+                self.skipped += 1
+                self._pair = {m: next(plans) for m, plans in self._plans.items()}
         self.method = method_of(self.step)
         batch = self._pair[self.method]
         if self.method == "B" and self.deal_b:
             batch = megatron_deal(batch)
         batch = dataclasses.replace(batch, iteration=self.step)
-        source = self if self.method == "A" else self.other
-        self.sharding = source.sharding
+        self.sharding = self.shardings[self.method]
+        self.dynamic = self.pools[self.method]
+        self.layouts, self._cp_layouts = (), ()  # a dynamic-CP step lays out none: no stale layouts agreed
         self.step += 1
         return self._take(batch)
+
+
+class PlanRecordingPool:
+    """A ``DynamicPool`` that keeps the plan it made last: the planner's own prediction of the step (its slowest
+    slot) and the group each of this slot's micro-batches ran on, recorded with the step's wall."""
+
+    def __init__(self, pool: DynamicPool):
+        self.pool = pool
+        self.last: DynamicCPPlan | None = None
+        self._key = b""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.pool, name)
+
+    def plan(self, lengths: Any) -> DynamicCPPlan:
+        key = np.asarray(lengths, dtype=np.int64).tobytes()
+        if self.last is None or key != self._key:  # the same batch again (checked, then taken): planned once
+            self.last, self._key = self.pool.plan(lengths), key
+        return self.last
+
+
+def _recording(pool: DynamicPool | None) -> Any:
+    return None if pool is None else PlanRecordingPool(pool)
+
+
+def step_record(it: PairedDataIterator) -> dict[str, Any]:
+    """What ``timed_step`` records of the step ``it`` just gave besides its wall: the global batch's piece lengths
+    per micro-batch (both methods of a pair train the same ones), and under dynamic CP the planner's predicted
+    slowest slot (seconds per layer, ``DynamicCPPlan.slowest_seconds``) and each of this slot's micro-batches'
+    group, ``[first slot, size]`` (None: an empty one, alone)."""
+    batch = it.current
+    out: dict[str, Any] = {"method": it.method, "tokens": batch.tokens if batch is not None else 0,
+                           "skipped": it.skipped}
+    if batch is not None:
+        out["lengths"] = [[int(x) for x in mb.lengths] for mb in batch.micro_batches]
+    pool = it.dynamic
+    if isinstance(pool, PlanRecordingPool) and pool.last is not None:
+        out["plan_slowest_s"] = pool.last.slowest_seconds
+        out["slot"] = pool.slot
+        out["max_tokens_per_rank"] = pool.max_tokens_per_rank
+        out["blocks"] = [None if s is None else [s.first_rank, s.size] for s in it._steps]
+    return out
 
 
 #: MiB of heap every rank touches before training (``WLB_PREFAULT_MB``): with glibc's heap kept
@@ -131,9 +203,8 @@ def main() -> None:
         result = train_step(*args, **kwargs)
         wall = time.perf_counter() - start
         it = built[0] if built else None
-        batch = it.current if it is not None else None
-        record["steps"].append({"step": len(record["steps"]), "method": it.method if it else "", "wall_s": wall,
-                                "tokens": batch.tokens if batch is not None else 0})
+        record["steps"].append({"step": len(record["steps"]), "wall_s": wall,
+                                **(step_record(it) if it is not None else {"method": "", "tokens": 0})})
         with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
             json.dump(record, f)
         return result

@@ -389,7 +389,7 @@ class CpConfig:
     """The ``cp`` section: how each micro-batch is laid out over its CP ranks.
 
     - ``sharding``: the CP layout (docs/cp.md), or ``dynamic``: a CP group size and ranks per micro-batch over
-      the DP x CP ranks (``cp.dynamic``; simulated at PP 1, not yet trained); ``--wlb-cp-sharding``,
+      the DP x CP ranks (``cp.dynamic``; trains at any PP, planned and simulated at PP 1); ``--wlb-cp-sharding``,
       ``wlb simulate/shard --cp-sharding``.
     """
 

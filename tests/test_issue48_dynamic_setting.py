@@ -1,5 +1,5 @@
 """Issue 48 (3): ``dynamic`` is a CP sharding value of the config, ``--wlb-cp-sharding`` and ``wlb simulate``;
-a training run refuses it in one line until the runtime exists; dev's ``--dynamic-context-parallel`` names it."""
+a training run takes it at any PP; dev's ``--dynamic-context-parallel`` names it."""
 
 from __future__ import annotations
 
@@ -30,14 +30,14 @@ def test_dynamic_is_a_cp_sharding_of_settings_and_yaml(tmp_path: Path) -> None:
         WlbSettings(cp_sharding="dynamicc")
 
 
-def test_training_with_dynamic_at_pp2_refuses_in_one_line_and_never_falls_back() -> None:
+def test_training_with_dynamic_at_pp2_is_accepted_with_per_micro_batch_shapes() -> None:
+    """PP > 1 trains (``test_issue48_dynamic_pipeline``): the stages exchange each micro-batch's shape."""
     pp1 = parse(BASE + ["--wlb-cp-sharding", "dynamic", "--pipeline-model-parallel-size", "1"])
     validate_wlb_args(pp1, te_available=False, highspy_available=True, check_files=False)  # PP 1 trains
     args = parse(BASE + ["--wlb-cp-sharding", "dynamic"])  # BASE is PP 2
-    refusal = "--wlb-cp-sharding dynamic trains at --pipeline-model-parallel-size 1 only"
-    with pytest.raises(ValueError, match=refusal) as e:
-        validate_wlb_args(args, te_available=False, highspy_available=True, check_files=False)
-    assert "\n" not in str(e.value) and "--wlb-cp-sharding adaptive" in str(e.value)
+    assert validate_wlb_args(args, te_available=False, highspy_available=True, check_files=False).cp_sharding == \
+        "dynamic"
+    assert args.variable_seq_lengths
 
 
 def test_devs_dynamic_context_parallel_stays_refused_naming_dynamic() -> None:

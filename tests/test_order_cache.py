@@ -36,15 +36,15 @@ def small_threshold(monkeypatch):
     monkeypatch.setattr(reader_module, "ORDER_CACHE_MIN_DOCUMENTS", 100)
 
 
-def blend(tmp_path, cache: str | None) -> DocumentReader:
+def blend(tmp_path, **reader_options) -> DocumentReader:
+    """The two-corpus blend (written on the first call per ``tmp_path``), read with ``reader_options``."""
     rng = np.random.default_rng(0)
     if (tmp_path / "a.idx").exists():
         prefixes = (str(tmp_path / "a"), str(tmp_path / "b"))
     else:
         prefixes = (synthetic(tmp_path, "a", rng.integers(1, 3000, size=4000)),
                     synthetic(tmp_path, "b", rng.integers(1, 500, size=300)))
-    return DocumentReader([(prefixes[0], 0.7), (prefixes[1], 0.3)], split="9,1,0", seed=5, order_cache=cache,
-                          order=ORDER_NUMPY_SHUFFLE)
+    return DocumentReader([(prefixes[0], 0.7), (prefixes[1], 0.3)], split="9,1,0", seed=5, **reader_options)
 
 
 def test_the_cached_order_is_the_in_memory_order(tmp_path):
@@ -56,7 +56,8 @@ def test_the_cached_order_is_the_in_memory_order(tmp_path):
 
 def test_a_cached_stream_is_the_stream_and_resumes_exactly(tmp_path, small_threshold):
     cache = str(tmp_path / "cache")
-    plain, cached = blend(tmp_path, None), blend(tmp_path, cache)
+    plain = blend(tmp_path, order=ORDER_NUMPY_SHUFFLE)
+    cached = blend(tmp_path, order_cache=cache, order=ORDER_NUMPY_SHUFFLE)
     tokens = 40_000_000  # ~10 epochs of a, ~200 of b
     ids, lengths = plain.stream(tokens).collect()
     got_ids, got_lengths = cached.stream(tokens).collect()
@@ -69,7 +70,8 @@ def test_a_cached_stream_is_the_stream_and_resumes_exactly(tmp_path, small_thres
     first = WlbDataIterator(cached, cached.stream(30 * cfg.tokens_per_iteration), make_packer("wlb", cfg), 0)
     for _ in range(5):
         first.next_plan()
-    resumed_reader = blend(tmp_path, cache)  # a restarted rank: maps the files the first run built
+    # a restarted rank: maps the files the first run built
+    resumed_reader = blend(tmp_path, order_cache=cache, order=ORDER_NUMPY_SHUFFLE)
     resumed = WlbDataIterator(resumed_reader, resumed_reader.stream(30 * cfg.tokens_per_iteration),
                               make_packer("wlb", cfg), 0)
     resumed.load_state_dict(first.state_dict())

@@ -252,6 +252,8 @@ def test_the_functions_the_patches_call_exist():
     assert "packed_seq_params_from_iterator" in (PATCHES / "core_v0.16.1" / "pretrain_gpt_wlb.patch").read_text()
     assert "packed_seq_params_from_iterator" in defined("megatron_wlb/megatron/cp_hooks.py")
     assert "_wlb.pretrain_gpt_batch(" in (PATCHES / "core_v0.19.0" / "pretrain_gpt_wlb.patch").read_text()
+    assert "packed_seq_params_of(cu_seqlens)" in (PATCHES / "core_v0.19.0" / "pretrain_gpt_wlb.patch").read_text()
+    assert "packed_seq_params_of" in defined("megatron_wlb/megatron/cp_hooks.py")
     assert "pretrain_gpt_batch" in defined("megatron_wlb/megatron/iterators.py")
     package = ast.parse((ROOT / "megatron_wlb/megatron/__init__.py").read_text())  # re-exported by the package
     assert "pretrain_gpt_batch" in {a.name for n in ast.walk(package) if isinstance(n, ast.ImportFrom) for a in n.names}

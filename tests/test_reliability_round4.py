@@ -22,6 +22,7 @@ from megatron_wlb.packing import PackingConfig, make_packer
 
 pytest.importorskip("megatron.core.datasets.gpt_dataset")
 from test_balanced_gptdataset import corpora  # noqa: E402,F401  (the shared GPTDataset corpora fixture)
+from test_order_cache import blend  # noqa: E402  (the two-corpus blend, one definition)
 
 
 # -- the keyed permutation (scale) --------------------------------------------------------------------------
@@ -57,20 +58,8 @@ def test_a_billion_document_permutation_holds_nothing():
     assert len(perm.__dict__) <= 6 and all(np.asarray(v).nbytes <= 64 for v in perm.__dict__.values())
 
 
-def _blend(tmp_path, **kwargs) -> DocumentReader:
-    from test_stream_scale import synthetic  # the sparse synthetic corpus, one definition
-
-    rng = np.random.default_rng(0)
-    if (tmp_path / "a.idx").exists():
-        prefixes = (str(tmp_path / "a"), str(tmp_path / "b"))
-    else:
-        prefixes = (synthetic(tmp_path, "a", rng.integers(1, 3000, size=4000)),
-                    synthetic(tmp_path, "b", rng.integers(1, 500, size=300)))
-    return DocumentReader([(prefixes[0], 0.7), (prefixes[1], 0.3)], split="9,1,0", seed=5, **kwargs)
-
-
 def test_the_reader_visits_each_document_once_per_epoch_in_the_feistel_order(tmp_path):
-    _blend(tmp_path)  # writes the corpora
+    blend(tmp_path)  # writes the corpora
     reader = DocumentReader([(str(tmp_path / "a"), 1.0)], split="9,1,0", seed=5, order_cache=str(tmp_path / "cache"))
     assert reader.order == ORDER_FEISTEL and reader.describe()["order"] == ORDER_FEISTEL
     b, e = reader.ranges[0]
@@ -78,11 +67,11 @@ def test_the_reader_visits_each_document_once_per_epoch_in_the_feistel_order(tmp
     assert np.array_equal(np.sort(ids), np.arange(b, e))  # the split range once, no repeat
     assert np.array_equal(ids, KeyedPermutation(e - b, (5, 0, 0))[:] + b)
     assert not os.path.exists(tmp_path / "cache")  # no order file is built, whatever --data-cache-path says
-    reader = _blend(tmp_path)
-    legacy = _blend(tmp_path, order=ORDER_NUMPY_SHUFFLE)
+    reader = blend(tmp_path)
+    legacy = blend(tmp_path, order=ORDER_NUMPY_SHUFFLE)
     assert not np.array_equal(legacy.stream(20_000_000).collect()[0], reader.stream(20_000_000).collect()[0])
     with pytest.raises(ValueError, match="epoch order 'nope' is not one this build knows"):
-        _blend(tmp_path, order="nope")
+        blend(tmp_path, order="nope")
 
 
 def test_a_checkpoint_saved_before_the_feistel_order_resumes_in_its_own_order(tmp_path):
@@ -90,7 +79,7 @@ def test_a_checkpoint_saved_before_the_feistel_order_resumes_in_its_own_order(tm
     the plans after the resume are the uninterrupted old run's; a new state names its order."""
     cfg = PackingConfig(seq_len=4096, n=2, dp=2, max_seq_len=6144)
     tokens = 30 * cfg.tokens_per_iteration
-    old_reader = _blend(tmp_path, order=ORDER_NUMPY_SHUFFLE)
+    old_reader = blend(tmp_path, order=ORDER_NUMPY_SHUFFLE)
     full = WlbDataIterator(old_reader, old_reader.stream(tokens), make_packer("wlb", cfg), 0)
     plans = [full.next_plan().micro_batches for _ in range(10)]
     first = WlbDataIterator(old_reader, old_reader.stream(tokens), make_packer("wlb", cfg), 0)
@@ -99,12 +88,12 @@ def test_a_checkpoint_saved_before_the_feistel_order_resumes_in_its_own_order(tm
     state = first.state_dict()
     assert state["reader"]["order"] == ORDER_NUMPY_SHUFFLE
     del state["reader"]["order"]  # as the releases before issue 49 saved it
-    new_reader = _blend(tmp_path)  # this release's default: the Feistel order
+    new_reader = blend(tmp_path)  # this release's default: the Feistel order
     resumed = WlbDataIterator(new_reader, new_reader.stream(tokens), make_packer("wlb", cfg), 0)
     resumed.load_state_dict(state)
     assert new_reader.order == ORDER_NUMPY_SHUFFLE
     assert [resumed.next_plan().micro_batches for _ in range(6)] == plans[4:]
-    fresh = _blend(tmp_path)
+    fresh = blend(tmp_path)
     feistel = WlbDataIterator(fresh, fresh.stream(tokens), make_packer("wlb", cfg), 0)
     feistel.next_plan()
     assert feistel.state_dict()["reader"]["order"] == ORDER_FEISTEL

@@ -8,7 +8,8 @@ does not grow with the number of ranks' rows) and ``benchmarks/bench_measured.py
   and model chunks, each (stage, chunk) taking the mean of its CP x TP ranks (they synchronise
   every layer, so each of them measures about the slowest one's time); the paper's imbalance degree
   of a DP rank is ``max latency x N / sum`` (Table 2), averaged over DP ranks, from measured
-  seconds and, beside it, from the cost model's predictions;
+  seconds and, beside it, from the cost model's predictions (under ``--wlb-cp-sharding dynamic`` the table has
+  a row per slot of the DP x CP pool, each the mean of its TP ranks: ``timing.RankIds.table``);
 - the *slowest-rank time* is the largest ``wall_s - dp_wait_s`` over ranks: when the slowest
   pipeline finished its own work (every other rank then waits in the gradient reduction);
 - the *idle fraction* is ``1 - sum(compute_s) / sum(wall_s)`` over ranks: pipeline bubbles, waits for

@@ -27,7 +27,10 @@ Field meanings (seconds are measured on this rank: a monotonic clock on the CPU,
   causal (query, key) pairs its attention computes and its query runs (documents or their pieces on
   this rank; ``cp.layouts.RankShard``), what its time depends on;
 - ``layers``: transformer layers in this model chunk (the fit divides by it: profiles are per layer);
-- ``pred_fwd_s`` / ``pred_bwd_s``: the run's cost model for this rank's share, times ``layers``;
+- ``pred_fwd_s`` / ``pred_bwd_s``: the run's cost model for this rank's share, times ``layers`` (under
+  ``--wlb-cp-sharding dynamic``: at the CP size of the micro-batch's group, as its dynamic-CP plan priced it;
+  ``tokens`` / ``lengths`` are then the group's micro-batch, an empty one has none, and a micro-batch row's
+  ``cp`` is the rank's place in that group);
 - ``fwd_s`` / ``bwd_s``: the chunk's forward / backward step (Megatron's ``forward_step`` /
   ``backward_step``: embedding and loss included on the first / last stage);
 - ``data_s``: host seconds the forward step spent in our data iterator (planning the iteration on its

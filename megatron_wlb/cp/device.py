@@ -39,7 +39,8 @@ class Varlen:
     in order: K/V go to the kernel as they are), ``num_runs`` (query runs); ``local_pad`` trailing rows
     are rank padding (sequence parallelism). RoPE: ``rope_positions`` long ``[R]`` (each row's position),
     ``rope_length`` (the rotary table it needs). ``layout`` is the CP layout used (for ``adaptive``, the
-    chosen one).
+    chosen one). ``group``: the process group whose ranks the layout spans (dynamic CP: the micro-batch's block
+    group); None: the run's CP group.
     """
 
     cu_seqlens_q: torch.Tensor
@@ -58,6 +59,7 @@ class Varlen:
     rope_length: int
     layout: str
     local_pad: int = 0
+    group: Any = None
 
     @property
     def num_tokens(self) -> int:
@@ -133,9 +135,10 @@ def _expand_pieces(base: torch.Tensor, length: torch.Tensor, total: int) -> torc
     return torch.repeat_interleave(base - offsets, length, output_size=total) + torch.arange(total, device=base.device)
 
 
-def upload(batch: RankMicroBatch, device: torch.device | str, *, tokens: bool = True) -> DeviceBatch:
+def upload(batch: RankMicroBatch, device: torch.device | str, *, tokens: bool = True, group: Any = None
+           ) -> DeviceBatch:
     """``batch`` on ``device``: one host buffer (pinned where CUDA is available), one non-blocking copy.
-    ``tokens=False``: the metadata only (no tokens, labels, loss mask)."""
+    ``tokens=False``: the metadata only (no tokens, labels, loss mask); ``group``: the record's (``Varlen``)."""
     device = torch.device(device)
     base, length = batch.key_pieces[:, 0], batch.key_pieces[:, 1]
     occurrence = None
@@ -186,7 +189,7 @@ def upload(batch: RankMicroBatch, device: torch.device | str, *, tokens: bool = 
         num_runs=int(batch.cu_seqlens_q.size) - 1, rank=int(batch.rank),
         rank_counts=tuple(int(c) for c in batch.rank_counts), identity_segments=batch.identity_segments,
         rope_positions=position_ids[0], rope_length=int(batch.rope_length), layout=batch.layout.name,
-        local_pad=int(batch.local_pad))
+        local_pad=int(batch.local_pad), group=group)
     return DeviceBatch(
         tokens=view("tokens", torch.long) if tokens else None,
         labels=view("labels", torch.long) if tokens else None,

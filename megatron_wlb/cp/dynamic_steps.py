@@ -24,7 +24,8 @@ from megatron_wlb.costmodel import CostModel
 from megatron_wlb.cp.dynamic import DynamicCPPlan, GroupMicroBatch, group_cost_models, plan_dynamic_cp
 from megatron_wlb.cp.plan import CPSharding, Packed, RankMicroBatch, micro_batch_lengths, rank_batch
 
-__all__ = ["DYNAMIC_LAYOUT", "DynamicPool", "aligned_blocks", "slot_step", "slot_steps", "step_batch"]
+__all__ = ["DYNAMIC_LAYOUT", "DynamicPool", "aligned_blocks", "slot_step", "slot_step_seconds", "slot_steps",
+           "step_batch"]
 
 #: how a group's micro-batch is cut over its ranks (head-tail per document: balanced causal attention)
 DYNAMIC_LAYOUT = "per-document"
@@ -95,10 +96,11 @@ class DynamicPool:
         if not 0 <= self.slot < self.slots:
             raise ValueError(f"slot {self.slot} is outside the pool of {self.slots} slots")
 
-    def plan(self, lengths: np.ndarray) -> DynamicCPPlan:
-        """The dynamic-CP plan of one global batch's pieces (the same on every rank)."""
+    def plan(self, lengths: np.ndarray, cost: CostModel | None = None) -> DynamicCPPlan:
+        """The dynamic-CP plan of one global batch's pieces (the same on every rank), priced by ``cost`` (the
+        packer's, which an online refit replaces and a resumed packer restores) or else the pool's."""
         return plan_dynamic_cp(lengths, self.slots, self.max_tokens_per_rank,
-                               group_cost_models(self.cost, self.slots))
+                               group_cost_models(self.cost if cost is None else cost, self.slots))
 
 
 def slot_steps(plan: DynamicCPPlan, slot: int, steps: int) -> tuple[GroupMicroBatch | None, ...]:
@@ -110,3 +112,14 @@ def slot_steps(plan: DynamicCPPlan, slot: int, steps: int) -> tuple[GroupMicroBa
                          "--micro-batch-size (more micro-batches per iteration)")
     mbs = plan.rank_micro_batches[slot]
     return tuple(mbs) + (None,) * (steps - len(mbs))
+
+
+def slot_step_seconds(plan: DynamicCPPlan, steps: int | None = None) -> np.ndarray:
+    """The plan's predicted seconds per layer (forward + backward, this slot's share of its group's micro-batch)
+    of every slot at every step, shape ``(plan.ranks, steps)`` (default ``plan.steps``): 0 where a slot runs an
+    empty micro-batch. Row sums are ``plan.rank_seconds``."""
+    width = plan.steps if steps is None else max(int(steps), plan.steps)
+    table = np.zeros((plan.ranks, width), dtype=np.float64)
+    for slot, mbs in enumerate(plan.rank_micro_batches):
+        table[slot, :len(mbs)] = [mb.seconds for mb in mbs]
+    return table

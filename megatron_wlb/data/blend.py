@@ -4,7 +4,7 @@ one blend for the CLI (``wlb pack``/``bench``/``analyze``) and the Megatron adap
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -13,6 +13,23 @@ from megatron_wlb.data.lengths import validate_lengths
 
 #: Megatron GPTDataset's default shuffle seed
 DEFAULT_SEED = 1234
+
+
+def data_path_problems(given: Iterable[tuple[str, Sequence[str] | str | None]],
+                       problem_of: Callable[[str, str], str | None]) -> list[str]:
+    """The problems of the data paths a run was given: for each ``(option, value)`` with a value, the error of a
+    value ``parse_data_path`` refuses, else ``problem_of(option, path)`` for each path in it (None: fine)."""
+    problems: list[str] = []
+    for option, value in given:
+        if not value:
+            continue
+        try:
+            paths = [path for path, _ in parse_data_path(value)]
+        except ValueError as exc:
+            problems.append(str(exc))
+            continue
+        problems.extend(problem for path in paths if (problem := problem_of(option, path)) is not None)
+    return problems
 
 
 def parse_data_path(data_path: Sequence[str] | str) -> list[tuple[str, float | None]]:

@@ -176,9 +176,8 @@ class WlbCoreAttention(MegatronModule):
             raise ValueError(f"WLB-LLM attention is document-causal; got attn_mask_type={mask_type}")
         if attention_bias is not None:
             raise ValueError("WLB-LLM attention takes no attention_bias")
-        group = getattr(packed_seq_params, "dynamic_group", None)  # dynamic CP: the micro-batch's own group
-        return wlb_attention_forward(query, key, value, varlen, self.cp_group() if group is None else group,
-                                     self.softmax_scale)
+        return wlb_attention_forward(query, key, value, varlen,  # dynamic CP: over the micro-batch's own group
+                                     self.cp_group() if varlen.group is None else varlen.group, self.softmax_scale)
 
     def _megatron_thd(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       attn_mask_type: AttnMaskType | None, params: Any) -> torch.Tensor:

@@ -48,10 +48,8 @@ from megatron_wlb.megatron.settings import WlbSettings
 @dataclass
 class WlbPackedSeqParams(PackedSeqParams):
     """``PackedSeqParams`` plus this CP rank's ``Varlen`` record (None: not a WLB micro-batch): Megatron
-    threads the params from ``forward_step`` through ``GPTModel`` to every layer. ``dynamic_group``: dynamic CP,
-    the process group of this micro-batch's block (the attention uses it instead of the run's CP group)."""
+    threads the params from ``forward_step`` through ``GPTModel`` to every layer."""
     varlen: Varlen | None = None
-    dynamic_group: Any = None
 
 
 def te_available() -> bool:
@@ -78,12 +76,7 @@ def upload_micro_batch(batch: RankMicroBatch, device: torch.device | None = None
         for tensor in on_device.tensors():
             tensor.record_stream(stream)  # the caching allocator must not reuse them before this stream is done
     else:
-        on_device = upload(batch, device, tokens=tokens)
-    if batch.block is not None:  # dynamic CP: the group of the micro-batch's block
-        group = group_of(_DYNAMIC_GROUPS, *batch.block)
-        data, params = megatron_batch(on_device, group)
-        params.dynamic_group = group
-        return data, params
+        on_device = upload(batch, device, tokens=tokens, group=block_group(batch))
     return megatron_batch(on_device, _cp_group() if cp_group is None else cp_group)
 
 
@@ -108,8 +101,14 @@ def make_dynamic_groups(dp_rank: int, cp_rank: int, cp_size: int) -> None:
     _DYNAMIC_GROUPS.update(block_groups(sorted({tuple(p) for p in pools})))
 
 
+def block_group(batch: RankMicroBatch) -> Any:
+    """Dynamic CP: the process group of the micro-batch's block (``make_dynamic_groups``); None otherwise."""
+    return None if batch.block is None else group_of(_DYNAMIC_GROUPS, *batch.block)
+
+
 def megatron_batch(batch: DeviceBatch, cp_group: Any) -> tuple[dict[str, torch.Tensor | None], WlbPackedSeqParams]:
-    """Megatron's batch dict and ``WlbPackedSeqParams`` over the tensors of ``batch`` (no copy)."""
+    """Megatron's batch dict and ``WlbPackedSeqParams`` over the tensors of ``batch`` (no copy); ``cp_group``:
+    the run's, unless the record names its own (dynamic CP)."""
     data: dict[str, torch.Tensor | None] = {}
     if batch.tokens is not None:
         data = {"tokens": batch.tokens, "labels": batch.labels, "loss_mask": batch.loss_mask, "attention_mask": None,
@@ -118,7 +117,9 @@ def megatron_batch(batch: DeviceBatch, cp_group: Any) -> tuple[dict[str, torch.T
 
 
 def packed_seq_params(varlen: Varlen, cp_group: Any) -> WlbPackedSeqParams:
-    """The ``WlbPackedSeqParams`` of a record: its kernel fields in Megatron's names, and the record itself."""
+    """The ``WlbPackedSeqParams`` of a record: its kernel fields in Megatron's names, and the record itself;
+    the CP group is the record's own (dynamic CP) or else ``cp_group``."""
+    cp_group = cp_group if varlen.group is None else varlen.group
     if varlen.te:
         # TE infers padding between sequences whenever the padded offsets are another tensor, which rules
         # out its FlashAttention backend: nothing padded, the same tensor (``upload`` makes it so). cp_group
@@ -147,10 +148,22 @@ def stage_upload(batch: RankMicroBatch, device: torch.device) -> RankMicroBatch:
     torch.cuda.set_device(device)
     stream = _SIDE_STREAMS.setdefault(device, torch.cuda.Stream(device))
     with torch.cuda.stream(stream):
-        on_device = upload(batch, device)
+        on_device = upload(batch, device, group=block_group(batch))
         event = torch.cuda.Event()
         event.record(stream)
     return dataclasses.replace(batch, staged=(device, event, on_device))
+
+
+def packed_seq_params_of(cu_seqlens: Any) -> WlbPackedSeqParams:
+    """The params of the micro-batch whose record the carrier ``cu_seqlens`` holds (``cp.device.carrier``): what a
+    ``get_batch`` handed the ``cu_seqlens`` of one of our micro-batches builds them from (the pinned 0.16 THD
+    hook below; the patched 0.19 ``forward_step``, ``patches/core_v0.19.0``)."""
+    varlen = varlen_of(cu_seqlens)
+    if varlen is None:
+        raise RuntimeError(f"megatron_wlb: cu_seqlens of type {type(cu_seqlens).__name__} carry no WLB-LLM micro-batch "
+                           "record; WLB-LLM's get_batch hands on the cu_seqlens megatron_wlb uploaded (use the patch "
+                           "of this release, patches/, or python -m megatron_wlb.megatron.launcher)")
+    return packed_seq_params(varlen, _cp_group())
 
 
 def get_thd_batch_on_this_cp_rank(batch: dict[str, Any], cu_seqlens: Any, cu_seqlens_padded: Any, max_seqlen: Any,
@@ -158,9 +171,8 @@ def get_thd_batch_on_this_cp_rank(batch: dict[str, Any], cu_seqlens: Any, cu_seq
     """Megatron's signature (the THD path of the pinned ``pretrain_gpt.get_batch``). Our TP-rank hook
     hands in the uploaded ``cu_seqlens`` of a ``Varlen`` record (the batch is this rank's already): its
     params come back; any other THD batch goes to Megatron's own function."""
-    varlen = varlen_of(cu_seqlens)
-    if varlen is not None:
-        return batch, packed_seq_params(varlen, _cp_group())
+    if varlen_of(cu_seqlens) is not None:
+        return batch, packed_seq_params_of(cu_seqlens)
     return _installed().originals["get_thd_batch_on_this_cp_rank"](batch, cu_seqlens, cu_seqlens_padded, max_seqlen,
                                                                    cp_size, cp_rank)
 
@@ -257,6 +269,6 @@ def uninstall() -> None:
     wlb_attention.install_core_attention(enabled=False)
 
 
-__all__ = ["WlbPackedSeqParams", "get_thd_batch_on_this_cp_rank", "install", "make_dynamic_groups", "megatron_batch",
-           "packed_seq_params", "packed_seq_params_from_iterator", "te_available", "training_device", "uninstall",
-           "upload_micro_batch"]
+__all__ = ["WlbPackedSeqParams", "block_group", "get_thd_batch_on_this_cp_rank", "install", "make_dynamic_groups",
+           "megatron_batch", "packed_seq_params", "packed_seq_params_from_iterator", "packed_seq_params_of",
+           "te_available", "training_device", "uninstall", "upload_micro_batch"]

@@ -109,13 +109,14 @@ class WlbDataIterator(Iterator[RankMicroBatch]):
     the same everywhere (``plan_digest``). ``state_dict``/``load_state_dict`` carry the packer's
     state (waiting queues, stream position) and a digest of the stream consumed so far, so a restart
     resumes exactly where the saved run was: no document lost or repeated. ``on_batch`` (optional)
-    is called with every new ``GlobalBatch`` (the logging hook uses it); ``sharding`` says how this
+    is called with every new ``GlobalBatch`` (the logging hook uses it; with dynamic CP also with its plan,
+    ``dynamic_plan=``); ``sharding`` says how this
     rank's micro-batches are cut over its CP group (default: no CP).
     """
 
     def __init__(self, reader: DocumentReader | None, stream: DocumentStream | SampleStream, packer: Any,
                  dp_rank: int, sharding: CPSharding | None = None,
-                 on_batch: Callable[[GlobalBatch], None] | None = None, read: ReadFn | None = None,
+                 on_batch: Callable[..., None] | None = None, read: ReadFn | None = None,
                  read_piece: PieceReadFn | None = None, sample_identity: Any = None,
                  dynamic: DynamicPool | None = None):
         if read is None and read_piece is None:
@@ -177,9 +178,11 @@ class WlbDataIterator(Iterator[RankMicroBatch]):
         dp_size equal shares), with CP its micro-batches laid out now (``layouts``, agreed before the step)."""
         self.current = batch
         self._mine = batch.micro_batches[self.dp_rank * self.n:(self.dp_rank + 1) * self.n]
+        plan = None
         if self.dynamic is not None:  # the whole global batch's pieces over the pool, this slot's steps
             pieces = [p for mb in batch.micro_batches for p in mb.pieces]
-            plan = self.dynamic.plan(np.array([p.length for p in pieces], dtype=np.int64))
+            plan = self.dynamic.plan(np.array([p.length for p in pieces], dtype=np.int64),
+                                     self.packer.cost)  # the packer's model: an online refit included
             try:
                 self._steps = slot_steps(plan, self.dynamic.slot, self.n)
             except ValueError as exc:  # every rank plans alike: each stops here, in one line
@@ -192,7 +195,9 @@ class WlbDataIterator(Iterator[RankMicroBatch]):
                                      for mb in self._mine)
             self.layouts = tuple((layout.name, layout_digest(layout)) for layout in self._cp_layouts)
         self._cursor = 0
-        if self.on_batch is not None:
+        if self.on_batch is not None and plan is not None:  # dynamic CP: with the plan the log reports
+            self.on_batch(batch, dynamic_plan=plan)
+        elif self.on_batch is not None:
             self.on_batch(batch)
         return batch
 

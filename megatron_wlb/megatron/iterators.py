@@ -197,15 +197,15 @@ def pinned_tp_rank_batch(batch: RankMicroBatch) -> dict[str, Any]:
 def pretrain_gpt_batch(data_iterator: Any, keys: list[str]) -> list[Any]:
     """This rank's next micro-batch for a core 0.19 ``pretrain_gpt.get_batch`` (patched: ``patches/core_v0.19.0``),
     as the values of its ``BATCH_KEYS`` in order: tokens, labels, loss_mask and position_ids uploaded once;
-    ``cu_seqlens`` holds our ``WlbPackedSeqParams`` (the patched ``forward_step`` passes them to the model);
-    attention_mask, cu_seqlens_padded, max_seqlen, hybrid_cp_group and local_cp_size are None. Every rank
-    reads its own copy (no TP broadcast), middle pipeline stages included."""
-    from megatron_wlb.megatron.cp_hooks import upload_micro_batch  # lazy: imports torch
+    ``cu_seqlens`` the record's (a carrier, ``cp.device.carrier``), from which the patched ``forward_step`` builds
+    the params (``packed_seq_params_of``), as the pinned 0.16 path's THD hook does; ``max_seqlen`` the host
+    tensor; attention_mask, cu_seqlens_padded, hybrid_cp_group and local_cp_size None. Every rank reads its own
+    copy (no TP broadcast), middle pipeline stages included."""
+    from megatron_wlb.megatron.cp_hooks import pinned_batch_fields  # lazy: imports torch
 
-    batch, params = upload_micro_batch(next(data_iterator))
-    fields = {**batch, "cu_seqlens": params}
-    unknown = sorted(set(keys) - set(fields) - {"attention_mask", "cu_seqlens_padded", "max_seqlen",
-                                                 "hybrid_cp_group", "local_cp_size"})
+    fields = pinned_batch_fields(next(data_iterator))
+    unknown = sorted(set(keys) - set(fields) - {"attention_mask", "cu_seqlens_padded", "hybrid_cp_group",
+                                                 "local_cp_size"})
     if unknown:
         raise RuntimeError(f"megatron_wlb: this pretrain_gpt.py's get_batch returns {', '.join(unknown)}, which "
                            "WLB-LLM's micro-batches do not carry; use the patch of its release (patches/) or "

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from megatron.core import package_info, parallel_state
 
+from megatron_wlb.cp.dynamic import DYNAMIC_SHARDING
 from megatron_wlb.megatron import timing
 from megatron_wlb.megatron.device import training_device
 from megatron_wlb.megatron.megatron_args import MegatronArgs
@@ -34,7 +35,8 @@ def start_recorder(args: Any, settings: WlbSettings, n: int, cost: CostModel | N
                          dp_size=parallel_state.get_data_parallel_world_size(),
                          cp_size=parallel_state.get_context_parallel_world_size(),
                          tp_size=parallel_state.get_tensor_model_parallel_world_size(),
-                         layers_per_chunk=max(1, int(a.num_layers) // (pp * vpp)))
+                         layers_per_chunk=max(1, int(a.num_layers) // (pp * vpp)),
+                         dynamic=settings.cp_sharding == DYNAMIC_SHARDING)
     cuda = training_device().type == "cuda"
     layout = {"tp": ids.tp_size, "cp": ids.cp_size, "pp": pp, "dp": ids.dp_size, "vpp": vpp}
     header = {"device": torch.cuda.get_device_name() if cuda else machine(),

@@ -16,7 +16,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from megatron_wlb.data.blend import parse_data_path
+from megatron_wlb.data.blend import data_path_problems, parse_data_path
 from megatron_wlb.data.reader import DocumentReader
 from megatron_wlb.data.sft import SftCorpus, SftInputError
 from megatron_wlb.data.sft_cache import default_cache_dir, file_sha256
@@ -44,19 +44,11 @@ def sft_problems(args: Any, settings: Any) -> list[str]:
         problems.append("--sft trains each conversation whole: packing.cut any would cut forced outliers; use "
                         "packing.cut split in the YAML of --wlb-config (a conversation over --seq-length is cut as "
                         "Megatron's SFTDataset cuts it)")
-    for flag in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
-        given = getattr(a, flag)
-        if not given:
-            continue
-        try:
-            paths = [p for p, _ in parse_data_path(given)]
-        except ValueError as exc:
-            problems.append(str(exc))
-            continue
-        for path in paths:
-            if not os.path.isfile(path):
-                problems.append(f"--{flag.replace('_', '-')} {path}: no such file; --sft reads a jsonl of "
-                                "{\"messages\": [...]} lines (as Megatron's SFTDataset)")
+    problems.extend(data_path_problems(
+        ((flag, getattr(a, flag)) for flag in ("data_path", "train_data_path", "valid_data_path", "test_data_path")),
+        lambda flag, path: None if os.path.isfile(path) else (
+            f"--{flag.replace('_', '-')} {path}: no such file; --sft reads a jsonl of "
+            "{\"messages\": [...]} lines (as Megatron's SFTDataset)")))
     return problems
 
 

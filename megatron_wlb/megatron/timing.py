@@ -45,6 +45,7 @@ from megatron_wlb.costmodel.trace import (
     row_to_json,
     trace_path_for_rank,
 )
+from megatron_wlb.cp.dynamic import group_cost_models
 from megatron_wlb.cp.plan import RankMicroBatch
 from megatron_wlb.megatron import hooks
 from megatron_wlb.megatron.clocks import Clock as Clock
@@ -91,6 +92,16 @@ class RankIds:
     cp_size: int
     tp_size: int
     layers_per_chunk: int
+    #: ``--wlb-cp-sharding dynamic``: the measured latency table has a row per slot of the DP x CP pool
+    dynamic: bool = False
+
+    @property
+    def table(self) -> tuple[int, int, int]:
+        """(this rank's row, rows, ranks per row and stage) of the measured ``(rows, n)`` latency table: per DP
+        rank over its CP x TP ranks, or under dynamic CP per pool slot (``dp x CP + cp``) over its TP ranks."""
+        if self.dynamic:
+            return self.dp * self.cp_size + self.cp, self.dp_size * self.cp_size, self.tp_size
+        return self.dp, self.dp_size, self.cp_size * self.tp_size
 
 
 def rank_share(batch: RankMicroBatch) -> tuple[int, float, int]:
@@ -114,6 +125,8 @@ class Recorder:
         self._in_flight: dict[int, tuple[Any, _Step]] = {}
         self._p2p_since: list[Span] = []
         self._resolved: dict[int, IterationTotals] = {}
+        self._group_costs: dict[int, CostModel] = {}  # dynamic CP: the cost model per group size (``_cost_of``)
+        self._group_costs_of: CostModel | None = None  # ... of this model
         self.latest = -1  # plan iteration of the newest recorded pass
         self.overhead_s = 0.0  # host seconds of timing work not yet charged to a pass
         self._file: IO[str] | None = None
@@ -163,14 +176,16 @@ class Recorder:
         lengths = tuple(p.length for p in batch.micro_batch.pieces) if batch.micro_batch is not None else ()
         pred_fwd = pred_bwd = 0.0
         if self.cost is not None and lengths:
-            fwd, bwd = bins_seconds(self.cost, [np.asarray(lengths, dtype=np.int64)])
+            fwd, bwd = bins_seconds(self._cost_of(batch), [np.asarray(lengths, dtype=np.int64)])
             layers = self.ids.layers_per_chunk
             pred_fwd, pred_bwd = float(fwd[0]) * layers, float(bwd[0]) * layers
         rank_tokens, rank_pairs, rank_runs = rank_share(batch)
         d = np.asarray(lengths, dtype=np.float64)
         ids = self.ids
+        # dynamic CP: the CP rank within the micro-batch's own group (its tokens are then counted once)
+        cp = ids.cp if batch.block is None else ids.dp * ids.cp_size + ids.cp - batch.block[0]
         row = MicroBatchRow(
-            iteration=inner.iteration, rank=ids.rank, dp=ids.dp, pp=ids.pp, cp=ids.cp, tp=ids.tp, chunk=chunk,
+            iteration=inner.iteration, rank=ids.rank, dp=ids.dp, pp=ids.pp, cp=cp, tp=ids.tp, chunk=chunk,
             micro_batch=inner.position - 1, layers=ids.layers_per_chunk, tokens=int(d.sum()),
             sum_d2=float((d * d).sum()), lengths=lengths, rank_tokens=rank_tokens, rank_pairs=rank_pairs,
             rank_runs=rank_runs, pred_fwd_s=pred_fwd, pred_bwd_s=pred_bwd, fwd_s=0.0, bwd_s=0.0,
@@ -179,6 +194,16 @@ class Recorder:
         self._p2p_since = []
         self._pass.steps.append(step)
         self._in_flight[id(output)] = (output, step)  # the reference keeps the id unique until backward
+
+    def _cost_of(self, batch: RankMicroBatch) -> CostModel | None:
+        """The cost model that prices ``batch``: the run's, or under dynamic CP (``batch.block``) the run's at
+        the CP size of the micro-batch's group over the stage's DP x CP pool, as its plan priced it."""
+        if batch.block is None or self.cost is None:
+            return self.cost
+        if self._group_costs_of is not self.cost:  # first use, or an online refit replaced the model
+            self._group_costs = group_cost_models(self.cost, self.ids.dp_size * self.ids.cp_size)
+            self._group_costs_of = self.cost
+        return self._group_costs[batch.block[1]]
 
     def backward(self, output: Any, span: Span) -> None:
         found = self._in_flight.pop(id(output), None)
@@ -223,8 +248,9 @@ class Recorder:
                                wall_s=s(p.start, p.end), compute_s=sum(r.fwd_s + r.bwd_s for r in rows),
                                pp_wait_s=self._seconds(p.p2p), dp_wait_s=self._seconds(p.dp),
                                timing_s=p.timing_s, micro_batches=len({st.row.micro_batch for st in p.steps}))
-        self._resolved[iteration] = IterationTotals.of(rows, [summary], ids.dp_size, self.n,
-                                                       ids.cp_size * ids.tp_size)
+        row, table_rows, per_row = ids.table
+        self._resolved[iteration] = IterationTotals.of([replace(r, dp=row) for r in rows], [summary], table_rows,
+                                                       self.n, per_row)
         for old in [k for k in self._resolved if k < iteration - 8]:
             del self._resolved[old]
         return [*rows, summary]
@@ -238,14 +264,15 @@ class Recorder:
         (every rank must call this for the same iteration). None if this rank has not flushed it."""
         mine = self._resolved.get(iteration)
         # every rank takes part in the reductions, even one without the iteration (it then adds nothing)
-        size = IterationTotals.SCALAR_SUMS + 2 * self.ids.dp_size * self.n
+        table_rows = self.ids.table[1]
+        size = IterationTotals.SCALAR_SUMS + 2 * table_rows * self.n
         maxima = mine.maxima if mine is not None else np.zeros(2)
         sums = mine.sums if mine is not None else np.zeros(size)
         have = all_reduce(np.array([1.0 if mine is not None else 0.0]), "min")
         maxima, sums = all_reduce(maxima, "max"), all_reduce(sums, "sum")
         if have[0] < 1.0:
             return None
-        return IterationTotals(iteration, self.ids.dp_size, self.n, maxima, sums).summary()
+        return IterationTotals(iteration, table_rows, self.n, maxima, sums).summary()
 
     def write(self, row: dict[str, Any]) -> None:
         """Add a row of another kind (the online refit's ``refit`` rows) to the trace file, if any."""

@@ -19,8 +19,7 @@ from typing import Any
 
 from megatron_wlb.config import RunChoices, RunConfig, megatron_moe_fields
 from megatron_wlb.costmodel import CostModel, ModelShape, ParallelLayout, build_cost_model
-from megatron_wlb.cp.dynamic import DYNAMIC_SHARDING, RUNTIME_MISSING
-from megatron_wlb.data.blend import parse_data_path
+from megatron_wlb.data.blend import data_path_problems
 from megatron_wlb.megatron.args import _show, load_run_config, settings_from_args
 from megatron_wlb.megatron.gpt_samples import masking_problem
 from megatron_wlb.megatron.megatron_args import MegatronArgs
@@ -113,13 +112,14 @@ BYPASSING_FLAGS: dict[str, tuple[str, str, str]] = {
     "dynamic_context_parallel": (
         "--dynamic-context-parallel", "picks a CP group size per sample (default_dynamic_cp) over data our CP "
         "sharding replaces", "--wlb-cp-sharding dynamic (a CP group size and ranks per micro-batch over the DP x "
-        "CP ranks, planned with the packing and its CP communication priced; trains at PP 1), or --wlb-cp-sharding "
-        "adaptive (per-sequence or per-document sharding chosen per micro-batch over --context-parallel-size)"),
+        "CP ranks of a pipeline stage, planned with the packing and its CP communication priced), or "
+        "--wlb-cp-sharding adaptive (per-sequence or per-document sharding chosen per micro-batch over "
+        "--context-parallel-size)"),
     "hybrid_context_parallel": (
         "--hybrid-context-parallel", "picks a CP group size per sample over data our CP sharding replaces",
-        "--wlb-cp-sharding dynamic (a CP group size and ranks per micro-batch over the DP x CP ranks; trains at "
-        "PP 1), or --wlb-cp-sharding adaptive (per-sequence or per-document sharding chosen per micro-batch over "
-        "--context-parallel-size)"),
+        "--wlb-cp-sharding dynamic (a CP group size and ranks per micro-batch over the DP x CP ranks of a "
+        "pipeline stage), or --wlb-cp-sharding adaptive (per-sequence or per-document sharding chosen per "
+        "micro-batch over --context-parallel-size)"),
     "max_seqlen_per_dp_cp_rank": (
         "--max-seqlen-per-dp-cp-rank", "caps what Megatron's own scheduler packs per rank, which our packer "
         "replaces", "--wlb-max-seq-len (a micro-batch's tokens over all CP ranks: this value x CP)"),
@@ -205,8 +205,6 @@ def validate_wlb_args(args: Any, *, te_available: bool | None = None, highspy_av
             problems.append(f"{source} {_show(settings.queue_thresholds)}: {threshold_problem}")
     if seq_length % (2 * cp):
         problems.append(f"--seq-length {seq_length} must be divisible by 2 x --context-parallel-size = {2 * cp}")
-    if settings.cp_sharding == DYNAMIC_SHARDING and pp > 1:
-        problems.append(RUNTIME_MISSING)
     if settings.cp_sharding == "per-document-te":
         if te_available is None:
             te_available = module_available("transformer_engine")
@@ -228,20 +226,13 @@ def validate_wlb_args(args: Any, *, te_available: bool | None = None, highspy_av
     elif not (a.data_path or a.train_data_path):
         problems.append("no --data-path: WLB reads documents from Megatron indexed datasets (PREFIX.bin/.idx); "
                         "give --data-path [WEIGHT] PREFIX ... or --train-data-path")
-    for flag, value in (("data_path", a.data_path), ("train_data_path", a.train_data_path),
-                        ("valid_data_path", a.valid_data_path), ("test_data_path", a.test_data_path)):
-        if not value or not check_files or a.sft:  # --sft: jsonl files, checked by sft_problems
-            continue
-
-        try:
-            prefixes = [p for p, _ in parse_data_path(value)]
-        except ValueError as exc:
-            problems.append(str(exc))
-            continue
-        for prefix in prefixes:
-            if not (os.path.isfile(prefix + ".bin") and os.path.isfile(prefix + ".idx")):
-                problems.append(f"--{flag.replace('_', '-')}: no {prefix}.bin/.idx; give the prefix of a Megatron "
-                                "indexed dataset (made with tools/preprocess_data.py), without the extension")
+    if check_files and not a.sft:  # --sft: jsonl files, checked by sft_problems
+        problems.extend(data_path_problems(
+            (("data_path", a.data_path), ("train_data_path", a.train_data_path),
+             ("valid_data_path", a.valid_data_path), ("test_data_path", a.test_data_path)),
+            lambda flag, prefix: None if os.path.isfile(prefix + ".bin") and os.path.isfile(prefix + ".idx") else (
+                f"--{flag.replace('_', '-')}: no {prefix}.bin/.idx; give the prefix of a Megatron indexed dataset "
+                "(made with tools/preprocess_data.py), without the extension")))
     problems.extend(bypass_problems(args))
     if a.fim_data:
         problems.append("--fim-data replaces the data path WLB installs; remove --fim-data or do not call "

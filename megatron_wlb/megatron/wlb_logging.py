@@ -3,11 +3,14 @@
 ``iteration_metrics`` scores one global batch with ``megatron_wlb.packing.metrics`` (the same
 definitions as ``wlb simulate``/``wlb analyze``): the paper's imbalance degree (max micro-batch
 latency x N / sum, per DP rank, averaged; and the worst rank), the imbalance across all DP x N
-micro-batches, tokens, unused capacity and the token-weighted delay. ``WlbMetricsLogger`` keeps the
-latest iteration's metrics (the data iterator reports every new global batch to it) and writes them
-every ``log_interval`` iterations, with the true throughput since the last line: tokens per second and
-model TFLOP/s per GPU counted over the packed documents (``ModelShape.training_flops``), which
-Megatron's own counters, written for fixed ``seq_length`` samples, misreport under packing. Named
+micro-batches, the predicted slowest rank, tokens, unused capacity and the token-weighted delay. Under
+``--wlb-cp-sharding dynamic`` the imbalances, the slowest rank and the schedule ratio are the dynamic-CP
+plan's own (``cp.dynamic``: each micro-batch priced at its group's CP size, per slot of the stage's DP x CP
+pool), not the fixed CP size's. ``WlbMetricsLogger`` keeps the latest iteration's metrics (the data iterator
+reports every new global batch to it) and writes them every ``log_interval`` iterations, with the true
+throughput since the last line: tokens per second and model TFLOP/s per GPU counted over the packed documents
+(``ModelShape.training_flops``), which Megatron's own counters, written for fixed ``seq_length`` samples,
+misreport under packing. Named
 ``wlb_logging`` so it never shadows the stdlib ``logging``.
 """
 
@@ -16,12 +19,16 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+import numpy as np
+
 from megatron_wlb.costmodel.measured import MeasuredIteration
+from megatron_wlb.cp.dynamic import DynamicCPPlan
+from megatron_wlb.cp.dynamic_steps import slot_step_seconds
 from megatron_wlb.megatron.rebind import wrapping
-from megatron_wlb.packing.metrics import summarize
+from megatron_wlb.packing.metrics import imbalance_global, imbalance_per_rank, slowest_rank_schedule_time, summarize
 from megatron_wlb.packing.types import GlobalBatch
 
 PREFIX = "wlb"
@@ -40,6 +47,8 @@ class IterationMetrics:
     mean_delay: float         # iterations per token between arrival and training
     max_delay: int
     plan_ms: float            # time the packer took for this plan
+    slowest_s: float = math.nan   # predicted seconds per layer (forward + backward) of the slowest rank
+    over_ideal: float = math.nan  # dynamic CP: that over the batch's CP-1 compute spread over DP x CP
 
     def to_dict(self) -> dict[str, float]:
         return asdict(self)
@@ -55,22 +64,51 @@ class IterationMetrics:
 
 
 def iteration_metrics(batch: GlobalBatch, cost: Any = None, seq_len: int | None = None, stages: int | None = None,
-                      virtual_stages: int = 1) -> IterationMetrics:
+                      virtual_stages: int = 1, dynamic_plan: DynamicCPPlan | None = None) -> IterationMetrics:
     """Score ``batch`` with ``megatron_wlb.packing.metrics.summarize`` (``d**2`` weights without a cost model);
-    ``stages`` / ``virtual_stages``: the run's pipeline, for the schedule ratio."""
+    ``stages`` / ``virtual_stages``: the run's pipeline, for the schedule ratio. ``dynamic_plan``: the batch's
+    dynamic-CP plan, whose predictions replace the fixed CP size's (``dynamic_metrics``)."""
     m = summarize([batch], cost, seq_len, stages=stages, virtual_stages=virtual_stages)
-    return IterationMetrics(iteration=batch.iteration, imbalance=m.imbalance, imbalance_max=m.imbalance_max,
-                            imbalance_global=m.imbalance_global, schedule_ratio=m.schedule_ratio, tokens=m.tokens,
-                            unused_capacity=m.unused_capacity, mean_delay=m.mean_delay, max_delay=m.max_delay,
-                            plan_ms=m.plan_ms_mean)
+    metrics = IterationMetrics(iteration=batch.iteration, imbalance=m.imbalance, imbalance_max=m.imbalance_max,
+                               imbalance_global=m.imbalance_global, schedule_ratio=m.schedule_ratio, tokens=m.tokens,
+                               unused_capacity=m.unused_capacity, mean_delay=m.mean_delay, max_delay=m.max_delay,
+                               plan_ms=m.plan_ms_mean)
+    if dynamic_plan is not None:
+        return dynamic_metrics(metrics, dynamic_plan, batch.n)
+    if batch.tokens == 0:
+        return metrics
+    slowest = slowest_rank_schedule_time(cost, batch, stages, virtual_stages)[0]
+    return replace(metrics, slowest_s=slowest)
+
+
+def dynamic_metrics(metrics: IterationMetrics, plan: DynamicCPPlan, steps: int) -> IterationMetrics:
+    """``metrics`` with the dynamic-CP ``plan``'s predictions: every slot (rank of the stage's DP x CP pool) runs
+    ``steps`` micro-batches (its own, each its share of its group's, then empty ones); the paper's degree per
+    slot over them, the global degree over every slot's micro-batches, the slowest slot's seconds (the plan's
+    objective: the sum of its micro-batches, also at PP > 1) over the slots' mean and over the ideal."""
+    table = slot_step_seconds(plan, steps)
+    if not table.size or table.sum() <= 0:
+        return metrics
+    per_slot = imbalance_per_rank(table)
+    return replace(metrics, imbalance=float(np.nanmean(per_slot)), imbalance_max=float(np.nanmax(per_slot)),
+                   imbalance_global=imbalance_global(table),
+                   schedule_ratio=plan.slowest_seconds / float(plan.rank_seconds.mean()),
+                   slowest_s=plan.slowest_seconds, over_ideal=plan.over_ideal)
 
 
 def format_metrics(m: IterationMetrics) -> str:
     """One log line, in the style of Megatron's ``training_log``."""
     return (f" [wlb] iteration {m.iteration + 1:8d} | imbalance {m.imbalance:.3f} (max {m.imbalance_max:.3f}, "
             f"global {m.imbalance_global:.3f}) | slowest rank / balanced {m.schedule_ratio:.3f} | "
-            f"tokens {m.tokens} | unused capacity {m.unused_capacity:.3f} | "
+            f"{_slowest(m)}tokens {m.tokens} | unused capacity {m.unused_capacity:.3f} | "
             f"delay {m.mean_delay:.2f} (max {m.max_delay}) | plan {m.plan_ms:.1f} ms")
+
+
+def _slowest(m: IterationMetrics) -> str:
+    if math.isnan(m.slowest_s):
+        return ""
+    ideal = "" if math.isnan(m.over_ideal) else f", {m.over_ideal:.3f} x ideal"
+    return f"slowest rank {m.slowest_s * 1e3:.4g} ms per layer (predicted{ideal}) | "
 
 
 def format_measured(m: MeasuredIteration) -> str:
@@ -103,13 +141,15 @@ class WlbMetricsLogger:
         self.stages, self.virtual_stages = stages, virtual_stages
         self.latest: IterationMetrics | None = None
         self._batch: GlobalBatch | None = None
+        self._dynamic_plan: DynamicCPPlan | None = None
         self._tokens = 0      # planned tokens since the last throughput line
         self._flops = 0.0     # their model FLOPs (forward + backward)
         self._since: float | None = None
 
-    def on_batch(self, batch: GlobalBatch) -> None:
-        """Called by the data iterator with each new plan (scored lazily, only when logged)."""
-        self._batch = batch
+    def on_batch(self, batch: GlobalBatch, dynamic_plan: DynamicCPPlan | None = None) -> None:
+        """Called by the data iterator with each new plan (scored lazily, only when logged); ``dynamic_plan``:
+        with ``--wlb-cp-sharding dynamic``, the batch's dynamic-CP plan (its predictions are logged)."""
+        self._batch, self._dynamic_plan = batch, dynamic_plan
         self.latest = None
         lengths = [p.length for p in batch.pieces()]
         self._tokens += sum(lengths)
@@ -129,7 +169,8 @@ class WlbMetricsLogger:
 
     def metrics(self) -> IterationMetrics | None:
         if self.latest is None and self._batch is not None:
-            self.latest = iteration_metrics(self._batch, self.cost, self.seq_len, self.stages, self.virtual_stages)
+            self.latest = iteration_metrics(self._batch, self.cost, self.seq_len, self.stages, self.virtual_stages,
+                                            self._dynamic_plan)
         return self.latest
 
     def due(self, iteration: int) -> bool:
