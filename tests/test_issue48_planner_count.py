@@ -144,3 +144,12 @@ def test_the_recorded_comparison_is_above_its_lower_bound() -> None:
     for row in rows:
         assert row["dynamic"]["over_ideal"] >= row["lower_bound_over_ideal"] * (1 - 1e-9)
         assert row["lower_bound_over_ideal"] >= row["memory_bound_over_ideal"] * (1 - 1e-9)
+
+
+def test_a_packer_plan_over_the_slots_memory_is_not_a_fallback() -> None:
+    """A fixed plan whose micro-batch exceeds its group's memory at the pool's cap is no plan: it is ignored (the
+    search's own plan, or the one-line refusal, stands)."""
+    lengths = np.array([60000, 60000, 60000, 60000], dtype=np.int64)
+    fixed = [[[0, 1, 2]], [[3]]]  # 180,000 tokens on a CP 1 group of one 64K slot
+    plan = plan_dynamic_cp(lengths, 2, CAP, _costs(2), max_micro_batches=2, fixed_plan=fixed)
+    _check(plan, lengths, 2, 2)

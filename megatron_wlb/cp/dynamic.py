@@ -279,9 +279,9 @@ def plan_dynamic_cp(lengths: Sequence[int] | np.ndarray, ranks: int, max_tokens_
 
 
 def _fixed_bins(d: np.ndarray, fixed_plan: Sequence[Sequence[Sequence[int]]], ranks: int,
-                cap: int) -> list[list[tuple[int, int, list[int]]]]:
-    """``fixed_plan`` checked (every document once, each micro-batch within its group's memory) as bins per step:
-    step k's micro-batches, DP rank r's on slots ``[r cp, (r + 1) cp)``."""
+                cap: int) -> list[list[tuple[int, int, list[int]]]] | None:
+    """``fixed_plan`` checked (every document once: else ValueError) as bins per step: step k's micro-batches, DP
+    rank r's on slots ``[r cp, (r + 1) cp)``; None when one of them is over its group's memory (``cap`` a slot)."""
     dp = len(fixed_plan)
     cp = ranks // dp if dp else 0
     if dp < 1 or cp * dp != ranks or cp & (cp - 1):
@@ -295,9 +295,8 @@ def _fixed_bins(d: np.ndarray, fixed_plan: Sequence[Sequence[Sequence[int]]], ra
     for r, mbs in enumerate(fixed_plan):
         for k, mb in enumerate(mbs):
             docs = [int(i) for i in mb]
-            if int(d[docs].sum()) > cp * cap:
-                raise ValueError(f"fixed_plan: DP rank {r}'s micro-batch {k} holds {int(d[docs].sum())} tokens, over "
-                                 f"its CP group's {cp} x {cap}")
+            if int(d[docs].sum()) > cp * cap:  # over the slots' memory: no plan to fall back on
+                return None
             if docs:
                 out[k].append((cp, r * cp, docs))
     return out
