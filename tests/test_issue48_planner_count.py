@@ -72,12 +72,14 @@ def test_a_limit_the_free_plan_meets_changes_nothing_and_a_tighter_one_is_kept(r
 def test_too_few_micro_batches_is_one_line_naming_both_counts() -> None:
     lengths = _packed(5, 2, 4, 0.99)
     extra = np.concatenate([lengths, [CAP]])  # more tokens than 4 steps of 4 ranks x 64K hold
-    with pytest.raises(ValueError, match=r"^max_micro_batches=4: this global batch needs at least 5 micro-batches "
-                                         r"per rank .*give at least 5") as err:
+    with pytest.raises(ValueError, match=r"^the dynamic-CP plan of this global batch needs 5 micro-batches on its "
+                                         r"busiest rank, but Megatron runs 4 per iteration \(max_micro_batches=4; "
+                                         r".*give at least 5") as err:
         plan_dynamic_cp(extra, 4, CAP, _costs(4), max_micro_batches=4)
     assert "\n" not in str(err.value)
     # three documents over half the pool's capacity cannot share a micro-batch: three steps at least
-    with pytest.raises(ValueError, match=r"needs at least 3 micro-batches per rank \(3 documents over 65536 tokens"):
+    with pytest.raises(ValueError, match=r"needs 3 micro-batches on its busiest rank, but Megatron runs 2 .*"
+                                         r"3 documents over 65536 tokens each need the 2-rank group alone"):
         plan_dynamic_cp(np.array([70000, 70000, 70000]), 2, CAP, _costs(2), max_micro_batches=2)
     _check(plan_dynamic_cp(np.array([70000, 70000, 70000]), 2, CAP, _costs(2), max_micro_batches=3),
            np.array([70000, 70000, 70000]), 2, 3)

@@ -316,8 +316,9 @@ def _check_count(d: np.ndarray, ranks: int, cap: int, largest: int, limit: int) 
     if need > limit:
         why = (f"its {int(d.sum())} tokens over {ranks} ranks at {cap} tokens per rank" if by_tokens >= alone else
                f"{alone} documents over {largest * cap // 2} tokens each need the {largest}-rank group alone")
-        raise ValueError(f"max_micro_batches={limit}: this global batch needs at least {need} micro-batches per "
-                         f"rank ({why}); give at least {need} (raise --global-batch-size or lower "
+        raise ValueError(f"the dynamic-CP plan of this global batch needs {need} micro-batches on its busiest rank, "
+                         f"but Megatron runs {limit} per iteration (max_micro_batches={limit}; no plan does with "
+                         f"fewer: {why}); give at least {need} (raise --global-batch-size or lower "
                          "--micro-batch-size), or fewer tokens per global batch")
 
 
@@ -633,9 +634,10 @@ def _dense_plan(d: np.ndarray, g_min: np.ndarray, ranks: int, cap: int, costs: d
         else:
             worst = max(1, _fewest_steps(d, g_min, blocks, cap))
             if refuse:
-                raise ValueError(f"max_micro_batches={limit}: found no plan of this global batch within {limit} "
-                                 f"micro-batches per rank at {cap} tokens per rank (the densest packing found needs "
-                                 f"{worst}); give at least {worst}")
+                raise ValueError(f"the dynamic-CP plan of this global batch needs {worst} micro-batches on its "
+                                 f"busiest rank, but Megatron runs {limit} per iteration (max_micro_batches={limit}; "
+                                 f"the densest packing found at {cap} tokens per rank); give at least {worst} (raise "
+                                 "--global-batch-size or lower --micro-batch-size)")
             return None
     bins: list[tuple[int, int, list[int]]] = []
     for (_, first, size), docs in zip(slots, held, strict=True):
