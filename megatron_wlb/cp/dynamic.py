@@ -35,9 +35,9 @@ The plan (``plan_dynamic_cp``):
 ``lower_bound`` bounds any plan from below (the planner's gap is reported against it).
 
 Predicted time = the slowest slot's summed seconds per layer (PP 1). Pure numpy: no torch, no global
-state. Pipeline parallelism (PP > 1) is not planned here: every stage would need the same groups per
-micro-batch and the same micro-batch count per slot (empty micro-batches padded), and the slot's time
-becomes its 1F1B schedule instead of a sum (``schedule``).
+state. At PP > 1 the runtime runs the same plan on every stage (each slot's micro-batches in the same order,
+Megatron's count kept, empty ones padded) and the objective stays this PP 1 sum: the slot's 1F1B time
+(``schedule``), with a group's members waiting for each other at every stage, is not what is minimised.
 """
 
 from __future__ import annotations
@@ -53,17 +53,11 @@ import numpy as np
 from megatron_wlb.costmodel import CostModel
 from megatron_wlb.costmodel.model import CalibratedCostModel, build_cost_model
 
-__all__ = ["ALPHAS", "DYNAMIC_SHARDING", "RUNTIME_MISSING", "DynamicCPPlan", "GroupMicroBatch", "group_cost_models",
+__all__ = ["ALPHAS", "DYNAMIC_SHARDING", "DynamicCPPlan", "GroupMicroBatch", "group_cost_models",
            "lower_bound", "memory_bound", "plan_dynamic_cp"]
 
 #: the CP sharding value (``cp.sharding`` / ``--wlb-cp-sharding``) that asks for this planner
 DYNAMIC_SHARDING = "dynamic"
-#: why a training run with pipeline parallelism refuses it (one line): the runtime trains at PP 1 only
-RUNTIME_MISSING = (f"--wlb-cp-sharding {DYNAMIC_SHARDING} trains at --pipeline-model-parallel-size 1 only: with "
-                   "PP > 1 every stage would need the same CP groups per micro-batch and the same micro-batch count "
-                   "per rank (planned and simulated at PP 1 only, not built); train with "
-                   "--pipeline-model-parallel-size 1, or with --wlb-cp-sharding adaptive")
-
 #: the granularities tried (a document's per-rank price at most alpha x the ideal); inf: only memory decides
 ALPHAS: tuple[float, ...] = (float("inf"), 1.0, 0.5, 0.25, 0.125, 1 / 16, 1 / 32, 1 / 64)
 #: documents of the slowest slot tried per move / swap of the final placement's local search (costliest first)
