@@ -48,10 +48,9 @@ which attention is most of a step):
              are free and holds them for its slowest member, as its collectives do) for both sides; predicted is
              the planner's own slowest slot (``DynamicCPPlan.slowest_seconds``, recorded per step) against the
              same documents priced on the fixed groups (``fixed_group_seconds``, as the simulator prices them),
-             both with the planner's cost models; work is the global batch's documents. A global batch whose
-             dynamic plan needs more micro-batches on a slot than Megatron runs per iteration (the runtime
-             would stop there: the planner does not know that count) is passed over by both methods and counted
-             (``skipped_global_batches``). Before training, ``prior_prediction`` says what the cost model
+             both with the planner's cost models; work is the global batch's documents. The planner keeps
+             Megatron's micro-batch count per slot (``max_micro_batches``), so no global batch is passed
+             over. Before training, ``prior_prediction`` says what the cost model
              predicts for the corpus. 4 ranks on 2 cores are oversubscribed (unpinned; two ranks share a core):
              wall is disturbed by the sharing and by gloo's waits; the replay of thread CPU times is the robust
              number.
@@ -184,7 +183,8 @@ def prior_prediction(corpus: Path, profile: Path, model: dict[str, Any], seq_len
     and priced on fixed CP groups as packed (``fixed_group_seconds``): the geometric mean of fixed over dynamic
     (equal work: the same documents), and how often the planner uses each group size."""
     from megatron_wlb.costmodel import CalibratedCostModel, ModelShape, ParallelLayout
-    from megatron_wlb.cp.dynamic import group_cost_models, plan_dynamic_cp
+    from megatron_wlb.cp.dynamic import group_cost_models
+    from megatron_wlb.cp.dynamic_steps import DynamicPool
     from megatron_wlb.data.reader import IndexedSource
     from megatron_wlb.packing import make_packer
     from megatron_wlb.packing.types import PackingConfig
@@ -197,22 +197,20 @@ def prior_prediction(corpus: Path, profile: Path, model: dict[str, Any], seq_len
     costs = group_cost_models(cost, dp * cp)
     config = PackingConfig(seq_len=seq_len, n=c.global_batch // dp, dp=dp)
     cap = -(-config.capacity_var // cp)
-    ratios, fits, sizes = [], [], defaultdict(int)
+    pool = DynamicPool(dp * cp, 0, cap, cost)  # the runtime's planner (any slot plans the same)
+    ratios, sizes = [], defaultdict(int)
     for batch in make_packer("wlb", config, cost).pack(np.tile(lengths, 1 + batches * c.global_batch * seq_len
                                                                   // max(1, int(lengths.sum())))):
         per_mb = [[int(x) for x in mb.lengths] for mb in batch.micro_batches]
-        plan = plan_dynamic_cp(np.asarray([x for mb in per_mb for x in mb], dtype=np.int64), dp * cp, cap, costs)
+        plan = pool.plan(per_mb, config.n)
         ratios.append(fixed_group_seconds(per_mb, dp, costs[cp]) / plan.slowest_seconds)
-        fits.append(plan.steps <= config.n)
         for mb in plan.micro_batches:
             sizes[mb.size] += 1
         if len(ratios) >= batches:
             break
     mean, lo, hi = geo_interval(np.asarray(ratios))
-    kept = np.asarray(ratios)[np.asarray(fits, dtype=bool)]
     return {"batches": len(ratios), "ratio": mean, "low": lo, "high": hi, "max_tokens_per_rank": cap,
-            "group_sizes": dict(sorted(sizes.items())), "fitting": int(kept.size),
-            "fitting_ratio": float(np.exp(np.log(kept).mean())) if kept.size else None}
+            "group_sizes": dict(sorted(sizes.items()))}
 
 
 #: the calibration: one short run per packing (A and B the same), each traced; fitted together
@@ -398,7 +396,8 @@ def analyse(c: Comparison, out: Path, profile: Path) -> dict[str, Any]:
     beside it) from the run's step walls and trace."""
     from megatron_wlb.costmodel import CalibratedCostModel, ModelShape, ParallelLayout
     from megatron_wlb.costmodel.trace import read_trace
-    from megatron_wlb.cp.dynamic import group_cost_models, plan_dynamic_cp
+    from megatron_wlb.cp.dynamic import group_cost_models
+    from megatron_wlb.cp.dynamic_steps import DynamicPool
     from megatron_wlb.packing.metrics import piece_latency
 
     sys.path.insert(0, str(REPO / "benchmarks"))
@@ -424,8 +423,8 @@ def analyse(c: Comparison, out: Path, profile: Path) -> dict[str, Any]:
     pp = int(c.layout.get("PP", "1"))
     dp, cp = int(c.layout.get("DP", "1")), int(c.layout.get("CP", "1"))
     shape = ModelShape(**trace.headers[0]["model"])
-    pool_costs = group_cost_models(CalibratedCostModel.from_json(profile, shape, ParallelLayout(dp=dp, cp=cp)),
-                                   dp * cp) if c.pool else {}
+    pool_cost = CalibratedCostModel.from_json(profile, shape, ParallelLayout(dp=dp, cp=cp))
+    pool_costs = group_cost_models(pool_cost, dp * cp) if c.pool else {}
     replanned: list[float] = []
     plans: dict[int, Any] = {}  # A's steps: the plan, replanned from the recorded lengths
 
@@ -440,8 +439,8 @@ def analyse(c: Comparison, out: Path, profile: Path) -> dict[str, Any]:
         lengths = records[s]["lengths"]
         if method_of(s) == "B":
             return fixed_group_seconds(lengths, dp, pool_costs[cp])
-        flat = np.asarray([x for mb in lengths for x in mb], dtype=np.int64)  # the planner's input, in its order
-        plans[s] = plan_dynamic_cp(flat, dp * cp, records[s]["max_tokens_per_rank"], pool_costs)
+        plans[s] = DynamicPool(dp * cp, 0, records[s]["max_tokens_per_rank"], pool_cost).plan(lengths,
+                                                                                             c.global_batch // dp)
         replanned.append(abs(plans[s].slowest_seconds / records[s]["plan_slowest_s"] - 1))
         return float(records[s]["plan_slowest_s"])
 
@@ -485,7 +484,6 @@ def analyse(c: Comparison, out: Path, profile: Path) -> dict[str, Any]:
                         sizes[int(g[1])] += 1
         result["a_group_sizes"] = dict(sorted(sizes.items()))
         result["planner_replanned_max_rel_diff"] = max(replanned, default=None)
-        result["skipped_global_batches"] = max((int(r.get("skipped", 0)) for r in records.values()), default=0)
         result.update(pool_breakdown(c, pairs, by_step, blocks, records, plans, pool_costs, shape.num_layers))
     for kind, values in kinds.items():
         if values:
@@ -616,15 +614,12 @@ def pool_notes(result: dict) -> list[str]:
         out += ["", f"`{name}` ({r['a']} over the 4 slots of DP2 x CP2 against {r['b']}, global batch "
                 f"{r['global_batch']}):"]
         if p:
-            fitting = (f"; on the {p['fitting']} whose plan fits Megatron's micro-batch count (those it can train) "
-                       f"{p['fitting_ratio']:.3f}" if p.get("fitting_ratio") is not None else "")
             out.append(f"- predicted before training, for this corpus: B over A {p['ratio']:.3f} [{p['low']:.3f}, "
                        f"{p['high']:.3f}] over {p['batches']} wlb global batches of the shuffled corpus (planner "
                        f"at {p['max_tokens_per_rank']} tokens per slot; micro-batches by group size "
-                       f"{_sizes(p['group_sizes'])}){fitting}.")
-        out += [f"- trained: {r['pairs']} pairs; {r['skipped_global_batches']} global batches passed over by both "
-                "methods because their dynamic plan needs more micro-batches on a slot than Megatron runs per "
-                "iteration (the runtime would stop there); A's micro-batches by group size "
+                       f"{_sizes(p['group_sizes'])}).")
+        out += [f"- trained: {r['pairs']} pairs, every global batch (the planner keeps Megatron's micro-batch "
+                "count); A's micro-batches by group size "
                 f"{_sizes(r['a_group_sizes'])}; the planner's recorded prediction replanned from the recorded lengths "
                 f"within {r['planner_replanned_max_rel_diff'] or 0:.1e}.",
                 "- where the replay departs from the prediction: measured thread seconds over the cost model's price, "

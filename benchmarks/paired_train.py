@@ -14,8 +14,8 @@ The optimizer steps after both (it is a timing run: the model sees every global 
 Dynamic CP on one side (``--wlb-cp-sharding dynamic`` as A, a fixed-group layout as B): the run starts as a dynamic
 run (every block's process group made at start-up); a step of A plans its global batch over the DP x CP pool and
 runs each micro-batch on its block's group, a step of B lays its micro-batches out over Megatron's fixed CP group
-(a micro-batch without a block runs there). A global batch whose dynamic plan needs more micro-batches on a slot
-than Megatron runs per iteration is passed over by both methods (counted: the runtime would stop on it).
+(a micro-batch without a block runs there). The planner keeps Megatron's micro-batch count per slot, so both methods
+train every global batch.
 
 Per rank it writes ``WLB_PAIRED_OUT/rank{R}.json``: every training step's wall seconds (perf_counter
 around Megatron's ``train_step``), its method, its tokens and its global batch's piece lengths (``step_record``;
@@ -31,8 +31,6 @@ import os
 import sys
 import time
 from typing import Any
-
-import numpy as np
 
 from megatron_wlb.cp.dynamic import DynamicCPPlan
 from megatron_wlb.cp.dynamic_steps import DynamicPool
@@ -77,27 +75,12 @@ class PairedDataIterator(WlbDataIterator):
         self.method = ""
         self._plans: dict[str, Any] = {}
         self._pair: dict[str, GlobalBatch] = {}
-        #: global batches passed over because a dynamic-CP plan of theirs needs more micro-batches on a slot than
-        #: Megatron runs per iteration (the runtime would stop: ``cp.dynamic_steps.slot_steps``)
-        self.skipped = 0
-
-    def _fits(self, pair: dict[str, GlobalBatch]) -> bool:
-        for m, batch in pair.items():
-            pool = self.pools[m]
-            if pool is not None:
-                lengths = np.array([p.length for mb in batch.micro_batches for p in mb.pieces], dtype=np.int64)
-                if pool.plan(lengths).steps > self.n:
-                    return False
-        return True
 
     def _next_batch(self) -> GlobalBatch:
         if not self._plans:
             self._plans = {m: it.packer.pack_source(it.stream.cursor()) for m, it in zip(METHODS, (self, self.other))}
         if self.step % 2 == 0:
             self._pair = {m: next(plans) for m, plans in self._plans.items()}  # StopIteration ends training
-            while not self._fits(self._pair):  # both methods pass it over: pairs stay the same documents
-                self.skipped += 1
-                self._pair = {m: next(plans) for m, plans in self._plans.items()}
         self.method = method_of(self.step)
         batch = self._pair[self.method]
         if self.method == "B" and self.deal_b:
@@ -117,15 +100,12 @@ class PlanRecordingPool:
     def __init__(self, pool: DynamicPool):
         self.pool = pool
         self.last: DynamicCPPlan | None = None
-        self._key = b""
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.pool, name)
 
-    def plan(self, lengths: Any) -> DynamicCPPlan:
-        key = np.asarray(lengths, dtype=np.int64).tobytes()
-        if self.last is None or key != self._key:  # the same batch again (checked, then taken): planned once
-            self.last, self._key = self.pool.plan(lengths), key
+    def plan(self, lengths: Any, *args: Any, **kwargs: Any) -> DynamicCPPlan:
+        self.last = self.pool.plan(lengths, *args, **kwargs)
         return self.last
 
 
@@ -139,8 +119,7 @@ def step_record(it: PairedDataIterator) -> dict[str, Any]:
     slowest slot (seconds per layer, ``DynamicCPPlan.slowest_seconds``) and each of this slot's micro-batches'
     group, ``[first slot, size]`` (None: an empty one, alone)."""
     batch = it.current
-    out: dict[str, Any] = {"method": it.method, "tokens": batch.tokens if batch is not None else 0,
-                           "skipped": it.skipped}
+    out: dict[str, Any] = {"method": it.method, "tokens": batch.tokens if batch is not None else 0}
     if batch is not None:
         out["lengths"] = [[int(x) for x in mb.lengths] for mb in batch.micro_batches]
     pool = it.dynamic

@@ -22,7 +22,6 @@ import pytest
 
 from megatron_wlb.costmodel import ParallelLayout, build_cost_model
 from megatron_wlb.costmodel.measured import IterationTotals
-from megatron_wlb.cp.dynamic import group_cost_models, plan_dynamic_cp
 from megatron_wlb.cp.dynamic_steps import DynamicPool, slot_step_seconds
 from megatron_wlb.data.reader import DocumentReader, byte_documents, write_indexed_dataset
 from megatron_wlb.megatron.data import WlbDataIterator
@@ -31,7 +30,7 @@ from megatron_wlb.packing import make_packer
 from megatron_wlb.packing.types import PackingConfig
 
 SLOTS, CP, DP = 4, 2, 2
-SEQ_LEN, N = 512, 4
+SEQ_LEN, N = 512, 8  # 8 micro-batches a slot: room for plans that mix group sizes
 CAP = SEQ_LEN * 3 // 2 // CP  # a slot's share of the packer's capacity (1.5 x --seq-length) at CP 2
 COST = build_cost_model("7b", ParallelLayout(tp=1, cp=CP, dp=DP))
 #: the pool's own model, which the packer's (``COST``: the run's, or its online refit) overrides
@@ -51,8 +50,7 @@ def _iterators(tmp_path, on_batch):
 
 
 def _plan_of(batch, cost=COST):
-    lengths = np.array([p.length for mb in batch.micro_batches for p in mb.pieces], dtype=np.int64)
-    return plan_dynamic_cp(lengths, SLOTS, CAP, group_cost_models(cost, SLOTS))
+    return DynamicPool(SLOTS, 0, CAP, cost).plan([mb.lengths for mb in batch.micro_batches], N)
 
 
 class _Writer:

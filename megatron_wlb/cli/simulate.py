@@ -112,9 +112,9 @@ def _run_dynamic(cfg: Any, cost: Any, packer: str, lengths: Any, iterations: int
               f"{r.fixed / r.time:>7.3f} {r.tokens:>10} {r.steps:>5}  {r.group_sizes}")
     total, ideal = sum(r.time for r in its), sum(r.ideal for r in its)
     print("time: the slowest rank's forward + backward, all layers (PP 1, communication charged); ideal: the "
-          "documents' compute at CP 1 spread evenly, no communication; bound: the communication the memory cap "
-          f"forces; fixed/: the packer's own micro-batches on each DP rank's fixed CP {cfg.layout.cp} group over "
-          "this time")
+          "documents' compute at CP 1 spread evenly, no communication; bound: a lower bound of any plan (the "
+          "communication and micro-batch costs the memory cap forces); fixed/: the packer's own micro-batches on "
+          f"each DP rank's fixed CP {cfg.layout.cp} group over this time")
     print(f"mean {1e3 * total / len(its):.1f} ms/iteration, over ideal {total / ideal:.3f}, "
           f"{sum(r.tokens for r in its) / total:,.0f} tokens/s; fixed CP group / dynamic "
           f"{sum(r.fixed for r in its) / total:.3f}")

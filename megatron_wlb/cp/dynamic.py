@@ -12,56 +12,56 @@ finer-grained but pays more communication; a document on one rank pays none.
 The plan (``plan_dynamic_cp``):
 
 1. ``g_min(d)`` = the smallest power of two with ``d / g <= max_tokens_per_rank`` (memory);
-2. for a granularity ``alpha`` (tried: no limit, 1, 1/2, ... 1/64), ``g(d)`` = the smallest power of
-   two >= ``g_min(d)`` whose per-rank price is at most ``alpha x`` the ideal (the batch's latency at CP 1
-   over ``P``), at most the largest block;
-3. place documents in decreasing per-rank price (or: larger groups first, then price; both are tried), each
-   on the aligned block of its size whose busiest slot is least loaded (longest-processing-time first).
-   Every slot runs its micro-batches in decreasing group size (blocks in a fixed order within a size).
-   Because a block of size ``g`` lies inside exactly one aligned block of each larger size, all slots of a
-   block have run the same larger-group micro-batches before its own: a group never waits for a member
-   (no synchronisation idle), and a slot's time is the sum of its shares;
-4. per block and size, documents are packed (first-fit decreasing) into micro-batches under the cap;
-5. the ``alpha`` with the least predicted slowest slot wins; then its ``k`` costliest documents are moved one
-   size up together (the best ``k`` of 0 .. ``P``), and a local search doubles, one at a time, the group of a
-   document on the slowest slot while that shortens it.
+2. candidates for the documents' group sizes: for a granularity ``alpha`` (``ALPHAS``), ``g(d)`` = the smallest
+   power of two >= ``g_min(d)`` whose per-rank price is at most ``alpha x`` the ideal (the batch's latency at
+   CP 1 over ``P``); and sizes chosen during the placement (``_malleable``): each document, costliest first, at
+   the size and block that least raise a lower bound on the final slowest slot (its block's busiest slot after
+   it, or all rank-seconds so far and the rest's least over ``P``), ties to the fewest rank-seconds;
+3. placement in decreasing per-rank price (or: larger groups first, then price), each document on the aligned
+   block of its size whose busiest slot is least loaded (longest-processing-time first). Every slot runs its
+   micro-batches in decreasing group size (blocks in a fixed order within a size). Because a block of size
+   ``g`` lies inside exactly one aligned block of each larger size, all slots of a block have run the same
+   larger-group micro-batches before its own: a group never waits for a member (no synchronisation idle), and
+   a slot's time is the sum of its shares;
+4. the best few placements by their slowest slot are refined by a local search (``_refine``): a document of the
+   slowest slot moves to any block of any size its tokens fit (priced at that size), or swaps with a cheaper
+   document of its size, while that lowers the slowest slot (or the number of slots that slow);
+5. per block and size, documents are packed (first-fit decreasing) into micro-batches under the cap; the plan
+   with the least slowest slot (micro-batch fixed costs included) wins;
+6. with ``max_micro_batches`` (Megatron's micro-batches per iteration), a plan over it is brought within it
+   (``_within_count``), or the densest plan or the packer's own (``fixed_plan``) is taken; no plan exists when
+   the tokens or the documents that need the whole pool alone need more steps (``_check_count``: one line).
+
+``lower_bound`` bounds any plan from below (the planner's gap is reported against it).
 
 Predicted time = the slowest slot's summed seconds per layer (PP 1). Pure numpy: no torch, no global
-state. Pipeline parallelism (PP > 1) is not planned here: every stage would need the same groups per
-micro-batch and the same micro-batch count per slot (empty micro-batches padded), and the slot's time
-becomes its 1F1B schedule instead of a sum (``schedule``).
+state. At PP > 1 the runtime runs the same plan on every stage (each slot's micro-batches in the same order,
+Megatron's count kept, empty ones padded) and the objective stays this PP 1 sum: the slot's 1F1B time
+(``schedule``), with a group's members waiting for each other at every stage, is not what is minimised.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from megatron_wlb.costmodel import CostModel
 from megatron_wlb.costmodel.model import CalibratedCostModel, build_cost_model
 
-__all__ = ["ALPHAS", "DYNAMIC_SHARDING", "RUNTIME_MISSING", "DynamicCPPlan", "GroupMicroBatch", "group_cost_models",
-           "memory_bound", "plan_dynamic_cp"]
+__all__ = ["ALPHAS", "DYNAMIC_SHARDING", "DynamicCPPlan", "GroupMicroBatch", "group_cost_models",
+           "lower_bound", "memory_bound", "plan_dynamic_cp"]
 
 #: the CP sharding value (``cp.sharding`` / ``--wlb-cp-sharding``) that asks for this planner
 DYNAMIC_SHARDING = "dynamic"
-#: why a training run with pipeline parallelism refuses it (one line): the runtime trains at PP 1 only
-RUNTIME_MISSING = (f"--wlb-cp-sharding {DYNAMIC_SHARDING} trains at --pipeline-model-parallel-size 1 only: with "
-                   "PP > 1 every stage would need the same CP groups per micro-batch and the same micro-batch count "
-                   "per rank (planned and simulated at PP 1 only, not built); train with "
-                   "--pipeline-model-parallel-size 1, or with --wlb-cp-sharding adaptive")
-
 #: the granularities tried (a document's per-rank price at most alpha x the ideal); inf: only memory decides
 ALPHAS: tuple[float, ...] = (float("inf"), 1.0, 0.5, 0.25, 0.125, 1 / 16, 1 / 32, 1 / 64)
-#: documents of the slowest slot tried per promotion step (costliest first, one of each group size and price)
-_PROMOTION_TRIES = 6
 #: documents of the slowest slot tried per move / swap of the final placement's local search (costliest first)
 _REFINE_TRIES = 32
-#: moves / swaps of that local search at most
-_REFINE_ROUNDS = 256
 
 
 @dataclass(frozen=True)
@@ -167,11 +167,50 @@ def memory_bound(lengths: Sequence[int] | np.ndarray, ranks: int, max_tokens_per
     return sum(float(_price(costs[int(g)], d[g_min == g]).sum()) * int(g) for g in np.unique(g_min)) / ranks
 
 
+def lower_bound(lengths: Sequence[int] | np.ndarray, ranks: int, max_tokens_per_rank: int,
+                costs: dict[int, CostModel]) -> float:
+    """A lower bound on any plan's slowest slot (seconds per layer), tighter than ``memory_bound``: the least
+    ``T`` with ``T >= (W(T) + F) / ranks``, where ``W(T)`` sums each document's least rank-seconds over the group
+    sizes that fit the memory cap and cost each member at most ``T`` (a slot running it takes that long), and ``F``
+    is the fixed cost of the fewest micro-batch shares that hold the tokens (a share holds at most
+    ``max_tokens_per_rank``), each at the cheapest group size's fixed cost."""
+    d = np.asarray(lengths, dtype=np.int64).reshape(-1)
+    if d.size == 0:
+        return 0.0
+    sizes = sorted(g for g in costs if g <= ranks)
+    g_min = _min_groups(d, max_tokens_per_rank, sizes[-1])
+    price = np.stack([_price(costs[g], d) for g in sizes])  # sizes x documents
+    fits = np.array(sizes)[:, None] >= g_min[None, :]
+    price = np.where(fits, price, np.inf)
+    work = price * np.array(sizes, dtype=np.float64)[:, None]
+    fixed = -(-int(d.sum()) // max_tokens_per_rank) * min(_overhead(costs[g]) for g in sizes)
+
+    def area(t: float) -> float:
+        return float(np.where(price <= t, work, np.inf).min(axis=0).sum() + fixed) / ranks
+
+    lo = float(price.min(axis=0).max())  # every document fits under T on some group size
+    hi = max(lo, area(float(price[np.isfinite(price)].max())))
+    if area(lo) <= lo:
+        return lo
+    for _ in range(60):  # T - area(T) increases with T: bisect to its root
+        mid = 0.5 * (lo + hi)
+        lo, hi = (lo, mid) if area(mid) <= mid else (mid, hi)
+        if hi - lo <= 1e-12 * hi:
+            break
+    return hi
+
+
 def plan_dynamic_cp(lengths: Sequence[int] | np.ndarray, ranks: int, max_tokens_per_rank: int,
-                    costs: dict[int, CostModel], alphas: Sequence[float] = ALPHAS,
-                    promotions: int = 64) -> DynamicCPPlan:
+                    costs: dict[int, CostModel], alphas: Sequence[float] = ALPHAS, promotions: int = 256, *,
+                    max_micro_batches: int | None = None,
+                    fixed_plan: Sequence[Sequence[Sequence[int]]] | None = None) -> DynamicCPPlan:
     """The dynamic-CP plan of one global batch (see the module doc): ``lengths`` its documents, ``ranks`` the
-    stage's DP x CP slots, ``costs`` the cost model per group size (``group_cost_models``)."""
+    stage's DP x CP slots, ``costs`` the cost model per group size (``group_cost_models``); ``alphas`` the
+    granularities of the threshold candidates, ``promotions`` the local search's steps (0: the threshold
+    candidates only); ``max_micro_batches``: at most that many micro-batches on any slot (Megatron's micro-batches
+    per iteration: global batch / (micro-batch size x DP)); ValueError in one line when no plan is found within it.
+    ``fixed_plan[r][k]``: the documents of DP rank r's micro-batch k as the packer placed them on fixed CP groups of
+    ``ranks / len(fixed_plan)`` ranks (a plan within the count the search falls back on when it finds none)."""
     d = np.asarray(lengths, dtype=np.int64).reshape(-1)
     if d.size and int(d.min()) < 1:
         raise ValueError(f"document lengths must be >= 1 token, got {int(d.min())}")
@@ -179,6 +218,10 @@ def plan_dynamic_cp(lengths: Sequence[int] | np.ndarray, ranks: int, max_tokens_
         raise ValueError(f"ranks={ranks}: a stage needs at least one DP x CP rank")
     if max_tokens_per_rank < 1:
         raise ValueError(f"max_tokens_per_rank={max_tokens_per_rank}: must be a positive token count")
+    if max_micro_batches is not None and (isinstance(max_micro_batches, bool) or int(max_micro_batches) < 1
+                                          or int(max_micro_batches) != max_micro_batches):
+        raise ValueError(f"max_micro_batches={max_micro_batches!r}: must be a positive whole number (Megatron's "
+                         "micro-batches per iteration) or None")
     sizes = sorted(g for g in costs if g <= ranks)
     if not sizes or sizes[0] != 1 or any(b != 2 * a for a, b in zip(sizes, sizes[1:], strict=False)):
         raise ValueError(f"costs must price the group sizes 1, 2, 4, ... up to at most {ranks}, got {sorted(costs)}")
@@ -186,33 +229,100 @@ def plan_dynamic_cp(lengths: Sequence[int] | np.ndarray, ranks: int, max_tokens_
     prices = {g: _price(costs[g], d) for g in sizes}
     ideal = float(prices[1].sum()) / ranks
     g_min = _min_groups(d, max_tokens_per_rank, largest)
-    best: DynamicCPPlan | None = None
-    best_group, best_order = g_min, True
+    fixed = None if fixed_plan is None else _fixed_bins(d, fixed_plan, ranks, max_tokens_per_rank)
+    if max_micro_batches is not None:
+        _check_count(d, ranks, max_tokens_per_rank, largest, int(max_micro_batches))
+    candidates: list[tuple[tuple[float, int], float, np.ndarray, np.ndarray, np.ndarray]] = []
+    seen: set[bytes] = set()
     for alpha in alphas:
         group = _groups_for(g_min, sizes, prices, alpha * ideal)
-        for by_price in (True, False):
-            plan = _place(d, group, ranks, max_tokens_per_rank, costs, prices, ideal, alpha, by_price)
-            if best is None or _score(plan) < _score(best):
-                best, best_group, best_order = plan, group, by_price
-    assert best is not None
-    # promote the k costliest documents one size up at once (k = 1 .. ranks): identical window-long documents
-    # that leave some blocks one item heavier need several promotions together before the slowest slot moves
-    start = best_group
-    movable = np.flatnonzero(start < largest)
-    if promotions and movable.size:
-        share = np.array([prices[int(g)][i] for i, g in enumerate(start)])
-        order = movable[np.argsort(-share[movable], kind="stable")]
-        for k in range(1, min(ranks, order.size) + 1):
-            group = start.copy()
-            group[order[:k]] *= 2
-            plan = _place(d, group, ranks, max_tokens_per_rank, costs, prices, ideal, best.alpha, best_order)
-            if _score(plan) < _score(best):
-                best, best_group = plan, group
-    best, best_group = _promote(best, best_group, d, max_tokens_per_rank, costs, prices, largest, promotions,
-                                best_order)
-    refined = _place(d, best_group, ranks, max_tokens_per_rank, costs, prices, ideal, best.alpha, best_order,
-                     refine=_REFINE_ROUNDS)
-    return refined if _score(refined) < _score(best) else best
+        if group.tobytes() in seen:
+            continue
+        seen.add(group.tobytes())
+        price = _doc_prices(prices, group)
+        for order in (np.argsort(-price, kind="stable"), np.lexsort((-price, -group))):
+            first, load = _lpt(price, group, ranks, order)
+            candidates.append((_load_score(load), alpha, group, first, load))
+    if promotions:
+        group, first, load = _malleable(g_min, sizes, prices, ranks)
+        candidates.append((_load_score(load), float("nan"), group, first, load))
+    candidates.sort(key=lambda c: c[0])
+    best: DynamicCPPlan | None = None
+    tried: set[bytes] = set()
+    for _, alpha, group, first, load in candidates:
+        key = group.tobytes() + first.tobytes()
+        if key in tried:
+            continue
+        tried.add(key)
+        group, first = group.copy(), first.copy()
+        if promotions:
+            _refine(prices, g_min, group, first, load.copy(), promotions)
+        bins = _bins(d, group, first, max_tokens_per_rank)
+        plan: DynamicCPPlan | None = _build(d, bins, ranks, costs, prices, ideal, alpha)
+        if max_micro_batches is not None and plan is not None and plan.steps > max_micro_batches:
+            plan = _within_count(d, bins, plan, g_min, ranks, max_tokens_per_rank, costs, prices, ideal,
+                                 int(max_micro_batches), fixed)
+        if plan is not None and (best is None or _score(plan) < _score(best)):
+            best = plan
+        if len(tried) >= _FINALISTS:
+            break
+    if best is None:  # no candidate could be brought within the count: the densest packing
+        best = _dense_plan(d, g_min, ranks, max_tokens_per_rank, costs, prices, ideal, int(max_micro_batches or 0))
+    assert best is not None  # _dense_plan refuses in one line instead
+    return best
+
+
+def _fixed_bins(d: np.ndarray, fixed_plan: Sequence[Sequence[Sequence[int]]], ranks: int,
+                cap: int) -> list[list[tuple[int, int, list[int]]]] | None:
+    """``fixed_plan`` checked (every document once: else ValueError) as bins per step: step k's micro-batches, DP
+    rank r's on slots ``[r cp, (r + 1) cp)``; None when one of them is over its group's memory (``cap`` a slot)."""
+    dp = len(fixed_plan)
+    cp = ranks // dp if dp else 0
+    if dp < 1 or cp * dp != ranks or cp & (cp - 1):
+        raise ValueError(f"fixed_plan has {dp} DP ranks: a pool of {ranks} slots needs a number of DP ranks that "
+                         "leaves a power-of-two CP group (ranks / DP)")
+    seen = sorted(int(i) for mbs in fixed_plan for mb in mbs for i in mb)
+    if seen != list(range(d.size)):
+        raise ValueError(f"fixed_plan must hold each of the {d.size} documents once, got {len(seen)} placements")
+    steps = max(len(mbs) for mbs in fixed_plan)
+    out: list[list[tuple[int, int, list[int]]]] = [[] for _ in range(steps)]
+    for r, mbs in enumerate(fixed_plan):
+        for k, mb in enumerate(mbs):
+            docs = [int(i) for i in mb]
+            if int(d[docs].sum()) > cp * cap:  # over the slots' memory: no plan to fall back on
+                return None
+            if docs:
+                out[k].append((cp, r * cp, docs))
+    return out
+
+
+#: placements refined and built in full (the best by their slot loads), the best built plan wins
+_FINALISTS = 3
+
+
+def _check_count(d: np.ndarray, ranks: int, cap: int, largest: int, limit: int) -> None:
+    """Refuse (one line) a micro-batch count no plan can meet: a micro-batch share holds at most ``cap`` tokens, so
+    some slot runs at least total / (ranks x cap) of them; documents over half the largest group's capacity
+    each need a micro-batch of that group to themselves, and a pool has one block of its largest size."""
+    by_tokens = -(-int(d.sum()) // (ranks * cap))
+    alone = int(np.sum(d > largest * cap // 2))
+    need = max(by_tokens, alone)
+    if need > limit:
+        why = (f"its {int(d.sum())} tokens over {ranks} ranks at {cap} tokens per rank" if by_tokens >= alone else
+               f"{alone} documents over {largest * cap // 2} tokens each need the {largest}-rank group alone")
+        raise ValueError(f"the dynamic-CP plan of this global batch needs {need} micro-batches on its busiest rank, "
+                         f"but Megatron runs {limit} per iteration (max_micro_batches={limit}; no plan does with "
+                         f"fewer: {why}); give at least {need} (raise --global-batch-size or lower "
+                         "--micro-batch-size), or fewer tokens per global batch")
+
+
+def _doc_prices(prices: dict[int, np.ndarray], group: np.ndarray) -> np.ndarray:
+    """Each document's per-rank price at its group size."""
+    out = np.empty(group.size)
+    for g, p in prices.items():
+        mask = group == g
+        out[mask] = p[mask]
+    return out
 
 
 def _groups_for(g_min: np.ndarray, sizes: list[int], prices: dict[int, np.ndarray], limit: float) -> np.ndarray:
@@ -224,114 +334,357 @@ def _groups_for(g_min: np.ndarray, sizes: list[int], prices: dict[int, np.ndarra
     return group
 
 
-def _promote(plan: DynamicCPPlan, group: np.ndarray, d: np.ndarray, cap: int, costs: dict[int, CostModel],
-             prices: dict[int, np.ndarray], largest: int, promotions: int,
-             by_price: bool) -> tuple[DynamicCPPlan, np.ndarray]:
-    """Local search: while it shortens the slowest slot (or leaves fewer slots that slow), double the group of
-    one of that slot's costliest documents (a coarse item the blocks cannot balance becomes finer shares)."""
-    for _ in range(promotions):
-        slow = int(np.argmax(plan.rank_seconds))
-        docs = [i for mb in plan.rank_micro_batches[slow] for i in mb.docs if group[i] < largest]
-        distinct = {(int(group[i]), round(float(prices[int(group[i])][i]), 9)): i for i in docs}  # alike: try one
-        for i in sorted(distinct.values(), key=lambda i: -float(prices[int(group[i])][i]))[:_PROMOTION_TRIES]:
-            trial = group.copy()
-            trial[i] *= 2
-            candidate = _place(d, trial, plan.ranks, cap, costs, prices, plan.ideal_seconds, plan.alpha, by_price)
-            if _score(candidate) < _score(plan):
-                plan, group = candidate, trial
+class _Slots:
+    """Slot loads during a placement: a numpy array (blocks' busiest slot) and a lazy min-heap of single slots,
+    so that a document on one rank is placed in O(log ranks)."""
+
+    def __init__(self, ranks: int) -> None:
+        self.load = np.zeros(ranks)
+        self.heap = [(0.0, j) for j in range(ranks)]
+        self.top = 0.0
+
+    def least(self) -> tuple[int, float]:
+        while True:
+            value, j = self.heap[0]
+            if value == self.load[j]:
+                return j, value
+            heapq.heappop(self.heap)  # stale: ``add`` pushed the slot's current load
+
+    def best_block(self, g: int) -> tuple[int, float]:
+        """The aligned block of ``g`` slots whose busiest slot is least loaded: (its first slot, that load)."""
+        if g == 1:
+            return self.least()
+        n = self.load.size // g
+        blocks = self.load[: n * g].reshape(n, g).max(axis=1)
+        b = int(np.argmin(blocks))
+        return b * g, float(blocks[b])
+
+    def add(self, first: int, g: int, seconds: float) -> None:
+        if g == 1:
+            value = float(self.load[first]) + seconds
+            self.load[first] = value
+            heapq.heappush(self.heap, (value, first))
+            self.top = max(self.top, value)
+            return
+        self.load[first:first + g] += seconds
+        for j in range(first, first + g):
+            heapq.heappush(self.heap, (float(self.load[j]), j))
+        self.top = max(self.top, float(self.load[first:first + g].max()))
+
+
+def _lpt(price: np.ndarray, group: np.ndarray, ranks: int, order: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Step 3 of the module doc: each document in ``order`` on the aligned block of its size whose busiest slot
+    is least loaded. Returns (each document's first slot, the slot loads)."""
+    slots = _Slots(ranks)
+    first = np.zeros(group.size, dtype=np.int64)
+    for i in order.tolist():
+        g = int(group[i])
+        lead, _ = slots.best_block(g)
+        slots.add(lead, g, float(price[i]))
+        first[i] = lead
+    return first, slots.load
+
+
+def _malleable(g_min: np.ndarray, sizes: list[int], prices: dict[int, np.ndarray],
+               ranks: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Group sizes chosen during the placement: documents in decreasing per-rank price at their smallest group,
+    each at the (size, block) that least raises a lower bound on the final slowest slot: the larger of the
+    block's busiest slot after it and the batch's rank-seconds over the ranks so far (documents placed at their
+    sizes, the rest at their smallest); ties go to the least rank-seconds. A document whose smallest group stays
+    under that bound keeps it, so only the coarse items that would stick out are spread wider."""
+    n = g_min.size
+    at_min = _doc_prices(prices, g_min)
+    remaining = float((at_min * g_min).sum())
+    committed = 0.0
+    slots = _Slots(ranks)
+    group = g_min.copy()
+    first = np.zeros(n, dtype=np.int64)
+    for i in np.argsort(-at_min, kind="stable").tolist():
+        g0 = int(g_min[i])
+        remaining -= float(at_min[i]) * g0
+        best: tuple[float, float, int, int] | None = None
+        for g in sizes:
+            if g < g0:
+                continue
+            p = float(prices[g][i])
+            lead, busiest = slots.best_block(g)
+            area = (committed + remaining + p * g) / ranks
+            floor = max(slots.top, area)
+            key = (max(busiest + p, floor), p * g, lead, g)
+            if best is None or key[:2] < best[:2]:
+                best = key
+            if busiest + p <= floor:  # a wider group only adds rank-seconds
                 break
-        else:
-            break
-    return plan, group
+        assert best is not None
+        _, w, lead, g = best
+        slots.add(lead, g, w / g)
+        committed += w
+        group[i], first[i] = g, lead
+    return group, first, slots.load
 
 
 def _score(plan: DynamicCPPlan) -> tuple[float, int]:
-    """What the local search lowers: the slowest slot's seconds, then how many slots take (about) that long."""
-    top = plan.slowest_seconds
-    return round(top, 12), int(np.sum(plan.rank_seconds >= top * (1 - 1e-9)))
-
-
-def _place(d: np.ndarray, group: np.ndarray, ranks: int, cap: int, costs: dict[int, CostModel],
-           prices: dict[int, np.ndarray], ideal: float, alpha: float, by_price: bool = True,
-           refine: int = 0) -> DynamicCPPlan:
-    """Steps 3 and 4 of the module doc for the documents' group sizes ``group``: placed costliest first
-    (``by_price``) or larger groups first, then costliest; then up to ``refine`` moves or swaps (``_refine``)."""
-    price = np.array([prices[int(g)][i] for i, g in enumerate(group)]) if d.size else np.zeros(0)
-    load = np.zeros(ranks)
-    first = np.zeros(d.size, dtype=np.int64)
-    for i in (np.argsort(-price, kind="stable") if by_price else np.lexsort((-price, -group))):
-        g = int(group[i])
-        blocks = load[: ranks // g * g].reshape(-1, g).max(axis=1)
-        b = int(np.argmin(blocks))
-        load[b * g:(b + 1) * g] += price[i]
-        first[i] = b * g
-    if refine:
-        _refine(price, group, first, load, refine)
-    placed: dict[tuple[int, int], list[int]] = {}  # (group size, first rank) -> documents
-    for i in range(d.size):
-        placed.setdefault((int(group[i]), int(first[i])), []).append(i)
-    rank_mbs: list[list[GroupMicroBatch]] = [[] for _ in range(ranks)]
-    for (g, lead), docs in sorted(placed.items(), key=lambda kv: (-kv[0][0], kv[0][1])):
-        over = _overhead(costs[g])
-        for bin_docs in _first_fit(docs, d, g * cap):
-            mb = GroupMicroBatch(lead, g, tuple(bin_docs), int(d[bin_docs].sum()),
-                                 float(price[bin_docs].sum()) + over)
-            for j in range(lead, lead + g):
-                rank_mbs[j].append(mb)
-    seconds = np.array([sum(mb.seconds for mb in mbs) for mbs in rank_mbs])
-    return DynamicCPPlan(ranks, tuple(tuple(m) for m in rank_mbs), seconds, ideal, alpha)
+    """What the search lowers: the slowest slot's seconds, then how many slots take (about) that long."""
+    return _load_score(plan.rank_seconds)
 
 
 def _load_score(load: np.ndarray) -> tuple[float, int]:
-    top = float(load.max())
+    top = float(load.max()) if load.size else 0.0
     return round(top, 12), int(np.sum(load >= top * (1 - 1e-9)))
 
 
-def _refine(price: np.ndarray, group: np.ndarray, first: np.ndarray, load: np.ndarray, rounds: int) -> None:
-    """Local search on a placement (in place): move a document of the slowest slot to another block of its size,
-    or swap it with a cheaper document of the same size elsewhere, while that lowers the slowest slot (or the
-    number of slots that slow)."""
+def _refine(prices: dict[int, np.ndarray], g_min: np.ndarray, group: np.ndarray, first: np.ndarray,
+            load: np.ndarray, rounds: int) -> None:
+    """Local search on a placement (in place): move a document of the slowest slot to another block of any size
+    its tokens fit (its price at that size), or swap it with a cheaper document of its size elsewhere, while that
+    lowers the slowest slot (or the number of slots that slow)."""
     ranks = load.size
+    price = _doc_prices(prices, group)
+    sizes = sorted(prices)
     for _ in range(rounds):
         slow = int(np.argmax(load))
         score = _load_score(load)
         on_slow = np.flatnonzero((first <= slow) & (slow < first + group))
         done = False
-        for i in on_slow[np.argsort(-price[on_slow], kind="stable")][:_REFINE_TRIES]:
+        for i in on_slow[np.argsort(-price[on_slow], kind="stable")][:_REFINE_TRIES].tolist():
             g, b0, p = int(group[i]), int(first[i]), float(price[i])
-            nb = ranks // g
             rest = load.copy()
             rest[b0:b0 + g] -= p
-            block_max = rest[:nb * g].reshape(nb, g).max(axis=1)
-            moves = np.maximum(block_max + p, rest.max())
-            moves[b0 // g] = np.inf
-            same = np.flatnonzero((group == g) & (first != b0) & (price < p))
-            swaps = np.maximum(block_max[first[same] // g] + p - price[same], block_max[b0 // g] + price[same])
-            for kind, values in (("move", moves), ("swap", swaps)):
-                if values.size == 0:
+            top_rest = float(rest.max())
+            best: tuple[float, int, int] | None = None  # (slowest after, size, first slot)
+            for h in sizes:
+                if h < g_min[i]:
                     continue
-                k = int(np.argmin(values))
-                trial = load.copy()
-                trial[b0:b0 + g] -= p
-                if kind == "move":
-                    trial[k * g:(k + 1) * g] += p
-                else:
-                    j = int(same[k])
-                    bj = int(first[j])
-                    trial[bj:bj + g] += p - price[j]
-                    trial[b0:b0 + g] += price[j]
+                nb = ranks // h
+                block_max = rest[:nb * h].reshape(nb, h).max(axis=1)
+                after = np.maximum(block_max + prices[h][i], top_rest)
+                if h == g:
+                    after[b0 // g] = np.inf
+                k = int(np.argmin(after))
+                if best is None or after[k] < best[0]:
+                    best = (float(after[k]), h, k * h)
+            trial = load.copy()
+            trial[b0:b0 + g] -= p
+            if best is not None:
+                _, h, lead = best
+                trial[lead:lead + h] += prices[h][i]
                 if _load_score(trial) < score:
-                    if kind == "move":
-                        first[i] = k * g
-                    else:
-                        first[i], first[j] = bj, b0
+                    group[i], first[i], price[i] = h, lead, prices[h][i]
                     load[:] = trial
                     done = True
                     break
-            if done:
-                break
+            nb = ranks // g
+            same = np.flatnonzero((group == g) & (first != b0) & (price < p))
+            if same.size:
+                rest_max = rest[:nb * g].reshape(nb, g).max(axis=1)
+                swaps = np.maximum(rest_max[first[same] // g] + p - price[same], rest_max[b0 // g] + price[same])
+                j = int(same[int(np.argmin(swaps))])
+                bj = int(first[j])
+                trial = load.copy()
+                trial[bj:bj + g] += p - price[j]
+                trial[b0:b0 + g] += price[j] - p
+                if _load_score(trial) < score:
+                    first[i], first[j] = bj, b0
+                    load[:] = trial
+                    done = True
+                    break
         if not done:
             return
+
+
+def _bins(d: np.ndarray, group: np.ndarray, first: np.ndarray, cap: int) -> list[tuple[int, int, list[int]]]:
+    """Step 4: per block and size, the documents packed first-fit decreasing into micro-batches under the cap:
+    ``(size, first slot, documents)``."""
+    placed: dict[tuple[int, int], list[int]] = {}
+    for i, (g, lead) in enumerate(zip(group.tolist(), first.tolist(), strict=True)):
+        placed.setdefault((g, lead), []).append(i)
+    return [(g, lead, docs) for (g, lead), ds in placed.items() for docs in _first_fit(ds, d, g * cap)]
+
+
+def _build(d: np.ndarray, bins: list[tuple[int, int, list[int]]], ranks: int, costs: dict[int, CostModel],
+           prices: dict[int, np.ndarray], ideal: float, alpha: float) -> DynamicCPPlan:
+    """The plan of ``bins``: every slot runs its micro-batches larger groups first, then by block, then in the
+    given order (so a group's micro-batch sits at the same index on every member)."""
+    rank_mbs: list[list[GroupMicroBatch]] = [[] for _ in range(ranks)]
+    order = sorted(range(len(bins)), key=lambda k: (-bins[k][0], bins[k][1], k))
+    for k in order:
+        g, lead, docs = bins[k]
+        docs = sorted(docs, key=lambda i: -int(d[i]))
+        mb = GroupMicroBatch(lead, g, tuple(docs), int(d[docs].sum()),
+                             float(prices[g][docs].sum()) + _overhead(costs[g]))
+        for j in range(lead, lead + g):
+            rank_mbs[j].append(mb)
+    seconds = np.array([sum(mb.seconds for mb in mbs) for mbs in rank_mbs])
+    return DynamicCPPlan(ranks, tuple(tuple(m) for m in rank_mbs), seconds, ideal, alpha)
+
+
+def _within_count(d: np.ndarray, bins: list[tuple[int, int, list[int]]], plan: DynamicCPPlan, g_min: np.ndarray,
+                  ranks: int, cap: int, costs: dict[int, CostModel], prices: dict[int, np.ndarray], ideal: float,
+                  limit: int, fixed: list[list[tuple[int, int, list[int]]]] | None = None) -> DynamicCPPlan | None:
+    """``plan`` brought within ``limit`` micro-batches per slot, or None: while a slot runs more, one of its
+    micro-batches (fewest tokens first) is dissolved, each of its documents (largest first) moved to where it
+    least raises the busiest slot of its new block: an existing micro-batch with room (any group size its tokens
+    fit) or a new one on a block whose slots all have a step to spare; else the densest plan (``_dense_plan``)
+    when it fits, or the packer's ``fixed`` plan (its micro-batches split into halves where they fit). The best by
+    the slowest slot."""
+    mbs: list[list[Any]] = [[g, lead, list(docs), int(d[docs].sum())] for g, lead, docs in bins]
+    load = plan.rank_seconds.copy()
+    count = np.array([len(m) for m in plan.rank_micro_batches])
+    for _ in range(4 * len(mbs) + 4):
+        if int(count.max()) <= limit:
+            break
+        slot = int(np.argmax(count))
+        mine = sorted((k for k, m in enumerate(mbs) if m[2] and m[1] <= slot < m[1] + m[0]),
+                      key=lambda k: mbs[k][3])
+        for k in mine:
+            moved = _dissolve(k, mbs, load, count, d, g_min, ranks, cap, costs, prices, limit, slot)
+            if moved is not None:
+                mbs, load, count = moved
+                break
+        else:
+            break
+    repaired = None
+    if int(count.max()) <= limit:
+        kept = [(g, lead, docs) for g, lead, docs, _ in mbs if docs]
+        repaired = _build(d, kept, ranks, costs, prices, ideal, plan.alpha)
+    dense = _dense_plan(d, g_min, ranks, cap, costs, prices, ideal, limit, refuse=False)
+    options = [p for p in (repaired, dense) if p is not None]
+    if fixed is not None and len(fixed) <= limit:  # as the packer placed it, and with its groups split in halves
+        whole = [b for step in fixed for b in step]
+        split = [h for size, first, docs in whole for h in _halves(d, g_min, docs, first, size, cap, prices)]
+        options += [_build(d, whole, ranks, costs, prices, ideal, float("nan")),
+                    _build(d, split, ranks, costs, prices, ideal, float("nan"))]
+    return min(options, key=_score) if options else None
+
+
+def _dissolve(k: int, mbs: list, load: np.ndarray, count: np.ndarray, d: np.ndarray, g_min: np.ndarray, ranks: int,
+              cap: int, costs: dict[int, CostModel], prices: dict[int, np.ndarray], limit: int,
+              slot: int) -> tuple[list, np.ndarray, np.ndarray] | None:
+    """Micro-batch ``k`` emptied into others (see ``_within_count``); None when a document finds no room."""
+    mbs = [list(m[:2]) + [list(m[2]), m[3]] for m in mbs]
+    load, count = load.copy(), count.copy()
+    g, lead, docs, _ = mbs[k]
+    load[lead:lead + g] -= float(prices[g][docs].sum()) + _overhead(costs[g])
+    count[lead:lead + g] -= 1
+    mbs[k][2], mbs[k][3] = [], 0
+    for i in sorted(docs, key=lambda i: -int(d[i])):
+        n = int(d[i])
+        best: tuple[float, int, int, int] | None = None  # (busiest after, micro-batch or -1, size, first slot)
+        for t, (h, first, held, tokens) in enumerate(mbs):
+            if held and h >= g_min[i] and tokens + n <= h * cap:
+                after = float(load[first:first + h].max()) + float(prices[h][i])
+                if best is None or after < best[0]:
+                    best = (after, t, h, first)
+        h = int(g_min[i])
+        while h <= ranks:  # aligned blocks of every size from the document's smallest
+            nb = ranks // h
+            spare = count[:nb * h].reshape(nb, h).max(axis=1) < limit
+            if slot // h < nb:
+                spare[slot // h] = False  # a block holding the crowded slot gains it nothing
+            if spare.any():
+                block_max = load[:nb * h].reshape(nb, h).max(axis=1) + float(prices[h][i]) + _overhead(costs[h])
+                block_max[~spare] = np.inf
+                b = int(np.argmin(block_max))
+                if best is None or block_max[b] < best[0]:
+                    best = (float(block_max[b]), -1, h, b * h)
+            h *= 2
+        if best is None:
+            return None
+        _, t, h, first = best
+        if t < 0:
+            mbs.append([h, first, [i], n])
+            load[first:first + h] += _overhead(costs[h])
+            count[first:first + h] += 1
+        else:
+            mbs[t][2].append(i)
+            mbs[t][3] += n
+        load[first:first + h] += float(prices[h][i])
+    return mbs, load, count
+
+
+def _dense_plan(d: np.ndarray, g_min: np.ndarray, ranks: int, cap: int, costs: dict[int, CostModel],
+                prices: dict[int, np.ndarray], ideal: float, limit: int, refuse: bool = True) -> DynamicCPPlan | None:
+    """The densest plan: ``limit`` steps, each the pool's largest aligned blocks (a power-of-two pool: the whole
+    pool), the documents packed first-fit decreasing by tokens into those steps' blocks, then each block's
+    micro-batch split in two aligned halves (balanced by price) while its documents fit the halves, so less is
+    communicated. Any plan within ``limit`` micro-batches per slot has, step by step, disjoint aligned blocks, so
+    their union fits one such step. None (or, with ``refuse``, a one-line ValueError) when the packing fails."""
+    blocks: list[tuple[int, int]] = []  # (first slot, size): the binary decomposition of the pool
+    lead, rest = 0, ranks
+    while rest:
+        size = 1 << (rest.bit_length() - 1)
+        blocks.append((lead, size))
+        lead, rest = lead + size, rest - size
+    slots = [(step, first, size) for step in range(limit) for first, size in blocks]
+    held: list[list[int]] = [[] for _ in slots]
+    room = [size * cap for _, _, size in slots]
+    for i in sorted(range(d.size), key=lambda i: -int(d[i])):
+        n = int(d[i])
+        for s, (_, _, size) in enumerate(slots):
+            if size >= g_min[i] and n <= room[s]:
+                held[s].append(i)
+                room[s] -= n
+                break
+        else:
+            worst = max(1, _fewest_steps(d, g_min, blocks, cap))
+            if refuse:
+                raise ValueError(f"the dynamic-CP plan of this global batch needs {worst} micro-batches on its "
+                                 f"busiest rank, but Megatron runs {limit} per iteration (max_micro_batches={limit}; "
+                                 f"the densest packing found at {cap} tokens per rank); give at least {worst} (raise "
+                                 "--global-batch-size or lower --micro-batch-size)")
+            return None
+    bins: list[tuple[int, int, list[int]]] = []
+    for (_, first, size), docs in zip(slots, held, strict=True):
+        if docs:
+            bins += _halves(d, g_min, docs, first, size, cap, prices)
+    plan = _build(d, bins, ranks, costs, prices, ideal, float("nan"))
+    return plan
+
+
+def _fewest_steps(d: np.ndarray, g_min: np.ndarray, blocks: list[tuple[int, int]], cap: int) -> int:
+    """The steps ``_dense_plan``'s packing needs (no limit)."""
+    steps = 1
+    while True:
+        room = [size * cap for _ in range(steps) for _, size in blocks]
+        sizes = [size for _ in range(steps) for _, size in blocks]
+        ok = True
+        for i in sorted(range(d.size), key=lambda i: -int(d[i])):
+            for s in range(len(room)):
+                if sizes[s] >= g_min[i] and d[i] <= room[s]:
+                    room[s] -= int(d[i])
+                    break
+            else:
+                ok = False
+                break
+        if ok:
+            return steps
+        steps += 1
+
+
+def _halves(d: np.ndarray, g_min: np.ndarray, docs: list[int], first: int, size: int, cap: int,
+            prices: dict[int, np.ndarray]) -> list[tuple[int, int, list[int]]]:
+    """One step's block split recursively into aligned halves while every document fits a half (tokens and
+    memory), the halves balanced by price at half the size (largest first to the less loaded half)."""
+    half = size // 2
+    if size == 1 or any(int(g_min[i]) > half for i in docs):
+        return [(size, first, docs)]
+    parts: list[list[int]] = [[], []]
+    tokens, seconds = [0, 0], [0.0, 0.0]
+    for i in sorted(docs, key=lambda i: -float(prices[half][i])):
+        order = sorted((0, 1), key=lambda k: seconds[k])
+        for k in order:
+            if tokens[k] + int(d[i]) <= half * cap:
+                parts[k].append(i)
+                tokens[k] += int(d[i])
+                seconds[k] += float(prices[half][i])
+                break
+        else:
+            return [(size, first, docs)]
+    out: list[tuple[int, int, list[int]]] = []
+    for k in (0, 1):
+        if parts[k]:
+            out += _halves(d, g_min, parts[k], first + k * half, half, cap, prices)
+    return out
 
 
 def _first_fit(docs: list[int], lengths: np.ndarray, capacity: int) -> list[list[int]]:

@@ -15,7 +15,7 @@ token once, as with a fixed CP group.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,8 +24,8 @@ from megatron_wlb.costmodel import CostModel
 from megatron_wlb.cp.dynamic import DynamicCPPlan, GroupMicroBatch, group_cost_models, plan_dynamic_cp
 from megatron_wlb.cp.plan import CPSharding, Packed, RankMicroBatch, micro_batch_lengths, rank_batch
 
-__all__ = ["DYNAMIC_LAYOUT", "DynamicPool", "aligned_blocks", "slot_step", "slot_step_seconds", "slot_steps",
-           "step_batch"]
+__all__ = ["DYNAMIC_LAYOUT", "DynamicPool", "aligned_blocks", "packer_placement", "slot_step", "slot_step_seconds",
+           "slot_steps", "step_batch"]
 
 #: how a group's micro-batch is cut over its ranks (head-tail per document: balanced causal attention)
 DYNAMIC_LAYOUT = "per-document"
@@ -96,11 +96,31 @@ class DynamicPool:
         if not 0 <= self.slot < self.slots:
             raise ValueError(f"slot {self.slot} is outside the pool of {self.slots} slots")
 
-    def plan(self, lengths: np.ndarray, cost: CostModel | None = None) -> DynamicCPPlan:
-        """The dynamic-CP plan of one global batch's pieces (the same on every rank), priced by ``cost`` (the
-        packer's, which an online refit replaces and a resumed packer restores) or else the pool's."""
+    def plan(self, micro_batch_lengths: Sequence[Sequence[int] | np.ndarray], n: int, cost: CostModel | None = None
+             ) -> DynamicCPPlan:
+        """The dynamic-CP plan of one packed global batch (the same on every rank): ``micro_batch_lengths`` its
+        micro-batches' piece lengths as packed (DP rank r's micro-batch k at ``r n + k``), ``n`` Megatron's
+        micro-batches per iteration (no slot gets more); priced by ``cost`` (the packer's, which an online refit
+        replaces and a resumed packer restores) or else the pool's. The planner's pieces are the micro-batches'
+        in order."""
+        lengths, placement = packer_placement(micro_batch_lengths, n)
         return plan_dynamic_cp(lengths, self.slots, self.max_tokens_per_rank,
-                               group_cost_models(self.cost if cost is None else cost, self.slots))
+                               group_cost_models(self.cost if cost is None else cost, self.slots),
+                               max_micro_batches=n, fixed_plan=placement)
+
+
+def packer_placement(micro_batch_lengths: Sequence[Sequence[int] | np.ndarray], n: int
+                     ) -> tuple[np.ndarray, list[list[list[int]]]]:
+    """A packed global batch as the planner takes it: every piece's length in order, and the packer's own
+    placement (``plan_dynamic_cp``'s ``fixed_plan``: DP rank r's micro-batch k, micro-batch ``r n + k``, as the
+    indices of its pieces), a plan within Megatron's count to fall back on."""
+    counts = [len(mb) for mb in micro_batch_lengths]
+    if n < 1 or len(counts) % n:
+        raise ValueError(f"{len(counts)} micro-batches are not DP ranks x n = {n} micro-batches each")
+    starts = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
+    placement = [[list(range(int(starts[r * n + k]), int(starts[r * n + k + 1]))) for k in range(n)]
+                 for r in range(len(counts) // n)]
+    return np.asarray([x for mb in micro_batch_lengths for x in mb], dtype=np.int64), placement
 
 
 def slot_steps(plan: DynamicCPPlan, slot: int, steps: int) -> tuple[GroupMicroBatch | None, ...]:

@@ -180,10 +180,10 @@ class WlbDataIterator(Iterator[RankMicroBatch]):
         self._mine = batch.micro_batches[self.dp_rank * self.n:(self.dp_rank + 1) * self.n]
         plan = None
         if self.dynamic is not None:  # the whole global batch's pieces over the pool, this slot's steps
-            pieces = [p for mb in batch.micro_batches for p in mb.pieces]
-            plan = self.dynamic.plan(np.array([p.length for p in pieces], dtype=np.int64),
-                                     self.packer.cost)  # the packer's model: an online refit included
+            pieces = [p for mb in batch.micro_batches for p in mb.pieces]  # the planner's order
             try:
+                plan = self.dynamic.plan([mb.lengths for mb in batch.micro_batches], self.n,
+                                         self.packer.cost)  # the packer's model: an online refit included
                 self._steps = slot_steps(plan, self.dynamic.slot, self.n)
             except ValueError as exc:  # every rank plans alike: each stops here, in one line
                 raise RunRefusal(f"megatron_wlb: iteration {batch.iteration}: {exc}") from None

@@ -33,7 +33,7 @@ import numpy as np
 
 from megatron_wlb.config import RunConfig
 from megatron_wlb.costmodel import CostModel
-from megatron_wlb.cp.dynamic import DYNAMIC_SHARDING, group_cost_models, memory_bound, plan_dynamic_cp
+from megatron_wlb.cp.dynamic import DYNAMIC_SHARDING, group_cost_models, lower_bound, plan_dynamic_cp
 from megatron_wlb.cp.efficiency import KernelEfficiency
 from megatron_wlb.cp.layouts import attention_work, build_layout
 from megatron_wlb.packing import make_packer
@@ -104,7 +104,7 @@ def dynamic_cp_layout(lengths: np.ndarray, cp: int, cost: CostModel,
 class DynamicIteration:
     """One iteration under ``--wlb-cp-sharding dynamic``: seconds of all layers (forward + backward) on the
     slowest DP x CP rank, the ideal (the documents' compute at CP 1 spread evenly, no communication), the
-    memory-forced bound (``cp.dynamic.memory_bound``), ``fixed``: the same documents as the packer placed them,
+    lower bound of any plan (``cp.dynamic.lower_bound``), ``fixed``: the same documents as the packer placed them,
     each DP rank's micro-batches on its fixed CP group, priced alike (PP 1: a rank's time is the sum), tokens,
     micro-batch steps, micro-batches per group size, and the planner's wall time."""
 
@@ -148,7 +148,7 @@ def simulate_dynamic_stream(config: RunConfig, cost: CostModel, packer: str, len
         took = time.perf_counter() - t0
         sizes = Counter(mb.size for mb in plan.micro_batches)
         out.append(DynamicIteration(batch.iteration, layers * plan.slowest_seconds, layers * plan.ideal_seconds,
-                                    layers * memory_bound(docs, ranks, per_rank, costs), layers * fixed,
+                                    layers * lower_bound(docs, ranks, per_rank, costs), layers * fixed,
                                     int(docs.sum()),
                                     plan.steps, dict(sorted(sizes.items())), took))
         if len(out) >= iterations:
