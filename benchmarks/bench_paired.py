@@ -61,6 +61,7 @@ Writes benchmarks/results/paired.{json,md}; ``--page`` also writes the results p
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -418,8 +419,11 @@ def analyse(c: Comparison, out: Path, profile: Path) -> dict[str, Any]:
     trace = read_trace(out / "trace.jsonl")
     cost = CalibratedCostModel.from_json(profile, ModelShape(**trace.headers[0]["model"]), ParallelLayout())
     by_step: dict[int, list[Any]] = defaultdict(list)
+    # the pool's slots are Megatron's DP x CP ranks: a dynamic-CP micro-batch row's cp is the rank's place in its
+    # group, so the pool comparisons read each rank's Megatron CP rank from its iteration rows, which keep it
+    megatron_cp = {r.rank: r.cp for r in trace.iterations}
     for r in trace.micro_batches:
-        by_step[r.iteration].append(r)
+        by_step[r.iteration].append(dataclasses.replace(r, cp=megatron_cp[r.rank]) if c.pool else r)
     pp = int(c.layout.get("PP", "1"))
     dp, cp = int(c.layout.get("DP", "1")), int(c.layout.get("CP", "1"))
     shape = ModelShape(**trace.headers[0]["model"])
