@@ -46,7 +46,8 @@ setup(
         "megatron": ["torch>=2.4", "megatron-core>=0.16,<0.20,!=0.17.*,!=0.18.*", "triton", "pybind11", "psutil",
                      *REQUIREMENTS["MEGATRON"]],
         # tokenizers + transformers: the docs' offline tokenizer recipe (scripts/train_tokenizer.py), tested
-        "test": ["pytest>=7", "pytest-xdist>=3", "hypothesis>=6", "ruff>=0.5", "mypy>=1.10", "tokenizers", "transformers"],
+        "test": ["pytest>=7", "pytest-xdist>=3", "hypothesis>=6", "ruff>=0.5", "mypy>=1.10", "tokenizers",
+                 "transformers"],
     },
     entry_points={"console_scripts": ["wlb=megatron_wlb.cli.main:main"]},
     classifiers=["Programming Language :: Python :: 3"],

@@ -242,15 +242,22 @@ def middle_mean(samples: list[float]) -> float:
     return float(x[lo:x.size - lo].mean())
 
 
+def cpu_clock(device: Any, threads: int | None) -> Callable[[], float]:
+    """The calibration's clock: on a CPU with one torch thread the calling thread does all the work, so its CPU
+    time (``time.thread_time``) is the op's time without the waits a shared machine adds; else wall time."""
+    return time.thread_time if device.type == "cpu" and threads == 1 else time.perf_counter
+
+
 class Timer:
-    """Seconds of a callable (``middle_mean`` of its samples): CUDA events on a GPU, perf_counter on the CPU.
+    """Seconds of a callable (``middle_mean`` of its samples): ``clock`` around it, after a device sync
+    (perf_counter; on a CPU with one torch thread ``time.thread_time``, see ``cpu_clock``).
     With ``min_seconds``, short calls are repeated past ``iters`` (up to ``max_iters``) until that much
     was timed, so that a millisecond call is not at the mercy of a few samples on a shared CPU."""
 
     def __init__(self, torch: Any, device: Any, warmup: int, iters: int, min_seconds: float = 0.0,
-                 max_iters: int = 50):
+                 max_iters: int = 50, clock: Callable[[], float] = time.perf_counter):
         self.torch, self.device, self.warmup, self.iters = torch, device, warmup, iters
-        self.min_seconds, self.max_iters = min_seconds, max(iters, max_iters)
+        self.min_seconds, self.max_iters, self.clock = min_seconds, max(iters, max_iters), clock
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -263,11 +270,11 @@ class Timer:
         while len(samples) < self.iters or (sum(samples) < self.min_seconds and len(samples) < self.max_iters):
             state = setup()
             self._sync()
-            t0 = time.perf_counter()
+            t0 = self.clock()
             timed(state)
             self._sync()
             if i >= self.warmup:
-                samples.append(time.perf_counter() - t0)
+                samples.append(self.clock() - t0)
             i += 1
         return middle_mean(samples)
 
@@ -688,7 +695,8 @@ def run(args: argparse.Namespace) -> int:
     if plan.threads is not None:
         torch.set_num_threads(plan.threads)
     torch.manual_seed(args.seed)
-    timer = Timer(torch, plan.device, plan.warmup, plan.iters, plan.min_seconds)
+    clock = cpu_clock(plan.device, plan.threads)
+    timer = Timer(torch, plan.device, plan.warmup, plan.iters, plan.min_seconds, clock=clock)
     layer = Layer(torch, plan.model, plan.tp, plan.dtype, plan.device, plan.backend, plan.ep)
     start = time.perf_counter()
     profile: dict[str, Any] = {
@@ -696,7 +704,8 @@ def run(args: argparse.Namespace) -> int:
         "attention": measure_attention(torch, timer, plan.model, plan.tp, plan.lengths, plan.dtype, plan.backend, log),
         "linear": measure_linear(torch, timer, layer, plan.tokens, plan.dtype, log),
         "source": f"wlb calibrate{' --smoke' if args.smoke else ''} torch={torch.__version__} dtype={plan.dtype} "
-                  f"warmup={plan.warmup} iters={plan.iters} min_seconds={plan.min_seconds} threads={plan.threads}"
+                  f"warmup={plan.warmup} iters={plan.iters} min_seconds={plan.min_seconds} threads={plan.threads} "
+                  f"clock={'thread' if clock is time.thread_time else 'wall'}"
                   + "".join(f"; {n}" for n in plan.notes),
     }
     docs = composite_micro_batches(plan.holdout, plan.holdout_tokens, plan.lengths[-1], args.seed, plan.tokens[0])
