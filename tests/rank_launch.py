@@ -10,6 +10,7 @@ then SIGKILL), as torchrun's agent does, and the world's exit code is 1. Used by
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -44,10 +45,8 @@ def _stop(procs: list[subprocess.Popen], grace_s: float = 5.0) -> None:
     for sig in (signal.SIGTERM, signal.SIGKILL):
         running = [p for p in procs if p.poll() is None]
         for p in running:
-            try:
+            with contextlib.suppress(ProcessLookupError):  # it ended between poll() and the signal
                 os.killpg(p.pid, sig)
-            except ProcessLookupError:
-                pass
         deadline = time.monotonic() + grace_s
         while any(p.poll() is None for p in running) and time.monotonic() < deadline:
             time.sleep(0.05)
