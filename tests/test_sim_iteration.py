@@ -17,7 +17,8 @@ from megatron_wlb.sim.iteration import IterationSimulator, split_documents, stag
 def balanced(name, lengths, cp, cost):
     """A synthetic CP layout: attention and tokens shared exactly evenly."""
     w = float(np.sum(cost.attention_run(lengths, lengths))) / cp
-    return SimpleNamespace(name="even", rank_work=np.full(cp, w), rank_tokens=np.full(cp, lengths.sum() / cp))
+    return SimpleNamespace(name="even", rank_work=np.full(cp, w), rank_tokens=np.full(cp, lengths.sum() / cp),
+                           rank_pairs=np.full(cp, float((lengths * (lengths + 1) / 2).sum()) / cp))
 
 
 def skewed(name, lengths, cp, cost):
@@ -25,7 +26,8 @@ def skewed(name, lengths, cp, cost):
     w = float(np.sum(cost.attention_run(lengths, lengths))) / cp
     work = np.full(cp, w)
     work[0] *= 1.5
-    return SimpleNamespace(name="skewed", rank_work=work, rank_tokens=np.full(cp, lengths.sum() / cp))
+    return SimpleNamespace(name="skewed", rank_work=work, rank_tokens=np.full(cp, lengths.sum() / cp),
+                           rank_pairs=np.full(cp, float((lengths * (lengths + 1) / 2).sum()) / cp))
 
 
 def small_config(pp=4, dp=1, cp=2, tp=2, n=4, seq_len=8192, virtual=1):
@@ -64,8 +66,10 @@ def test_microbatch_cost_matches_cost_model_by_hand():
     tok = lengths.sum() / 2
     comm = float(cost.tp_comm(tok)) + float(cost.cp_comm(lengths.sum()))
     fwd = w + float(cost.linear_compute(tok)) + comm + cost.microbatch_overhead
-    bwd = cost.hardware.bwd_attention * w + cost.hardware.bwd_linear * float(cost.linear_compute(tok)) \
-        + comm + cost.hardware.bwd_linear * cost.microbatch_overhead  # the overhead scales like GEMMs
+    # the one price of a CP rank's share (packing.metrics.share_seconds): collectives and the overhead backward
+    # scale like GEMMs, as the packer prices them
+    bwd = cost.hardware.bwd_attention * w + cost.hardware.bwd_linear * (float(cost.linear_compute(tok)) + comm
+                                                                        + cost.microbatch_overhead)
     assert c.fwd == pytest.approx(fwd) and c.bwd == pytest.approx(bwd)
     assert c.layout == "skewed" and c.tokens == 8192
     assert sim.microbatch_cost(lengths) is c  # cached

@@ -62,9 +62,9 @@ from megatron_wlb.costmodel import (
     holdout_mape,
     load_profile,
 )
-from megatron_wlb.costmodel.fit import BASE_TERMS, KEEP_MARGIN, held_out_errors, select_terms
+from megatron_wlb.costmodel.fit import BASE_TERMS, KEEP_MARGIN, RATIO_RESOLUTION, held_out_errors, select_terms
 from megatron_wlb.costmodel.table import MAX_KNOTS, choose_knots
-from megatron_wlb.costmodel.trace import profile_points, read_trace, trace_packing, trace_setup
+from megatron_wlb.costmodel.trace import empty_points, profile_points, read_trace, trace_packing, trace_setup
 from megatron_wlb.cp.efficiency import EFFICIENCY_FORMAT, KernelEfficiency
 from megatron_wlb.packing.types import resolve_max_seq_len
 from megatron_wlb.provenance import machine
@@ -641,14 +641,25 @@ def fit_line(fit: ProfileFit) -> str:
 
 
 def terms_line(selection: dict[str, Any]) -> str:
-    """Which micro-batch terms the fit kept and why (``fit.select_terms``'s report), in one line."""
-    by = selection["base"]["by"]
-    steps = "; ".join(f"{', '.join(f'+{t} {m:.1%}' for t, m in step['tried'].items())} "
+    """Which micro-batch terms the fit kept and why (``fit.select_terms``'s report), in one line: per step every
+    candidate's held-out ratio error between packings and layouts (or MAPE, with one packing), and the noise floor."""
+    by, criterion = selection["base"]["by"], selection.get("criterion", "mape")
+    name = "ratio error" if criterion == "ratio_error" else "MAPE"
+
+    def of(errors: dict[str, Any]) -> float:
+        return float(errors[criterion])
+
+    steps = "; ".join(f"{', '.join(f'+{t} {of(v):.1%}' for t, v in step['tried'].items())} "
                       f"({'kept ' + step['kept'] if step['kept'] else 'none kept'})" for step in selection["steps"])
     extra = [t for t in selection["terms"] if t not in BASE_TERMS]
-    return (f"micro-batch terms: {', '.join(selection['terms'])} (held out by {by}: base terms "
-            f"{selection['base']['mape']:.1%}; {steps}; a term is kept when it lowers the held-out MAPE by >= "
-            f"{KEEP_MARGIN:.0%} of it){'' if extra else ': the price is the sum of the documents'}")
+    floor = (selection.get("noise_floor") or {}).get("mape")
+    rule = (f"a term is kept when it lowers the held-out ratio error by >= {KEEP_MARGIN:.0%} of it and by "
+            f">= {RATIO_RESOLUTION:.1%}" if criterion == "ratio_error" else
+            f"a term is kept when it lowers the held-out MAPE by >= {KEEP_MARGIN:.0%} of it")
+    return (f"micro-batch terms: {', '.join(selection['terms'])} (held out by {by}, {name}: base terms "
+            f"{of(selection['base']):.1%}; {steps or 'no candidate term varies'}; {rule}; noise floor "
+            + (f"{floor:.1%} on repeated micro-batches" if floor is not None else "unknown: no micro-batch repeats")
+            + f"){'' if extra else ': the price is the sum of the documents'}")
 
 
 def table_note(profile: dict[str, Any]) -> str:
@@ -774,21 +785,26 @@ def run_from_trace(args: argparse.Namespace, out: Path) -> int:
     named = " ".join(args.from_trace)
     setups = [trace_setup(t) for t in traces]
     for path, other in zip(args.from_trace[1:], setups[1:]):
-        if (other["model"], other["layout"]) != (setups[0]["model"], setups[0]["layout"]):
-            raise ValueError(f"--from-trace {path}: model {other['model']} / layout {other['layout']} differ from "
-                             f"{args.from_trace[0]}'s ({setups[0]['model']} / {setups[0]['layout']}): fit the "
-                             "traces of one model and layout together")
+        tp, tp0 = other["layout"].get("tp", 1), setups[0]["layout"].get("tp", 1)
+        if other["model"] != setups[0]["model"] or tp != tp0:
+            raise ValueError(f"--from-trace {path}: model {other['model']} / TP {tp} differ from "
+                             f"{args.from_trace[0]}'s ({setups[0]['model']} / TP {tp0}): fit the traces of one model "
+                             "and TP degree together (their DP, CP and PP may differ)")
     setup = setups[0]
     if not any(t.micro_batches for t in traces):
         raise ValueError(f"--from-trace {named}: no micro_batch rows (the run wrote only headers; "
                          "trace a run that gets through some iterations)")
     points: dict[str, list[Any]] = {}
-    for trace in traces:
-        mine = profile_points(trace.after_warmup(warmup).micro_batches, setup["layout"],
-                              str(trace.headers[0].get("clock", "cpu")))
+    empty: dict[str, list[float]] = {"fwd_s": [], "bwd_s": []}
+    for trace, traced in zip(traces, setups):
+        clock = str(trace.headers[0].get("clock", "cpu"))
+        rows = trace.after_warmup(warmup).micro_batches
+        mine = profile_points(rows, traced["layout"], clock)
         mine["packing"] = [trace_packing(trace)] * len(mine["fwd_s"])
         for key, values in mine.items():
             points.setdefault(key, []).extend(values)
+        for key, values in empty_points(rows, clock).items():
+            empty[key].extend(values)
     packings = sorted(set(points["packing"]))
     n = len(points["fwd_s"])
     if n < MIN_TRACE_POINTS:
@@ -802,8 +818,11 @@ def run_from_trace(args: argparse.Namespace, out: Path) -> int:
         "micro_batches": points,
         "source": f"wlb calibrate --from-trace {named} --skip-iters {warmup}: {n} rows of "
                   f"{sum(len(t.headers) for t in traces)} rank file(s) of {len(packings)} packing(s) "
-                  f"({', '.join(packings)}), layout {setup['layout']}",
+                  f"({', '.join(packings)}), layouts "
+                  f"{', '.join(sorted({str(x['layout']) for x in setups}))}",
     }
+    if empty["fwd_s"]:
+        profile["empty_micro_batches"] = empty
     mask, split = holdout_every(np.asarray(points["iteration"], dtype=np.int64), args.holdout_every)
     if (~mask).sum() < 3:
         raise ValueError(f"--from-trace {named}: holding out {split} leaves {(~mask).sum()} rows to fit; "
@@ -834,6 +853,14 @@ def run_from_trace(args: argparse.Namespace, out: Path) -> int:
     if "packings" in held:
         print("held-out MAPE per packing (each predicted by a fit of the others): "
               + ", ".join(f"{k} {v:.1%}" for k, v in held["packings"].items()))
+        biases = selection.get("biases") or {}
+        if biases:
+            print("held-out slowest-rank bias per packing (predicted over measured per iteration; a ratio of two "
+                  "packings is off by the ratio of their biases): " + ", ".join(f"{k} {v:.3f}" for k, v in
+                                                                                biases.items()))
+    if "empty_micro_batches" in profile:
+        print(f"empty micro-batches: {len(empty['fwd_s'])} measured, {fit.empty_fwd + fit.empty_bwd:.3g} s per layer "
+              "each (forward + backward, the median)")
     print("no kernel-efficiency table: a trace times whole micro-batches, not kernel shapes (wlb shard keeps "
           "its shipped table, or measure one with `wlb calibrate`)")
     print(f"use: wlb analyze --cost-profile {out} ...; Megatron: --wlb-cost-profile {out}")

@@ -20,14 +20,20 @@ from megatron_wlb.costmodel.table import check_knots, fit_table, nnls_gram, pair
 
 PROFILE_FORMAT = "megatron-wlb-profile/1"
 #: the micro-batch fit's columns: causal pairs, tokens (the LM head's at its price in layers), query runs, 1 per
-#: micro-batch, and two terms of the micro-batch as a whole (what it costs beyond the sum of its documents): its
-#: tokens squared and its tokens times its pairs
-TERMS = ("pairs", "tokens", "runs", "micro_batch", "tokens_sq", "tokens_pairs")
+#: micro-batch, two terms of the micro-batch as a whole (what it costs beyond the sum of its documents): its
+#: tokens squared and its tokens times its pairs, and two of CP communication: ``g - 1`` per micro-batch on a CP
+#: group of ``g`` ranks (a ring all-gather's steps: its latency) and the K/V tokens a rank gathers from the others,
+#: ``T (g - 1) / g`` of a micro-batch of ``T`` tokens (its bytes); both 0 on CP 1
+TERMS = ("pairs", "tokens", "runs", "micro_batch", "tokens_sq", "tokens_pairs", "cp_calls", "cp_kv")
 COLUMNS = len(TERMS)
 #: the terms every micro-batch fit keeps; the others are kept only where they lower the held-out error
 BASE_TERMS = TERMS[:4]
-#: a candidate term is kept when it lowers the held-out MAPE by at least this share of it (not noise)
+#: a candidate term is kept when it lowers the held-out ratio error (``held_out_errors``) by at least this share of it
+#: and by ``RATIO_RESOLUTION``, without raising the held-out MAPE by more than this share (not noise)
 KEEP_MARGIN = 0.05
+#: the least absolute drop of the held-out ratio error a kept term must make: 0.2% of a predicted speed-up is below
+#: what any comparison here resolves
+RATIO_RESOLUTION = 0.002
 
 
 @dataclass(frozen=True)
@@ -45,7 +51,11 @@ class ProfileFit:
     ``per_token_sq`` / ``per_token_pair``: forward seconds per squared token / per token x pair of a
     micro-batch on one GPU (its CP rank's tokens and pairs): the price of a micro-batch as a whole, beyond the
     sum of its documents (the machine pays more per token and per pair in a larger micro-batch), charged
-    backward like GEMMs; 0 unless a micro-batch fit kept the term (``terms``).
+    backward like GEMMs; 0 unless a micro-batch fit kept the term (``terms``). ``cp_call`` / ``cp_kv_token``: forward
+    seconds per all-gather step of a CP group (``g - 1`` of them per micro-batch on ``g`` ranks) and per K/V token a
+    rank gathers (``T (g - 1) / g``), charged backward like GEMMs (the terms ``cp_calls`` and ``cp_kv``).
+    ``empty_fwd`` / ``empty_bwd``: the measured seconds per layer of a micro-batch that holds nothing on this rank
+    (Megatron still runs it: a dynamic-CP slot done before its count), 0 when none was measured.
     """
 
     attn_per_pair: float
@@ -65,6 +75,10 @@ class ProfileFit:
     per_token_sq: float = 0.0
     per_token_pair: float = 0.0
     terms: tuple[str, ...] = ()
+    cp_call: float = 0.0
+    cp_kv_token: float = 0.0
+    empty_fwd: float = 0.0
+    empty_bwd: float = 0.0
 
     def __post_init__(self) -> None:
         # a checkpoint's JSON gives lists: hold tuples of floats, as a fit made here does
@@ -89,20 +103,35 @@ class ProfileFit:
         t, p = np.asarray(tokens, dtype=np.float64), np.asarray(pairs, dtype=np.float64)
         return t * (self.per_token_sq * t + self.per_token_pair * p)
 
+    def cp_cost(self, cp_calls: Counts, cp_kv: Counts) -> np.ndarray:
+        """Forward seconds per layer of a CP group's communication for one micro-batch: ``cp_calls`` all-gather
+        steps (``g - 1``) and ``cp_kv`` K/V tokens gathered from the other ranks (0 on CP 1)."""
+        return self.cp_call * np.asarray(cp_calls, dtype=np.float64) + self.cp_kv_token * np.asarray(
+            cp_kv, dtype=np.float64)
+
     def predict(self, pairs: Counts, tokens: Counts, head_tokens: Counts = 0.0, runs: Counts = 1.0,
-                table: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+                table: np.ndarray | None = None, cp_calls: Counts = 0.0, cp_kv: Counts = 0.0
+                ) -> tuple[np.ndarray, np.ndarray]:
         """(forward, backward) seconds per layer of micro-batches with these causal (query, key) pairs, query
         tokens and query runs (documents) on one GPU (``head_tokens``: tokens whose LM head the point also
-        ran, per layer). ``table``: the points' ``table.table_columns`` at this fit's ``pair_lengths``, which
-        a fit with a table needs to price pairs by their runs' lengths (without it: ``attn_per_pair``)."""
+        ran, per layer; ``cp_calls`` / ``cp_kv``: its CP group's all-gather steps and gathered tokens).
+        ``table``: the points' ``table.table_columns`` at this fit's ``pair_lengths``, which a fit with a table
+        needs to price pairs by their runs' lengths (without it: ``attn_per_pair``)."""
         p, t, h, r = (np.asarray(x, dtype=np.float64) for x in (pairs, tokens, head_tokens, runs))
         if self.pair_lengths and table is not None:
             pair_cost = np.asarray(table, dtype=np.float64) @ np.asarray(self.pair_costs)
         else:
             pair_cost = self.attn_per_pair * p
         attn = pair_cost + self.attn_per_query * t + self.attn_per_run * r
-        lin = self.linear_per_token * (t + self.head_ratio * h) + self.overhead + self.size_cost(t, p)
+        lin = (self.linear_per_token * (t + self.head_ratio * h) + self.overhead + self.size_cost(t, p)
+               + self.cp_cost(cp_calls, cp_kv))
         return attn + lin, self.bwd_attention * attn + self.bwd_linear * lin
+
+    def predict_points(self, section: dict) -> tuple[np.ndarray, np.ndarray]:
+        """``predict`` of a ``micro_batches``-like section's points (its optional columns 0 where absent)."""
+        return self.predict(section["pairs"], section["tokens"], section.get("head_tokens", 0.0),
+                            section.get("runs", section.get("documents", 1.0)), table_of(section, self),
+                            section.get("cp_calls", 0.0), section.get("cp_kv", 0.0))
 
 
 def _nnls_relative(x: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -208,8 +237,11 @@ def _fit_micro_batches(profile: dict) -> ProfileFit:
     knots = _knots(profile)
     if knots:
         fit = _table_micro_batches(fit, mb, x, f, b, knots)
+    empty = profile.get("empty_micro_batches") or {}
+    if empty.get("fwd_s"):
+        fit = replace(fit, empty_fwd=float(np.median(empty["fwd_s"])), empty_bwd=float(np.median(empty["bwd_s"])))
     pred_f, pred_b = fit.predict(mb["pairs"], mb["tokens"], mb.get("head_tokens", 0.0), mb.get("runs", 0.0),
-                                 table_of(mb, fit))
+                                 table_of(mb, fit), mb.get("cp_calls", 0.0), mb.get("cp_kv", 0.0))
     err = float(np.mean(np.abs(pred_f + pred_b - (f + b)) / (f + b)))
     cf, cb = np.asarray(fit.extra["fwd"]), np.asarray(fit.extra["bwd"])
     extra = {**fit.extra, "fwd_rel_err": float(np.mean(np.abs(x @ cf - f) / f)),
@@ -236,39 +268,75 @@ def _groups(section: dict, every: int) -> tuple[np.ndarray, str]:
 
 
 def held_out_errors(profile: dict, every: int = 5) -> dict[str, Any]:
-    """Held-out MAPE of forward + backward per group of ``_groups``: each group's points predicted by a fit of
-    the others (``{"by": "packing" | "iterations", "mape": mean over groups, "groups": {label: mape}}``)."""
+    """The held-out errors of a fit, per group of ``_groups``: each group's points predicted by a fit of the others.
+
+    ``{"by": "packing" | "iterations", "mape": mean over groups, "groups": {label: MAPE}, "biases": {label:
+    slowest-rank bias}, "ratio_error": ...}``. The MAPE is per micro-batch; the bias (``slowest_rank_bias``) is what
+    a packing's or layout's predicted time per iteration is off by, and ``ratio_error`` the root mean square of the
+    log ratio of two groups' biases over every pair of groups, as a relative error: how far a predicted speed-up of
+    one packing or layout over another is from the measured one, which is what a planner compares (None with fewer
+    than two held-out groups)."""
     section = profile["micro_batches"]
     groups, by = _groups(section, every)
     labels = sorted(set(section["packing"])) if by == "packing" else ["fitted", "held out"]
-    out: dict[str, float] = {}
+    mape: dict[str, float] = {}
+    biases: dict[str, float] = {}
     for g in np.unique(groups):
         if by == "iterations" and g == 0:
             continue  # the fitted iterations: only the held-out group is predicted
-        out[labels[int(g)]] = holdout_mape(profile, groups == g)["mape"]
-    return {"by": by, "mape": float(np.mean(list(out.values()))), "groups": out}
+        held = holdout_mape(profile, groups == g)
+        mape[labels[int(g)]] = held["mape"]
+        if held["bias"] is not None:
+            biases[labels[int(g)]] = held["bias"]
+    logs = np.log(list(biases.values()))
+    pairs = [(a - b) ** 2 for i, a in enumerate(logs) for b in logs[i + 1:]]
+    ratio = float(np.expm1(np.sqrt(np.mean(pairs)))) if pairs else None
+    return {"by": by, "mape": float(np.mean(list(mape.values()))), "groups": mape, "biases": biases,
+            "ratio_error": ratio}
+
+
+def _better(trial: dict[str, Any], best: dict[str, Any]) -> bool:
+    """Whether a fit with one more term (``trial``'s held-out errors) is better than ``best``'s by more than noise: its
+    ratio error lower by ``KEEP_MARGIN`` of it and by ``RATIO_RESOLUTION``, its MAPE not higher by more than
+    ``KEEP_MARGIN`` of it; where no ratio error exists (one packing), its MAPE lower by ``KEEP_MARGIN`` of it."""
+    if trial["ratio_error"] is None or best["ratio_error"] is None:
+        return bool(trial["mape"] < best["mape"] * (1.0 - KEEP_MARGIN))
+    return bool(trial["ratio_error"] < best["ratio_error"] * (1.0 - KEEP_MARGIN)
+                and best["ratio_error"] - trial["ratio_error"] >= RATIO_RESOLUTION
+                and trial["mape"] <= best["mape"] * (1.0 + KEEP_MARGIN))
+
+
+def _criterion(errors: dict[str, Any]) -> float:
+    """What the term search minimises: the ratio error where there is one, else the MAPE."""
+    return float(errors["mape"] if errors["ratio_error"] is None else errors["ratio_error"])
 
 
 def select_terms(profile: dict, every: int = 5) -> tuple[tuple[str, ...], dict[str, Any]]:
-    """The micro-batch terms to fit: the base terms, then, one at a time, the candidate term (``TERMS`` beyond
-    the base) that lowers the held-out MAPE most (``held_out_errors``: across packings when the points name
-    several), while it lowers it by at least ``KEEP_MARGIN`` of it. Returns the terms and the report of why
-    (every candidate's held-out error at each step)."""
+    """The micro-batch terms to fit: the base terms, then, one at a time, the candidate term (``TERMS`` beyond the
+    base) with the least held-out ratio error between packings and layouts (``held_out_errors``; with one packing,
+    the least held-out MAPE), while it is better by more than noise (``_better``). Candidate terms whose column is 0
+    on every point (CP communication in a trace without CP) are not tried. Returns the terms and the report of why:
+    every candidate's held-out errors at each step, and the machine's noise floor (``noise_floor``)."""
     kept: tuple[str, ...] = BASE_TERMS
     best = held_out_errors({**profile, "terms": list(kept)}, every)
-    report: dict[str, Any] = {"base": best, "steps": []}
-    left = list(TERMS[len(BASE_TERMS):])
+    x, _, _ = design(profile["micro_batches"], ModelShape(**profile["model"]))
+    left = [t for t in TERMS[len(BASE_TERMS):] if np.any(x[:, TERMS.index(t)] != 0)]
+    report: dict[str, Any] = {"base": best, "steps": [], "noise_floor": noise_floor(profile["micro_batches"]),
+                              "criterion": "mape" if best["ratio_error"] is None else "ratio_error"}
     while left:
         trials = {t: held_out_errors({**profile, "terms": [*kept, t]}, every) for t in left}
-        term = min(trials, key=lambda t: trials[t]["mape"])
-        keep = trials[term]["mape"] < best["mape"] * (1.0 - KEEP_MARGIN)
-        report["steps"].append({"from": best["mape"], "tried": {t: v["mape"] for t, v in trials.items()},
+        term = min(trials, key=lambda t: _criterion(trials[t]))
+        keep = _better(trials[term], best)
+        report["steps"].append({"from": {"mape": best["mape"], "ratio_error": best["ratio_error"]},
+                                "tried": {t: {"mape": v["mape"], "ratio_error": v["ratio_error"]}
+                                          for t, v in trials.items()},
                                 "kept": term if keep else None})
         if not keep:
             break
         kept, best = check_terms([*kept, term]), trials[term]
         left.remove(term)
-    report["terms"], report["mape"] = list(kept), best["mape"]
+    report["terms"], report["mape"], report["ratio_error"] = list(kept), best["mape"], best["ratio_error"]
+    report["biases"] = best["biases"]
     return kept, report
 
 
@@ -289,7 +357,8 @@ def _table_micro_batches(base: ProfileFit, mb: dict, x: np.ndarray, f: np.ndarra
     return replace(base, attn_per_pair=mean_cost, pair_lengths=knots, pair_costs=tuple(float(c) for c in costs),
                    linear_per_token=float(tf.coef[k] / (1.0 + bl)), attn_per_run=float(tf.coef[k + 1] / (1.0 + ba)),
                    overhead=float(tf.coef[k + 2] / (1.0 + bl)), per_token_sq=float(tf.coef[k + 3] / (1.0 + bl)),
-                   per_token_pair=float(tf.coef[k + 4] / (1.0 + bl)),
+                   per_token_pair=float(tf.coef[k + 4] / (1.0 + bl)), cp_call=float(tf.coef[k + 5] / (1.0 + bl)),
+                   cp_kv_token=float(tf.coef[k + 6] / (1.0 + bl)),
                    extra={**base.extra, "table": _table_extra(tf)})
 
 
@@ -329,11 +398,47 @@ def holdout_mape(profile: dict, held_out: dict | np.ndarray) -> dict[str, Any]:
     if not len(test["fwd_s"]):
         raise ValueError("no held-out micro-batches to check the fit on")
     fit = fit_profile(fitted)
-    pred_f, pred_b = fit.predict(test["pairs"], test["tokens"], test.get("head_tokens", 0.0),
-                                 test.get("runs", test.get("documents", 1.0)), table_of(test, fit))
+    pred_f, pred_b = fit.predict_points(test)
     measured = np.asarray(test["fwd_s"], dtype=np.float64) + np.asarray(test["bwd_s"], dtype=np.float64)
     return {"mape": float(np.mean(np.abs(pred_f + pred_b - measured) / measured)),
-            "micro_batches": len(test["fwd_s"])}
+            "micro_batches": len(test["fwd_s"]), "bias": slowest_rank_bias(test, pred_f + pred_b, measured)}
+
+
+def slowest_rank_bias(section: dict, predicted: np.ndarray, measured: np.ndarray) -> float | None:
+    """The signed bias that decides a plan's predicted speed-up: per iteration, the slowest rank's predicted seconds
+    over its measured (each rank's micro-batches summed; ``section``'s ``iteration`` and ``rank`` per point), the
+    geometric mean over iterations; None without ranks. A bias shared by two packings cancels in their ratio, so
+    the ratio error between packings is the spread of their biases (``held_out_errors``)."""
+    ranks, iterations = section.get("rank"), section.get("iteration")
+    if not isinstance(ranks, list) or not isinstance(iterations, list) or len(ranks) != len(measured):
+        return None
+    pred: dict[int, dict[int, float]] = {}
+    meas: dict[int, dict[int, float]] = {}
+    for it, rank, p, m in zip(iterations, ranks, predicted, measured):
+        pred.setdefault(int(it), {}).setdefault(int(rank), 0.0)
+        meas.setdefault(int(it), {}).setdefault(int(rank), 0.0)
+        pred[int(it)][int(rank)] += float(p)
+        meas[int(it)][int(rank)] += float(m)
+    logs = [np.log(max(pred[it].values()) / max(meas[it].values())) for it in pred if max(meas[it].values()) > 0]
+    return float(np.exp(np.mean(logs))) if logs else None
+
+
+def noise_floor(section: dict) -> dict[str, Any]:
+    """The machine's noise on identical micro-batches: points of the same packing, rank and content (tokens, pairs,
+    runs and run lengths) measured more than once (the paired harness trains each global batch twice), their
+    mean relative deviation from their own mean. No model can predict a point closer than this on average, so a
+    held-out MAPE near it is the floor, not the model. ``{"mape": None}`` when no micro-batch repeats."""
+    n = len(section["fwd_s"])
+    labels = section.get("packing") or [""] * n
+    ranks = section.get("rank") or [0] * n
+    runs = section.get("run_lengths") or [[]] * n
+    seconds = np.asarray(section["fwd_s"], dtype=np.float64) + np.asarray(section["bwd_s"], dtype=np.float64)
+    groups: dict[tuple, list[float]] = {}
+    for i in range(n):
+        key = (labels[i], ranks[i], section["tokens"][i], section["pairs"][i], tuple(runs[i]))
+        groups.setdefault(key, []).append(float(seconds[i]))
+    devs = [abs(x - np.mean(v)) / np.mean(v) for v in groups.values() if len(v) > 1 for x in v]
+    return {"mape": float(np.mean(devs)) if devs else None, "repeated_points": len(devs)}
 
 
 def _series(where: str, section: dict, key: str, minimum: float, strict: bool) -> int:
@@ -410,8 +515,9 @@ def load_profile(path: str | Path) -> dict:
         if not isinstance(mb, dict):
             raise ValueError(f"{where}: expected an object with pairs, tokens, fwd_s and bwd_s")
         checks = [("pairs", 0, False), ("tokens", 0, True), ("fwd_s", 0, True), ("bwd_s", 0, True)]
-        if "head_tokens" in mb:
-            checks.append(("head_tokens", 0, False))
+        for optional in ("head_tokens", "cp_calls", "cp_kv"):
+            if optional in mb:
+                checks.append((optional, 0, False))
         counts = {k: _series(where, mb, k, low, strict) for k, low, strict in checks}
         if len(set(counts.values())) > 1:
             raise ValueError(f"{where}: {', '.join(counts)} differ in length ({', '.join(map(str, counts.values()))})")
@@ -424,6 +530,11 @@ def load_profile(path: str | Path) -> dict:
             if runs is not None and (not isinstance(runs, list) or len(runs) != counts["fwd_s"] or not all(
                     isinstance(r, list) for r in runs)):
                 raise ValueError(f"{where}.{key}: expected one list per micro-batch ({counts['fwd_s']} lists)")
+    empty = profile.get("empty_micro_batches")
+    if empty is not None:
+        where = f"{path}: empty_micro_batches"
+        if not isinstance(empty, dict) or len({_series(where, empty, k, 0, False) for k in ("fwd_s", "bwd_s")}) > 1:
+            raise ValueError(f"{where}: expected {{\"fwd_s\": [...], \"bwd_s\": [...]}} of one length")
     if "terms" in profile:
         if "micro_batches" not in profile or not isinstance(profile["terms"], list):
             raise ValueError(f"{path}: terms {str(profile['terms'])[:60]}: a list of micro-batch fit terms, with "
@@ -446,7 +557,9 @@ def design(points: dict[str, Any], model: ModelShape) -> tuple[np.ndarray, np.nd
     p, t, f, b = (np.asarray(points[k], dtype=np.float64) for k in ("pairs", "tokens", "fwd_s", "bwd_s"))
     head = np.asarray(points.get("head_tokens", np.zeros_like(t)), dtype=np.float64)
     runs = np.asarray(points.get("runs", np.zeros_like(t)), dtype=np.float64)
-    x = np.stack([p, t + head_ratio(model) * head, runs, np.ones_like(t), t * t, t * p], axis=1)
+    calls = np.asarray(points.get("cp_calls", np.zeros_like(t)), dtype=np.float64)
+    kv = np.asarray(points.get("cp_kv", np.zeros_like(t)), dtype=np.float64)
+    x = np.stack([p, t + head_ratio(model) * head, runs, np.ones_like(t), t * t, t * p, calls, kv], axis=1)
     return x, f, b
 
 
@@ -536,5 +649,7 @@ class RefitStats:
                           attn_per_run=float((cf[2] + cb[2]) / (1.0 + bwd_attention)),
                           per_token_sq=float((cf[4] + cb[4]) / (1.0 + bwd_linear)),
                           per_token_pair=float((cf[5] + cb[5]) / (1.0 + bwd_linear)), terms=kept,
+                          cp_call=float((cf[6] + cb[6]) / (1.0 + bwd_linear)),
+                          cp_kv_token=float((cf[7] + cb[7]) / (1.0 + bwd_linear)),
                           extra={"fwd": cf.tolist(), "bwd": cb.tolist(), "points": int(self.points),
                                  "ratio_from_mean": guarded})

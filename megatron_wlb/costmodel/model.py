@@ -90,6 +90,12 @@ class CostModel(ABC):
         documents, and a packer places by the marginal cost of a document (``packing.greedy.place_greedy``)."""
         return False
 
+    @property
+    def empty_seconds(self) -> tuple[float, float]:
+        """(forward, backward) seconds per layer of a micro-batch that holds nothing on this GPU (Megatron runs it
+        all the same): 0 for the analytic model; a calibrated profile's measured ones."""
+        return 0.0, 0.0
+
     # -- communication ---------------------------------------------------------------------------
     def tp_comm(self, tokens: Counts) -> np.ndarray:
         """TP collectives for ``tokens`` tokens on one GPU: two all-reduces of the activations."""
@@ -217,6 +223,8 @@ class CalibratedCostModel(CostModel):
             prof_model.attention_flops_per_pair() / prof_tp)
         self._linear_scale = (model.linear_flops_per_token() / layout.tp) / (
             prof_model.linear_flops_per_token() / prof_tp)
+        self._kv_scale = (max(1.0, model.num_kv_heads / layout.tp) * model.head_dim) / (
+            max(1.0, prof_model.num_kv_heads / prof_tp) * prof_model.head_dim)
         hw = Hardware(**{**hardware.__dict__, "name": f"{profile.get('device', 'GPU')} (calibrated)",
                          "bwd_attention": self.fit.bwd_attention, "bwd_linear": self.fit.bwd_linear})
         super().__init__(model, layout, hw)
@@ -253,15 +261,23 @@ class CalibratedCostModel(CostModel):
     def prices_size(self) -> bool:
         return self.fit.per_token_sq > 0 or self.fit.per_token_pair > 0
 
+    @property
+    def empty_seconds(self) -> tuple[float, float]:
+        return self.fit.empty_fwd, self.fit.empty_bwd
+
     def tp_comm(self, tokens: Counts) -> np.ndarray:
         if self._collectives_measured:
             return np.zeros_like(np.asarray(tokens, dtype=np.float64))
         return super().tp_comm(tokens)
 
     def cp_comm(self, tokens: Counts) -> np.ndarray:
-        if self._collectives_measured:
-            return np.zeros_like(np.asarray(tokens, dtype=np.float64))
-        return super().cp_comm(tokens)
+        """A micro-batch profile's fitted K/V all-gather (``ProfileFit.cp_kv_token`` per token gathered from the
+        other ``cp - 1`` ranks, scaled with the K/V width per GPU like attention), else the analytic one."""
+        if not self._collectives_measured:
+            return super().cp_comm(tokens)
+        cp = self.layout.cp
+        gathered = np.asarray(tokens, dtype=np.float64) * (cp - 1) / cp
+        return self.fit.cp_cost(0.0, gathered) * self._kv_scale
 
     def ep_comm(self, tokens: Counts) -> np.ndarray:
         if self._collectives_measured:
@@ -270,8 +286,11 @@ class CalibratedCostModel(CostModel):
 
     @property
     def microbatch_overhead(self) -> float:
-        collectives = 0.0 if self._collectives_measured else super().microbatch_overhead
-        return collectives + self.fit.overhead
+        """The fit's fixed cost of a micro-batch, plus its collectives' latency: a micro-batch profile's fitted CP
+        all-gather steps (``cp - 1`` on a CP group of ``cp``), or the analytic calls on top of a kernel sweep."""
+        if self._collectives_measured:
+            return self.fit.overhead + float(self.fit.cp_cost(self.layout.cp - 1, 0.0))
+        return super().microbatch_overhead + self.fit.overhead
 
 
 def build_cost_model(model: ModelShape | str, layout: ParallelLayout,

@@ -15,7 +15,7 @@ of that rank and one ``iteration`` row::
     {"kind": "micro_batch", "iteration": 3, "rank": 0, "dp": 0, "pp": 0, "cp": 0, "tp": 0, "chunk": 0,
      "micro_batch": 1, "layers": 2, "tokens": 1024, "sum_d2": 3.1e5, "lengths": [...],
      "rank_tokens": 512, "rank_pairs": 8.1e4, "rank_runs": 7, "pred_fwd_s": ..., "pred_bwd_s": ...,
-     "fwd_s": ..., "bwd_s": ..., "data_s": ..., "wait_fwd_s": ..., "wait_bwd_s": ...}
+     "fwd_s": ..., "bwd_s": ..., "data_s": ..., "wait_fwd_s": ..., "wait_bwd_s": ..., "group": 2}
     {"kind": "iteration", "iteration": 3, "rank": 0, "dp": 0, "pp": 0, "cp": 0, "tp": 0,
      "wall_s": ..., "compute_s": ..., "pp_wait_s": ..., "dp_wait_s": ..., "timing_s": ..., "micro_batches": 4}
     {"kind": "refit", "iteration": 9, "state": {...}}     (--wlb-cost-model online: each refit's model)
@@ -27,7 +27,9 @@ Field meanings (seconds are measured on this rank: a monotonic clock on the CPU,
   causal (query, key) pairs its attention computes and its query runs (documents or their pieces on
   this rank; ``cp.layouts.RankShard``), what its time depends on;
 - ``layers``: transformer layers in this model chunk (the fit divides by it: profiles are per layer);
-- ``pred_fwd_s`` / ``pred_bwd_s``: the run's cost model for this rank's share, times ``layers`` (under
+- ``group``: the CP ranks of the micro-batch's group (the run's CP size, or under dynamic CP its group's);
+- ``pred_fwd_s`` / ``pred_bwd_s``: the run's cost model for this rank's share as laid out (its own query runs,
+  tokens and pairs, ``packing.metrics.share_seconds``), times ``layers`` (under
   ``--wlb-cp-sharding dynamic``: at the CP size of the micro-batch's group, as its dynamic-CP plan priced it;
   ``tokens`` / ``lengths`` are then the group's micro-batch, an empty one has none, and a micro-batch row's
   ``cp`` is the rank's place in that group);
@@ -52,7 +54,7 @@ import glob
 import json
 import os
 from collections.abc import Iterable, Iterator
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -91,6 +93,9 @@ class MicroBatchRow(RankRow):
     data_s: float
     wait_fwd_s: float
     wait_bwd_s: float
+    #: CP ranks of the micro-batch's group (the run's CP size; under dynamic CP its group's); 0: not recorded (a
+    #: trace written before the field), read as the header's CP size
+    group: int = 0
 
     kind = "micro_batch"
 
@@ -158,7 +163,9 @@ def trace_files(path: str | os.PathLike[str]) -> list[Path]:
     return files
 
 
-_MB_FIELDS = {f.name for f in fields(MicroBatchRow)}
+#: micro-batch fields a row may lack (written before them): their defaults
+_MB_OPTIONAL = {f.name for f in fields(MicroBatchRow) if f.default is not MISSING}
+_MB_FIELDS = {f.name for f in fields(MicroBatchRow)} - _MB_OPTIONAL
 _IT_FIELDS = {f.name for f in fields(IterationRow)}
 
 
@@ -209,6 +216,7 @@ def read_trace(paths: str | os.PathLike[str] | Iterable[str | os.PathLike[str]])
                 raise ValueError(f"{path}:{number}: {kind} row lacks {', '.join(sorted(missing))}")
             values = {k: row[k] for k in wanted}
             if kind == "micro_batch":
+                values.update({k: row[k] for k in _MB_OPTIONAL if k in row})
                 values["lengths"] = tuple(int(x) for x in values["lengths"])
                 mbs.append(MicroBatchRow(**values))
             else:
@@ -269,23 +277,40 @@ def profile_points(rows: Iterable[MicroBatchRow], layout: dict[str, Any], clock:
     whole-document pairs): an approximation, said here.
     """
     last_pp, last_chunk = int(layout.get("pp", 1)) - 1, int(layout.get("vpp", 1) or 1) - 1
-    cp = max(1, int(layout.get("cp", 1)))
-    keys = ("pairs", "tokens", "runs", "head_tokens", "fwd_s", "bwd_s", "iteration")
+    run_cp = max(1, int(layout.get("cp", 1)))
+    keys = ("pairs", "tokens", "runs", "head_tokens", "cp_calls", "cp_kv", "fwd_s", "bwd_s", "iteration", "rank")
     out: dict[str, list[Any]] = {k: [] for k in (*keys, "run_lengths", "run_pairs")}
     for r in rows:
         fwd = r.fwd_s - (r.data_s if clock in ("cpu", "cpu-thread") else 0.0)
         if r.layers < 1 or r.rank_tokens < 1 or not (fwd > 0 and r.bwd_s > 0):
             continue
+        cp = r.group or run_cp
         has_head = r.pp == last_pp and r.chunk == last_chunk
         out["pairs"].append(float(r.rank_pairs))
         out["tokens"].append(float(r.rank_tokens))
         out["runs"].append(float(r.rank_runs))
         out["head_tokens"].append(r.rank_tokens / r.layers if has_head else 0.0)
+        out["cp_calls"].append(float(cp - 1))
+        out["cp_kv"].append(r.tokens * (cp - 1) / cp)
         out["fwd_s"].append(fwd / r.layers)
         out["bwd_s"].append(r.bwd_s / r.layers)
         out["iteration"].append(r.iteration)
+        out["rank"].append(r.rank)
         whole = [d * (d + 1) / 2.0 for d in r.lengths]
         share = r.rank_pairs / sum(whole) if cp > 1 and sum(whole) > 0 else 1.0
         out["run_lengths"].append([d if cp == 1 else max(1, -(-d // cp)) for d in r.lengths])
         out["run_pairs"].append([p * share for p in whole])
+    return out
+
+
+def empty_points(rows: Iterable[MicroBatchRow], clock: str = "cpu") -> dict[str, list[float]]:
+    """The ``empty_micro_batches`` section of a profile: the forward and backward seconds per layer of the rows that
+    held no tokens on their rank (Megatron runs a micro-batch all the same: a dynamic-CP slot done before its count),
+    the data iterator's host time left out as ``profile_points`` leaves it out."""
+    out: dict[str, list[float]] = {"fwd_s": [], "bwd_s": []}
+    for r in rows:
+        fwd = r.fwd_s - (r.data_s if clock in ("cpu", "cpu-thread") else 0.0)
+        if r.layers >= 1 and r.rank_tokens == 0 and fwd > 0 and r.bwd_s > 0:
+            out["fwd_s"].append(fwd / r.layers)
+            out["bwd_s"].append(r.bwd_s / r.layers)
     return out

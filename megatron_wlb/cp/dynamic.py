@@ -30,7 +30,11 @@ The plan (``plan_dynamic_cp``):
    with the least slowest slot (micro-batch fixed costs included) wins;
 6. with ``max_micro_batches`` (Megatron's micro-batches per iteration), a plan over it is brought within it
    (``_within_count``), or the densest plan or the packer's own (``fixed_plan``) is taken; no plan exists when
-   the tokens or the documents that need the whole pool alone need more steps (``_check_count``: one line).
+   the tokens or the documents that need the whole pool alone need more steps (``_check_count``: one line);
+   a slot done before the count runs empty micro-batches and pays their measured price (``CostModel.empty_seconds``);
+7. with ``fixed_plan``, the packer's own placement on the fixed CP groups is priced the same way, and taken
+   (``DynamicCPPlan.fixed``) when the best dynamic plan is not faster: dynamic CP never plans a global batch its
+   price says is slower than the fixed groups.
 
 ``lower_bound`` bounds any plan from below (the planner's gap is reported against it).
 
@@ -91,10 +95,23 @@ class DynamicCPPlan:
     rank_seconds: np.ndarray
     ideal_seconds: float
     alpha: float
+    #: Megatron's micro-batches per iteration (0: not known) and the price of an empty one (per layer, forward +
+    #: backward, ``CostModel.empty_seconds``): a slot done before the count runs empty ones, and pays for them
+    count: int = 0
+    empty_seconds: float = 0.0
+    #: whether the plan is the packer's own placement on the fixed CP groups (``plan_dynamic_cp``: the dynamic
+    #: plans' best was priced slower than it)
+    fixed: bool = False
+
+    @property
+    def slot_seconds(self) -> np.ndarray:
+        """Each slot's predicted seconds per layer: its micro-batches' (``rank_seconds``) and its empty ones'."""
+        empties = np.array([max(0, self.count - len(m)) for m in self.rank_micro_batches], dtype=np.float64)
+        return self.rank_seconds + empties * self.empty_seconds
 
     @property
     def slowest_seconds(self) -> float:
-        return float(self.rank_seconds.max()) if self.rank_seconds.size else 0.0
+        return float(self.slot_seconds.max()) if self.rank_seconds.size else 0.0
 
     @property
     def over_ideal(self) -> float:
@@ -262,14 +279,27 @@ def plan_dynamic_cp(lengths: Sequence[int] | np.ndarray, ranks: int, max_tokens_
         if max_micro_batches is not None and plan is not None and plan.steps > max_micro_batches:
             plan = _within_count(d, bins, plan, g_min, ranks, max_tokens_per_rank, costs, prices, ideal,
                                  int(max_micro_batches), fixed)
-        if plan is not None and (best is None or _score(plan) < _score(best)):
-            best = plan
+        if plan is not None:
+            plan = _counted(plan, max_micro_batches, costs)
+            if best is None or _score(plan) < _score(best):
+                best = plan
         if len(tried) >= _FINALISTS:
             break
     if best is None:  # no candidate could be brought within the count: the densest packing
         best = _dense_plan(d, g_min, ranks, max_tokens_per_rank, costs, prices, ideal, int(max_micro_batches or 0))
-    assert best is not None  # _dense_plan refuses in one line instead
+        assert best is not None  # _dense_plan refuses in one line instead
+        best = _counted(best, max_micro_batches, costs)
+    if fixed is not None:  # never a plan priced slower than the same documents on the fixed groups
+        on_fixed = _counted(dataclasses.replace(_build(d, [b for step in fixed for b in step], ranks, costs, prices,
+                                                       ideal, float("nan")), fixed=True), max_micro_batches, costs)
+        if on_fixed.steps <= (max_micro_batches or on_fixed.steps) and _score(on_fixed) <= _score(best):
+            best = on_fixed
     return best
+
+
+def _counted(plan: DynamicCPPlan, count: int | None, costs: dict[int, CostModel]) -> DynamicCPPlan:
+    """``plan`` with Megatron's count and the price of an empty micro-batch, so its slots pay for their empty ones."""
+    return dataclasses.replace(plan, count=int(count or 0), empty_seconds=float(sum(costs[1].empty_seconds)))
 
 
 def _fixed_bins(d: np.ndarray, fixed_plan: Sequence[Sequence[Sequence[int]]], ranks: int,
@@ -424,8 +454,9 @@ def _malleable(g_min: np.ndarray, sizes: list[int], prices: dict[int, np.ndarray
 
 
 def _score(plan: DynamicCPPlan) -> tuple[float, int]:
-    """What the search lowers: the slowest slot's seconds, then how many slots take (about) that long."""
-    return _load_score(plan.rank_seconds)
+    """What the search lowers: the slowest slot's seconds (its empty micro-batches included), then how many slots
+    take (about) that long."""
+    return _load_score(plan.slot_seconds)
 
 
 def _load_score(load: np.ndarray) -> tuple[float, int]:

@@ -137,9 +137,11 @@ def slot_steps(plan: DynamicCPPlan, slot: int, steps: int) -> tuple[GroupMicroBa
 def slot_step_seconds(plan: DynamicCPPlan, steps: int | None = None) -> np.ndarray:
     """The plan's predicted seconds per layer (forward + backward, this slot's share of its group's micro-batch)
     of every slot at every step, shape ``(plan.ranks, steps)`` (default ``plan.steps``): 0 where a slot runs an
-    empty micro-batch. Row sums are ``plan.rank_seconds``."""
+    empty micro-batch (its price ``plan.empty_seconds`` within Megatron's count). Row sums are ``plan.slot_seconds``
+    where ``steps`` is the count."""
     width = plan.steps if steps is None else max(int(steps), plan.steps)
     table = np.zeros((plan.ranks, width), dtype=np.float64)
     for slot, mbs in enumerate(plan.rank_micro_batches):
         table[slot, :len(mbs)] = [mb.seconds for mb in mbs]
+        table[slot, len(mbs):max(len(mbs), min(width, plan.count))] = plan.empty_seconds
     return table

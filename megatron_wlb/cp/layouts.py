@@ -61,8 +61,10 @@ from functools import cached_property
 import numpy as np
 
 from megatron_wlb.costmodel import AnalyticCostModel, CostModel, ParallelLayout, get_model
+from megatron_wlb.costmodel.shapes import causal_pairs
 from megatron_wlb.cp.efficiency import KernelEfficiency
 from megatron_wlb.data.lengths import validate_lengths
+from megatron_wlb.packing.metrics import share_seconds
 
 LAYOUT_NAMES: tuple[str, ...] = ("per-sequence", "per-document", "per-document-te", "adaptive", "hybrid")
 
@@ -207,7 +209,8 @@ class ShardLayout:
     lengths: np.ndarray
     padded_lengths: np.ndarray
     ranks: tuple[RankShard, ...]
-    # adaptive: candidate -> max rank attention work; hybrid: candidate -> max rank attention + linear
+    # adaptive: candidate -> its slowest rank's seconds (``share_seconds``); hybrid: candidate -> max rank attention
+    # + linear
     estimates: dict = field(default_factory=dict)
 
     @property
@@ -217,6 +220,24 @@ class ShardLayout:
     @property
     def rank_tokens(self) -> np.ndarray:
         return np.array([r.num_tokens for r in self.ranks], dtype=np.int64)
+
+    @property
+    def rank_pairs(self) -> np.ndarray:
+        """Causal (query, key) pairs each rank's attention computes."""
+        return np.array([float(causal_pairs(r.query_lengths, r.key_lengths).sum()) for r in self.ranks])
+
+    def seconds(self, cost: CostModel, efficiency: KernelEfficiency | None = None, tile: int = 128
+                ) -> tuple[np.ndarray, np.ndarray]:
+        """(forward, backward) seconds per layer of every CP rank's share as laid out (``share_seconds``): its own
+        query runs priced by ``cost`` (``attention_work``, the kernel as ``build_layout`` would take it), its tokens,
+        pairs and the micro-batch's all-gather. What a rank's time is predicted by, wherever it is predicted."""
+        eff, tile = kernel_of(cost, efficiency, tile)
+        q = np.concatenate([r.query_lengths for r in self.ranks]).astype(np.int64)
+        kv = np.concatenate([r.key_lengths for r in self.ranks]).astype(np.int64)
+        rank = np.repeat(np.arange(self.cp), [r.query_runs.shape[0] for r in self.ranks])
+        runs = _Runs(rank, np.zeros_like(q), q, np.zeros_like(q))
+        work = attention_work(q, kv, cost, eff, tile) if q.size else np.zeros(0)
+        return _runs_seconds(runs, work, kv, self.cp, int(self.padded_lengths.sum()), cost)
 
     @property
     def imbalance(self) -> float:
@@ -347,6 +368,25 @@ def _runs_per_sequence(cu: np.ndarray, cp: int) -> _Runs:
 def _runs_per_document(cu: np.ndarray, lengths: np.ndarray, cp: int) -> _Runs:
     rank, s, e, doc, _ = _head_tail_chunks(cu[:-1], lengths, cp)
     return _Runs(rank, s, e, doc)
+
+
+def _runs_seconds(runs: _Runs, work: np.ndarray, kv: np.ndarray, cp: int, total: int, cost: CostModel
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """(forward, backward) seconds per layer of each of ``cp`` ranks holding ``runs`` (their attention ``work``, key
+    lengths ``kv``) of a micro-batch of ``total`` tokens: ``share_seconds`` of each rank's attention, tokens, pairs."""
+    q = runs.end - runs.start
+    attention = np.bincount(runs.rank, weights=work, minlength=cp)
+    tokens = np.bincount(runs.rank, weights=q, minlength=cp)
+    pairs = np.bincount(runs.rank, weights=causal_pairs(q, kv), minlength=cp)
+    return share_seconds(cost, attention, tokens, pairs, float(total))
+
+
+def kernel_of(cost: CostModel, efficiency: KernelEfficiency | None, tile: int) -> tuple[KernelEfficiency, int]:
+    """The kernel-efficiency table and tile a layout prices query runs with: as given, else the shipped table; a
+    cost model fitted to measured micro-batches holds the kernel's efficiency already (flat table, no tile)."""
+    if efficiency is None and cost.measured_runs:
+        return KernelEfficiency.flat(), 1
+    return (KernelEfficiency.default() if efficiency is None else efficiency), int(tile)
 
 
 def _step(runs: _Runs, work: np.ndarray, cp: int, per_token: float) -> float:
@@ -507,10 +547,7 @@ def build_layout(name: str, lengths, cp: int, *, cost: CostModel | None = None,
     if not 0.0 <= token_slack:
         raise ValueError(f"token_slack must be >= 0, got {token_slack!r}")
     cost = default_cost_model() if cost is None else cost
-    if efficiency is None and cost.measured_runs:
-        # a cost model fitted to measured micro-batches holds the kernel's efficiency already
-        efficiency, tile = KernelEfficiency.flat(), 1
-    eff = KernelEfficiency.default() if efficiency is None else efficiency
+    eff, tile = kernel_of(cost, efficiency, tile)
     cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
 
     def priced(runs: _Runs) -> tuple[_Runs, np.ndarray]:
@@ -542,11 +579,15 @@ def build_layout(name: str, lengths, cp: int, *, cost: CostModel | None = None,
         if estimates["per-sequence"] < estimates["hybrid"]:
             return _assemble("per-sequence", name, cp, lengths, lengths, cu, seq_runs, seq_work, estimates)
         return _assemble(canonical, name, cp, lengths, lengths, cu, runs, work, estimates)
-    # adaptive: price both static layouts, keep the one whose slowest rank is faster.
+    # adaptive: price both static layouts rank by rank as laid out, keep the one whose slowest rank is faster.
     candidates = {"per-sequence": priced(_runs_per_sequence(cu, cp)),
                   "per-document": priced(_runs_per_document(cu, lengths, cp))}
-    estimates = {k: float(np.bincount(r.rank, weights=w, minlength=cp).max()) if w.size else 0.0
-                 for k, (r, w) in candidates.items()}
+
+    def slowest(r: _Runs, w: np.ndarray) -> float:
+        fwd, bwd = _runs_seconds(r, w, r.end - cu[r.doc], cp, int(cu[-1]), cost)
+        return float((fwd + bwd).max()) if w.size else 0.0
+
+    estimates = {k: slowest(r, w) for k, (r, w) in candidates.items()}
     chosen = min(estimates, key=lambda k: (estimates[k], k != "per-sequence"))
     runs, work = candidates[chosen]
     return _assemble(chosen, name, cp, lengths, lengths, cu, runs, work, estimates)

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
 @runtime_checkable
 class Layout(Protocol):
-    """One micro-batch sharded over a CP group: per CP rank, attention seconds and tokens."""
+    """One micro-batch sharded over a CP group: per CP rank, attention seconds, tokens and causal pairs."""
 
     @property
     def name(self) -> str:
@@ -32,6 +32,11 @@ class Layout(Protocol):
     @property
     def rank_tokens(self) -> np.ndarray:
         """Tokens (query rows) per CP rank, shape ``(cp,)``."""
+        ...
+
+    @property
+    def rank_pairs(self) -> np.ndarray:
+        """Causal (query, key) pairs each CP rank's attention computes, shape ``(cp,)``."""
         ...
 
 

@@ -54,7 +54,6 @@ from megatron_wlb.megatron.clocks import CudaClock as CudaClock
 from megatron_wlb.megatron.clocks import ThreadClock as ThreadClock
 from megatron_wlb.megatron.device import training_device
 from megatron_wlb.megatron.rebind import wrapping
-from megatron_wlb.packing.metrics import bins_seconds
 
 Span = tuple[Any, Any]
 
@@ -175,10 +174,11 @@ class Recorder:
             return
         lengths = tuple(p.length for p in batch.micro_batch.pieces) if batch.micro_batch is not None else ()
         pred_fwd = pred_bwd = 0.0
-        if self.cost is not None and lengths:
-            fwd, bwd = bins_seconds(self._cost_of(batch), [np.asarray(lengths, dtype=np.int64)])
+        cost = self._cost_of(batch)
+        if cost is not None:  # this rank's share as laid out (an empty micro-batch: the profile's empty cost)
+            fwd, bwd = batch.layout.seconds(cost)
             layers = self.ids.layers_per_chunk
-            pred_fwd, pred_bwd = float(fwd[0]) * layers, float(bwd[0]) * layers
+            pred_fwd, pred_bwd = float(fwd[batch.rank]) * layers, float(bwd[batch.rank]) * layers
         rank_tokens, rank_pairs, rank_runs = rank_share(batch)
         d = np.asarray(lengths, dtype=np.float64)
         ids = self.ids
@@ -189,7 +189,8 @@ class Recorder:
             micro_batch=inner.position - 1, layers=ids.layers_per_chunk, tokens=int(d.sum()),
             sum_d2=float((d * d).sum()), lengths=lengths, rank_tokens=rank_tokens, rank_pairs=rank_pairs,
             rank_runs=rank_runs, pred_fwd_s=pred_fwd, pred_bwd_s=pred_bwd, fwd_s=0.0, bwd_s=0.0,
-            data_s=float(getattr(inner, "last_seconds", 0.0)), wait_fwd_s=0.0, wait_bwd_s=0.0)
+            data_s=float(getattr(inner, "last_seconds", 0.0)), wait_fwd_s=0.0, wait_bwd_s=0.0,
+            group=ids.cp_size if batch.block is None else batch.block[1])
         step = _Step(row, span, self._p2p_since)
         self._p2p_since = []
         self._pass.steps.append(step)

@@ -121,7 +121,8 @@ def microbatch_seconds(cost: CostModel | None, latency: np.ndarray, forward: np.
             raise ValueError(f"microbatch_seconds needs the micro-batches' tokens and pairs with {cost.describe()}: "
                              "it prices a micro-batch as a whole, not only its pieces")
         whole = size_seconds(cost, tokens, pairs)
-    total = np.where(nonempty, latency + overhead_seconds(cost, backward=True) + whole, 0.0)
+    empty_fwd, empty_bwd = (0.0, 0.0) if cost is None else cost.empty_seconds
+    total = np.where(nonempty, latency + overhead_seconds(cost, backward=True) + whole, empty_fwd + empty_bwd)
     if cost is None:
         fwd = total / 3.0
     elif forward is None:
@@ -129,14 +130,48 @@ def microbatch_seconds(cost: CostModel | None, latency: np.ndarray, forward: np.
     else:
         whole_fwd = whole / (1.0 + cost.hardware.bwd_linear)
         fwd = np.where(nonempty, np.asarray(forward, dtype=np.float64) + overhead_seconds(cost, backward=False)
-                       + whole_fwd, 0.0)
+                       + whole_fwd, empty_fwd)
     return fwd, total - fwd
+
+
+def share_seconds(cost: CostModel | None, attention: Counts, rank_tokens: Counts, rank_pairs: Counts,
+                  group_tokens: float) -> tuple[np.ndarray, np.ndarray]:
+    """(forward, backward) seconds per layer of CP ranks' shares of one micro-batch, each priced as laid out: the
+    one price of a CP rank's work, which the timing trace, the simulator, the adaptive layout chooser and the
+    paired harness use.
+
+    ``attention``: each rank's forward attention seconds over its own query runs (``cp.layouts`` prices them,
+    ``attention_work``); ``rank_tokens`` / ``rank_pairs``: its query rows and the causal pairs its attention
+    computes; ``group_tokens``: the whole micro-batch's tokens over the CP group (``cost.layout.cp`` ranks), whose
+    K/V every rank gathers. A rank pays its GEMMs and TP collectives on its own tokens, the group's all-gather
+    (``CostModel.cp_comm``), the micro-batch's fixed cost and what the micro-batch costs as a whole at its own share
+    (``CostModel.size_cost``); backward as ``microbatch_seconds`` charges it (attention x ``bwd_attention``, the rest
+    x ``bwd_linear``). A micro-batch of no tokens costs ``CostModel.empty_seconds``. With every rank an even share
+    this is ``microbatch_seconds`` of the micro-batch (CP 1: exactly). Without a cost model: ``2 x pairs`` (the
+    ``d**2`` weight), split 1 : 2."""
+    attn = np.asarray(attention, dtype=np.float64)
+    t = np.asarray(rank_tokens, dtype=np.float64)
+    p = np.asarray(rank_pairs, dtype=np.float64)
+    if cost is None:
+        total = np.broadcast_to(2.0 * p, np.broadcast(attn, t, p).shape).astype(np.float64)
+        return total / 3.0, total - total / 3.0
+    if group_tokens <= 0:
+        fwd, bwd = cost.empty_seconds
+        shape = np.broadcast(attn, t, p).shape
+        return np.full(shape, fwd), np.full(shape, bwd)
+    lin = (cost.linear_compute(t) + cost.tp_comm(t) + cost.cp_comm(float(group_tokens))
+           + overhead_seconds(cost, backward=False) + cost.size_cost(t, p))
+    if cost.layout.ep > 1 and cost.model.is_moe:
+        lin = lin + cost.ep_comm(t)
+    hw = cost.hardware
+    return attn + lin, hw.bwd_attention * attn + hw.bwd_linear * lin
 
 
 def microbatch_latency(cost: CostModel | None, mb: MicroBatch, backward: bool = True) -> float:
     """Latency of one micro-batch (0 when empty); forward + backward unless ``backward`` is False."""
     if not mb.pieces:
-        return 0.0
+        empty_fwd, empty_bwd = (0.0, 0.0) if cost is None else cost.empty_seconds
+        return empty_fwd + empty_bwd if backward else empty_fwd
     lat = piece_latency(cost, mb.lengths) if backward else piece_forward(cost, mb.lengths)
     whole = size_seconds(cost, float(mb.lengths.sum()), float(piece_pairs(mb.lengths).sum()), backward)
     return float(lat.sum() + overhead_seconds(cost, backward) + whole)

@@ -43,12 +43,13 @@ from megatron_wlb.packing.types import piece_lengths
 
 @dataclass(frozen=True)
 class DynamicCPLayout:
-    """Per-rank attention seconds and tokens of one micro-batch under dynamic CP sizes."""
+    """Per-rank attention seconds, tokens and causal pairs of one micro-batch under dynamic CP sizes."""
 
     name: str
     rank_work: np.ndarray
     rank_tokens: np.ndarray
     doc_cp: np.ndarray
+    rank_pairs: np.ndarray
 
     @property
     def imbalance(self) -> float:
@@ -84,6 +85,7 @@ def dynamic_cp_layout(lengths: np.ndarray, cp: int, cost: CostModel,
     load = np.zeros(cp)
     work = np.zeros(cp)
     tokens = np.zeros(cp)
+    pairs = np.zeros(cp)
     for i in np.argsort(-score, kind="stable"):
         k = int(sizes[i])
         blocks = load.reshape(-1, k).max(axis=1)
@@ -93,11 +95,13 @@ def dynamic_cp_layout(lengths: np.ndarray, cp: int, cost: CostModel,
         if k == 1:
             work[sl] += whole[i]
             tokens[sl] += d[i]
+            pairs[sl] += d[i] * (d[i] + 1) / 2.0
         else:
             shard = build_layout("per-document", d[i:i + 1], k, cost=cost, tile=tile)
             work[sl] += shard.rank_work
             tokens[sl] += shard.rank_tokens
-    return DynamicCPLayout("dynamic-cp", work, tokens, sizes)
+            pairs[sl] += shard.rank_pairs
+    return DynamicCPLayout("dynamic-cp", work, tokens, sizes, pairs)
 
 
 @dataclass(frozen=True)

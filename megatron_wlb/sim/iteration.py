@@ -40,8 +40,7 @@ from megatron_wlb.packing.metrics import (
     batch_latencies,
     imbalance_global,
     imbalance_per_rank,
-    overhead_seconds,
-    piece_pairs,
+    share_seconds,
     summarize,
 )
 from megatron_wlb.packing.types import GlobalBatch, MicroBatch
@@ -236,14 +235,11 @@ class IterationSimulator:
         if attn.shape != (cp,) or rank_tokens.shape != (cp,):
             raise ValueError(f"layout {self.cp_sharding!r} returned rank_work {attn.shape} / rank_tokens "
                              f"{rank_tokens.shape}; expected ({cp},)")
+        rank_pairs = np.asarray(layout.rank_pairs, dtype=np.float64)
         hw = cost.hardware
         gemm = np.asarray(cost.linear_compute(rank_tokens), dtype=np.float64)
-        comm = np.asarray(cost.comm(rank_tokens, float(tokens)), dtype=np.float64)
-        over = overhead_seconds(cost, backward=False)   # the packer's definition: backward scaled like GEMMs
-        # the micro-batch as a whole (a calibrated profile's size terms): each rank's tokens and pairs share
-        whole = np.asarray(cost.size_cost(rank_tokens, float(piece_pairs(lengths).sum()) / cp), dtype=np.float64)
-        rank_fwd = attn + gemm + comm + over + whole
-        rank_bwd = cost.backward(attn, gemm) + comm + (overhead_seconds(cost) - over) + hw.bwd_linear * whole
+        # each rank's share as laid out: the one price of a CP rank's work (``packing.metrics.share_seconds``)
+        rank_fwd, rank_bwd = share_seconds(cost, attn, rank_tokens, rank_pairs, float(tokens))
         compute = cost.forward_backward(attn, gemm)
         head = float(cost.linear_compute(tokens / cp)) * self._head_ratio
         p2p = float(cost.pp_send(tokens, self.sequence_parallel))
