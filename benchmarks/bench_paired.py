@@ -126,6 +126,9 @@ class Comparison:
 
 
 BALANCED = ("--wlb-packer", "wlb", "--wlb-pieces", "concat-and-cut", "--wlb-cp-sharding", "per-sequence")
+#: stock Megatron as B: GPTDataset's samples, one a micro-batch (dealt as Megatron's sampler deals them), sharded
+#: per sequence over CP
+STOCK = {"packer": "original", "pieces": "concat-and-cut", "cp_sharding": "per-sequence"}
 COMPARISONS = (
     Comparison("users", "balanced concat-and-cut", "stock Megatron grouping", {"DP": "2"}, 4, BALANCED,
                {"packer": "original"}, megatron_deal=True),
@@ -141,10 +144,18 @@ COMPARISONS = (
                {"packer": "original"}, megatron_deal=True),
     Comparison("dcp", "dynamic CP", "fixed-group CP2, adaptive", {"DP": "2", "CP": "2"}, 8,
                ("--wlb-packer", "wlb", "--wlb-cp-sharding", "dynamic"), {"cp_sharding": "adaptive"}, pool=True),
+    Comparison("paper", "WLB-LLM (wlb packing, documents whole, adaptive CP)", "stock Megatron (GPTDataset samples, "
+               "per-sequence CP)", {"DP": "2", "CP": "2"}, 8, ("--wlb-packer", "wlb", "--wlb-cp-sharding", "adaptive"),
+               STOCK, megatron_deal=True),
+    Comparison("users-cp", "balanced concat-and-cut, adaptive CP", "stock Megatron (per-sequence CP)",
+               {"DP": "2", "CP": "2"}, 8, (*BALANCED[:4], "--wlb-cp-sharding", "adaptive"), STOCK, megatron_deal=True),
+    Comparison("aa-cp", "wlb, adaptive CP", "wlb, adaptive CP (the same)", {"DP": "2", "CP": "2"}, 8,
+               ("--wlb-packer", "wlb", "--wlb-cp-sharding", "adaptive"), {}),
 )
-#: the comparisons a plain run makes (``dcp`` has its own results file and block: ``--dynamic-cp``)
+#: the comparisons a plain run makes (2 ranks each; the DP2 x CP2 ones have their own results file and block)
 DEFAULT_COMPARISONS = ("users", "dp", "pp", "cp", "aa", "large")
-#: ``--dynamic-cp``: its comparison, results file and results-page block
+#: ``--dynamic-cp``: the DP2 x CP2 comparisons (4 ranks each, dynamic CP among them), results file and page block
+FOUR_RANK_COMPARISONS = ("paper", "users-cp", "aa-cp", "dcp")
 DYNAMIC_CP = "dcp"
 DYNAMIC_CP_OUT = REPO / "benchmarks" / "results" / "dynamic_cp_paired"
 DYNAMIC_CP_BEGIN, DYNAMIC_CP_END = "<!-- paired-dcp -->", "<!-- /paired-dcp -->"
@@ -225,12 +236,21 @@ CALIBRATIONS = (
     Comparison("stock", "stock grouping", "stock grouping", {"DP": "2"}, 4,
                ("--wlb-packer", "original", "--wlb-pieces", "concat-and-cut", "--wlb-cp-sharding", "per-sequence"),
                {}),
+    # CP layouts and their communication: CP2 sharded per document and per sequence, and dynamic CP's groups of 1,
+    # 2 and 4 (with its empty micro-batches) over DP2 x CP2
+    Comparison("cp-document", "wlb, CP2 per-document", "the same", {"CP": "2"}, 2,
+               ("--wlb-packer", "wlb", "--wlb-cp-sharding", "per-document"), {}),
+    Comparison("cp-sequence", "wlb, CP2 per-sequence", "the same", {"CP": "2"}, 2,
+               ("--wlb-packer", "wlb", "--wlb-cp-sharding", "per-sequence"), {}),
+    Comparison("cp-dynamic", "wlb, dynamic CP over DP2 x CP2", "the same", {"DP": "2", "CP": "2"}, 8,
+               ("--wlb-packer", "wlb", "--wlb-cp-sharding", "dynamic"), {}),
 )
 CALIBRATION = "calibration"
 
 
-#: the quick run's calibration: two packings of unlike micro-batches (the code path of the held-out packing)
-QUICK_CALIBRATIONS = ("wlb", "stock")
+#: the quick run's calibration: two packings of unlike micro-batches (the code path of the held-out packing) and
+#: one CP layout (the path of a fit over several layouts with CP communication)
+QUICK_CALIBRATIONS = ("wlb", "stock", "cp-sequence")
 
 
 def calibrate(data: Path, out: Path, steps: int, log: Any, quick: bool = False) -> tuple[Path, dict[str, Any]]:
@@ -526,6 +546,7 @@ def pool_breakdown(c: Comparison, pairs: list[int], by_step: dict[int, list[Any]
     priced: dict[str, float] = defaultdict(float)
     empty: list[float] = []
     over = costs[cp].microbatch_overhead * (1.0 + costs[cp].hardware.bwd_linear)
+    empty_price = float(sum(costs[cp].empty_seconds)) * layers
     for k in pairs:
         a, b = (2 * k, 2 * k + 1) if method_of(2 * k) == "A" else (2 * k + 1, 2 * k)
         groups = blocks[a]
@@ -550,7 +571,8 @@ def pool_breakdown(c: Comparison, pairs: list[int], by_step: dict[int, list[Any]
     return {"replay_without_group_waits": geo_interval(np.asarray(unsynced))[0] if unsynced else None,
             "replay_without_group_waits_or_empty": geo_interval(np.asarray(no_empty))[0] if no_empty else None,
             "measured_over_priced_by_group": {g: measured[g] / priced[g] for g in sorted(measured) if priced[g] > 0},
-            "empty_micro_batches": {"count": len(empty), "mean_s": float(np.mean(empty)) if empty else None}}
+            "empty_micro_batches": {"count": len(empty), "mean_s": float(np.mean(empty)) if empty else None,
+                                    "priced_s": empty_price}}
 
 
 def _mean_or_none(values: list[float]) -> float | None:
@@ -570,11 +592,21 @@ def to_markdown(result: dict) -> str:
         held = cal.get("packings") or {}
         per = ", ".join(f"{k} {v:.1%}" for k, v in held.items())
         whole = [t for t in cal.get("terms", []) if t not in ("pairs", "tokens", "runs", "micro_batch")]
-        lines += [f"Cost model: `wlb calibrate --from-trace` on {len(held) or 1} {cal['steps']}-step DP2 runs of this "
-                  f"machine (thread clock), one per packing; held out by packing (each predicted by a fit of the "
-                  f"others): {per or 'n/a'}; held-out iterations {cal['mape']:.1%}. Terms kept: "
-                  f"{', '.join(cal.get('terms', [])) or 'n/a'}"
-                  + (f" (the micro-batch priced as a whole: {', '.join(whole)})" if whole else " (additive)")
+        selection = cal.get("term_selection") or {}
+        floor = (selection.get("noise_floor") or {}).get("mape")
+        biases = ", ".join(f"{k} {v:.3f}" for k, v in (selection.get("biases") or {}).items())
+        ratio = selection.get("ratio_error")
+        lines += [f"Cost model: `wlb calibrate --from-trace` on {len(held) or 1} {cal['steps']}-step runs of this "
+                  "machine (thread clock), one per packing or CP layout (DP2; CP2 per-document and per-sequence; "
+                  "dynamic CP over DP2 x CP2); held out by packing and layout (each predicted by a fit of the "
+                  f"others), per micro-batch: {per or 'n/a'}; held-out iterations {cal['mape']:.1%}; the machine's "
+                  "noise floor (repeated identical micro-batches) "
+                  + (f"{floor:.1%}" if floor is not None else "n/a")
+                  + (f"; held-out slowest-rank bias (predicted over measured per iteration) {biases}, so a "
+                     f"predicted ratio between two of them is off by {ratio:.1%} (root mean square)"
+                     if biases and ratio is not None else "")
+                  + f". Terms kept (by that ratio error): {', '.join(cal.get('terms', [])) or 'n/a'}"
+                  + (f" (beyond the documents: {', '.join(whole)})" if whole else " (additive)")
                   + "; every comparison balances and predicts with it.", ""]
     lines += ["A ratio above 1 means A is faster. Each is the geometric mean over pairs of B's time per unit of work "
               "over A's (work: the cost model's price of the step's documents, without what a micro-batch costs as "
@@ -630,7 +662,8 @@ def pool_notes(result: dict) -> list[str]:
                 "summed per group size (A1/A2/A4: dynamic CP's micro-batches on 1, 2, 4 slots; B2: the fixed CP2 "
                 "groups'): " + ", ".join(f"{g} {v:.3f}" for g, v in r["measured_over_priced_by_group"].items())
                 + f"; {r['empty_micro_batches']['count']} empty micro-batches of A (a slot done before its "
-                f"Megatron count) took {r['empty_micro_batches']['mean_s'] or 0:.4f} s each, priced 0; the replay "
+                f"Megatron count) took {r['empty_micro_batches']['mean_s'] or 0:.4f} s each, priced "
+                f"{r['empty_micro_batches'].get('priced_s', 0.0):.4f}; the replay "
                 f"ratio without the groups' waits {r['replay_without_group_waits']:.3f}, and without A's empty "
                 f"micro-batches too {r['replay_without_group_waits_or_empty']:.3f}.",
                 "- replay is group-synchronous for both (a group's micro-batch starts when all its members are free "
@@ -655,8 +688,8 @@ def main(argv: list[str] | None = None) -> int:
                                                             f"{DEFAULT_STEPS}, quick 12)")
     ap.add_argument("--comparisons", default=",".join(DEFAULT_COMPARISONS),
                     help=f"of {', '.join(c.name for c in COMPARISONS)}")
-    ap.add_argument("--dynamic-cp", action="store_true", help=f"the {DYNAMIC_CP} comparison alone, into "
-                    f"{DYNAMIC_CP_OUT.relative_to(REPO)}.{{json,md}} and its own results-page block")
+    ap.add_argument("--dynamic-cp", action="store_true", help=f"the DP2 x CP2 comparisons ({', '.join(FOUR_RANK_COMPARISONS)}), "
+                    f"into {DYNAMIC_CP_OUT.relative_to(REPO)}.{{json,md}} and their own results-page block")
     ap.add_argument("--work", default=str(REPO / "out" / "paired"), help="run folder (traces, logs)")
     ap.add_argument("--out", default=None, help="results file without suffix (default benchmarks/results/paired, "
                                                 "with --dynamic-cp benchmarks/results/dynamic_cp_paired)")
@@ -666,7 +699,7 @@ def main(argv: list[str] | None = None) -> int:
     steps = args.steps or (12 if args.quick else DEFAULT_STEPS)
     if steps < 2 * (WARMUP_PAIRS + 1) or steps % 2:
         raise SystemExit(f"--steps must be even and >= {2 * (WARMUP_PAIRS + 1)}, got {steps}")
-    names = [DYNAMIC_CP] if args.dynamic_cp else [n for n in args.comparisons.split(",") if n]
+    names = list(FOUR_RANK_COMPARISONS) if args.dynamic_cp else [n for n in args.comparisons.split(",") if n]
     args.out = args.out or str(DYNAMIC_CP_OUT if args.dynamic_cp else REPO / "benchmarks" / "results" / "paired")
     known = {c.name: c for c in COMPARISONS}
     unknown = sorted(set(names) - set(known))

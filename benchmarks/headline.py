@@ -18,6 +18,8 @@ ROOT = Path(__file__).resolve().parents[1]
 BEGIN, END = "<!-- headline -->", "<!-- /headline -->"
 REPORT = ROOT / "benchmarks" / "results" / "reproduce" / "report.md"
 PAIRED = ROOT / "benchmarks" / "results" / "paired.json"
+#: ``bench_paired.py --dynamic-cp``: the DP2 x CP2 comparisons (the paper's own among them)
+PAIRED_CP4 = ROOT / "benchmarks" / "results" / "dynamic_cp_paired.json"
 
 #: (report column, what it compares) of the simulated rows
 SIMULATED = (("WLB-LLM / whole-document", "WLB-LLM (wlb packing + adaptive CP) over documents kept whole"),
@@ -26,7 +28,12 @@ SIMULATED = (("WLB-LLM / whole-document", "WLB-LLM (wlb packing + adaptive CP) o
               "`--wlb-pieces concat-and-cut` (the same samples, balanced) over concat-and-cut"))
 #: bench_paired comparison name -> what it compares (its ratio is B's time over A's per unit of work: above 1,
 #: A, ours, is faster)
-MEASURED = (("users", "`--wlb-pieces concat-and-cut` over stock Megatron, the same GPTDataset samples (DP2)"),
+MEASURED = (("paper", "WLB-LLM as the paper runs it (wlb packing, documents whole, adaptive CP) over stock Megatron "
+                      "(GPTDataset samples, per-sequence CP), DP2 x CP2"),
+            ("users-cp", "`--wlb-pieces concat-and-cut` with adaptive CP over stock Megatron, DP2 x CP2"),
+            ("dcp", "dynamic CP over the same wlb batches on fixed CP2 groups (adaptive), DP2 x CP2"),
+            ("aa-cp", "A/A at DP2 x CP2: wlb with adaptive CP over itself, the instrument's own spread"),
+            ("users", "`--wlb-pieces concat-and-cut` over stock Megatron, the same GPTDataset samples (DP2)"),
             ("large", "the same, one micro-batch per DP rank (DP2, global batch 2)"),
             ("dp", "wlb over fixed-greedy, documents whole (DP2)"),
             ("pp", "wlb over fixed-greedy, documents whole (PP2)"),
@@ -45,21 +52,26 @@ def report_row(report: str, label: str = "**avg all** (geo-mean)") -> dict[str, 
     raise SystemExit(f"{REPORT}: no row {label!r} in its first table; rerun wlb reproduce")
 
 
-def headline(report: str, paired: dict) -> str:
-    """The README's headline table."""
+def cpu_of(result: dict) -> str:
+    """The CPU model a results file names (its ``machine``'s first part)."""
+    return str(result.get("machine", "an unnamed machine")).split(",")[0]
+
+
+def headline(report: str, *paired: dict) -> str:
+    """The README's headline table (``paired``: bench_paired's results files, each naming its CPU)."""
     row, paper = report_row(report), report_row(report, "paper avg all")
     lines = ["| what | how it was obtained | speedup |", "|---|---|---:|"]
     for column, text in SIMULATED:
         quoted = f" (the paper measured {paper[column]}x on H100s)" if paper.get(column, "-") != "-" else ""
         lines.append(f"| {text} | simulated: `wlb reproduce`, the paper's 8 configurations (geo-mean), analytic "
                      f"H100 cost model{quoted} | **{row[column]}x** |")
-    by_name = {c["name"]: c for c in paired["comparisons"]}
+    by_name = {c["name"]: (c, cpu_of(result)) for result in paired for c in result["comparisons"]}
     for name, text in MEASURED:
         if name not in by_name:
             continue
-        c = by_name[name]
+        c, cpu = by_name[name]
         r = c["replay"]
-        lines.append(f"| {text} | measured: Megatron's loop on a 2-core CPU, tiny GPT, {c['pairs']} paired steps "
+        lines.append(f"| {text} | measured: Megatron's loop on 2 cores of an {cpu}, tiny GPT, {c['pairs']} paired steps "
                      f"(`benchmarks/bench_paired.py`; predicted {c['predicted']['ratio']:.3f}) | "
                      f"{r['ratio']:.3f} [{r['low']:.3f}, {r['high']:.3f}] |")
     lines.append("| any of them on a GPU | not measured: no GPU has been lent to this project yet | - |")
@@ -67,7 +79,7 @@ def headline(report: str, paired: dict) -> str:
 
 
 def current() -> str:
-    return headline(REPORT.read_text(), json.loads(PAIRED.read_text()))
+    return headline(REPORT.read_text(), *(json.loads(p.read_text()) for p in (PAIRED_CP4, PAIRED) if p.exists()))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -67,9 +67,11 @@ class PairedDataIterator(WlbDataIterator):
         if b.n != a.n or b.dp_size != a.dp_size:
             raise ValueError(f"paired methods plan different layouts: A {a.dp_size} x {a.n}, B {b.dp_size} x {b.n}")
         self.other = b
-        #: each method's CP sharding and dynamic-CP pool (kept here: ``self.sharding`` is the current method's)
+        #: each method's CP sharding, dynamic-CP pool and token readers (kept here: ``self.sharding`` is the current
+        #: method's): B may read other pieces than A (stock Megatron's GPTDataset samples against whole documents)
         self.shardings = {"A": a.sharding, "B": b.sharding}
         self.pools = {"A": _recording(a.dynamic), "B": _recording(b.dynamic)}
+        self.readers = {"A": (a.read, a.read_piece), "B": (b.read, b.read_piece)}
         self.deal_b = deal_b
         self.step = 0
         self.method = ""
@@ -88,6 +90,7 @@ class PairedDataIterator(WlbDataIterator):
         batch = dataclasses.replace(batch, iteration=self.step)
         self.sharding = self.shardings[self.method]
         self.dynamic = self.pools[self.method]
+        self.read, self.read_piece = self.readers[self.method]
         self.layouts, self._cp_layouts = (), ()  # a dynamic-CP step lays out none: no stale layouts agreed
         self.step += 1
         return self._take(batch)
