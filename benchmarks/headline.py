@@ -71,8 +71,8 @@ def headline(report: str, *paired: dict) -> str:
             continue
         c, cpu = by_name[name]
         r = c["replay"]
-        lines.append(f"| {text} | measured: Megatron's loop on 2 cores of an {cpu}, tiny GPT, {c['pairs']} paired steps "
-                     f"(`benchmarks/bench_paired.py`; predicted {c['predicted']['ratio']:.3f}) | "
+        lines.append(f"| {text} | measured: Megatron's loop on 2 cores of an {cpu}, tiny GPT, {c['pairs']} paired "
+                     f"steps (`benchmarks/bench_paired.py`; predicted {c['predicted']['ratio']:.3f}) | "
                      f"{r['ratio']:.3f} [{r['low']:.3f}, {r['high']:.3f}] |")
     lines.append("| any of them on a GPU | not measured: no GPU has been lent to this project yet | - |")
     return "\n".join(lines) + "\n"
