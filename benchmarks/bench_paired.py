@@ -689,7 +689,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--comparisons", default=",".join(DEFAULT_COMPARISONS),
                     help=f"of {', '.join(c.name for c in COMPARISONS)}")
     ap.add_argument("--dynamic-cp", action="store_true",
-                    help=f"the DP2 x CP2 comparisons ({', '.join(FOUR_RANK_COMPARISONS)}), into {DYNAMIC_CP_OUT.relative_to(REPO)}.{{json,md}} and their own results-page block")
+                    help=f"the DP2 x CP2 comparisons ({', '.join(FOUR_RANK_COMPARISONS)}), into "
+                         f"{DYNAMIC_CP_OUT.relative_to(REPO)}.{{json,md}} and their own results-page block")
     ap.add_argument("--work", default=str(REPO / "out" / "paired"), help="run folder (traces, logs)")
     ap.add_argument("--out", default=None, help="results file without suffix (default benchmarks/results/paired, "
                                                 "with --dynamic-cp benchmarks/results/dynamic_cp_paired)")
