@@ -11,6 +11,8 @@ refitted model travels in the packer's state (``Packer.set_cost``), so a resumed
 
 from __future__ import annotations
 
+import dataclasses
+
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -66,8 +68,11 @@ class OnlineRefit:
         if total.points < 3:
             return None
         fit = rounded(total.fit(self.model, self.terms))
+        if isinstance(self.base, CalibratedCostModel):  # an empty micro-batch's price: measured by the profile only
+            fit = dataclasses.replace(fit, empty_fwd=self.base.fit.empty_fwd, empty_bwd=self.base.fit.empty_bwd)
         check = np.array([fit.attn_per_pair, fit.linear_per_token, fit.overhead, fit.bwd_attention, fit.bwd_linear,
-                          fit.per_token_sq, fit.per_token_pair, digest_number(self.plan())])
+                          fit.per_token_sq, fit.per_token_pair, fit.cp_call, fit.cp_kv_token,
+                          digest_number(self.plan())])
         low, high = all_reduce(check, "min"), all_reduce(check, "max")
         if not np.array_equal(low, high):
             what = "refitted coefficients" if not np.array_equal(low[:-1], high[:-1]) else "plan digests"
