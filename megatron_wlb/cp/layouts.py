@@ -26,8 +26,9 @@ Layouts (``LAYOUT_NAMES``):
     ``2cp`` (padding at its end), then the head-tail split per padded document. Positions are in
     the padded micro-batch (``padded_lengths``). For users who keep TE's ring attention.
 ``adaptive``
-    Per micro-batch, whichever of ``per-sequence`` / ``per-document`` has the lower estimated CP
-    attention time (max over ranks of the estimated work); ``ShardLayout.name`` is the choice.
+    Per micro-batch, whichever of ``per-sequence`` / ``per-document`` has the lower price of its slowest
+    rank, each rank's share priced as laid out (``ShardLayout.seconds``: its attention runs, tokens, pairs,
+    the all-gather and the micro-batch's fixed and whole-micro-batch costs); ``ShardLayout.name`` is the choice.
 ``hybrid`` (per-document choice; beyond the paper, whose Sec. 8 leaves it open)
     Short documents whose per-document shards would run the kernel inefficiently (whole cost <
     summed shard cost) are kept whole and placed longest-processing-time first; the long documents
