@@ -606,6 +606,8 @@ def to_markdown(result: dict) -> str:
                      f"predicted ratio between two of them is off by {ratio:.1%} (root mean square)"
                      if biases and ratio is not None else "")
                   + f". Terms kept (by that ratio error): {', '.join(cal.get('terms', [])) or 'n/a'}"
+                  + (" (each candidate: " + ", ".join(f"{k} {v}" for k, v in selection["resolved"].items()) + ")"
+                     if selection.get("resolved") else "")
                   + (f" (beyond the documents: {', '.join(whole)})" if whole else " (additive)")
                   + "; every comparison balances and predicts with it.", ""]
     lines += ["A ratio above 1 means A is faster. Each is the geometric mean over pairs of B's time per unit of work "

@@ -145,6 +145,7 @@ def test_calibration_over_layouts_fits_cp_communication_and_empty_micro_batches(
                           float(lengths.sum()))) for r in layout.ranks]
     assert np.allclose(fwd + bwd, truth, rtol=0.05)
     # the ratio between layouts is what decides plans: held out, every layout's bias is within 2% of the others
+    assert profile["term_selection"]["resolved"]["cp_kv"] == "kept"
     biases = profile["term_selection"]["biases"]
     assert len(biases) == 4 and max(biases.values()) / min(biases.values()) < 1.02
     assert "noise floor" in stdout and "slowest-rank bias" in stdout and "empty micro-batches: 24 measured" in stdout

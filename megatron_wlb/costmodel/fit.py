@@ -337,7 +337,23 @@ def select_terms(profile: dict, every: int = 5) -> tuple[tuple[str, ...], dict[s
         left.remove(term)
     report["terms"], report["mape"], report["ratio_error"] = list(kept), best["mape"], best["ratio_error"]
     report["biases"] = best["biases"]
+    report["resolved"] = _resolved(report, TERMS[len(BASE_TERMS):])
     return kept, report
+
+
+def _resolved(report: dict[str, Any], candidates: Sequence[str]) -> dict[str, str]:
+    """Per candidate term, whether the data resolve it: "kept" (it lowered the held-out error by more than noise),
+    "unresolved" (its best trial moved the error by less than ``_better`` asks) or "no data" (its column is 0 on
+    every point: never tried)."""
+    out: dict[str, str] = {}
+    for term in candidates:
+        if any(step["kept"] == term for step in report["steps"]):
+            out[term] = "kept"
+        elif any(term in step["tried"] for step in report["steps"]):
+            out[term] = "unresolved"
+        else:
+            out[term] = "no data"
+    return out
 
 
 def _table_micro_batches(base: ProfileFit, mb: dict, x: np.ndarray, f: np.ndarray, b: np.ndarray,
