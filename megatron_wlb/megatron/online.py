@@ -12,7 +12,6 @@ refitted model travels in the packer's state (``Packer.set_cost``), so a resumed
 from __future__ import annotations
 
 import dataclasses
-
 from collections.abc import Callable, Sequence
 from typing import Any
 
