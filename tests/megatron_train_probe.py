@@ -1,4 +1,5 @@
-"""Run by torchrun from tests/test_megatron_train.py: Megatron's training loop on CPU, plus records.
+"""Run by torchrun from tests/megatron_train_runs.py (the test_megatron_train*.py files): Megatron's training loop
+on CPU, plus records.
 
 Usage: ``torchrun ... tests/megatron_train_probe.py [--pretrain-gpt PATH] [--tiny-gpt] <flags>`` with
 ``WLB_PROBE_OUT`` naming a directory. It runs exactly what ``megatron_wlb.megatron.cpu`` runs and

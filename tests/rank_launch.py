@@ -5,7 +5,7 @@ Each rank is a plain subprocess with the environment torchrun gives its workers 
 ``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT`` of a free port, ``OMP_NUM_THREADS=1`` unless set, ...); their
 stdout and stderr are shared, as under torchrun. When a rank exits non-zero, the others are stopped (SIGTERM,
 then SIGKILL), as torchrun's agent does, and the world's exit code is 1. Used by the training probe's runs
-(``test_megatron_train.train`` and the tests built on it); tests of the launchers and scripts keep their commands.
+(``megatron_train_runs.train`` and the tests built on it); tests of the launchers and scripts keep their commands.
 """
 
 from __future__ import annotations

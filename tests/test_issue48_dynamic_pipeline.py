@@ -18,7 +18,7 @@ from test_issue48_dynamic_runtime import ITERATIONS, assert_equals_cp1, train_dy
 
 @pytest.mark.slow
 def test_dynamic_cp_at_pp2_cp2_equals_cp1(tmp_path, text_corpus):
-    from test_megatron_train import assert_trains
+    from megatron_train_runs import assert_trains
 
     base = train_dynamic(tmp_path, "pp2", text_corpus, {"PP": "2"}, "--wlb-cp-sharding", "per-document",
                          global_batch=4)

@@ -162,7 +162,7 @@ SLOT_CAP = 192
 
 def train_dynamic(tmp_path, name: str, corpus: str, env: dict, *flags: str, global_batch: int = 8):
     """The tiny GPT through Megatron's loop: ``ITERATIONS`` iterations of the original packer's plans."""
-    from test_megatron_train import train
+    from megatron_train_runs import train
 
     return train(tmp_path, name, corpus, "--wlb-packer", "original", "--global-batch-size", str(global_batch),
                  "--train-iters", str(ITERATIONS), *flags, env=env)
@@ -179,7 +179,7 @@ def grad_norms_of(run) -> dict[int, float]:
 def assert_equals_cp1(base, run) -> None:
     """``run`` trained ``base``'s plans with the same losses and grad norms (1e-5 relative), every document once,
     and some piece over a slot's cap (it ran on a group)."""
-    from test_megatron_train import assert_documents_once
+    from megatron_train_runs import assert_documents_once
 
     assert plans_of(run) == plans_of(base)
     assert any(length > SLOT_CAP for plan in plans_of(run) for _, length in plan)
@@ -210,7 +210,7 @@ def _saving(ckpt) -> tuple[str, ...]:
 def test_dynamic_cp_training_at_dp2_cp2_equals_cp1(dynamic_runs):
     """DP2 x CP2 with ``--wlb-cp-sharding dynamic`` trains the CP 1 run's (DP2, the same plans) loss and grad norm
     within 1e-5 relative at every iteration, every document's tokens once over the pool."""
-    from test_megatron_train import assert_trains
+    from megatron_train_runs import assert_trains
 
     base, run, _ = dynamic_runs
     assert_trains(run, ITERATIONS)
@@ -227,7 +227,7 @@ def test_dynamic_cp_resumes_to_the_same_iterations(tmp_path, text_corpus, dynami
     plans, loss and grad norm (within 1e-5), every document once."""
     import shutil
 
-    from test_megatron_train import assert_documents_once
+    from megatron_train_runs import assert_documents_once
 
     base, _, saved = dynamic_runs
     ckpt = tmp_path / "ckpt"

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("torch")
-from test_megatron_train import (  # noqa: E402,F401
+from megatron_train_runs import (  # noqa: E402,F401
     assert_documents_once,
     assert_fed_stock_samples,
     assert_trains,

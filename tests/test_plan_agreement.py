@@ -2,7 +2,7 @@
 plan. A gloo world whose ranks build their own reader + packer (``build_train_iterator``): alike, the
 check passes every iteration; one rank reading a copy of the corpus whose documents are one token
 longer, every rank stops at the first iteration naming the ranks and the first differing document.
-(Through Megatron's own loop: ``test_megatron_train.py::test_a_rank_reading_other_data_...``.)"""
+(Through Megatron's own loop: ``test_megatron_train_resume.py::test_a_rank_reading_other_data_...``.)"""
 
 from __future__ import annotations
 

@@ -148,7 +148,7 @@ BALANCED = ("--wlb-packer", "wlb", "--wlb-pieces", "concat-and-cut", "--reset-at
 @pytest.fixture(scope="module")
 def balanced(tmp_path_factory, eod_corpus):
     """One untampered balanced run at DP2 with its GPTDataset cache (the reference the tampered runs differ from)."""
-    from test_megatron_train import train
+    from megatron_train_runs import train
 
     root = tmp_path_factory.mktemp("round4")
     cache = root / "cache"
@@ -179,7 +179,7 @@ def test_ranks_whose_gptdataset_index_caches_differ_stop_naming_the_rank_and_the
     """Item 1: rank 1 reads a copy of the job's --data-cache-path whose shuffle_index.npy swaps two one-piece
     samples (the plan's pieces are the same on both ranks): every rank stops at the step that trains them with
     one line naming rank 1, the array and its cache file (before: rc 0, the losses apart from iteration 3)."""
-    from test_megatron_train import train
+    from megatron_train_runs import train
 
     root, cache, reference = balanced
     assert "their GPTDataset" not in reference.log  # the untampered run agrees every step
@@ -226,7 +226,7 @@ def test_a_balanced_run_extends_its_train_iters_while_megatrons_order_is_the_sam
     hash, changes with the sample count) continues from the saved sample when the order up to it is the same
     (before: refused on every rank naming flags that had not changed); a length whose epochs reshuffle the
     samples is refused in one line naming --wlb-reset-data-stream (item 7: no traceback)."""
-    from test_megatron_train import train
+    from megatron_train_runs import train
 
     root, cache, reference = balanced
     common = (*BALANCED, "--data-cache-path", str(cache), "--load", str(root / "ckpt"), "--ckpt-format", "torch",
@@ -248,7 +248,7 @@ def test_start_up_and_cache_refusals_are_one_line_on_every_rank(balanced, eod_co
     agreement, which now runs before megatron-core builds anything) or its own empty --data-cache-path; a
     truncated cached .npy: each stops in one line, 0 tracebacks (before: megatron-core's FileNotFoundError,
     numpy's ValueError and our ValueError with every rank's traceback)."""
-    from test_megatron_train import train
+    from megatron_train_runs import train
 
     root, cache, _ = balanced
     empty = train(root, "empty_split", eod_corpus, *BALANCED, "--split", "0,100,0", env={"DP": "2"},

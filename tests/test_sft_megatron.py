@@ -22,7 +22,7 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 import sft_fixtures as F  # noqa: E402
-from test_megatron_train import Run, assert_documents_once, assert_trains, train  # noqa: E402
+from megatron_train_runs import Run, assert_documents_once, assert_trains, train  # noqa: E402
 from test_sft_data import _sft_dataset  # noqa: E402
 
 from megatron_wlb.data.sft import SftCorpus, split_conversations  # noqa: E402

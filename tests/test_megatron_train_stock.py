@@ -1,0 +1,163 @@
+"""Megatron's own loop (CPU, gloo): the balanced mode trains exactly the samples megatron-core's GPTDataset gives
+the stock job (``megatron_train_runs``)."""
+
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+from megatron_train_runs import Run, assert_documents_once, assert_trains, train
+
+torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.slow  # Megatron training runs: minutes; `pytest -m "not slow"` is the fast lane
+
+
+def stock_samples(corpus: str, tmp_path: Path, iterations: int, first: int = 0, dp: int = 2,
+                  eod_mask_loss: bool = True, inter_document: bool = False) -> dict[int, tuple]:
+    """What a stock job trains over ``iterations`` steps from ``first``: megatron-core's GPTDataset built as
+    the run built it, read in the order of Megatron's own ``MegatronPretrainingSampler`` at DP ``dp``:
+    piece id (position * seq_length + start) -> (iteration, sha256 of its tokens, labels and loss mask).
+    ``inter_document``: masked with ``--dataloader-inter-document-masking`` instead of the ``--reset-*`` flags."""
+    import hashlib
+    import types
+
+    import numpy as np
+
+    from megatron_wlb.megatron.compat import install_python_shims
+
+    install_python_shims()
+    from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer
+    from megatron.training.datasets.data_samplers import MegatronPretrainingSampler
+
+    from megatron_wlb.megatron.gpt_datasets import build_train_dataset
+    from megatron_wlb.megatron.gpt_samples import MegatronSamples
+
+    seq, gbs, train_iters = 256, 4, 4
+    args = types.SimpleNamespace(seed=1234, seq_length=seq, data_path=[corpus], split="98,2,0",
+                                 data_cache_path=str(tmp_path / f"stock_cache{'_inter' * inter_document}"),
+                                 mmap_bin_files=True, reset_position_ids=not inter_document,
+                                 reset_attention_mask=not inter_document, eod_mask_loss=eod_mask_loss,
+                                 dataloader_inter_document_masking=inter_document,
+                                 data_args_path=None, per_split_data_args_path=None, train_data_path=None,
+                                 valid_data_path=None, test_data_path=None)
+    samples = MegatronSamples(build_train_dataset(args, NullTokenizer(300), (train_iters * gbs, 0, 0)))
+    out = {}
+    for rank in range(dp):
+        sampler = iter(MegatronPretrainingSampler(len(samples), first * gbs, 1, rank, dp))
+        for _ in range(iterations * gbs // dp):
+            (j,) = next(sampler)
+            tokens, labels, mask, positions = samples.sample(j)
+            starts = np.flatnonzero(positions == 0)
+            for a, b in zip(starts.tolist(), np.append(starts[1:], seq).tolist()):
+                h = hashlib.sha256()
+                for arr in (tokens[a:b], labels[a:b], mask[a:b]):
+                    h.update(np.ascontiguousarray(arr, dtype=np.float64).tobytes())
+                out[j * seq + a] = (j // gbs, h.hexdigest())
+    return out
+
+
+def fed_pieces(run: Run) -> dict[int, str]:
+    """Every piece that reached the model in ``run`` (any rank): id -> digest of its data (ranks agree)."""
+    fed: dict[int, str] = {}
+    for record in run.ranks.values():
+        for doc, digest in record["piece_data"].items():
+            assert fed.setdefault(int(doc), digest) == digest
+    return fed
+
+
+def assert_fed_stock_samples(run: Run, stock: dict[int, tuple[int, str]]) -> dict[int, str]:
+    """Every piece that reached the model in ``run`` is a piece of a ``stock`` sample (``stock_samples``), with
+    Megatron's own tokens, labels and loss mask; the pieces fed (``fed_pieces``)."""
+    fed = fed_pieces(run)
+    assert fed and set(fed) <= set(stock), f"pieces the stock job does not train: {sorted(set(fed) - set(stock))[:5]}"
+    assert all(fed[k] == stock[k][1] for k in fed), "a piece's tokens, labels or loss mask differ from Megatron's"
+    return fed
+
+
+def test_balanced_gptdataset_pp2_trains_the_stock_jobs_samples(tmp_path, eod_corpus):
+    """The same at PP2 (every stage plans alike; the last stage's loss is over Megatron's labels)."""
+    run = train(tmp_path, "pp2", eod_corpus, "--wlb-packer", "wlb", "--wlb-pieces", "concat-and-cut",
+                "--reset-attention-mask", "--reset-position-ids", env={"PP": "2"})
+    assert_trains(run)
+    assert_documents_once(run)
+    assert_fed_stock_samples(run, stock_samples(eod_corpus, tmp_path, 4, dp=1, eod_mask_loss=False))
+
+
+def test_balanced_gptdataset_honours_inter_document_masking(tmp_path, text_corpus):
+    """``--dataloader-inter-document-masking`` (how megatron-core 0.19+ users ask for per-document masking) with
+    the balanced concat-and-cut intake at DP2 through Megatron's loop: the pieces that reach the model are the
+    stock job's samples cut at GPTDataset's own document boundaries (its per-document ``cu_seqlens`` and position
+    ids), with Megatron's tokens, labels and loss mask; a text_corpus whose documents do not end with the tokenizer's
+    EOD trains (boundaries come from the .idx, not from EOD tokens)."""
+    run = train(tmp_path, "inter_document", text_corpus, "--wlb-packer", "wlb", "--wlb-pieces", "concat-and-cut",
+                "--dataloader-inter-document-masking", env={"DP": "2"})
+    assert_trains(run)
+    assert_documents_once(run)
+    stock = stock_samples(text_corpus, tmp_path, 4, eod_mask_loss=False, inter_document=True)
+    assert_fed_stock_samples(run, stock)
+    whole = {k for k in stock if k % 256 == 0}
+    assert len(stock) > len(whole), "GPTDataset cut no sample at a document boundary: nothing was masked"
+
+
+def test_balanced_gptdataset_through_megatrons_loop(tmp_path, eod_corpus):
+    """``--wlb-pieces concat-and-cut`` at DP2 through Megatron's loop trains the stock job's samples: every
+    piece that reached the model is a piece of a sample Megatron's GPTDataset + sampler give the same steps,
+    with Megatron's own tokens, labels and loss mask, at or after its step; the rest wait (bounded). A job
+    without per-document masking is refused in one line; a stock checkpoint (no WLB state) continues from
+    its consumed samples."""
+    ckpt = tmp_path / "ckpt"
+    masking = ("--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss")
+    common = ("--wlb-packer", "wlb", "--wlb-pieces", "concat-and-cut", *masking, "--save", str(ckpt),
+              "--save-interval", "2", "--ckpt-format", "torch")
+    full = train(tmp_path, "balanced", eod_corpus, *common, env={"DP": "2"})
+    assert_trains(full)
+    assert_documents_once(full)
+    stock = stock_samples(eod_corpus, tmp_path, 4)
+    fed = assert_fed_stock_samples(full, stock)
+    plans = next(r["pieces"] for r in full.ranks.values() if r["pieces"])
+    for it, plan in enumerate(plans):
+        assert all(stock[doc][0] <= it for doc, _, _ in plan), f"iteration {it} trained a later step's piece"
+    waiting = set(stock) - set(fed)
+    assert len(waiting) <= 4 * 4, f"{len(waiting)} of {len(stock)} pieces wait after 4 steps"
+
+    refused = train(tmp_path, "refused", eod_corpus, "--wlb-packer", "wlb", "--wlb-pieces", "concat-and-cut",
+                    env={"DP": "2"}, expect_ok=False)
+    assert refused.returncode != 0  # type: ignore[attr-defined]
+    assert re.search(r"--wlb-pieces concat-and-cut trains Megatron's samples regrouped per document, but this job "
+                     r"attends across documents[^\n]*--dataloader-inter-document-masking", refused.log)
+
+    # documents that end with another id than the tokenizer's EOD: --reset-* would find no document end
+    import sysconfig
+
+    from megatron_wlb.data.reader import BYTE_EOD, byte_documents, write_indexed_dataset
+
+    wrong = str(tmp_path / "wrong_eod_text_document")
+    paths = sorted(str(p) for p in Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+    write_indexed_dataset(wrong, byte_documents(paths, separator="\n\n", eod=BYTE_EOD, max_bytes=200_000))
+    no_eod = train(tmp_path, "no_eod", wrong, *common[:4], *masking, env={"DP": "2"}, expect_ok=False)
+    assert no_eod.returncode != 0  # type: ignore[attr-defined]
+    line = next(x for x in no_eod.log.splitlines() if "EOD id 299" in x)
+    assert f"last ids: {BYTE_EOD}" in line and wrong in line
+    assert not re.search(r'File "[^"]*megatron_wlb/', no_eod.log), "the refusal came with our traceback"
+
+    # a stock checkpoint: the same files without our sidecar (what pretrain_gpt.py saves)
+    shutil.rmtree(ckpt / "iter_0000004", ignore_errors=True)
+    (ckpt / "iter_0000002" / "wlb_packer_state.json").unlink()
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("2")
+    resumed = train(tmp_path, "from_stock", eod_corpus, *common, "--load", str(ckpt), env={"DP": "2"})
+    # the reverse switch: a stock run resumes from consumed_train_samples = 2 global batches, so it would skip
+    # exactly the tokens of those samples still waiting in our packer, and the save says how many
+    saved = torch.load(ckpt / "iter_0000002" / "mp_rank_00" / "model_optim_rng.pt", weights_only=False)
+    assert saved["args"].consumed_train_samples == 2 * 4
+    first_two = {doc for plan in plans[:2] for doc, _, _ in plan}
+    lengths = {doc: length for plan in plans for doc, _, length in plan}
+    waiting_at_2 = [k for k in stock if stock[k][0] < 2 and k not in first_two]
+    said = re.search(r"checkpoint at iteration 2: (\d+) tokens of Megatron.s samples wait in the packer", full.log)
+    assert said and int(said.group(1)) == sum(lengths.get(k, 0) for k in waiting_at_2)
+    assert all(k in lengths for k in waiting_at_2)  # trained by iteration 4 (within the delay bound)
+    assert "holds no wlb_packer_state.json (a stock Megatron run)" in resumed.log
+    later = stock_samples(eod_corpus, tmp_path, 2, first=2)
+    pieces = {doc for plan in next(r["pieces"] for r in resumed.ranks.values() if r["pieces"]) for doc, _, _ in plan}
+    assert pieces and pieces <= set(later), "the resumed run trained pieces of samples the stock job already had"
