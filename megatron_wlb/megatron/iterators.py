@@ -16,7 +16,7 @@ from megatron_wlb.cp.dynamic import DYNAMIC_SHARDING
 from megatron_wlb.cp.dynamic_steps import DynamicPool
 from megatron_wlb.cp.plan import CPSharding, RankMicroBatch
 from megatron_wlb.data.reader import DEFAULT_SPLIT, DocumentReader, parse_split
-from megatron_wlb.data.sft import SAMPLES_MEGATRON, SftInputError
+from megatron_wlb.data.sft import SftInputError
 from megatron_wlb.data.sft_cache import SftCacheError
 from megatron_wlb.megatron.data import WlbDataIterator
 from megatron_wlb.megatron.gpt_samples import MegatronSamples, dataset_build_problem, eod_problem
@@ -149,7 +149,7 @@ def build_train_iterator(args: Any, settings: WlbSettings, dp_rank: int, cp_rank
     if a.sft and reader is None:  # conversations from Megatron's SFT jsonl, each with its own labels and loss mask
         try:  # a refused jsonl, tokenizer or cache is one line on every rank, never a traceback
             reader, read_piece = sft_reader(args, split_name, print_fn=lambda line: print_rank0(f"> {line}"),
-                                            samples=getattr(settings, "sft_samples", SAMPLES_MEGATRON))
+                                            samples=settings.sft_samples)
             if a.padded_vocab_size:
                 reader.check_vocabulary(int(a.padded_vocab_size), "--vocab-size / the tokenizer")
         except (SftInputError, SftCacheError) as exc:
