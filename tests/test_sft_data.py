@@ -114,6 +114,11 @@ def test_every_conversation_equals_sftdatasets_sample(sft, seq):
      '{"role": "user", "content": "w5"}]}\n',
      ":1: conversation 2 has no assistant turn (roles: system, user)"),
     ('{"messages": [{"role": "user", "content": "w1"}, {"role": "bot", "content": "w2"}]}\n', ":1: message 2 has role"),
+    # issue 57: roles as Megatron's templates spell them; an orphan assistant turn; the first conversation's line
+    ('{"messages": [{"role": "User", "content": "w1"}, {"role": "Assistant", "content": "w2"}]}\n',
+     ":1: message 1 has role 'User'; use one of system, user, assistant, tool (lowercase"),
+    ('\n{"messages": [{"role": "system", "content": "w1"}, {"role": "assistant", "content": "w2"}]}\n',
+     ":2 conversation 1: message 2 is an assistant turn that follows no user or tool turn"),
 ])
 def test_bad_jsonl_is_one_line_naming_the_line(sft, tmp_path, text, named):
     _, tokenizer, _ = sft

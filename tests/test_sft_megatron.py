@@ -147,3 +147,32 @@ def test_sft_pp2_trains_sftdatasets_data(sft, expected, tmp_path):
     assert_documents_once(run)
     fed = _fed(run)
     assert fed and all(fed[d] == expected[d % len(expected)] for d in fed)
+
+
+def test_sft_samples_whole_is_a_yaml_choice_said_at_start_up(sft, tmp_path):
+    """``sft.samples: whole`` in a settings file: every conversation its own document, said in one line."""
+    root, path, _ = sft
+    settings = tmp_path / "whole.yaml"
+    settings.write_text("sft: {samples: whole}\n")
+    run = train(tmp_path, "whole", str(path), *_flags(root, path), "--train-iters", "2", "--wlb-config",
+                str(settings))
+    assert_trains(run, 2)
+    assert "sft.samples whole: " in run.log and "conversations each a document" in run.log
+
+
+@pytest.mark.parametrize("text, said", [
+    ('{"messages": [{"role": "User", "content": "w1"}, {"role": "Assistant", "content": "w2"}]}\n',
+     "message 1 has role 'User'; use one of system, user, assistant, tool"),
+    ('{"messages": [{"role": "system", "content": "w1"}, {"role": "assistant", "content": "w2"}]}\n',
+     "message 2 is an assistant turn that follows no user or tool turn"),
+], ids=["capitalised roles", "assistant only"])
+def test_an_sft_refusal_through_the_launcher_is_one_line_without_a_traceback(sft, tmp_path, text, said):
+    root, _, _ = sft
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(text)
+    run = train(tmp_path, "bad", str(bad), *_flags(root, bad), "--train-iters", "2", env={"DP": "2"},
+                expect_ok=False)
+    assert run.returncode != 0  # type: ignore[attr-defined]
+    lines = [line for line in run.log.splitlines() if said in line]
+    assert lines and all(f"{bad}:1" in line for line in lines), run.log[-3000:]
+    assert "Traceback" not in run.log, run.log[-3000:]
