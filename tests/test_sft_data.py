@@ -317,3 +317,42 @@ def test_whole_conversations_are_a_named_choice_counted(multi):
     for doc in range(whole.num_documents):
         assert whole.sample(doc)[2][-1] == 0  # each conversation's last label is the pad
     assert "sft.samples whole" in whole.note()
+
+
+@pytest.mark.parametrize("layout", ["per-sequence", "per-document", "adaptive"])
+def test_cp2_shards_gather_back_to_sftdatasets_samples(multi, layout):
+    """CP 2: the documents of several lines packed into one micro-batch and sharded over 2 CP ranks by our
+    layouts; the ranks' rows gathered back are SFTDataset's samples' inputs, labels, loss masks and positions,
+    each token on exactly one rank."""
+    from megatron_wlb.cp.plan import CPSharding, rank_batch
+
+    root, path = multi
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tokenizer = F.megatron_sft_tokenizer(root / "tok", prompt_format="identity")
+    seq, cp, lines = 96, 2, 8
+    corpus = SftCorpus.build(path, tokenizer, seq, context_parallel=cp)
+    dataset = _sft_dataset(_lines(path), tokenizer, seq, cp=cp)
+    docs = range(int(corpus.arrays.lines[0]), int(corpus.arrays.lines[lines]))
+    lengths = np.asarray([int(corpus.lengths[d]) for d in docs])
+    packed = tuple(np.concatenate([corpus.sample(d)[i] for d in docs]) for i in range(3))
+    want = {"tokens": [], "labels": [], "loss_mask": [], "position_ids": []}
+    for line in range(lines):
+        item = dataset[line]
+        n = int(sum(int(corpus.lengths[d]) for d in range(int(corpus.arrays.lines[line]),
+                                                           int(corpus.arrays.lines[line + 1]))))
+        for key in want:
+            want[key].append(item[key][:n].numpy())
+    size = int(lengths.sum())
+    got = [np.full(size, -7, dtype=np.float64) for _ in range(4)]
+    seen = np.zeros(size, dtype=np.int64)
+    for rank in range(cp):
+        batch = rank_batch(lengths, CPSharding(layout, cp, rank, sequence_multiple=2 * cp), packed=packed)
+        rows = batch.rows
+        real = rows >= 0
+        seen[rows[real]] += 1
+        for k, values in enumerate((batch.tokens, batch.labels, batch.loss_mask, batch.position_ids)):
+            got[k][rows[real]] = values[0][real]
+    assert (seen == 1).all()
+    for k, key in enumerate(want):
+        np.testing.assert_array_equal(got[k], np.concatenate(want[key]).astype(np.float64), err_msg=key)
