@@ -253,3 +253,40 @@ def test_an_id_outside_the_tokenizers_vocabulary_is_one_line_at_start_up(tmp_pat
     with pytest.raises(ValueError) as err:
         SftCorpus.build(jsonl, Small(), SEQ)
     assert "\n" not in str(err.value) and "outside its own vocabulary of 40" in str(err.value)
+
+
+def test_an_out_of_vocabulary_id_in_a_cache_is_refused_in_one_line_when_read(tmp_path):
+    """A cache whose digest holds (rewritten after the damage, as a faulty builder would leave it) but which
+    holds an id past the vocabulary: the reader's start-up scan and every piece read refuse it in one line,
+    never an IndexError in the embedding."""
+    import types
+
+    from megatron_wlb.data.sft_cache import cache_digest
+    from megatron_wlb.megatron.sft import sft_reader
+
+    class Vocab(CountingTokenizer):
+        vocab_size = 100
+
+    import megatron_wlb.megatron.sft as adapter
+
+    jsonl = _write(tmp_path / "chat.jsonl", 30)
+    tokenizer = Vocab()
+    args = types.SimpleNamespace(sft=True, seq_length=SEQ, seed=1234, split="100,0,0", data_path=[str(jsonl)],
+                                 train_data_path=None, valid_data_path=None, test_data_path=None)
+    sft_reader(args, "train", tokenizer)  # builds the cache the adapter keys (its tokenizer files' digest)
+    prefix = str(next((tmp_path / "cache").glob("*.json"))).removesuffix(".json")
+    adapter._CORPORA.clear()  # a fresh start maps it again
+    tokens = np.memmap(prefix + ".tokens.bin", dtype=np.int32, mode="r+")
+    tokens[-1] = 100_000
+    tokens.flush()
+    manifest = json.loads(Path(prefix + ".json").read_text())
+    manifest["digest"] = cache_digest(prefix, manifest)
+    Path(prefix + ".json").write_text(json.dumps(manifest))
+    reader, read_piece = sft_reader(args, "train", tokenizer)
+    with pytest.raises(ValueError) as err:
+        reader.check_vocabulary(100, "the tokenizer")
+    assert "\n" not in str(err.value) and "token id 100000" in str(err.value)
+    last = next(i for i in range(reader.num_documents) if reader.locate(i)[2] == reader.num_documents - 1)
+    with pytest.raises(ValueError) as err:
+        read_piece(last, 0, int(reader.sources[0].lengths[-1]))
+    assert "\n" not in str(err.value) and "outside the tokenizer's vocabulary of 100" in str(err.value)
