@@ -39,11 +39,11 @@ def sft_problems(args: Any, settings: Any) -> list[str]:
         problems.append(f"--sft reads conversations through a chat template: give --tokenizer-type SFTTokenizer "
                         f"--tokenizer-model DIR (not {a.tokenizer_type})")
     if settings.pieces == "concat-and-cut":
-        problems.append("--sft packs each conversation whole: --wlb-pieces concat-and-cut cuts Megatron's GPT "
-                        "samples; use --wlb-pieces documents")
+        problems.append("--sft packs SFTDataset's conversations (sft.samples) as documents: --wlb-pieces "
+                        "concat-and-cut cuts Megatron's GPT samples; use --wlb-pieces documents")
     if settings.cut == "any":
-        problems.append("--sft trains each conversation whole: packing.cut any would cut forced outliers; use "
-                        "packing.cut split in the YAML of --wlb-config (a conversation over --seq-length is cut as "
+        problems.append("--sft trains each conversation's segment whole: packing.cut any would cut forced outliers; "
+                        "use packing.cut split in the YAML of --wlb-config (a line over --seq-length is cut as "
                         "Megatron's SFTDataset cuts it)")
     problems.extend(data_path_problems(
         ((flag, getattr(a, flag)) for flag in ("data_path", "train_data_path", "valid_data_path", "test_data_path")),
