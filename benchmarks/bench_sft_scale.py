@@ -72,7 +72,7 @@ def conversation(rng: np.random.Generator) -> list[dict]:
 def write_synthetic_cache(directory: Path, conversations: int) -> tuple[Path, int]:
     """A cache of ``conversations`` written in its format, for a one-line jsonl whose conversation is its first."""
     from megatron_wlb.data.sft import tokenizer_identity
-    from megatron_wlb.data.sft_cache import CACHE_FORMAT, cache_prefix, write_cache
+    from megatron_wlb.data.sft_cache import CACHE_FORMAT, cache_prefix, file_sha256, write_cache
 
     tokenizer = WordTokenizer()
     jsonl = directory / f"chat_{conversations}.jsonl"
@@ -80,7 +80,8 @@ def write_synthetic_cache(directory: Path, conversations: int) -> tuple[Path, in
     jsonl.write_text(json.dumps({"messages": first}) + "\n")
     first_tokens, first_targets = tokenizer.tokenize_conversation(first, True, False)
     identity = tokenizer_identity(tokenizer)
-    prefix = cache_prefix(str(directory / "cache"), str(jsonl), identity, SEQ)
+    content = file_sha256(jsonl)
+    prefix = cache_prefix(str(directory / "cache"), str(jsonl), [content, identity, SEQ, "megatron", 1])
     os.makedirs(directory / "cache", exist_ok=True)
 
     def batches():
@@ -93,15 +94,15 @@ def write_synthetic_cache(directory: Path, conversations: int) -> tuple[Path, in
             targets = np.where(rng.random(tokens.size) < 0.5, tokens, -100).astype(np.int32)
             if at == 0:
                 tokens[:first_tokens.size], targets[:first_tokens.size] = first_tokens, first_targets
-            yield lengths, tokens, targets
+            yield lengths, tokens, targets, np.ones(lengths.size, dtype=np.int64)  # a conversation a line
 
     st = jsonl.stat()
 
-    def manifest(n: int, total: int) -> dict:
+    def manifest(n: int, total: int, lines: int) -> dict:
         return {"format": CACHE_FORMAT, "jsonl": str(jsonl.resolve()), "jsonl_bytes": st.st_size,
-                "jsonl_mtime_ns": st.st_mtime_ns, "jsonl_sha256": "synthetic", "tokenizer": identity,
-                "seq_len": SEQ, "pad": 0, "conversations": n, "tokens": total, "truncated": 0,
-                "truncated_tokens": 0, "token_min": 1, "token_max": 59}
+                "jsonl_sha256": content, "tokenizer": identity, "seq_len": SEQ, "pad": 0, "samples": "megatron",
+                "context_parallel": 1, "documents": n, "tokens": total, "lines": lines, "conversations": n,
+                "cut": 0, "dropped": 0, "untrained_tokens": 0, "token_min": 1, "token_max": 59}
 
     write_cache(prefix, batches(), manifest)
     return jsonl, os.path.getsize(f"{prefix}.tokens.bin") // 4
@@ -122,7 +123,7 @@ def measure_reader(jsonl: str) -> dict:
     corpus = SftCorpus.build(jsonl, WordTokenizer(), SEQ)
     assert not corpus.built, "the benchmark's cache was not found: the reader tokenized"
     mapped = time.perf_counter() - start
-    reader = DocumentReader([(corpus.source(), 1.0)], split="1,0,0", seed=1234, order_cache=default_cache_dir(jsonl))
+    reader = DocumentReader([(corpus.source()[0], 1.0)], split="1,0,0", seed=1234, order_cache=default_cache_dir(jsonl))
     config = load_config(CONFIG).packing
     tokens = (PLANS + config.max_delay + config.window + 2) * config.tokens_per_iteration  # as stream_tokens_for
     iterator = WlbDataIterator(reader, reader.stream(tokens), make_packer("wlb", config), 0)

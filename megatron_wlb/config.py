@@ -42,7 +42,7 @@ CONFIG_DIR = shipped_config_dir()
 PACKER_NAMES: tuple[str, ...] = tuple(PACKERS)
 #: the run shape (top level: never a --wlb-* flag; Megatron's own flags in training), then the sections
 _RUN_SHAPE_KEYS = ("name", "description", "model", "seq_len", "layout", "micro_batches", "virtual_stages")
-_SECTIONS = ("packing", "cp", "cost", "logging")
+_SECTIONS = ("packing", "cp", "cost", "logging", "sft")
 _TOP_KEYS = (*_RUN_SHAPE_KEYS, *_SECTIONS)
 #: PackingConfig fields that describe the run, not a packing choice: set from the config's top level
 #: (seq_len, micro_batches, layout.dp) or, under Megatron, from its own flags (--seq-length,
@@ -423,6 +423,19 @@ class LoggingConfig:
     trace: str | None = None
 
 
+@dataclass(frozen=True)
+class SftConfig:
+    """The ``sft`` section (``--sft`` training, docs/sft.md).
+
+    - ``samples``: ``megatron`` trains exactly Megatron's ``SFTDataset`` samples (each jsonl line packed into
+      ``--seq-length``: a conversation's last label the next one's first token, a line over the window cut and
+      its later conversations dropped), regrouped by work; ``whole`` makes every conversation a document of its
+      own (none dropped, each cut only at ``--seq-length``), counted and said at start-up.
+    """
+
+    samples: Literal["megatron", "whole"] = "megatron"
+
+
 #: packer knobs (PackingConfig fields, ``--wlb-<field>`` flags) whose YAML key is in another section than
 #: ``packing``: field -> (section, key); the cost model the packer balances is the cost section's
 KNOB_SECTIONS: dict[str, tuple[str, str]] = {"cost_model": ("cost", "model"),
@@ -445,7 +458,8 @@ def knob_yaml(name: str, value: Any) -> dict[str, dict[str, Any]]:
 SECTION_SETTINGS: dict[tuple[str, str], str] = {("cp", "sharding"): "cp_sharding",
                                                  ("cost", "profile"): "cost_profile",
                                                  ("logging", "log_interval"): "log_interval",
-                                                 ("logging", "trace"): "trace"}
+                                                 ("logging", "trace"): "trace",
+                                                 ("sft", "samples"): "sft_samples"}
 
 
 @dataclass(frozen=True)
@@ -467,6 +481,7 @@ class RunConfig:
     cp: CpConfig = CpConfig()
     cost: CostConfig = CostConfig()
     logging: LoggingConfig = LoggingConfig()
+    sft: SftConfig = SftConfig()
 
     @property
     def cp_sharding(self) -> str:
@@ -614,6 +629,7 @@ class RunChoices:
     cp: CpConfig = CpConfig()
     cost: CostConfig = CostConfig()
     logging: LoggingConfig = LoggingConfig()
+    sft: SftConfig = SftConfig()
 
     def settings(self) -> dict[str, Any]:
         """The cp / cost / logging sections as WlbSettings fields (``SECTION_SETTINGS``), those not default."""
@@ -665,8 +681,9 @@ def choices_from_dict(raw: dict, source: str = "<dict>") -> RunChoices:
                          f"{', '.join(cp_sharding_names())}")
     logging, _ = _section(LoggingConfig, raw.get("logging"), "logging", source)
     _positive_int(logging.log_interval, f"{source}: logging.log_interval")
+    sft, _ = _section(SftConfig, raw.get("sft"), "sft", source)
     return RunChoices(name=str(raw.get("name", source)), packer=packer, preset=preset,
-                      knobs=tuple(sorted(knobs.items())), cp=cp, cost=cost, logging=logging)
+                      knobs=tuple(sorted(knobs.items())), cp=cp, cost=cost, logging=logging, sft=sft)
 
 
 def _refuse_unknown_keys(raw: dict, source: str, valid: tuple[str, ...], where: str, alternative: str = "") -> None:
@@ -722,7 +739,7 @@ def config_from_dict(raw: dict, source: str = "<dict>") -> RunConfig:
         raise ValueError(f"{source}: packing: {exc}") from None
     return RunConfig(name=str(raw.get("name", source)), model=model, layout=layout, seq_len=seq_len,
                      packer=packer, packing=packing, virtual_stages=virtual, preset=preset, cp=cp, cost=cost,
-                     logging=logging)
+                     logging=logging, sft=choices.sft)
 
 
 def _read_config(name_or_path: str | Path) -> tuple[dict, str]:

@@ -51,7 +51,7 @@ def test_a_research_knob_passed_as_a_flag_names_its_yaml_key(name: str, capsys):
         _parser().parse_args([flag, "1"])
     assert exit_.value.code == 2
     err = capsys.readouterr().err.strip()
-    key = "cost.refit_interval" if name == "refit_interval" else f"packing.{name}"
+    key = {"refit_interval": "cost.refit_interval", "sft_samples": "sft.samples"}.get(name, f"packing.{name}")
     assert len(err.splitlines()) == 1 and f"{flag} is not a flag: set {key} in the YAML of --wlb-config" in err, err
 
 

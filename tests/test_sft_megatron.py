@@ -25,7 +25,7 @@ import sft_fixtures as F  # noqa: E402
 from megatron_train_runs import Run, assert_documents_once, assert_trains, train  # noqa: E402
 from test_sft_data import _sft_dataset  # noqa: E402
 
-from megatron_wlb.data.sft import SftCorpus, split_conversations  # noqa: E402
+from megatron_wlb.data.sft import SftCorpus  # noqa: E402
 
 SEQ = 256  # the tiny GPT's --seq-length
 ITERS = 4  # the run; it saves at SAVE and the resumed run restarts there
@@ -49,20 +49,24 @@ def _flags(root, path) -> tuple[str, ...]:
 
 
 def _expected_piece_data(path, tokenizer) -> dict[int, str]:
-    """sha256 of each conversation's (tokens, labels, loss mask) as Megatron's SFTDataset gives it (one
-    conversation a sample), hashed as the probe hashes what reached the model."""
+    """sha256 of each document's (tokens, labels, loss mask) as Megatron's SFTDataset gives it (one sample a
+    jsonl line, each conversation's segment of it a document), hashed as the probe hashes what reached the
+    model."""
     import json
 
-    conversations = [c for t in open(path) if t.strip() for c in split_conversations(json.loads(t)["messages"])]
-    dataset = _sft_dataset(conversations, tokenizer, SEQ)
+    lines = [json.loads(t)["messages"] for t in open(path) if t.strip()]
+    dataset = _sft_dataset(lines, tokenizer, SEQ)
     corpus = SftCorpus.build(path, tokenizer, SEQ)
     out = {}
-    for doc in range(len(conversations)):
-        item, n = dataset[doc], int(corpus.lengths[doc])
-        h = hashlib.sha256()
-        for key in ("tokens", "labels", "loss_mask"):
-            h.update(np.ascontiguousarray(item[key][:n].numpy(), dtype=np.float64).tobytes())
-        out[doc] = h.hexdigest()
+    for line in range(len(lines)):
+        item, at = dataset[line], 0
+        for doc in range(int(corpus.arrays.lines[line]), int(corpus.arrays.lines[line + 1])):
+            n = int(corpus.lengths[doc])
+            h = hashlib.sha256()
+            for key in ("tokens", "labels", "loss_mask"):
+                h.update(np.ascontiguousarray(item[key][at:at + n].numpy(), dtype=np.float64).tobytes())
+            out[doc] = h.hexdigest()
+            at += n
     return out
 
 
@@ -115,7 +119,7 @@ def test_sft_trains_every_conversation_once_with_sftdatasets_data_at_dp2(full, e
     assert_documents_once(run)
     _assert_sftdatasets_data_once(run, expected)
     assert run.log.count("tokenized in") == 1  # one of the two ranks built the SFT cache, the other mapped it
-    assert "longer than --seq-length 256 and were cut to it" in run.log  # the one long conversation, said
+    assert "conversations cut at the window" in run.log  # the one long conversation, said
 
 
 def test_sft_resume_equals_the_uninterrupted_run(sft, full):
@@ -143,3 +147,32 @@ def test_sft_pp2_trains_sftdatasets_data(sft, expected, tmp_path):
     assert_documents_once(run)
     fed = _fed(run)
     assert fed and all(fed[d] == expected[d % len(expected)] for d in fed)
+
+
+def test_sft_samples_whole_is_a_yaml_choice_said_at_start_up(sft, tmp_path):
+    """``sft.samples: whole`` in a settings file: every conversation its own document, said in one line."""
+    root, path, _ = sft
+    settings = tmp_path / "whole.yaml"
+    settings.write_text("sft: {samples: whole}\n")
+    run = train(tmp_path, "whole", str(path), *_flags(root, path), "--train-iters", "2", "--wlb-config",
+                str(settings))
+    assert_trains(run, 2)
+    assert "sft.samples whole: " in run.log and "conversations each a document" in run.log
+
+
+@pytest.mark.parametrize("text, said", [
+    ('{"messages": [{"role": "User", "content": "w1"}, {"role": "Assistant", "content": "w2"}]}\n',
+     "message 1 has role 'User'; use one of system, user, assistant, tool"),
+    ('{"messages": [{"role": "system", "content": "w1"}, {"role": "assistant", "content": "w2"}]}\n',
+     "message 2 is an assistant turn that follows no user or tool turn"),
+], ids=["capitalised roles", "assistant only"])
+def test_an_sft_refusal_through_the_launcher_is_one_line_without_a_traceback(sft, tmp_path, text, said):
+    root, _, _ = sft
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(text)
+    run = train(tmp_path, "bad", str(bad), *_flags(root, bad), "--train-iters", "2", env={"DP": "2"},
+                expect_ok=False)
+    assert run.returncode != 0  # type: ignore[attr-defined]
+    lines = [line for line in run.log.splitlines() if said in line]
+    assert lines and all(f"{bad}:1" in line for line in lines), run.log[-3000:]
+    assert "Traceback" not in run.log, run.log[-3000:]

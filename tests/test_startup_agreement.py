@@ -105,7 +105,12 @@ def test_a_resume_on_other_data_is_refused_naming_the_file():
     text = resume_data_refusal({"--data-path #1 .idx": "i1", "--data-path #1 .bin": "b1"}, now, 8)
     assert text is not None and "checkpoint at iteration 8" in text
     assert "--data-path #1 .bin: b1 -> b2 (c_text_document)" in text
-    assert "--wlb-reset-data-stream" in text and ".idx:" in text
+    assert "--wlb-reset-data-stream" in text and ".bin: sampled pages" in text and ".idx:" not in text
+    # an SFT jsonl is spoken of as one: its whole file's digest, no .idx or .bin
+    sft = RunFingerprint((("--data-path #1 .jsonl", "j2"),), (("--data-path #1 .jsonl", "chat.jsonl"),))
+    text = resume_data_refusal({"--data-path #1 .jsonl": "j1"}, sft, 8)
+    assert text is not None and "--data-path #1 .jsonl: j1 -> j2 (chat.jsonl); .jsonl: the whole file)" in text
+    assert ".idx" not in text and ".bin" not in text and "\n" not in text
 
 
 def test_the_layout_disagreement_names_the_dp_rank_and_the_micro_batch():

@@ -1,21 +1,26 @@
 """The tokenized SFT cache on disk: built once, memory-mapped by every rank (issue 50, scale).
 
-One cache holds every conversation of one jsonl, tokenized by one tokenizer and cut to one ``seq_len``,
-as two Megatron indexed datasets (megatron-core's ``.bin``/``.idx`` layout, int32 tokens, one sequence a
-conversation: ``indexed.write_index_chunks`` writes the ``.idx``) and a manifest:
+One cache holds the documents of one jsonl (``data.sft``: Megatron's ``SFTDataset`` samples' conversations,
+or every conversation whole), tokenized by one tokenizer for one ``seq_len``, as two Megatron indexed
+datasets (megatron-core's ``.bin``/``.idx`` layout, int32, one sequence a document: ``indexed.write_index_chunks``
+writes the ``.idx``), a line index and a manifest:
 
-- ``PREFIX.tokens.bin/.idx``: each conversation's token ids (its length is its sequence length in the
+- ``PREFIX.tokens.bin/.idx``: each document's input token ids (its length is its sequence length in the
   ``.idx``: a rank reads the lengths from the mapped ``.idx``, never the tokens);
-- ``PREFIX.targets.bin/.idx``: its targets (``IGNORE_INDEX`` outside the trained turns), the same layout;
-- ``PREFIX.json``: what the cache was built from (the jsonl's path, size, mtime and sha256, the tokenizer's
-  identity, ``seq_len``) and its counts; written last, so a cache without it is one being built.
+- ``PREFIX.labels.bin/.idx``: its labels (the next token's target: ``IGNORE_INDEX`` outside the trained
+  turns, the pad id where nothing follows), the same layout;
+- ``PREFIX.lines.bin``: int64, the first document of every jsonl line and the document count last
+  (Megatron splits train/valid/test by lines);
+- ``PREFIX.json``: what the cache was built from (the jsonl's sha256, the tokenizer's identity,
+  ``seq_len``, the sample mode) and its counts, and ``digest``: the sha256 of every other file's size and
+  sampled pages (``fingerprint.sampled_sha256``) and of the manifest's other fields. Written last, so a
+  cache without it is one being built.
 
-``PREFIX`` is ``DIR/wlb-sft-<jsonl stem>-<key>`` where the key hashes the jsonl's absolute path, the
-tokenizer's identity and ``seq_len``: another tokenizer or window is another cache; a jsonl changed since
-(size or mtime, then its sha256) makes the cache stale (rebuilt, said in one line). Ranks starting together
-take turns on ``PREFIX.lock`` (``flock``): the first builds, the others wait and then map its files, as the
-epoch-order cache of ``--data-cache-path`` does (``reader.cached_order``). A cache whose files disagree
-with its manifest (a truncated ``.bin``, a copy cut short) is refused in one line naming the file.
+``PREFIX`` is ``DIR/wlb-sft-<jsonl stem>-<key>`` where the key hashes the jsonl's CONTENT (its sha256,
+streamed at every start: an edit keeping size and mtime is another key), the tokenizer's identity, ``seq_len``
+and the sample mode. Opening recomputes the digest (a fixed cost at any size) and refuses a cache whose files
+or manifest changed since, in one line naming the file. Ranks starting together take turns on
+``PREFIX.lock`` (``flock``): the first builds, the others wait and then map its files.
 
 Pure: numpy and the standard library.
 """
@@ -33,26 +38,29 @@ from typing import Any
 
 import numpy as np
 
+from megatron_wlb.data.fingerprint import file_sha256, sampled_sha256
 from megatron_wlb.data.indexed import check_bin_matches_idx, read_index, write_index_chunks
 
 #: bump when the files' layout or meaning changes (an old cache is then another key, never misread)
-CACHE_FORMAT = 1
-#: the dtype of tokens and targets on disk (megatron-core's code 4: int32)
+CACHE_FORMAT = 2
+#: the dtype of tokens and labels on disk (megatron-core's code 4: int32)
 CACHE_DTYPE = np.int32
-#: conversations gathered before their tokens are written (the builder's memory: one batch)
+#: documents gathered before their tokens are written (the builder's memory: one batch)
 WRITE_BATCH_TOKENS = 1 << 20
 #: lengths read back at a time while the ``.idx`` is written
 _LENGTH_CHUNK = 1 << 22
+#: the cache's files beside its manifest, in the order the digest reads them
+CACHE_FILES = ("tokens.bin", "tokens.idx", "labels.bin", "labels.idx", "lines.bin")
 
 
 class SftCacheError(ValueError):
     """A cache that cannot be used or built (one line, naming the file and what to do)."""
 
 
-def cache_prefix(directory: str, jsonl: str, tokenizer_identity: str, seq_len: int) -> str:
-    """``DIR/wlb-sft-<stem>-<key>``: the key hashes the jsonl's absolute path, the tokenizer and ``seq_len``."""
-    key = hashlib.sha256(json.dumps([CACHE_FORMAT, os.path.abspath(jsonl), tokenizer_identity, int(seq_len)])
-                         .encode()).hexdigest()[:16]
+def cache_prefix(directory: str, jsonl: str, key_fields: list[Any]) -> str:
+    """``DIR/wlb-sft-<stem>-<key>``: the key hashes ``key_fields`` (the jsonl's sha256, the tokenizer's
+    identity, ``seq_len``, the sample mode) and the cache format."""
+    key = hashlib.sha256(json.dumps([CACHE_FORMAT, *key_fields]).encode()).hexdigest()[:16]
     stem = Path(jsonl).stem.replace(" ", "_")[:40] or "data"
     return os.path.join(directory, f"wlb-sft-{stem}-{key}")
 
@@ -63,26 +71,18 @@ def default_cache_dir(jsonl: str) -> str:
     return os.path.join(os.path.dirname(os.path.abspath(jsonl)), "cache")
 
 
-def file_sha256(path: str, chunk: int = 1 << 24) -> str:
-    """sha256 of a file, read a chunk at a time."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
 @dataclass(frozen=True)
 class CachedArrays:
     """A cache's files mapped: lengths and pointers are views of the ``.idx`` (nothing is copied per
-    conversation), tokens and targets views of the ``.bin`` files."""
+    document), tokens, labels and line starts views of the ``.bin`` files."""
 
     prefix: str
     manifest: dict[str, Any]
     lengths: np.ndarray   # int32 [N], view of PREFIX.tokens.idx
     starts: np.ndarray    # int64 [N], byte offsets into both .bin files (view)
     tokens: np.ndarray    # int32, PREFIX.tokens.bin mapped
-    targets: np.ndarray   # int32, PREFIX.targets.bin mapped
+    labels: np.ndarray    # int32, PREFIX.labels.bin mapped
+    lines: np.ndarray     # int64 [lines + 1], PREFIX.lines.bin mapped: each line's first document
 
 
 def read_manifest(prefix: str) -> dict[str, Any] | None:
@@ -98,44 +98,49 @@ def read_manifest(prefix: str) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
-def stale_reason(manifest: dict[str, Any], jsonl: str) -> str | None:
-    """Why a cache's manifest no longer describes ``jsonl`` (None: it does). Size and mtime decide when
-    they match; otherwise the file's sha256 does (a copy or a touch of the same bytes keeps the cache)."""
-    st = os.stat(jsonl)
-    if st.st_size == manifest.get("jsonl_bytes") and st.st_mtime_ns == manifest.get("jsonl_mtime_ns"):
-        return None
-    if st.st_size != manifest.get("jsonl_bytes"):
-        return f"{jsonl} has {st.st_size} bytes, the cache was built from {manifest.get('jsonl_bytes')}"
-    if file_sha256(jsonl) != manifest.get("jsonl_sha256"):
-        return f"{jsonl} changed since the cache was built (its sha256 differs)"
-    return None
+def cache_digest(prefix: str, manifest: dict[str, Any]) -> str:
+    """sha256 of the cache files' sizes and sampled pages (``CACHE_FILES``) and of the manifest's fields but
+    ``digest``: what the builder writes last and every open checks (a fixed cost at any size)."""
+    h = hashlib.sha256(json.dumps({k: v for k, v in manifest.items() if k != "digest"}, sort_keys=True).encode())
+    for part in CACHE_FILES:
+        h.update(sampled_sha256(f"{prefix}.{part}").encode())
+    return h.hexdigest()
 
 
 def map_cache(prefix: str) -> CachedArrays:
-    """Map a built cache, checked: each ``.bin`` the size its ``.idx`` describes, the two ``.idx`` alike,
-    the counts those of the manifest. Anything else is one ``SftCacheError`` line naming the file."""
+    """Map a built cache, checked: its digest (files and manifest unchanged since the build), each ``.bin``
+    the size its ``.idx`` describes, the counts those of the manifest. Anything else is one ``SftCacheError``
+    line naming the file."""
     manifest = read_manifest(prefix)
     if manifest is None:
         raise SftCacheError(f"SFT cache {prefix}.json: missing; build the cache first")
     fix = f"remove {prefix}.* to rebuild it"
     try:
-        for part in ("tokens", "targets"):
+        for part in ("tokens", "labels"):
             check_bin_matches_idx(f"{prefix}.{part}")
         index = read_index(f"{prefix}.tokens")
-        other = read_index(f"{prefix}.targets")
+        other = read_index(f"{prefix}.labels")
+        digest = cache_digest(prefix, manifest)
     except (ValueError, OSError) as exc:
         raise SftCacheError(f"SFT cache damaged: {str(exc).splitlines()[0]}; {fix}") from None
+    if digest != manifest.get("digest"):
+        raise SftCacheError(f"SFT cache {prefix}: its files or manifest changed since it was built (the digest "
+                            f"differs); {fix}")
     n = int(index.sequence_lengths.size)
-    if n != manifest.get("conversations") or int(other.sequence_lengths.size) != n:
+    if n != manifest.get("documents") or int(other.sequence_lengths.size) != n:
         raise SftCacheError(f"SFT cache {prefix}: the .idx files list {n} and {int(other.sequence_lengths.size)} "
-                            f"conversations, the manifest {manifest.get('conversations')}; {fix}")
+                            f"documents, the manifest {manifest.get('documents')}; {fix}")
     if index.dtype != np.dtype(CACHE_DTYPE) or other.dtype != np.dtype(CACHE_DTYPE):
         raise SftCacheError(f"SFT cache {prefix}: token dtype {index.dtype}/{other.dtype}, expected int32; {fix}")
     tokens = np.memmap(f"{prefix}.tokens.bin", dtype=CACHE_DTYPE, mode="r")
-    targets = np.memmap(f"{prefix}.targets.bin", dtype=CACHE_DTYPE, mode="r")
-    if tokens.size != targets.size:
-        raise SftCacheError(f"SFT cache {prefix}: {tokens.size} tokens but {targets.size} targets; {fix}")
-    return CachedArrays(prefix, manifest, index.sequence_lengths, index.sequence_pointers, tokens, targets)
+    labels = np.memmap(f"{prefix}.labels.bin", dtype=CACHE_DTYPE, mode="r")
+    lines = np.memmap(f"{prefix}.lines.bin", dtype=np.int64, mode="r")
+    if tokens.size != labels.size:
+        raise SftCacheError(f"SFT cache {prefix}: {tokens.size} tokens but {labels.size} labels; {fix}")
+    if lines.size != int(manifest.get("lines", -1)) + 1 or int(lines[-1]) != n or int(lines[0]) != 0:
+        raise SftCacheError(f"SFT cache {prefix}.lines.bin: does not index {manifest.get('lines')} lines of {n} "
+                            f"documents; {fix}")
+    return CachedArrays(prefix, manifest, index.sequence_lengths, index.sequence_pointers, tokens, labels, lines)
 
 
 def _lengths_chunks(path: str, count: int) -> Callable[[], Iterator[np.ndarray]]:
@@ -145,35 +150,44 @@ def _lengths_chunks(path: str, count: int) -> Callable[[], Iterator[np.ndarray]]
     return chunks
 
 
-def write_cache(prefix: str, batches: Iterable[tuple[np.ndarray, np.ndarray, np.ndarray]],
-                manifest: Callable[[int, int], dict[str, Any]]) -> None:
-    """Write a cache at ``prefix`` from batches of (lengths, tokens, targets) (each batch's tokens and targets
-    concatenated, ``lengths`` summing to their size), then its manifest (``manifest(conversations, tokens)``
-    gives its fields). Everything is written under temporary names and renamed, the manifest last: a reader
-    sees a whole cache or none. Memory: one batch."""
+def write_cache(prefix: str, batches: Iterable[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]],
+                manifest: Callable[[int, int, int], dict[str, Any]]) -> None:
+    """Write a cache at ``prefix`` from batches of (lengths, tokens, labels, documents per line) (each batch's
+    tokens and labels concatenated, ``lengths`` summing to their size, whole lines), then its manifest
+    (``manifest(documents, tokens, lines)`` gives its fields; the digest is added). Everything is written under
+    temporary names and renamed, the manifest last: a reader sees a whole cache or none. Memory: one batch."""
     directory = os.path.dirname(prefix) or "."
     tmp = tempfile.mkdtemp(dir=directory, prefix=os.path.basename(prefix) + ".", suffix=".tmp")
     try:
         lengths_path = os.path.join(tmp, "lengths")
-        conversations = total = 0
+        documents = total = lines = 0
         with open(lengths_path, "wb") as fl, open(os.path.join(tmp, "t.tokens.bin"), "wb") as ft, \
-                open(os.path.join(tmp, "t.targets.bin"), "wb") as fg:
-            for lengths, tokens, targets in batches:
+                open(os.path.join(tmp, "t.labels.bin"), "wb") as fg, \
+                open(os.path.join(tmp, "t.lines.bin"), "wb") as fn:
+            np.zeros(1, dtype=np.int64).tofile(fn)
+            for lengths, tokens, labels, per_line in batches:
                 lengths = np.asarray(lengths, dtype=np.int32)
-                if int(lengths.sum(dtype=np.int64)) != np.size(tokens) or np.size(tokens) != np.size(targets):
+                per_line = np.asarray(per_line, dtype=np.int64)
+                if int(lengths.sum(dtype=np.int64)) != np.size(tokens) or np.size(tokens) != np.size(labels) or \
+                        int(per_line.sum()) != lengths.size:
                     raise ValueError(f"a batch of {lengths.size} lengths summing to {int(lengths.sum())} with "
-                                     f"{np.size(tokens)} tokens and {np.size(targets)} targets")
+                                     f"{np.size(tokens)} tokens, {np.size(labels)} labels, {int(per_line.sum())} "
+                                     "documents in its lines")
                 lengths.tofile(fl)
                 np.asarray(tokens, dtype=CACHE_DTYPE).tofile(ft)
-                np.asarray(targets, dtype=CACHE_DTYPE).tofile(fg)
-                conversations += int(lengths.size)
+                np.asarray(labels, dtype=CACHE_DTYPE).tofile(fg)
+                (documents + np.cumsum(per_line)).astype(np.int64).tofile(fn)
+                documents += int(lengths.size)
+                lines += int(per_line.size)
                 total += int(np.size(tokens))
-        for part in ("tokens", "targets"):
-            write_index_chunks(os.path.join(tmp, f"t.{part}"), _lengths_chunks(lengths_path, conversations),
+        for part in ("tokens", "labels"):
+            write_index_chunks(os.path.join(tmp, f"t.{part}"), _lengths_chunks(lengths_path, documents),
                                dtype=CACHE_DTYPE)
+        fields = manifest(documents, total, lines)
+        fields["digest"] = cache_digest(os.path.join(tmp, "t"), fields)
         with open(os.path.join(tmp, "t.json"), "w") as f:
-            json.dump(manifest(conversations, total), f, indent=1)
-        for part in ("tokens.bin", "tokens.idx", "targets.bin", "targets.idx", "json"):
+            json.dump(fields, f, indent=1)
+        for part in (*CACHE_FILES, "json"):
             os.replace(os.path.join(tmp, f"t.{part}"), f"{prefix}.{part}")
     finally:
         for name in os.listdir(tmp):
@@ -220,5 +234,5 @@ def locked_build(prefix: str, usable: Callable[[], str | None], build: Callable[
                                 "8 bytes a token") from None
 
 
-__all__ = ["CACHE_FORMAT", "CachedArrays", "SftCacheError", "cache_prefix", "default_cache_dir", "file_sha256",
-           "locked_build", "map_cache", "read_manifest", "stale_reason", "write_cache"]
+__all__ = ["CACHE_FILES", "CACHE_FORMAT", "CachedArrays", "SftCacheError", "cache_digest", "cache_prefix",
+           "default_cache_dir", "file_sha256", "locked_build", "map_cache", "read_manifest", "write_cache"]

@@ -250,7 +250,8 @@ def run_fingerprint(args: Any, settings: WlbSettings, config: Any, cost: Any,
                     datasets: Sequence[tuple[str, str, str]]) -> RunFingerprint:
     """This rank's ``RunFingerprint`` (``config``: the resolved ``PackingConfig``; ``datasets``: ``dataset_parts``)."""
     parts = [("--wlb-packer", settings.packer), ("--wlb-cp-sharding", settings.cp_sharding),
-             ("--wlb-log-interval", str(settings.log_interval)), ("--wlb-trace", "on" if settings.trace else "off")]
+             ("--wlb-log-interval", str(settings.log_interval)), ("--wlb-trace", "on" if settings.trace else "off"),
+             ("sft.samples", settings.sft_samples)]
     for name, value in sorted(asdict(config).items()):
         flag = setting_source(name) if name in FLAG_KNOBS else f"packing {name}"
         parts.append((flag, repr(value)))
@@ -279,7 +280,7 @@ def describe_fingerprint_disagreement(every: Sequence[RunFingerprint]) -> str:
         if len({table.get(name) for table in tables}) > 1:  # the values differ (not only the files' names)
             clauses.append(f"{name}: " + ", ".join(f"{value} on rank{'s' if len(r) > 1 else ''} {_ranges(r)}"
                                                     for value, r in holders.items()))
-    datasets = any(" .bin" in c or " .idx" in c for c in clauses)
+    datasets = any(" .bin" in c or " .idx" in c or " .jsonl" in c for c in clauses)
     hint = (" A dataset's digests differ where a rank reads another copy (a stale or re-tokenised one, or a copy "
             "interrupted midway): give every rank identical files." if datasets else "")
     return (f"megatron_wlb: the ranks start with different settings or data, so they would train different plans, "
@@ -315,9 +316,12 @@ def resume_data_refusal(saved: dict[str, str] | None, now: RunFingerprint, itera
                if name in mine and mine[name] != saved[name]]
     if not changed:
         return None
+    kinds = {name.rsplit(" ", 1)[-1] for name in saved if name in mine and mine[name] != saved[name]}
+    legend = "; ".join(text for kind, text in ((".jsonl", ".jsonl: the whole file"), (".idx", ".idx: the whole index"),
+                                                 (".bin", ".bin: sampled pages")) if kind in kinds)
     return (f"megatron_wlb: the data differs from what the checkpoint at iteration {iteration} trained on "
-            f"({'; '.join(changed)}; .idx: the whole index, .bin: sampled pages): resume on the same files (a copy "
-            "of them must be identical), or pass --wlb-reset-data-stream to restart the data stream on these")
+            f"({'; '.join(changed)}; {legend}): resume on the same files (a copy of them must be identical), or pass "
+            "--wlb-reset-data-stream to restart the data stream on these")
 
 
 def wrap_train_step(original: Callable, first_iterator: Callable[[], Any],

@@ -38,6 +38,8 @@ ArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
 # of --wlb-config. Every flag defaults to None so that "not given" is distinguishable from a value equal to
 # the default (needed to let --wlb-config fill in what the command line leaves out).
 FLAGS: dict[str, str] = {name: "--wlb-" + name.replace("_", "-") for name in USER_FLAGS}
+#: WlbSettings field -> its YAML key, for the settings a config section gives
+SETTING_YAML_KEYS: dict[str, str] = {name: f"{section}.{key}" for (section, key), name in SECTION_SETTINGS.items()}
 #: the settings that are YAML keys only: their old ``--wlb-*`` flag is refused naming the key
 YAML_ONLY: tuple[str, ...] = tuple(name for name in WlbSettings.names() if name not in FLAGS)
 
@@ -112,7 +114,7 @@ class _YamlOnly(argparse.Action):
 
 def yaml_only_hint(name: str) -> str:
     """The one-line refusal of ``--wlb-<name>`` for a setting that is a YAML key only."""
-    key = knob_yaml_key(name)
+    key = SETTING_YAML_KEYS.get(name) or knob_yaml_key(name)
     section, field = key.split(".", 1)
     return (f"--wlb-{name.replace('_', '-')} is not a flag: set {key} in the YAML of --wlb-config (a settings file "
             f"'{section}: {{{field}: ...}}' serves a run of any shape)")
@@ -160,6 +162,10 @@ def config_flags(run: RunConfig) -> list[str]:
     Raises ValueError when the config sets a knob that is a YAML key only (``YAML_ONLY``)."""
     out = ["--wlb-packer", run.packer, "--wlb-cp-sharding", run.cp.sharding]
     for name, value in run.settings().items():
+        if name not in FLAGS:
+            raise ValueError(f"{run.name} sets {SETTING_YAML_KEYS[name]}, which no --wlb-* flag gives: for another "
+                             "layout, pass a settings file (its packing, cp, cost, logging and sft sections) to "
+                             "--wlb-config")
         if name != "cp_sharding":
             out += [FLAGS[name], _show(value)]
     if run.preset != DEFAULT_PRESET:
@@ -256,7 +262,7 @@ def flag_table_markdown() -> str:
         cells = [f"`{flag}`", f"`{key}`" if key else "", f"`{default}`", text]
         lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
     lines += ["", "YAML keys only (`--wlb-config`, a preset; their meaning: [packing.md](packing.md)): "
-              + ", ".join(f"`{knob_yaml_key(name)}`" for name in YAML_ONLY) + "."]
+              + ", ".join(f"`{SETTING_YAML_KEYS.get(name) or knob_yaml_key(name)}`" for name in YAML_ONLY) + "."]
     return "\n".join(lines)
 
 

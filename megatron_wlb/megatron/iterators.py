@@ -16,6 +16,8 @@ from megatron_wlb.cp.dynamic import DYNAMIC_SHARDING
 from megatron_wlb.cp.dynamic_steps import DynamicPool
 from megatron_wlb.cp.plan import CPSharding, RankMicroBatch
 from megatron_wlb.data.reader import DEFAULT_SPLIT, DocumentReader, parse_split
+from megatron_wlb.data.sft import SftInputError
+from megatron_wlb.data.sft_cache import SftCacheError
 from megatron_wlb.megatron.data import WlbDataIterator
 from megatron_wlb.megatron.gpt_samples import MegatronSamples, dataset_build_problem, eod_problem
 from megatron_wlb.megatron.megatron_args import MegatronArgs
@@ -113,7 +115,7 @@ def build_train_iterator(args: Any, settings: WlbSettings, dp_rank: int, cp_rank
     """This rank's ``WlbDataIterator`` for Megatron's ``args`` (pure: same inputs, same plans, any rank).
 
     ``split_name`` "valid"/"test" builds the evaluation iterators the same way over those splits. ``--sft``
-    reads the conversations of Megatron's SFT jsonl (``sft.sft_reader``), each whole, with its own labels. With
+    reads Megatron's SFT jsonl as ``SFTDataset``'s samples' conversations (``sft.sft_reader``), with their labels. With
     ``--wlb-pieces concat-and-cut`` the training split reads Megatron's own GPTDataset samples
     (``gpt_samples``) unless a ``reader`` is given; evaluation keeps the document reader.
     """
@@ -145,9 +147,15 @@ def build_train_iterator(args: Any, settings: WlbSettings, dp_rank: int, cp_rank
                                dp_rank, sharding, on_batch=on_batch, read_piece=samples.piece,
                                sample_identity=SampleIdentity(dataset, samples.seq_len), dynamic=dynamic)
     if a.sft and reader is None:  # conversations from Megatron's SFT jsonl, each with its own labels and loss mask
-        reader, read_piece = sft_reader(args, split_name, print_fn=lambda line: print_rank0(f"> {line}"))
-        if a.padded_vocab_size:
-            reader.check_vocabulary(int(a.padded_vocab_size), "--vocab-size / the tokenizer")
+        try:  # a refused jsonl, tokenizer or cache is one line on every rank, never a traceback
+            reader, read_piece = sft_reader(args, split_name, print_fn=lambda line: print_rank0(f"> {line}"),
+                                            samples=settings.sft_samples)
+            if a.padded_vocab_size:
+                reader.check_vocabulary(int(a.padded_vocab_size), "--vocab-size / the tokenizer")
+        except (SftInputError, SftCacheError) as exc:
+            raise StartupError(f"megatron_wlb: {exc}") from None
+        except ValueError as exc:  # the reader's split and vocabulary checks
+            raise StartupError(f"megatron_wlb: {str(exc).splitlines()[0]}") from None
         return WlbDataIterator(reader, reader.stream(stream_tokens_for(args, config, split_name)), packer, dp_rank,
                                sharding, on_batch=on_batch, read_piece=read_piece, dynamic=dynamic)
     reader = reader if reader is not None else reader_from_args(args, split_name)

@@ -60,6 +60,8 @@ class WlbSettings:
     - ``log_interval``: log the packing metrics (and the measured ones) every this many iterations.
     - ``trace``: write a per-micro-batch timing trace, one JSON-lines file per rank (PATH-rank00000.jsonl,
       ...), for `wlb calibrate --from-trace` (None = no trace; the measured metrics are logged either way).
+    - ``sft_samples``: with ``--sft``, ``megatron`` (Megatron's ``SFTDataset`` samples, regrouped by work) or
+      ``whole`` (every conversation a document, none dropped); YAML ``sft.samples`` (docs/sft.md).
 
     Every ``PackingConfig`` knob (``FLAG_KNOBS``: ``max_seq_len``, ``queue_thresholds``,
     ``max_delay``, ...) is an attribute too; only values that differ from the preset's are stored
@@ -73,14 +75,16 @@ class WlbSettings:
     config: str | None = None
     log_interval: int = 1
     trace: str | None = None
+    sft_samples: str = "megatron"
     packer_knobs: tuple[tuple[str, Any], ...] = ()
 
     def __init__(self, packer: str = "wlb", preset: str = DEFAULT_PRESET, cp_sharding: str = "adaptive",
                  cost_profile: str | None = None, config: str | None = None, log_interval: int = 1,
-                 trace: str | None = None, packer_knobs: tuple = (), **knobs: Any) -> None:
+                 trace: str | None = None, sft_samples: str = "megatron", packer_knobs: tuple = (),
+                 **knobs: Any) -> None:
         for name, value in (("packer", packer), ("preset", preset), ("cp_sharding", cp_sharding),
                             ("cost_profile", cost_profile), ("config", config), ("log_interval", log_interval),
-                            ("trace", trace)):
+                            ("trace", trace), ("sft_samples", sft_samples)):
             object.__setattr__(self, name, value)
         if preset not in PRESET_NAMES:
             raise ValueError(f"--wlb-preset={preset!r} is not a packer preset; choose one of {', '.join(PRESET_NAMES)}")
@@ -114,6 +118,9 @@ class WlbSettings:
         value = self.log_interval
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"--wlb-log-interval={value!r}: must be an integer >= 1")
+        if self.sft_samples not in ("megatron", "whole"):
+            raise ValueError(f"sft.samples={self.sft_samples!r}: choose megatron (Megatron's SFTDataset samples) or "
+                             "whole (every conversation a document)")
 
     def __getattr__(self, name: str) -> Any:
         # only reached for names that are not fields: the packer knobs
@@ -143,5 +150,6 @@ class WlbSettings:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready view (tuples as lists), for logs and the checkpoint sidecar."""
-        out = {name: getattr(self, name) for name in self.names()}
+        out = {name: getattr(self, name) for name in self.names()
+               if name != "sft_samples" or self.sft_samples != "megatron"}  # as checkpoints before the key
         return {k: list(v) if isinstance(v, tuple) else v for k, v in out.items()}

@@ -18,14 +18,15 @@ from typing import Any
 
 from megatron_wlb.data.blend import data_path_problems, parse_data_path
 from megatron_wlb.data.reader import DocumentReader
-from megatron_wlb.data.sft import SftCorpus, SftInputError
+from megatron_wlb.data.sft import SAMPLES_MEGATRON, SftCorpus, SftInputError
 from megatron_wlb.data.sft_cache import default_cache_dir, file_sha256
 from megatron_wlb.megatron.megatron_args import MegatronArgs
 
 #: (stream id, offset, length) -> a piece's tokens, labels and loss mask
 PieceRead = Callable[[int, int, int], Any]
-#: corpora already tokenized in this process: (path, seq_len, tokenizer id) -> corpus (train/valid/test share)
-_CORPORA: dict[tuple[str, int, int], SftCorpus] = {}
+#: corpora already tokenized in this process: (path, seq_len, tokenizer id, samples, CP) -> corpus (train/valid/test
+#: share)
+_CORPORA: dict[tuple[str, int, int, str, int], SftCorpus] = {}
 #: the files of a --tokenizer-model directory that make its identity (weights are left out)
 _TOKENIZER_FILES = (".json", ".txt", ".model", ".jinja", ".tiktoken", ".vocab", ".py")
 
@@ -38,11 +39,11 @@ def sft_problems(args: Any, settings: Any) -> list[str]:
         problems.append(f"--sft reads conversations through a chat template: give --tokenizer-type SFTTokenizer "
                         f"--tokenizer-model DIR (not {a.tokenizer_type})")
     if settings.pieces == "concat-and-cut":
-        problems.append("--sft packs each conversation whole: --wlb-pieces concat-and-cut cuts Megatron's GPT "
-                        "samples; use --wlb-pieces documents")
+        problems.append("--sft packs SFTDataset's conversations (sft.samples) as documents: --wlb-pieces "
+                        "concat-and-cut cuts Megatron's GPT samples; use --wlb-pieces documents")
     if settings.cut == "any":
-        problems.append("--sft trains each conversation whole: packing.cut any would cut forced outliers; use "
-                        "packing.cut split in the YAML of --wlb-config (a conversation over --seq-length is cut as "
+        problems.append("--sft trains each conversation's segment whole: packing.cut any would cut forced outliers; "
+                        "use packing.cut split in the YAML of --wlb-config (a line over --seq-length is cut as "
                         "Megatron's SFTDataset cuts it)")
     problems.extend(data_path_problems(
         ((flag, getattr(a, flag)) for flag in ("data_path", "train_data_path", "valid_data_path", "test_data_path")),
@@ -69,21 +70,25 @@ def tokenizer_files_digest(args: Any) -> str:
     return h.hexdigest()
 
 
-def sft_corpus(path: str, tokenizer: Any, seq_len: int, cache_dir: str | None = None, identity_extra: str = ""
-               ) -> SftCorpus:
+def sft_corpus(path: str, tokenizer: Any, seq_len: int, cache_dir: str | None = None, identity_extra: str = "",
+               samples: str = SAMPLES_MEGATRON, context_parallel: int = 1) -> SftCorpus:
     """``data.sft.SftCorpus`` of one jsonl, opened once per process: mapped from its cache (``--data-cache-path``,
     else ``cache/`` beside the jsonl), which the first rank to start tokenizes while the others wait."""
-    key = (os.path.abspath(path), int(seq_len), id(tokenizer))
+    key = (os.path.abspath(path), int(seq_len), id(tokenizer), samples, int(context_parallel))
     if key not in _CORPORA:
         _CORPORA[key] = SftCorpus.build(path, tokenizer, seq_len, cache_dir=cache_dir, identity_extra=identity_extra,
-                                        print_fn=lambda line: print(f"> {line}", flush=True))
+                                        print_fn=lambda line: print(f"> {line}", flush=True), samples=samples,
+                                        context_parallel=context_parallel)
     return _CORPORA[key]
 
 
 def sft_reader(args: Any, split_name: str, tokenizer: Any = None,
-               print_fn: Callable[[str], None] | None = None) -> tuple[DocumentReader, PieceRead]:
-    """The conversations of one split as a ``DocumentReader`` (blend, split, epoch order and stream ids as
-    for indexed data) and the ``read_piece`` that gives each piece its tokens, labels and loss mask."""
+               print_fn: Callable[[str], None] | None = None, samples: str = SAMPLES_MEGATRON
+               ) -> tuple[DocumentReader, PieceRead]:
+    """The documents of one split (``samples``: ``SFTDataset``'s samples' conversations, or each conversation
+    whole; ``data.sft``) as a ``DocumentReader`` (blend, epoch order and stream ids as for indexed data; the
+    split by jsonl lines, as Megatron's) and the ``read_piece`` that gives each piece its tokens, labels and
+    loss mask, every token id checked against the tokenizer's vocabulary as it is read."""
     a = MegatronArgs.of(args)
     if tokenizer is None:
         from megatron.training import get_tokenizer  # lazy: the package imports this module without Megatron
@@ -95,21 +100,32 @@ def sft_reader(args: Any, split_name: str, tokenizer: Any = None,
         raise SftInputError("--sft with WLB reads jsonl conversations: give --data-path [WEIGHT] FILE.jsonl ...")
     parts = parse_data_path(given)
     extra = tokenizer_files_digest(args)
-    corpora = [sft_corpus(path, tokenizer, int(a.seq_length), a.data_cache_path or None, extra) for path, _ in parts]
+    corpora = [sft_corpus(path, tokenizer, int(a.seq_length), a.data_cache_path or None, extra, samples, a.cp)
+               for path, _ in parts]
     for corpus in corpora:
-        note = corpus.truncation_note()
+        note = corpus.note()
         if note is not None and print_fn is not None:
             print_fn(f"megatron_wlb: {note}")
     weights = [1.0 if w is None else float(w) for _, w in parts]
     seed = 1234 if a.seed is None else int(a.seed)
     split = "1,0,0" if own else (a.split or "969,30,1")
-    reader = DocumentReader([(c.source(), w) for c, w in zip(corpora, weights, strict=True)], split=split,
-                            split_name="train" if own else split_name, seed=seed,
+    sources = [c.source(split, "train" if own else split_name) for c in corpora]
+    reader = DocumentReader([(src, w) for (src, _), w in zip(sources, weights, strict=True)], split="1,0,0",
+                            split_name="train", seed=seed,
                             order_cache=a.data_cache_path or default_cache_dir(parts[0][0]))
+    vocab = getattr(tokenizer, "vocab_size", None)
 
     def read_piece(stream_id: int, offset: int, length: int) -> Any:
         _, dataset, doc = reader.locate(stream_id)
-        return corpora[dataset].piece(doc, offset, length)
+        tokens, labels, mask = got = corpora[dataset].piece(sources[dataset][1] + doc, offset, length)
+        if vocab is not None and tokens.size and (int(tokens.max()) >= vocab or int(tokens.min()) < 0
+                                                  or int(labels.max()) >= vocab):
+            bad = int(max(tokens.max(), labels.max())) if int(tokens.min()) >= 0 else int(tokens.min())
+            corpus = corpora[dataset]
+            raise SftInputError(f"{corpus.path}: token id {bad} in its SFT cache is outside the tokenizer's "
+                                f"vocabulary of {vocab}; the cache is damaged: remove {corpus.arrays.prefix}.* to "
+                                "rebuild it")
+        return got
 
     return reader, read_piece
 
