@@ -3,13 +3,17 @@
 
     python benchmarks/bench_paired.py --page   # calibration + the paired runs (~20 min on 2 cores) + page block
     python benchmarks/bench_paired.py --quick    # a short smoke run of the same code, window 1024 (slow lane)
-    python benchmarks/bench_paired.py --dynamic-cp --steps 100 --page   # dcp alone: its own results file and block
+    python benchmarks/bench_paired.py --dynamic-cp --reuse --page   # the DP2 x CP2 comparisons (paper, users-cp,
+                                                                    # aa-cp, dcp), the calibration of --page reused
 
 First the calibration: one short traced run per packing (wlb, fixed-greedy, whole documents, the balanced
-concat-and-cut and stock Megatron's grouping, analytic model, thread clock), so the fit sees every
-micro-batch size and composition the comparisons produce, fitted together by ``wlb calibrate --from-trace``
-(which chooses the whole-micro-batch terms by the error of each packing held out, and reports it). Every
-comparison balances and predicts with that profile. Each comparison is then one training run of
+concat-and-cut and stock Megatron's grouping at DP2) and per CP layout (wlb at CP2 sharded per document and per
+sequence, and dynamic CP over DP2 x CP2: groups of 1, 2 and 4 and their empty micro-batches), analytic model, thread
+clock, so the fit sees every micro-batch size, composition and CP share the comparisons produce, fitted together by
+``wlb calibrate --from-trace`` (which prices each CP rank's share as laid out, fits the all-gather and the empty
+micro-batch, chooses its terms by the held-out ratio error between packings and layouts, and reports it with the
+noise floor of the repeated micro-batches: each global batch is trained twice). Every comparison balances and
+predicts with that profile. Each comparison is then one training run of
 ``benchmarks/paired_train.py`` (Megatron's own loop through our launcher, gloo, ``measurement_env``: one process
 per core, one thread each, glibc's heap kept): training steps 2k and 2k + 1 train global batch k with
 method A and method B, in ABBA order, so the machine's drift cancels within each pair. Per pair, B's time
@@ -38,6 +42,12 @@ which attention is most of a step):
 - ``large``  DP2, one micro-batch per rank: the balanced concat-and-cut against stock grouping, where the
              prediction is large (each rank's one sample is all it runs, so the stock imbalance is a
              sample's).
+- ``paper``  DP2 x CP2 (4 ranks, ``--dynamic-cp``): WLB-LLM as the paper runs it (wlb packing, documents whole,
+             adaptive CP) against stock Megatron (GPTDataset's samples, one a micro-batch as its sampler deals
+             them, sharded per sequence); B reads its own pieces (the paired iterator keeps each method's reader);
+- ``users-cp`` DP2 x CP2: the balanced concat-and-cut with adaptive CP against the same stock run;
+- ``aa-cp``  DP2 x CP2: wlb with adaptive CP against itself (4 ranks on 2 cores: the instrument checked where it
+             is least sure).
 - ``dcp``    DP2 x CP2 (4 ranks), global batch 8 (``--dynamic-cp``: not in a plain run; its own results file and
              block): ``--wlb-cp-sharding dynamic`` (each global batch's documents planned over the 4 ranks as one
              pool, a power-of-two group per micro-batch, ``cp.dynamic``) against the same wlb global batch on the
