@@ -7,6 +7,7 @@ import pytest
 
 from megatron_wlb.costmodel import ParallelLayout, build_cost_model
 from megatron_wlb.cp.dynamic import group_cost_models, plan_dynamic_cp
+from megatron_wlb.cp.layouts import build_layout
 from megatron_wlb.packing.metrics import piece_latency
 
 WINDOW = 131072
@@ -40,7 +41,10 @@ def test_plan_places_every_document_once_on_aligned_power_of_two_groups(ranks: i
         cost = costs[mb.size]
         price = piece_latency(cost, lengths[list(mb.docs)]).sum() + cost.microbatch_overhead * (
             1 + cost.hardware.bwd_linear)
-        assert mb.seconds == pytest.approx(price, rel=1e-9)  # CP collectives of the group's size priced
+        assert mb.seconds == pytest.approx(price, rel=0.05)  # CP collectives of the group's size priced (the kernel
+        # table derates short runs: a few percent); exactly: its slowest member's share as the runtime lays it out
+        fwd, bwd = build_layout("per-document", lengths[list(mb.docs)], mb.size, cost=cost).seconds(cost)
+        assert mb.seconds == pytest.approx(float((fwd + bwd).max()), rel=1e-12)
     # a group's micro-batch sits at the same step on every member: no member waits for another
     for k, step in enumerate(plan.rank_groups()):
         for mb in plan.micro_batches:
@@ -119,7 +123,9 @@ def test_the_grid_scorer_agrees_with_the_planner_and_charges_communication() -> 
     prices = {g: piece_latency(c, lengths) for g, c in costs.items()}
     overheads = {g: overhead_seconds(c) for g, c in costs.items()}
     plan = plan_dynamic_cp(lengths, 16, CAP, costs)
-    assert mod.rank_groups_critical_path(plan.rank_groups(), prices, overheads) == pytest.approx(plan.slowest_seconds)
+    # (the scorer prices documents apart; the plan its micro-batches as laid out, issue 61: within a few percent)
+    assert mod.rank_groups_critical_path(plan.rank_groups(), prices, overheads) == pytest.approx(plan.slowest_seconds,
+                                                                                               rel=0.02)
     pairs = [[[i for i in range(lengths.size) if i % 8 == j // 2] for j in range(16)]]  # DP rank r's CP pair
     fixed = mod.rank_groups_critical_path(pairs, prices, overheads)
     owner = np.arange(lengths.size) % 8

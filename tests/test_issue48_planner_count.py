@@ -7,6 +7,7 @@ import pytest
 
 from megatron_wlb.costmodel import ParallelLayout, build_cost_model
 from megatron_wlb.cp.dynamic import group_cost_models, lower_bound, memory_bound, plan_dynamic_cp
+from megatron_wlb.cp.layouts import build_layout
 
 WINDOW = 131072
 CAP = WINDOW // 2
@@ -58,12 +59,13 @@ def test_a_packer_full_batch_fits_megatrons_count(dp: int, seed: int) -> None:
 
 
 @pytest.mark.parametrize("ranks", [4, 6, 16])
-def test_a_limit_the_free_plan_meets_changes_nothing_and_a_tighter_one_is_kept(ranks: int) -> None:
+def test_a_limit_the_free_plan_meets_loses_nothing_and_a_tighter_one_is_kept(ranks: int) -> None:
     lengths = _packed(ranks, ranks // 2, 3, 0.8)
     costs = _costs(ranks)
     free = plan_dynamic_cp(lengths, ranks, CAP, costs)
     same = plan_dynamic_cp(lengths, ranks, CAP, costs, max_micro_batches=free.steps)
-    assert same.slowest_seconds == free.slowest_seconds and same.rank_groups() == free.rank_groups()
+    # within the count the free plan meets, no worse (the count's repair of a longer candidate may even find better)
+    assert same.slowest_seconds <= free.slowest_seconds * (1 + 1e-12) and same.steps <= free.steps
     need = -(-int(lengths.sum()) // (ranks * CAP))
     for limit in range(need, free.steps):
         _check(plan_dynamic_cp(lengths, ranks, CAP, costs, max_micro_batches=limit), lengths, ranks, limit)
@@ -127,9 +129,11 @@ def test_windows_filled_exactly_fit_with_the_packers_plan(dp: int, seed: int) ->
     costs = _costs(ranks)
     plan = plan_dynamic_cp(lengths, ranks, CAP, costs, max_micro_batches=n, fixed_plan=fixed)
     _check(plan, lengths, ranks, n)
-    on_fixed = max(sum(float(costs[2].forward_backward(costs[2].attention(lengths[mb]), costs[2].linear(lengths[mb]))
-                             .sum()) + costs[2].microbatch_overhead * (1 + costs[2].hardware.bwd_linear)
-                       for mb in fixed[r]) for r in range(dp))
+    def priced(mb: list[int]) -> float:  # a CP 2 group's micro-batch: its slowest rank's share as laid out (issue 61)
+        fwd, bwd = build_layout("per-document", lengths[mb], 2, cost=costs[2]).seconds(costs[2])
+        return float((fwd + bwd).max())
+
+    on_fixed = max(sum(priced(mb) for mb in fixed[r]) for r in range(dp))
     assert plan.slowest_seconds <= on_fixed * (1 + 1e-9)  # never behind the packer's fixed CP 2 groups
     with pytest.raises(ValueError, match="fixed_plan must hold each of the"):
         plan_dynamic_cp(lengths, ranks, CAP, costs, max_micro_batches=n, fixed_plan=[fixed[0][:-1]] + fixed[1:])

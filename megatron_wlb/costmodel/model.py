@@ -263,7 +263,11 @@ class CalibratedCostModel(CostModel):
 
     @property
     def empty_seconds(self) -> tuple[float, float]:
-        return self.fit.empty_fwd, self.fit.empty_bwd
+        """The profile's measured empty micro-batch; without one, its fixed cost of a micro-batch (what an empty one
+        still runs: the launches and the collectives' latency)."""
+        if self.fit.empty_fwd + self.fit.empty_bwd > 0:
+            return self.fit.empty_fwd, self.fit.empty_bwd
+        return self.microbatch_overhead, self.microbatch_overhead * self.hardware.bwd_linear
 
     def tp_comm(self, tokens: Counts) -> np.ndarray:
         if self._collectives_measured:

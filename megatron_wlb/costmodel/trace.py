@@ -282,8 +282,8 @@ def profile_points(rows: Iterable[MicroBatchRow], layout: dict[str, Any], clock:
     out: dict[str, list[Any]] = {k: [] for k in (*keys, "run_lengths", "run_pairs")}
     for r in rows:
         fwd = r.fwd_s - (r.data_s if clock in ("cpu", "cpu-thread") else 0.0)
-        if r.layers < 1 or r.rank_tokens < 1 or not (fwd > 0 and r.bwd_s > 0):
-            continue
+        if r.layers < 1 or r.rank_tokens < 1 or not r.lengths or not (fwd > 0 and r.bwd_s > 0):
+            continue  # (a micro-batch of no document: ``empty_points``)
         cp = r.group or run_cp
         has_head = r.pp == last_pp and r.chunk == last_chunk
         out["pairs"].append(float(r.rank_pairs))
@@ -304,13 +304,13 @@ def profile_points(rows: Iterable[MicroBatchRow], layout: dict[str, Any], clock:
 
 
 def empty_points(rows: Iterable[MicroBatchRow], clock: str = "cpu") -> dict[str, list[float]]:
-    """The ``empty_micro_batches`` section of a profile: the forward and backward seconds per layer of the rows that
-    held no tokens on their rank (Megatron runs a micro-batch all the same: a dynamic-CP slot done before its count),
-    the data iterator's host time left out as ``profile_points`` leaves it out."""
+    """The ``empty_micro_batches`` section of a profile: the forward and backward seconds per layer of the rows of a
+    micro-batch that holds no document (Megatron runs one all the same, of a padding token: a dynamic-CP slot done
+    before its count), the data iterator's host time left out as ``profile_points`` leaves it out."""
     out: dict[str, list[float]] = {"fwd_s": [], "bwd_s": []}
     for r in rows:
         fwd = r.fwd_s - (r.data_s if clock in ("cpu", "cpu-thread") else 0.0)
-        if r.layers >= 1 and r.rank_tokens == 0 and fwd > 0 and r.bwd_s > 0:
+        if r.layers >= 1 and not r.lengths and fwd > 0 and r.bwd_s > 0:
             out["fwd_s"].append(fwd / r.layers)
             out["bwd_s"].append(r.bwd_s / r.layers)
     return out

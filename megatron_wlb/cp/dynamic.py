@@ -56,10 +56,14 @@ import numpy as np
 
 from megatron_wlb.costmodel import CostModel
 from megatron_wlb.costmodel.model import CalibratedCostModel, build_cost_model
+from megatron_wlb.cp.layouts import build_layout
 
 __all__ = ["ALPHAS", "DYNAMIC_SHARDING", "DynamicCPPlan", "GroupMicroBatch", "group_cost_models",
            "lower_bound", "memory_bound", "plan_dynamic_cp"]
 
+#: how a group's micro-batch is cut over its ranks (head-tail per document: balanced causal attention), by the
+#: runtime (``cp.dynamic_steps.step_batch``) and in the plan's price
+DYNAMIC_LAYOUT = "per-document"
 #: the CP sharding value (``cp.sharding`` / ``--wlb-cp-sharding``) that asks for this planner
 DYNAMIC_SHARDING = "dynamic"
 #: the granularities tried (a document's per-rank price at most alpha x the ideal); inf: only memory decides
@@ -541,12 +545,19 @@ def _build(d: np.ndarray, bins: list[tuple[int, int, list[int]]], ranks: int, co
     for k in order:
         g, lead, docs = bins[k]
         docs = sorted(docs, key=lambda i: -int(d[i]))
-        mb = GroupMicroBatch(lead, g, tuple(docs), int(d[docs].sum()),
-                             float(prices[g][docs].sum()) + _overhead(costs[g]))
+        mb = GroupMicroBatch(lead, g, tuple(docs), int(d[docs].sum()), _group_seconds(d[docs], g, costs[g]))
         for j in range(lead, lead + g):
             rank_mbs[j].append(mb)
     seconds = np.array([sum(mb.seconds for mb in mbs) for mbs in rank_mbs])
     return DynamicCPPlan(ranks, tuple(tuple(m) for m in rank_mbs), seconds, ideal, alpha)
+
+
+def _group_seconds(lengths: np.ndarray, g: int, cost: CostModel) -> float:
+    """A built micro-batch's price: its slowest member's share as the runtime lays it out (``per-document`` over the
+    group, ``ShardLayout.seconds``), the one price of a CP rank's work; the search itself prices documents apart
+    (``_price``), which this refines (a rank's own runs, tokens and pairs, its whole-micro-batch cost)."""
+    fwd, bwd = build_layout(DYNAMIC_LAYOUT, lengths, g, cost=cost).seconds(cost)
+    return float((fwd + bwd).max())
 
 
 def _within_count(d: np.ndarray, bins: list[tuple[int, int, list[int]]], plan: DynamicCPPlan, g_min: np.ndarray,

@@ -21,14 +21,17 @@ from dataclasses import dataclass
 import numpy as np
 
 from megatron_wlb.costmodel import CostModel
-from megatron_wlb.cp.dynamic import DynamicCPPlan, GroupMicroBatch, group_cost_models, plan_dynamic_cp
+from megatron_wlb.cp.dynamic import (
+    DYNAMIC_LAYOUT,
+    DynamicCPPlan,
+    GroupMicroBatch,
+    group_cost_models,
+    plan_dynamic_cp,
+)
 from megatron_wlb.cp.plan import CPSharding, Packed, RankMicroBatch, micro_batch_lengths, rank_batch
 
 __all__ = ["DYNAMIC_LAYOUT", "DynamicPool", "aligned_blocks", "packer_placement", "slot_step", "slot_step_seconds",
            "slot_steps", "step_batch"]
-
-#: how a group's micro-batch is cut over its ranks (head-tail per document: balanced causal attention)
-DYNAMIC_LAYOUT = "per-document"
 
 
 def aligned_blocks(ranks: int, largest: int | None = None) -> list[tuple[int, int]]:

@@ -175,10 +175,12 @@ class Recorder:
         lengths = tuple(p.length for p in batch.micro_batch.pieces) if batch.micro_batch is not None else ()
         pred_fwd = pred_bwd = 0.0
         cost = self._cost_of(batch)
-        if cost is not None:  # this rank's share as laid out (an empty micro-batch: the profile's empty cost)
+        layers = self.ids.layers_per_chunk
+        if cost is not None and lengths:  # this rank's share as laid out
             fwd, bwd = batch.layout.seconds(cost)
-            layers = self.ids.layers_per_chunk
             pred_fwd, pred_bwd = float(fwd[batch.rank]) * layers, float(bwd[batch.rank]) * layers
+        elif cost is not None:  # a micro-batch of no document (a dynamic-CP slot done before Megatron's count)
+            pred_fwd, pred_bwd = (x * layers for x in cost.empty_seconds)
         rank_tokens, rank_pairs, rank_runs = rank_share(batch)
         d = np.asarray(lengths, dtype=np.float64)
         ids = self.ids
