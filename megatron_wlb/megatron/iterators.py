@@ -140,7 +140,7 @@ def build_train_iterator(args: Any, settings: WlbSettings, dp_rank: int, cp_rank
             problem = eod_problem(dataset)
             if problem is not None:
                 raise StartupError(f"megatron_wlb: {problem}")
-        samples = MegatronSamples(dataset)
+        samples = MegatronSamples(dataset, vocab_size=a.padded_vocab_size)
         return WlbDataIterator(None, samples.stream(int(a.consumed_train_samples or 0)), packer,
                                dp_rank, sharding, on_batch=on_batch, read_piece=samples.piece,
                                sample_identity=SampleIdentity(dataset, samples.seq_len), dynamic=dynamic)
