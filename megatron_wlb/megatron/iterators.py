@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from megatron_wlb.cp.dynamic import DYNAMIC_SHARDING
 from megatron_wlb.cp.dynamic_steps import DynamicPool
 from megatron_wlb.cp.plan import CPSharding, RankMicroBatch
-from megatron_wlb.data.reader import DEFAULT_SPLIT, DocumentReader, parse_split
+from megatron_wlb.data.reader import DEFAULT_SPLIT, DocumentReader, OutOfVocabulary, parse_split
 from megatron_wlb.megatron.data import WlbDataIterator
 from megatron_wlb.megatron.gpt_samples import MegatronSamples, dataset_build_problem, eod_problem
 from megatron_wlb.megatron.megatron_args import MegatronArgs
@@ -48,7 +48,10 @@ def reader_from_args(args: Any, split_name: str = "train") -> DocumentReader:
         reader = DocumentReader.from_data_path(a.data_path, split=split_of(a), split_name=split_name, seed=seed,
                                                mmap=mmap, order_cache=cache)
     if a.padded_vocab_size:  # the embedding's rows (set by Megatron's tokenizer build)
-        reader.check_vocabulary(int(a.padded_vocab_size), "--vocab-size / the tokenizer")
+        try:
+            reader.check_vocabulary(int(a.padded_vocab_size), "--vocab-size / the tokenizer")
+        except OutOfVocabulary as exc:
+            raise StartupError(f"megatron_wlb: {exc}") from None
     return reader
 
 
