@@ -413,3 +413,33 @@ def test_version_2_sidecars_still_resume(tmp_path):
     with pytest.raises(ValueError, match="do not match its checksum"):
         load_data_state(str(tmp_path), 4)
     assert sorted(VERSION_KEYS) == [2, 3, 4]
+
+
+def test_a_checkpoint_planned_on_another_layout_says_what_changed_and_what_resumes(prefix):
+    """Issue 57 (7): a dynamic-CP checkpoint of a DP2 x CP2 pool resumed as DP4 x CP1 (the same 4 ranks) was refused
+    with 560 characters of cost vectors and no way forward; now one line naming both layouts, the flag that
+    resumes and --wlb-reset-data-stream. Another DP size alone still resumes."""
+    from dataclasses import replace
+
+    from megatron_wlb.costmodel import AnalyticCostModel, ParallelLayout, get_model
+    from megatron_wlb.megatron.validation import StartupError
+
+    reader = DocumentReader([(prefix, 1.0)], split="1,0,0", seed=5)
+
+    def iterator(config, layout):
+        packer = make_packer("wlb", config, AnalyticCostModel(get_model("550m"), layout))
+        return WlbDataIterator(reader, reader.stream(40 * CFG.tokens_per_iteration), packer, 0)
+
+    saved = iterator(CFG, ParallelLayout(cp=2, dp=2))
+    for _ in range(2 * CFG.n):
+        next(saved)
+    state = saved.state_dict()
+    dp4 = replace(CFG, dp=4, n=CFG.n // 2)  # the same global batch over 4 DP ranks
+    with pytest.raises(StartupError) as caught:
+        DataStateRegistry(pending=state, pending_iteration=2).register(iterator(dp4, ParallelLayout(cp=1, dp=4)))
+    message = str(caught.value)
+    assert "\n" not in message and len(message) < 400, message
+    assert ("the checkpoint at iteration 2 was planned on the layout TP1-CP2-PP1-DP2, this run is TP1-CP1-PP1-DP4"
+            in message and "resume on it (--context-parallel-size 2, any DP size at the same global batch)" in message
+            and "pass --wlb-reset-data-stream" in message and "cost_probe" not in message)
+    DataStateRegistry(pending=state, pending_iteration=2).register(iterator(dp4, ParallelLayout(cp=2, dp=4)))

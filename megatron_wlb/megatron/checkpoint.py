@@ -25,6 +25,7 @@ from typing import Any
 from megatron_wlb.megatron.data import WlbDataIterator, dumps_state
 from megatron_wlb.megatron.rebind import wrapping
 from megatron_wlb.megatron.validation import Refusal, RunRefusal, StartupError
+from megatron_wlb.packing.base import LayoutChanged
 from megatron_wlb.packing.types import upgrade_old_knobs
 
 SIDECAR_NAME = "wlb_packer_state.json"
@@ -169,10 +170,29 @@ class DataStateRegistry:
             _restore(it, state, iteration)
 
 
+#: Megatron's flag of each size a cost model's layout names (``ParallelLayout``)
+LAYOUT_FLAGS = {"TP": "--tensor-model-parallel-size", "CP": "--context-parallel-size",
+                "PP": "--pipeline-model-parallel-size", "EP": "--expert-model-parallel-size"}
+
+
+def relayout_refusal(iteration: int | None, saved: str, now: str) -> str:
+    """The one-line refusal of a checkpoint planned on the layout ``saved`` resumed on ``now`` (another TP, CP,
+    PP or EP: e.g. a dynamic-CP pool of DP2 x CP2 resumed as DP4 x CP1): what changed and what resumes."""
+    sizes = [dict(re.findall(r"([A-Z]+)(\d+)", name)) for name in (saved, now)]
+    flags = " ".join(f"{flag} {sizes[0][key]}" for key, flag in LAYOUT_FLAGS.items()
+                     if key in sizes[0] and sizes[0][key] != sizes[1].get(key, "1"))
+    return (f"megatron_wlb: the checkpoint at iteration {iteration} was planned on the layout {saved}, this run is "
+            f"{now}: its packer's queues and plans are priced for that layout; resume on it ({flags}, any DP size "
+            f"at the same global batch), or pass {RESET_FLAG} to restart the data stream on this layout (the "
+            "optimizer, iteration and LR schedule resume)")
+
+
 def _restore(iterator: WlbDataIterator, state: dict[str, Any], iteration: int | None) -> None:
     """``iterator.load_state_dict(state)``; a state this run cannot continue is refused in one line."""
     try:
         iterator.load_state_dict(state)
+    except LayoutChanged as exc:
+        raise StartupError(relayout_refusal(iteration, exc.saved, exc.now)) from None
     except ValueError as exc:
         raise exc if isinstance(exc, Refusal) else StartupError(
             f"megatron_wlb: cannot resume the checkpoint at iteration {iteration}: {exc}") from None
