@@ -136,6 +136,10 @@ class Packer(ABC):
     def pending(self) -> int:
         """Tokens read but not yet emitted."""
 
+    def held(self) -> tuple[DocPiece, ...]:
+        """The pieces read but not yet emitted (``pending()`` tokens): what a run that ends now has not trained."""
+        return ()
+
     def _budgets_to_read(self) -> int:
         """How many iteration budgets to read before planning this iteration (lookahead).
 
