@@ -352,8 +352,10 @@ def missing_sidecar_refusal(load_dir: str, iteration: int, balanced: bool = Fals
             "(the optimizer, iteration and LR schedule resume)")
 
 
-#: Megatron's legacy (``--ckpt-format torch``) checkpoint file of tensor rank 0 (pipeline rank 0 where PP > 1)
-LEGACY_RANK0_FILES = ("mp_rank_00/model_optim_rng.pt", "mp_rank_00_000/model_optim_rng.pt")
+#: Megatron's legacy (``--ckpt-format torch``) checkpoint file of tensor rank 0, pipeline and expert rank 0 where
+#: PP or EP > 1 (``find_checkpoint_rank_0``'s names)
+LEGACY_RANK0_FILES = tuple(f"{name}/model_optim_rng.pt" for name in ("mp_rank_00", "mp_rank_00_000",
+                                                                     "mp_rank_00_000_000"))
 #: the file of a ``torch_dist`` checkpoint that holds its common state (Megatron's ``args`` among it)
 COMMON_STATE_FILE = "common.pt"
 
