@@ -262,3 +262,21 @@ def test_resume_from_a_checkpoint_of_either_kind(corpora):
                                          r"--wlb-reset-data-stream"):
         other = MegatronSamples(_dataset(_args(corpora, True), 30))
         _iterators(other)[0].load_state_dict(state)
+
+
+def test_a_sample_token_beyond_the_vocabulary_stops_the_run_in_one_line(corpora):
+    """Issue 57 (6): the CPU harness no longer reads the whole corpus to size the vocabulary, so a token id beyond
+    it is met when Megatron's sample is read: one line naming the sample, the id and the --vocab-size that
+    covers it, never an IndexError in the embedding."""
+    from megatron_wlb.megatron.validation import RunRefusal
+
+    dataset = _dataset(_args(corpora, False), 4)
+    top = max(int(MegatronSamples(dataset).sample(j)[0].max()) for j in range(GBS))
+    with pytest.raises(RunRefusal) as caught:
+        _train(_iterators(MegatronSamples(dataset, vocab_size=200)), 4)
+    message = str(caught.value)
+    assert "\n" not in message and message.startswith("megatron_wlb: iteration 0: Megatron's sample ")
+    assert "is outside the model's vocabulary of 200 (ids 0..199): set --vocab-size / the tokenizer to at least" \
+        in message
+    fed = _train(_iterators(MegatronSamples(dataset, vocab_size=top + 1)), 1)  # the vocabulary that covers it
+    assert fed

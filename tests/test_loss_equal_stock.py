@@ -44,9 +44,13 @@ LAYOUTS = {"dp2": {"DP": "2"}, "pp2": {"PP": "2"}}
 
 
 # --- wlb compare-loss on log lines (fast) ------------------------------------------------------------------
-def _line(it: int, loss: str, norm: str = "1.753") -> str:
-    return (f" [2026-11-28 06:03:01] iteration {it:8d}/      20 | consumed samples: {4 * it:12d} | learning rate: "
-            f"3.000000E-03 | global batch size:     4 | lm loss: {loss} | loss scale: 1.0 | grad norm: {norm} |")
+def _line(it: int, loss: str, norm: str = "1.753", total: int = 20, skipped: int = 0, nan: int = 0) -> str:
+    """A Megatron 0.19 ``training_log`` line (``loss`` "" prints none, as Megatron for a NaN loss)."""
+    printed = f" lm loss: {loss} |" if loss else ""
+    return (f" [2026-11-28 06:03:01.123456] iteration {it:8d}/{total:8d} | consumed samples: {4 * it:12d} | elapsed "
+            f"time per iteration (ms): 812.4 | learning rate: 3.000000E-03 | global batch size:     4 |{printed} loss "
+            f"scale: 1.0 | grad norm: {norm} | number of skipped iterations: {skipped:3d} | number of nan "
+            f"iterations: {nan:3d} |")
 
 
 def test_read_megatron_log_takes_each_iteration_once(tmp_path):
@@ -54,7 +58,7 @@ def test_read_megatron_log_takes_each_iteration_once(tmp_path):
     log.write_text("\n".join(["starting", _line(1, "5.767912E+00"), _line(1, "5.767912E+00"),
                               _line(2, "5.614813E+00", "2.400"), " [wlb] iteration 2 | imbalance 1.0"]) + "\n")
     steps = read_megatron_log(log)
-    assert steps == {1: Step(5.767912, 5e-7, 1.753, 5e-4), 2: Step(5.614813, 5e-7, 2.4, 5e-4)}
+    assert steps == {1: Step(5.767912, 5e-7, 1.753, 5e-4, 20), 2: Step(5.614813, 5e-7, 2.4, 5e-4, 20)}
     log.write_text(_line(1, "5.767912E+00") + "\n" + _line(1, "5.1E+00") + "\n")
     with pytest.raises(ValueError, match="iteration 1 is logged twice with different values"):
         read_megatron_log(log)
@@ -81,8 +85,9 @@ def test_compare_curves_verdicts():
 
 def test_compare_loss_cli_plots_and_refuses_in_one_line(tmp_path):
     stock, balanced = tmp_path / "stock.log", tmp_path / "balanced.log"
-    stock.write_text("\n".join(_line(i, f"{5 - 0.1 * i:.6E}") for i in range(1, 6)) + "\n")
-    balanced.write_text("\n".join(_line(i, f"{5 - 0.1 * i + 0.01 * (i > 3):.6E}") for i in range(1, 6)) + "\n")
+    stock.write_text("\n".join(_line(i, f"{5 - 0.1 * i:.6E}", total=5) for i in range(1, 6)) + "\n")
+    balanced.write_text("\n".join(_line(i, f"{5 - 0.1 * i + 0.01 * (i > 3):.6E}", total=5) for i in range(1, 6))
+                        + "\n")
     run = [sys.executable, "-m", "megatron_wlb", "compare-loss", "--stock", str(stock)]
     ok = subprocess.run([*run, "--balanced", str(stock), "--plot", str(tmp_path / "c.png"), "--json",
                          str(tmp_path / "c.json"), "--require-equal"], capture_output=True, text=True)
@@ -95,6 +100,41 @@ def test_compare_loss_cli_plots_and_refuses_in_one_line(tmp_path):
     missing = subprocess.run([*run, "--balanced", str(tmp_path / "nope.log")], capture_output=True, text=True)
     assert missing.returncode == 2 and missing.stderr.strip().count("\n") == 0 and "nope.log does not exist" in \
         missing.stderr
+
+
+def _broken_runs() -> dict[str, list[str]]:
+    """Issue 57 (4): balanced logs of a broken run, each beside a stock run of 6 iterations (--train-iters 6)."""
+    good = [_line(i, f"{5 - 0.1 * i:.6E}", total=6) for i in range(1, 7)]
+    return {
+        "no lm loss (Megatron prints none for a NaN loss)": [*good[:3], _line(4, "", "nan", 6, nan=1), *good[4:]],
+        "lm loss inf": [*good[:3], _line(4, "INF", "inf", 6), *good[4:]],
+        "lm loss nan": [*good[:3], _line(4, "NAN", "1.753", 6), *good[4:]],
+        "skipped 1 iteration": [*good[:3], _line(4, "0.000000E+00", "1.753", 6, skipped=1), *good[4:]],
+        "missing from the balanced log": [*good[:3], *good[4:]],
+        "the balanced run stopped at iteration 4 of 6": good[:4],
+        "the logs are of another --train-iters (stock 6, balanced 8)":
+            [_line(i, f"{5 - 0.1 * i:.6E}", total=8) for i in range(1, 9)],
+    }
+
+
+@pytest.mark.parametrize("case", sorted(_broken_runs()))
+def test_compare_loss_a_broken_run_differs_with_its_reason(tmp_path, case):
+    """A NaN, INF (either case), skipped or missing iteration, a run that stopped early, a log of another
+    --train-iters: "differ", naming the iteration and why, never "equal" (the values they share are stock's)."""
+    stock, balanced = tmp_path / "stock.log", tmp_path / "balanced.log"
+    stock.write_text("\n".join(_line(i, f"{5 - 0.1 * i:.6E}", total=6) for i in range(1, 7)) + "\n")
+    balanced.write_text("\n".join(_broken_runs()[case]) + "\n")
+    result = compare_curves(read_megatron_log(stock), read_megatron_log(balanced))
+    assert not result.equal and case in result.reason
+    verdict = result.verdict()
+    assert "\n" not in verdict and verdict.startswith("differ: ") and case in verdict
+    if "iteration 4" not in case and "train-iters" not in case:
+        assert result.first_different == 4 and verdict.startswith("differ: from iteration 4: ")
+    cli = subprocess.run([sys.executable, "-m", "megatron_wlb", "compare-loss", "--stock", str(stock), "--balanced",
+                          str(balanced), "--require-equal"], capture_output=True, text=True)
+    assert cli.returncode == 1 and cli.stdout.strip() == verdict, cli.stderr
+    same = compare_curves(read_megatron_log(stock), read_megatron_log(stock))
+    assert same.equal and same.reason is None
 
 
 def test_compare_loss_sh_refuses_before_training(tmp_path):

@@ -279,7 +279,7 @@ def test_a_checkpoint_without_its_sidecar_names_the_ckpt_step_that_resumes(tmp_p
         wrap_load_checkpoint(megatron_like_load(other.load), DataStateRegistry(), lambda: other)(None, None, None)
     message = str(caught.value)
     assert "\n" not in message and "resume from iteration" not in message
-    assert "(--ckpt-step N); as a last resort pass --wlb-reset-data-stream" in message
+    assert "(--ckpt-step N), or start afresh without --load; as a last resort pass --wlb-reset-data-stream" in message
 
 
 def test_a_balanced_run_stopped_before_its_sidecar_is_refused_not_resumed_as_stock(tmp_path):
@@ -299,6 +299,45 @@ def test_a_balanced_run_stopped_before_its_sidecar_is_refused_not_resumed_as_sto
     load = wrap_load_checkpoint(megatron_like_load(stock.load), DataStateRegistry(), lambda: stock, lambda: balanced,
                                 log=logged.append)
     assert load(None, None, None)[0] == 4 and "a stock Megatron run" in logged[0]
+
+
+def megatron_saved_args(checkpoint_dir, fmt, **args):
+    """What Megatron's save leaves for its ``args``: a torch_dist checkpoint's common.pt, or a legacy checkpoint's
+    rank-0 file (here with one tensor beside them, as the model's)."""
+    import torch
+
+    name = "common.pt" if fmt == "torch_dist" else os.path.join("mp_rank_00", "model_optim_rng.pt")
+    path = os.path.join(checkpoint_dir, name)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    torch.save({"args": Namespace(**args), "iteration": 1, "model": {"w": torch.zeros(4)}}, path)
+
+
+@pytest.mark.parametrize("fmt", ["torch_dist", "torch"])
+def test_a_balanced_run_stopped_before_its_first_sidecar_is_refused_by_its_saved_args(tmp_path, fmt):
+    """Issue 57 (1): killed between Megatron's first save and our first sidecar, no earlier sidecar says the run was
+    ours and it resumed as a stock Megatron run, its waiting pieces never trained. The checkpoint's saved args carry
+    our --wlb-* flags: refused in one line naming --wlb-reset-data-stream. A stock run's saved args (no --wlb-*
+    attribute) still continue."""
+    balanced = {"pieces": "concat-and-cut"}
+    args = Namespace(save=str(tmp_path / "ours"), load=str(tmp_path / "ours"), consumed_train_samples=8)
+    megatron_like_save(args.save)(1, None, None, None, 0)  # Megatron's save, then the kill
+    megatron_saved_args(iteration_dir(args.save, 1), fmt, seq_length=64, wlb_pieces="concat-and-cut",
+                        wlb_packer=None, wlb_reset_data_stream=False)
+    with pytest.raises(RuntimeError) as caught:
+        wrap_load_checkpoint(megatron_like_load(args.load), DataStateRegistry(), lambda: args,
+                             lambda: balanced)(None, None, None)
+    message = str(caught.value)
+    assert "\n" not in message and "iteration 1 but holds no wlb_packer_state.json" in message
+    assert "--ckpt-step N" in message and "start afresh without --load" in message
+    assert ("pass --wlb-reset-data-stream to continue Megatron's samples from consumed_train_samples without the "
+            "tokens the packer held back") in message
+    stock = Namespace(save=str(tmp_path / "stock"), load=str(tmp_path / "stock"), consumed_train_samples=8)
+    megatron_like_save(stock.save)(1, None, None, None, 0)
+    megatron_saved_args(iteration_dir(stock.save, 1), fmt, seq_length=64)
+    logged: list[str] = []
+    load = wrap_load_checkpoint(megatron_like_load(stock.load), DataStateRegistry(), lambda: stock, lambda: balanced,
+                                log=logged.append)
+    assert load(None, None, None)[0] == 1 and "a stock Megatron run" in logged[0]
 
 
 def test_reset_data_stream_in_the_balanced_mode_says_what_continues_and_what_is_dropped(tmp_path):
@@ -374,3 +413,33 @@ def test_version_2_sidecars_still_resume(tmp_path):
     with pytest.raises(ValueError, match="do not match its checksum"):
         load_data_state(str(tmp_path), 4)
     assert sorted(VERSION_KEYS) == [2, 3, 4]
+
+
+def test_a_checkpoint_planned_on_another_layout_says_what_changed_and_what_resumes(prefix):
+    """Issue 57 (7): a dynamic-CP checkpoint of a DP2 x CP2 pool resumed as DP4 x CP1 (the same 4 ranks) was refused
+    with 560 characters of cost vectors and no way forward; now one line naming both layouts, the flag that
+    resumes and --wlb-reset-data-stream. Another DP size alone still resumes."""
+    from dataclasses import replace
+
+    from megatron_wlb.costmodel import AnalyticCostModel, ParallelLayout, get_model
+    from megatron_wlb.megatron.validation import StartupError
+
+    reader = DocumentReader([(prefix, 1.0)], split="1,0,0", seed=5)
+
+    def iterator(config, layout):
+        packer = make_packer("wlb", config, AnalyticCostModel(get_model("550m"), layout))
+        return WlbDataIterator(reader, reader.stream(40 * CFG.tokens_per_iteration), packer, 0)
+
+    saved = iterator(CFG, ParallelLayout(cp=2, dp=2))
+    for _ in range(2 * CFG.n):
+        next(saved)
+    state = saved.state_dict()
+    dp4 = replace(CFG, dp=4, n=CFG.n // 2)  # the same global batch over 4 DP ranks
+    with pytest.raises(StartupError) as caught:
+        DataStateRegistry(pending=state, pending_iteration=2).register(iterator(dp4, ParallelLayout(cp=1, dp=4)))
+    message = str(caught.value)
+    assert "\n" not in message and len(message) < 400, message
+    assert ("the checkpoint at iteration 2 was planned on the layout TP1-CP2-PP1-DP2, this run is TP1-CP1-PP1-DP4"
+            in message and "resume on it (--context-parallel-size 2, any DP size at the same global batch)" in message
+            and "pass --wlb-reset-data-stream" in message and "cost_probe" not in message)
+    DataStateRegistry(pending=state, pending_iteration=2).register(iterator(dp4, ParallelLayout(cp=2, dp=4)))

@@ -127,9 +127,48 @@ def test_cpu_harness_takes_the_vocabulary_from_the_data(wide_ids, tmp_path):
     assert tiny_gpt_vocab_flags(["--data-path", wide_ids, "--data-path", "1", small]) == []
     assert tiny_gpt_vocab_flags(["--data-path", small, "--data-path", "0.5", small, "0.5", wide_ids]) == \
         ["--vocab-size", "1001"]
-    with pytest.raises(SystemExit, match=r"--vocab-size 512: .* holds token id 1000; give --vocab-size 1001"):
-        tiny_gpt_vocab_flags(["--data-path", wide_ids, "--vocab-size", "512"])
+    # a --vocab-size given is the model's: the reader refuses an id beyond it (start-up sample, then every read)
+    assert tiny_gpt_vocab_flags(["--data-path", wide_ids, "--vocab-size", "512"]) == []
     assert tiny_gpt_vocab_flags(["--train-data-path", wide_ids, "--vocab-size", "2000"]) == []
+    with pytest.raises(SystemExit, match=r"--vocab-size 'x': give a positive integer"):
+        tiny_gpt_vocab_flags(["--data-path", wide_ids, "--vocab-size", "x"])
+
+
+def test_cpu_harness_start_up_reads_no_token_it_does_not_need(tmp_path, monkeypatch):
+    """Issue 57 (6): --tiny-gpt read every token of the corpus at start-up (14 GB at 1e8 documents, even with
+    --vocab-size). Now: nothing with --vocab-size or a byte corpus, else each dataset's first VOCAB_SCAN_TOKENS
+    tokens; an id beyond them is refused in one line when it is read, naming the --vocab-size that covers it."""
+    import megatron_wlb.data.reader as reader_mod
+    import megatron_wlb.megatron.cpu as cpu_mod
+    from megatron_wlb.data.reader import DocumentReader, IndexedSource, byte_documents, write_indexed_dataset
+    from megatron_wlb.megatron.cpu import tiny_gpt_vocab_flags
+
+    wide = str(tmp_path / "far_text_document")
+    docs = [np.full(10, 400 + i, dtype=np.int64) for i in range(6)]
+    docs[5][7] = 5000  # beyond the sampled prefix
+    write_indexed_dataset(wide, docs)
+    small = str(tmp_path / "bytes_text_document")
+    write_indexed_dataset(small, byte_documents([__file__], eod=None), dtype=np.uint8)
+    assert IndexedSource.open(small).tokens.dtype == np.uint8
+    docs_text = "".join((Path(__file__).parents[1] / "docs" / name).read_text().replace("\n", " ")
+                        for name in ("megatron.md", "megatron_launch.md"))
+    assert reader_mod.VOCAB_SCAN_TOKENS == 2 ** 28 and docs_text.count("first 2^28 tokens") == 2  # the docs' figure
+    scanned: list[int] = []
+    scan = IndexedSource._scan
+    monkeypatch.setattr(IndexedSource, "_scan", lambda self, count: (scanned.append(count), scan(self, count))[1])
+    monkeypatch.setattr(cpu_mod, "VOCAB_SCAN_TOKENS", 16)
+    monkeypatch.setattr(reader_mod, "VOCAB_SCAN_TOKENS", 16)
+    assert tiny_gpt_vocab_flags(["--data-path", wide, "--vocab-size", "600"]) == [] and scanned == []
+    assert tiny_gpt_vocab_flags(["--data-path", small]) == [] and scanned == []  # uint8: no id beyond 300
+    assert tiny_gpt_vocab_flags(["--data-path", wide]) == ["--vocab-size", "402"] and scanned == [16]
+    assert IndexedSource.open(wide).tokens.size == 60  # the rest was not read
+    reader = DocumentReader([(wide, 1.0)], split="1,0,0", shuffle=False)
+    reader.check_vocabulary(402)  # the start-up sample is sound
+    assert reader.read(0, 0, 10).tolist() == [400] * 10
+    with pytest.raises(ValueError) as caught:
+        reader.read(5, 0, 10)
+    assert "\n" not in str(caught.value) and "token id 5000 is outside the model's vocabulary of 402" in \
+        str(caught.value) and "at least 5001" in str(caught.value)
 
 
 def test_help_percents_are_escaped_once():

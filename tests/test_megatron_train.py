@@ -117,7 +117,8 @@ def test_sequence_parallel_gives_the_losses_of_tp2_without_it(tmp_path, text_cor
 
 def test_own_corpus_with_token_ids_beyond_the_tiny_vocabulary(tmp_path):
     """A user's corpus whose ids exceed the tiny GPT's default vocabulary (300): the harness takes the vocabulary
-    from the data and trains; a --vocab-size too small for it is refused in one line naming the largest id."""
+    from the data and trains; a --vocab-size too small for it is refused in one line naming the largest id (issue
+    57 item 6: by the reader's start-up check in the ranks, the harness reads no data when it is given)."""
     import numpy as np
 
     from megatron_wlb.data.reader import write_indexed_dataset
@@ -130,7 +131,11 @@ def test_own_corpus_with_token_ids_beyond_the_tiny_vocabulary(tmp_path):
     assert "vocab_size ...................................... 1200" in run.log  # max id 1199 + 1
     refused = train(tmp_path, "small_vocab", prefix, "--vocab-size", "512", expect_ok=False)
     assert refused.returncode != 0  # type: ignore[attr-defined]
-    assert "holds token id 1199; give --vocab-size 1200 or more" in refused.log
+    refusals = [line for line in refused.log.splitlines() if "token id 1199 is outside" in line]
+    assert refusals and all(line.endswith("token id 1199 is outside the model's vocabulary of 512 (ids 0..511): set "
+                                          "--vocab-size / the tokenizer to at least 1200 (or the tokenizer the data "
+                                          "was made with)") for line in refusals)
+    assert "Traceback" not in refused.log
 
 
 def test_online_cost_model_refits_agree_and_resume_exactly(tmp_path, text_corpus):

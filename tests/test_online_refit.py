@@ -126,3 +126,31 @@ def test_the_online_refit_applies_on_schedule_and_refuses_disagreeing_ranks():
 
     with pytest.raises(RuntimeError, match="disagree on the refitted coefficients"):
         refit.refit(5, disagree)
+
+
+def test_bwd_ratios_the_rows_do_not_determine_are_the_mean_measured_ratio():
+    """Issue 57 (9): an online refit of a CPU run fitted bwd/fwd 4.50 from 16 rows. Packed micro-batches are all
+    about one size, so tokens and the per-micro-batch constant move together and noisy times split between them
+    at random: over 200 such draws the coefficient ratios spread over 0.2-80 (true ratio 2). A ratio whose
+    coefficients have a standard error over RATIO_RTOL is the mean measured ratio; well-spread rows keep theirs."""
+    from megatron_wlb.costmodel.fit import RATIO_RTOL
+
+    rng = np.random.default_rng(3)
+    ratios = []
+    for _ in range(50):
+        tokens = rng.integers(230, 257, 16).astype(float)  # 16 packed micro-batches of a 256-token sequence
+        runs = rng.integers(1, 12, 16).astype(float)
+        pairs = tokens ** 2 / 2 / runs * rng.uniform(0.5, 1.5, 16)
+        base = 2e-9 * pairs + 4e-6 * tokens + 1e-5 * runs + 2e-4
+        points = {"pairs": pairs, "tokens": tokens, "runs": runs, "fwd_s": base * rng.lognormal(0, 0.15, 16),
+                  "bwd_s": 2 * base * rng.lognormal(0, 0.15, 16)}
+        stats = RefitStats.of(points, MODEL)
+        fit = stats.fit(MODEL)
+        assert fit.extra["ratio_from_mean"] == ["bwd_attention", "bwd_linear"]
+        assert fit.bwd_attention == fit.bwd_linear == pytest.approx(stats.ratio_sum / stats.points)
+        ratios.append(fit.bwd_linear)
+    assert 1.7 < min(ratios) and max(ratios) < 2.4  # the true ratio, 2, within the noise of 16 rows
+    spread, _ = synthetic_points(noise=0.01, seed=2)  # 60 rows of 200-8000 tokens: both ratios determined
+    fit = RefitStats.of(spread, MODEL).fit(MODEL)
+    assert fit.extra["ratio_from_mean"] == [] and RATIO_RTOL == 0.25
+    assert (fit.bwd_attention, fit.bwd_linear) == pytest.approx((2.5, 2.0), rel=0.1)

@@ -243,6 +243,26 @@ def test_a_balanced_run_extends_its_train_iters_while_megatrons_order_is_the_sam
 
 
 @pytest.mark.slow
+def test_a_balanced_run_stopped_before_its_first_sidecar_is_refused_not_resumed_as_stock(balanced, eod_corpus):
+    """Issue 57 (1): the balanced run's first (and only) checkpoint without its sidecar (a job killed between
+    Megatron's save and ours) was resumed as a stock Megatron run, its waiting pieces never trained. Megatron's own
+    saved args carry our --wlb-* flags: every rank refuses in one line naming --wlb-reset-data-stream."""
+    from test_megatron_train import train
+
+    from megatron_wlb.megatron.checkpoint import SIDECAR_NAME
+
+    root, cache, _ = balanced
+    killed = root / "ckpt_killed"
+    shutil.copytree(root / "ckpt", killed)
+    os.remove(killed / "iter_0000005" / SIDECAR_NAME)
+    run = train(root, "killed", eod_corpus, *BALANCED, "--data-cache-path", str(cache), "--load", str(killed),
+                "--ckpt-format", "torch", "--train-iters", "6", "--override-opt_param-scheduler", env={"DP": "2"},
+                expect_ok=False)
+    line = _refused_in_one_line(run, "resumes at iteration 5 but holds no " + SIDECAR_NAME)
+    assert "--ckpt-step N" in line and "pass --wlb-reset-data-stream to continue Megatron's samples" in line
+
+
+@pytest.mark.slow
 def test_start_up_and_cache_refusals_are_one_line_on_every_rank(balanced, eod_corpus):
     """Item 7: a balanced job with an empty train split; one rank with another --seed (named by the start-up
     agreement, which now runs before megatron-core builds anything) or its own empty --data-cache-path; a

@@ -203,3 +203,27 @@ def test_the_end_of_training_names_what_the_packer_still_holds(monkeypatch, caps
     with launcher.released_at_exit():
         pass
     assert "training ended" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", ["fixed-greedy", "original", "fixed-solver", "whole-document", "wlb"])
+def test_every_packer_names_the_pieces_it_still_holds(monkeypatch, name):
+    """Issue 57 (9): the original packer's held tokens were reported as "(0 pieces of 0 documents ...: )": every
+    packer's ``held()`` pieces are its ``pending()`` tokens, and the report names them."""
+    from types import SimpleNamespace
+
+    from megatron_wlb.megatron import state
+    from megatron_wlb.megatron.checkpoint import DataStateRegistry
+    from megatron_wlb.packing.base import ArraySource
+
+    packer = make_packer(name, PackingConfig(seq_len=1024, n=2, dp=1, max_seq_len=1536))
+    plans = packer.pack_source(ArraySource(np.array([60, 1000, 900, 30, 1400, 20, 1300, 43] * 20), np.arange(160)))
+    next(plans)
+    held = packer.held()
+    assert sum(p.length for p in held) == packer.pending() > 0
+    registry = DataStateRegistry()
+    registry.iterators.append(SimpleNamespace(packer=packer))
+    monkeypatch.setattr(state._RUNTIME, "registry", registry)
+    report = state.untrained_report()
+    documents = len({p.doc_id for p in held})
+    assert report is not None and f"{packer.pending()} tokens read but not trained ({len(held)} pieces of " \
+        f"{documents} documents or samples waiting for a later iteration: " in report and ": )" not in report

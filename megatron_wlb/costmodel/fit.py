@@ -589,6 +589,11 @@ def check_terms(terms: Sequence[str], where: str = "terms") -> tuple[str, ...]:
     return tuple(t for t in TERMS if t in given)
 
 
+#: a backward / forward ratio of two coefficients is taken only where each is fitted to within this relative
+#: standard error; else the mean measured ratio stands in (``RefitStats.fit``)
+RATIO_RTOL = 0.25
+
+
 @dataclass(frozen=True)
 class RefitStats:
     """Normal equations of the relative least-squares fits (rows of ``x / y``, target 1) of forward and
@@ -633,13 +638,28 @@ class RefitStats:
     def __add__(self, other: RefitStats) -> RefitStats:
         return RefitStats.from_vector(self.vector() + other.vector())
 
+    def _relative_errors(self, gram: np.ndarray, rhs: np.ndarray, coef: np.ndarray, cols: list[int]) -> set[int]:
+        """The columns of ``cols`` whose fitted coefficient's standard error (the least-squares estimate from the
+        normal equations and the residual) exceeds ``RATIO_RTOL`` of it: the rows do not determine it."""
+        dof = self.points - len(cols)
+        if dof <= 0:
+            return set(cols)
+        g, c = gram[np.ix_(cols, cols)], coef[cols]
+        residual = max(self.points - 2.0 * float(c @ rhs[cols]) + float(c @ g @ c), 0.0)  # sum of (1 - x.c / y)^2
+        scale = np.sqrt(np.diag(g))
+        scale[scale == 0] = 1.0
+        variance = np.diag(np.linalg.pinv(g / np.outer(scale, scale), rcond=1e-12)) / scale ** 2 * residual / dof
+        error = np.sqrt(np.maximum(variance, 0.0))
+        return {col for col, e, value in zip(cols, error, c) if not (value > 0 and e <= RATIO_RTOL * value)}
+
     def fit(self, model: ModelShape, terms: Sequence[str] = BASE_TERMS) -> ProfileFit:
         """The micro-batch fit (``fit_profile`` fits a profile's ``micro_batches`` section with it):
         forward and backward each ``a*pairs + b*tokens + r*runs + c`` (+ ``s*tokens^2`` and
         ``u*tokens*pairs`` with the terms ``tokens_sq`` and ``tokens_pairs``), non-negative, over the
         columns of ``terms`` only. bwd_attention = a_b / a_f and bwd_linear = b_b / b_f (the mean measured
-        ratio where a coefficient is 0). The cost model charges the per-run, per-micro-batch and
-        whole-micro-batch terms forward and x bwd_attention / bwd_linear backward, so they are set to
+        ratio where a coefficient is 0 or not determined by the rows: its standard error over ``RATIO_RTOL``).
+        The cost model charges the per-run, per-micro-batch and whole-micro-batch terms forward and
+        x bwd_attention / bwd_linear backward, so they are set to
         (r_f + r_b) / (1 + bwd_attention), (c_f + c_b) / (1 + bwd_linear), (s_f + s_b) / (1 + bwd_linear)
         and (u_f + u_b) / (1 + bwd_linear): the forward + backward the packer balances is the fitted one
         exactly, only its split is approximate."""
@@ -655,7 +675,12 @@ class RefitStats:
 
         cf, cb = solve(self.gram_fwd, self.rhs_fwd), solve(self.gram_bwd, self.rhs_bwd)
         mean_ratio = self.ratio_sum / self.points
-        guarded = [name for name, i in (("bwd_attention", 0), ("bwd_linear", 1)) if not (cf[i] > 0 and cb[i] > 0)]
+        # a ratio of coefficients the rows do not determine (few rows, or columns moving together: packed
+        # micro-batches of one size) is noise: 16 rows of a CPU run gave bwd/fwd 4.50 where the mean was ~2
+        loose = (self._relative_errors(self.gram_fwd, self.rhs_fwd, cf, cols)
+                 | self._relative_errors(self.gram_bwd, self.rhs_bwd, cb, cols))
+        guarded = [name for name, i in (("bwd_attention", 0), ("bwd_linear", 1))
+                   if not (cf[i] > 0 and cb[i] > 0) or i in loose]
         bwd_attention = float(cb[0] / cf[0]) if "bwd_attention" not in guarded else mean_ratio
         bwd_linear = float(cb[1] / cf[1]) if "bwd_linear" not in guarded else mean_ratio
         return ProfileFit(attn_per_pair=float(cf[0]), attn_per_query=0.0, linear_per_token=float(cf[1]),

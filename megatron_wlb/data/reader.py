@@ -53,6 +53,18 @@ SCAN_CHUNK_TOKENS = 1 << 24
 VOCAB_SCAN_TOKENS = 1 << 28
 
 
+class OutOfVocabulary(ValueError):  # noqa: N818 - a refusal of the data, named for what it finds
+    """A token id the model's embedding cannot look up, met at start-up or when read (one line: the data, the
+    id, the valid ids and the flag that sets the vocabulary)."""
+
+
+def too_large_token(where: str, top: int, vocab_size: int, flag: str = "--vocab-size") -> OutOfVocabulary:
+    """The one-line refusal of token id ``top`` (>= ``vocab_size``) found in ``where``."""
+    return OutOfVocabulary(f"{where}: token id {top} is outside the model's vocabulary of {vocab_size} (ids "
+                           f"0..{vocab_size - 1}): set {flag} to at least {top + 1} (or the tokenizer the data was "
+                           "made with)")
+
+
 # -- Megatron's data flags ---------------------------------------------------------------------------
 def weighted_prefixes(data_path: Sequence[str] | str) -> list[tuple[str, float]]:
     """``--data-path`` tokens -> [(prefix, weight)]: ``A B`` (equal weights) or ``0.7 A 0.3 B``
@@ -738,12 +750,11 @@ class DocumentReader:
         valid = f"the model's vocabulary of {vocab} (ids 0..{vocab - 1})"
         if low < 0:
             dtype = np.dtype(src.tokens.dtype)
-            raise ValueError(f"{src.prefix}: token id {low} is outside {valid}: its .bin holds {dtype.name} ids, and "
-                             "a negative id indexes no embedding row; rebuild the dataset with an unsigned or wider "
-                             "dtype (megatron-core picks uint16 for vocabularies under 65500, else int32)")
+            raise OutOfVocabulary(f"{src.prefix}: token id {low} is outside {valid}: its .bin holds {dtype.name} ids, "
+                                  "and a negative id indexes no embedding row; rebuild the dataset with an unsigned or "
+                                  "wider dtype (megatron-core picks uint16 for vocabularies under 65500, else int32)")
         if top >= vocab:
-            raise ValueError(f"{src.prefix}: token id {top} is outside {valid}: set {self.vocab_flag} to at least "
-                             f"{top + 1} (or the tokenizer the data was made with)")
+            raise too_large_token(src.prefix, top, vocab, self.vocab_flag)
 
     def describe(self) -> dict[str, Any]:
         """What determines the stream (saved with checkpoints, compared on resume)."""

@@ -25,6 +25,7 @@ from typing import Any
 from megatron_wlb.megatron.data import WlbDataIterator, dumps_state
 from megatron_wlb.megatron.rebind import wrapping
 from megatron_wlb.megatron.validation import Refusal, RunRefusal, StartupError
+from megatron_wlb.packing.base import LayoutChanged
 from megatron_wlb.packing.types import upgrade_old_knobs
 
 SIDECAR_NAME = "wlb_packer_state.json"
@@ -169,10 +170,29 @@ class DataStateRegistry:
             _restore(it, state, iteration)
 
 
+#: Megatron's flag of each size a cost model's layout names (``ParallelLayout``)
+LAYOUT_FLAGS = {"TP": "--tensor-model-parallel-size", "CP": "--context-parallel-size",
+                "PP": "--pipeline-model-parallel-size", "EP": "--expert-model-parallel-size"}
+
+
+def relayout_refusal(iteration: int | None, saved: str, now: str) -> str:
+    """The one-line refusal of a checkpoint planned on the layout ``saved`` resumed on ``now`` (another TP, CP,
+    PP or EP: e.g. a dynamic-CP pool of DP2 x CP2 resumed as DP4 x CP1): what changed and what resumes."""
+    sizes = [dict(re.findall(r"([A-Z]+)(\d+)", name)) for name in (saved, now)]
+    flags = " ".join(f"{flag} {sizes[0][key]}" for key, flag in LAYOUT_FLAGS.items()
+                     if key in sizes[0] and sizes[0][key] != sizes[1].get(key, "1"))
+    return (f"megatron_wlb: the checkpoint at iteration {iteration} was planned on the layout {saved}, this run is "
+            f"{now}: its packer's queues and plans are priced for that layout; resume on it ({flags}, any DP size "
+            f"at the same global batch), or pass {RESET_FLAG} to restart the data stream on this layout (the "
+            "optimizer, iteration and LR schedule resume)")
+
+
 def _restore(iterator: WlbDataIterator, state: dict[str, Any], iteration: int | None) -> None:
     """``iterator.load_state_dict(state)``; a state this run cannot continue is refused in one line."""
     try:
         iterator.load_state_dict(state)
+    except LayoutChanged as exc:
+        raise StartupError(relayout_refusal(iteration, exc.saved, exc.now)) from None
     except ValueError as exc:
         raise exc if isinstance(exc, Refusal) else StartupError(
             f"megatron_wlb: cannot resume the checkpoint at iteration {iteration}: {exc}") from None
@@ -314,22 +334,60 @@ def waiting_pieces(payload: dict | None) -> list[list[int]]:
     return [list(p) for p in ((packer or {}).get("extra") or {}).get("waiting", [])]
 
 
-def missing_sidecar_refusal(load_dir: str, iteration: int) -> str:
+def missing_sidecar_refusal(load_dir: str, iteration: int, balanced: bool = False) -> str:
     """The one-line refusal of a checkpoint at ``iteration`` > 0 without a sidecar, naming the ``--ckpt-step`` of
-    the newest earlier checkpoint that has one (a job killed between Megatron's save and ours leaves this)."""
+    the newest earlier checkpoint that has one (a job killed between Megatron's save and ours leaves this).
+    ``balanced``: the run reads Megatron's samples (``--wlb-pieces concat-and-cut``), where a reset continues from
+    consumed_train_samples and drops only the pieces the packer held back."""
     earlier = newest_sidecar_before(load_dir, iteration)
     remedy = (f"resume from iteration {earlier}, the newest earlier checkpoint that holds one, with --ckpt-step "
               f"{earlier}" if earlier is not None else
-              "resume from a checkpoint saved with megatron_wlb applied (--ckpt-step N)")
+              "resume from a checkpoint saved with megatron_wlb applied (--ckpt-step N), or start afresh without "
+              "--load")
+    reset = ("continue Megatron's samples from consumed_train_samples without the tokens the packer held back"
+             if balanced else "restart the data stream at its first document")
     return (f"megatron_wlb: the checkpoint in {load_dir} resumes at iteration {iteration} but holds no "
             f"{SIDECAR_NAME}, so the packer's queues and stream position are unknown (a job stopped between "
-            f"Megatron's save and ours leaves this): {remedy}; as a last resort pass {RESET_FLAG} to restart the "
-            "data stream at its first document (the optimizer, iteration and LR schedule resume)")
+            f"Megatron's save and ours leaves this): {remedy}; as a last resort pass {RESET_FLAG} to {reset} "
+            "(the optimizer, iteration and LR schedule resume)")
+
+
+#: Megatron's legacy (``--ckpt-format torch``) checkpoint file of tensor rank 0, pipeline and expert rank 0 where
+#: PP or EP > 1 (``find_checkpoint_rank_0``'s names)
+LEGACY_RANK0_FILES = tuple(f"{name}/model_optim_rng.pt" for name in ("mp_rank_00", "mp_rank_00_000",
+                                                                     "mp_rank_00_000_000"))
+#: the file of a ``torch_dist`` checkpoint that holds its common state (Megatron's ``args`` among it)
+COMMON_STATE_FILE = "common.pt"
+
+
+def saved_megatron_args(checkpoint_dir: str) -> Any | None:
+    """The ``args`` Megatron saved in the checkpoint directory ``checkpoint_dir`` (``iter_0000004``): from a
+    ``torch_dist`` checkpoint's ``common.pt``, or a legacy checkpoint's rank-0 file (memory-mapped: no tensor is
+    read); None where there is neither or it cannot be read (a format this build does not know)."""
+    import torch  # only here: no other path of this module needs torch
+
+    for name in (COMMON_STATE_FILE, *LEGACY_RANK0_FILES):
+        path = os.path.join(checkpoint_dir, name)
+        if not os.path.isfile(path):
+            continue
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=False, mmap=name != COMMON_STATE_FILE)
+        except Exception:  # noqa: BLE001 - an unreadable file says nothing about who saved it
+            return None
+        return state.get("args") if isinstance(state, dict) else None
+    return None
+
+
+def saved_by_megatron_wlb(saved_args: Any) -> bool:
+    """Whether Megatron's saved ``args`` show our flags (``wlb_*`` attributes: parsed with megatron_wlb applied,
+    whose data iterator writes a sidecar with every checkpoint)."""
+    return saved_args is not None and any(name.startswith("wlb_") for name in vars(saved_args))
 
 
 def wrap_load_checkpoint(original: Callable, registry: DataStateRegistry, get_args: Callable[[], Any],
                          settings: Callable[[], dict | None] = lambda: None,
-                         log: Callable[[str], None] = print) -> Callable:
+                         log: Callable[[str], None] = print,
+                         saved_args: Callable[[str], Any | None] = saved_megatron_args) -> Callable:
     """Megatron's ``load_checkpoint(model, optimizer, scheduler, load_arg='load', ...)``, then our sidecar.
 
     Resuming at iteration > 0 without a sidecar is an error (the data position would be lost), and so is
@@ -372,16 +430,19 @@ def wrap_load_checkpoint(original: Callable, registry: DataStateRegistry, get_ar
                 f"{iteration} (data-stream reset {registry.data_stream_resets} of this training); optimizer, "
                 "iteration and learning-rate schedule resume from the checkpoint")
             return out
-        if (payload is None and (settings() or {}).get("pieces") == "concat-and-cut"
-                and newest_sidecar_before(getattr(margs, load_arg), iteration) is None):
-            # no checkpoint of this run holds a sidecar: a stock run, whose samples the balanced mode continues (one
-            # that does was a balanced run stopped between Megatron's save and ours: refused below, naming the step)
+        balanced = (settings() or {}).get("pieces") == "concat-and-cut"
+        if (payload is None and balanced and newest_sidecar_before(getattr(margs, load_arg), iteration) is None
+                and not any(saved_by_megatron_wlb(saved_args(d)) for d in candidate_dirs(margs, load_arg, iteration)
+                            if os.path.isdir(d))):
+            # neither an earlier sidecar nor the checkpoint's own saved args say the run was ours: a stock run, whose
+            # samples the balanced mode continues (one that was ours stopped between Megatron's save and our
+            # sidecar, the first checkpoint included: refused below, naming the step)
             log(f"> megatron_wlb: the checkpoint at iteration {iteration} holds no {SIDECAR_NAME} (a stock Megatron "
                 "run): --wlb-pieces concat-and-cut continues with Megatron's samples from its consumed_train_samples "
                 f"({int(getattr(margs, 'consumed_train_samples', 0) or 0)})")
             return out
         if payload is None:
-            raise RunRefusal(missing_sidecar_refusal(getattr(margs, load_arg), iteration))
+            raise RunRefusal(missing_sidecar_refusal(getattr(margs, load_arg), iteration, balanced))
         registry.data_stream_resets = int(payload.get("data_stream_resets", 0))
         registry.data_stream_reset = payload.get("data_stream_reset")
         changed = settings_difference(payload.get("settings"), settings(), _seq_len(margs))

@@ -23,7 +23,16 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from megatron_wlb.data.reader import BYTE_EOD, IndexedSource, byte_documents, weighted_prefixes, write_indexed_dataset
+import numpy as np
+
+from megatron_wlb.data.reader import (
+    BYTE_EOD,
+    VOCAB_SCAN_TOKENS,
+    IndexedSource,
+    byte_documents,
+    weighted_prefixes,
+    write_indexed_dataset,
+)
 from megatron_wlb.megatron import main_schedule
 from megatron_wlb.megatron.compat import spawn_children_import_this_module
 from megatron_wlb.megatron.validation import exit_on_startup_error
@@ -72,28 +81,35 @@ def _flag_values(argv: Sequence[str], flag: str) -> list[list[str]]:
 
 
 def tiny_gpt_vocab_flags(argv: Sequence[str]) -> list[str]:
-    """``--vocab-size`` for the tiny GPT from the data in ``argv``: none when its default (300) covers the
-    largest token id, else that id + 1; a ``--vocab-size`` given in ``argv`` that does not cover it is
-    refused (SystemExit naming the largest id and the flag)."""
+    """``--vocab-size`` for the tiny GPT from the data in ``argv``, reading no token it does not need: none when
+    ``argv`` gives ``--vocab-size`` (the reader checks each dataset's first ``VOCAB_SCAN_TOKENS`` tokens at
+    start-up and every token it reads: an id outside the vocabulary stops the run in one line when met) or when
+    the ``.bin`` dtype cannot hold an id beyond the default (300); else the largest id in each dataset's first
+    ``VOCAB_SCAN_TOKENS`` tokens + 1 where the default does not cover it (an id beyond that sample is refused
+    when read, naming the ``--vocab-size`` that covers it)."""
     if "--sft" in argv:  # jsonl conversations: the SFT tokenizer sets the vocabulary
         return []
+    given = _flag_values(argv, "--vocab-size")
+    if given:
+        vocab = given[-1][0] if given[-1] else ""
+        if not vocab.isdigit() or int(vocab) < 1:
+            raise SystemExit(f"megatron_wlb.megatron.cpu: --vocab-size {vocab!r}: give a positive integer (or leave "
+                             "it out: the tiny GPT takes it from the data)")
+        return []
+    default = int(TINY_GPT_ARGS[TINY_GPT_ARGS.index("--vocab-size") + 1])
     try:
         # argparse keeps a flag's last occurrence (train_cpu.sh puts its default --data-path first)
         prefixes = sorted({p for flag in DATA_PATH_FLAGS for values in _flag_values(argv, flag)[-1:] if values
                            for p, _ in weighted_prefixes(values)})
-        if not prefixes:
-            return []
-        top, where = max((IndexedSource.open(p).max_token_id(), p) for p in prefixes)
+        top = -1
+        for prefix in prefixes:
+            source = IndexedSource.open(prefix)
+            dtype = np.dtype(source.tokens.dtype)
+            if np.issubdtype(dtype, np.integer) and np.iinfo(dtype).max < default:
+                continue  # no id of this dtype is beyond the default vocabulary: nothing to read
+            top = max(top, source.max_token_id(VOCAB_SCAN_TOKENS))
     except ValueError as exc:
         raise SystemExit(f"megatron_wlb.megatron.cpu: {exc}") from None
-    given = _flag_values(argv, "--vocab-size")
-    if given:
-        vocab = given[-1][0] if given[-1] else ""
-        if not vocab.isdigit() or top >= int(vocab):
-            raise SystemExit(f"megatron_wlb.megatron.cpu: --vocab-size {vocab}: {where} holds token id {top}; give "
-                             f"--vocab-size {top + 1} or more (or leave it out: the tiny GPT takes it from the data)")
-        return []
-    default = int(TINY_GPT_ARGS[TINY_GPT_ARGS.index("--vocab-size") + 1])
     return [] if top < default else ["--vocab-size", str(top + 1)]
 
 

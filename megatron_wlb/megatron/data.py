@@ -32,7 +32,13 @@ import numpy as np
 from megatron_wlb.cp.dynamic_steps import DynamicPool, slot_steps, step_batch
 from megatron_wlb.cp.layouts import ShardLayout, layout_digest
 from megatron_wlb.cp.plan import CPSharding, Packed, RankMicroBatch, layout_micro_batch, micro_batch_lengths, rank_batch
-from megatron_wlb.data.reader import ORDER_NUMPY_SHUFFLE, DocumentReader, DocumentStream, StreamCursor
+from megatron_wlb.data.reader import (
+    ORDER_NUMPY_SHUFFLE,
+    DocumentReader,
+    DocumentStream,
+    OutOfVocabulary,
+    StreamCursor,
+)
 from megatron_wlb.data.samples import SamplePieceCursor, SampleStream
 from megatron_wlb.megatron.validation import RunRefusal
 from megatron_wlb.packing import make_packer
@@ -238,7 +244,14 @@ class WlbDataIterator(Iterator[RankMicroBatch]):
 
     def produce(self) -> RankMicroBatch:
         """The next micro-batch, built (packing a new iteration first when one ends), without making it
-        ``last`` (``prefetch.PrefetchingIterator`` builds one ahead on its thread)."""
+        ``last`` (``prefetch.PrefetchingIterator`` builds one ahead on its thread). A token id the model's
+        vocabulary cannot hold, met as it is read, stops the run in one line."""
+        try:
+            return self._produce()
+        except OutOfVocabulary as exc:
+            raise RunRefusal(f"megatron_wlb: iteration {self.iteration}: {exc}") from None
+
+    def _produce(self) -> RankMicroBatch:
         if self._cursor >= len(self._mine):
             self._next_batch()
         at = self._cursor

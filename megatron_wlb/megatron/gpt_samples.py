@@ -27,6 +27,7 @@ import numpy as np
 
 from megatron_wlb.cp.plan import Packed
 from megatron_wlb.data.blend import parse_data_path
+from megatron_wlb.data.reader import too_large_token
 from megatron_wlb.data.samples import SAMPLE_CHUNK, GptIndices, SampleOrder, SampleStream, piece_sample
 from megatron_wlb.megatron.megatron_args import MegatronArgs
 
@@ -155,8 +156,10 @@ class MegatronSamples:
     """Megatron's train samples read through ``dataset[j]``: how each is cut into pieces (where its
     position ids restart) and each piece's tokens, labels and loss mask, Megatron's own."""
 
-    def __init__(self, dataset: Any, cache: int = SAMPLE_CACHE):
+    def __init__(self, dataset: Any, cache: int = SAMPLE_CACHE, vocab_size: int | None = None):
         self.dataset = dataset
+        #: the model's vocabulary: a piece holding a token id at or beyond it is refused when read (one line)
+        self.vocab_size = int(vocab_size) if vocab_size else None
         self.seq_len = int((dataset.datasets[0] if hasattr(dataset, "dataset_index") else dataset)
                            .config.sequence_length)
         self.cache = int(cache)
@@ -203,6 +206,11 @@ class MegatronSamples:
         if positions[a] != offset or not np.array_equal(positions[a:b], np.arange(offset, offset + length)):
             raise ValueError(f"piece {stream_id} of sample {j}: Megatron's position ids do not run 0, 1, ... "
                              "over it (its document boundaries moved)")
+        if self.vocab_size is not None and b > a:
+            top = max(int(tokens[a:b].max()), int(labels[a:b].max()))
+            if top >= self.vocab_size:
+                raise too_large_token(f"Megatron's sample {j} (piece {stream_id})", top, self.vocab_size,
+                                      "--vocab-size / the tokenizer")
         return tokens[a:b].astype(np.int64), labels[a:b].astype(np.int64), loss_mask[a:b].astype(np.float32)
 
     def stream(self, first_sample: int, fingerprint: str | None = None) -> SampleStream:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from megatron_wlb.cp.dynamic import DYNAMIC_SHARDING
 from megatron_wlb.cp.dynamic_steps import DynamicPool
 from megatron_wlb.cp.plan import CPSharding, RankMicroBatch
-from megatron_wlb.data.reader import DEFAULT_SPLIT, DocumentReader, parse_split
+from megatron_wlb.data.reader import DEFAULT_SPLIT, DocumentReader, OutOfVocabulary, parse_split
 from megatron_wlb.data.sft import SftInputError
 from megatron_wlb.data.sft_cache import SftCacheError
 from megatron_wlb.megatron.data import WlbDataIterator
@@ -50,7 +50,10 @@ def reader_from_args(args: Any, split_name: str = "train") -> DocumentReader:
         reader = DocumentReader.from_data_path(a.data_path, split=split_of(a), split_name=split_name, seed=seed,
                                                mmap=mmap, order_cache=cache)
     if a.padded_vocab_size:  # the embedding's rows (set by Megatron's tokenizer build)
-        reader.check_vocabulary(int(a.padded_vocab_size), "--vocab-size / the tokenizer")
+        try:
+            reader.check_vocabulary(int(a.padded_vocab_size), "--vocab-size / the tokenizer")
+        except OutOfVocabulary as exc:
+            raise StartupError(f"megatron_wlb: {exc}") from None
     return reader
 
 
@@ -142,7 +145,7 @@ def build_train_iterator(args: Any, settings: WlbSettings, dp_rank: int, cp_rank
             problem = eod_problem(dataset)
             if problem is not None:
                 raise StartupError(f"megatron_wlb: {problem}")
-        samples = MegatronSamples(dataset)
+        samples = MegatronSamples(dataset, vocab_size=a.padded_vocab_size)
         return WlbDataIterator(None, samples.stream(int(a.consumed_train_samples or 0)), packer,
                                dp_rank, sharding, on_batch=on_batch, read_piece=samples.piece,
                                sample_identity=SampleIdentity(dataset, samples.seq_len), dynamic=dynamic)

@@ -97,10 +97,13 @@ def start_online_refit(cost: CostModel, layout: dict[str, int], interval: int, r
         if logger is not None:
             logger.cost, logger.latest = new, None
         fit = state["fit"]
+        from_mean = fit["extra"].get("ratio_from_mean") or []
         print_rank0(f"> megatron_wlb: online cost model refit at iteration {state['iteration'] + 1} from "
                     f"{fit['extra']['points']} measured micro-batches: attention {fit['attn_per_pair']:.4g} "
                     f"s/pair, linear {fit['linear_per_token']:.4g} s/token, overhead {fit['overhead']:.4g} s "
-                    f"per layer; bwd/fwd {fit['bwd_attention']:.2f} / {fit['bwd_linear']:.2f}")
+                    f"per layer; bwd/fwd {fit['bwd_attention']:.2f} / {fit['bwd_linear']:.2f}"
+                    + (f" ({', '.join(from_mean)}: the mean measured ratio, the rows do not determine the "
+                       "coefficients)" if from_mean else ""))
 
     return OnlineRefit(cost, layout, interval, apply_refit,
                        lambda: registry.iterators[0].current if registry.iterators else None, recorder.clock.kind)

@@ -61,15 +61,16 @@ def untrained_report() -> str | None:
     iterator = first_train_iterator()
     if iterator is None:
         return None
-    waiting = list(getattr(iterator.packer, "waiting", ()))  # the packers that hold pieces back expose them
     tokens = int(iterator.packer.pending())
     if not tokens:
         return None
-    documents = sorted({p.doc_id for p in waiting})
+    held = iterator.packer.held()
+    documents = sorted({p.doc_id for p in held})
     shown = ", ".join(map(str, documents[:8])) + (", ..." if len(documents) > 8 else "")
-    return (f"> megatron_wlb: training ended with {tokens} tokens read but not trained ({len(waiting)} pieces of "
-            f"{len(documents)} documents or samples waiting for a later iteration: {shown}); a run resumed from the "
-            "last checkpoint with the same --wlb-* flags trains them (or raise --train-iters)")
+    which = (f" ({len(held)} pieces of {len(documents)} documents or samples waiting for a later iteration: "
+             f"{shown})" if held else "")
+    return (f"> megatron_wlb: training ended with {tokens} tokens read but not trained{which}; a run resumed from "
+            "the last checkpoint with the same --wlb-* flags trains them (or raise --train-iters)")
 
 
 def is_rank0() -> bool:

@@ -46,6 +46,7 @@ from megatron_wlb.megatron.recording import measure, start_recorder
 from megatron_wlb.megatron.settings import WlbSettings
 from megatron_wlb.megatron.state import first_train_iterator, is_rank0, print_rank0, runtime
 from megatron_wlb.megatron.validation import (
+    Refusal,
     StartupError,
     cost_model_from_args,
     refuse_bypassing_flags,
@@ -75,6 +76,8 @@ def eval_iterator(args: Any, settings: WlbSettings, split_name: str, megatron_it
     try:
         it = the_train_iterator_builder()(args, settings, *ranks(), split_name=split_name)
     except ValueError as exc:  # e.g. a split too small to hold one document
+        if isinstance(exc, Refusal):  # data this run cannot train (a token id beyond the vocabulary): one line
+            raise
         if a.pp > 1:
             raise ValueError(f"megatron_wlb: no {split_name} iterator ({exc}); with pipeline parallelism every "
                              "stage needs packed evaluation batches: give the split documents or set "

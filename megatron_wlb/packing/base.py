@@ -136,6 +136,10 @@ class Packer(ABC):
     def pending(self) -> int:
         """Tokens read but not yet emitted."""
 
+    def held(self) -> tuple[DocPiece, ...]:
+        """The pieces read but not yet emitted (``pending()`` tokens): what a run that ends now has not trained."""
+        return ()
+
     def _budgets_to_read(self) -> int:
         """How many iteration budgets to read before planning this iteration (lookahead).
 
@@ -303,7 +307,11 @@ class Packer(ABC):
             if self.cost is None:
                 raise ValueError("packer state holds a refitted cost model, but this packer has none to refit")
             self.set_cost(cost_model_from_state(state["cost"], self.cost), state["cost"])
-        diff = fingerprint_difference(state.get("config") or {}, settings_fingerprint(self.config, self.cost))
+        saved, now = state.get("config") or {}, settings_fingerprint(self.config, self.cost)
+        moved = layout_change(saved, now)
+        if moved is not None:
+            raise LayoutChanged(*moved)
+        diff = fingerprint_difference(saved, now)
         if diff:
             raise ValueError(f"packer state was saved with different settings, refusing to resume: {diff}")
         self.position = int(state["position"])
@@ -351,6 +359,31 @@ def fingerprint_difference(saved: dict[str, Any], now: dict[str, Any]) -> str:
     parts = [f"{k}: saved {saved.get(k, '<absent>')!r}, now {now.get(k, '<absent>')!r}"
              for k in keys if comparable(k, saved.get(k, "<absent>")) != comparable(k, now.get(k, "<absent>"))]
     return "; ".join(parts)
+
+
+#: a cost model's parallel layout as its description names it (``ParallelLayout``: ``TP1-CP2-PP1-DP2[-EP2]``)
+LAYOUT_NAME = re.compile(r"\bTP\d+-CP\d+-PP\d+-DP\d+(?:-EP\d+)?\b")
+
+
+class LayoutChanged(ValueError):  # noqa: N818 - a refusal, named for what it finds
+    """A packer state saved on another parallel layout than this run's, beyond its DP size: its queues,
+    thresholds and plans are priced by that layout's cost model (``saved`` and ``now``: the layouts' names)."""
+
+    def __init__(self, saved: str, now: str):
+        self.saved, self.now = saved, now
+        super().__init__(f"the packer state was saved on the layout {saved}, this run is {now}")
+
+
+def layout_change(saved: dict[str, Any], now: dict[str, Any]) -> tuple[str, str] | None:
+    """(saved layout, this run's) when two ``settings_fingerprint``s' cost models name layouts that differ beyond
+    their DP size (another TP, CP, PP or EP: the latencies every plan was priced with change); None otherwise."""
+    found = [LAYOUT_NAME.search(str(side.get("cost", ""))) for side in (saved, now)]
+    if found[0] is None or found[1] is None:
+        return None
+    names = (found[0].group(), found[1].group())
+    if re.sub(r"-DP\d+", "", names[0]) == re.sub(r"-DP\d+", "", names[1]):
+        return None
+    return names
 
 
 PACKERS: dict[str, type[Packer]] = {}

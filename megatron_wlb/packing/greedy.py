@@ -152,6 +152,9 @@ class FixedWindowPacker(Packer):
     def pending(self) -> int:
         return sum(p.length for it in self._planned for b in it for p in b) + sum(p.length for p in self._carried)
 
+    def held(self) -> tuple[DocPiece, ...]:
+        return (*(p for it in self._planned for b in it for p in b), *self._carried)
+
     def _budgets_to_read(self) -> int:
         return 0 if self._planned else self.config.window
 

@@ -39,6 +39,9 @@ class OriginalPacker(Packer):
     def pending(self) -> int:
         return sum(p.length for p in self._buffer)
 
+    def held(self) -> tuple[DocPiece, ...]:
+        return tuple(self._buffer)
+
     def _plan(self, new: list[DocPiece], final: bool) -> list[MicroBatch]:
         buf = self._buffer + new
         cap = self.config.seq_len

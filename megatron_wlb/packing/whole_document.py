@@ -36,6 +36,9 @@ class WholeDocumentPacker(Packer):
     def pending(self) -> int:
         return sum(p.length for p in self._carried)
 
+    def held(self) -> tuple[DocPiece, ...]:
+        return tuple(self._carried)
+
     def _intake(self, source: StreamSource, arrival: int | None = None) -> list[DocPiece]:
         """Count the waiting documents against this iteration's budget (see ``FixedWindowPacker``)."""
         self._credit += self.pending()

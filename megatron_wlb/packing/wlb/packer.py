@@ -76,6 +76,9 @@ class WlbPacker(Packer):
     def pending(self) -> int:
         return sum(p.length for p in self._waiting)
 
+    def held(self) -> tuple[DocPiece, ...]:
+        return tuple(self._waiting)
+
     @property
     def waiting(self) -> tuple[DocPiece, ...]:
         """Pieces read but not yet emitted (carried pieces and queued outliers)."""
