@@ -23,11 +23,11 @@ import os
 import re
 import subprocess
 import sys
-import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from conftest import job_python_env
 from rank_launch import run_ranks
 
 from megatron_wlb.cli.compare_loss import DEFAULT_RTOL, Step, compare_curves, read_megatron_log
@@ -156,11 +156,8 @@ def _env(checkout: Path, layout: dict[str, str]) -> dict[str, str]:
     env = {**os.environ, **layout}
     env.pop("CUDA_VISIBLE_DEVICES", None)
     env.pop("WLB_ENABLE", None)
-    # Megatron compiles its dataset helpers with `make` (python3 -m pybind11, python3-config --extension-suffix):
-    # this interpreter's python3 first, then its base installation's python3-config (a venv has none, and the
-    # next one on PATH may belong to another Python, whose module name this interpreter would not import)
-    base_bin = sysconfig.get_config_var("BINDIR") or os.path.dirname(sys.executable)
-    env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), base_bin, env.get("PATH", "")])
+    # Megatron compiles its dataset helpers with `make`: for this interpreter, as the user scripts do
+    env = job_python_env(env)
     env["PYTHONPATH"] = os.pathsep.join([str(checkout), str(REPO), env.get("PYTHONPATH", "")])
     return env
 
