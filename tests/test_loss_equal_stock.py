@@ -23,6 +23,7 @@ import os
 import re
 import subprocess
 import sys
+import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -218,9 +219,15 @@ def test_max_delay_0_trains_stock_megatrons_loss_curve(runs, checkouts, layout):
 def test_default_max_delay_differs_and_says_by_how_much(checkouts, eod_corpus, tmp_path):
     """scripts/compare_loss.sh at the default --wlb-max-delay (DP2): pieces wait for later steps, so the curves
     differ step by step; the script says from which iteration and by how much (summed loss, the last 5
-    iterations' mean), plots both curves, and exits 0 (a difference by design, not a failure)."""
-    env = {**_env(checkouts["patched"], LAYOUTS["dp2"]), "MEGATRON_LM": str(checkouts["patched"]),
-           "OUT": str(tmp_path / "out"), "DATA": eod_corpus, "PYTHON": sys.executable}
+    iterations' mean), plots both curves, and exits 0 (a difference by design, not a failure).
+    The script runs in the user's environment, no PATH set for it: core_v0.19.0 ships a .python-version (3.12),
+    which pyenv's shims follow; the script builds Megatron's dataset helpers for this interpreter all the same."""
+    env = {k: v for k, v in os.environ.items() if k not in ("CUDA_VISIBLE_DEVICES", "WLB_ENABLE", "PYENV_VERSION")}
+    env.update(LAYOUTS["dp2"], MEGATRON_LM=str(checkouts["patched"]), OUT=str(tmp_path / "out"), DATA=eod_corpus,
+               PYTHON=sys.executable, PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]))
+    datasets = checkouts["patched"] / "megatron" / "core" / "datasets"
+    for built in datasets.glob("helpers_cpp*"):  # built by the runs above (with job_python_env): build them again
+        built.unlink()
     from megatron_wlb.packing.types import PackingConfig
 
     default = PackingConfig.__dataclass_fields__["max_delay"].default
@@ -238,3 +245,4 @@ def test_default_max_delay_differs_and_says_by_how_much(checkouts, eod_corpus, t
     # the same corpus and model: the curves stay close over the run (a percent), only not step by step
     assert abs(result["balanced_loss_sum"] - result["stock_loss_sum"]) < 0.02 * result["stock_loss_sum"]
     assert (tmp_path / "out" / "loss_curves.png").read_bytes()[:4] == b"\x89PNG"
+    assert [p.name for p in datasets.glob("helpers_cpp*")] == [f"helpers_cpp{sysconfig.get_config_var('EXT_SUFFIX')}"]
