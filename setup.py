@@ -42,9 +42,10 @@ setup(
         # core_v0.16.1 checkout (patched pretrain_gpt.py). megatron-core imports triton unconditionally,
         # also on CPU; Megatron-LM's training code also imports six, regex and pydantic, which the core
         # wheel does not declare (megatron_wlb/requirements.py lists them), and a checkout compiles its
-        # dataset helpers with pybind11; Megatron's default checkpoint format (torch_dist) writes with psutil.
+        # dataset helpers with pybind11; Megatron's default checkpoint format (torch_dist) writes with psutil;
+        # Megatron's SFTTokenizer (--sft, `wlb analyze --sft-jsonl`) loads its tokenizer with transformers.
         "megatron": ["torch>=2.4", "megatron-core>=0.16,<0.20,!=0.17.*,!=0.18.*", "triton", "pybind11", "psutil",
-                     *REQUIREMENTS["MEGATRON"]],
+                     "transformers", *REQUIREMENTS["MEGATRON"]],
         # tokenizers + transformers: the docs' offline tokenizer recipe (scripts/train_tokenizer.py), tested
         "test": ["pytest>=7", "pytest-xdist>=3", "hypothesis>=6", "ruff>=0.5", "mypy>=1.10", "tokenizers",
                  "transformers"],

@@ -14,6 +14,7 @@ No torch here, no imports at module level: ``require`` imports on demand.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from types import ModuleType
 
 #: pip requirement of each module the core imports on demand
@@ -27,15 +28,27 @@ class MissingDependency(ImportError):
     """A package megatron_wlb needs for what was asked is not installed (the message says which, and how)."""
 
 
+def missing_message(module: str, purpose: str) -> str:
+    """The one line that says ``module`` is missing for ``purpose`` and how to install it."""
+    spec = CORE.get(module, module)
+    return (f"{purpose} needs the Python package {spec.split('>')[0]!r}, which is not installed: pip install "
+            f"'{spec}' (on a machine without network, the GPU kit's wheels: docs/gpu.md)")
+
+
 def require(module: str, purpose: str) -> ModuleType:
     """``import module``, or a one-line ``MissingDependency`` naming the pip package and ``purpose``."""
     try:
         return importlib.import_module(module)
     except ImportError:
-        spec = CORE.get(module, module)
-        raise MissingDependency(f"{purpose} needs the Python package {spec.split('>')[0]!r}, which is not "
-                                f"installed: pip install '{spec}' (on a machine without network, the GPU kit's "
-                                "wheels: docs/gpu.md)") from None
+        raise MissingDependency(missing_message(module, purpose)) from None
+
+
+def module_available(name: str) -> bool:
+    """Whether ``name`` can be imported (without importing it)."""
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def all_requirements() -> tuple[str, ...]:

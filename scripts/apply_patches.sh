@@ -12,7 +12,8 @@
 # - Patches are applied with `git apply` after a `git apply --check` of all of them (all or nothing).
 # - A tree that is not a git work tree (an exported copy, a staged kit, a machine without git) is
 #   identified by content instead: every file the patches touch must match a release's
-#   PINNED_FILES.sha256 (its pinned commit's files) or, already patched, its PATCHED_FILES.sha256; a
+#   PINNED_FILES.sha256 (its pinned commit's files) or, already patched, its PATCHED_FILES.sha256 (every
+#   release ships both, written and checked by scripts/patch_manifests.py from the pinned commit); a
 #   pinned tree is patched with `git apply` (it works outside a repository) or else `patch -p1`.
 # Environment: WLB_PATCHES_DIR overrides the patches folder (tests use it): either one release's folder
 # (PINNED_COMMIT + *.patch) or a folder of them; exit status 0 on success or "already applied", 1 on

@@ -61,14 +61,14 @@ if [[ $cpu == 1 ]]; then
     if [[ ! -f $DATA.idx ]]; then
         "$PYTHON" -m megatron_wlb.megatron.cpu --write-corpus "$DATA" --tiny-gpt-eod
     fi
-    # Megatron compiles its dataset helpers with `make` (python3 -m pybind11): this interpreter's python3 first
-    export PATH="$(dirname "$(command -v "$PYTHON")"):$PATH"
     launch=("$PYTHON" -m torch.distributed.run --standalone --nnodes 1 --nproc-per-node "$nproc"
             -m megatron_wlb.megatron.cpu --pretrain-gpt "$script" --tiny-gpt --data-path "$DATA")
 else
     launch=(torchrun --nproc-per-node "${NPROC_PER_NODE:-8}" ${TORCHRUN_ARGS:-} "$script")
 fi
 export PYTHONPATH="$MEGATRON_LM${PYTHONPATH:+:$PYTHONPATH}"
+source "$repo/scripts/lib/job_python.sh"  # Megatron's dataset helpers built for $PYTHON, pyenv or not
+use_job_python "$PYTHON" || die "cannot run PYTHON=$PYTHON"
 
 echo "compare_loss.sh: stock Megatron (no --wlb-* flag) -> $OUT/stock.log"
 env -u WLB_ENABLE "${launch[@]}" "${common[@]}" "${forced[@]}" > "$OUT/stock.log" 2>&1 \

@@ -63,6 +63,8 @@ export CUDA_DEVICE_MAX_CONNECTIONS=1          # TP/SP communication overlap need
 export TORCH_NCCL_ASYNC_ERROR_HANDLING=1
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}
 export PYTHONPATH=$MEGATRON_LM${PYTHONPATH:+:$PYTHONPATH}
+source "$here/lib/job_python.sh"  # torchrun, and Megatron's dataset helpers, of $PYTHON (pyenv or not)
+use_job_python "$PYTHON" || die "cannot run PYTHON=$PYTHON"
 
 cmd=(torchrun --standalone --nnodes 1 --nproc-per-node "$NPROC" --master-port "${MASTER_PORT:-29500}"
      "$MEGATRON_LM/pretrain_gpt.py" "${CONFIG_ARGS[@]}"

@@ -32,5 +32,7 @@ if [[ -n ${MEGATRON_LM:-} ]]; then
         || die "$MEGATRON_LM is not patched for WLB-LLM: run $repo/scripts/apply_patches.sh $MEGATRON_LM (checkouts at core_v0.16.1 or core_v0.19.0), or unset MEGATRON_LM to train through our launcher over the installed megatron-core 0.19 wheel"
     entry=(--pretrain-gpt "$MEGATRON_LM/pretrain_gpt.py")
 fi
+source "$repo/scripts/lib/job_python.sh"  # Megatron's dataset helpers built for $PYTHON, pyenv or not
+use_job_python "$PYTHON" || die "cannot run PYTHON=$PYTHON"
 exec "$PYTHON" -m torch.distributed.run --standalone --nnodes 1 --nproc-per-node "$nproc" \
     -m megatron_wlb.megatron.cpu "${entry[@]}" --tiny-gpt --data-path "$DATA" "$@"

@@ -49,6 +49,17 @@ def fake_cluster(tmp_path: Path, nodes: tuple[str, ...] = ("node-a", "node-b"), 
     return env, record
 
 
+
+def job_python_env(env: dict[str, str] | None = None, python: str = sys.executable) -> dict[str, str]:
+    """``env`` (default os.environ) as scripts/lib/job_python.sh's ``use_job_python PYTHON`` leaves it (PATH, and
+    PYENV_VERSION under pyenv): Megatron's dataset helpers built for ``python``, as the user scripts do."""
+    import subprocess
+
+    out = subprocess.run(["bash", "-c", 'source "$1" && use_job_python "$2" && env -0', "bash",
+                          str(ROOT / "scripts" / "lib" / "job_python.sh"), python],
+                         env=dict(os.environ if env is None else env), capture_output=True, check=True).stdout
+    return dict(item.split("=", 1) for item in out.decode().split("\0") if "=" in item)
+
 #: how long a gloo world may run before it counts as hung
 WORLD_TIMEOUT_S = 240
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from conftest import job_python_env
 from rank_launch import run_ranks
 
 from megatron_wlb.cli.compare_loss import DEFAULT_RTOL, Step, compare_curves, read_megatron_log
@@ -196,11 +197,8 @@ def _env(checkout: Path, layout: dict[str, str]) -> dict[str, str]:
     env = {**os.environ, **layout}
     env.pop("CUDA_VISIBLE_DEVICES", None)
     env.pop("WLB_ENABLE", None)
-    # Megatron compiles its dataset helpers with `make` (python3 -m pybind11, python3-config --extension-suffix):
-    # this interpreter's python3 first, then its base installation's python3-config (a venv has none, and the
-    # next one on PATH may belong to another Python, whose module name this interpreter would not import)
-    base_bin = sysconfig.get_config_var("BINDIR") or os.path.dirname(sys.executable)
-    env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), base_bin, env.get("PATH", "")])
+    # Megatron compiles its dataset helpers with `make`: for this interpreter, as the user scripts do
+    env = job_python_env(env)
     env["PYTHONPATH"] = os.pathsep.join([str(checkout), str(REPO), env.get("PYTHONPATH", "")])
     return env
 
@@ -261,9 +259,15 @@ def test_max_delay_0_trains_stock_megatrons_loss_curve(runs, checkouts, layout):
 def test_default_max_delay_differs_and_says_by_how_much(checkouts, eod_corpus, tmp_path):
     """scripts/compare_loss.sh at the default --wlb-max-delay (DP2): pieces wait for later steps, so the curves
     differ step by step; the script says from which iteration and by how much (summed loss, the last 5
-    iterations' mean), plots both curves, and exits 0 (a difference by design, not a failure)."""
-    env = {**_env(checkouts["patched"], LAYOUTS["dp2"]), "MEGATRON_LM": str(checkouts["patched"]),
-           "OUT": str(tmp_path / "out"), "DATA": eod_corpus, "PYTHON": sys.executable}
+    iterations' mean), plots both curves, and exits 0 (a difference by design, not a failure).
+    The script runs in the user's environment, no PATH set for it: core_v0.19.0 ships a .python-version (3.12),
+    which pyenv's shims follow; the script builds Megatron's dataset helpers for this interpreter all the same."""
+    env = {k: v for k, v in os.environ.items() if k not in ("CUDA_VISIBLE_DEVICES", "WLB_ENABLE", "PYENV_VERSION")}
+    env.update(LAYOUTS["dp2"], MEGATRON_LM=str(checkouts["patched"]), OUT=str(tmp_path / "out"), DATA=eod_corpus,
+               PYTHON=sys.executable, PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]))
+    datasets = checkouts["patched"] / "megatron" / "core" / "datasets"
+    for built in datasets.glob("helpers_cpp*"):  # built by the runs above (with job_python_env): build them again
+        built.unlink()
     from megatron_wlb.packing.types import PackingConfig
 
     default = PackingConfig.__dataclass_fields__["max_delay"].default
@@ -281,3 +285,4 @@ def test_default_max_delay_differs_and_says_by_how_much(checkouts, eod_corpus, t
     # the same corpus and model: the curves stay close over the run (a percent), only not step by step
     assert abs(result["balanced_loss_sum"] - result["stock_loss_sum"]) < 0.02 * result["stock_loss_sum"]
     assert (tmp_path / "out" / "loss_curves.png").read_bytes()[:4] == b"\x89PNG"
+    assert [p.name for p in datasets.glob("helpers_cpp*")] == [f"helpers_cpp{sysconfig.get_config_var('EXT_SUFFIX')}"]

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import job_python_env
 from megatron_train_runs import REPO, assert_documents_once, assert_trains, train
 from packaging.version import Version
 
@@ -33,10 +34,9 @@ def pinned(tmp_path_factory) -> Path:
 
 
 def _pinned_env(checkout: Path, **layout: str) -> dict:
-    # Megatron compiles its dataset helpers with `make` (python3 -m pybind11): this interpreter's python3 first
-    bin_dir = os.path.dirname(sys.executable)
-    return {**layout, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
-            "PYTHONPATH": f"{checkout}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    # Megatron compiles its dataset helpers with `make`: for this interpreter, as the user scripts do
+    built_here = {k: v for k, v in job_python_env().items() if k in ("PATH", "PYENV_VERSION")}
+    return {**layout, **built_here, "PYTHONPATH": f"{checkout}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
 
 
 def test_patched_pretrain_gpt_of_the_pinned_checkout_trains_pp4(tmp_path, text_corpus, pinned):

@@ -200,14 +200,50 @@ def test_gpu_smoke_uses_a_given_tree_without_git(tmp_path: Path):
     assert (tmp_path / "out" / "data" / "stdlib_text_document.idx").is_file()
 
 
-def test_content_manifests_name_the_pinned_files():
-    """The shipped manifests cover exactly the files the patches touch (their digests are checked against
-    the pinned commit by test_real_patch_on_pinned_checkout)."""
-    release = PATCHES / "core_v0.16.1"
+@pytest.mark.parametrize("tag", sorted(p.name for p in PATCHES.iterdir() if p.is_dir()))
+def test_content_manifests_name_the_pinned_files(tag):
+    """Every release ships both manifests, covering exactly the files its patches touch (their digests are
+    checked against the pinned commits by test_manifests_are_those_of_the_pinned_commits)."""
+    release = PATCHES / tag
     touched = set(re.findall(r"^\+\+\+ b/(\S+)", "".join(p.read_text() for p in release.glob("*.patch")), re.M))
+    assert touched
     for manifest in ("PINNED_FILES.sha256", "PATCHED_FILES.sha256"):
         rows = [line.split() for line in (release / manifest).read_text().splitlines() if line.strip()]
         assert {path for _, path in rows} == touched and all(len(h) == 64 for h, _ in rows)
+
+
+def _release_source(tag: str) -> str:
+    source, why = conftest.megatron_source(tag)
+    if source is None:
+        pytest.skip(why)
+    return source
+
+
+@pytest.mark.parametrize("tag", ["core_v0.16.1", "core_v0.19.0"])
+def test_manifests_are_those_of_the_pinned_commits(tag):
+    """scripts/patch_manifests.py --check: the shipped manifests equal those computed from the pinned commit's
+    files, before and after the release's patches (the script that writes them)."""
+    res = subprocess.run([sys.executable, str(ROOT / "scripts" / "patch_manifests.py"), _release_source(tag),
+                          "--check"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+
+
+@pytest.mark.parametrize("tag", ["core_v0.16.1", "core_v0.19.0"])
+def test_a_plain_copy_of_each_pinned_tree_is_patched_by_content(tag, tmp_path):
+    """A copy of the pinned commit's whole tree without .git (git archive: an exported kit) is identified by
+    content and patched; a second run is a no-op."""
+    tree = tmp_path / "Megatron-LM"
+    tree.mkdir()
+    archive = subprocess.run(["git", "-C", _release_source(tag), "archive", conftest.release_commit(tag)],
+                             capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
+    assert not (tree / ".git").exists()
+    res = run_script(tree)
+    assert res.returncode == 0, res.stderr
+    assert f"patched for WLB-LLM ({tag}" in res.stdout and "identified by content" in res.stdout
+    assert "_wlb.apply(middle_stage_batches=True)" in (tree / "pretrain_gpt.py").read_text()
+    again = run_script(tree)
+    assert again.returncode == 0 and "already applied" in again.stdout and tag in again.stdout
 
 
 def test_shipped_pins_and_patches_are_consistent():

@@ -36,7 +36,7 @@ from megatron_wlb.cli.common import (
     tqdm_progress,
     with_virtual_stages,
 )
-from megatron_wlb.config import RunConfig, load_config
+from megatron_wlb.config import RunConfig, list_configs, load_config
 from megatron_wlb.costmodel import build_cost_model
 from megatron_wlb.cp.dynamic import DYNAMIC_SHARDING
 from megatron_wlb.data import load_lengths
@@ -55,6 +55,19 @@ DEFAULT_SHUFFLES = 5
 #: documents of an indexed corpus analyzed at most: past it a uniform sample of that many is read (8 bytes a
 #: document per copy, a few copies; the simulation's time grows with it too)
 DEFAULT_MAX_DOCUMENTS = 1_000_000
+
+
+def smaller_config_advice(tokens: int) -> str:
+    """Which shipped config a corpus of ``tokens`` tokens gives at least one iteration of (the largest such), or
+    how to write one where none does."""
+    sizes = {name: load_config(name).packing.tokens_per_iteration for name in list_configs()}
+    fits = [name for name in sizes if sizes[name] <= tokens]
+    if fits:
+        best = max(fits, key=lambda name: (sizes[name], name))
+        return f"a config whose iteration fits: --config {best} ({sizes[best]:,} tokens an iteration)"
+    smallest = min(sizes, key=lambda name: (sizes[name], name))
+    return (f"a YAML config with a smaller seq_len or layout (the smallest shipped, {smallest}, needs "
+            f"{sizes[smallest]:,} tokens an iteration)")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -204,7 +217,7 @@ def run(args: argparse.Namespace) -> int:
     available = tokens // per_iteration
     if available < 1:
         raise ValueError(f"the corpus holds {tokens:,} tokens, less than one iteration of {cfg.name} "
-                         f"({per_iteration:,} tokens); use a larger corpus or a smaller config")
+                         f"({per_iteration:,} tokens); use a larger corpus or {smaller_config_advice(tokens)}")
     iterations = available if args.iterations is None else min(args.iterations, available)
     if args.iterations is None:
         notes.append(f"The whole corpus: {iterations} full iterations of {per_iteration:,} tokens "

@@ -22,6 +22,7 @@ from megatron_wlb.config import load_config
 from megatron_wlb.costmodel import build_cost_model
 from megatron_wlb.data import load_lengths
 from megatron_wlb.data.sft import SftInputError, jsonl_line_lengths
+from megatron_wlb.requirements import MissingDependency, missing_message, module_available
 from megatron_wlb.sim.sft import compare_sft, lognormal_conversations, prepacked_lines, price_megatron
 
 #: the synthetic stand-in: log-normal conversation lengths (median tokens, sigma), how many
@@ -44,6 +45,8 @@ def add_sft_args(p: argparse.ArgumentParser) -> None:
 
 def megatron_sft_tokenizer(directory: str, prompt_format: str) -> Any:
     """Megatron's own tokenizer for ``--tokenizer-type SFTTokenizer`` (as its ``build_tokenizer`` makes it)."""
+    if not module_available("transformers"):  # Megatron's SFTTokenizer loads the tokenizer with it
+        raise MissingDependency(missing_message("transformers", "--sft-jsonl (Megatron's SFTTokenizer)"))
     try:
         from megatron.core.tokenizers import MegatronTokenizer
     except ImportError as exc:

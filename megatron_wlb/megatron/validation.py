@@ -10,7 +10,6 @@ read through ``megatron_args.MegatronArgs``.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import os
 import sys
 import traceback
@@ -26,14 +25,7 @@ from megatron_wlb.megatron.megatron_args import MegatronArgs
 from megatron_wlb.megatron.settings import WlbSettings, setting_source
 from megatron_wlb.megatron.sft import sft_problems
 from megatron_wlb.packing.types import PackingConfig, resolve_max_seq_len
-
-
-def module_available(name: str) -> bool:
-    """Whether ``name`` can be imported (without importing it)."""
-    try:
-        return importlib.util.find_spec(name) is not None
-    except (ImportError, ValueError):
-        return False
+from megatron_wlb.requirements import missing_message, module_available
 
 
 def num_microbatches_from_args(args: Any) -> int:
@@ -237,6 +229,8 @@ def validate_wlb_args(args: Any, *, te_available: bool | None = None, highspy_av
     if a.fim_data:
         problems.append("--fim-data replaces the data path WLB installs; remove --fim-data or do not call "
                         "megatron_wlb.megatron.apply()")
+    if a.sft and not module_available("transformers"):  # Megatron's SFTTokenizer loads the tokenizer with it
+        problems.append(missing_message("transformers", "--sft (Megatron's SFTTokenizer)"))
     if a.sft:
         problems.extend(sft_problems(a, settings) if check_files else
                         [p for p in sft_problems(a, settings) if "no such file" not in p])

@@ -21,6 +21,7 @@ batch functions the patch hooks, and the launcher is tested on 0.19 and main onl
 from __future__ import annotations
 
 import importlib
+import sys
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
@@ -53,6 +54,29 @@ SUPPORTED_SERIES = {(0, 16): f"a Megatron-LM checkout at {PINNED_MEGATRON_TAG}, 
 #: the release of each series that CI trains with
 TESTED_RELEASES = ("0.16.1", "0.19.2", "0.20.0")
 
+# -- the one install advice (version.py's messages, README.md's quick start: tests/test_install_advice.py) -----
+#: the megatron-core wheel users install: the newest on the package index that setup.py's [megatron] pin admits
+CORE_WHEEL_RELEASE = "0.19.2"
+#: the oldest Python the wheel's metadata admits; its cp311 wheel works on 3.11, installed without that check
+CORE_WHEEL_PYTHON = (3, 12)
+#: the Pythons the install advice covers (CI's CPU torch runs on 3.11; the wheel asks for 3.12)
+INSTALL_PYTHONS = ((3, 12), (3, 11))
+
+
+def core_install_command(python: tuple[int, int] | None = None) -> str:
+    """The pip command that installs the megatron-core wheel on ``python`` (default: this interpreter's)."""
+    python = (sys.version_info.major, sys.version_info.minor) if python is None else python
+    older = "" if python >= CORE_WHEEL_PYTHON else "--no-deps --ignore-requires-python "
+    return f"python -m pip install {older}megatron-core=={CORE_WHEEL_RELEASE}"
+
+
+def install_command(python: tuple[int, int] | None = None) -> str:
+    """The quick start's install of megatron-wlb with its [megatron] extra from a checkout, on ``python``: on
+    3.12 the extra brings the wheel; on 3.11 pip's resolver stops at an older one, so the wheel follows."""
+    python = (sys.version_info.major, sys.version_info.minor) if python is None else python
+    extra = 'python -m pip install -e ".[megatron]"'
+    return extra if python >= CORE_WHEEL_PYTHON else f"{extra} && {core_install_command(python)}"
+
 
 def _parse(version: str) -> Version:
     try:
@@ -78,9 +102,8 @@ def installed_core_version() -> str:
     try:
         return version("megatron-core")
     except PackageNotFoundError as exc:
-        raise RuntimeError("megatron_wlb.megatron needs Megatron-LM's megatron-core: pip install "
-                           f"'megatron-core=={TESTED_RELEASES[-1]}' (see the README), or run from a Megatron-LM "
-                           f"checkout at {PINNED_MEGATRON_TAG}") from exc
+        raise RuntimeError(f"megatron_wlb.megatron needs Megatron-LM's megatron-core: {core_install_command()} "
+                           f"(see the README), or run from a Megatron-LM checkout at {PINNED_MEGATRON_TAG}") from exc
 
 
 def check_core_version(version: str | None = None) -> str:
@@ -104,8 +127,8 @@ def training_import_error(module: str, exc: ImportError) -> str:
     missing = getattr(exc, "name", None) if isinstance(exc, ModuleNotFoundError) else None
     if missing in ("megatron", "megatron.training", f"megatron.training.{module}"):
         return (f"megatron_wlb.megatron.apply() hooks Megatron-LM's training code (megatron.training.{module}), "
-                "which is not importable here: pip install --no-deps megatron-core=="
-                f"{TESTED_RELEASES[-1]} (its wheel ships megatron/training; earlier wheels do not), or put a "
+                f"which is not importable here: {core_install_command()} (its wheel ships megatron/training; "
+                "earlier wheels do not), or put a "
                 f"Megatron-LM checkout at {PINNED_MEGATRON_TAG} ({PINNED_MEGATRON_COMMIT[:12]}) on PYTHONPATH "
                 f"(import error: {exc})")
     if missing:

@@ -33,6 +33,7 @@ from megatron_wlb.config import RunConfig, list_configs, load_config  # noqa: E4
 from megatron_wlb.data.reader import DEFAULT_SPLIT  # noqa: E402
 
 OUT_DIR = Path(__file__).resolve().parent
+JOB_PYTHON = ROOT / "scripts" / "lib" / "job_python.sh"
 GPUS_PER_NODE = 8
 
 
@@ -139,6 +140,7 @@ WLB_CPU=${{WLB_CPU:-0}}
 PYTHON=${{PYTHON:-python3}}
 
 die() {{ echo "wlb-{name}.sbatch: error: $*" >&2; exit 1; }}
+{job_python}
 NNODES=${{SLURM_NNODES:?run this script with sbatch (SLURM_NNODES is unset)}}
 if [[ $WLB_CPU == 0 ]]; then
     : "${{DATA_PATH:?set DATA_PATH to a Megatron indexed dataset prefix (PREFIX.bin/.idx), or a blend: W1 P1 W2 P2}}"
@@ -155,6 +157,7 @@ if [[ -n ${{MEGATRON_LM:-}} ]]; then
     ENTRY=("$MEGATRON_LM/pretrain_gpt.py")
     export PYTHONPATH=$MEGATRON_LM${{PYTHONPATH:+:$PYTHONPATH}}
 fi
+use_job_python "$PYTHON" || die "cannot run PYTHON=$PYTHON"  # torchrun and the helpers build: $PYTHON's
 
 MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)  # sed reads all: no SIGPIPE
 MASTER_PORT=${{MASTER_PORT:-$(( 20000 + ${{SLURM_JOB_ID:-0}} % 20000 ))}}
@@ -237,6 +240,14 @@ launch "$GPUS_PER_NODE" "${{ENTRY[@]}}" \\
 """
 
 
+def job_python_function() -> str:
+    """``use_job_python`` of scripts/lib/job_python.sh (its one place), inlined: SLURM runs a copy of the script,
+    which cannot source a file beside it."""
+    text = JOB_PYTHON.read_text()
+    return ("# use_job_python PYTHON: Megatron's dataset helpers built for PYTHON, pyenv or not (inlined from "
+            "scripts/lib/job_python.sh)\n" + text[text.index("use_job_python() {"):].rstrip("\n"))
+
+
 def render(run: RunConfig, gpus_per_node: int = GPUS_PER_NODE, source: str | None = None) -> str:
     """The sbatch script of one config (``source``: the YAML it came from, for the header)."""
     nodes, gpn = nodes_for(run, gpus_per_node)
@@ -248,7 +259,7 @@ def render(run: RunConfig, gpus_per_node: int = GPUS_PER_NODE, source: str | Non
         source=source or f"configs/{run.name}.yaml",
         cpu_wlb_block="    " + _bash_array("CPU_WLB_ARGS", cpu_wlb).replace("\n", "\n    ").rstrip(),
         name=run.name, model=run.model.name, seq_len=run.seq_len, tp=lay.tp, cp=lay.cp, pp=lay.pp, dp=lay.dp,
-        world=lay.world_size, nodes=nodes, gpn=gpn, default_split=DEFAULT_SPLIT,
+        job_python=job_python_function(), world=lay.world_size, nodes=nodes, gpn=gpn, default_split=DEFAULT_SPLIT,
         model_block=_bash_array("MODEL_ARGS", model_args(run)),
         parallel_block=_bash_array("PARALLEL_ARGS", parallel_args(run)),
         wlb_block=_bash_array("WLB_ARGS", wlb_args(run, config_ref=_config_ref(source))),
