@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from megatron_wlb.megatron import hooks
+from megatron_wlb.megatron.validation import Refusal
 from megatron_wlb.megatron.version import MOVING_CHECKOUTS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -89,6 +90,35 @@ def unlisted(before, after):
     return problems
 
 
+def refusals():
+    """Per phase, its first hook required on this release with its target deleted (a release that renamed it):
+    what installing the phase says (the target restored after)."""
+    from megatron_wlb.megatron import hooks
+
+    out = {}
+    for phase in hooks.PHASES:
+        for hook in hooks.HOOKS:
+            found = hooks._owner(hook)
+            if hook.phase != phase or hooks.release() not in hook.required or found[1] not in vars(found[0]):
+                continue
+            owner, attr = found
+            saved = vars(owner)[attr]
+            delattr(owner, attr)
+            if getattr(owner, attr, None) is not None:  # inherited (SelfAttention.__init__): not a renamed target
+                setattr(owner, attr, saved)
+                continue
+            try:
+                hooks.install(phase)
+                out[phase] = "installed"
+            except hooks.MissingHookTarget as exc:
+                out[phase] = str(exc)
+            finally:
+                setattr(owner, attr, saved)
+            break
+    return out
+
+
+refused = refusals()
 before = snapshot()
 import megatron_wlb.megatron as W
 from megatron_wlb.megatron import hooks, training_hooks
@@ -109,7 +139,7 @@ schedules = sys.modules["megatron.core.pipeline_parallel.schedules"]
 schedules.get_forward_backward_func = lambda *a, **k: None
 rogue = unlisted(before, snapshot())
 print(json.dumps({"clean": clean, "rogue": rogue, "installed": installed, "stacked": stacked,
-                  "release": hooks.release()}))
+                  "release": hooks.release(), "refused": refused}))
 '''
 
 
@@ -118,6 +148,15 @@ def _diff(env: dict[str, str], cwd: Path) -> dict:
                           cwd=str(cwd))
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def assert_refused(out: dict, runs_as: str) -> None:
+    """Every phase with a hook required on ``runs_as`` refused, in one line, once that hook's target was deleted."""
+    phases = sorted({h.phase for h in hooks.HOOKS if runs_as in h.required})
+    assert sorted(out["refused"]) == phases
+    for phase, line in out["refused"].items():
+        assert "\n" not in line and f"is required on Megatron-LM {runs_as}, but this megatron-core" in line, \
+            (phase, line)
 
 
 def expected(release: str) -> list[str]:
@@ -192,8 +231,10 @@ def test_a_renamed_megatron_function_stops_its_phase_in_one_line(monkeypatch, na
     with pytest.raises(hooks.MissingHookTarget) as refused:
         hooks.install(hook.phase)
     message = str(refused.value)
-    assert "\n" not in message and f"hook {name!r}" in message and "Megatron-LM 0.19 (megatron-core 0.19" in message
-    assert f"has no {hook.module}.{renamed}:" in message
+    assert isinstance(refused.value, Refusal)  # the entry points exit with the line alone (exit_on_startup_error)
+    assert "\n" not in message and f"hook {name!r}" in message
+    assert "is required on Megatron-LM 0.19, but this megatron-core 0.19" in message
+    assert f"has no {hook.module}.{renamed} (renamed or removed)" in message
     assert {n: hooks.current(n) for n in phase} == before  # nothing of the phase installed
     with pytest.raises(hooks.MissingHookTarget, match=f"hook {name!r}"):
         hooks.install_hook(name)
@@ -230,6 +271,7 @@ def test_only_the_table_replaces_megatron_functions_installed_wheel(tmp_path):
                             "hooks.HOOKS entry"]
     assert out["release"] == "0.19"
     assert out["installed"] == expected("0.19")
+    assert_refused(out, "0.19")
     assert "get_batch_on_this_tp_rank" not in out["installed"]  # gone from core 0.18 on
 
 
@@ -256,3 +298,4 @@ def test_only_the_table_replaces_megatron_functions_checkouts(tmp_path, release,
     assert len(out["rogue"]) == 1
     assert out["release"] == runs_as
     assert out["installed"] == expected(release)
+    assert_refused(out, runs_as)

@@ -30,7 +30,7 @@ from typing import Any
 
 from megatron_wlb.megatron.rebind import WRAPPED_ATTR, rebind
 from megatron_wlb.megatron.validation import Refusal
-from megatron_wlb.megatron.version import installed_core_version
+from megatron_wlb.megatron.version import SUPPORTED_SERIES, installed_core_version
 
 #: attribute of an installed replacement naming its ``HOOKS`` entry
 HOOK_ATTR = "__wlb_hook__"
@@ -246,9 +246,10 @@ def missing_target(name: str, on: str | None = None) -> str:
     if isinstance(found, tuple) and getattr(found[0], found[1], None) is not None:
         return ""
     lacking = found if isinstance(found, str) else f"{hook.module}.{hook.attr}"
-    return (f"megatron_wlb: hook {name!r} ({hook.why}) is required on Megatron-LM {on} (megatron-core "
-            f"{installed_core_version()}), whose code has no {lacking}: this Megatron is not one megatron_wlb was "
-            "tested with; use a supported release (megatron_wlb.megatron.version.SUPPORTED_SERIES)")
+    series = next(key for key, value in SERIES_RELEASES.items() if value == on)
+    return (f"megatron_wlb: hook {name!r} ({hook.why}) is required on Megatron-LM {on}, but this megatron-core "
+            f"{installed_core_version()} has no {lacking} (renamed or removed): start-up stops rather than train "
+            f"without it; {on} is supported as {SUPPORTED_SERIES[series]}")
 
 
 def hooks_in(fn: Any) -> list[str]:
