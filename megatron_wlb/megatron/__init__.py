@@ -21,29 +21,10 @@ group's layouts of the iteration). At start-up the ranks also agree on their set
 datasets (``agreement.check_startup_agreement``; the datasets also against a resumed checkpoint's).
 
 Call ``megatron_wlb.megatron.apply()`` in ``pretrain_gpt.py`` before ``pretrain(...)`` (the patch in
-``patches/`` does this), then launch with ``--wlb-*`` flags. ``apply()`` checks the megatron-core
-version and installs the hooks of ``hooks.HOOKS`` (the one table of every Megatron function we replace,
-with the releases each applies to and why); in Megatron's training code (pinned:
-``version.PINNED_MEGATRON_TAG``):
-
-- ``parse_args``: our ``--wlb-*`` flags are composed into whichever extra_args_provider is passed;
-- ``validate_args``: after Megatron's checks, ``args.validate_wlb_args`` (fail fast, what to change),
-  ``variable_seq_lengths`` on, then ``cp_hooks.install(settings)`` (attention, RoPE, the THD pass-through);
-- ``build_train_valid_test_data_iterators``: the training iterator becomes a ``WlbDataIterator``
-  (document reader -> packer -> this DP rank's THD micro-batches) on every rank, middle pipeline
-  stages and TP ranks > 0 included; validation/test get the same over their splits;
-- ``get_batch_on_this_tp_rank`` (core < 0.18): for our iterator every rank reads and uploads its own
-  (identical) micro-batch instead of receiving a fixed-shape broadcast from TP rank 0, which cannot
-  carry variable lengths;
-- ``train_step``: first the plan agreement (``agreement.py``): this iteration's plan is made and its
-  digest compared over the whole world; a rank that planned otherwise stops every rank, named;
-- ``save_checkpoint`` / ``load_checkpoint``: the packer + stream state sidecar (``checkpoint.py``);
-- ``training_log``: the per-iteration packing metrics (``wlb_logging.py``);
-- Megatron-LM main's own sequence-packing scheduler registry (``main_schedule.py``, where the installed
-  Megatron has ``megatron/core/datasets/data_schedule.py``): ``sequence_packing_scheduler = "wlb"`` selects
-  our packer in main's ``wrap_data_iterator`` (``runtime().main_scheduler`` says whether it was registered);
-- start-up builds (``startup.py``): the dataset-helper ``make`` and core 0.16's ``fused_kernels.load``
-  are skipped, saying so, where the machine lacks the toolchain (or the helpers are prebuilt).
+``patches/`` does this), then launch with ``--wlb-*`` flags. ``apply()`` checks the megatron-core version and
+installs the Megatron functions we replace: ``hooks.HOOKS`` is their one list (where each lives, the releases it
+applies to, why, when it is installed and the function that builds it); a hook a release requires that finds
+nothing to replace stops start-up in one line.
 
 This module holds the public API only. Where the rest lives: ``hooks`` (the table and its installer),
 ``training_hooks`` (the training-loop replacements), ``iterators`` (building the data path from Megatron's
@@ -94,8 +75,8 @@ def apply(*, check_version: bool = True, middle_stage_batches: bool = False) -> 
     on megatron-core >= 0.18 apply() itself refuses (``ENTRY_POINT_REFUSAL``: that script's get_batch cannot
     carry our micro-batches unpatched).
 
-    Raises RuntimeError when megatron-core is outside ``version.SUPPORTED_SERIES`` or Megatron's
-    training code is not importable.
+    Raises RuntimeError when megatron-core is outside ``version.SUPPORTED_SERIES``, Megatron's training code is
+    not importable, or a hook this release requires finds nothing to replace (``hooks.MissingHookTarget``).
     """
     refuse_spawned_reimport()
     install_python_shims()  # before anything imports megatron-core (0.19 needs typing.override)
@@ -117,6 +98,8 @@ def apply(*, check_version: bool = True, middle_stage_batches: bool = False) -> 
         raise RuntimeError(ENTRY_POINT_REFUSAL)
     rt.registry = DataStateRegistry()
     # the training loop's hooks, and the start-up builds made safe where the machine lacks the toolchain
-    rt.originals.update(hooks.install("apply"))
+    from megatron_wlb.megatron.training_hooks import apply_phase_options  # imports torch and Megatron
+
+    rt.originals.update(hooks.install("apply", apply_phase_options()))
     rt.installed = True
     return rt

@@ -23,7 +23,7 @@ from megatron.core.utils import get_te_version, is_te_min_version
 from megatron_wlb.megatron import hooks
 from megatron_wlb.megatron.args import compose_providers
 from megatron_wlb.megatron.attention import install_core_attention
-from megatron_wlb.megatron.main_schedule import SCHEDULER_FLAG, SCHEDULER_NAME, TE_MIN_VERSION
+from megatron_wlb.megatron.main_names import SCHEDULER_FLAG, SCHEDULER_NAME, TE_MIN_VERSION
 from megatron_wlb.megatron.megatron_args import MegatronArgs
 from megatron_wlb.megatron.rebind import original_of, wrapping
 from megatron_wlb.megatron.state import runtime

@@ -55,6 +55,7 @@ from typing import TYPE_CHECKING, Any
 from megatron_wlb.megatron import hooks
 from megatron_wlb.megatron.args import settings_from_args
 from megatron_wlb.megatron.compat import install_python_shims, spawn_children_import_this_module
+from megatron_wlb.megatron.main_names import SCHEDULER_NAME
 from megatron_wlb.megatron.megatron_args import MegatronArgs
 from megatron_wlb.megatron.state import runtime
 from megatron_wlb.megatron.validation import cost_model_from_args
@@ -63,17 +64,7 @@ from megatron_wlb.packing.wlb import place_whole_batch
 if TYPE_CHECKING:
     from megatron_wlb.costmodel import CostModel
 
-__all__ = ["DATA_SCHEDULE_MODULE", "SCHEDULER_FLAG", "SCHEDULER_NAME", "TE_MIN_VERSION", "register", "scheduler_class",
-           "scheduler_cost_model"]
-
-#: the value of ``config.sequence_packing_scheduler`` that selects our scheduler (enum member ``WLB``)
-SCHEDULER_NAME = "wlb"
-
-
-#: main's (after PR #6742) and dev's flag that picks the scheduler (``choices`` without ``wlb`` there)
-SCHEDULER_FLAG = "--sequence-packing-scheduler"
-#: TransformerConfig refuses any sequence-packing scheduler below this TransformerEngine (main after #6742, dev)
-TE_MIN_VERSION = "2.9.0"
+__all__ = ["DATA_SCHEDULE_MODULE", "register", "scheduler_class", "scheduler_cost_model"]
 
 #: main's sequence-packing scheduler module
 DATA_SCHEDULE_MODULE = "megatron.core.datasets.data_schedule"

@@ -1,5 +1,6 @@
-"""The replacements of Megatron's training-loop functions (``hooks.HOOKS``, phase ``apply``): each ``wrap_<name>``
-builds the replacement of Megatron's ``<name>`` from the original. ``hooks.install_hook`` installs them.
+"""The replacements of Megatron's training-loop functions (``hooks.HOOKS``, phase ``apply``) that belong to no other
+module: each ``wrap_<name>`` builds the replacement of Megatron's ``<name>`` from the original; and what the phase's
+factories owned elsewhere (checkpoint, agreement, logging) take from this process (``apply_phase_options``).
 
 Imports torch and Megatron: ``apply()`` imports this module once Megatron's training code is known to import."""
 
@@ -24,10 +25,7 @@ from megatron_wlb.megatron.agreement import (
     resume_data_refusal,
     run_fingerprint,
 )
-from megatron_wlb.megatron.agreement import wrap_train_step as agreed_train_step
 from megatron_wlb.megatron.args import asks_for_help, wlb_extra_args_provider, wlb_help
-from megatron_wlb.megatron.checkpoint import wrap_load_checkpoint as load_with_sidecar
-from megatron_wlb.megatron.checkpoint import wrap_save_checkpoint as save_with_sidecar
 from megatron_wlb.megatron.cp_hooks import stage_upload
 from megatron_wlb.megatron.data import WlbDataIterator
 from megatron_wlb.megatron.device import training_device
@@ -55,7 +53,6 @@ from megatron_wlb.megatron.validation import (
 )
 from megatron_wlb.megatron.version import TRAINING_MODULES, import_training_modules, training_import_error
 from megatron_wlb.megatron.wlb_logging import WlbMetricsLogger
-from megatron_wlb.megatron.wlb_logging import wrap_training_log as logged_training_log
 
 
 def ranks() -> tuple[int, int]:
@@ -224,20 +221,16 @@ def _get_args() -> Any:
     return importlib.import_module("megatron.training.global_vars").get_args()
 
 
-def wrap_save_checkpoint(original: Callable) -> Callable:
-    return save_with_sidecar(original, runtime().registry, _get_args, is_rank0, _settings_dict, print_rank0)
-
-
-def wrap_load_checkpoint(original: Callable) -> Callable:
-    return load_with_sidecar(original, runtime().registry, _get_args, _settings_dict, print_rank0)
-
-
-def wrap_train_step(original: Callable) -> Callable:
-    return agreed_train_step(original, first_train_iterator, runtime().agreed)
-
-
-def wrap_training_log(original: Callable) -> Callable:
-    return logged_training_log(original, lambda: runtime().logger, measure)
+def apply_phase_options() -> dict[str, dict[str, Any]]:
+    """What the ``apply``-phase factories owned by other modules take from this process (``hooks.install``'s
+    options): the checkpoint sidecar's registry and Megatron's args, the plan agreement's iterator, the logger."""
+    rt = runtime()
+    return {"save_checkpoint": {"registry": rt.registry, "get_args": _get_args, "is_writer": is_rank0,
+                                "settings": _settings_dict, "log": print_rank0},
+            "load_checkpoint": {"registry": rt.registry, "get_args": _get_args, "settings": _settings_dict,
+                                "log": print_rank0},
+            "train_step": {"first_iterator": first_train_iterator, "on_checked": rt.agreed},
+            "training_log": {"logger_of": lambda: runtime().logger, "measure": measure}}
 
 
 def wrap_get_batch_on_this_tp_rank(original: Callable) -> Callable:
@@ -250,5 +243,5 @@ def wrap_get_batch_on_this_tp_rank(original: Callable) -> Callable:
     return get_batch_on_this_tp_rank
 
 
-__all__ = ["TRAINING_MODULES", "agree_at_startup", "import_training_modules", "install_validated_hooks",
-           "training_import_error"]
+__all__ = ["TRAINING_MODULES", "agree_at_startup", "apply_phase_options", "import_training_modules",
+           "install_validated_hooks", "training_import_error"]
