@@ -68,9 +68,10 @@ def test_memory_is_megatron_cores_report_for_the_same_arguments(name: str, megat
         args = megatron_namespace(cfg, tokens, "selective")
         _, _, total_mib = megatron_memory_usage.report_theoretical_memory(args, num_microbatches=cfg.micro_batches)
         assert need.total_gib == pytest.approx(total_mib / 1024, rel=1e-12)
-        # the arguments are the layout's: one CP rank's tokens, Megatron's DP, sequence parallelism at TP > 1
+        # the arguments are the layout's: one CP rank's tokens, the distributed optimizer's DP x CP, SP at TP > 1
         assert args.seq_length == -(-tokens // cfg.layout.cp)
-        assert args.data_parallel_size == cfg.layout.dp and args.sequence_parallel == (cfg.layout.tp > 1)
+        assert args.data_parallel_size == cfg.layout.dp * cfg.layout.cp
+        assert args.sequence_parallel == (cfg.layout.tp > 1)
         assert (args.tensor_model_parallel_size, args.context_parallel_size, args.pipeline_model_parallel_size) == \
             (cfg.layout.tp, cfg.layout.cp, cfg.layout.pp)
     assert "Theoretical memory footprints" in capsys.readouterr().out

@@ -6,7 +6,8 @@ megatron-core's own accounting (``megatron/training/theoretical_memory_usage.py`
 flags this command prints for the layout, the fields ``validate_args`` derives are set as it sets them, and
 ``compute_weight_and_optimizer_memory`` + ``compute_activation_memory`` (or ``..._without_sp``, as
 ``report_theoretical_memory`` chooses) are called at the layout's largest packed micro-batch: ``seq_length`` =
-ceil(S_max / CP), the tokens of one CP rank (Megatron's formula divides by TP itself and does not know CP).
+ceil(S_max / CP), the tokens of one CP rank (Megatron's formula divides by TP itself and does not know CP), and
+``data_parallel_size`` = DP x CP, the ranks the distributed optimizer shards over (its ``intra_dp_cp_group``).
 megatron-core and torch are imported on first use, so the rest of the package needs neither.
 """
 
@@ -154,13 +155,16 @@ def layout_flags(cfg: RunConfig, recompute: str) -> list[str]:
 
 def megatron_namespace(cfg: RunConfig, tokens: int, recompute: str) -> argparse.Namespace:
     """Megatron's args for ``cfg`` on its layout (its parser over ``model_flags`` + ``layout_flags``, then what
-    ``validate_args`` derives: world and DP size, padded vocabulary, VPP, expert TP, kv_channels, no SP at TP 1)
-    at a micro-batch of ``tokens``: ``seq_length`` = ceil(tokens / CP), one CP rank's share."""
+    ``validate_args`` derives: world size, padded vocabulary, VPP, expert TP, kv_channels, no SP at TP 1) at a
+    micro-batch of ``tokens``: ``seq_length`` = ceil(tokens / CP), one CP rank's share; ``data_parallel_size`` =
+    DP x CP, the group the distributed optimizer shards its state over."""
     _, _, padded_vocab = megatron_memory_module()
     args = megatron_parser().parse_args(model_flags(cfg) + layout_flags(cfg, recompute))
     lay = cfg.layout
     args.world_size = lay.world_size
-    args.data_parallel_size = lay.world_size // (lay.tp * lay.pp * lay.cp)
+    # the distributed optimizer shards over the DP x CP group (megatron-core's optimizer: intra_dp_cp_group); the
+    # accounting's data_parallel_size is that group (validate_args' world / (TP x PP x CP) would leave CP out)
+    args.data_parallel_size = lay.world_size // (lay.tp * lay.pp)
     args.padded_vocab_size = padded_vocab(cfg.model.vocab, args.make_vocab_size_divisible_by, lay.tp,
                                           logging_enabled=False)
     args.virtual_pipeline_model_parallel_size = cfg.virtual_stages if cfg.virtual_stages > 1 else None
@@ -242,7 +246,12 @@ def why(c: Candidate, ref: Candidate | None, gpu_memory: float) -> str:
     communication, memory headroom."""
     parts = []
     head = gpu_memory - c.memory.total_gib
-    if ref is not None:
+    if math.isnan(c.bubble_fraction):  # dynamic CP: what the planner saved over the fixed groups
+        parts.append(c.note.split(" (sim.dyncp)")[0])
+    elif ref is not None and math.isnan(ref.bubble_fraction):
+        parts.append(f"bubble {c.bubble_fraction:.0%}, GPU imbalance {c.gpu_imbalance:.2f}, "
+                     f"CP comm {c.cp_comm_share:.0%}")
+    elif ref is not None:
         if abs(c.bubble_fraction - ref.bubble_fraction) >= 0.02:
             parts.append(f"bubble {c.bubble_fraction:.0%} vs {ref.bubble_fraction:.0%}")
         if abs(c.pp_imbalance - ref.pp_imbalance) >= 0.02:
@@ -336,6 +345,11 @@ def run_choose(args: argparse.Namespace, read_corpus: Callable[..., Any]) -> int
     return 0
 
 
+def shown_as(value: float, spec: str) -> str:
+    """``value`` formatted, or "-" where the simulation gives none (NaN)."""
+    return "-" if math.isnan(value) else format(value, spec)
+
+
 def print_result(cfg: RunConfig, args: argparse.Namespace, result: SearchResult, base: float | None,
                  base_label: str | None, flags: dict[str, list[str]] | None, notes: list[str]) -> None:
     """The ranking, the best layout's flags and the layouts that do not fit, on stdout."""
@@ -352,8 +366,8 @@ def print_result(cfg: RunConfig, args: argparse.Namespace, result: SearchResult,
                  f"{c.tokens_per_second / best.tokens_per_second:.3f}" if best else "-"]
         if base:
             cells.append(f"{c.tokens_per_second / base:.3f}")
-        cells += [f"{c.bubble_fraction:.0%}", f"{c.pp_imbalance:.2f}", f"{c.gpu_imbalance:.2f}",
-                  f"{c.cp_comm_share:.0%}", f"{c.memory.total_gib:.1f}", why(c, ref, args.gpu_memory)]
+        cells += [shown_as(c.bubble_fraction, ".0%"), shown_as(c.pp_imbalance, ".2f"), shown_as(c.gpu_imbalance, ".2f"),
+                  shown_as(c.cp_comm_share, ".0%"), f"{c.memory.total_gib:.1f}", why(c, ref, args.gpu_memory)]
         print("| " + " | ".join(cells) + " |")
     if not shown:
         print(f"\nNo layout of {args.gpus} GPUs fits {args.gpu_memory:g} GiB: add GPUs, memory or recompute.")

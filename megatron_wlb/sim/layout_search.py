@@ -148,8 +148,9 @@ class Candidate:
         return self.method.packer
 
     def to_json(self, gpu_memory: float) -> dict:
+        """The candidate as JSON (a figure the simulation does not give, e.g. dynamic CP's bubble: null)."""
         lay = self.choice.layout
-        return {"layout": {"tp": lay.tp, "cp": lay.cp, "pp": lay.pp, "dp": lay.dp, "ep": lay.ep,
+        out = {"layout": {"tp": lay.tp, "cp": lay.cp, "pp": lay.pp, "dp": lay.dp, "ep": lay.ep,
                            "virtual_stages": self.choice.virtual_stages, "micro_batches": self.choice.micro_batches},
                 "label": self.choice.label, "method": self.method.name, "packer": self.method.packer,
                 "cp_sharding": self.cp_sharding, "overrides": dict(self.method.overrides),
@@ -160,6 +161,7 @@ class Candidate:
                 "memory_gib": self.memory.total_gib, "weights_gib": self.memory.weights_gib,
                 "activations_gib": self.memory.activations_gib, "headroom_gib": gpu_memory - self.memory.total_gib,
                 **({"note": self.note} if self.note else {})}
+        return {k: None if isinstance(v, float) and v != v else v for k, v in out.items()}
 
 
 @dataclass(frozen=True)
@@ -261,7 +263,9 @@ def _dynamic(cfg: RunConfig, cost: CostModel, lengths: np.ndarray, iterations: i
     dyn = simulate_dynamic_stream(cfg, cost, "wlb", split_documents(lengths, cfg.seq_len), iterations)
     ratio = sum(r.time for r in dyn) / max(1e-12, sum(r.fixed for r in dyn))
     method = replace(WLB, name=DYNAMIC_NAME, cp_sharding=DYNAMIC_SHARDING)
+    nan = float("nan")  # the planner's groups: the fixed groups' bubble, imbalance and CP share do not describe them
     return replace(wlb, method=method, cp_sharding=DYNAMIC_SHARDING, tokens_per_second=wlb.tokens_per_second / ratio,
-                   iteration_seconds=wlb.iteration_seconds * ratio,
+                   iteration_seconds=wlb.iteration_seconds * ratio, bubble_fraction=nan, pp_imbalance=nan,
+                   gpu_imbalance=nan, cp_comm_share=nan,
                    note=f"dynamic-CP layer time / fixed groups = {ratio:.3f} (sim.dyncp), applied to the "
                         f"simulated {wlb.method.name} iteration")
