@@ -163,7 +163,11 @@ def test_speedup_over_the_current_config_is_one_for_itself(tmp_path: Path, capsy
 @pytest.mark.parametrize("flags,named", [(["--gpus", "0", "--gpu-memory", "80"], "--gpus 0"),
                                          (["--gpus", "8", "--gpu-memory", "-1"], "--gpu-memory -1"),
                                          (["--gpus", "8"], "--gpu-memory"),
-                                         (["--gpus", "7", "--gpu-memory", "80"], "--gpus 7")])
+                                         (["--gpus", "7", "--gpu-memory", "80"], "--gpus 7"),
+                                         (["--gpus", "8", "--gpu-memory", "80", "--current-config", "70b_128k"],
+                                          "--current-config 70b_128k"),
+                                         (["--gpus", "8", "--gpu-memory", "80", "--current-config", "7b_128k"],
+                                          "not --gpus 8")])
 def test_a_bad_value_is_one_line(flags: list[str], named: str, capsys):
     rc = main(["analyze", "--lengths", "wlbllm", "--config", "7b_128k", "--choose-layout", *flags])
     err = capsys.readouterr().err

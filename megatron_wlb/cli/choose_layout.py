@@ -225,20 +225,23 @@ def cost_factory(profile: str | None) -> tuple[Any, str]:
     return of, f"calibrated ({profile})"
 
 
-def current_throughput(current: RunConfig, cfg: RunConfig, lengths: Any, iterations: int, cost_of: Any,
-                       gpus: int) -> tuple[float, str]:
+def current_throughput(current: RunConfig, lengths: Any, iterations: int, cost_of: Any) -> tuple[float, str]:
     """(tokens/s, label) of the user's current config on the same documents: its layout, packer and CP sharding
     (dynamic CP is simulated adaptive here: the planner runs at PP 1 only)."""
+    sharding = "adaptive" if current.cp_sharding == "dynamic" else current.cp_sharding
+    method = Method("current", current.packer, sharding)
+    run = compare(current, lengths, iterations, [method], cost=cost_of(current)).runs["current"]
+    return run.throughput, f"{current.name} ({current.layout}, {current.packer}, {sharding})"
+
+
+def check_current(current: RunConfig, cfg: RunConfig, gpus: int) -> None:
+    """One line when ``--current-config`` is not the same job on the same GPUs (its model, seq_len, GPU count)."""
     if (current.model, current.seq_len) != (cfg.model, cfg.seq_len):
         raise ValueError(f"--current-config {current.name}: its model ({current.model.name}) and seq_len "
                          f"({current.seq_len}) must be --config's ({cfg.model.name}, {cfg.seq_len})")
     if current.layout.world_size != gpus:
         raise ValueError(f"--current-config {current.name}: its layout {current.layout} has "
                          f"{current.layout.world_size} GPUs, not --gpus {gpus}")
-    sharding = "adaptive" if current.cp_sharding == "dynamic" else current.cp_sharding
-    method = Method("current", current.packer, sharding)
-    run = compare(current, lengths, iterations, [method], cost=cost_of(current)).runs["current"]
-    return run.throughput, f"{current.name} ({current.layout}, {current.packer}, {sharding})"
 
 
 def why(c: Candidate, ref: Candidate | None, gpu_memory: float) -> str:
@@ -283,6 +286,8 @@ def run_choose(args: argparse.Namespace, read_corpus: Callable[..., Any]) -> int
     check_choose_args(args)
     cfg = load_config(args.config)
     current = load_config(args.current_config) if args.current_config else None
+    if current is not None:
+        check_current(current, cfg, args.gpus)
     profile = cost_profile(args.cost_profile, config=cfg)
     json_out = output_file(args.json, "--json") if args.json else None
     global_batch = args.global_batch_size or cfg.micro_batches * cfg.layout.dp
@@ -313,7 +318,7 @@ def run_choose(args: argparse.Namespace, read_corpus: Callable[..., Any]) -> int
 
     result = search(cfg, lengths, choices, iterations, args.gpu_memory,
                     lambda c, t: megatron_memory(c, t, args.recompute_granularity), cost_of, progress=progress)
-    base, base_label = (current_throughput(current, cfg, lengths, iterations, cost_of, args.gpus)
+    base, base_label = (current_throughput(current, lengths, iterations, cost_of)
                         if current is not None else (None, None))
     notes = [f"Cost model: {cost_line}.",
              f"Corpus: {corpus.source}; {iterations} iterations of {global_batch} x {cfg.seq_len} tokens per "
