@@ -19,11 +19,13 @@ import json
 import sys
 import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from megatron_wlb.cli.analyze_sft import add_sft_args, run_sft
+from megatron_wlb.cli.choose_layout import add_choose_args, run_choose
 from megatron_wlb.cli.common import (
     add_stream_args,
     corpus_sample,
@@ -113,6 +115,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="with --data-prefix/--data-path: your job's --data-cache-path (GPTDataset's indices are shared "
                         "with it; default: built in a temporary folder)")
     add_sft_args(p)
+    add_choose_args(p)
     p.set_defaults(func=run)
 
 
@@ -146,20 +149,23 @@ def gpt_samples(corpus: np.ndarray | list[str] | str, seq_len: int, num_samples:
                      "sampler gives them; the balanced one trains no sample before the iteration it is given.")
 
 
-def run(args: argparse.Namespace) -> int:
-    if args.sft or args.sft_jsonl:  # fine-tuning conversations: Megatron's SFT grouping, KK and the packer
-        return run_sft(args)
+@dataclass
+class CorpusRead:
+    """What ``read_corpus`` read: per ordering the document lengths (``streams``), the report's ``source``
+    line and ``notes``, the corpus as megatron-core reads it (``corpus``: the prefix or blend, or the lengths),
+    ``sample`` = (documents read, documents in the corpus) when sampled, and ``documents`` in the corpus."""
 
-    # every input is checked before any work: the simulation takes minutes
-    if args.iterations is not None:
-        positive(args.iterations, "--iterations")
-    positive(args.shuffles, "--shuffles")
-    positive(args.max_documents, "--max-documents")
-    seeds = seeds_from(args.seed, 1 if args.no_shuffle else args.shuffles)
-    cfg = with_virtual_stages(load_config(args.config), args.virtual_stages)
-    profile = cost_profile(args.cost_profile, config=cfg)
-    out = output_dir(args.out)
-    json_out = output_file(args.json, "--json") if args.json else None
+    streams: list[np.ndarray]
+    source: str
+    notes: list[str]
+    corpus: np.ndarray | list[str] | str
+    sample: tuple[int, int] | None
+    documents: int
+
+
+def read_corpus(args: argparse.Namespace, seeds: list[int], command: str = "wlb analyze") -> CorpusRead:
+    """The corpus of ``--lengths`` / ``--data-prefix`` / ``--data-path`` (the embedded stream by default), past
+    ``--max-documents`` a uniform sample of it, in one ordering per seed (``--no-shuffle``: file order)."""
     notes: list[str] = []
     lengths = np.zeros(0, dtype=np.int64)  # the file-order lengths (--lengths / --data-prefix / embedded)
     # the corpus as megatron-core reads it: the prefix or blend itself (its IndexedDataset), or the lengths
@@ -177,7 +183,7 @@ def run(args: argparse.Namespace) -> int:
                     f"{', the same share of each dataset' if len(prefixes) > 1 else ''}); every ordering and "
                     "method reads that sample (the first documents of a uniformly shuffled corpus are such a sample).")
             notes.append(line)
-            print(f"wlb analyze: note: {line}", file=sys.stderr)
+            print(f"{command}: note: {line}", file=sys.stderr)
     if args.data_path:
 
         streams = []
@@ -204,6 +210,29 @@ def run(args: argparse.Namespace) -> int:
         streams = [lengths] if args.no_shuffle else [shuffle_documents(lengths, seed) for seed in seeds]
     # documents in the corpus (a blend: in all its datasets; it may read fewer, as noted)
     documents = total if args.data_path or args.data_prefix else int(lengths.size)
+    assert corpus is not None
+    return CorpusRead(streams, source, notes, corpus, sample, documents)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.choose_layout:  # the layout search (cli.choose_layout), on the same corpus reader
+        return run_choose(args, read_corpus)
+    if args.sft or args.sft_jsonl:  # fine-tuning conversations: Megatron's SFT grouping, KK and the packer
+        return run_sft(args)
+
+    # every input is checked before any work: the simulation takes minutes
+    if args.iterations is not None:
+        positive(args.iterations, "--iterations")
+    positive(args.shuffles, "--shuffles")
+    positive(args.max_documents, "--max-documents")
+    seeds = seeds_from(args.seed, 1 if args.no_shuffle else args.shuffles)
+    cfg = with_virtual_stages(load_config(args.config), args.virtual_stages)
+    profile = cost_profile(args.cost_profile, config=cfg)
+    out = output_dir(args.out)
+    json_out = output_file(args.json, "--json") if args.json else None
+    corpus_read = read_corpus(args, seeds)
+    notes, streams, source = corpus_read.notes, corpus_read.streams, corpus_read.source
+    corpus, sample, documents = corpus_read.corpus, corpus_read.sample, corpus_read.documents
     order = ("file order (not shuffled)" if args.no_shuffle else
              f"{len(seeds)} shuffles as Megatron's GPTDataset orders documents (numpy RandomState, seeds "
              f"{seeds[0]}..{seeds[-1]})")
