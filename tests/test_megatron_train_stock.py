@@ -8,72 +8,10 @@ import shutil
 from pathlib import Path
 
 import pytest
-from megatron_train_runs import Run, assert_documents_once, assert_trains, train
+from megatron_train_runs import assert_documents_once, assert_fed_stock_samples, assert_trains, stock_samples, train
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.slow  # Megatron training runs: minutes; `pytest -m "not slow"` is the fast lane
-
-
-def stock_samples(corpus: str, tmp_path: Path, iterations: int, first: int = 0, dp: int = 2,
-                  eod_mask_loss: bool = True, inter_document: bool = False) -> dict[int, tuple]:
-    """What a stock job trains over ``iterations`` steps from ``first``: megatron-core's GPTDataset built as
-    the run built it, read in the order of Megatron's own ``MegatronPretrainingSampler`` at DP ``dp``:
-    piece id (position * seq_length + start) -> (iteration, sha256 of its tokens, labels and loss mask).
-    ``inter_document``: masked with ``--dataloader-inter-document-masking`` instead of the ``--reset-*`` flags."""
-    import hashlib
-    import types
-
-    import numpy as np
-
-    from megatron_wlb.megatron.compat import install_python_shims
-
-    install_python_shims()
-    from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer
-    from megatron.training.datasets.data_samplers import MegatronPretrainingSampler
-
-    from megatron_wlb.megatron.gpt_datasets import build_train_dataset
-    from megatron_wlb.megatron.gpt_samples import MegatronSamples
-
-    seq, gbs, train_iters = 256, 4, 4
-    args = types.SimpleNamespace(seed=1234, seq_length=seq, data_path=[corpus], split="98,2,0",
-                                 data_cache_path=str(tmp_path / f"stock_cache{'_inter' * inter_document}"),
-                                 mmap_bin_files=True, reset_position_ids=not inter_document,
-                                 reset_attention_mask=not inter_document, eod_mask_loss=eod_mask_loss,
-                                 dataloader_inter_document_masking=inter_document,
-                                 data_args_path=None, per_split_data_args_path=None, train_data_path=None,
-                                 valid_data_path=None, test_data_path=None)
-    samples = MegatronSamples(build_train_dataset(args, NullTokenizer(300), (train_iters * gbs, 0, 0)))
-    out = {}
-    for rank in range(dp):
-        sampler = iter(MegatronPretrainingSampler(len(samples), first * gbs, 1, rank, dp))
-        for _ in range(iterations * gbs // dp):
-            (j,) = next(sampler)
-            tokens, labels, mask, positions = samples.sample(j)
-            starts = np.flatnonzero(positions == 0)
-            for a, b in zip(starts.tolist(), np.append(starts[1:], seq).tolist()):
-                h = hashlib.sha256()
-                for arr in (tokens[a:b], labels[a:b], mask[a:b]):
-                    h.update(np.ascontiguousarray(arr, dtype=np.float64).tobytes())
-                out[j * seq + a] = (j // gbs, h.hexdigest())
-    return out
-
-
-def fed_pieces(run: Run) -> dict[int, str]:
-    """Every piece that reached the model in ``run`` (any rank): id -> digest of its data (ranks agree)."""
-    fed: dict[int, str] = {}
-    for record in run.ranks.values():
-        for doc, digest in record["piece_data"].items():
-            assert fed.setdefault(int(doc), digest) == digest
-    return fed
-
-
-def assert_fed_stock_samples(run: Run, stock: dict[int, tuple[int, str]]) -> dict[int, str]:
-    """Every piece that reached the model in ``run`` is a piece of a ``stock`` sample (``stock_samples``), with
-    Megatron's own tokens, labels and loss mask; the pieces fed (``fed_pieces``)."""
-    fed = fed_pieces(run)
-    assert fed and set(fed) <= set(stock), f"pieces the stock job does not train: {sorted(set(fed) - set(stock))[:5]}"
-    assert all(fed[k] == stock[k][1] for k in fed), "a piece's tokens, labels or loss mask differ from Megatron's"
-    return fed
 
 
 def test_balanced_gptdataset_pp2_trains_the_stock_jobs_samples(tmp_path, eod_corpus):

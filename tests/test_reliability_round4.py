@@ -247,7 +247,7 @@ def test_a_balanced_run_stopped_before_its_first_sidecar_is_refused_not_resumed_
     """Issue 57 (1): the balanced run's first (and only) checkpoint without its sidecar (a job killed between
     Megatron's save and ours) was resumed as a stock Megatron run, its waiting pieces never trained. Megatron's own
     saved args carry our --wlb-* flags: every rank refuses in one line naming --wlb-reset-data-stream."""
-    from test_megatron_train import train
+    from megatron_train_runs import train
 
     from megatron_wlb.megatron.checkpoint import SIDECAR_NAME
 
