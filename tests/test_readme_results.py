@@ -97,3 +97,15 @@ def test_the_docs_batch_path_and_layout_build_numbers_are_the_recorded_runs():
 def test_the_paper_comparison_table_is_the_recorded_run():
     mod = load_script("bench_packing")
     assert mod.paper_table(_result("packing_bench")).strip() in README
+
+
+def test_the_readme_stays_a_front_page():
+    """The README is the quick start, what it does, when it pays, the headline and status (issue 60): at most 250
+    lines, the rest in docs/, and every docs page it links exists."""
+    import re
+
+    text = (ROOT / "README.md").read_text()
+    lines = text.splitlines()
+    assert len(lines) <= 250, f"README.md has {len(lines)} lines: move detail into docs/"
+    for target in re.findall(r"\]\(((?:docs|benchmarks)/[^)#]+)", text):
+        assert (ROOT / target).exists(), f"README links {target}, which does not exist"
