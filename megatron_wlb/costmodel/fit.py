@@ -683,7 +683,10 @@ class RefitStats:
                    if not (cf[i] > 0 and cb[i] > 0) or i in loose]
         bwd_attention = float(cb[0] / cf[0]) if "bwd_attention" not in guarded else mean_ratio
         bwd_linear = float(cb[1] / cf[1]) if "bwd_linear" not in guarded else mean_ratio
-        return ProfileFit(attn_per_pair=float(cf[0]), attn_per_query=0.0, linear_per_token=float(cf[1]),
+        # every coefficient as (forward + backward) / (1 + its backward ratio): the fitted total is priced exactly,
+        # a guarded ratio only moves the split (for an unguarded one this is the forward coefficient itself)
+        return ProfileFit(attn_per_pair=float((cf[0] + cb[0]) / (1.0 + bwd_attention)), attn_per_query=0.0,
+                          linear_per_token=float((cf[1] + cb[1]) / (1.0 + bwd_linear)),
                           overhead=float((cf[3] + cb[3]) / (1.0 + bwd_linear)), attn_rel_err=float("nan"),
                           linear_rel_err=float("nan"), bwd_attention=bwd_attention, bwd_linear=bwd_linear,
                           form="micro_batches", head_ratio=head_ratio(model),
