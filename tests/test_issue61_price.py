@@ -66,10 +66,13 @@ def write_trace(path: Path, packer: str, sharding: str, cp: int, seed: int, iter
         d = _docs(rng, int(rng.integers(1500, 6000))) if mb < 4 else np.zeros(0, dtype=np.int64)
         layout = build_layout(sharding, d, cp) if d.size else None
         for r in range(cp):
+            q: tuple[int, ...] = ()
+            kv: tuple[int, ...] = ()
             if layout is None:
                 tokens, pairs, runs, fwd, bwd = 0, 0.0, 0, EMPTY_F, EMPTY_B
             else:
                 shard = layout.ranks[r]
+                q, kv = tuple(int(x) for x in shard.query_lengths), tuple(int(x) for x in shard.key_lengths)
                 tokens = int(shard.num_tokens)
                 pairs = float(causal_pairs(shard.query_lengths, shard.key_lengths).sum())
                 runs = int(shard.query_runs.shape[0])
@@ -79,7 +82,7 @@ def write_trace(path: Path, packer: str, sharding: str, cp: int, seed: int, iter
                 sum_d2=float((d.astype(float) ** 2).sum()), lengths=tuple(int(x) for x in d), rank_tokens=tokens,
                 rank_pairs=pairs, rank_runs=runs, pred_fwd_s=0.0, pred_bwd_s=0.0,
                 fwd_s=fwd * (1 + noise * rng.standard_normal()), bwd_s=bwd * (1 + noise * rng.standard_normal()),
-                data_s=0.0, wait_fwd_s=0.0, wait_bwd_s=0.0, group=cp)))
+                data_s=0.0, wait_fwd_s=0.0, wait_bwd_s=0.0, group=cp, run_q=q, run_kv=kv)))
     trace_path_for_rank(path, 0).write_text("\n".join(lines) + "\n")
     return path
 
@@ -182,3 +185,16 @@ def test_dynamic_cp_never_plans_slower_than_the_fixed_groups_and_prices_its_empt
         empties = [4 - len(m) for m in plan.rank_micro_batches]
         assert np.allclose(plan.slot_seconds, plan.rank_seconds + np.asarray(empties) * plan.empty_seconds)
     assert chose_fixed < 12  # it plans dynamically where that is faster
+
+
+def test_a_cp_row_is_fitted_on_its_own_query_runs(layouts):
+    """A CP rank's attention table points are its own query runs (the trace records them), not a share of each
+    document: per-sequence sharding gives one rank a whole document and the other none of it."""
+    from megatron_wlb.costmodel.trace import profile_points, read_trace
+
+    trace = read_trace(layouts[3])  # CP2 per-sequence
+    points = profile_points(trace.micro_batches, {"cp": 2, "pp": 1})
+    rows = [r for r in trace.micro_batches if r.lengths and r.rank_tokens]
+    assert [list(r.run_q) for r in rows] == points["run_lengths"]
+    assert np.allclose([sum(p) for p in points["run_pairs"]], points["pairs"])
+    assert any(max(r.run_q) > max(r.lengths) / 2 for r in rows)  # a run longer than a document's even share

@@ -96,6 +96,10 @@ class MicroBatchRow(RankRow):
     #: CP ranks of the micro-batch's group (the run's CP size; under dynamic CP its group's); 0: not recorded (a
     #: trace written before the field), read as the header's CP size
     group: int = 0
+    #: this rank's query runs: each one's queries and keys (``cp.layouts.RankShard``), what its attention computes run by
+    #: run; () : not recorded (a trace written before the fields)
+    run_q: tuple[int, ...] = ()
+    run_kv: tuple[int, ...] = ()
 
     kind = "micro_batch"
 
@@ -141,7 +145,8 @@ def row_to_json(row: MicroBatchRow | IterationRow) -> str:
     """One JSON line (``kind`` first)."""
     out: dict[str, Any] = {"kind": row.kind, **asdict(row)}
     if isinstance(row, MicroBatchRow):
-        out["lengths"] = list(row.lengths)
+        for key in ("lengths", "run_q", "run_kv"):
+            out[key] = list(getattr(row, key))
     return json.dumps(out, separators=(",", ":"))
 
 
@@ -217,7 +222,8 @@ def read_trace(paths: str | os.PathLike[str] | Iterable[str | os.PathLike[str]])
             values = {k: row[k] for k in wanted}
             if kind == "micro_batch":
                 values.update({k: row[k] for k in _MB_OPTIONAL if k in row})
-                values["lengths"] = tuple(int(x) for x in values["lengths"])
+                for key in ("lengths", "run_q", "run_kv"):
+                    values[key] = tuple(int(x) for x in values.get(key, ()))
                 mbs.append(MicroBatchRow(**values))
             else:
                 its.append(IterationRow(**values))
@@ -271,10 +277,10 @@ def profile_points(rows: Iterable[MicroBatchRow], layout: dict[str, Any], clock:
     embedding (first chunk) is a lookup and stays in the per-layer coefficients.
 
     ``run_lengths`` / ``run_pairs``: each query run's length and causal pairs on this rank, for a fit that
-    prices pairs by their run's length (``costmodel.table``). Without CP (``cp`` 1) the runs are the
-    documents (``lengths``), exact. With CP a row does not record its rank's pieces, so each document
+    prices pairs by their run's length (``costmodel.table``): the row's own runs (``run_q``, ``run_kv``), exact.
+    A row written before them: without CP the runs are the documents (``lengths``), exact; with CP each document
     stands as one run of ``length / cp`` queries holding its share of ``rank_pairs`` (in proportion to its
-    whole-document pairs): an approximation, said here.
+    whole-document pairs), an approximation.
     """
     last_pp, last_chunk = int(layout.get("pp", 1)) - 1, int(layout.get("vpp", 1) or 1) - 1
     run_cp = max(1, int(layout.get("cp", 1)))
@@ -296,6 +302,10 @@ def profile_points(rows: Iterable[MicroBatchRow], layout: dict[str, Any], clock:
         out["bwd_s"].append(r.bwd_s / r.layers)
         out["iteration"].append(r.iteration)
         out["rank"].append(r.rank)
+        if r.run_q:  # the rank's own query runs, as its attention ran them
+            out["run_lengths"].append(list(r.run_q))
+            out["run_pairs"].append([q * kv - q * (q - 1) / 2.0 for q, kv in zip(r.run_q, r.run_kv)])
+            continue
         whole = [d * (d + 1) / 2.0 for d in r.lengths]
         share = r.rank_pairs / sum(whole) if cp > 1 and sum(whole) > 0 else 1.0
         out["run_lengths"].append([d if cp == 1 else max(1, -(-d // cp)) for d in r.lengths])

@@ -192,7 +192,9 @@ class Recorder:
             sum_d2=float((d * d).sum()), lengths=lengths, rank_tokens=rank_tokens, rank_pairs=rank_pairs,
             rank_runs=rank_runs, pred_fwd_s=pred_fwd, pred_bwd_s=pred_bwd, fwd_s=0.0, bwd_s=0.0,
             data_s=float(getattr(inner, "last_seconds", 0.0)), wait_fwd_s=0.0, wait_bwd_s=0.0,
-            group=ids.cp_size if batch.block is None else batch.block[1])
+            group=ids.cp_size if batch.block is None else batch.block[1],
+            run_q=tuple(int(x) for x in np.diff(batch.cu_seqlens_q)),
+            run_kv=tuple(int(x) for x in np.diff(batch.cu_seqlens_k)))
         step = _Step(row, span, self._p2p_since)
         self._p2p_since = []
         self._pass.steps.append(step)
