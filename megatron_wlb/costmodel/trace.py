@@ -96,8 +96,8 @@ class MicroBatchRow(RankRow):
     #: CP ranks of the micro-batch's group (the run's CP size; under dynamic CP its group's); 0: not recorded (a
     #: trace written before the field), read as the header's CP size
     group: int = 0
-    #: this rank's query runs: each one's queries and keys (``cp.layouts.RankShard``), what its attention computes run by
-    #: run; () : not recorded (a trace written before the fields)
+    #: this rank's query runs: each one's queries and keys (``cp.layouts.RankShard``), what its attention computes
+    #: run by run; (): not recorded (a trace written before the fields)
     run_q: tuple[int, ...] = ()
     run_kv: tuple[int, ...] = ()
 
