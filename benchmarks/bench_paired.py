@@ -730,10 +730,12 @@ def main(argv: list[str] | None = None) -> int:
 
     profile = work / CALIBRATION / "profile.json"
     calibration_steps = 8 if args.quick else CALIBRATION_STEPS
+    trained = False  # whether this invocation trained (the calibration or a comparison): then it names this machine
     if args.reuse and profile.exists():
         fitted = json.loads(profile.read_text())
     else:
         profile, fitted = calibrate(data, work / CALIBRATION, calibration_steps, log, args.quick)
+        trained = True
     results = []
     prior = None
     for name in names:
@@ -744,9 +746,10 @@ def main(argv: list[str] | None = None) -> int:
                 f"the corpus): {prior[name]['ratio']:.3f} [{prior[name]['low']:.3f}, {prior[name]['high']:.3f}]")
         if not (args.reuse and (work / name / "train.log").exists()):
             train(c, data, work / name, steps, log, profile, quick=args.quick)
+            trained = True
         results.append(analyse(c, work / name, profile))
     minutes = (time.perf_counter() - start) / 60
-    if args.reuse and Path(args.out).with_suffix(".json").exists():  # the training's machine and time, not this one's
+    if not trained and Path(args.out).with_suffix(".json").exists():  # only re-analysed: the training's machine, time
         before = json.loads(Path(args.out).with_suffix(".json").read_text())
         machine_name, minutes = before["machine"], before["minutes"]
     else:
