@@ -12,12 +12,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from test_priced_as_paid import MODEL  # the tiny GPT's shape the synthetic traces are written for
 
 from megatron_wlb.cli.main import main
 from megatron_wlb.costmodel import (
     AnalyticCostModel,
     CalibratedCostModel,
-    ModelShape,
     ParallelLayout,
     causal_pairs,
     fit_profile,
@@ -31,8 +31,6 @@ from megatron_wlb.cp.efficiency import KernelEfficiency
 from megatron_wlb.cp.layouts import build_layout
 from megatron_wlb.packing.metrics import bins_seconds, share_seconds
 
-MODEL = ModelShape("tiny", hidden=64, num_layers=2, num_heads=4, num_kv_heads=4, ffn_hidden=256, vocab=300,
-                   swiglu=False)
 #: the synthetic machine, per layer forward: per causal pair, per token, per micro-batch, per CP all-gather step,
 #: per K/V token gathered; an empty micro-batch's forward and backward
 A, B, C, CALL, KV = 3e-8, 4e-6, 2e-4, 1.5e-3, 2e-6
