@@ -102,7 +102,8 @@ def test_a_short_paired_run_through_megatrons_loop(tmp_path):
     # wall time does move with a busy neighbour (the suite's other xdist worker): a well-formed interval only
     assert 0 < users["wall"]["low"] <= users["wall"]["ratio"] <= users["wall"]["high"] < float("inf")
     assert 0 < result["calibration"]["mape"] < 1 and result["calibration"]["steps"] == 8
-    assert set(result["calibration"]["packings"]) == {"wlb", "original, concat-and-cut"}  # held out by packing
+    # held out by packing and layout (the quick calibration: two packings and CP2 per-sequence)
+    assert set(result["calibration"]["packings"]) == {"wlb", "original, concat-and-cut", "wlb, per-sequence"}
     assert (tmp_path / "work" / "calibration" / "profile.json").exists()
     assert all(users["replayed_idle_s"][m] >= 0 and users["work_total"][m] > 0 for m in ("a", "b"))
     steps = json.loads((tmp_path / "work" / "users" / "rank0.json").read_text())["steps"]

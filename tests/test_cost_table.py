@@ -68,7 +68,7 @@ def test_table_fits_a_rising_per_pair_cost_that_a_linear_cost_cannot():
     mask, _ = holdout_every(np.asarray(profile["micro_batches"]["iteration"]), 5)
     old = holdout_mape(profile, mask)["mape"]
     new = holdout_mape(with_table(profile), mask)["mape"]
-    assert new <= 0.02 < old
+    assert new <= 0.02 and new < old / 5  # the linear cost's error is the table's many times over
     fit = fit_profile(with_table(profile))
     per_pair = fit.per_pair(np.array([256.0, 1024.0]))
     assert 1.3 < per_pair[1] / per_pair[0] < 1.7  # truth 1.6, pulled toward flat by the smoothing

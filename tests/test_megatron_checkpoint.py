@@ -10,15 +10,8 @@ import numpy as np
 import pytest
 
 from megatron_wlb.data.reader import DocumentReader, byte_documents, write_indexed_dataset
-from megatron_wlb.megatron.checkpoint import (
-    SIDECAR_NAME,
-    DataStateRegistry,
-    iteration_dir,
-    load_data_state,
-    save_data_state,
-    wrap_load_checkpoint,
-    wrap_save_checkpoint,
-)
+from megatron_wlb.megatron.checkpoint import DataStateRegistry, wrap_load_checkpoint, wrap_save_checkpoint
+from megatron_wlb.megatron.checkpoint_files import SIDECAR_NAME, iteration_dir, load_data_state, save_data_state
 from megatron_wlb.megatron.data import WlbDataIterator
 from megatron_wlb.packing import make_packer
 from megatron_wlb.packing.types import PackingConfig
@@ -398,7 +391,7 @@ def test_version_2_sidecars_still_resume(tmp_path):
     """Sidecars written before the reset record (version 2) keep resuming, checksum checked."""
     import json
 
-    from megatron_wlb.megatron.checkpoint import VERSION_KEYS, sidecar_checksum
+    from megatron_wlb.megatron.checkpoint_files import VERSION_KEYS, sidecar_checksum
 
     payload = {"version": 2, "iteration": 4, "settings": None, "data": {"stream_position": 3},
                "data_stream_resets": 1}

@@ -80,10 +80,16 @@ def test_balanced_gptdataset_through_megatrons_loop(tmp_path, eod_corpus):
     assert f"last ids: {BYTE_EOD}" in line and wrong in line
     assert not re.search(r'File "[^"]*megatron_wlb/', no_eod.log), "the refusal came with our traceback"
 
-    # a stock checkpoint: the same files without our sidecar (what pretrain_gpt.py saves)
+    # a stock checkpoint: the same files without our sidecar and without our flags in Megatron's saved args (what
+    # an unpatched pretrain_gpt.py saves; a checkpoint whose args show our flags but has no sidecar is refused)
     shutil.rmtree(ckpt / "iter_0000004", ignore_errors=True)
     (ckpt / "iter_0000002" / "wlb_packer_state.json").unlink()
     (ckpt / "latest_checkpointed_iteration.txt").write_text("2")
+    for state_file in (ckpt / "iter_0000002").glob("*/model_optim_rng.pt"):
+        state = torch.load(state_file, weights_only=False)
+        for name in [n for n in vars(state["args"]) if n.startswith("wlb_")]:
+            delattr(state["args"], name)
+        torch.save(state, state_file)
     resumed = train(tmp_path, "from_stock", eod_corpus, *common, "--load", str(ckpt), env={"DP": "2"})
     # the reverse switch: a stock run resumes from consumed_train_samples = 2 global batches, so it would skip
     # exactly the tokens of those samples still waiting in our packer, and the save says how many

@@ -249,7 +249,7 @@ def test_a_balanced_run_stopped_before_its_first_sidecar_is_refused_not_resumed_
     saved args carry our --wlb-* flags: every rank refuses in one line naming --wlb-reset-data-stream."""
     from megatron_train_runs import train
 
-    from megatron_wlb.megatron.checkpoint import SIDECAR_NAME
+    from megatron_wlb.megatron.checkpoint_files import SIDECAR_NAME
 
     root, cache, _ = balanced
     killed = root / "ckpt_killed"

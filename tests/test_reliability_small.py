@@ -36,7 +36,7 @@ def test_the_cut_policy_never_emits_an_empty_piece(seed):
 
 # -- item 6: the checkpoint sidecar ------------------------------------------------------------------------
 def _sidecar(tmp_path: Path) -> Path:
-    from megatron_wlb.megatron.checkpoint import save_data_state
+    from megatron_wlb.megatron.checkpoint_files import save_data_state
 
     state = {"stream_position": 12, "packer": {"waiting": [[3, 0, 40, 1], [5, 0, 7, 1]]}}
     return Path(save_data_state(str(tmp_path), 4, state, {"packing": "wlb"}))
@@ -49,7 +49,7 @@ def _sidecar(tmp_path: Path) -> Path:
     (b'{"version": 2, "iteration": 4}', "not a WLB data state"),
 ])
 def test_a_corrupt_sidecar_is_refused_naming_the_file(tmp_path, content, expect):
-    from megatron_wlb.megatron.checkpoint import load_data_state
+    from megatron_wlb.megatron.checkpoint_files import load_data_state
 
     path = _sidecar(tmp_path)
     path.write_bytes(content)
@@ -59,7 +59,7 @@ def test_a_corrupt_sidecar_is_refused_naming_the_file(tmp_path, content, expect)
 
 
 def test_an_altered_sidecar_that_is_still_valid_json_is_refused(tmp_path):
-    from megatron_wlb.megatron.checkpoint import load_data_state
+    from megatron_wlb.megatron.checkpoint_files import load_data_state
 
     path = _sidecar(tmp_path)
     assert load_data_state(str(tmp_path), 4)["data"]["stream_position"] == 12  # intact: accepted

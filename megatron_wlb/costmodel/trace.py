@@ -288,7 +288,7 @@ def profile_points(rows: Iterable[MicroBatchRow], layout: dict[str, Any], clock:
     out: dict[str, list[Any]] = {k: [] for k in (*keys, "run_lengths", "run_pairs")}
     for r in rows:
         fwd = r.fwd_s - (r.data_s if clock in ("cpu", "cpu-thread") else 0.0)
-        if r.layers < 1 or r.rank_tokens < 1 or not r.lengths or not (fwd > 0 and r.bwd_s > 0):
+        if r.layers < 1 or r.rank_tokens < 1 or r.tokens < 1 or not (fwd > 0 and r.bwd_s > 0):
             continue  # (a micro-batch of no document: ``empty_points``)
         cp = r.group or run_cp
         has_head = r.pp == last_pp and r.chunk == last_chunk
@@ -320,7 +320,7 @@ def empty_points(rows: Iterable[MicroBatchRow], clock: str = "cpu") -> dict[str,
     out: dict[str, list[float]] = {"fwd_s": [], "bwd_s": []}
     for r in rows:
         fwd = r.fwd_s - (r.data_s if clock in ("cpu", "cpu-thread") else 0.0)
-        if r.layers >= 1 and not r.lengths and fwd > 0 and r.bwd_s > 0:
+        if r.layers >= 1 and r.tokens < 1 and fwd > 0 and r.bwd_s > 0:
             out["fwd_s"].append(fwd / r.layers)
             out["bwd_s"].append(r.bwd_s / r.layers)
     return out
