@@ -4,17 +4,14 @@ the dynamic-CP planner never slower (by its price) than the fixed groups. Pure n
 
 from __future__ import annotations
 
-import contextlib
-import io
 import itertools
 import json
 from pathlib import Path
 
 import numpy as np
 import pytest
-from test_priced_as_paid import MODEL  # the tiny GPT's shape the synthetic traces are written for
+from test_priced_as_paid import MODEL, _calibrate  # the tiny GPT's shape; `wlb calibrate` in this process
 
-from megatron_wlb.cli.main import main
 from megatron_wlb.costmodel import (
     AnalyticCostModel,
     CalibratedCostModel,
@@ -83,13 +80,6 @@ def write_trace(path: Path, packer: str, sharding: str, cp: int, seed: int, iter
                 data_s=0.0, wait_fwd_s=0.0, wait_bwd_s=0.0, group=cp, run_q=q, run_kv=kv)))
     trace_path_for_rank(path, 0).write_text("\n".join(lines) + "\n")
     return path
-
-
-def _calibrate(*args: str) -> str:
-    buf = io.StringIO()
-    with contextlib.redirect_stdout(buf):
-        assert main(["calibrate", *args]) == 0
-    return buf.getvalue()
 
 
 # -- each CP rank priced as laid out ---------------------------------------------------------------------------
