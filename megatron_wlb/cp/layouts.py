@@ -236,9 +236,8 @@ class ShardLayout:
         q = np.concatenate([r.query_lengths for r in self.ranks]).astype(np.int64)
         kv = np.concatenate([r.key_lengths for r in self.ranks]).astype(np.int64)
         rank = np.repeat(np.arange(self.cp), [r.query_runs.shape[0] for r in self.ranks])
-        runs = _Runs(rank, np.zeros_like(q), q, np.zeros_like(q))
         work = attention_work(q, kv, cost, eff, tile) if q.size else np.zeros(0)
-        return _runs_seconds(runs, work, kv, self.cp, int(self.padded_lengths.sum()), cost)
+        return _rank_seconds(rank, q, kv, work, self.cp, int(self.padded_lengths.sum()), cost)
 
     @property
     def imbalance(self) -> float:
@@ -371,14 +370,14 @@ def _runs_per_document(cu: np.ndarray, lengths: np.ndarray, cp: int) -> _Runs:
     return _Runs(rank, s, e, doc)
 
 
-def _runs_seconds(runs: _Runs, work: np.ndarray, kv: np.ndarray, cp: int, total: int, cost: CostModel
-                  ) -> tuple[np.ndarray, np.ndarray]:
-    """(forward, backward) seconds per layer of each of ``cp`` ranks holding ``runs`` (their attention ``work``, key
-    lengths ``kv``) of a micro-batch of ``total`` tokens: ``share_seconds`` of each rank's attention, tokens, pairs."""
-    q = runs.end - runs.start
-    attention = np.bincount(runs.rank, weights=work, minlength=cp)
-    tokens = np.bincount(runs.rank, weights=q, minlength=cp)
-    pairs = np.bincount(runs.rank, weights=causal_pairs(q, kv), minlength=cp)
+def _rank_seconds(rank: np.ndarray, q: np.ndarray, kv: np.ndarray, work: np.ndarray, cp: int, total: int,
+                  cost: CostModel) -> tuple[np.ndarray, np.ndarray]:
+    """(forward, backward) seconds per layer of each of ``cp`` ranks, given its query runs (``rank`` of each run, its
+    queries ``q``, keys ``kv`` and attention ``work``) of a micro-batch of ``total`` tokens: ``share_seconds`` of each
+    rank's attention, tokens and pairs."""
+    attention = np.bincount(rank, weights=work, minlength=cp)
+    tokens = np.bincount(rank, weights=q, minlength=cp)
+    pairs = np.bincount(rank, weights=causal_pairs(q, kv), minlength=cp)
     return share_seconds(cost, attention, tokens, pairs, float(total))
 
 
@@ -585,7 +584,7 @@ def build_layout(name: str, lengths, cp: int, *, cost: CostModel | None = None,
                   "per-document": priced(_runs_per_document(cu, lengths, cp))}
 
     def slowest(r: _Runs, w: np.ndarray) -> float:
-        fwd, bwd = _runs_seconds(r, w, r.end - cu[r.doc], cp, int(cu[-1]), cost)
+        fwd, bwd = _rank_seconds(r.rank, r.end - r.start, r.end - cu[r.doc], w, cp, int(cu[-1]), cost)
         return float((fwd + bwd).max()) if w.size else 0.0
 
     estimates = {k: slowest(r, w) for k, (r, w) in candidates.items()}
