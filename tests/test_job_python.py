@@ -63,8 +63,12 @@ def test_helpers_are_built_for_the_running_interpreter(checkout_019, tmp_path, t
     for built in datasets.glob("helpers_cpp*"):
         built.unlink()
     env = {k: v for k, v in os.environ.items() if k != "PYENV_VERSION"}
-    # what compare_loss.sh did before: the interpreter's own folder first (a venv's bin has no python3-config)
-    env["PATH"] = f"{os.path.dirname(sys.executable)}{os.pathsep}{env['PATH']}"
+    # what compare_loss.sh did before: the interpreter's own folder first. A venv's bin has no python3-config, so
+    # the next one on PATH answers; a bare installation's bin (CI runs pyenv's 3.11 itself) has its own, which
+    # would hide the trap, so there the user's PATH is left as it is (pyenv's shims first).
+    own = os.path.dirname(sys.executable)
+    if not os.path.isfile(os.path.join(own, "python3-config")):
+        env["PATH"] = f"{own}{os.pathsep}{env['PATH']}"
     if trap == "pyenv":
         other = _other_pyenv_version()
         if other is None:
