@@ -392,3 +392,20 @@ def test_help_prints_our_flags_without_megatrons(monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", "--", "--help"])  # after "--": not ours
     with pytest.raises(ValueError, match="unsupported format"):
         wrap_parse_args(crashing_parse_args)()
+
+
+def test_a_field_megatron_dropped_or_renamed_is_named_not_read_as_none():
+    """Every field of the typed view outside ``MAY_BE_ABSENT`` must be on Megatron's args: one missing (a flag a
+    release renamed) is named; those that some release lacks, or that Megatron sets later, are not."""
+    import dataclasses
+
+    from megatron_wlb.megatron.megatron_args import MAY_BE_ABSENT, MegatronArgs
+
+    names = [f.name for f in dataclasses.fields(MegatronArgs)]
+    full = argparse.Namespace(**dict.fromkeys(names))
+    assert MegatronArgs.missing_fields(full) == []
+    delattr(full, "non_persistent_global_ckpt_dir")
+    for name in MAY_BE_ABSENT:
+        delattr(full, name)
+    assert MegatronArgs.missing_fields(full) == ["non_persistent_global_ckpt_dir"]
+    assert set(MAY_BE_ABSENT) < set(names)  # the table names fields of the view, no stale ones

@@ -31,6 +31,7 @@ from megatron_wlb.megatron.checkpoint_files import (
     waiting_pieces,
 )
 from megatron_wlb.megatron.data import WlbDataIterator, dumps_state
+from megatron_wlb.megatron.megatron_args import MegatronArgs
 from megatron_wlb.megatron.rebind import wrapping
 from megatron_wlb.megatron.validation import Refusal, RunRefusal, StartupError
 from megatron_wlb.packing.base import LayoutChanged
@@ -121,15 +122,13 @@ def wrap_save_checkpoint(original: Callable, registry: DataStateRegistry, get_ar
         out = original(iteration, *args, **kwargs)
         state = registry.state()
         if state is not None and is_writer():
-            margs = get_args()
-            save_dir = margs.save
+            a = MegatronArgs.of(get_args())
+            save_dir = a.save or ""
             if kwargs.get("non_persistent_ckpt"):
-                kind = getattr(margs, "non_persistent_ckpt_type", None)
-                if kind == "global":
-                    save_dir = getattr(margs, "non_persistent_global_ckpt_dir", None) or \
-                        os.path.join(margs.save, "non_persistent")
+                if a.non_persistent_ckpt_type == "global":
+                    save_dir = a.non_persistent_global_ckpt_dir or os.path.join(save_dir, "non_persistent")
                 else:  # local (per-node) checkpoints: keep the sidecar beside the persistent ones
-                    save_dir = os.path.join(margs.save, "wlb_non_persistent_local")
+                    save_dir = os.path.join(save_dir, "wlb_non_persistent_local")
             save_data_state(iteration_dir(save_dir, iteration, kwargs.get("release", False)), iteration, state,
                             settings(), registry.data_stream_resets, registry.data_stream_reset, registry.fingerprint)
             if str(state.get("stream_digest", "")).startswith("samples:"):
@@ -142,13 +141,14 @@ def wrap_save_checkpoint(original: Callable, registry: DataStateRegistry, get_ar
     return save_checkpoint
 
 
-def candidate_dirs(margs: Any, load_arg: str, iteration: int) -> list[str]:
-    """Where the checkpoint of ``iteration`` may live (persistent, non-persistent global/local, release)."""
-    load_dir = getattr(margs, load_arg, None)
+def candidate_dirs(a: MegatronArgs, iteration: int) -> list[str]:
+    """Where the checkpoint of ``iteration`` (``--load``) may live (persistent, non-persistent global/local,
+    release)."""
+    load_dir = a.load
     if not load_dir:
         return []
-    global_dir = getattr(margs, "non_persistent_global_ckpt_dir", None) or os.path.join(load_dir, "non_persistent")
-    roots = [load_dir, global_dir, os.path.join(getattr(margs, "save", None) or load_dir, "wlb_non_persistent_local")]
+    global_dir = a.non_persistent_global_ckpt_dir or os.path.join(load_dir, "non_persistent")
+    roots = [load_dir, global_dir, os.path.join(a.save or load_dir, "wlb_non_persistent_local")]
     dirs = [iteration_dir(r, iteration) for r in roots if r]
     dirs.append(iteration_dir(load_dir, iteration, release=True))
     return dirs
@@ -177,59 +177,54 @@ def settings_difference(saved: dict[str, Any] | None, now: dict[str, Any] | None
             if k not in RESUMABLE_SETTINGS and saved.get(k) != now.get(k)]
 
 
-def _seq_len(margs: Any) -> int | None:
-    value = getattr(margs, "seq_length", None)
-    return int(value) if value else None
+def _seq_len(a: MegatronArgs) -> int | None:
+    return int(a.seq_length) if a.seq_length else None
 
 
 #: the flag that restarts only the data stream on resume (optimizer, iteration and LR schedule are kept)
 RESET_FLAG = "--wlb-reset-data-stream"
 
 
-def micro_batches_per_rank(margs: Any) -> tuple[int, int]:
+def micro_batches_per_rank(a: MegatronArgs) -> tuple[int, int]:
     """(DP size, micro-batches per DP rank per iteration) of Megatron's ``args``."""
-    dp = int(getattr(margs, "data_parallel_size", 1) or 1)
-    gbs, mbs = int(getattr(margs, "global_batch_size", 0) or 0), int(getattr(margs, "micro_batch_size", 1) or 1)
-    return dp, max(1, gbs // (mbs * dp))
+    gbs, mbs = int(a.global_batch_size or 0), int(a.micro_batch_size or 1)
+    return a.dp, max(1, gbs // (mbs * a.dp))
 
 
 def plan_layout_refusal(data_state: dict[str, Any], margs: Any) -> str | None:
-    """Why the checkpoint's plans cannot continue on this run's layout, with the exact remedy (None if they can:
-    the same number of micro-batches per iteration, whatever the DP size)."""
+    """Why the checkpoint's plans cannot continue on this run's layout (Megatron's ``args`` or their view), with
+    the exact remedy (None if they can: the same number of micro-batches per iteration, whatever the DP size)."""
+    a = MegatronArgs.of(margs)
     saved = (data_state.get("packer") or {}).get("config") or {}
-    if "dp" not in saved or not getattr(margs, "global_batch_size", None):
+    if "dp" not in saved or not a.global_batch_size:
         return None
-    dp, n = micro_batches_per_rank(margs)
+    dp, n = micro_batches_per_rank(a)
     planned = int(saved["dp"]) * int(saved["n"])
     if planned == dp * n:
         return None
-    mbs = int(getattr(margs, "micro_batch_size", 1) or 1)
+    mbs = int(a.micro_batch_size or 1)
     return (f"the checkpoint planned {planned} micro-batches per iteration (DP {saved['dp']} x {saved['n']}), this "
             f"run {dp * n} (DP {dp} x {n}): resume with --global-batch-size {planned * mbs} (now "
-            f"{getattr(margs, 'global_batch_size', None)}), which any DP size dividing {planned} continues exactly, "
+            f"{a.global_batch_size}), which any DP size dividing {planned} continues exactly, "
             f"or pass {RESET_FLAG} to restart the data stream at its first document")
 
 
-#: Megatron's flags that choose the documents (with the ``--wlb-*`` settings, what a data-stream reset applied with)
-DATA_FLAGS = ("data_path", "train_data_path", "valid_data_path", "test_data_path", "split", "seed")
-
-
-def reset_record(iteration: int, margs: Any) -> dict[str, Any]:
+def reset_record(iteration: int, a: MegatronArgs) -> dict[str, Any]:
     """What the sidecar keeps of a ``--wlb-reset-data-stream``: the iteration it took effect at and Megatron's
     data flags it was given with (JSON values)."""
-    flags = {name: getattr(margs, name, None) for name in DATA_FLAGS}
+    flags = {"data_path": a.data_path, "train_data_path": a.train_data_path, "valid_data_path": a.valid_data_path,
+             "test_data_path": a.test_data_path, "split": a.split, "seed": a.seed}
     return {"iteration": int(iteration), "data_flags": json.loads(json.dumps(flags, default=str))}
 
 
-def stale_reset(payload: dict[str, Any], iteration: int, margs: Any, now: dict[str, Any] | None) -> str | None:
+def stale_reset(payload: dict[str, Any], iteration: int, a: MegatronArgs, now: dict[str, Any] | None) -> str | None:
     """Why ``--wlb-reset-data-stream`` does not apply to this resume (None if it does): the checkpoint was saved
     after a reset given the same data flags and ``--wlb-*`` settings, and it resumes exactly without the flag
     (a flag left in a requeue script would otherwise retrain the stream's first documents on every restart)."""
     done = payload.get("data_stream_reset")
-    if not isinstance(done, dict) or reset_record(done.get("iteration", -1), margs) != done:
+    if not isinstance(done, dict) or reset_record(done.get("iteration", -1), a) != done:
         return None
-    if settings_difference(payload.get("settings"), now, _seq_len(margs)) or \
-            plan_layout_refusal(payload["data"], margs):
+    if settings_difference(payload.get("settings"), now, _seq_len(a)) or plan_layout_refusal(payload["data"], a):
         return None
     return (f"the checkpoint at iteration {iteration} was saved after the data-stream reset at iteration "
             f"{done['iteration']} with these same data flags and --wlb-* settings, so its stream resumes where it "
@@ -274,24 +269,25 @@ def wrap_load_checkpoint(original: Callable, registry: DataStateRegistry, get_ar
     def load_checkpoint(*args, **kwargs):
         out = original(*args, **kwargs)
         iteration = int(out[0] if isinstance(out, tuple) else out)
-        margs = get_args()
         load_arg = kwargs.get("load_arg", args[3] if len(args) > 3 else "load")
         if iteration <= 0 or load_arg != "load":
             return out
-        payload = next((p for p in (load_data_state(d, iteration) for d in candidate_dirs(margs, load_arg, iteration))
+        a = MegatronArgs.of(get_args())
+        load_dir = a.load or ""
+        payload = next((p for p in (load_data_state(d, iteration) for d in candidate_dirs(a, iteration))
                         if p is not None), None)
-        reset = bool(getattr(margs, "wlb_reset_data_stream", False))
-        stale = stale_reset(payload, iteration, margs, settings()) if reset and payload is not None else None
+        reset = bool(a.wlb_reset_data_stream)
+        stale = stale_reset(payload, iteration, a, settings()) if reset and payload is not None else None
         if stale:
             log(f"> megatron_wlb: {RESET_FLAG} ignored: {stale}")
             reset = False
         if reset:
             registry.data_stream_resets = int((payload or {}).get("data_stream_resets", 0)) + 1
-            registry.data_stream_reset = reset_record(iteration, margs)
+            registry.data_stream_reset = reset_record(iteration, a)
             if (settings() or {}).get("pieces") == "concat-and-cut":  # Megatron's samples: its sampler's position
                 waiting = waiting_pieces(payload)
                 log(f"> megatron_wlb: {RESET_FLAG}: Megatron's samples continue from consumed_train_samples "
-                    f"({int(getattr(margs, 'consumed_train_samples', 0) or 0)}) at iteration {iteration}, planned "
+                    f"({int(a.consumed_train_samples or 0)}) at iteration {iteration}, planned "
                     f"afresh; the {sum(p[2] for p in waiting)} tokens of the {len(waiting)} pieces the checkpoint's "
                     f"packer held back are not trained (data-stream reset {registry.data_stream_resets} of this "
                     "training); optimizer, iteration and learning-rate schedule resume from the checkpoint")
@@ -301,27 +297,27 @@ def wrap_load_checkpoint(original: Callable, registry: DataStateRegistry, get_ar
                 "iteration and learning-rate schedule resume from the checkpoint")
             return out
         balanced = (settings() or {}).get("pieces") == "concat-and-cut"
-        if (payload is None and balanced and newest_sidecar_before(getattr(margs, load_arg), iteration) is None
-                and not any(saved_by_megatron_wlb(saved_args(d)) for d in candidate_dirs(margs, load_arg, iteration)
+        if (payload is None and balanced and newest_sidecar_before(load_dir, iteration) is None
+                and not any(saved_by_megatron_wlb(saved_args(d)) for d in candidate_dirs(a, iteration)
                             if os.path.isdir(d))):
             # neither an earlier sidecar nor the checkpoint's own saved args say the run was ours: a stock run, whose
             # samples the balanced mode continues (one that was ours stopped between Megatron's save and our
             # sidecar, the first checkpoint included: refused below, naming the step)
             log(f"> megatron_wlb: the checkpoint at iteration {iteration} holds no {SIDECAR_NAME} (a stock Megatron "
                 "run): --wlb-pieces concat-and-cut continues with Megatron's samples from its consumed_train_samples "
-                f"({int(getattr(margs, 'consumed_train_samples', 0) or 0)})")
+                f"({int(a.consumed_train_samples or 0)})")
             return out
         if payload is None:
-            raise RunRefusal(missing_sidecar_refusal(getattr(margs, load_arg), iteration, balanced))
+            raise RunRefusal(missing_sidecar_refusal(load_dir, iteration, balanced))
         registry.data_stream_resets = int(payload.get("data_stream_resets", 0))
         registry.data_stream_reset = payload.get("data_stream_reset")
-        changed = settings_difference(payload.get("settings"), settings(), _seq_len(margs))
+        changed = settings_difference(payload.get("settings"), settings(), _seq_len(a))
         if changed:
             raise RunRefusal(f"megatron_wlb: the checkpoint at iteration {iteration} was saved with other "
                                f"WLB settings ({'; '.join(changed)}); resume with the saved --wlb-* flags, or pass "
                                f"{RESET_FLAG} to restart the data stream with the new ones (the optimizer, "
                                "iteration and LR schedule resume)")
-        refusal = plan_layout_refusal(payload["data"], margs)
+        refusal = plan_layout_refusal(payload["data"], a)
         if refusal:
             raise RunRefusal(f"megatron_wlb: {refusal}")
         registry.saved_fingerprint = payload.get("fingerprint")

@@ -6,9 +6,11 @@ view, not the namespace. Writes (``validate_wlb_args``
 turning on ``variable_seq_lengths``, ``check_training_args`` setting ``calculate_per_token_loss``, the data hook's
 ``do_train``) still go to Megatron's own ``args``; a view built before a write does not see it.
 
-Which release has which field (megatron-core 0.16.1 / 0.19.2 / main 0.20): every field is in all three unless its
-comment says otherwise; absent ones read ``None``. The properties give the values as the adapter uses them
-(parallel sizes as ints, unset meaning 1).
+Which release has which field (megatron-core 0.16.1 / 0.19.2 / main 0.20): every field is an attribute of all three
+once ``validate_args`` ran, except those ``MAY_BE_ABSENT`` names (one place, with why); those read ``None`` when
+absent. ``missing_fields`` names any other field a release lacks: start-up stops on it in one line
+(``training_hooks.wrap_validate_args``) rather than read ``None`` for a flag Megatron dropped or renamed. The
+properties give the values as the adapter uses them (parallel sizes as ints, unset meaning 1).
 """
 
 from __future__ import annotations
@@ -19,6 +21,19 @@ from typing import Any
 
 #: the training, validation and test splits, and their own data-path flags (``--{split}-data-path``)
 SPLITS = ("train", "valid", "test")
+
+
+#: the fields some supported release lacks, or Megatron sets only later in start-up: field -> why (they read ``None``
+#: while absent); every other field must be there once ``validate_args`` ran (``MegatronArgs.missing_fields``)
+MAY_BE_ABSENT: dict[str, str] = {
+    **dict.fromkeys(("defer_npy_index_mmap", "fast_cache_load", "dataloader_inter_document_masking"),
+                    "not in megatron-core 0.16"),
+    "sequence_packing_scheduler": "Megatron-LM main after PR #6742, dev",
+    "padded_vocab_size": "set when Megatron builds the tokenizer, after validate_args",
+    "do_valid": "set when Megatron builds its data loaders", "do_test": "set when Megatron builds its data loaders",
+    "wlb_pieces": "ours: absent without megatron_wlb's flags (a stand-in or stock namespace)",
+    "wlb_reset_data_stream": "ours: absent without megatron_wlb's flags (a stand-in or stock namespace)",
+}
 
 
 @dataclass(frozen=True)
@@ -59,23 +74,23 @@ class MegatronArgs:
     data_cache_path: str | None = None
     mock_data: bool | None = None
     dataloader_type: str | None = None
-    multiple_validation_sets: bool | None = None  # core >= 0.19
-    full_validation: bool | None = None  # core >= 0.19
+    multiple_validation_sets: bool | None = None
+    full_validation: bool | None = None
     num_dataset_builder_threads: int | None = None
-    object_storage_cache_path: str | None = None  # core >= 0.19
+    object_storage_cache_path: str | None = None
     mid_level_dataset_surplus: float | None = None
-    allow_ambiguous_pad_tokens: bool | None = None  # core >= 0.19
-    defer_npy_index_mmap: bool | None = None  # core >= 0.19
-    fast_cache_load: bool | None = None  # core >= 0.19
-    dataloader_inter_document_masking: bool | None = None  # main, dev
+    allow_ambiguous_pad_tokens: bool | None = None
+    defer_npy_index_mmap: bool | None = None
+    fast_cache_load: bool | None = None
+    dataloader_inter_document_masking: bool | None = None
     reset_position_ids: bool | None = None
     reset_attention_mask: bool | None = None
     eod_mask_loss: bool | None = None
     sft: bool | None = None
-    sft_tokenizer_prompt_format: str | None = None  # core >= 0.19
+    sft_tokenizer_prompt_format: str | None = None
     tokenizer_type: str | None = None
     tokenizer_model: str | None = None
-    fim_data: bool | None = None  # core >= 0.19
+    fim_data: bool | None = None
     yaml_cfg: str | None = None
     # -- model
     num_layers: Any = None
@@ -98,10 +113,22 @@ class MegatronArgs:
     tp_comm_overlap: bool | None = None
     enable_cuda_graph: bool | None = None
     external_cuda_graph: bool | None = None
-    cuda_graph_impl: str | None = None  # core >= 0.19
-    sequence_packing_scheduler: str | None = None  # main after PR #6742, dev
-    # -- ours (``--wlb-pieces``: read before our settings are resolved)
+    cuda_graph_impl: str | None = None
+    sequence_packing_scheduler: str | None = None
+    # -- checkpoints (``checkpoint``: where the sidecar is written and read)
+    save: str | None = None
+    load: str | None = None
+    non_persistent_ckpt_type: str | None = None
+    non_persistent_global_ckpt_dir: str | None = None
+    # -- ours (``--wlb-pieces``: read before our settings are resolved; ``--wlb-reset-data-stream``: an action)
     wlb_pieces: str | None = None
+    wlb_reset_data_stream: bool | None = None
+
+    @classmethod
+    def missing_fields(cls, args: Any) -> list[str]:
+        """The fields Megatron's ``args`` (after ``validate_args``) lacks that every supported release has: a flag
+        this release dropped or renamed (empty when all are there)."""
+        return [f.name for f in dataclasses.fields(cls) if f.name not in MAY_BE_ABSENT and not hasattr(args, f.name)]
 
     @classmethod
     def of(cls, args: Any) -> MegatronArgs:
@@ -148,4 +175,4 @@ class MegatronArgs:
         return {"train": self.train_data_path, "valid": self.valid_data_path, "test": self.test_data_path}[split_name]
 
 
-__all__ = ["SPLITS", "MegatronArgs"]
+__all__ = ["MAY_BE_ABSENT", "SPLITS", "MegatronArgs"]

@@ -51,7 +51,12 @@ from megatron_wlb.megatron.validation import (
     rejected_by_megatron,
     validate_wlb_args,
 )
-from megatron_wlb.megatron.version import TRAINING_MODULES, import_training_modules, training_import_error
+from megatron_wlb.megatron.version import (
+    TRAINING_MODULES,
+    import_training_modules,
+    installed_core_version,
+    training_import_error,
+)
 from megatron_wlb.megatron.wlb_logging import WlbMetricsLogger
 
 
@@ -118,6 +123,11 @@ def wrap_validate_args(original: Callable) -> Callable:
             raise
         except (AssertionError, ValueError) as exc:  # Megatron's own flag checks: one line, no traceback
             raise rejected_by_megatron(exc) from None
+        lacking = MegatronArgs.missing_fields(args)
+        if lacking:  # a flag this release dropped or renamed: stop, never read None in its place
+            raise StartupError(f"megatron_wlb: Megatron's args lack {', '.join(lacking)} (megatron-core "
+                               f"{installed_core_version()}): this release dropped or renamed them; megatron_wlb "
+                               "reads them (megatron_args.MegatronArgs), so it cannot run on it")
         settings = validate_wlb_args(args)
         for note in check_training_args(args, middle_stage_batches=runtime().middle_stage_batches):
             if is_rank0():
