@@ -52,80 +52,6 @@ RUN_FIELDS = {"seq_len": "--seq-length", "n": "--global-batch-size", "dp": "the 
               "virtual_stages": "--num-virtual-stages-per-pipeline-rank (virtual_stages)"}
 
 
-# -- old spellings: refused with a one-line hint to the new one (YAML, --wlb-* flags, CLI options) ----------
-#: packer knobs merged into others (issue 34): old name -> (new knob names, how); the YAML key
-#: ``packing.<old>`` and the ``wlb pack --<old>`` option are refused with it
-RENAMED_KNOBS: dict[str, tuple[tuple[str, ...], str]] = {
-    "min_fill": (("fill", "fill_target"), "was merged into the one fill fraction {fill_target}; {fill} "
-                 "'waiting' tops up from waiting pieces alone (the old min_fill with fill_target 0)"),
-    "group_by_work": (("release",), "was merged into {release}: 'balanced' (default), 'grouped' (release "
-                      "only as a group of R), 'oldest' (the R oldest: group_by_work false), 'paper' (both off)"),
-    "release_when_balanced": (("release",), "was merged into {release}: 'balanced' (default), 'grouped' "
-                              "(release_when_balanced false), 'oldest', 'paper' (both off)"),
-    "flush_on_force": (("release",), "was removed: a forced outlier always goes out with its nearest "
-                       "queue-mates; the release policy is {release}"),
-    "oversize": (("cut",), "was merged into {cut}: 'split' (default), 'drop', 'error' (and 'overlong', 'any': "
-                 "split, and wlb cuts forced outliers too)"),
-    "cut_policy": (("cut",), "was merged into {cut}: cut_policy 'none' is 'split' (default), 'overlong' and "
-                   "'any' keep their names"),
-}
-#: YAML keys moved into a section: old key -> where it is now
-RENAMED_KEYS: dict[str, str] = {"cp_sharding": "cp: {sharding: ...}"}
-#: old values of a kept knob: (knob, old value) -> hint
-RENAMED_VALUES: dict[tuple[str, str], str] = {
-    ("release", "global"): "release now names the policy (R = dp * n is always global); the old default is "
-                           "'balanced'",
-    ("release", "rank"): "the per-rank release (R = n) was removed; R = dp * n; release names the policy: "
-                         "balanced, grouped, oldest, paper",
-    ("cut", "none"): "cut 'none' (the former cut_policy) is 'split', the default",
-}
-#: CLI options renamed for one name per concept: command -> {old: new}
-RENAMED_OPTIONS: dict[str, dict[str, str]] = {
-    **{command: {"--profile": "--cost-profile"} for command in ("analyze", "bench", "reproduce")},
-    "pack": {"--profile": "--cost-profile", "--thresholds": "--queue-thresholds"},
-    "simulate": {"--profile": "--cost-profile", "--cp-layout": "--cp-sharding"},
-    "shard": {"--profile": "--kernel-table (a kernel-efficiency table) or --cost-profile (a cost-model profile)",
-              "--layout": "--cp-sharding"},
-}
-
-
-def renamed_knob_hint(old: str, style: str) -> str | None:
-    """The one-line refusal of packer knob ``old`` in ``style`` "yaml" (``packing.x``) or "cli" (``--x``),
-    or None when ``old`` is not an old spelling."""
-    if old not in RENAMED_KNOBS:
-        return None
-    new, how = RENAMED_KNOBS[old]
-
-    def spell(name: str) -> str:
-        return {"yaml": f"packing.{name}", "cli": "--" + name.replace("_", "-")}[style]
-
-    return f"{spell(old)} " + how.format(**{n: spell(n) for n in new})
-
-
-def renamed_option_hint(command: str, option: str) -> str | None:
-    """The one-line refusal of CLI option ``option`` of ``wlb <command>``, or None when it is current."""
-    name = option.split("=", 1)[0]
-    new = RENAMED_OPTIONS.get(command, {}).get(name)
-    if new:
-        return f"wlb {command} {name} was renamed {new} (one name per concept in YAML, --wlb-* flags and the CLI)"
-    if name.startswith("--"):
-        return renamed_knob_hint(name[2:].replace("-", "_"), "cli")
-    return None
-
-
-def renamed_value_hint(knob: str, value: Any) -> str | None:
-    """The hint for an old value of knob ``knob``, or None."""
-    return RENAMED_VALUES.get((knob, str(value).strip())) if isinstance(value, str) else None
-
-
-def refuse_renamed_value(knob: str, value: str) -> str:
-    """argparse ``type=`` for a knob with choices: ``value``, or the old value's hint as the error."""
-    hint = renamed_value_hint(knob, value)
-    if hint:
-        raise argparse.ArgumentTypeError(f"{value!r}: {hint}")
-    return value
-
-
 # -- knobs: typed dataclass fields as YAML keys and command-line flags ------------------------------------
 def field_docs(cls: type) -> dict[str, str]:
     """``name -> text``: the ``- ``name``: text`` bullets of a dataclass docstring (the help text), else the
@@ -265,9 +191,6 @@ class Knob:
     def parse(self, value: Any, where: str) -> Any:
         """``value`` converted to the field's type, validated by the owner dataclass when it can be
         alone (``PackingConfig`` ranges); the error names ``where`` (a flag or a YAML key)."""
-        hint = renamed_value_hint(self.name, value) if self.owner is PackingConfig else None
-        if hint:
-            raise ValueError(f"{where}={value!r}: {hint}")
         parsed = self.convert(value, where)
         if self.owner is PackingConfig:
             try:
@@ -657,9 +580,6 @@ def choices_from_dict(raw: dict, source: str = "<dict>") -> RunChoices:
         raise ValueError(f"{source}: packing must be a mapping of packer settings, got {packing_raw!r}")
     valid = ("packer", "preset", *(k for k in PACKING_KNOBS if k not in KNOB_SECTIONS))
     for key in packing_raw:
-        hint = renamed_knob_hint(key, "yaml")
-        if hint:
-            raise ValueError(f"{source}: {hint}")
         if key in KNOB_SECTIONS:
             raise ValueError(f"{source}: packing.{key} moved to {knob_yaml_key(key)} (the cost section)")
     unknown = [k for k in packing_raw if k not in valid]
@@ -687,10 +607,7 @@ def choices_from_dict(raw: dict, source: str = "<dict>") -> RunChoices:
 
 
 def _refuse_unknown_keys(raw: dict, source: str, valid: tuple[str, ...], where: str, alternative: str = "") -> None:
-    """One line for a top-level key that moved into a section or that ``valid`` lacks."""
-    for key in raw:
-        if key in RENAMED_KEYS:
-            raise ValueError(f"{source}: {key} moved into a section: {RENAMED_KEYS[key]}")
+    """One line for a top-level key that ``valid`` lacks."""
     unknown = [k for k in raw if k not in valid]
     if unknown:
         raise ValueError(f"{source}: unknown key(s) {', '.join(map(repr, unknown))}{where}; "

@@ -12,7 +12,7 @@ from megatron_wlb.megatron.preflight import check_training_args
 def args(**overrides):
     base = dict(pipeline_model_parallel_size=1, virtual_pipeline_model_parallel_size=None,
                 calculate_per_token_loss=True, tp_comm_overlap=False, cuda_graph_impl="none",
-                sequence_parallel=False, transformer_impl="transformer_engine", persist_layer_norm=False,
+                sequence_parallel=False, transformer_impl="transformer_engine", no_persist_layer_norm=True,
                 reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False)
     return SimpleNamespace(**{**base, **overrides})
 
@@ -52,7 +52,7 @@ def test_local_spec_norm_limits_are_said_before_megatron_asserts(monkeypatch):
 
     monkeypatch.setattr(wlb_args, "module_available", lambda name: False)  # no apex
     with pytest.raises(ValueError, match="--no-persist-layer-norm"):
-        check_training_args(args(transformer_impl="local", persist_layer_norm=True), middle_stage_batches=True)
+        check_training_args(args(transformer_impl="local", no_persist_layer_norm=False), middle_stage_batches=True)
     with pytest.raises(ValueError, match="sequence parallelism"):
         check_training_args(args(transformer_impl="local", sequence_parallel=True), middle_stage_batches=True)
     check_training_args(args(transformer_impl="transformer_engine", sequence_parallel=True), middle_stage_batches=True)

@@ -15,7 +15,6 @@ import os
 import sys
 
 from megatron_wlb import __version__
-from megatron_wlb.config import renamed_option_hint
 from megatron_wlb.requirements import MissingDependency
 
 # Subcommand modules, in the order `wlb --help` lists them.
@@ -51,23 +50,8 @@ def error_line(exc: BaseException) -> str:
     return text.strip() or type(exc).__name__
 
 
-def refuse_renamed(argv: list[str]) -> None:
-    """Old option spellings (``config.RENAMED_OPTIONS``, ``RENAMED_KNOBS``) end in the one-line error
-    naming the new one (exit status 2), before argparse would call them unrecognized."""
-
-    command = next((a for a in argv if a in SUBCOMMANDS), None)
-    if command is None:
-        return
-    for arg in argv[argv.index(command) + 1:]:
-        hint = renamed_option_hint(command, arg) if arg.startswith("--") else None
-        if hint:
-            print(f"wlb {command}: error: {hint}", file=sys.stderr)
-            raise SystemExit(2)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    refuse_renamed(sys.argv[1:] if argv is None else list(argv))
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)

@@ -1,7 +1,8 @@
 """``wlb pack``: run one packer over a length stream, print its metrics, optionally write the plan.
 
     wlb pack --lengths FILE|wlbllm|stdlib | --data-prefix PREFIX | --data-path W1 P1 ...  --config NAME|YAML
-             [--packer P] [--iterations K] [--out plan.jsonl] [--data-cache-path DIR] [--wlb-* knob overrides]
+             [--packer P] [--iterations K] [--out plan.jsonl] [--data-cache-path DIR]
+             [--preset P] [--max-delay D] [--max-seq-len S] [--pieces P] [--cost-model M] [--set KEY=VALUE ...]
 
 An indexed corpus (``--data-prefix`` / ``--data-path``) is read as wlb's training reader reads it: checked
 at start (the ``.bin`` size and the ``.idx`` pointers), memory-mapped and streamed through a moving
@@ -14,7 +15,6 @@ offset, length], ...], ...]}`` (micro-batch ``r * n + k`` is DP rank r's k-th).
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 from typing import Any
 
@@ -29,8 +29,9 @@ from megatron_wlb.cli.common import (
     output_file,
     run_packer,
 )
-from megatron_wlb.config import PACKER_NAMES, PACKING_KNOBS, RunConfig, load_config, refuse_renamed_value
+from megatron_wlb.config import PACKER_NAMES, PACKING_KNOBS, RunConfig, knob_yaml_key, load_config
 from megatron_wlb.costmodel import CostModel, build_cost_model
+from megatron_wlb.megatron.settings import USER_FLAGS
 from megatron_wlb.packing import make_packer, summarize
 from megatron_wlb.packing.presets import PRESET_NAMES
 from megatron_wlb.sim.experiments import schedule_label
@@ -62,29 +63,44 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+#: the packer knobs a user chooses (``settings.USER_FLAGS``): an option each; every knob is a ``--set`` key
+CHOSEN_KNOBS: tuple[str, ...] = tuple(name for name in PACKING_KNOBS if name in USER_FLAGS)
+#: ``--set`` key (the YAML key, ``packing.max_delay``, ``cost.model``) -> packer knob
+SET_KEYS: dict[str, str] = {knob_yaml_key(name): name for name in PACKING_KNOBS}
+
+
 def add_knob_options(p: argparse.ArgumentParser) -> None:
-    """One ``--<knob>`` option per PackingConfig knob (generated: a new field gets its option), each
-    overriding the config's ``packing.<knob>``."""
-    g = p.add_argument_group("lab: packer knobs (each overrides the config's packing section; docs/packing.md)")
+    """``--preset``, an option per knob a user chooses (``CHOSEN_KNOBS``), and ``--set KEY=VALUE`` for any knob by
+    its YAML key; each overrides the config's."""
+    g = p.add_argument_group("packer settings (each overrides the config's; docs/packing.md)")
     g.add_argument("--preset", choices=PRESET_NAMES, default=None,
                    help="packer preset the knobs start from (default: the config's packing.preset; "
                         "docs/packing.md \"Presets\"); the knobs given here and in the config win")
-    for name, knob in PACKING_KNOBS.items():
+    for name in CHOSEN_KNOBS:
+        knob = PACKING_KNOBS[name]
         g.add_argument(knob.flag("--"), dest=f"knob_{name}", default=None, metavar=None if knob.choices else "V",
-                       type=functools.partial(refuse_renamed_value, name) if knob.choices else str,
                        choices=[str(c) for c in knob.choices] if knob.choices else None,
                        help=(knob.help.replace("`", "") + ("" if knob.choices else f" ({knob.expects})"))
                        .replace("%", "%%"))
+    g.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="settings",
+                   help="set one packer knob by its YAML key, repeatable: " + ", ".join(SET_KEYS)
+                   + " (e.g. --set packing.window=4096; docs/packing.md lists each)")
 
 
 def overrides(args: argparse.Namespace) -> dict[str, Any]:
-    """The packer settings given on the command line, parsed and checked by their type."""
-    out: dict[str, Any] = {}
-    for name, knob in PACKING_KNOBS.items():
-        value = getattr(args, f"knob_{name}", None)
-        if value is not None:
-            out[name] = knob.parse(value, knob.flag("--"))
-    return out
+    """The packer knobs given on the command line (the chosen knobs' options, ``--set``), parsed and checked by
+    their type; a bad key, a bad value or a knob given twice is a one-line error naming it."""
+    given = {name: (PACKING_KNOBS[name].flag("--"), value) for name in CHOSEN_KNOBS
+             if (value := vars(args).get(f"knob_{name}")) is not None}
+    for item in args.settings:
+        key, sep, value = item.partition("=")
+        if not sep or key.strip() not in SET_KEYS:
+            raise ValueError(f"--set {item!r}: give KEY=VALUE with KEY one of {', '.join(SET_KEYS)}")
+        name = SET_KEYS[key.strip()]
+        if name in given:
+            raise ValueError(f"--set {item!r}: {key.strip()} is already given ({given[name][0]}); give it once")
+        given[name] = (f"--set {key.strip()}", value.strip())
+    return {name: PACKING_KNOBS[name].parse(value, where) for name, (where, value) in given.items()}
 
 
 def build(args: argparse.Namespace) -> tuple[RunConfig, CostModel]:

@@ -26,7 +26,6 @@ from megatron_wlb.config import (
     knob_yaml_key,
     list_configs,
     load_choices,
-    renamed_value_hint,
 )
 from megatron_wlb.megatron.settings import FLAG_KNOBS, USER_FLAGS, WlbSettings
 from megatron_wlb.packing.presets import DEFAULT_PRESET, PRESET_NAMES
@@ -144,9 +143,6 @@ def _flag_type(knob: Knob, flag: str) -> Callable[[str], Any]:
     """argparse ``type=``: the knob's type conversion; range checks happen in WlbSettings."""
 
     def convert(text: str) -> Any:
-        hint = renamed_value_hint(knob.name, text)
-        if hint:
-            raise argparse.ArgumentTypeError(f"{text!r}: {hint}")
         try:
             return knob.convert(text, flag)
         except ValueError as exc:

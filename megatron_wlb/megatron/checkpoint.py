@@ -35,7 +35,7 @@ from megatron_wlb.megatron.megatron_args import MegatronArgs
 from megatron_wlb.megatron.rebind import wrapping
 from megatron_wlb.megatron.validation import Refusal, RunRefusal, StartupError
 from megatron_wlb.packing.base import LayoutChanged
-from megatron_wlb.packing.types import upgrade_old_knobs
+from megatron_wlb.packing.types import resolved_knobs
 
 
 @dataclass
@@ -162,15 +162,11 @@ def settings_difference(saved: dict[str, Any] | None, now: dict[str, Any] | None
                         seq_len: int | None = None) -> list[str]:
     """``name: saved -> now`` for every plan-shaping setting that differs (empty when either is unknown).
 
-    Both sides in today's knob names (``upgrade_old_knobs``: a checkpoint saved before the knobs were merged
-    resumes when its settings mean the same; ``max_seq_len`` None is 1.5 x ``seq_len``); the preset is not
-    compared, the knob values it resolved to are."""
+    ``max_seq_len`` None is 1.5 x ``seq_len`` (``resolved_knobs``); the preset is not compared, the knob values it
+    resolved to are."""
     if not saved or not now:
         return []
-    saved, now = upgrade_old_knobs(saved, seq_len), upgrade_old_knobs(now, seq_len)
-    for side in (saved, now):
-        if "packing" in side and "packer" not in side:  # --wlb-packing, since renamed --wlb-packer
-            side["packer"] = side.pop("packing")
+    saved, now = resolved_knobs(saved, seq_len), resolved_knobs(now, seq_len)
     saved.pop("preset", None)
     now.pop("preset", None)
     return [f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in sorted(set(saved) | set(now))

@@ -107,7 +107,7 @@ class MegatronArgs:
     max_position_embeddings: Any = None
     position_embedding_type: str | None = None
     transformer_impl: str | None = None
-    persist_layer_norm: bool | None = None
+    no_persist_layer_norm: bool | None = None
     # -- flags our packing cannot honour, or that replace our path
     calculate_per_token_loss: bool | None = None
     tp_comm_overlap: bool | None = None

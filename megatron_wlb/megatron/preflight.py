@@ -71,7 +71,7 @@ def check_training_args(args: Any, *, middle_stage_batches: bool) -> list[str]:
             problems.append("--sequence-parallel with --transformer-impl local: without apex, Megatron's local "
                             "spec normalises with WrappedTorchNorm, which does not support sequence parallelism; "
                             "use --transformer-impl transformer_engine or drop --sequence-parallel")
-    if a.persist_layer_norm and a.transformer_impl == "local":
+    if not a.no_persist_layer_norm and a.transformer_impl == "local":
         if not module_available("apex"):
             problems.append("--transformer-impl local without apex normalises with WrappedTorchNorm, which "
                             "refuses persist_layer_norm (Megatron's default): add --no-persist-layer-norm")

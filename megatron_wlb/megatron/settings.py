@@ -22,7 +22,6 @@ from megatron_wlb.config import (
     Knob,
     cp_sharding_names,
     knob_yaml_key,
-    renamed_knob_hint,
 )
 from megatron_wlb.packing.presets import DEFAULT_PRESET, PRESET_NAMES, preset_default
 
@@ -89,10 +88,6 @@ class WlbSettings:
         if preset not in PRESET_NAMES:
             raise ValueError(f"--wlb-preset={preset!r} is not a packer preset; choose one of {', '.join(PRESET_NAMES)}")
         knobs = {**dict(packer_knobs), **knobs}  # packer_knobs: what dataclasses.replace passes back
-        for name in knobs:
-            hint = renamed_knob_hint(name, "yaml")
-            if hint:
-                raise ValueError(hint)
         unknown = sorted(set(knobs) - set(FLAG_KNOBS))
         if unknown:
             raise ValueError(f"unknown WLB setting(s) {', '.join(unknown)}; valid: "

@@ -27,7 +27,7 @@ from megatron_wlb.costmodel import CostModel, cost_model_from_state
 from megatron_wlb.data.cut import window_pieces
 from megatron_wlb.data.lengths import validate_lengths
 from megatron_wlb.packing.metrics import SizePrice, piece_latency, size_price
-from megatron_wlb.packing.types import DocPiece, GlobalBatch, MicroBatch, PackingConfig, upgrade_old_knobs
+from megatron_wlb.packing.types import DocPiece, GlobalBatch, MicroBatch, PackingConfig, resolved_knobs
 
 #: 2: the fingerprint covers every field and the cost model; 3: a refitted cost model is saved;
 #: 4: the stream's token offset is saved (``pieces="concat-and-cut"`` cuts at multiples of seq_len of it)
@@ -349,11 +349,11 @@ def fingerprint_difference(saved: dict[str, Any], now: dict[str, Any]) -> str:
     The cost model's description names its layout; its DP size is left out of the comparison (a micro-batch
     costs the same at any DP size, and ``cost_probe`` compares the latencies themselves), so the saved plans
     can continue at another DP size (``megatron.data.WlbDataIterator``); ``dp`` and ``n`` are compared.
-    A state saved before the knobs were merged compares in today's names (``types.upgrade_old_knobs``)."""
+    ``max_seq_len`` None compares as its resolved value (``types.resolved_knobs``)."""
     def comparable(key: str, value: Any) -> Any:
         return re.sub(r"-DP\d+", "", value) if key == "cost" and isinstance(value, str) else value
 
-    saved, now = upgrade_old_knobs(saved), upgrade_old_knobs(now)
+    saved, now = resolved_knobs(saved), resolved_knobs(now)
 
     keys = sorted(set(saved) | set(now))
     parts = [f"{k}: saved {saved.get(k, '<absent>')!r}, now {now.get(k, '<absent>')!r}"

@@ -353,32 +353,10 @@ class PackingConfig:
         return self.dp * self.n * self.seq_len
 
 
-#: a fingerprint's merged knobs (issue 34) -> the fields that replaced them: (release) from
-#: (group_by_work, release_when_balanced), (fill, fill_target) from (min_fill, fill_target), (cut) from
-#: (oversize, cut_policy); a state saved before the merge compares in today's names
-_OLD_RELEASE = {(True, True): "balanced", (True, False): "grouped", (False, True): "oldest", (False, False): "paper"}
-_OLD_CUT = {("split", "none"): "split", ("split", "overlong"): "overlong", ("split", "any"): "any",
-            ("drop", "none"): "drop", ("error", "none"): "error"}
-
-
-def upgrade_old_knobs(fp: Mapping[str, Any], seq_len: int | None = None) -> dict[str, Any]:
-    """Knob values ``fp`` (a packer's settings fingerprint, a checkpoint's ``--wlb-*`` settings) with the old
-    names mapped to today's (a combination with no new name keeps its old keys, so it differs and is named)
-    and ``max_seq_len`` resolved (None = 1.5 x ``seq_len``, given or in ``fp``), so equal settings compare
-    equal across the merge."""
+def resolved_knobs(fp: Mapping[str, Any], seq_len: int | None = None) -> dict[str, Any]:
+    """Knob values ``fp`` (a packer's settings fingerprint, a checkpoint's ``--wlb-*`` settings) with
+    ``max_seq_len`` resolved (None = 1.5 x ``seq_len``, given or in ``fp``), so equal settings compare equal."""
     out = dict(fp)
-    if "group_by_work" in out and out.get("flush_on_force", True) is True and out.get("release", "global") == "global":
-        out["release"] = _OLD_RELEASE[(bool(out.pop("group_by_work")), bool(out.pop("release_when_balanced", True)))]
-        out.pop("flush_on_force", None)
-    if "min_fill" in out:
-        min_fill, target = float(out["min_fill"]), float(out.get("fill_target", 0.95))
-        fill = ("full" if target >= min_fill == INTAKE_FILL else None) if min_fill > 0 and target > 0 else \
-            "read-ahead" if target > 0 else "waiting" if min_fill > 0 else "off"
-        if fill is not None:
-            out.pop("min_fill")
-            out["fill"], out["fill_target"] = fill, min_fill if fill == "waiting" else target
-    if "oversize" in out and (out["oversize"], out.get("cut_policy", "none")) in _OLD_CUT:
-        out["cut"] = _OLD_CUT[(out.pop("oversize"), out.pop("cut_policy", "none"))]
     seq_len = out.get("seq_len", seq_len)
     if "max_seq_len" in out and out["max_seq_len"] is None and isinstance(seq_len, int):
         out["max_seq_len"] = resolve_max_seq_len(seq_len)
