@@ -7,7 +7,6 @@ checkout; ``load_config`` takes a path or the stem of one of those files (``"7b_
 
 from __future__ import annotations
 
-import argparse
 import inspect
 import math
 import re

@@ -5,6 +5,8 @@ model can be described with Megatron-LM's own argument names."""
 from __future__ import annotations
 
 import argparse
+import json
+import re
 import subprocess
 import sys
 import typing
@@ -90,6 +92,52 @@ def test_every_knob_is_a_yaml_key(name: str):
     assert getattr(config_from_dict(yaml.safe_load(text)).packing, name) == value
 
 
+@pytest.mark.parametrize("name", list(PACKING_KNOBS))
+def test_every_knob_is_a_wlb_pack_set_key(name: str):
+    """``wlb pack --set <YAML key>=V`` sets any knob, read as its type; the knobs a user chooses are options too."""
+    from megatron_wlb.cli.main import build_parser
+    from megatron_wlb.cli.pack import CHOSEN_KNOBS, overrides
+    from megatron_wlb.config import knob_yaml_key
+
+    value = other_value(PACKING_KNOBS[name])
+    text = ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
+    args = build_parser().parse_args(["pack", "--set", f"{knob_yaml_key(name)}={text}"])
+    assert overrides(args) == {name: value}
+    if name in CHOSEN_KNOBS:
+        assert overrides(build_parser().parse_args(["pack", PACKING_KNOBS[name].flag("--"), text])) == {name: value}
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--set", "packing.windw=4"], r"^--set 'packing.windw=4': give KEY=VALUE with KEY one of packing.max_seq_len, "
+                                   r".*packing.window, .*cost.refit_interval$"),
+    (["--set", "packing.window"], r"^--set 'packing.window': give KEY=VALUE"),
+    (["--set", "window=4"], r"^--set 'window=4': give KEY=VALUE"),
+    (["--set", "packing.window=big"], r"^--set packing.window='big': give an integer$"),
+    (["--set", "packing.release=global"], r"^--set packing.release='global': give 'balanced', 'grouped', 'oldest'"),
+    (["--set", "packing.fill_target=2"], r"^--set packing.fill_target='2': fill_target"),
+    (["--max-delay", "3", "--set", "packing.max_delay=2"], r"packing.max_delay is already given \(--max-delay\)"),
+])
+def test_a_bad_wlb_pack_set_is_one_line_naming_it(argv: list[str], match: str, capsys):
+    from megatron_wlb.cli.main import main
+
+    assert main(["pack", "--lengths", "stdlib", "--iterations", "1", *argv]) != 0
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert re.search(match, err.removeprefix("wlb pack: error: ")), err
+
+
+def test_wlb_pack_set_reaches_the_packer(capsys):
+    from megatron_wlb.cli.main import main
+
+    def report(*argv: str) -> dict:
+        assert main(["pack", "--config", "550m_64k", "--lengths", "stdlib", "--iterations", "3", "--json", *argv]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    default, paper = report(), report("--set", "packing.release=paper", "--set", "packing.fill=off")
+    assert default["balanced_releases"] > 0 and paper["balanced_releases"] == 0
+    assert paper["imbalance"] != default["imbalance"]
+
+
 @pytest.mark.parametrize("name", list(FLAG_KNOBS))
 def test_every_knob_is_a_wlb_flag_or_a_settings_file_key(name: str, tmp_path: Path):
     """A user's knob is a --wlb-* flag; a research knob is a key of a settings file given to --wlb-config."""
@@ -138,7 +186,7 @@ def test_mechanism_picks_up_a_new_field_with_no_list_to_edit():
 @pytest.mark.parametrize("patch, match", [
     ({"packing": {"outlier_fracton": 0.5}}, r"unknown packing key\(s\) 'outlier_fracton'; valid: packer, "),
     ({"cp": {"sharding": "ring"}}, r"cp.sharding='ring' is not a CP layout; choose one of per-sequence"),
-    ({"cp_sharding": "adaptive"}, r"cp_sharding moved into a section: cp: \{sharding: ...\}"),
+    ({"cp_sharding": "adaptive"}, r"unknown key\(s\) 'cp_sharding'; valid keys: name, description, model, seq_len"),
     ({"cp": {"layout": "adaptive"}}, r"unknown cp key\(s\) 'layout'; valid: sharding"),
     ({"logging": {"log_interval": 0}}, r"logging.log_interval=0: must be a positive integer"),
     ({"cost": {"profile": 3}}, r"cost.profile=3: give "),

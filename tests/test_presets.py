@@ -1,5 +1,6 @@
 """Packer presets (issue 34 item 2): the table, ``paper`` = Algorithm 1, explicit knobs over a preset in
-YAML / ``--wlb-*`` flags / ``wlb pack``, shipped configs minimal, and the recorded preset rows consistent with the frontier and docs/packing.md."""
+YAML / ``--wlb-*`` flags / ``wlb pack``, shipped configs minimal, and the recorded preset rows consistent with the
+frontier and docs/packing.md."""
 
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ from pathlib import Path
 import pytest
 import yaml
 
-from megatron_wlb.cli.main import main
 from megatron_wlb.config import (
     CONFIG_DIR,
     config_from_dict,
