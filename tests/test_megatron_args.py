@@ -409,3 +409,20 @@ def test_a_field_megatron_dropped_or_renamed_is_named_not_read_as_none():
         delattr(full, name)
     assert MegatronArgs.missing_fields(full) == ["non_persistent_global_ckpt_dir"]
     assert set(MAY_BE_ABSENT) < set(names)  # the table names fields of the view, no stale ones
+
+
+def test_start_up_stops_in_one_line_on_a_field_megatron_lacks():
+    """``validate_args``'s hook names the missing field and the release instead of reading None for it."""
+    import dataclasses
+
+    pytest.importorskip("torch")
+    from megatron_wlb.megatron.megatron_args import MAY_BE_ABSENT, MegatronArgs
+    from megatron_wlb.megatron.training_hooks import wrap_validate_args
+    from megatron_wlb.megatron.validation import StartupError
+
+    args = argparse.Namespace(**{f.name: None for f in dataclasses.fields(MegatronArgs)
+                                 if f.name not in MAY_BE_ABSENT and f.name != "seq_length"})
+    with pytest.raises(StartupError, match=r"^megatron_wlb: Megatron's args lack seq_length \(megatron-core "
+                                           r"[^)]+\): this release dropped or renamed them") as exc:
+        wrap_validate_args(lambda a, defaults: a)(args)
+    assert "\n" not in str(exc.value)
