@@ -69,6 +69,14 @@ CHOSEN_KNOBS: tuple[str, ...] = tuple(name for name in PACKING_KNOBS if name in 
 SET_KEYS: dict[str, str] = {knob_yaml_key(name): name for name in PACKING_KNOBS}
 
 
+class _Given(argparse.Action):
+    """Keeps a knob as given, in command-line order: (the option, its text) appended to ``args.knobs``."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        namespace.knobs = [*namespace.knobs, (option_string or self.option_strings[0], str(values))]
+
+
 def add_knob_options(p: argparse.ArgumentParser) -> None:
     """``--preset``, an option per knob a user chooses (``CHOSEN_KNOBS``), and ``--set KEY=VALUE`` for any knob by
     its YAML key; each overrides the config's."""
@@ -76,13 +84,14 @@ def add_knob_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--preset", choices=PRESET_NAMES, default=None,
                    help="packer preset the knobs start from (default: the config's packing.preset; "
                         "docs/packing.md \"Presets\"); the knobs given here and in the config win")
+    p.set_defaults(knobs=[])
     for name in CHOSEN_KNOBS:
         knob = PACKING_KNOBS[name]
-        g.add_argument(knob.flag("--"), dest=f"knob_{name}", default=None, metavar=None if knob.choices else "V",
+        g.add_argument(knob.flag("--"), action=_Given, dest="knobs", metavar=None if knob.choices else "V",
                        choices=[str(c) for c in knob.choices] if knob.choices else None,
                        help=(knob.help.replace("`", "") + ("" if knob.choices else f" ({knob.expects})"))
                        .replace("%", "%%"))
-    g.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="settings",
+    g.add_argument("--set", action=_Given, dest="knobs", metavar="KEY=VALUE",
                    help="set one packer knob by its YAML key, repeatable: " + ", ".join(SET_KEYS)
                    + " (e.g. --set packing.window=4096; docs/packing.md lists each)")
 
@@ -90,16 +99,20 @@ def add_knob_options(p: argparse.ArgumentParser) -> None:
 def overrides(args: argparse.Namespace) -> dict[str, Any]:
     """The packer knobs given on the command line (the chosen knobs' options, ``--set``), parsed and checked by
     their type; a bad key, a bad value or a knob given twice is a one-line error naming it."""
-    given = {name: (PACKING_KNOBS[name].flag("--"), value) for name in CHOSEN_KNOBS
-             if (value := vars(args).get(f"knob_{name}")) is not None}
-    for item in args.settings:
-        key, sep, value = item.partition("=")
-        if not sep or key.strip() not in SET_KEYS:
-            raise ValueError(f"--set {item!r}: give KEY=VALUE with KEY one of {', '.join(SET_KEYS)}")
-        name = SET_KEYS[key.strip()]
+    options = {PACKING_KNOBS[name].flag("--"): name for name in CHOSEN_KNOBS}
+    given: dict[str, tuple[str, str]] = {}
+    for option, text in args.knobs:
+        if option == "--set":
+            key, sep, value = (part.strip() for part in text.partition("="))
+            if not sep or key not in SET_KEYS:
+                raise ValueError(f"--set {text!r}: give KEY=VALUE with KEY one of {', '.join(SET_KEYS)}")
+            name, where = SET_KEYS[key], f"--set {key}"
+        else:
+            name, where, value = options[option], option, text
         if name in given:
-            raise ValueError(f"--set {item!r}: {key.strip()} is already given ({given[name][0]}); give it once")
-        given[name] = (f"--set {key.strip()}", value.strip())
+            raise ValueError(f"{where}={value!r}: {knob_yaml_key(name)} is already given ({given[name][0]}); "
+                             "give it once")
+        given[name] = (where, value)
     return {name: PACKING_KNOBS[name].parse(value, where) for name, (where, value) in given.items()}
 
 
