@@ -401,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
     seq_len = paired.QUICK_SEQ_LEN if args.quick else paired.SEQ_LEN
     data = work / "corpus" / f"stdlib_files_{seq_len}_text_document"
     corpus = paired.build_corpus(data, seq_len)
-    start = time.perf_counter()
+    start, machine_name = time.perf_counter(), machine()  # its load average before this run's own
 
     def log(s: str) -> None:
         print(s, file=sys.stderr, flush=True)
@@ -442,7 +442,7 @@ def main(argv: list[str] | None = None) -> int:
     command = "python benchmarks/bench_layout_choice.py" + (" --quick" if args.quick else "") + \
         (f" --gpus {args.gpus}" if args.gpus != 2 else "") + (f" --rounds {args.rounds}" if args.rounds else "") + \
         (f" --steps {args.steps}" if args.steps else "")
-    result = {"machine": machine(), "command": command, "quick": args.quick, "torch": torch.__version__,
+    result = {"machine": machine_name, "command": command, "quick": args.quick, "torch": torch.__version__,
               "megatron_core": megatron.core.__version__, "gpus": args.gpus, "seq_len": seq_len,
               "global_batch": GLOBAL_BATCH, "rounds": rounds, "steps": steps, "warmup_steps": WARMUP_STEPS,
               "corpus": corpus, "chooser_command": chooser_command, "cost_model": choice["cost_model"],
