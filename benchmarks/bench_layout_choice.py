@@ -236,15 +236,15 @@ def analyse(candidates: list[dict[str, Any]], runs: dict[str, list[list[dict[str
             chooser: list[str]) -> dict[str, Any]:
     """Predicted beside measured per layout, the orders, ``top_choice_over_best_measured`` and the checks."""
     iteration_tokens = GLOBAL_BATCH * seq_len
-    per: dict[str, dict[str, np.ndarray]] = {}
-    for c in candidates:
-        rounds = runs[c["label"]]
-        n = min(len(r) for r in rounds)  # the same steps of every round
-        rows = [row for r in rounds for row in r[:n]]
-        per[c["label"]] = {k: np.array([row[k] for row in rows], dtype=np.float64)
-                           for k in ("tokens", "wall_s", "replay_s", "predicted_s")}
-    units = min(len(v["tokens"]) for v in per.values())
-    per = {name: {k: x[:units] for k, x in v.items()} for name, v in per.items()}
+    by_unit = {c["label"]: {(r, row["step"]): row for r, rows in enumerate(runs[c["label"]]) for row in rows}
+               for c in candidates}
+    common = sorted(set.intersection(*(set(u) for u in by_unit.values())))  # (round, step) every layout measured
+    if not common:
+        raise SystemExit("no (round, step) measured by every layout: the runs' traces hold no step after the warm-up "
+                         f"({WARMUP_STEPS} steps); give more --steps")
+    per = {name: {k: np.array([rows[u][k] for u in common], dtype=np.float64)
+                  for k in ("tokens", "wall_s", "replay_s", "predicted_s")} for name, rows in by_unit.items()}
+    units = len(common)
     replay_point, replay_dist = bootstrap(per, "replay_s", iteration_tokens)
     wall_point, wall_dist = bootstrap(per, "wall_s", iteration_tokens)
     plans_point, _ = bootstrap(per, "predicted_s", iteration_tokens)
