@@ -412,11 +412,14 @@ def main(argv: list[str] | None = None) -> int:
         (*(known[n] for n in CALIBRATION_NAMES), PP_CALIBRATION)
     run_names = [c.name for c in runs]
     profile = work / "calibration" / "profile.json"
+    durations: list[float] = []  # seconds of each measured run (start-up included)
+    trained = False  # whether this invocation trained: then its machine and minutes are the result's
     if args.reuse and profile.exists():
         fitted = json.loads(profile.read_text())
     else:
         log("calibration: " + ", ".join(run_names))
         profile, fitted = paired.calibrate(data, work / "calibration", calibration_steps, log, args.quick, runs)
+        trained = True
     config = tiny_gpt_config(fitted["model"], seq_len, args.gpus, work / "tiny_gpt.yaml")
     choice, chooser_command = choose(data, profile, config, args.gpus, work, log)
     candidates = picks(choice)
@@ -424,7 +427,6 @@ def main(argv: list[str] | None = None) -> int:
     log("chooser's order: " + " > ".join(f"{c['label']} ({c['method']}, {c['cp_sharding']}, "
                                           f"{c['tokens_per_second']:,.0f} tokens/s)" for c in candidates))
     measured: dict[str, list[list[dict[str, float]]]] = {c["label"]: [] for c in candidates}
-    durations: list[float] = []  # seconds of each measured run (start-up included)
     for r in range(rounds):
         for c in candidates if r % 2 == 0 else candidates[::-1]:
             run = work / "measure" / key_of(c) / f"round{r}"
@@ -453,6 +455,10 @@ def main(argv: list[str] | None = None) -> int:
               if args.gpus == 2 else "4 ranks (two a core where the machine has 2: unpinned, the OS shares them).",
               **analyse(candidates, measured, seq_len, chooser)}
     result["minutes"] = (time.perf_counter() - start) / 60
+    recorded = Path(out).with_suffix(".json")
+    if not (trained or durations) and recorded.exists():  # only re-analysed: the runs' machine and minutes
+        before = json.loads(recorded.read_text())
+        result["machine"], result["minutes"] = before["machine"], before["minutes"]
     write_result(out, result, to_markdown)
     if args.page:
         write_page(result)
