@@ -29,7 +29,7 @@ On this CPU, 2 ranks ("GPUs"), the tiny GPT and the standard library's corpus of
    layouts. Writes benchmarks/results/layout_choice.{json,md}; ``--page`` writes the results page's block.
 
 4 ranks (``--gpus 4``) runs the same for every layout of 4 ranks; on 2 cores they are oversubscribed (two ranks per
-core) and there are 8 layouts, so it does not fit the 15 minutes of the 2-rank check (the results say so).
+core) and the tiny GPT has 9 layouts of 4, so it does not fit the 15 minutes of the 2-rank check (the results say so).
 """
 
 from __future__ import annotations
