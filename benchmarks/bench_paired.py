@@ -263,13 +263,14 @@ CALIBRATION = "calibration"
 QUICK_CALIBRATIONS = ("wlb", "stock", "cp-sequence")
 
 
-def calibrate(data: Path, out: Path, steps: int, log: Any, quick: bool = False) -> tuple[Path, dict[str, Any]]:
-    """The cost profile of this machine: one traced run per packing (``CALIBRATIONS``, analytic model, thread
-    clock) fitted together by ``wlb calibrate --from-trace``, which reports each packing's held-out error.
+def calibrate(data: Path, out: Path, steps: int, log: Any, quick: bool = False,
+              runs: tuple[Comparison, ...] | None = None) -> tuple[Path, dict[str, Any]]:
+    """The cost profile of this machine: one traced run per packing (``CALIBRATIONS``, or ``runs``; analytic model,
+    thread clock) fitted together by ``wlb calibrate --from-trace``, which reports each packing's held-out error.
     Every comparison balances and predicts with it."""
     traces = []
-    for c in CALIBRATIONS:
-        if quick and c.name not in QUICK_CALIBRATIONS:
+    for c in CALIBRATIONS if runs is None else runs:
+        if quick and runs is None and c.name not in QUICK_CALIBRATIONS:
             continue
         train(c, data, out / c.name, steps, log, quick=quick)
         traces.append(str(out / c.name / "trace.jsonl"))

@@ -138,6 +138,11 @@ def test_the_readme_command_runs_and_prints_the_flags(tmp_path: Path, capsys, me
                         ("--micro-batch-size", 1), ("--global-batch-size", 4)):
         assert f"{flag} {value}" in line
     assert flags["wlb"][:4] == ["--wlb-packer", best["packer"], "--wlb-cp-sharding", best["cp_sharding"]]
+    # every candidate carries its own --wlb-* flags (the best's are the printed ones)
+    assert best["wlb_flags"] == flags["wlb"]
+    for c in data["candidates"]:
+        assert c["wlb_flags"][:4] == ["--wlb-packer", c["packer"], "--wlb-cp-sharding", c["cp_sharding"]]
+        assert ("--wlb-pieces" in c["wlb_flags"]) == (c["overrides"].get("pieces") == "concat-and-cut")
     # Megatron's own parser reads them, with the model's flags
     from megatron_wlb.cli.choose_layout import megatron_parser, model_flags
 

@@ -34,6 +34,19 @@ def test_the_paired_block_is_the_recorded_run():
     assert block.strip() == mod.readme_summary(_result("paired")).strip()
 
 
+def test_the_layout_choice_block_is_the_recorded_run():
+    """Issue 59: the chooser's predicted order beside the measured one on the results page is
+    ``bench_layout_choice.py``'s recorded run (benchmarks/results/layout_choice.json)."""
+    mod = load_script("bench_layout_choice")
+    result = _result("layout_choice")
+    block = README.split(mod.README_BEGIN, 1)[1].split(mod.README_END, 1)[0]
+    assert block.strip() == mod.readme_summary(result).strip()
+    # the figures the block states are the file's own
+    assert f"`top_choice_over_best_measured` = {result['top_choice_over_best_measured']:.3f}" in block
+    for layout in result["layouts"]:
+        assert f"| {layout['label']} |" in block and f"{layout['measured_iteration_s']:.3f} [" in block
+
+
 def test_the_agreement_table_is_the_recorded_run():
     mod = load_script("bench_plan_agreement")
     block = README.split(mod.README_MARKER + "\n", 1)[1].split(mod.README_END, 1)[0]

@@ -341,7 +341,8 @@ def run_choose(args: argparse.Namespace, read_corpus: Callable[..., Any]) -> int
                        "analytic": profile is None, "layouts": result.layouts,
                        "current": {"config": base_label, "tokens_per_second": base} if base is not None else None,
                        "candidates": [{**c.to_json(args.gpu_memory),
-                                       **({"speedup_over_current": c.tokens_per_second / base} if base else {})}
+                                       **({"speedup_over_current": c.tokens_per_second / base} if base else {}),
+                                       "wlb_flags": config_flags(candidate_config(cfg, c, profile))}
                                       for c in result.candidates],
                        "unfit": [{"label": u.choice.label, "memory_gib": u.memory.total_gib,
                                   "weights_gib": u.memory.weights_gib, "activations_gib": u.memory.activations_gib}
