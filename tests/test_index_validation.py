@@ -203,3 +203,18 @@ def test_damage_in_a_sampled_place_is_refused_at_open(big, tmp_path, kind):
     with pytest.raises(ValueError, match=rf"corpus(\.idx)?: .*{message}") as caught:
         DocumentReader([(prefix, 1.0)], split="1,0,0")
     assert "\n" not in str(caught.value)
+
+
+def test_the_cli_sample_checks_the_documents_it_reads(big, tmp_path):
+    """``wlb analyze --data-prefix`` reads its sample's lengths through the same check: a damaged document far
+    from the open sample is refused when the sample holds it, and a sample without it reads no damage."""
+    from megatron_wlb.cli.common import corpus_sample
+
+    k = far_document()
+    damage, message = damages(big, k)["negative length"]
+    prefix = copy_of(big, tmp_path, damage)
+    with pytest.raises(ValueError, match=rf"corpus\.idx: {message}") as caught:
+        corpus_sample([prefix], "--data-prefix", None, 0)  # every document
+    assert "\n" not in str(caught.value)
+    datasets, read, total = corpus_sample([prefix], "--data-prefix", 1000, 0)
+    assert read == 1000 and total == BIG and int(datasets[0].min()) >= 1
