@@ -16,11 +16,18 @@ size: no tokens are written or read), then, in a fresh process per measurement:
   --data-prefix`` (its default sample of at most 1e6 documents, one ordering, ``ANALYZE_ITERATIONS``
   iterations): wall seconds and the same memory figures.
 
+Each measurement starts with the corpus out of the page cache (``evict``: ``posix_fadvise(DONTNEED)`` on the
+``.idx`` and ``.bin`` after an ``fsync``, ``/proc/sys/vm/drop_caches`` only where that left pages and it is
+writable; the pages still resident are counted with ``mincore`` and recorded), so start-up reads the ``.idx``
+from disk as a fresh node does. The reader checks a fixed sample of the ``.idx`` at open and each other document
+when it first reads it (issue 57 item 8): recorded as the sequences checked at open and by the first plan.
+
 A size that the disk cannot hold (the ``.idx`` is 20 bytes a document) is replaced by the largest of
 ``FALLBACK_SIZES`` that fits, said in the result. (Before issue 49 the order was a numpy shuffle held in
 memory or built into a cache file, 4 bytes a document: see the git history of the results.)
 
     flock /work/bench.lock python benchmarks/bench_data_scale.py --page
+    python benchmarks/bench_data_scale.py --sizes 1e9 --cli-commands pack    # skip analyze's 1e6-document sample
     python benchmarks/bench_data_scale.py --sizes 1e5 --out /tmp/scale     # quick
 """
 
@@ -79,14 +86,75 @@ def lengths_chunks(documents: int, seed: int = 0):
 
 def write_corpus(prefix: Path, documents: int, seed: int = 0) -> int:
     """A synthetic ``prefix.idx`` (written a chunk at a time) + sparse ``prefix.bin``; returns the tokens."""
-    from megatron_wlb.data.indexed import write_index_chunks
+    from megatron_wlb.data.indexed import read_index, write_index_chunks
 
-    chunks = lengths_chunks(documents, seed)
-    write_index_chunks(prefix, chunks)
-    tokens = sum(int(c.sum(dtype=np.int64)) for c in chunks())
+    write_index_chunks(prefix, lengths_chunks(documents, seed))
+    index = read_index(prefix)  # the tokens from the last entry: no third pass over the lengths
+    tokens = (int(index.sequence_pointers[-1]) // index.dtype.itemsize + int(index.sequence_lengths[-1])
+              if documents else 0)
+    del index
     with open(f"{prefix}.bin", "wb") as f:
         f.truncate(2 * tokens)
     return tokens
+
+
+PAGE_BYTES = 4096
+
+
+def resident_bytes(path: str | Path) -> int:
+    """Bytes of ``path`` in the page cache (``mincore`` over a map of the whole file, through ctypes)."""
+    import ctypes
+    import mmap
+
+    size = os.path.getsize(path)
+    if not size:
+        return 0
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    pages = -(-size // PAGE_BYTES)
+    vector = (ctypes.c_ubyte * pages)()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        if addr in (None, ctypes.c_void_p(-1).value):
+            raise OSError(ctypes.get_errno(), f"mmap of {path} for mincore failed")
+        try:
+            if libc.mincore(ctypes.c_void_p(addr), size, vector) != 0:
+                raise OSError(ctypes.get_errno(), f"mincore of {path} failed")
+        finally:
+            libc.munmap(ctypes.c_void_p(addr), size)
+    finally:
+        os.close(fd)
+    return int(np.count_nonzero(np.frombuffer(vector, dtype=np.uint8) & 1)) * PAGE_BYTES
+
+
+def evict(paths: list[Path]) -> dict:
+    """Take ``paths`` out of the page cache: ``fsync`` (dirty pages cannot be dropped) and
+    ``posix_fadvise(DONTNEED)`` (unprivileged, the files' clean pages); ``/proc/sys/vm/drop_caches`` only
+    when pages are still resident and it is writable. Returns the method and the bytes still resident
+    (``mincore``), before and after: the check that the next measurement starts cold."""
+    before = sum(resident_bytes(p) for p in paths)
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    method = "posix_fadvise(DONTNEED)"
+    after = sum(resident_bytes(p) for p in paths)
+    if after > 1 << 20:
+        try:
+            with open("/proc/sys/vm/drop_caches", "w") as f:
+                f.write("1\n")
+            method += " + drop_caches"
+        except OSError:
+            method += " (drop_caches not permitted)"
+        after = sum(resident_bytes(p) for p in paths)
+    return {"eviction": method, "resident_before_mib": before / 2**20, "resident_after_mib": after / 2**20}
 
 
 def memory_available() -> int:
@@ -163,6 +231,7 @@ def measure_rank(prefix: str, tokens: int, cache: str | None = None) -> dict:
     iterator = WlbDataIterator(reader, reader.stream(tokens), make_packer("wlb", config), 0)
     iterator.next_plan()
     first_plan = time.perf_counter() - start
+    checked_by_first_plan = reader.sources[0].documents_checked
     for _ in range(18):
         iterator.next_plan()
     t = time.perf_counter()
@@ -172,7 +241,9 @@ def measure_rank(prefix: str, tokens: int, cache: str | None = None) -> dict:
     state = iterator.state_dict()
     checkpoint = time.perf_counter() - t
     peak = sampler.stop()
+    source = reader.sources[0]
     return {"peak_anon_mib": peak["RssAnon"] / 1024, "peak_file_mib": peak["RssFile"] / 1024,
+            "checked_at_open": source.checked_at_open, "checked_by_first_plan": checked_by_first_plan,
             "open_s": opened, "order_s": order_s[0],
             "first_plan_s": first_plan, "plan_20_s": later_plan, "checkpoint_state_s": checkpoint,
             "peak_rss_mib": status_kib("VmHWM") / 1024, "rss_before_mib": before / 1024,
@@ -254,19 +325,34 @@ def readme_summary(result: dict) -> str:
         lines.append(f"- {result['fallback']}")
     plain, cached = rows[MODES[0][0]], rows[MODES[1][0]]
     worst = max(plain["peak_anon_mib"], cached["peak_anon_mib"])
+    cli_peaks = "; ".join(f"`wlb {name}` peaks at {cli[name]['peak_anon_mib']:.0f} MiB" if name in cli else
+                          f"`wlb {name}` not run (--cli-commands)" for name in ("pack", "analyze"))
     lines.append(f"- Private memory at {top:.0e} documents, target <= {RANK_PRIVATE_TARGET_MIB} MiB per training "
                  f"rank with or without --data-cache-path: {plain['peak_anon_mib']:.0f} MiB without, "
                  f"{cached['peak_anon_mib']:.0f} MiB with ({verdict(worst <= RANK_PRIVATE_TARGET_MIB)}; "
-                 f"{plain['rss_anon_mib']:.0f} / {cached['rss_anon_mib']:.0f} MiB at the end); `wlb pack` peaks at "
-                 f"{cli['pack']['peak_anon_mib']:.0f} MiB, `wlb analyze` at {cli['analyze']['peak_anon_mib']:.0f} "
-                 "MiB. The epoch order is a keyed Feistel permutation evaluated per block of positions: no order is "
+                 f"{plain['rss_anon_mib']:.0f} / {cached['rss_anon_mib']:.0f} MiB at the end); "
+                 + (f"`wlb pack` peaks at {cli['pack']['peak_anon_mib']:.0f} MiB, `wlb analyze` at "
+                    f"{cli['analyze']['peak_anon_mib']:.0f} MiB" if len(cli) == 2 else cli_peaks)
+                 + ". The epoch order is a keyed Feistel permutation evaluated per block of positions: no order is "
                  "built, held or cached.")
     slowest = max(plain["first_plan_s"], cached["first_plan_s"])
+    if "checked_at_open" in plain:  # issue 57 item 8: a sample at open, each other document when first read
+        opening = (f"opening the corpus (a fixed sample of {plain['checked_at_open']:,} sequences of the .idx checked, "
+                   f"each other document when first read: {plain['checked_by_first_plan']:,} by the first plan)")
+    else:
+        opening = "opening and validating the corpus (the whole .idx is checked)"
     lines.append(f"- First plan at {top:.0e} documents, target <= {FIRST_PLAN_TARGET_S:.0f} s: "
                  f"{plain['first_plan_s']:.1f} s without the cache, {cached['first_plan_s']:.1f} s with it "
-                 f"({verdict(slowest <= FIRST_PLAN_TARGET_S)}), of which opening and validating the corpus (the "
-                 f"whole .idx is checked) {plain['open_s']:.1f} / {cached['open_s']:.1f} s and the epoch order's "
+                 f"({verdict(slowest <= FIRST_PLAN_TARGET_S)}), of which {opening} "
+                 f"{plain['open_s']:.1f} / {cached['open_s']:.1f} s and the epoch order's "
                  f"set-up {plain['order_s']:.3f} / {cached['order_s']:.3f} s.")
+    measured = [row for row in result["rows"] + result["cli_rows"] if "eviction" in row]
+    if measured:
+        methods = " / ".join(sorted({row["eviction"] for row in measured}))
+        after, before = (max(r[key] for r in measured) for key in ("resident_after_mib", "resident_before_mib"))
+        lines.append(f"- Page cache: every measurement started cold, the .idx and .bin evicted with {methods} and "
+                     f"checked with mincore: at most {after:.1f} MiB of them still resident (up to {before:.0f} MiB "
+                     "before).")
     return "\n".join(lines)
 
 
@@ -293,9 +379,15 @@ def main(argv: list[str] | None = None) -> None:
                    help=f"also write the tables and summary into benchmarks/results.md ({README_MARK}, "
                         f"{README_CLI_MARK}, "
                         f"{README_BEGIN})")
+    p.add_argument("--cli-commands", default="pack,analyze",
+                   help="the CLI rows, comma-separated (pack, analyze; 'none': no CLI row): analyze reads the "
+                        ".idx entries of its 1e6-document sample, spread over the whole file (~30-60 s at 1e9)")
     p.add_argument("--rank", nargs="+", metavar="PREFIX TOKENS [CACHE]", help=argparse.SUPPRESS)
     p.add_argument("--cli", nargs=3, metavar="COMMAND PREFIX WORKDIR", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    commands = [c for c in args.cli_commands.split(",") if c and c != "none"]
+    if any(c not in ("pack", "analyze") for c in commands):
+        p.error(f"--cli-commands {args.cli_commands!r}: give pack, analyze (comma-separated) or none")
     if args.rank:
         print(json.dumps(measure_rank(args.rank[0], int(args.rank[1]), *args.rank[2:])))
         return
@@ -325,25 +417,28 @@ def main(argv: list[str] | None = None) -> None:
             cache = Path(tmp) / f"cache_{size}"
             common = {"documents": size, "tokens": tokens, "idx_mib": os.path.getsize(f"{prefix}.idx") / 2**20,
                       "write_s": written}
+            files = [Path(f"{prefix}.idx"), Path(f"{prefix}.bin")]
             try:
                 for label, cached in MODES:
                     command = [sys.executable, __file__, "--rank", str(prefix), str(tokens)] + (
                         [str(cache)] if cached else [])
+                    cold = evict(files)
                     proc = subprocess.run(command, capture_output=True, text=True, check=True)
-                    row = {**common, "order": label, **json.loads(proc.stdout.strip().splitlines()[-1])}
+                    row = {**common, "order": label, **cold, **json.loads(proc.stdout.strip().splitlines()[-1])}
                     print(json.dumps(row), flush=True)
                     rows.append(row)
-                for name in ("pack", "analyze"):
+                for name in commands:
                     work = Path(tmp) / f"cli_{size}_{name}"
                     work.mkdir()
+                    cold = evict(files)
                     proc = subprocess.run([sys.executable, __file__, "--cli", name, str(prefix), str(work)],
                                           capture_output=True, text=True, check=True)
-                    row = {**common, **json.loads(proc.stdout.strip().splitlines()[-1])}
+                    row = {**common, **cold, **json.loads(proc.stdout.strip().splitlines()[-1])}
                     print(json.dumps(row), flush=True)
                     cli_rows.append(row)
                     shutil.rmtree(work)
             finally:  # the big files go whatever happened
-                for path in [Path(f"{prefix}.idx"), Path(f"{prefix}.bin")]:
+                for path in files:
                     path.unlink(missing_ok=True)
                 shutil.rmtree(cache, ignore_errors=True)
     result = {"config": CONFIG, "machine": machine(), "rows": rows, "cli_rows": cli_rows,

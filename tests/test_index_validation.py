@@ -1,9 +1,12 @@
 """A corrupted ``.idx`` never feeds wrong tokens: its pointers are checked against its lengths and dtype
 at start-up (``indexed.check_pointers``), vectorised, and every refusal is one line naming the file and
-the first bad document. Each corruption below keeps the total size the ``.bin`` check compares."""
+the first bad document. Each corruption below keeps the total size the ``.bin`` check compares. An index of
+one sequence per document is checked whole when small, else from a fixed sample at open and each other
+document when the reader first reads it (issue 57 item 8), with the same messages."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -84,3 +87,134 @@ def test_empty_files_are_named(tmp_path):
     prefix = dataset(tmp_path, "nodocs", [])
     with pytest.raises(ValueError, match=r"nodocs\.idx lists no documents \(and .*nodocs\.bin is empty\)"):
         IndexedSource.open(prefix)
+
+
+# -- a sampled check at open, each other document checked when first read (issue 57 item 8) -------------------
+BIG = 1_000_000
+
+
+@pytest.fixture(scope="module")
+def big(tmp_path_factory) -> tuple[Path, bytes]:
+    """A sound index of ``BIG`` one-sequence documents (lengths 1..100) and a sparse ``.bin``; its bytes."""
+    from megatron_wlb.data.indexed import write_index_chunks
+
+    prefix = tmp_path_factory.mktemp("big") / "corpus"
+    lengths = (np.arange(BIG, dtype=np.int64) * 7919 % 100 + 1).astype(np.int32)
+    write_index_chunks(prefix, lambda: iter([lengths]))
+    with open(f"{prefix}.bin", "wb") as f:
+        f.truncate(2 * int(lengths.sum()))
+    return prefix, Path(f"{prefix}.idx").read_bytes()
+
+
+def copy_of(big: tuple[Path, bytes], tmp_path: Path, damage: dict[str, dict[int, int]] | None = None) -> str:
+    """``big`` copied into ``tmp_path`` (the ``.bin`` sparse) with entries changed: ``{array: {entry: value}}``."""
+    source, raw = big
+    prefix = tmp_path / "corpus"
+    data = bytearray(raw)
+    offsets = {"lengths": (34, 4, np.int32), "pointers": (34 + 4 * BIG, 8, np.int64),
+               "documents": (34 + 12 * BIG, 8, np.int64)}
+    for name, entries in (damage or {}).items():
+        base, size, dtype = offsets[name]
+        for at, value in entries.items():
+            data[base + size * at:base + size * (at + 1)] = dtype(value).tobytes()
+    Path(f"{prefix}.idx").write_bytes(bytes(data))
+    with open(f"{prefix}.bin", "wb") as f:
+        f.truncate(os.path.getsize(f"{source}.bin"))
+    return str(prefix)
+
+
+def far_document() -> int:
+    """A document in the middle of the widest gap between the ranges the open check samples."""
+    from megatron_wlb.data.indexed import sample_ranges
+
+    ranges = sample_ranges(BIG)
+    gap = max(zip(ranges, ranges[1:]), key=lambda pair: pair[1][0] - pair[0][1])
+    return (gap[0][1] + gap[1][0]) // 2
+
+
+def sampled_document() -> int:
+    """A document inside a sampled range that is neither the first nor the last."""
+    from megatron_wlb.data.indexed import sample_ranges
+
+    lo, hi = sample_ranges(BIG)[len(sample_ranges(BIG)) // 2]
+    return (lo + hi) // 2
+
+
+def damages(big: tuple[Path, bytes], k: int) -> dict[str, tuple[dict[str, dict[int, int]], str]]:
+    """Damages of document ``k`` (each keeps the .bin's size), and the message each gives."""
+    raw = big[1]
+    length = int(np.frombuffer(raw, np.int32, 1, 34 + 4 * k)[0])
+    nxt = int(np.frombuffer(raw, np.int32, 1, 34 + 4 * (k + 1))[0])
+    pointer = int(np.frombuffer(raw, np.int64, 1, 34 + 4 * BIG + 8 * (k + 1))[0])
+    return {
+        "lengths swapped": ({"lengths": {k: length - 1, k + 1: nxt + 1}},
+                            rf"document {k + 1} \(sequence {k + 1}\) starts at byte {pointer} of the \.bin, but the "
+                            rf"2-byte token lengths before it end at byte {pointer - 2} \(a corrupted \.idx"),
+        "negative length": ({"lengths": {k: -5}}, rf"document {k} \(sequence {k}\) has a negative length -5"),
+        "pointer": ({"pointers": {k + 1: pointer + 1}}, rf"document {k + 1} \(sequence {k + 1}\) starts at byte "
+                                                       rf"{pointer + 1} of the \.bin"),
+        "document index": ({"documents": {k: k + 1}}, rf"document_indices do not partition its {BIG} sequences"),
+        "empty": ({"lengths": {k: 0, k + 1: nxt + length}, "pointers": {k + 1: pointer - 2 * length}},
+                  rf"document {k} is empty; every document needs at least 1 token"),
+    }
+
+
+def test_a_sound_index_opens_from_a_bounded_sample(big, tmp_path):
+    from megatron_wlb.data.indexed import SAMPLE_BLOCK, SAMPLE_BLOCKS
+    from megatron_wlb.data.reader import FIRST_STREAM_CHUNK
+
+    prefix = copy_of(big, tmp_path)
+    reader = DocumentReader([(prefix, 1.0)], split="1,0,0")
+    source = reader.sources[0]
+    assert source.checked_at_open == SAMPLE_BLOCKS * SAMPLE_BLOCK < BIG // 3
+    assert source.documents_checked == 0
+    cursor = reader.stream(10_000_000).cursor()
+    cursor.generate()
+    assert source.documents_checked == FIRST_STREAM_CHUNK  # what the first plan's window read, no more
+    assert reader.epoch_tokens() == int(np.frombuffer(big[1], np.int32, BIG, 34).sum())  # from 2 documents' entries
+    assert source.documents_checked == FIRST_STREAM_CHUNK + 2
+    assert check_pointers(read_index(prefix), "x").checked_sequences == BIG  # the whole check, for comparison
+
+
+@pytest.mark.parametrize("kind", ["lengths swapped", "negative length", "pointer", "document index", "empty"])
+def test_damage_far_from_the_sample_is_refused_when_first_read(big, tmp_path, kind):
+    k = far_document()
+    damage, message = damages(big, k)[kind]
+    prefix = copy_of(big, tmp_path, damage)
+    for shuffle in (False, True):
+        reader = DocumentReader([(prefix, 1.0)], split="1,0,0", shuffle=shuffle)  # opens: not sampled
+        cursor = reader.stream(reader.epoch_tokens()).cursor()
+        read = 0
+        # in file order the first damaged document is met first; shuffled, either of the two it spoils may be
+        expected = message if not shuffle else rf"(document ({k}|{k + 1}|{k + 2})\b|document_indices\[)"
+        with pytest.raises(ValueError, match=rf"corpus(\.idx)?: .*{expected}") as caught:
+            while cursor.generate():
+                read = cursor.stop
+        assert "\n" not in str(caught.value) and str(tmp_path / "corpus") in str(caught.value)
+        if not shuffle:  # in file order: the documents before the damaged one's chunk were read first
+            assert 0 < read <= k
+
+
+@pytest.mark.parametrize("kind", ["lengths swapped", "negative length", "pointer", "document index", "empty"])
+def test_damage_in_a_sampled_place_is_refused_at_open(big, tmp_path, kind):
+    k = sampled_document()
+    damage, message = damages(big, k)[kind]
+    prefix = copy_of(big, tmp_path, damage)
+    with pytest.raises(ValueError, match=rf"corpus(\.idx)?: .*{message}") as caught:
+        DocumentReader([(prefix, 1.0)], split="1,0,0")
+    assert "\n" not in str(caught.value)
+
+
+def test_the_cli_sample_checks_the_documents_it_reads(big, tmp_path):
+    """``wlb analyze --data-prefix`` reads its sample's lengths through the same check: a damaged document far
+    from the open sample is refused when the sample holds it, and a sample without it reads no damage."""
+    from megatron_wlb.cli.common import corpus_sample
+
+    k = far_document()
+    damage, message = damages(big, k)["negative length"]
+    prefix = copy_of(big, tmp_path, damage)
+    with pytest.raises(ValueError, match=rf"corpus\.idx: {message}") as caught:
+        corpus_sample([prefix], "--data-prefix", None, 0)  # every document
+    assert "\n" not in str(caught.value)
+    datasets, read, total = corpus_sample([prefix], "--data-prefix", 1000, 0)
+    assert read == 1000 and total == BIG and int(datasets[0].min()) >= 1

@@ -47,8 +47,8 @@ def test_a_rank_reading_other_data_stops_every_rank_at_start_up(tmp_path, text_c
     name = "_".join(f"{k}{v}" for k, v in layout.items())
     run = train(tmp_path, name, text_corpus, "--wlb-packer", "wlb",
                 env={**layout, "WLB_PROBE_RANK_DATA": f"1:{other}"}, expect_ok=False)
-    stops = _startup_stops(run, "--data-path #1 .idx: ")
-    assert len(stops) >= 1 and re.search(r"\.idx: [0-9a-f]{16} \(stdlib_text_document\) on rank 0, [0-9a-f]{16} "
+    stops = _startup_stops(run, "--data-path #1 .idx-pages: ")
+    assert len(stops) >= 1 and re.search(r"\.idx-pages: [0-9a-f]{16} \(stdlib_text_document\) on rank 0, [0-9a-f]{16} "
                                          r"\(copy_text_document\) on rank 1", stops[0]), run.log[-4000:]
     assert "Every rank must get the same flags and files" in stops[0]
 

@@ -113,6 +113,29 @@ def test_a_resume_on_other_data_is_refused_naming_the_file():
     assert ".idx" not in text and ".bin" not in text and "\n" not in text
 
 
+def test_the_idx_digest_is_sampled_and_a_checkpoint_of_the_whole_file_digest_still_resumes(tmp_path):
+    """Issue 57: the ``.idx`` digest reads its size and ``IDX_SAMPLE_PAGES`` pages (a fixed ~4 MiB at any size,
+    not 19 GB at 1e9 documents), under part ``.idx-pages``; a sidecar saved with the whole-file digest (part
+    ``.idx``) is not compared on it, and its other parts still are."""
+    from megatron_wlb.data.indexed import write_index
+    from megatron_wlb.megatron.agreement import IDX_PART
+
+    lengths = np.arange(1, 600_001) % 97 + 1  # a 12 MB .idx: sampled, not read whole
+    write_index(tmp_path / "a", lengths)
+    np.zeros(1, dtype=np.uint16).tofile(tmp_path / "a.bin")
+    got = fp.dataset_fingerprint(tmp_path / "a")
+    assert got["idx"] == fp.sampled_sha256(tmp_path / "a.idx", fp.IDX_SAMPLE_PAGES)
+    write_index(tmp_path / "b", lengths + 1)  # other lengths: every page differs
+    np.zeros(1, dtype=np.uint16).tofile(tmp_path / "b.bin")
+    assert fp.dataset_fingerprint(tmp_path / "b")["idx"] != got["idx"]
+    now = RunFingerprint(((f"--data-path #1 {IDX_PART}", "p1"), ("--data-path #1 .bin", "b2")))
+    assert resume_data_refusal({"--data-path #1 .idx": "whole", "--data-path #1 .bin": "b2"}, now, 8) is None
+    text = resume_data_refusal({"--data-path #1 .idx": "whole", "--data-path #1 .bin": "b1"}, now, 8)
+    assert text is not None and "--data-path #1 .bin: b1 -> b2" in text
+    text = resume_data_refusal({f"--data-path #1 {IDX_PART}": "p0"}, now, 8)
+    assert text is not None and f"{IDX_PART}: its size and sampled pages" in text
+
+
 def test_the_layout_disagreement_names_the_dp_rank_and_the_micro_batch():
     same = [["per-sequence", 11], ["per-document", 12]]
     every = [(0, 0, same), (1, 0, same), (2, 1, same), (3, 1, [["per-sequence", 11], ["per-sequence", 13]])]

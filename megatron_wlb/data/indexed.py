@@ -75,11 +75,13 @@ class IndexFile:
 
 @dataclass(frozen=True)
 class IndexCheck:
-    """What ``check_pointers`` found: the bytes the ``.bin`` must hold, and whether every document is
-    one sequence (GPT pre-training data; document i is then sequence i)."""
+    """What ``check_pointers`` (or the sampled check of ``check_bin_matches_idx``) found: the bytes the
+    ``.bin`` must hold, whether every document is one sequence (GPT pre-training data; document i is then
+    sequence i), and how many sequences were checked (all of them, or the sample: ``sample_ranges``)."""
 
     bin_bytes: int
     one_sequence_per_document: bool
+    checked_sequences: int = 0
 
 
 def read_index(prefix: str | Path) -> IndexFile:
@@ -222,6 +224,91 @@ def _megatron_arrays(prefix: Path) -> tuple[np.ndarray, np.ndarray]:
 #: sequences checked per vectorised step of ``check_pointers``: bounds its temporaries (~50 MB at 1M
 #: entries; 4M entries peaked at ~220 MB of private memory at 1e8 documents) at ~1 ms per step
 CHECK_CHUNK = 1 << 20
+#: the sampled check at open (``sample_ranges``): this many blocks of ``SAMPLE_BLOCK`` consecutive sequences,
+#: the first and the last block and the others at seeded positions: ~3 MB of the ``.idx`` at any size; an
+#: index of at most ``SAMPLE_BLOCKS * SAMPLE_BLOCK`` sequences is checked whole
+SAMPLE_BLOCKS, SAMPLE_BLOCK = 64, 4096
+SAMPLE_SEED = 20260057
+
+
+def sample_ranges(count: int) -> list[tuple[int, int]]:
+    """The sorted, disjoint ranges of ``[0, count)`` the sampled check reads: all of it when
+    ``count <= SAMPLE_BLOCKS * SAMPLE_BLOCK``, else ``SAMPLE_BLOCKS`` blocks of ``SAMPLE_BLOCK`` (the first,
+    the last, and the others drawn with ``SAMPLE_SEED``: the same on every rank and every run)."""
+    if count <= SAMPLE_BLOCKS * SAMPLE_BLOCK:
+        return [(0, count)] if count else []
+    slots = count // SAMPLE_BLOCK  # whole blocks before the last (partial) one
+    inner = np.random.default_rng(SAMPLE_SEED).choice(np.arange(1, slots), size=SAMPLE_BLOCKS - 2, replace=False)
+    starts = sorted({0, *(int(b) * SAMPLE_BLOCK for b in inner), count - SAMPLE_BLOCK})
+    ranges: list[tuple[int, int]] = []
+    for lo in starts:
+        if ranges and lo < ranges[-1][1]:
+            ranges[-1] = (ranges[-1][0], lo + SAMPLE_BLOCK)
+        else:
+            ranges.append((lo, lo + SAMPLE_BLOCK))
+    return ranges
+
+
+def _check_entries(where: str, docs: np.ndarray, seqs: np.ndarray, lengths: np.ndarray, starts: np.ndarray,
+                   nexts: np.ndarray, itemsize: int, limit: int | None) -> None:
+    """The one check of sequences (``seqs``, ascending, with their ``lengths``, ``starts`` = pointers and
+    ``nexts`` = the next sequence's pointer, or where the last one must end): a non-negative length, a start
+    on a token boundary inside the ``.bin`` (``limit`` bytes, when known) and the next sequence starting
+    where this one ends. Over all sequences from a first pointer 0 this is megatron-core's layout
+    (``check_pointers``); over some, each of them is sound on its own (``check_documents``). Raises a
+    one-line ValueError naming ``where`` and the first bad document."""
+    ends = starts + lengths * itemsize
+    bad_length = lengths < 0
+    bad_start = (starts < 0) | (starts % itemsize != 0)
+    past_end = (ends > limit) if limit is not None else np.zeros(seqs.size, dtype=bool)
+    bad = np.flatnonzero(bad_length | bad_start | past_end | (nexts != ends))
+    if not bad.size:
+        return
+    k = int(bad[0])
+    i = int(seqs[k])
+    fix = "(a corrupted .idx); rebuild PREFIX.bin/.idx"
+    if bad_length[k]:
+        raise ValueError(f"{where}: document {_document_of(docs, i)} (sequence {i}) has a negative length "
+                         f"{int(lengths[k])} {fix}")
+    if bad_start[k]:
+        raise ValueError(f"{where}: document {_document_of(docs, i)} (sequence {i}) starts at byte {int(starts[k])} "
+                         f"of the .bin, which is not where a {itemsize}-byte token starts {fix}")
+    if past_end[k]:
+        raise ValueError(f"{where}: document {_document_of(docs, i)} (sequence {i}) ends at byte {int(ends[k])} of "
+                         f"the .bin, past its {limit} bytes {fix}")
+    raise ValueError(f"{where}: document {_document_of(docs, i + 1)} (sequence {i + 1}) starts at byte "
+                     f"{int(nexts[k])} of the .bin, but the {itemsize}-byte token lengths before it end at byte "
+                     f"{int(ends[k])} (a corrupted .idx: its pointers and lengths disagree); rebuild PREFIX.bin/.idx")
+
+
+def _check_range(index: IndexFile, lo: int, hi: int, where: str, limit: int | None, mapped: bool) -> None:
+    """``_check_entries`` over sequences ``[lo, hi)`` (read from the file, or from the map when ``mapped``);
+    the last sequence's end is its own (the ``.bin``'s size is compared by the caller)."""
+    n_seq = int(index.sequence_lengths.size)
+    if mapped:
+        lengths = np.asarray(index.sequence_lengths[lo:hi], dtype=np.int64)
+        starts = np.asarray(index.sequence_pointers[lo:min(hi + 1, n_seq)], dtype=np.int64)
+    else:
+        lengths = index.chunk("sequence_lengths", lo, hi)
+        starts = index.chunk("sequence_pointers", lo, hi + 1)
+    nexts = starts[1:]
+    if hi >= n_seq:  # the last sequence ends where its length says (the .bin's size is the caller's check)
+        nexts = np.append(nexts, starts[-1] + lengths[-1] * int(index.dtype.itemsize))
+    _check_entries(where, index.document_indices, np.arange(lo, hi, dtype=np.int64), lengths, starts[:hi - lo],
+                   nexts, int(index.dtype.itemsize), limit)
+
+
+def _first_pointer(index: IndexFile, where: str) -> None:
+    """The first sequence starts the ``.bin`` (megatron-core's writer; the anchor of the other checks)."""
+    first = int(index.sequence_pointers[0])
+    if first != 0:
+        raise ValueError(f"{where}: document 0 (sequence 0) starts at byte {first} of the .bin, but the "
+                         f"{int(index.dtype.itemsize)}-byte token lengths before it end at byte 0 (a corrupted .idx: "
+                         "its pointers and lengths disagree); rebuild PREFIX.bin/.idx")
+
+
+def _not_a_partition(where: str, n_seq: int, detail: str = "") -> ValueError:
+    return ValueError(f"{where}: document_indices do not partition its {n_seq} sequences (not a valid .idx){detail}")
 
 
 def check_pointers(index: IndexFile, where: str) -> IndexCheck:
@@ -230,41 +317,58 @@ def check_pointers(index: IndexFile, where: str) -> IndexCheck:
     (megatron-core's writer; this makes them monotone, consistent with the lengths and dtype, and
     the documents' sequences back to back), and ``document_indices`` partition the sequences.
 
-    Vectorised over chunks of ``CHECK_CHUNK`` entries read from the file. Without it, lengths 10,10
-    corrupted to 7,13 (the same total) would hand out 3 tokens of one document as part of the next.
+    Vectorised over chunks of ``CHECK_CHUNK`` entries read from the file (``_check_entries``, the one
+    check). Without it, lengths 10,10 corrupted to 7,13 (the same total) would hand out 3 tokens of one
+    document as part of the next.
     """
     docs = index.document_indices
     n_seq = int(index.sequence_lengths.size)
     itemsize = int(index.dtype.itemsize)
-    end = 0  # byte where the next sequence must start
+    if n_seq:
+        _first_pointer(index, where)
     for lo in range(0, n_seq, CHECK_CHUNK):
-        lengths = index.chunk("sequence_lengths", lo, lo + CHECK_CHUNK)
-        if int(lengths.min()) < 0:
-            i = lo + int(np.flatnonzero(lengths < 0)[0])
-            raise ValueError(f"{where}: document {_document_of(docs, i)} (sequence {i}) has a negative length "
-                             f"{int(lengths[i - lo])} (a corrupted .idx); rebuild PREFIX.bin/.idx")
-        ends = end + np.cumsum(lengths * itemsize)
-        starts = ends - lengths * itemsize
-        bad = np.flatnonzero(index.chunk("sequence_pointers", lo, lo + CHECK_CHUNK) != starts)
-        if bad.size:
-            i = lo + int(bad[0])
-            raise ValueError(f"{where}: document {_document_of(docs, i)} (sequence {i}) starts at byte "
-                             f"{int(index.sequence_pointers[i])} of the .bin, but the {itemsize}-byte token lengths "
-                             f"before it end at byte {int(starts[bad[0]])} (a corrupted .idx: its pointers and "
-                             "lengths disagree); rebuild PREFIX.bin/.idx")
-        end = int(ends[-1])
+        _check_range(index, lo, min(n_seq, lo + CHECK_CHUNK), where, None, mapped=False)
+    end = int(index.sequence_pointers[-1]) + itemsize * int(index.sequence_lengths[-1]) if n_seq else 0
     one_each = int(docs.size) == n_seq + 1
     previous = 0
     for lo in range(0, int(docs.size), CHECK_CHUNK):
         chunk = index.chunk("document_indices", lo, lo + CHECK_CHUNK)
         steps = np.diff(chunk, prepend=previous if lo else chunk[0])
         if (lo == 0 and int(chunk[0]) != 0) or int(steps.min()) < 0 or int(chunk.max()) > n_seq:
-            raise ValueError(f"{where}: document_indices do not partition its {n_seq} sequences (not a valid .idx)")
+            raise _not_a_partition(where, n_seq)
         one_each = one_each and bool(np.all(steps[1 if lo == 0 else 0:] == 1))
         previous = int(chunk[-1])
     if not docs.size or previous != n_seq:
-        raise ValueError(f"{where}: document_indices do not partition its {n_seq} sequences (not a valid .idx)")
-    return IndexCheck(end, one_each)
+        raise _not_a_partition(where, n_seq)
+    return IndexCheck(end, one_each, n_seq)
+
+
+def check_documents(index: IndexFile, documents: np.ndarray, where: str, bin_bytes: int) -> None:
+    """Check documents of a one-sequence-per-document index as they are first read (after the sampled check
+    at open, ``check_bin_matches_idx(sampled=True)``): each document is sequence i (``document_indices``
+    i and i + 1), and that sequence is sound on its own (``_check_entries``: a non-negative length, a
+    start on a token boundary, its end inside the ``bin_bytes`` of the ``.bin`` and where the next sequence
+    starts). Any one damaged entry of the ``.idx`` fails the check of a document that reads it, with the
+    message the whole check at open gave. Reads only those entries (of the mapped ``.idx``)."""
+    ids = np.unique(np.asarray(documents, dtype=np.int64))
+    if not ids.size:
+        return
+    n_seq = int(index.sequence_lengths.size)
+    if int(ids[0]) < 0 or int(ids[-1]) >= n_seq:
+        raise IndexError(f"{where}: documents {int(ids[0])}..{int(ids[-1])} are outside its {n_seq} documents")
+    docs = index.document_indices
+    for at, expected in ((docs[ids], ids), (docs[ids + 1], ids + 1)):
+        wrong = np.flatnonzero(at != expected)
+        if wrong.size:
+            k = int(wrong[0])
+            raise _not_a_partition(where, n_seq, f": document_indices[{int(expected[k])}] is {int(at[k])}, expected "
+                                                 f"{int(expected[k])} (one sequence per document)")
+    itemsize = int(index.dtype.itemsize)
+    lengths = np.asarray(index.sequence_lengths[ids], dtype=np.int64)
+    starts = np.asarray(index.sequence_pointers[ids], dtype=np.int64)
+    nexts = np.asarray(index.sequence_pointers[np.minimum(ids + 1, n_seq - 1)], dtype=np.int64)
+    nexts[ids == n_seq - 1] = bin_bytes  # the last sequence ends the .bin
+    _check_entries(where, docs, ids, lengths, starts, nexts, itemsize, bin_bytes)
 
 
 def _document_of(document_indices: np.ndarray, sequence: int) -> int:
@@ -272,13 +376,19 @@ def _document_of(document_indices: np.ndarray, sequence: int) -> int:
     return max(0, int(np.searchsorted(document_indices, sequence, side="right")) - 1)
 
 
-def check_bin_matches_idx(prefix: str | Path) -> IndexCheck:
+def check_bin_matches_idx(prefix: str | Path, sampled: bool = False) -> IndexCheck:
     """Raise a one-line ValueError when ``PREFIX.idx`` is inconsistent (``check_pointers``) or
     ``PREFIX.bin`` is not the size it describes.
 
     The ``.idx`` says where each sequence starts in the ``.bin`` and how many tokens of which dtype
     it holds; a truncated ``.bin`` (an interrupted copy) would make training read past its end, a
     padded or different one means the two files do not belong together.
+
+    ``sampled``: for an index of one sequence per document (its header says so: D = S + 1), check what is
+    O(1) (the header, the sizes, the first and last entries, the ``.bin``'s size against the last pointer
+    and length) and the sequences of ``sample_ranges`` only, a fixed ~3 MB of the ``.idx`` at any size;
+    the reader then checks each document as it first reads it (``check_documents``, the same messages).
+    Other indexes are checked whole.
     """
     p = dataset_prefix(prefix)
     index = read_index(p)
@@ -286,7 +396,22 @@ def check_bin_matches_idx(prefix: str | Path) -> IndexCheck:
     bin_path = _with_ext(p, ".bin")
     if not bin_path.is_file():
         raise FileNotFoundError(f"{bin_path} does not exist (or is not a file); {p}.idx needs its .bin")
-    checked = check_pointers(index, f"{p}.idx")
+    where = f"{p}.idx"
+    n_seq, docs = int(seq.size), index.document_indices
+    if sampled and n_seq and int(docs.size) == n_seq + 1:
+        if int(docs[0]) != 0 or int(docs[-1]) != n_seq:
+            raise _not_a_partition(where, n_seq)
+        _first_pointer(index, where)
+        ranges = sample_ranges(n_seq)
+        for lo, hi in ranges:  # the pointers and lengths, each block with the pointer after it
+            _check_range(index, lo, hi, where, None, mapped=False)
+            chunk = index.chunk("document_indices", lo, hi + 1)
+            if not np.array_equal(chunk, np.arange(lo, lo + chunk.size)):
+                raise _not_a_partition(where, n_seq, " (one sequence per document, as its header says, expected)")
+        checked = IndexCheck(int(index.sequence_pointers[-1]) + itemsize * int(seq[-1]), True,
+                             sum(hi - lo for lo, hi in ranges))
+    else:
+        checked = check_pointers(index, where)
     expected = checked.bin_bytes
     actual = bin_path.stat().st_size
     if actual != expected:

@@ -40,7 +40,14 @@ from typing import Any
 import numpy as np
 
 from megatron_wlb.data.blend import interleave, parse_data_path, start_times
-from megatron_wlb.data.indexed import check_bin_matches_idx, document_lengths, read_index
+from megatron_wlb.data.indexed import (
+    IndexFile,
+    check_bin_matches_idx,
+    check_documents,
+    document_lengths,
+    read_index,
+    sample_ranges,
+)
 from megatron_wlb.data.permutation import KeyedPermutation
 from megatron_wlb.data.window import MovingWindow
 
@@ -63,6 +70,13 @@ def too_large_token(where: str, top: int, vocab_size: int, flag: str = "--vocab-
     return OutOfVocabulary(f"{where}: token id {top} is outside the model's vocabulary of {vocab_size} (ids "
                            f"0..{vocab_size - 1}): set {flag} to at least {top + 1} (or the tokenizer the data was "
                            "made with)")
+
+
+def refuse_empty(source: IndexedSource, documents: np.ndarray, lengths: np.ndarray) -> None:
+    """One line naming the lowest of ``documents`` whose length (``lengths``, the same order) is below 1 token."""
+    if lengths.size and int(lengths.min()) < 1:
+        bad = int(np.min(documents[lengths < 1]))
+        raise ValueError(f"{source.prefix}: document {bad} is empty; every document needs at least 1 token")
 
 
 # -- Megatron's data flags ---------------------------------------------------------------------------
@@ -109,16 +123,24 @@ class IndexedSource:
     """Documents of one indexed dataset: lengths from ``PREFIX.idx`` (``indexed.read_index``, the one
     parser) and tokens straight from ``PREFIX.bin`` (memory-mapped), where a document's sequences lie
     back to back from its first sequence's pointer. For one sequence per document (GPT data) the
-    lengths and pointers stay views of the ``.idx`` (no per-document copy in memory)."""
+    lengths and pointers stay views of the ``.idx`` (no per-document copy in memory), and ``open`` checks
+    a fixed sample of the index (``indexed.sample_ranges``): each other document is checked when its length
+    is first read (``lengths_of``, ``indexed.check_documents``), so opening reads ~3 MB of the ``.idx`` at
+    any size. ``checked_at_open``: the sequences checked at open; ``documents_checked``: those checked since.
+    """
 
     def __init__(self, prefix: str, lengths: np.ndarray, starts: np.ndarray, tokens: np.ndarray,
-                 itemsize: int = 1, token_range: tuple[int, int] | None = None):
+                 itemsize: int = 1, token_range: tuple[int, int] | None = None, index: IndexFile | None = None,
+                 bin_bytes: int = 0, checked_at_open: int = 0):
         self.prefix = prefix
         self.lengths = lengths
         self.starts = starts          # where each document starts in ``tokens``, in units of ``itemsize`` bytes
         self.tokens = tokens
         self.itemsize = int(itemsize)
         self._token_range = token_range  # (smallest, largest) token id when known (else scanned once)
+        #: the index whose documents are checked as they are read (None: checked whole at open, or not ours)
+        self.index, self.bin_bytes = index, int(bin_bytes)
+        self.checked_at_open, self.documents_checked = int(checked_at_open), 0
 
     @classmethod
     def open(cls, prefix: str, mmap: bool = True, flag: str = "--data-path") -> IndexedSource:
@@ -132,7 +154,7 @@ class IndexedSource:
             only = " (only the .bin is there)" if missing == [".idx"] else ""
             raise ValueError(f"{flag} {prefix}: no {' / '.join(prefix + m for m in missing)}{only}; give the "
                              f"prefix of a Megatron indexed dataset (PREFIX.bin + PREFIX.idx){hint}")
-        checked = check_bin_matches_idx(prefix)
+        checked = check_bin_matches_idx(prefix, sampled=True)
         index = read_index(prefix)
         bin_path = prefix + ".bin"
         if not index.document_indices.size or index.document_indices.size == 1:
@@ -140,14 +162,24 @@ class IndexedSource:
                              "documents, or leave this prefix out of --data-path")
         tokens = np.memmap(bin_path, dtype=index.dtype, mode="r") if mmap else np.fromfile(bin_path, index.dtype)
         if checked.one_sequence_per_document:
-            return cls(prefix, index.sequence_lengths, index.sequence_pointers, tokens, index.dtype.itemsize)
+            return cls(prefix, index.sequence_lengths, index.sequence_pointers, tokens, index.dtype.itemsize,
+                       index=index, bin_bytes=checked.bin_bytes, checked_at_open=checked.checked_sequences)
         lengths = document_lengths(index.sequence_lengths, index.document_indices, f"{prefix}.idx")
         starts = index.sequence_pointers[index.document_indices[:-1]]
-        return cls(prefix, lengths, starts, tokens, index.dtype.itemsize)
+        return cls(prefix, lengths, starts, tokens, index.dtype.itemsize, checked_at_open=checked.checked_sequences)
 
     @property
     def num_documents(self) -> int:
         return int(self.lengths.size)
+
+    def lengths_of(self, documents: np.ndarray) -> np.ndarray:
+        """Lengths (int64) of ``documents``, each checked first when the index was sampled at open
+        (``indexed.check_documents``: a damaged entry is a one-line ValueError naming the file and document)."""
+        docs = np.asarray(documents, dtype=np.int64)
+        if self.index is not None and docs.size:
+            check_documents(self.index, docs, f"{self.prefix}.idx", self.bin_bytes)
+            self.documents_checked += int(docs.size)
+        return np.asarray(self.lengths[docs], dtype=np.int64)
 
     def sample_lengths(self, count: int | None = None, seed: int = 0) -> np.ndarray:
         """Lengths (int64, file order) of every document, or of ``count`` of them drawn uniformly without
@@ -155,16 +187,20 @@ class IndexedSource:
         mapped ``.idx`` are read, so memory grows with ``count``, not with the corpus."""
         n = self.num_documents
         if count is None or count >= n:
-            return np.asarray(self.lengths, dtype=np.int64)
+            return np.concatenate([self.lengths_of(np.arange(at, min(n, at + STREAM_CHUNK), dtype=np.int64))
+                                   for at in range(0, n, STREAM_CHUNK)])
         if count < 1:
             raise ValueError(f"{self.prefix}: a sample needs at least 1 document, got {count}")
         picked = np.sort(np.random.default_rng(seed).choice(n, size=int(count), replace=False))
-        return np.asarray(self.lengths[picked], dtype=np.int64)
+        return self.lengths_of(picked)
 
     def tokens_in(self, begin: int = 0, end: int | None = None) -> int:
-        """Tokens of documents ``[begin, end)`` (all by default), summed a chunk at a time (no copy of the
-        lengths)."""
+        """Tokens of documents ``[begin, end)`` (all by default): of a sampled index, the bytes between the first
+        one's start and the last one's end (both checked: O(1)); else summed a chunk at a time (no copy)."""
         stop = self.num_documents if end is None else min(int(end), self.num_documents)
+        if self.index is not None and stop > begin:
+            last = int(self.lengths_of(np.asarray([begin, stop - 1]))[1])
+            return (int(self.starts[stop - 1]) + last * self.itemsize - int(self.starts[begin])) // self.itemsize
         return sum(int(np.sum(self.lengths[at:min(stop, at + STREAM_CHUNK)], dtype=np.int64))
                    for at in range(int(begin), stop, STREAM_CHUNK))
 
@@ -207,6 +243,9 @@ class IndexedSource:
 
 #: documents a stream generates per dataset at a time (its window grows by about this much)
 STREAM_CHUNK = 1 << 18
+#: the documents of a stream's first chunk per dataset (then doubling up to ``STREAM_CHUNK``): a shuffled
+#: order spreads a chunk over the whole .idx, whose pages a cold start reads one at a time
+FIRST_STREAM_CHUNK = 1 << 12
 
 
 # -- epoch orders ------------------------------------------------------------------------------------------
@@ -593,7 +632,9 @@ class _DatasetCursor:
                 self.order = self.reader._epoch_order(self.i, self.epoch)
             local = self.order[self.at:self.at + size]
         docs = local.astype(np.int64) + self.begin
-        lengths = np.asarray(self.reader.sources[self.i].lengths[docs], dtype=np.int64)
+        source = self.reader.sources[self.i]
+        lengths = source.lengths_of(docs)  # checked as first read (a sampled index)
+        refuse_empty(source, docs, lengths)
         keys = start_times(lengths, self.weight, self.before)
         keep = int(np.searchsorted(keys, self.tokens, side="left"))  # keys < tokens
         if keep < keys.size:
@@ -618,13 +659,17 @@ class StreamCursor(MovingWindow):
         self.datasets = [_DatasetCursor(reader, i, tokens) for i in range(len(reader.sources))]
         empty = (np.zeros(0), np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
         self.pending = [empty for _ in self.datasets]
+        #: per dataset, the documents its next chunk asks for: ``FIRST_STREAM_CHUNK``, doubling up to ``chunk``
+        #: (the first plan reads a few thousand documents' entries of the .idx, not ``chunk`` of them)
+        self._sizes = [min(chunk, FIRST_STREAM_CHUNK) for _ in self.datasets]
         self._ids_hash, self._lengths_hash = hashlib.sha256(), hashlib.sha256()
 
     def generate(self) -> bool:
         """Merge the next chunk of documents into the window; False at the end of the stream."""
         for d, cur in enumerate(self.datasets):
             if not self.pending[d][0].size and not cur.done:
-                self.pending[d] = cur.next_chunk(self.chunk)
+                self.pending[d] = cur.next_chunk(self._sizes[d])
+                self._sizes[d] = min(self.chunk, 2 * self._sizes[d])
         live = [d for d in range(len(self.datasets)) if self.pending[d][0].size]
         if not live:
             return False
@@ -716,9 +761,10 @@ class DocumentReader:
             if e <= b:
                 raise ValueError(f"{src.prefix}: the {split_name} split of --split {split} holds no documents "
                                  f"(of {src.num_documents}); raise its share or add data")
-            if int(src.lengths[b:e].min()) < 1:
-                bad = b + int(np.argmin(src.lengths[b:e]))
-                raise ValueError(f"{src.prefix}: document {bad} is empty; every document needs at least 1 token")
+            for lo, hi in sample_ranges(src.num_documents):  # all of a small index; the rest when read
+                if max(lo, b) < min(hi, e):
+                    docs = np.arange(max(lo, b), min(hi, e), dtype=np.int64)
+                    refuse_empty(src, docs, np.asarray(src.lengths[docs], dtype=np.int64))
 
     @classmethod
     def from_data_path(cls, data_path: Sequence[str] | str, **kwargs: Any) -> DocumentReader:

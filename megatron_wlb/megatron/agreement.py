@@ -207,10 +207,15 @@ def cost_fingerprint(cost: Any) -> str:
     return _short(cost.describe().encode() + prices.tobytes())
 
 
+#: the name of a dataset's ``.idx`` digest (sampled pages since issue 57; the whole file was ``.idx``)
+IDX_PART = ".idx-pages"
+
+
 def dataset_parts(args: Any) -> list[tuple[str, str, str]]:
-    """``(part name, digest, file name)`` for every dataset Megatron's data flags name: the ``.idx`` digest and
-    the sampled ``.bin`` digest of each (``data.fingerprint``), named by flag and position (each rank may read
-    its own copy at its own path, under its own name: only the digests are compared)."""
+    """``(part name, digest, file name)`` for every dataset Megatron's data flags name: the sampled ``.idx`` and
+    ``.bin`` digests of each (``data.fingerprint``), named by flag and position (each rank may read its own copy
+    at its own path, under its own name: only the digests are compared). The ``.idx`` part is ``IDX_PART``: a
+    checkpoint whose sidecar holds the whole-file digest of before (part ``.idx``) is not compared on it."""
     parts: list[tuple[str, str, str]] = []
     a = MegatronArgs.of(args)
     for attr in DATA_PATH_ARGS:
@@ -223,7 +228,7 @@ def dataset_parts(args: Any) -> list[tuple[str, str, str]]:
                 parts.append((f"{where} .jsonl", file_sha256(prefix)[:16], os.path.basename(prefix)))
                 continue
             found, name = dataset_fingerprint(prefix), os.path.basename(prefix)
-            parts += [(f"{where} .idx", found["idx"][:16], name), (f"{where} .bin", found["bin"][:16], name)]
+            parts += [(f"{where} {IDX_PART}", found["idx"][:16], name), (f"{where} .bin", found["bin"][:16], name)]
     return parts
 
 
@@ -317,7 +322,8 @@ def resume_data_refusal(saved: dict[str, str] | None, now: RunFingerprint, itera
     if not changed:
         return None
     kinds = {name.rsplit(" ", 1)[-1] for name in saved if name in mine and mine[name] != saved[name]}
-    legend = "; ".join(text for kind, text in ((".jsonl", ".jsonl: the whole file"), (".idx", ".idx: the whole index"),
+    legend = "; ".join(text for kind, text in ((".jsonl", ".jsonl: the whole file"),
+                                                 (IDX_PART, f"{IDX_PART}: its size and sampled pages"),
                                                  (".bin", ".bin: sampled pages")) if kind in kinds)
     return (f"megatron_wlb: the data differs from what the checkpoint at iteration {iteration} trained on "
             f"({'; '.join(changed)}; {legend}): resume on the same files (a copy of them must be identical), or pass "
