@@ -2,9 +2,10 @@
 
 The probe (``megatron_train_probe.py``) runs ``pretrain_gpt``'s loop with ``--sft --tokenizer-type SFTTokenizer``
 over a jsonl of conversations and a tokenizer with a chat template built locally (``sft_fixtures``), at DP2, PP2
-and CP2, and records what every rank fed the model (at CP2 each rank's rows, gathered over the CP group here). Each conversation's tokens, labels and loss mask are checked
-against Megatron's own ``SFTDataset`` (one conversation a sample), every conversation of the first epoch is
-trained exactly once, and a run resumed from a checkpoint gives the uninterrupted run's losses.
+and CP2, and records what every rank fed the model (at CP2 each rank's rows, gathered over the CP group here).
+Each document's tokens, labels and loss mask are checked against Megatron's own ``SFTDataset`` (its segment of
+its line's sample), every conversation of the first epoch is trained exactly once, and a run resumed from a
+checkpoint gives the uninterrupted run's losses.
 """
 
 from __future__ import annotations
