@@ -14,7 +14,9 @@ writes, per rank, ``rank{R}.json``:
 - ``plans``: every global plan the first iterator made: ``[[doc_id, length], ...]`` per iteration;
 - ``pieces``: the same plans' pieces as ``[doc_id, offset, length]``;
 - ``piece_data``: ``{doc_id: sha256 of its tokens, labels and loss mask}`` of every piece this rank's
-  first iterator fed (what the data path handed the model, before CP sharding);
+  first iterator fed (what the data path handed the model, before CP sharding; under CP > 1 this rank's rows);
+- ``piece_rows`` (with ``WLB_PROBE_PIECE_ROWS=1``): ``{doc_id: [positions in the piece, tokens, labels, loss
+  mask]}`` of this rank's rows of every such piece (what the CP ranks together fed, gathered by the test);
 - ``agreement``: the plan agreement checks this rank ran before its training steps, and their seconds;
 - ``parallel``: this rank's tp/cp/pp/dp ranks; ``core_version``: the megatron-core that ran.
 
@@ -52,7 +54,8 @@ def main() -> None:
     from megatron.core import package_info
 
     record: dict = {"losses": {}, "grad_norms": {}, "doc_tokens": [], "plans": [], "pieces": [], "piece_data": {},
-                    "parallel": {}, "core_version": str(package_info.__version__)}
+                    "piece_rows": {}, "parallel": {}, "core_version": str(package_info.__version__)}
+    PIECE_ROWS = os.environ.get("WLB_PROBE_PIECE_ROWS") == "1"
     _iterator_index: dict[int, int] = {}
 
     # produce() builds every micro-batch, whether __next__ or the prefetch thread (megatron/prefetch.py) calls it
@@ -76,6 +79,10 @@ def main() -> None:
                 for arr in (out.tokens[0, rows], out.labels[0, rows], out.loss_mask[0, rows]):
                     h.update(np.ascontiguousarray(arr, dtype=np.float64).tobytes())
                 record["piece_data"][str(piece.doc_id)] = h.hexdigest()
+                if PIECE_ROWS:
+                    record["piece_rows"][str(piece.doc_id)] = [
+                        (whole[rows] - at).tolist(), out.tokens[0, rows].tolist(), out.labels[0, rows].tolist(),
+                        out.loss_mask[0, rows].tolist()]
                 at += piece.length
         if which == 0 and self._cursor == 1:
             record["plans"].append([[p.doc_id, p.length] for m in self.current.micro_batches for p in m.pieces])

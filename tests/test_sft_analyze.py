@@ -123,3 +123,102 @@ def test_the_results_page_sft_table_is_the_recorded_run():
     rows = json.loads((root / "benchmarks" / "results" / "sft" / "sft.json").read_text())["rows"]
     ours = [r for r in rows if r["method"] == "wlb (megatron-wlb)"]
     assert {r["dp"] for r in ours} == {4, 8} and all(r["slowest_over_balanced"] <= 1.02 for r in ours)
+
+
+# -- issue 58: analyze plans the documents --sft trains (SFTDataset's samples by default, or whole) -----------
+def _analyze_jsonl(tmp_path, path, tok, samples: str, cp: int, seq: int) -> dict:
+    from megatron_wlb.cli.main import main
+
+    cfg = tmp_path / f"sft_{samples}_{cp}.yaml"
+    cfg.write_text(f"model: 550m\nseq_len: {seq}\nlayout: {{tp: 1, cp: {cp}, pp: 1, dp: 2}}\nmicro_batches: 2\n"
+                   f"sft: {{samples: {samples}}}\n")
+    out = tmp_path / f"out_{samples}_{cp}"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert main(["analyze", "--sft-jsonl", str(path), "--sft-tokenizer", str(tok), "--sft-prompt-format",
+                     "identity", "--config", str(cfg), "--dp", "2", "--out", str(out)]) == 0
+    return json.loads((out / "sft.json").read_text()) | {"md": (out / "sft.md").read_text()}
+
+
+@pytest.mark.parametrize("cp", [1, 2], ids=["cp1", "cp2"])
+def test_analyze_plans_the_documents_sft_trains_from_sftdatasets_samples(tmp_path, monkeypatch, cp):
+    """``wlb analyze --sft-jsonl`` plans, by default, exactly the documents ``--sft`` trains: each conversation's
+    segment of Megatron's own SFTDataset's sample of its line (cu_seqlens bounds, CP padding, a line over the
+    window cut and its later conversations dropped), the lengths the training cache holds, and says the counts
+    training prints."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    import sft_fixtures as F
+    from test_sft_data import _lines, _multi_corpus, _sft_dataset
+
+    from megatron_wlb.data.sft import SftCorpus, jsonl_line_lengths, planned_documents
+    from megatron_wlb.sim import sft as sim_sft
+
+    F.build_tokenizer(tmp_path / "tok")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tokenizer = F.megatron_sft_tokenizer(tmp_path / "tok", prompt_format="identity")
+    path = _multi_corpus(tmp_path / "multi.jsonl", 40, seed=11)  # lines of 1-5 conversations, some over
+    seq = 96
+    planned, counts = planned_documents(jsonl_line_lengths(path, tokenizer), seq, "megatron", cp)
+    # against SFTDataset itself, line by line: each line's documents tile its sample up to its masked end padding
+    dataset = _sft_dataset(_lines(path), tokenizer, seq, cp=cp)
+    corpus = SftCorpus.build(path, tokenizer, seq, cache_dir=str(tmp_path / "cache"), context_parallel=cp)
+    at = 0
+    for line in range(len(dataset)):
+        item = dataset[line]
+        cu = item["cu_seqlens"].numpy()
+        k = int(corpus.arrays.lines[line + 1] - corpus.arrays.lines[line])
+        mine = planned[at:at + k]
+        bounds = np.concatenate([[0], np.cumsum(mine)])
+        np.testing.assert_array_equal(bounds[:-1], cu[:k])  # SFTDataset's segments, one a kept conversation
+        assert cu[k] == seq and bounds[-1] <= seq  # its last segment: ours plus the window's end padding
+        assert not item["loss_mask"][bounds[-1]:].any()
+        at += k
+    assert at == planned.size
+    np.testing.assert_array_equal(planned, corpus.lengths)  # what the training cache holds
+    assert (counts.conversations, counts.cut, counts.dropped, counts.untrained_tokens) == (
+        corpus.counts.conversations, corpus.counts.cut, corpus.counts.dropped, corpus.counts.untrained_tokens)
+    assert counts.cut > 0 and counts.dropped > 0
+    # the report plans those documents and says the mode and the counts, as training says them
+    seen: list[np.ndarray] = []
+    compare = sim_sft.compare_sft
+
+    def spy(*args, **kwargs):
+        seen.append(np.asarray(kwargs["documents"]))
+        return compare(*args, **kwargs)
+
+    monkeypatch.setattr("megatron_wlb.cli.analyze_sft.compare_sft", spy)
+    report = _analyze_jsonl(tmp_path, path, tmp_path / "tok", "megatron", cp, seq)
+    assert len(seen) == 1
+    np.testing.assert_array_equal(seen[0], corpus.lengths)
+    assert report["samples"] == "megatron" and report["documents"] == corpus.num_documents
+    assert report["counts"]["dropped"] == corpus.counts.dropped
+    assert "sft.samples megatron" in report["md"] and corpus.note().split(": ", 1)[1] in report["md"]
+
+
+def test_analyze_plans_whole_conversations_when_the_config_says_whole(tmp_path, monkeypatch):
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    import sft_fixtures as F
+    from test_sft_data import _multi_corpus
+
+    from megatron_wlb.data.sft import SftCorpus
+
+    F.build_tokenizer(tmp_path / "tok")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tokenizer = F.megatron_sft_tokenizer(tmp_path / "tok", prompt_format="identity")
+    path = _multi_corpus(tmp_path / "multi.jsonl", 40, seed=11)
+    corpus = SftCorpus.build(path, tokenizer, 96, cache_dir=str(tmp_path / "cache"), samples="whole")
+    seen: list[np.ndarray] = []
+    from megatron_wlb.sim import sft as sim_sft
+
+    compare = sim_sft.compare_sft
+    monkeypatch.setattr("megatron_wlb.cli.analyze_sft.compare_sft",
+                        lambda *a, **k: seen.append(np.asarray(k["documents"])) or compare(*a, **k))
+    report = _analyze_jsonl(tmp_path, path, tmp_path / "tok", "whole", 2, 96)
+    np.testing.assert_array_equal(seen[0], corpus.lengths)  # every conversation, none dropped, cut at the window
+    assert report["documents"] == corpus.num_documents == corpus.counts.conversations
+    assert report["counts"]["dropped"] == 0 and report["counts"]["cut"] == corpus.counts.cut > 0
+    assert "sft.samples whole" in report["md"] and "conversations each a document" in report["md"]

@@ -1,10 +1,11 @@
 """``--sft`` with WLB's flags through Megatron's own training loop on the CPU (issue 50).
 
 The probe (``megatron_train_probe.py``) runs ``pretrain_gpt``'s loop with ``--sft --tokenizer-type SFTTokenizer``
-over a jsonl of conversations and a tokenizer with a chat template built locally (``sft_fixtures``), at DP2 and
-PP2, and records what every rank fed the model. Each conversation's tokens, labels and loss mask are checked
-against Megatron's own ``SFTDataset`` (one conversation a sample), every conversation of the first epoch is
-trained exactly once, and a run resumed from a checkpoint gives the uninterrupted run's losses.
+over a jsonl of conversations and a tokenizer with a chat template built locally (``sft_fixtures``), at DP2, PP2
+and CP2, and records what every rank fed the model (at CP2 each rank's rows, gathered over the CP group here).
+Each document's tokens, labels and loss mask are checked against Megatron's own ``SFTDataset`` (its segment of
+its line's sample), every conversation of the first epoch is trained exactly once, and a run resumed from a
+checkpoint gives the uninterrupted run's losses.
 """
 
 from __future__ import annotations
@@ -48,15 +49,15 @@ def _flags(root, path) -> tuple[str, ...]:
             "--sft-tokenizer-prompt-format", "nemotron-h-aligned", "--split", "100,0,0")
 
 
-def _expected_piece_data(path, tokenizer) -> dict[int, str]:
+def _expected_piece_data(path, tokenizer, cp: int = 1) -> dict[int, str]:
     """sha256 of each document's (tokens, labels, loss mask) as Megatron's SFTDataset gives it (one sample a
-    jsonl line, each conversation's segment of it a document), hashed as the probe hashes what reached the
-    model."""
+    jsonl line, each conversation's segment of it a document; under ``cp`` > 1 each padded to 2 x CP), hashed
+    as the probe hashes what reached the model."""
     import json
 
     lines = [json.loads(t)["messages"] for t in open(path) if t.strip()]
-    dataset = _sft_dataset(lines, tokenizer, SEQ)
-    corpus = SftCorpus.build(path, tokenizer, SEQ)
+    dataset = _sft_dataset(lines, tokenizer, SEQ, cp=cp)
+    corpus = SftCorpus.build(path, tokenizer, SEQ, context_parallel=cp)
     out = {}
     for line in range(len(lines)):
         item, at = dataset[line], 0
@@ -147,6 +148,34 @@ def test_sft_pp2_trains_sftdatasets_data(sft, expected, tmp_path):
     assert_documents_once(run)
     fed = _fed(run)
     assert fed and all(fed[d] == expected[d % len(expected)] for d in fed)
+
+
+def test_sft_cp2_trains_sftdatasets_data_gathered_over_the_cp_group(sft, tmp_path):
+    """CP 2 through Megatron's loop (adaptive layout): each document's rows, gathered over the two CP ranks,
+    cover it exactly once and are SFTDataset's CP-2 sample's tokens, labels and loss mask (its 2 x CP padding
+    included)."""
+    root, path, tokenizer = sft
+    run = train(tmp_path, "cp2", str(path), *_flags(root, path), "--wlb-cp-sharding", "adaptive", "--train-iters",
+                "3", env={"CP": "2", "WLB_PROBE_PIECE_ROWS": "1"})
+    assert_trains(run, 3)
+    assert_documents_once(run)
+    assert sorted(r["parallel"]["cp"] for r in run.ranks.values()) == [0, 1]
+    expected = _expected_piece_data(path, tokenizer, cp=2)
+    plans = next(r["plans"] for r in run.ranks.values() if r["plans"])
+    trained = {doc: n for plan in plans[:3] for doc, n in plan}
+    assert len(trained) >= 5
+    split = 0
+    for doc, n in trained.items():
+        parts = [r["piece_rows"][str(doc)] for r in run.ranks.values()]  # both CP ranks fed its micro-batch
+        split += all(p[0] for p in parts)  # the layout may keep a short document on one rank
+        at = np.concatenate([p[0] for p in parts])
+        assert sorted(at.tolist()) == list(range(n)), f"document {doc}: its positions are not each on one rank"
+        order = np.argsort(at)
+        h = hashlib.sha256()
+        for k in (1, 2, 3):
+            h.update(np.ascontiguousarray(np.concatenate([p[k] for p in parts])[order], dtype=np.float64).tobytes())
+        assert h.hexdigest() == expected[doc % len(expected)], f"document {doc} differs from SFTDataset's at CP 2"
+    assert split > 0, "no document was sharded over the two CP ranks"
 
 
 def test_sft_samples_whole_is_a_yaml_choice_said_at_start_up(sft, tmp_path):

@@ -3,16 +3,20 @@
 The conversations come from an SFT jsonl (``--sft-jsonl FILE --sft-tokenizer DIR``: tokenized by Megatron's
 own ``SFTTokenizer``, a line's conversations kept together as ``SFTDataset`` keeps them), from ``--lengths``
 (one conversation a line), or, with neither, from a synthetic heavy-tailed stream (log-normal, said in the
-report). Each is compared at every ``--dp`` as given one conversation a line and as prepacked lines (the
-jsonl prepared for ``SFTDataset``), by ``sim.sft.compare_sft``; the table is printed and written to
-``DIR/sft.md`` and ``DIR/sft.json``.
+report). Megatron's grouping lays out the lines as ``SFTDataset`` does (as given, and prepacked: the jsonl
+prepared for it); KK and the packer plan the documents ``--sft`` trains, cut from the lines by the training
+path's own ``data.sft.line_documents`` under the config's ``sft.samples`` (``megatron``: each conversation's
+segment of ``SFTDataset``'s sample of its line, CP padding included, cut and dropped as it cuts and drops;
+``whole``: each conversation whole, cut only at the window), the mode and what it leaves out said in the report.
+Compared at every ``--dp`` by ``sim.sft.compare_sft``; the table is printed and written to ``DIR/sft.md`` and
+``DIR/sft.json``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import replace
+from dataclasses import asdict, replace
 from typing import Any
 
 import numpy as np
@@ -21,7 +25,13 @@ from megatron_wlb.cli.common import output_dir
 from megatron_wlb.config import load_config
 from megatron_wlb.costmodel import build_cost_model
 from megatron_wlb.data import load_lengths
-from megatron_wlb.data.sft import SftInputError, jsonl_line_lengths
+from megatron_wlb.data.sft import (
+    SAMPLES_MEGATRON,
+    SftInputError,
+    jsonl_line_lengths,
+    planned_documents,
+    samples_note,
+)
 from megatron_wlb.requirements import MissingDependency, missing_message, module_available
 from megatron_wlb.sim.sft import compare_sft, lognormal_conversations, prepacked_lines, price_megatron
 
@@ -81,6 +91,14 @@ def run_sft(args: argparse.Namespace) -> int:
     out = output_dir(args.out)
     lines, source = conversations(args)
     flat = [n for line in lines for n in line]
+    samples, cp = cfg.sft.samples, cfg.layout.cp
+    documents, counts = planned_documents(lines, cfg.seq_len, samples, cp)
+    where = args.sft_jsonl or args.lengths or "the synthetic stream"
+    left_out = samples_note(where, cfg.seq_len, samples, counts) or "nothing cut or dropped"
+    planned = (f"sft.samples {samples}: KK and {cfg.packer} plan {documents.size:,} documents ("
+               + ("each conversation's segment of SFTDataset's sample of its line" if samples == SAMPLES_MEGATRON
+                  else "each conversation whole") + f", seq_len {cfg.seq_len}, CP {cp}), as --sft trains them; "
+               + left_out)
     rows = []
     for dp in args.dp:
         layout = replace(cfg.layout, dp=int(dp))
@@ -88,7 +106,8 @@ def run_sft(args: argparse.Namespace) -> int:
         cost = build_cost_model(cfg.model, layout, profile=args.cost_profile)
         given = "the jsonl's lines" if args.sft_jsonl else "one conversation a line"
         methods = [(given, m) for m in compare_sft(lines, packing, cost, packer=cfg.packer, cp=layout.cp,
-                                                  stages=layout.pp, virtual_stages=cfg.virtual_stages)]
+                                                  stages=layout.pp, virtual_stages=cfg.virtual_stages,
+                                                  documents=documents)]
         prepacked = price_megatron(prepacked_lines(flat, cfg.seq_len, layout.cp), packing, cost, cp=layout.cp,
                                    stages=layout.pp, virtual_stages=cfg.virtual_stages)
         if prepacked is not None:
@@ -101,7 +120,8 @@ def run_sft(args: argparse.Namespace) -> int:
                          "ours_speedup": round(ours.tokens_per_second / m.tokens_per_second, 3),
                          "largest_micro_batch": m.largest_micro_batch})
     head = (f"# wlb analyze --sft: {cfg.name}, {cfg.model.name}, seq_len {cfg.seq_len}, layout {cfg.layout} "
-            f"(DP varied), {cfg.packing.n} micro-batches per DP rank\n\nConversations: {source}.\n\n")
+            f"(DP varied), {cfg.packing.n} micro-batches per DP rank\n\nConversations: {source}.\n\n"
+            f"Documents: {planned}.\n\n")
     table = ["| DP | lines | method | iterations | slowest rank / balanced | tokens/s (simulated) | "
              "ours' speedup over it | largest micro-batch |", "|---|---|---|---|---|---|---|---|"]
     table += [f"| {r['dp']} | {r['lines']} | {r['method']} | {r['iterations']} | {r['slowest_over_balanced']:.4f} | "
@@ -109,5 +129,7 @@ def run_sft(args: argparse.Namespace) -> int:
     text = head + "\n".join(table) + "\n"
     print(text)
     (out / "sft.md").write_text(text)
-    (out / "sft.json").write_text(json.dumps({"config": cfg.name, "source": source, "rows": rows}, indent=1))
+    (out / "sft.json").write_text(json.dumps({"config": cfg.name, "source": source, "samples": samples,
+                                                      "documents": int(documents.size),
+                                                      "counts": asdict(counts), "rows": rows}, indent=1))
     return 0

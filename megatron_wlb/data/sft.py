@@ -31,7 +31,7 @@ import hashlib
 import json
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -253,6 +253,46 @@ def whole_segments(conversations: list[tuple[np.ndarray, np.ndarray]], seq_len: 
     return out, counts
 
 
+def line_documents(conversations: list[tuple[np.ndarray, np.ndarray]], seq_len: int, pad: int,
+                   samples: str = SAMPLES_MEGATRON, cp: int = 1
+                   ) -> tuple[list[tuple[np.ndarray, np.ndarray]], LineCounts]:
+    """The documents ``--sft`` trains of one line's (tokens, targets) under ``samples``: ``line_segments``
+    (``SAMPLES_MEGATRON``, padded for ``cp``) or ``whole_segments`` (``SAMPLES_WHOLE``), and what they leave out."""
+    if samples == SAMPLES_MEGATRON:
+        return line_segments(conversations, seq_len, pad, cp)
+    if samples == SAMPLES_WHOLE:
+        return whole_segments(conversations, seq_len, pad)
+    raise SftInputError(f"SFT samples {samples!r}: choose one of {', '.join(SAMPLE_MODES)}")
+
+
+def planned_documents(lines: Iterable[Sequence[int]], seq_len: int, samples: str = SAMPLES_MEGATRON, cp: int = 1
+                      ) -> tuple[np.ndarray, LineCounts]:
+    """Token counts of the documents ``--sft`` trains (file order) of lines of conversations of these token
+    counts, and what they leave out: each line through ``line_documents``, the function training cuts a line
+    with (the lengths and counts depend on the token counts only, so placeholder tokens stand in)."""
+    out: list[int] = []
+    totals = LineCounts()
+    for line in lines:
+        pairs = [(np.zeros(int(n), dtype=np.int64), np.zeros(int(n), dtype=np.int64)) for n in line]
+        segments, counts = line_documents(pairs, int(seq_len), -1, samples, cp)
+        out.extend(int(tokens.size) for tokens, _ in segments)
+        totals.add(counts)
+    return np.asarray(out, dtype=np.int64), totals
+
+
+def samples_note(path: str, seq_len: int, samples: str, counts: LineCounts) -> str | None:
+    """One line saying what the documents of ``samples`` leave out of ``path``'s conversations (None: nothing)."""
+    c = counts
+    if not (c.cut or c.dropped):
+        return None
+    if samples == SAMPLES_WHOLE:
+        return (f"{path}: sft.samples whole: {c.conversations} conversations each a document; {c.cut} longer "
+                f"than --seq-length {seq_len} cut to it ({c.untrained_tokens} tokens not trained)")
+    return (f"{path}: as Megatron's SFTDataset packs each line into --seq-length {seq_len}: {c.cut} of "
+            f"{c.conversations} conversations cut at the window and {c.dropped} dropped after it "
+            f"({c.untrained_tokens} tokens not trained; sft.samples whole keeps each conversation)")
+
+
 def loss_mask_of(labels: np.ndarray, pad: int) -> np.ndarray:
     """``SFTDataset``'s loss mask of ``labels``: 0 where a label is ``pad`` or ``IGNORE_INDEX``."""
     return ((labels != pad) & (labels != IGNORE_INDEX)).astype(np.float32)
@@ -460,21 +500,13 @@ class SftCorpus:
 
     def note(self) -> str | None:
         """One line saying what the documents leave out of the jsonl's conversations (None: nothing)."""
-        c = self.counts
-        if not (c.cut or c.dropped):
-            return None
-        if self.samples == SAMPLES_WHOLE:
-            return (f"{self.path}: sft.samples whole: {c.conversations} conversations each a document; {c.cut} longer "
-                    f"than --seq-length {self.seq_len} cut to it ({c.untrained_tokens} tokens not trained)")
-        return (f"{self.path}: as Megatron's SFTDataset packs each line into --seq-length {self.seq_len}: {c.cut} of "
-                f"{c.conversations} conversations cut at the window and {c.dropped} dropped after it "
-                f"({c.untrained_tokens} tokens not trained; sft.samples whole keeps each conversation)")
+        return samples_note(self.path, self.seq_len, self.samples, self.counts)
 
 
 def _tokenize_into(prefix: str, path: str, tokenizer: ConversationTokenizer, seq_len: int, key: list[Any],
                    print_fn: Callable[[str], None] | None) -> None:
     """Stream ``path`` through the tokenizer into the cache at ``prefix`` (``sft_cache.write_cache``): one
-    batch of lines in memory at a time, each line's documents by ``line_segments`` (or ``whole_segments``),
+    batch of lines in memory at a time, each line's documents by ``line_documents``,
     a progress line every ``PROGRESS_SECONDS``."""
     content, identity, samples, cp = key
     size = os.path.getsize(path)
@@ -497,10 +529,7 @@ def _tokenize_into(prefix: str, path: str, tokenizer: ConversationTokenizer, seq
         for line_no, conversations in read_lines(path, on_line):
             pairs = [tokenize(tokenizer, c, f"{path}:{line_no} conversation {k + 1}")
                      for k, c in enumerate(conversations)]
-            if samples == SAMPLES_MEGATRON:
-                segments, counts = line_segments(pairs, seq_len, pad, cp)
-            else:
-                segments, counts = whole_segments(pairs, seq_len, pad)
+            segments, counts = line_documents(pairs, seq_len, pad, samples, cp)
             totals.add(counts)
             per_line.append(len(segments))
             for tokens, labels in segments:
@@ -537,7 +566,8 @@ def _tokenize_into(prefix: str, path: str, tokenizer: ConversationTokenizer, seq
 
 def jsonl_line_lengths(path: str | os.PathLike[str], tokenizer: ConversationTokenizer) -> list[list[int]]:
     """Token count of every conversation of an SFT jsonl (uncut), line by line: what ``wlb analyze --sft``
-    plans (Megatron's grouping keeps a line's conversations in one sample)."""
+    lays out as Megatron's grouping (one sample a line) and cuts into ``--sft``'s documents
+    (``planned_documents``)."""
     lines: dict[int, list[int]] = {}
     for n, k, c in read_conversations(path):
         tokens = tokenize(tokenizer, c, f"{os.fspath(path)}:{n} conversation {k + 1}")[0]

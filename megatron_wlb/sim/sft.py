@@ -152,13 +152,21 @@ def price_megatron(lines: Sequence[Sequence[int]], packing: PackingConfig, cost:
 
 
 def compare_sft(lines: Sequence[Sequence[int]], packing: PackingConfig, cost: CostModel, packer: str = "wlb",
-                cp: int = 1, stages: int | None = None, virtual_stages: int = 1) -> list[SftMethod]:
-    """Megatron's SFT grouping, KK by ``6 * hidden * L + L^2`` and ``packer`` on the conversations of ``lines``
-    (each a jsonl line's conversation lengths, in training order; cut to ``seq_len`` for KK and the packer,
-    as ``SFTDataset`` cuts them), KK and the packer over the iterations in which the stream is full."""
+                cp: int = 1, stages: int | None = None, virtual_stages: int = 1,
+                documents: Sequence[int] | np.ndarray | None = None) -> list[SftMethod]:
+    """Megatron's SFT grouping of ``lines`` (each a jsonl line's conversation lengths, in training order), and
+    KK by ``6 * hidden * L + L^2`` and ``packer`` on ``documents`` (the document lengths the balanced run
+    trains, in order: ``data.sft.planned_documents``; None: each conversation cut to ``seq_len``), KK and the
+    packer over the iterations in which the stream is full."""
     seq, dp, n = packing.seq_len, packing.dp, packing.n
     stages = n if stages is None else stages
-    lengths = np.minimum(np.asarray([c for line in lines for c in line], dtype=np.int64), seq)
+    if documents is None:
+        lengths = np.minimum(np.asarray([c for line in lines for c in line], dtype=np.int64), seq)
+    else:
+        lengths = np.asarray(documents, dtype=np.int64)
+        if lengths.size and (lengths.min() < 1 or lengths.max() > seq):
+            raise ValueError(f"document lengths {int(lengths.min())}..{int(lengths.max())}: each must be 1..seq_len "
+                             f"{seq}")
     budget = packing.tokens_per_iteration
     iterations = max(1, int(lengths.sum()) // budget)  # the packer's last iterations only drain its queues
     packed: list[GlobalBatch] = []
