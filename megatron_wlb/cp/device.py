@@ -28,13 +28,14 @@ _ALIGN = 8  # bytes: every view starts at a multiple of the largest element size
 class Varlen:
     """The varlen record of one micro-batch on one CP rank: the kernel's metadata alone, no batch tensor. Made
     by ``upload`` only, once per micro-batch; the attention and RoPE of every layer read it, both from the
-    micro-batch's packed-sequence params (``WlbPackedSeqParams.varlen``; RoPE, handed only their cu_seqlens,
-    finds it there: ``carrier``, ``varlen_of``).
+    micro-batch's packed-sequence params (``WlbPackedSeqParams.varlen``; RoPE through the params the enclosing
+    attention was called with: ``megatron.attention.attention_scope``). No tensor carries it.
 
-    ``cu_seqlens_q`` / ``cu_seqlens_k`` int32 and ``max_seqlen_q`` / ``max_seqlen_k`` (host ints) for the
-    varlen kernel; on the TE path (``cu_seqlens_padded`` set) TE's THD offsets. The all-gather layout:
-    ``segment_index`` long (rows of the padded all-gather buffer holding each query run's keys),
-    ``occurrence`` / ``levels`` (the repeat of each segment row, deterministic backward only), ``rank`` and
+    ``cu_seqlens_q`` / ``cu_seqlens_k`` int32 and ``max_seqlen_q`` / ``max_seqlen_k`` (host ints: the longest
+    query run and key segment, what the varlen kernel is called with); on the TE path (``cu_seqlens_padded``
+    set) TE's THD offsets. The all-gather layout: ``segment_index`` long (rows of the padded all-gather buffer
+    holding each query run's keys), ``occurrence`` / ``levels`` (the repeat of each segment row, deterministic
+    backward only), ``rank`` and
     ``rank_counts`` (rows per CP rank), ``identity_segments`` (CP = 1, the key segments are the local rows
     in order: K/V go to the kernel as they are), ``num_runs`` (query runs); ``local_pad`` trailing rows
     are rank padding (sequence parallelism). RoPE: ``rope_positions`` long ``[R]`` (each row's position),
@@ -75,24 +76,6 @@ class Varlen:
         """Every device tensor of the record."""
         return [t for t in (self.rope_positions, self.cu_seqlens_q, self.cu_seqlens_k, self.cu_seqlens_padded,
                             self.segment_index, self.occurrence) if t is not None]
-
-
-#: the attribute of a carrier tensor (``carrier``) that holds its record
-_VARLEN_OF = "_wlb_varlen"
-
-
-def carrier(varlen: Varlen, cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """A view of the record's ``cu_seqlens`` (same storage, no copy) that holds the record: what the params
-    hand Megatron as their cu_seqlens, so that RoPE, given only those, reads the record (``varlen_of``). The
-    record does not hold the view, so nothing forms a reference cycle."""
-    view = cu_seqlens.view(cu_seqlens.shape)
-    setattr(view, _VARLEN_OF, varlen)
-    return view
-
-
-def varlen_of(cu_seqlens: Any) -> Varlen | None:
-    """The ``Varlen`` a carrier tensor (``carrier``) holds; None for any other tensor or object."""
-    return getattr(cu_seqlens, _VARLEN_OF, None)
 
 
 @dataclass(frozen=True, eq=False)
@@ -197,4 +180,4 @@ def upload(batch: RankMicroBatch, device: torch.device | str, *, tokens: bool = 
         position_ids=position_ids if tokens else None, varlen=varlen)
 
 
-__all__ = ["DeviceBatch", "Varlen", "carrier", "row_occurrence", "upload", "varlen_of"]
+__all__ = ["DeviceBatch", "Varlen", "row_occurrence", "upload"]

@@ -19,36 +19,89 @@ does the same on an explicit ``ModuleSpec`` tree. The all-gather attention has n
 no sliding window and no softmax variants: those configurations are refused when the module is built.
 
 RoPE: Megatron's THD RoPE assumes TE's per-document head-tail layout. ``install_core_attention`` also
-replaces ``apply_rotary_pos_emb`` as ``megatron.core.transformer.attention`` calls it: handed the cu_seqlens
-of a WLB micro-batch's params (they carry its ``Varlen`` record: ``cp.device.carrier``), it rotates each
-local row by its position (``Varlen.rope_positions``); the record reaches RoPE by the params, as it reaches
-the attention, recomputation included.
+replaces ``apply_rotary_pos_emb`` as ``megatron.core.transformer.attention`` calls it: inside an attention called
+with a WLB micro-batch's params (``Attention.forward`` is wrapped to hold them for the call: ``attention_scope``),
+it rotates each local row by its position (``Varlen.rope_positions``); the record reaches RoPE by the params, as
+it reaches the attention, recomputation included; no tensor carries it. Packed ``cu_seqlens`` with no params in
+scope, or WLB params without their record, raise: RoPE never falls back to Megatron's own for a WLB micro-batch.
+The rotary table is sized by ``RotaryEmbedding.get_rotary_seq_len`` (wrapped: ``Varlen.rope_length`` for ours),
+so the params' ``max_seqlen_q`` / ``max_seqlen_kv`` stay the kernel's.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import math
+import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from megatron.core import parallel_state
 from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd  # the per-row rotation
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.attention import SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_wlb.cp.attention import all_gather_cp_attention, varlen_attention
-from megatron_wlb.cp.device import Varlen, varlen_of
+from megatron_wlb.cp.device import Varlen
 from megatron_wlb.megatron import hooks
 from megatron_wlb.megatron.rebind import wrapping
 from megatron_wlb.megatron.state import runtime
 
 _CAUSAL = {AttnMaskType.causal, AttnMaskType.padding_causal}
+
+
+@dataclass
+class WlbPackedSeqParams(PackedSeqParams):
+    """``PackedSeqParams`` plus this CP rank's ``Varlen`` record: Megatron threads the params from ``forward_step``
+    through ``GPTModel`` to every layer, the one route of the record. Built by ``cp_hooks.packed_seq_params`` only,
+    always with a record (one without is refused wherever it arrives: ``record_of``)."""
+    varlen: Varlen | None = None
+
+
+def record_of(params: Any, where: str) -> Varlen | None:
+    """The ``Varlen`` record of the micro-batch whose params ``where`` (the attention, RoPE) was handed; None for
+    Megatron's own batch (no params, or its plain ``PackedSeqParams``). Raises for WLB params without their record,
+    and for Megatron's own THD params where every batch of this run is a WLB micro-batch (its record was lost)."""
+    if isinstance(params, WlbPackedSeqParams):
+        if params.varlen is None:
+            raise RuntimeError(f"megatron_wlb: {where} got WlbPackedSeqParams without their Varlen record; build them "
+                               "with cp_hooks.packed_seq_params (or upload_micro_batch), which always sets it")
+        return params.varlen
+    if getattr(params, "qkv_format", None) == "thd" and every_batch_is_packed():
+        raise RuntimeError(f"megatron_wlb: {where} got Megatron's own {type(params).__name__} (no WLB record) but "
+                           "every batch of this run is a WLB micro-batch: its record was lost between get_batch and "
+                           "the model; the params must be the ones cp_hooks built (cp_hooks.packed_seq_params_of)")
+    return None
+
+
+class _Scope(threading.local):
+    """The packed-sequence params of the attention call running on this thread (``attention_scope``)."""
+    params: Any = None
+    inside: bool = False
+
+
+_SCOPE = _Scope()
+
+
+@contextmanager
+def attention_scope(params: Any) -> Iterator[None]:
+    """Within it, RoPE (``wlb_apply_rotary_pos_emb``) reads ``params``: those of the attention call that holds it
+    (``wrap_attention_forward``; recomputation reruns the call, and so the scope)."""
+    previous = (_SCOPE.params, _SCOPE.inside)
+    _SCOPE.params, _SCOPE.inside = params, True
+    try:
+        yield
+    finally:
+        _SCOPE.params, _SCOPE.inside = previous
 
 
 def _unsupported(config: Any, attention_dropout: float | None) -> list[str]:
@@ -154,11 +207,11 @@ class WlbCoreAttention(MegatronModule):
                 attn_mask_type: AttnMaskType | None = None, attention_bias: Any = None,
                 packed_seq_params: Any = None) -> torch.Tensor:
         """q [T, Hq, D] / k, v [T, Hkv, D] (THD) or [s, b=1, H, D]; returns [T, Hq*D] or [s, 1, Hq*D]."""
-        varlen = getattr(packed_seq_params, "varlen", None)
+        varlen = record_of(packed_seq_params, "the attention")
         if varlen is None and getattr(packed_seq_params, "qkv_format", None) == "thd":
             return self._megatron_thd(query, key, value, attn_mask_type, packed_seq_params)
         if varlen is None or varlen.te:
-            if packed_seq_params is None and _every_batch_is_packed():
+            if packed_seq_params is None and every_batch_is_packed():
                 raise RuntimeError("a micro-batch reached the attention without packed-sequence params, but every "
                                    "batch of this run is a packed WLB micro-batch: the fallback attention would "
                                    "attend across its documents. The entry point's get_batch must give every "
@@ -206,7 +259,7 @@ class WlbCoreAttention(MegatronModule):
         return out.unsqueeze(1) if query.dim() == 4 else out
 
 
-def _every_batch_is_packed() -> bool:
+def every_batch_is_packed() -> bool:
     """Whether this process trains and evaluates on WLB iterators only (no Megatron loader in use)."""
     rt = runtime()
     return rt.registry is not None and bool(rt.registry.iterators) and not rt.megatron_loaders
@@ -276,15 +329,26 @@ ROPE_NAME = "apply_rotary_pos_emb"
 
 def wlb_apply_rotary_pos_emb(original: Callable) -> Callable:
     """Wrap Megatron's ``apply_rotary_pos_emb(t, freqs, config, cu_seqlens=None, mscale=1.0, cp_group=None)``:
-    for the cu_seqlens of a WLB micro-batch (they carry its ``Varlen``), rotate row i of ``t`` [R, H, D] by
-    ``freqs[positions[i]]``."""
+    inside an attention called with a WLB micro-batch's params (``attention_scope``), rotate row i of ``t``
+    [R, H, D] by ``freqs[positions[i]]`` (the record's). Packed ``cu_seqlens`` with no params in scope raise."""
     @wrapping(original)
     def apply_rotary_pos_emb(t, freqs, config, cu_seqlens=None, mscale=1.0, cp_group=None, **extra):
         # extra: keywords newer Megatron passes (main: mla_rotary_interleaved, inverse,
         # mla_output_remove_interleaving, max_seqlen), handed to Megatron's function as given
-        varlen = varlen_of(cu_seqlens)
+        if cu_seqlens is None:  # not a packed batch
+            return original(t, freqs, config, cu_seqlens=cu_seqlens, mscale=mscale, cp_group=cp_group, **extra)
+        if not _SCOPE.inside or _SCOPE.params is None:
+            raise RuntimeError("megatron_wlb: RoPE got packed cu_seqlens outside an attention call holding its "
+                               "packed-sequence params (Attention.forward is not megatron_wlb's wrapper, "
+                               f"{hooks.hooks_in(_attention_forward())}), so the micro-batch's record is lost")
+        varlen = record_of(_SCOPE.params, "RoPE")
         if varlen is None or varlen.te:
             return original(t, freqs, config, cu_seqlens=cu_seqlens, mscale=mscale, cp_group=cp_group, **extra)
+        expected = {varlen.cu_seqlens_q.numel(), varlen.cu_seqlens_k.numel()}
+        if cu_seqlens.numel() not in expected or cu_seqlens.device != varlen.cu_seqlens_q.device:
+            raise RuntimeError(f"megatron_wlb: RoPE got cu_seqlens of {cu_seqlens.numel()} entries on "
+                               f"{cu_seqlens.device}, not those of the micro-batch its attention holds "
+                               f"({' or '.join(map(str, sorted(expected)))} on {varlen.cu_seqlens_q.device})")
         unsupported = sorted(k for k in ("inverse", "mla_rotary_interleaved", "mla_output_remove_interleaving")
                              if extra.get(k))
         if unsupported:
@@ -302,6 +366,52 @@ def wlb_apply_rotary_pos_emb(original: Callable) -> Callable:
     return apply_rotary_pos_emb
 
 
+def _attention_forward() -> Any:
+    from megatron.core.transformer.attention import Attention  # the class whose forward calls RoPE
+    return Attention.forward
+
+
+def _argument(original: Callable, name: str) -> Callable[[tuple, dict], Any]:
+    """A reader of argument ``name`` of a call to method ``original`` (given ``self``-less args, kwargs)."""
+    index = list(inspect.signature(original).parameters).index(name) - 1  # less self
+
+    def read(args: tuple, kwargs: dict) -> Any:
+        return kwargs[name] if name in kwargs else (args[index] if len(args) > index else None)
+
+    return read
+
+
+def wrap_attention_forward(original: Callable) -> Callable:
+    """``Attention.forward`` holding its ``packed_seq_params`` for the call (``attention_scope``), where RoPE reads
+    them (``hooks.HOOKS``)."""
+    params_of = _argument(original, "packed_seq_params")
+
+    @wrapping(original)
+    @functools.wraps(original)
+    def forward(self, *args, **kwargs):
+        with attention_scope(params_of(args, kwargs)):
+            return original(self, *args, **kwargs)
+
+    return forward
+
+
+def wrap_get_rotary_seq_len(original: Callable) -> Callable:
+    """``RotaryEmbedding.get_rotary_seq_len``: for a WLB micro-batch the rotary table its positions need
+    (``Varlen.rope_length``), since its params' ``max_seqlen_*`` are the kernel's, not the largest position
+    (``hooks.HOOKS``)."""
+    params_of = _argument(original, "packed_seq_params")
+
+    @wrapping(original)
+    @functools.wraps(original)
+    def get_rotary_seq_len(self, *args, **kwargs):
+        varlen = record_of(params_of(args, kwargs), "the rotary table")
+        if varlen is not None and not varlen.te:
+            return varlen.rope_length
+        return original(self, *args, **kwargs)
+
+    return get_rotary_seq_len
+
+
 def wrap_self_attention_init(original: Callable) -> Callable:
     """``SelfAttention.__init__`` building ``WlbCoreAttention`` around the spec's core attention (``hooks.HOOKS``)."""
 
@@ -315,7 +425,7 @@ def wrap_self_attention_init(original: Callable) -> Callable:
 
 
 #: the hooks that make every SelfAttention built afterwards ours (``hooks.HOOKS``, phase ``attention``)
-ATTENTION_HOOKS = ("SelfAttention.__init__", ROPE_NAME)
+ATTENTION_HOOKS = ("SelfAttention.__init__", "Attention.forward", ROPE_NAME, "RotaryEmbedding.get_rotary_seq_len")
 
 
 def install_core_attention(enabled: bool = True) -> None:
@@ -327,5 +437,6 @@ def install_core_attention(enabled: bool = True) -> None:
         hooks.uninstall("attention")
 
 
-__all__ = ["WlbCoreAttention", "install_core_attention", "swap_core_attention", "wlb_apply_rotary_pos_emb",
-           "wlb_attention_forward"]
+__all__ = ["WlbCoreAttention", "WlbPackedSeqParams", "attention_scope", "install_core_attention", "record_of",
+           "swap_core_attention", "wlb_apply_rotary_pos_emb", "wlb_attention_forward", "wrap_attention_forward",
+           "wrap_get_rotary_seq_len"]
