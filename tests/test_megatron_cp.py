@@ -94,7 +94,7 @@ def _check_layouts(cp_group, cp_size: int, cp_rank: int, seed: int) -> None:
             layout = build_layout(name, segs, cp_size)
             shard = layout.ranks[cp_rank]
             padded = np.asarray(layout.padded_lengths)
-            assert params.varlen.layout == layout.name and batch.layout.name == layout.name
+            assert params.gather.layout == layout.name and batch.layout.name == layout.name
             real = np.concatenate([tokens, np.zeros(int(segs.sum()) - tokens.size, dtype=np.int64)])
             full = _padded_view(real, segs, padded)[shard.token_index]
             expect = np.maximum(full, 0)  # TE's padding slots hold token 0
@@ -123,11 +123,11 @@ def _check_layouts(cp_group, cp_size: int, cp_rank: int, seed: int) -> None:
                 assert params.max_seqlen_q == meta.max_seqlen_q == int(np.diff(shard.cu_seqlens_q).max(initial=0))
                 assert params.max_seqlen_kv == meta.max_seqlen_k == int(np.diff(shard.cu_seqlens_k).max(initial=0))
                 assert np.array_equal(meta.cu_seqlens_q.numpy(), shard.cu_seqlens_q)
-                assert np.array_equal(meta.segment_index.numpy(), shard.gather_rows())
+                assert np.array_equal(params.gather.segment_index.numpy(), shard.gather_rows())
                 # the middle-stage entry point: the same params, without the tokens
                 mid = cp_hooks.packed_seq_params_from_iterator(iter([batch]))
-                assert torch.equal(mid.varlen.segment_index, meta.segment_index)
-                assert torch.equal(mid.varlen.rope_positions, params.varlen.rope_positions)
+                assert torch.equal(mid.gather.segment_index, params.gather.segment_index)
+                assert torch.equal(mid.varlen.positions, params.varlen.positions)
                 # the pinned pretrain_gpt's THD path: the params our TP-rank hook handed out come back, whatever
                 # copy of their cu_seqlens Megatron's get_batch hands on
                 cp_hooks.hand_out(params)
@@ -175,7 +175,7 @@ def _check_core_attention(cp_group, cp_size: int, cp_rank: int) -> None:
     # sequence-parallel padding rows (rank_multiple): the real rows are unchanged, the padding rows are 0
     batch, _, params, segs, _ = _planned(7, "hybrid", cp_size, cp_rank, rank_multiple=8, cp_group=cp_group)
     idx = torch.as_tensor(batch.shard.token_index)
-    n, pad = len(idx), params.varlen.local_pad
+    n, pad = len(idx), params.gather.local_pad
     assert (n + pad) % 8 == 0 and pad < 8 and batch.num_rows == n + pad
     rows = [t[idx] for t in (q, k, v)]
     rows = [torch.cat([r, torch.randn(pad, *r.shape[1:])]) for r in rows]
@@ -374,10 +374,10 @@ def test_sequence_parallel_padding():
         seen = []
         for rank in range(4):
             batch, out, params, _, tokens = _planned(6, name, 4, rank, rank_multiple=4)
-            n, pad = len(batch.shard.token_index), params.varlen.local_pad
+            n, pad = len(batch.shard.token_index), params.gather.local_pad
             assert out["tokens"].shape[1] == n + pad and (n + pad) % 4 == 0 and 0 <= pad < 4
             assert torch.all(out["loss_mask"][0, n:] == 0) and torch.all(out["tokens"][0, n:] == 0)
-            assert params.varlen.rope_positions.numel() == n + pad
+            assert params.varlen.positions.numel() == n + pad
             seen += out["tokens"][0, :n].tolist()
         assert sorted(seen) == sorted(tokens.tolist())  # padding rows add no tokens, lose none
     # TE path: one trailing padding document (identical on every rank) instead of local rows
@@ -691,13 +691,19 @@ def test_the_varlen_record_travels_in_the_params_alone():
     import gc
     import weakref
 
-    from megatron_wlb.cp.device import Varlen
+    from megatron_wlb.cp.device import GatherPlan, Varlen
 
-    assert not {"tokens", "labels", "loss_mask", "position_ids"} & {f.name for f in dataclasses.fields(Varlen)}
+    # the kernel record is small (TorchTitan's has 5 fields): cu_seqlens, max lengths, positions; the all-gather
+    # plan apart; neither holds a batch tensor or a process group
+    assert [f.name for f in dataclasses.fields(Varlen)] == ["cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q",
+                                                            "max_seqlen_k", "positions", "rope_length",
+                                                            "cu_seqlens_padded"]
+    assert not {"tokens", "labels", "loss_mask", "position_ids", "group"} & \
+        {f.name for f in (*dataclasses.fields(Varlen), *dataclasses.fields(GatherPlan))}
     _, data, params, _, _ = _planned(3, "hybrid", 2, 1)
-    tensors = [t for t in (*data.values(), params.cu_seqlens_q, params.cu_seqlens_kv, *params.varlen.tensors())
-               if isinstance(t, torch.Tensor)]
-    assert not [t for t in tensors if any(isinstance(v, Varlen) for v in vars(t).values())]
+    tensors = [t for t in (*data.values(), params.cu_seqlens_q, params.cu_seqlens_kv, *params.varlen.tensors(),
+                           *params.gather.tensors()) if isinstance(t, torch.Tensor)]
+    assert not [t for t in tensors if any(isinstance(v, Varlen | GatherPlan) for v in vars(t).values())]
     record = weakref.ref(params.varlen)
     gc.disable()
     try:
@@ -745,13 +751,13 @@ def test_the_device_record_is_one_buffer_copied_once():
     batch, data, params, _, _ = _planned(6, "per-document", 2, 1, rank_multiple=4)
     device = upload(batch, "cpu")
     varlen = device.varlen
-    views = [device.tokens, device.labels, device.loss_mask, device.position_ids, varlen.rope_positions,
+    views = [device.tokens, device.labels, device.loss_mask, device.position_ids, varlen.positions,
              varlen.cu_seqlens_q, varlen.cu_seqlens_k]
     assert len({t.untyped_storage().data_ptr() for t in views}) == 1
     assert device.tokens.tolist() == batch.tokens.tolist() and device.loss_mask.tolist() == batch.loss_mask.tolist()
-    assert varlen.cu_seqlens_k.tolist() == batch.cu_seqlens_k.tolist() and varlen.local_pad == batch.local_pad
-    assert varlen.segment_index.tolist() == batch.shard.gather_rows().tolist()
+    assert varlen.cu_seqlens_k.tolist() == batch.cu_seqlens_k.tolist() and device.gather.local_pad == batch.local_pad
+    assert device.gather.segment_index.tolist() == batch.shard.gather_rows().tolist()
     meta = upload(batch, "cpu", tokens=False)  # middle stages: the metadata only, from the same function
-    assert meta.tokens is None and meta.varlen.segment_index.tolist() == varlen.segment_index.tolist()
+    assert meta.tokens is None and meta.gather.segment_index.tolist() == device.gather.segment_index.tolist()
     out, te = _te_rank([3, 3], 1)
     assert te.varlen.te and te.cu_seqlens_q.untyped_storage().data_ptr() == out["tokens"].untyped_storage().data_ptr()

@@ -6,10 +6,10 @@ packed_seq_params=...)``. With a packed (THD) micro-batch Megatron has already s
 ``[T, heads, head_dim]`` and expects ``[T, heads * head_dim]`` back; otherwise they are
 ``[s, b, heads, head_dim]`` and it expects ``[s, b, heads * head_dim]``. This module:
 
-- with ``WlbPackedSeqParams`` carrying our ``Varlen`` record (``cp_hooks``' non-TE layouts): calls
-  ``megatron_wlb.cp.attention.all_gather_cp_attention(q, k, v, varlen, group)`` over the CP group
-  (``pg_collection.cp``, else ``parallel_state``'s); GQA passes through (k/v keep their
-  ``num_query_groups`` heads and are all-gathered un-repeated);
+- with ``WlbPackedSeqParams`` carrying our ``Varlen`` record and ``GatherPlan`` (``cp_hooks``' non-TE layouts):
+  calls ``megatron_wlb.cp.attention.all_gather_cp_attention(q, k, v, varlen, gather, group)`` over the params'
+  group (dynamic CP: the micro-batch's own), else the layer's (``pg_collection.cp``, else ``parallel_state``'s);
+  GQA passes through (k/v keep their ``num_query_groups`` heads and are all-gathered un-repeated);
 - otherwise (no WLB metadata: Megatron's own batches, e.g. a non-WLB eval loader, or TE's THD params)
   delegates to the core attention the layer spec asked for (TE's or the local one), built alongside.
 
@@ -21,7 +21,7 @@ no sliding window and no softmax variants: those configurations are refused when
 RoPE: Megatron's THD RoPE assumes TE's per-document head-tail layout. ``install_core_attention`` also
 replaces ``apply_rotary_pos_emb`` as ``megatron.core.transformer.attention`` calls it: inside an attention called
 with a WLB micro-batch's params (``Attention.forward`` is wrapped to hold them for the call: ``attention_scope``),
-it rotates each local row by its position (``Varlen.rope_positions``); the record reaches RoPE by the params, as
+it rotates each local row by its position (``Varlen.positions``); the record reaches RoPE by the params, as
 it reaches the attention, recomputation included; no tensor carries it. Packed ``cu_seqlens`` with no params in
 scope, or WLB params without their record, raise: RoPE never falls back to Megatron's own for a WLB micro-batch.
 The rotary table is sized by ``RotaryEmbedding.get_rotary_seq_len`` (wrapped: ``Varlen.rope_length`` for ours),
@@ -51,7 +51,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_wlb.cp.attention import all_gather_cp_attention, varlen_attention
-from megatron_wlb.cp.device import Varlen
+from megatron_wlb.cp.device import GatherPlan, Varlen
 from megatron_wlb.megatron import hooks
 from megatron_wlb.megatron.rebind import wrapping
 from megatron_wlb.megatron.state import runtime
@@ -61,10 +61,12 @@ _CAUSAL = {AttnMaskType.causal, AttnMaskType.padding_causal}
 
 @dataclass
 class WlbPackedSeqParams(PackedSeqParams):
-    """``PackedSeqParams`` plus this CP rank's ``Varlen`` record: Megatron threads the params from ``forward_step``
-    through ``GPTModel`` to every layer, the one route of the record. Built by ``cp_hooks.packed_seq_params`` only,
-    always with a record (one without is refused wherever it arrives: ``record_of``)."""
+    """``PackedSeqParams`` plus this CP rank's ``Varlen`` kernel record and ``GatherPlan``: Megatron threads the
+    params from ``forward_step`` through ``GPTModel`` to every layer, the one route of both. Built by
+    ``cp_hooks.packed_seq_params`` only, always with both (params without are refused wherever they arrive:
+    ``record_of``)."""
     varlen: Varlen | None = None
+    gather: GatherPlan | None = None
 
 
 def record_of(params: Any, where: str) -> Varlen | None:
@@ -72,9 +74,10 @@ def record_of(params: Any, where: str) -> Varlen | None:
     Megatron's own batch (no params, or its plain ``PackedSeqParams``). Raises for WLB params without their record,
     and for Megatron's own THD params where every batch of this run is a WLB micro-batch (its record was lost)."""
     if isinstance(params, WlbPackedSeqParams):
-        if params.varlen is None:
-            raise RuntimeError(f"megatron_wlb: {where} got WlbPackedSeqParams without their Varlen record; build them "
-                               "with cp_hooks.packed_seq_params (or upload_micro_batch), which always sets it")
+        if params.varlen is None or params.gather is None:
+            raise RuntimeError(f"megatron_wlb: {where} got WlbPackedSeqParams without their Varlen record or "
+                               "GatherPlan; build them with cp_hooks.packed_seq_params (or upload_micro_batch), "
+                               "which always sets both")
         return params.varlen
     if getattr(params, "qkv_format", None) == "thd" and every_batch_is_packed():
         raise RuntimeError(f"megatron_wlb: {where} got Megatron's own {type(params).__name__} (no WLB record) but "
@@ -229,8 +232,9 @@ class WlbCoreAttention(MegatronModule):
             raise ValueError(f"WLB-LLM attention is document-causal; got attn_mask_type={mask_type}")
         if attention_bias is not None:
             raise ValueError("WLB-LLM attention takes no attention_bias")
-        return wlb_attention_forward(query, key, value, varlen,  # dynamic CP: over the micro-batch's own group
-                                     self.cp_group() if varlen.group is None else varlen.group, self.softmax_scale)
+        group = packed_seq_params.cp_group  # the micro-batch's (dynamic CP: its block's), else the layer's
+        return wlb_attention_forward(query, key, value, varlen, packed_seq_params.gather,
+                                     self.cp_group() if group is None else group, self.softmax_scale)
 
     def _megatron_thd(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       attn_mask_type: AttnMaskType | None, params: Any) -> torch.Tensor:
@@ -265,13 +269,13 @@ def every_batch_is_packed() -> bool:
     return rt.registry is not None and bool(rt.registry.iterators) and not rt.megatron_loaders
 
 
-def wlb_attention_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, meta: Varlen, group: Any,
-                          softmax_scale: float | None = None) -> torch.Tensor:
+def wlb_attention_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, varlen: Varlen,
+                          gather: GatherPlan, group: Any, softmax_scale: float | None = None) -> torch.Tensor:
     """The tensor plumbing of ``WlbCoreAttention`` (separate so tests can drive it without a layer).
 
     Accepts THD ``[T, H, D]`` or ``[s, b, H, D]`` with b == 1 (a packed micro-batch), runs the
-    all-gather CP attention on ``[T, H, D]`` with ``meta`` (the micro-batch's ``Varlen`` record) and
-    returns ``[T, H*D]`` or ``[s, b, H*D]``. The last ``meta.local_pad`` rows (sequence-parallel
+    all-gather CP attention on ``[T, H, D]`` with the micro-batch's ``varlen`` record and ``gather`` plan and
+    returns ``[T, H*D]`` or ``[s, b, H*D]``. The last ``gather.local_pad`` rows (sequence-parallel
     padding) attend to nothing: their output is zero.
     """
     sbhd = query.dim() == 4
@@ -287,13 +291,13 @@ def wlb_attention_forward(query: torch.Tensor, key: torch.Tensor, value: torch.T
     if k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2] or q.shape[1] % k.shape[1]:
         raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: k and v must match, share "
                          "q's tokens and head_dim, and q's heads must be a multiple of k's (GQA)")
-    n_local, local_pad = meta.num_tokens, meta.local_pad
+    n_local, local_pad = gather.num_tokens, gather.local_pad
     if q.shape[0] != n_local + local_pad:
         raise ValueError(f"{q.shape[0]} local tokens but this rank's shard holds {n_local}"
                          + (f" plus {local_pad} padding rows" if local_pad else ""))
     if local_pad:
         q, k, v = q[:n_local], k[:n_local], v[:n_local]
-    out = all_gather_cp_attention(q, k, v, meta, group, softmax_scale=softmax_scale)
+    out = all_gather_cp_attention(q, k, v, varlen, gather, group, softmax_scale=softmax_scale)
     out = out.reshape(n_local, -1)
     if local_pad:
         out = torch.cat([out, out.new_zeros(local_pad, out.shape[1])])
@@ -353,12 +357,12 @@ def wlb_apply_rotary_pos_emb(original: Callable) -> Callable:
                              if extra.get(k))
         if unsupported:
             raise ValueError(f"RoPE: {', '.join(unsupported)} is not supported for WLB packed micro-batches")
-        if varlen.rope_positions.shape[0] != t.shape[0]:
-            raise ValueError(f"RoPE: {varlen.rope_positions.shape[0]} position ids for {t.shape[0]} local tokens")
+        if varlen.positions.shape[0] != t.shape[0]:
+            raise ValueError(f"RoPE: {varlen.positions.shape[0]} position ids for {t.shape[0]} local tokens")
         if varlen.rope_length > freqs.shape[0]:
             raise ValueError(f"RoPE: position {varlen.rope_length - 1} beyond the {freqs.shape[0]} rotary positions "
                              "computed (max_seqlen too small)")
-        local = freqs.index_select(0, varlen.rope_positions)
+        local = freqs.index_select(0, varlen.positions)
         return _apply_rotary_pos_emb_bshd(t.unsqueeze(1), local, rotary_interleaved=config.rotary_interleaved,
                                           multi_latent_attention=config.multi_latent_attention,
                                           mscale=mscale).squeeze(1)

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from megatron_wlb.cp.device import DeviceBatch, Varlen, upload
+from megatron_wlb.cp.device import DeviceBatch, upload
 from megatron_wlb.cp.dynamic_groups import block_groups, group_of
 from megatron_wlb.cp.plan import RankMicroBatch
 from megatron_wlb.megatron import attention as wlb_attention
@@ -75,8 +75,9 @@ def upload_micro_batch(batch: RankMicroBatch, device: torch.device | None = None
         for tensor in on_device.tensors():
             tensor.record_stream(stream)  # the caching allocator must not reuse them before this stream is done
     else:
-        on_device = upload(batch, device, tokens=tokens, group=block_group(batch))
-    return megatron_batch(on_device, _cp_group() if cp_group is None else cp_group)
+        on_device = upload(batch, device, tokens=tokens)
+    group = block_group(batch)  # dynamic CP: the micro-batch's block
+    return megatron_batch(on_device, group if group is not None else _cp_group() if cp_group is None else cp_group)
 
 
 #: dynamic CP: this rank's pool's block process groups, ``(first slot, size) -> group`` (``make_dynamic_groups``)
@@ -107,18 +108,18 @@ def block_group(batch: RankMicroBatch) -> Any:
 
 def megatron_batch(batch: DeviceBatch, cp_group: Any) -> tuple[dict[str, torch.Tensor | None], WlbPackedSeqParams]:
     """Megatron's batch dict and ``WlbPackedSeqParams`` over the tensors of ``batch`` (no copy); ``cp_group``:
-    the run's, unless the record names its own (dynamic CP)."""
+    the micro-batch's (the run's, or with dynamic CP its block's)."""
     data: dict[str, torch.Tensor | None] = {}
     if batch.tokens is not None:
         data = {"tokens": batch.tokens, "labels": batch.labels, "loss_mask": batch.loss_mask, "attention_mask": None,
                 "position_ids": batch.position_ids}
-    return data, packed_seq_params(batch.varlen, cp_group)
+    return data, packed_seq_params(batch, cp_group)
 
 
-def packed_seq_params(varlen: Varlen, cp_group: Any) -> WlbPackedSeqParams:
-    """The ``WlbPackedSeqParams`` of a record: its kernel fields in Megatron's names, and the record itself;
-    the CP group is the record's own (dynamic CP) or else ``cp_group``."""
-    cp_group = cp_group if varlen.group is None else varlen.group
+def packed_seq_params(batch: DeviceBatch, cp_group: Any) -> WlbPackedSeqParams:
+    """The ``WlbPackedSeqParams`` of an uploaded micro-batch: its kernel record's fields in Megatron's names, the
+    record itself and its all-gather plan; ``cp_group``: the micro-batch's (the all-gather attention's)."""
+    varlen, gather = batch.varlen, batch.gather
     if varlen.te:
         # TE infers padding between sequences whenever the padded offsets are another tensor, which rules
         # out its FlashAttention backend: nothing padded, the same tensor (``upload`` makes it so). cp_group
@@ -127,12 +128,12 @@ def packed_seq_params(varlen: Varlen, cp_group: Any) -> WlbPackedSeqParams:
         return WlbPackedSeqParams(qkv_format="thd", cu_seqlens_q=varlen.cu_seqlens_q, cu_seqlens_kv=varlen.cu_seqlens_k,
                                   cu_seqlens_q_padded=varlen.cu_seqlens_padded,
                                   cu_seqlens_kv_padded=varlen.cu_seqlens_padded, max_seqlen_q=varlen.max_seqlen_q,
-                                  max_seqlen_kv=varlen.max_seqlen_k, cp_group=None, varlen=varlen)
+                                  max_seqlen_kv=varlen.max_seqlen_k, cp_group=None, varlen=varlen, gather=gather)
     # max_seqlen_* the kernel's (the longest query run, key segment); the rotary table is sized by the record
     # (attention.wrap_get_rotary_seq_len), RoPE reads the record through the params its attention holds
     return WlbPackedSeqParams(qkv_format="thd", cu_seqlens_q=varlen.cu_seqlens_q, cu_seqlens_kv=varlen.cu_seqlens_k,
                               max_seqlen_q=varlen.max_seqlen_q, max_seqlen_kv=varlen.max_seqlen_k,
-                              cp_group=cp_group, varlen=varlen)
+                              cp_group=cp_group, varlen=varlen, gather=gather)
 
 
 @dataclass(frozen=True)
@@ -156,7 +157,7 @@ def stage_upload(batch: RankMicroBatch, device: torch.device) -> Staged | None:
     torch.cuda.set_device(device)
     stream = _SIDE_STREAMS.setdefault(device, torch.cuda.Stream(device))
     with torch.cuda.stream(stream):
-        on_device = upload(batch, device, group=block_group(batch))
+        on_device = upload(batch, device)
         event = torch.cuda.Event()
         event.record(stream)
     return Staged(device, event, on_device)
