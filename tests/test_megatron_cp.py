@@ -526,6 +526,12 @@ def test_max_seqlen_is_the_kernels_and_the_rotary_table_the_plans():
     plain = PackedSeqParams(qkv_format="thd", max_seqlen_q=7, max_seqlen_kv=9)
     assert wrapped(None, None, None, None, None, plain) == 9
 
+    def renamed(self, inference_context, transformer, transformer_input, transformer_config, packed=None):
+        return 0
+
+    with pytest.raises(RuntimeError, match="takes no packed_seq_params"):  # a release that renamed the argument
+        attention.wrap_get_rotary_seq_len(renamed)
+
 
 def test_swap_core_attention_on_spec():
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec

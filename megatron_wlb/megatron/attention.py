@@ -377,7 +377,11 @@ def _attention_forward() -> Any:
 
 def _argument(original: Callable, name: str) -> Callable[[tuple, dict], Any]:
     """A reader of argument ``name`` of a call to method ``original`` (given ``self``-less args, kwargs)."""
-    index = list(inspect.signature(original).parameters).index(name) - 1  # less self
+    parameters = list(inspect.signature(original).parameters)
+    if name not in parameters:
+        raise RuntimeError(f"megatron_wlb: {original.__qualname__}({', '.join(parameters)}) takes no {name} in this "
+                           "Megatron, where megatron_wlb reads the micro-batch's record: this release is not supported")
+    index = parameters.index(name) - 1  # less self
 
     def read(args: tuple, kwargs: dict) -> Any:
         return kwargs[name] if name in kwargs else (args[index] if len(args) > index else None)
