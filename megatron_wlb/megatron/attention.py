@@ -342,9 +342,10 @@ def wlb_apply_rotary_pos_emb(original: Callable) -> Callable:
         if cu_seqlens is None:  # not a packed batch
             return original(t, freqs, config, cu_seqlens=cu_seqlens, mscale=mscale, cp_group=cp_group, **extra)
         if not _SCOPE.inside or _SCOPE.params is None:
+            held = ", ".join(hooks.hooks_in(_attention_forward())) or "none"
             raise RuntimeError("megatron_wlb: RoPE got packed cu_seqlens outside an attention call holding its "
-                               "packed-sequence params (Attention.forward is not megatron_wlb's wrapper, "
-                               f"{hooks.hooks_in(_attention_forward())}), so the micro-batch's record is lost")
+                               f"packed-sequence params (hooks on Attention.forward: {held}), so the micro-batch's "
+                               "record is lost")
         varlen = record_of(_SCOPE.params, "RoPE")
         if varlen is None or varlen.te:
             return original(t, freqs, config, cu_seqlens=cu_seqlens, mscale=mscale, cp_group=cp_group, **extra)
