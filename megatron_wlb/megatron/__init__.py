@@ -35,10 +35,10 @@ Megatron; ``apply()`` imports them.
 
 from __future__ import annotations
 
-from megatron_wlb.megatron import hooks
-from megatron_wlb.megatron.checkpoint import DataStateRegistry
-from megatron_wlb.megatron.compat import install_python_shims, refuse_spawned_reimport
-from megatron_wlb.megatron.iterators import (
+from megatron_wlb.megatron.args.compat import install_python_shims, refuse_spawned_reimport
+from megatron_wlb.megatron.args.settings import WlbSettings
+from megatron_wlb.megatron.args.version import check_core_version, import_training_modules, training_import_error
+from megatron_wlb.megatron.data.iterators import (
     build_train_iterator,
     cp_sharding_from_args,
     iterations_for,
@@ -47,10 +47,10 @@ from megatron_wlb.megatron.iterators import (
     reader_from_args,
     stream_tokens_for,
 )
-from megatron_wlb.megatron.main_schedule import register as register_main_scheduler
-from megatron_wlb.megatron.settings import WlbSettings
-from megatron_wlb.megatron.state import Runtime, runtime
-from megatron_wlb.megatron.version import check_core_version, import_training_modules, training_import_error
+from megatron_wlb.megatron.hooks import table as hooks
+from megatron_wlb.megatron.hooks.main_schedule import register as register_main_scheduler
+from megatron_wlb.megatron.state.checkpoint import DataStateRegistry
+from megatron_wlb.megatron.state.process import Runtime, runtime
 
 __all__ = ["ENTRY_POINT_REFUSAL", "Runtime", "WlbSettings", "apply", "build_train_iterator", "cp_sharding_from_args",
            "iterations_for", "pinned_tp_rank_batch", "pretrain_gpt_batch", "reader_from_args", "runtime",
@@ -62,15 +62,15 @@ ENTRY_POINT_REFUSAL = (
     "iterator on TP rank 0 only, skips middle pipeline stages and rebuilds PackedSeqParams from cu_seqlens, so "
     "WLB-LLM's packed micro-batches cannot pass through it with apply() alone (its first step would fail). Ways "
     "in: a core_v0.19.0 checkout patched with scripts/apply_patches.sh (its own pretrain_gpt.py, builders and "
-    "loss), or python -m megatron_wlb.megatron.launcher; a get_batch of your own that reads the iterator on "
-    "every rank (megatron_wlb.megatron.launcher.get_batch) says so with apply(middle_stage_batches=True)")
+    "loss), or python -m megatron_wlb.megatron.entry.launcher; a get_batch of your own that reads the iterator on "
+    "every rank (megatron_wlb.megatron.entry.launcher.get_batch) says so with apply(middle_stage_batches=True)")
 
 
 def apply(*, check_version: bool = True, middle_stage_batches: bool = False) -> Runtime:
     """Install the WLB-LLM hooks into this Megatron-LM process (idempotent); returns the runtime state.
 
     ``middle_stage_batches``: say True only if the caller's ``get_batch`` gives middle pipeline stages
-    (and virtual stages) the micro-batch's packed-sequence params, as ``megatron_wlb.megatron.launcher``
+    (and virtual stages) the micro-batch's packed-sequence params, as ``megatron_wlb.megatron.entry.launcher``
     and the patched ``pretrain_gpt.py`` do; otherwise runs with middle stages are refused at start-up, and
     on megatron-core >= 0.18 apply() itself refuses (``ENTRY_POINT_REFUSAL``: that script's get_batch cannot
     carry our micro-batches unpatched).
@@ -93,12 +93,12 @@ def apply(*, check_version: bool = True, middle_stage_batches: bool = False) -> 
     # core < 0.18 (pinned core_v0.16.1): pretrain_gpt.get_batch reads the batch on TP rank 0 and broadcasts
     # it through megatron.training.utils.get_batch_on_this_tp_rank; our iterator is read on every rank.
     # From core_v0.18 that function moved to megatron.core.utils with another signature, and our
-    # launcher (megatron_wlb.megatron.launcher) reads the iterator on every rank itself.
+    # launcher (megatron_wlb.megatron.entry.launcher) reads the iterator on every rank itself.
     if not hasattr(mods["utils"], "get_batch_on_this_tp_rank") and not middle_stage_batches:
         raise RuntimeError(ENTRY_POINT_REFUSAL)
     rt.registry = DataStateRegistry()
     # the training loop's hooks, and the start-up builds made safe where the machine lacks the toolchain
-    from megatron_wlb.megatron.training_hooks import apply_phase_options  # imports torch and Megatron
+    from megatron_wlb.megatron.hooks.training_hooks import apply_phase_options  # imports torch and Megatron
 
     rt.originals.update(hooks.install("apply", apply_phase_options()))
     rt.installed = True
