@@ -22,14 +22,16 @@ datasets (``agreement.check_startup_agreement``; the datasets also against a res
 
 Call ``megatron_wlb.megatron.apply()`` in ``pretrain_gpt.py`` before ``pretrain(...)`` (the patch in
 ``patches/`` does this), then launch with ``--wlb-*`` flags. ``apply()`` checks the megatron-core version and
-installs the Megatron functions we replace: ``hooks.HOOKS`` is their one list (where each lives, the releases it
+installs the Megatron functions we replace: ``hooks.table.HOOKS`` is their one list (where each lives, the releases it
 applies to, why, when it is installed and the function that builds it); a hook a release requires that finds
 nothing to replace stops start-up in one line.
 
-This module holds the public API only. Where the rest lives: ``hooks`` (the table and its installer),
-``training_hooks`` (the training-loop replacements), ``iterators`` (building the data path from Megatron's
-args), ``recording`` (step timing), ``online`` (the online refit), ``state`` (the process's ``Runtime``),
-``megatron_args`` (the typed view of Megatron's args). Importing this package needs neither torch nor
+This module holds the public API only. The rest lives in five sub-packages, by concern (each one's docstring says
+what it owns; lowest first, a sub-package imports only those below it, tests/test_import_layers.py): ``args``
+(Megatron's args: the typed view, our flags and settings, validation, version checks), ``data`` (the data path:
+iterators, GPTDataset and SFT intake, prefetch), ``state`` (the run's state: ``Runtime``, checkpoint sidecar,
+agreement, step timing, online refit, metrics), ``hooks`` (the table of the Megatron functions we replace and the
+replacements) and ``entry`` (the ways in: launcher, CPU harness). Importing this package needs neither torch nor
 Megatron; ``apply()`` imports them.
 """
 
@@ -76,7 +78,7 @@ def apply(*, check_version: bool = True, middle_stage_batches: bool = False) -> 
     carry our micro-batches unpatched).
 
     Raises RuntimeError when megatron-core is outside ``version.SUPPORTED_SERIES``, Megatron's training code is
-    not importable, or a hook this release requires finds nothing to replace (``hooks.MissingHookTarget``).
+    not importable, or a hook this release requires finds nothing to replace (``hooks.table.MissingHookTarget``).
     """
     refuse_spawned_reimport()
     install_python_shims()  # before anything imports megatron-core (0.19 needs typing.override)
