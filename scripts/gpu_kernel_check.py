@@ -65,10 +65,10 @@ def check_case(lengths: list[int], cp: int, layout: str, heads: int, kv_heads: i
         cu_q = torch.as_tensor(shard.cu_seqlens_q, dtype=torch.int32)
         cu_k = torch.as_tensor(shard.cu_seqlens_k, dtype=torch.int32)
         if cp == 1:  # the training entry point itself (segments picked from the local K/V)
-            meta = upload(layout_batch(lay, rank), device, tokens=False).varlen
+            meta = upload(layout_batch(lay, rank), device, tokens=False)
 
             def kernel(q_, k_, v_, meta=meta):
-                return all_gather_cp_attention(q_, k_, v_, meta, None, backend=backend)
+                return all_gather_cp_attention(q_, k_, v_, meta.varlen, meta.gather, None, backend=backend)
 
             def reference(q_, k_, v_, shard=shard):
                 rows = torch.as_tensor(shard.gather_rows(), dtype=torch.long)

@@ -17,16 +17,17 @@ from megatron_wlb.cp.attention import (
     reference_varlen_attention,
     resolve_backend,
 )
-from megatron_wlb.cp.device import Varlen, upload
+from megatron_wlb.cp.device import DeviceBatch, upload
 from megatron_wlb.cp.layouts import LAYOUT_NAMES, ShardLayout, build_layout
 from megatron_wlb.cp.plan import layout_batch
 
 HEADS, KV_HEADS, DIM = 4, 2, 8
 
 
-def _meta(layout: ShardLayout, rank: int) -> Varlen:
-    """Rank ``rank``'s varlen record of ``layout``, as the training path makes it (one upload)."""
-    return upload(layout_batch(layout, rank), "cpu", tokens=False).varlen
+def _meta(layout: ShardLayout, rank: int) -> DeviceBatch:
+    """Rank ``rank``'s upload of ``layout`` (its ``varlen`` record and ``gather`` plan), as the training path makes
+    it (one upload)."""
+    return upload(layout_batch(layout, rank), "cpu", tokens=False)
 
 
 def _length_mixes(cp: int, seed: int) -> list[list[int]]:
@@ -61,7 +62,8 @@ def _check_case(lengths: list[int], cp: int, rank: int, layout: str, tile: int, 
     ql = q.detach()[idx].clone().requires_grad_(True)
     kl = k.detach()[idx].clone().requires_grad_(True)
     vl = v.detach()[idx].clone().requires_grad_(True)
-    out = AllGatherCPAttention(backend="auto")(ql, kl, vl, _meta(lay, rank), group)
+    meta = _meta(lay, rank)
+    out = AllGatherCPAttention(backend="auto")(ql, kl, vl, meta.varlen, meta.gather, group)
     (out * g[idx]).sum().backward()
     what = f"layout={layout} (used {lay.name}) lengths={lengths} cp={cp} rank={rank} tile={tile}"
     torch.testing.assert_close(out, ref.detach()[idx], rtol=1e-4, atol=1e-5, msg=lambda m: f"out {what}: {m}")
@@ -81,10 +83,10 @@ def _worker(rank: int, cp: int) -> None:
     # Metadata that does not match the process group fails before any collective (no hang).
     lay = build_layout("per-document", [5, 9], cp)
     wrong = _meta(lay, (rank + 1) % cp)
-    n = wrong.num_tokens
+    n = wrong.gather.num_tokens
     try:
         all_gather_cp_attention(torch.zeros(n, HEADS, DIM), torch.zeros(n, KV_HEADS, DIM),
-                                torch.zeros(n, KV_HEADS, DIM), wrong, group)
+                                torch.zeros(n, KV_HEADS, DIM), wrong.varlen, wrong.gather, group)
     except ValueError as exc:
         assert "rank" in str(exc), exc
     else:
@@ -101,19 +103,19 @@ def test_single_process_cp1_and_errors():
     shard = _meta(lay, 0)
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(10, h, DIM, generator=gen) for h in (HEADS, KV_HEADS, KV_HEADS))
-    out = all_gather_cp_attention(q, k, v, shard, None)
+    out = all_gather_cp_attention(q, k, v, shard.varlen, shard.gather, None)
     torch.testing.assert_close(out, reference_document_attention(q, k, v, [0, 3, 4, 10]))
     with pytest.raises(ValueError, match="owns 10 tokens"):
-        all_gather_cp_attention(q[:9], k[:9], v[:9], shard, None)
+        all_gather_cp_attention(q[:9], k[:9], v[:9], shard.varlen, shard.gather, None)
     with pytest.raises(ValueError, match="multiple of k/v heads"):
-        all_gather_cp_attention(torch.randn(10, 3, DIM), k, v, shard, None)
+        all_gather_cp_attention(torch.randn(10, 3, DIM), k, v, shard.varlen, shard.gather, None)
     with pytest.raises(ValueError, match="tokens, heads, head_dim"):
-        all_gather_cp_attention(q.reshape(10, -1), k, v, shard, None)
+        all_gather_cp_attention(q.reshape(10, -1), k, v, shard.varlen, shard.gather, None)
     with pytest.raises(ValueError, match="not initialised"):
         two = _meta(build_layout("per-sequence", [3, 1, 6], 2), 0)
-        all_gather_cp_attention(q[:5], k[:5], v[:5], two, None)
+        all_gather_cp_attention(q[:5], k[:5], v[:5], two.varlen, two.gather, None)
     with pytest.raises(ValueError, match="reads a Varlen record"):
-        all_gather_cp_attention(q, k, v, lay.ranks[0], None)  # type: ignore[arg-type]
+        all_gather_cp_attention(q, k, v, lay.ranks[0], shard.gather, None)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="unknown attention backend"):
         AllGatherCPAttention(backend="ring")
     with pytest.raises(ValueError, match="needs CUDA"):
@@ -156,7 +158,7 @@ def test_segment_index_expands_gather_pieces_on_the_device():
     for name in LAYOUT_NAMES:
         lay = build_layout(name, [7, 1, 30, 2, 16], 4, tile=4)
         for rank, shard in enumerate(lay.ranks):
-            rows = _meta(lay, rank).segment_index
+            rows = _meta(lay, rank).gather.segment_index
             assert rows.dtype == torch.long
             assert rows.tolist() == shard.gather_rows().tolist()
             assert rows.numel() == shard.kv_index.size
@@ -262,8 +264,8 @@ def test_the_kernel_gets_the_uploaded_metadata_as_is(monkeypatch):
     gen = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(22, h, DIM, generator=gen) for h in (HEADS, KV_HEADS, KV_HEADS))
     for _ in range(2):  # two layers of one forward: the same tensors both times
-        out = all_gather_cp_attention(q, k, v, meta, None)
-    assert all(s[0] is meta.cu_seqlens_q and s[1] is meta.cu_seqlens_k for s in seen) and len(seen) == 2
+        out = all_gather_cp_attention(q, k, v, meta.varlen, meta.gather, None)
+    assert all(s[0] is meta.varlen.cu_seqlens_q and s[1] is meta.varlen.cu_seqlens_k for s in seen) and len(seen) == 2
     assert all(type(s[2]) is int and type(s[3]) is int for s in seen)
     torch.testing.assert_close(out, reference_document_attention(q, k, v, [0, 7, 10, 22]))
 
@@ -404,17 +406,17 @@ def test_cp1_passes_kv_to_the_kernel_without_copies(monkeypatch):
     monkeypatch.setattr(attention, "resolve_backend", lambda backend, device, dtype=None: "torch-varlen")
     monkeypatch.setattr(attention, "_torch_varlen", kernel)
     meta = _meta(build_layout("hybrid", np.array([7, 3, 12]), 1), 0)
-    assert meta.identity_segments
+    assert meta.gather.identity_segments
     gen = torch.Generator().manual_seed(5)
     q, k, v = (torch.randn(22, h, DIM, generator=gen) for h in (HEADS, KV_HEADS, KV_HEADS))
-    all_gather_cp_attention(q, k, v, meta, None)
+    all_gather_cp_attention(q, k, v, meta.varlen, meta.gather, None)
     assert seen == [(k.data_ptr(), v.data_ptr())]
     split = _meta(build_layout("per-document", np.array([7, 3, 12]), 1), 0)
-    assert not split.identity_segments
-    out = all_gather_cp_attention(q, k, v, split, None)
+    assert not split.gather.identity_segments
+    out = all_gather_cp_attention(q, k, v, split.varlen, split.gather, None)
     torch.testing.assert_close(out, reference_document_attention(q, k, v, [0, 7, 10, 22]))
     two = build_layout("hybrid", np.array([7, 3, 12]), 2)
-    assert not any(_meta(two, rank).identity_segments for rank in range(2))
+    assert not any(_meta(two, rank).gather.identity_segments for rank in range(2))
 
 
 def _deterministic_worker(rank: int, cp: int) -> None:

@@ -7,7 +7,7 @@ shapes (``variable_seq_lengths``), and middle stages build each micro-batch's at
 the same record. PP2 x CP2 (4 ranks, gloo, the tiny GPT) trains the CP 1 run's (PP2) loss and grad norm within
 1e-5 relative at every iteration, every document once, each slot's two stages running the same micro-batch at
 every step (from the timing trace). The pinned core 0.16 ``get_batch`` path (whose middle and other stages get
-their params back from the ``cu_seqlens`` carrier) keeps each micro-batch's group.
+their params back as handed out with the ``cu_seqlens``) keeps each micro-batch's group.
 """
 
 from __future__ import annotations
@@ -50,8 +50,9 @@ def _assert_stages_run_the_same_groups(run) -> None:
 
 
 def test_the_pinned_get_batch_path_keeps_the_micro_batchs_group(monkeypatch):
-    """The pinned ``pretrain_gpt.get_batch`` hands our THD hook only the ``cu_seqlens`` carrier: the params it gives
-    back name the micro-batch's dynamic-CP group (not the run's fixed CP group), as the direct upload does."""
+    """The pinned ``pretrain_gpt.get_batch`` hands our THD hook only the ``cu_seqlens``: the params it takes back
+    (``cp_hooks.hand_out``) name the micro-batch's dynamic-CP group (not the run's fixed CP group), as the direct
+    upload does."""
     import numpy as np
 
     from megatron_wlb.cp.dynamic import GroupMicroBatch
@@ -70,6 +71,7 @@ def test_the_pinned_get_batch_path_keeps_the_micro_batchs_group(monkeypatch):
     assert record.block == (2, 2)
     fields = cp_hooks.pinned_batch_fields(record)
     _, params = cp_hooks.get_thd_batch_on_this_cp_rank({}, fields["cu_seqlens"], None, fields["max_seqlen"])
-    assert params.varlen.group is group and params.cp_group is group
+    assert params.cp_group is group
+    fields = cp_hooks.pinned_batch_fields(record)
     assert cp_hooks.packed_seq_params_of(fields["cu_seqlens"]).cp_group is group  # the patched 0.19 forward_step's
-    assert cp_hooks.upload_micro_batch(record, tokens=False)[1].varlen.group is group  # a middle stage's params
+    assert cp_hooks.upload_micro_batch(record, tokens=False)[1].cp_group is group  # a middle stage's params

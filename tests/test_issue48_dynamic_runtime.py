@@ -128,7 +128,9 @@ def _worker(rank: int, world: int) -> None:
             continue
         rows = torch.as_tensor(batch.tokens[0])
         mine = [t[rows].clone().requires_grad_() for t in (q, k, v)]
-        got = all_gather_cp_attention(*mine, upload(batch, "cpu").varlen, group_of(groups, mb.first_rank, mb.size))
+        on_device = upload(batch, "cpu")
+        got = all_gather_cp_attention(*mine, on_device.varlen, on_device.gather,
+                                      group_of(groups, mb.first_rank, mb.size))
         (got * weight[rows]).sum().backward()
         out.index_add_(0, rows, got.detach())
         count.index_add_(0, rows, torch.ones(rows.numel(), dtype=torch.float64))

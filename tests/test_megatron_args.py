@@ -333,7 +333,7 @@ print(json.dumps({"hooked": hooked, "bad": bad_msg, "my_extra": args.my_extra, "
                   "max_seq_len": rt.settings.max_seq_len, "T": tokens.shape[1], "expect_T": mb.tokens,
                   "labels_shift": bool((labels[0, :-1][loss_mask[0, :-1] > 0]
                                         == tokens[0, 1:][loss_mask[0, :-1] > 0]).all()),
-                  "cu": params.cu_seqlens_q.tolist(), "shard_tokens": int(params.varlen.num_tokens),
+                  "cu": params.cu_seqlens_q.tolist(), "shard_tokens": int(params.gather.num_tokens),
                   "qkv_format": params.qkv_format, "attention_mask": attention_mask is None, "hook": hook}))
 '''
 

@@ -25,8 +25,6 @@ pytest.importorskip("megatron.core")
 
 from conftest import run_world  # noqa: E402
 
-from megatron_wlb.cp.device import varlen_of  # noqa: E402
-
 LAYOUTS = ("per-sequence", "per-document", "per-document-te", "adaptive", "hybrid")
 
 
@@ -96,7 +94,7 @@ def _check_layouts(cp_group, cp_size: int, cp_rank: int, seed: int) -> None:
             layout = build_layout(name, segs, cp_size)
             shard = layout.ranks[cp_rank]
             padded = np.asarray(layout.padded_lengths)
-            assert params.varlen.layout == layout.name and batch.layout.name == layout.name
+            assert params.gather.layout == layout.name and batch.layout.name == layout.name
             real = np.concatenate([tokens, np.zeros(int(segs.sum()) - tokens.size, dtype=np.int64)])
             full = _padded_view(real, segs, padded)[shard.token_index]
             expect = np.maximum(full, 0)  # TE's padding slots hold token 0
@@ -120,19 +118,21 @@ def _check_layouts(cp_group, cp_size: int, cp_rank: int, seed: int) -> None:
             else:
                 meta = params.varlen
                 assert params.qkv_format == "thd" and params.cp_group is cp_group
-                # the params' cu_seqlens carry the record (what RoPE reads): a view of its tensor, no copy
-                assert varlen_of(params.cu_seqlens_q) is meta and meta.cu_seqlens_q.dtype == torch.int32
-                assert params.cu_seqlens_q.data_ptr() == meta.cu_seqlens_q.data_ptr()
+                # the params' cu_seqlens are the record's own tensors (no carrier view); max_seqlen_* the kernel's
+                assert params.cu_seqlens_q is meta.cu_seqlens_q and meta.cu_seqlens_q.dtype == torch.int32
+                assert params.max_seqlen_q == meta.max_seqlen_q == int(np.diff(shard.cu_seqlens_q).max(initial=0))
+                assert params.max_seqlen_kv == meta.max_seqlen_k == int(np.diff(shard.cu_seqlens_k).max(initial=0))
                 assert np.array_equal(meta.cu_seqlens_q.numpy(), shard.cu_seqlens_q)
-                assert np.array_equal(meta.segment_index.numpy(), shard.gather_rows())
-                assert params.max_seqlen_q >= int(padded.max())
+                assert np.array_equal(params.gather.segment_index.numpy(), shard.gather_rows())
                 # the middle-stage entry point: the same params, without the tokens
                 mid = cp_hooks.packed_seq_params_from_iterator(iter([batch]))
-                assert torch.equal(mid.varlen.segment_index, meta.segment_index)
-                assert torch.equal(mid.varlen.rope_positions, params.varlen.rope_positions)
-                # the pinned pretrain_gpt's THD path: the cu_seqlens our TP-rank hook gives back their params
-                same = cp_hooks.get_thd_batch_on_this_cp_rank(dict(data), params.cu_seqlens_q, None, None)
-                assert same[1].varlen is meta and same[0]["tokens"] is data["tokens"]
+                assert torch.equal(mid.gather.segment_index, params.gather.segment_index)
+                assert torch.equal(mid.varlen.positions, params.varlen.positions)
+                # the pinned pretrain_gpt's THD path: the params our TP-rank hook handed out come back, whatever
+                # copy of their cu_seqlens Megatron's get_batch hands on
+                cp_hooks.hand_out(params)
+                same = cp_hooks.get_thd_batch_on_this_cp_rank(dict(data), params.cu_seqlens_q.clone(), None, None)
+                assert same[1] is params and same[0]["tokens"] is data["tokens"]
             # the CP ranks' token positions tile the padded micro-batch, each exactly once
             gathered = [None] * cp_size
             dist.all_gather_object(gathered, (shard.token_index.tolist(), expect[held].tolist()), group=cp_group)
@@ -175,7 +175,7 @@ def _check_core_attention(cp_group, cp_size: int, cp_rank: int) -> None:
     # sequence-parallel padding rows (rank_multiple): the real rows are unchanged, the padding rows are 0
     batch, _, params, segs, _ = _planned(7, "hybrid", cp_size, cp_rank, rank_multiple=8, cp_group=cp_group)
     idx = torch.as_tensor(batch.shard.token_index)
-    n, pad = len(idx), params.varlen.local_pad
+    n, pad = len(idx), params.gather.local_pad
     assert (n + pad) % 8 == 0 and pad < 8 and batch.num_rows == n + pad
     rows = [t[idx] for t in (q, k, v)]
     rows = [torch.cat([r, torch.randn(pad, *r.shape[1:])]) for r in rows]
@@ -228,7 +228,7 @@ def _check_self_attention(cp_size: int, cp_rank: int) -> None:
     x = torch.randn(total, 1, hidden, generator=torch.Generator().manual_seed(9))
     rope = RotaryEmbedding(kv_channels=dim, rotary_percent=1.0, use_cpu_initialization=True)
     # RotaryEmbedding.forward moves to CUDA; build its [S, 1, 1, dim] table the same way on CPU
-    angles = torch.outer(torch.arange(params.max_seqlen_q, dtype=rope.inv_freq.dtype), rope.inv_freq)
+    angles = torch.outer(torch.arange(params.varlen.rope_length, dtype=rope.inv_freq.dtype), rope.inv_freq)
     freqs = torch.cat((angles, angles), dim=-1)[:, None, None, :]
     idx = torch.as_tensor(batch.shard.token_index)
     out, _ = layer(x[idx], None, rotary_pos_emb=freqs, packed_seq_params=params)
@@ -374,10 +374,10 @@ def test_sequence_parallel_padding():
         seen = []
         for rank in range(4):
             batch, out, params, _, tokens = _planned(6, name, 4, rank, rank_multiple=4)
-            n, pad = len(batch.shard.token_index), params.varlen.local_pad
+            n, pad = len(batch.shard.token_index), params.gather.local_pad
             assert out["tokens"].shape[1] == n + pad and (n + pad) % 4 == 0 and 0 <= pad < 4
             assert torch.all(out["loss_mask"][0, n:] == 0) and torch.all(out["tokens"][0, n:] == 0)
-            assert params.varlen.rope_positions.numel() == n + pad
+            assert params.varlen.positions.numel() == n + pad
             seen += out["tokens"][0, :n].tolist()
         assert sorted(seen) == sorted(tokens.tolist())  # padding rows add no tokens, lose none
     # TE path: one trailing padding document (identical on every rank) instead of local rows
@@ -391,12 +391,15 @@ def test_sequence_parallel_padding():
 
 
 def test_rope_hook_rotates_by_true_positions():
-    """The wrapped apply_rotary_pos_emb rotates each local token by its own document position, for the
-    active micro-batch's cu_seqlens only."""
+    """The wrapped apply_rotary_pos_emb rotates each local token by its own document position, inside an attention
+    called with a WLB micro-batch's params (whatever copy of their cu_seqlens it is handed); Megatron's own params
+    and unpacked batches go to Megatron's RoPE; a lost record raises, it never falls back (issue 60)."""
     from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+    from megatron.core.packed_seq_params import PackedSeqParams
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from megatron_wlb.megatron.hooks import attention
+    from megatron_wlb.megatron.hooks.attention import WlbPackedSeqParams, attention_scope
 
     cfg = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2, use_cpu_initialization=True)
     fallen_through = []
@@ -414,16 +417,120 @@ def test_rope_hook_rotates_by_true_positions():
         positions = torch.as_tensor(np.concatenate([np.arange(n) for n in segs]))
         full = _apply_rotary_pos_emb_bshd(t.unsqueeze(1), freqs[positions]).squeeze(1)
         idx = torch.as_tensor(batch.shard.token_index)
-        for cu in (params.cu_seqlens_q, params.cu_seqlens_kv):  # the params' cu_seqlens carry the record
-            torch.testing.assert_close(hooked(t[idx], freqs, cfg, cu_seqlens=cu), full[idx])
-        with pytest.raises(ValueError, match="beyond"):
-            hooked(t[idx], freqs[:2], cfg, cu_seqlens=params.cu_seqlens_q)
-        assert fallen_through == []
-        # any other cu_seqlens (even the same values, or the record's own tensor): Megatron's own RoPE runs
-        hooked(t[idx], freqs, cfg, cu_seqlens=params.cu_seqlens_q.clone())
-        hooked(t[idx], freqs, cfg, cu_seqlens=params.varlen.cu_seqlens_q)
+        cu = params.cu_seqlens_q
+        with attention_scope(params):
+            # the params' cu_seqlens, or any copy Megatron's code might make of them: the record is the params'
+            for given in (cu, params.cu_seqlens_kv, cu.clone(), cu.to(torch.int32, copy=True), cu.contiguous(),
+                          cu.view(1, -1)[0].clone()):
+                torch.testing.assert_close(hooked(t[idx], freqs, cfg, cu_seqlens=given), full[idx])
+            with pytest.raises(ValueError, match="beyond"):
+                hooked(t[idx], freqs[:2], cfg, cu_seqlens=cu)
+            with pytest.raises(RuntimeError, match="not those of the micro-batch"):
+                hooked(t[idx], freqs, cfg, cu_seqlens=torch.zeros(cu.numel() + 1, dtype=torch.int32))
+            hooked(t[idx], freqs, cfg, cu_seqlens=None)  # an unpacked call: Megatron's own
+        assert len(fallen_through) == 1
+        # Megatron's own THD params in scope: Megatron's RoPE (a run that also reads Megatron's loaders)
+        with attention_scope(PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu)):
+            hooked(t[idx], freqs, cfg, cu_seqlens=cu)
         assert len(fallen_through) == 2
         fallen_through.clear()
+        # the record lost: packed cu_seqlens outside an attention holding params, or WLB params without a record
+        with pytest.raises(RuntimeError, match="record is lost"):
+            hooked(t[idx], freqs, cfg, cu_seqlens=cu)
+        with attention_scope(None), pytest.raises(RuntimeError, match="record is lost"):
+            hooked(t[idx], freqs, cfg, cu_seqlens=cu)
+        with attention_scope(WlbPackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu)), \
+                pytest.raises(RuntimeError, match="without their Varlen record"):
+            hooked(t[idx], freqs, cfg, cu_seqlens=cu)
+        assert fallen_through == []
+
+
+def test_rope_refuses_megatrons_own_params_when_every_batch_is_ours(monkeypatch):
+    """Where every batch of the run is a WLB micro-batch, plain PackedSeqParams reaching RoPE mean the record was
+    lost (rebuilt by Megatron's code from the tensors): RoPE raises instead of rotating Megatron's way."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_wlb.megatron.hooks import attention
+    from megatron_wlb.megatron.state import process as adapter
+    from megatron_wlb.megatron.state.checkpoint import DataStateRegistry
+
+    cfg = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2, use_cpu_initialization=True)
+    hooked = attention.wlb_apply_rotary_pos_emb(lambda t, *a, **k: t)
+    _, _, params, segs, _ = _planned(4, "hybrid", 1, 0)
+    registry = DataStateRegistry()
+    registry.iterators.append(object())
+    monkeypatch.setattr(adapter, "_RUNTIME", adapter.Runtime(registry=registry))
+    rebuilt = PackedSeqParams(qkv_format="thd", cu_seqlens_q=params.cu_seqlens_q.clone(),
+                              cu_seqlens_kv=params.cu_seqlens_kv.clone())
+    x = torch.randn(int(segs.sum()), 2, 8)
+    with attention.attention_scope(rebuilt), pytest.raises(RuntimeError, match="record was lost"):
+        hooked(x, torch.randn(int(segs.max()), 1, 1, 8), cfg, cu_seqlens=rebuilt.cu_seqlens_q)
+
+
+def test_the_get_batch_route_survives_copies_and_raises_when_lost(monkeypatch):
+    """The pinned 0.16 get_batch and the patched 0.19 forward_step take back the params ``pinned_batch_fields``
+    handed out, whatever copy of its cu_seqlens Megatron's code made (issue 60); none handed out, one never taken,
+    or another micro-batch's cu_seqlens raise in one line."""
+    from megatron_wlb.megatron.hooks import cp_hooks
+    from megatron_wlb.megatron.state import process as adapter
+    from megatron_wlb.megatron.state.checkpoint import DataStateRegistry
+
+    batch, _, _, _, _ = _planned(5, "per-document", 2, 1)
+    copies = [lambda c: c, lambda c: c.clone(), lambda c: c.to("cpu", copy=True), lambda c: c.contiguous(),
+              lambda c: c.unsqueeze(0), lambda c: c.view(1, -1).clone()]
+    for copy in copies:
+        fields = cp_hooks.pinned_batch_fields(batch)
+        params = cp_hooks.packed_seq_params_of(copy(fields["cu_seqlens"]))
+        assert params.cu_seqlens_q is fields["cu_seqlens"] and params.varlen is not None
+        assert params.max_seqlen_q == int(fields["max_seqlen"][0]) == params.varlen.max_seqlen_q
+    with pytest.raises(RuntimeError, match="no WLB micro-batch was handed out"):
+        cp_hooks.packed_seq_params_of(fields["cu_seqlens"])
+    fields = cp_hooks.pinned_batch_fields(batch)
+    with pytest.raises(RuntimeError, match="never taken back"):
+        cp_hooks.pinned_batch_fields(batch)
+    with pytest.raises(RuntimeError, match=r"not those of the micro-batch get_batch handed out \(\d+ entries"):
+        cp_hooks.packed_seq_params_of(fields["cu_seqlens"][:-1].clone())
+    assert not cp_hooks.handed_out()  # taken, even when refused: the next micro-batch starts clean
+    # the pinned 0.16 THD hook with nothing handed out: Megatron's own batch, unless every batch is ours
+    registry = DataStateRegistry()
+    registry.iterators.append(object())
+    monkeypatch.setattr(adapter, "_RUNTIME", adapter.Runtime(registry=registry))
+    with pytest.raises(RuntimeError, match="its record was lost"):
+        cp_hooks.get_thd_batch_on_this_cp_rank({}, fields["cu_seqlens"].clone(), None, None)
+
+
+def test_max_seqlen_is_the_kernels_and_the_rotary_table_the_plans():
+    """The params' max_seqlen_q / max_seqlen_kv are the longest query run and key segment the kernel sees (issue
+    60: they held the rotary table's length); ``RotaryEmbedding.get_rotary_seq_len``, wrapped, sizes the table by
+    the record's ``rope_length`` for a WLB micro-batch and is Megatron's own otherwise."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from megatron_wlb.megatron.hooks import attention
+
+    def megatron_len(self, inference_context, transformer, transformer_input, transformer_config,
+                     packed_seq_params=None, *, inference_params=None):
+        return max(packed_seq_params.max_seqlen_q, packed_seq_params.max_seqlen_kv)
+
+    wrapped = attention.wrap_get_rotary_seq_len(megatron_len)
+    for name in ("per-sequence", "per-document", "hybrid"):
+        for rank in range(2):
+            batch, _, params, _, _ = _planned(8, name, 2, rank)
+            shard = batch.shard
+            assert params.max_seqlen_q == int(np.diff(shard.cu_seqlens_q).max(initial=0)) == shard.max_seqlen_q
+            assert params.max_seqlen_kv == int(np.diff(shard.cu_seqlens_k).max(initial=0)) == shard.max_seqlen_k
+            rope = params.varlen.rope_length
+            assert rope == max(int(batch.position_ids.max()) + 1, int(batch.segment_lengths.max()))
+            assert wrapped(None, None, None, None, None, params) == rope
+            assert wrapped(None, None, None, None, None, packed_seq_params=params) == rope
+    plain = PackedSeqParams(qkv_format="thd", max_seqlen_q=7, max_seqlen_kv=9)
+    assert wrapped(None, None, None, None, None, plain) == 9
+
+    def renamed(self, inference_context, transformer, transformer_input, transformer_config, packed=None):
+        return 0
+
+    with pytest.raises(RuntimeError, match="takes no packed_seq_params"):  # a release that renamed the argument
+        attention.wrap_get_rotary_seq_len(renamed)
 
 
 def test_swap_core_attention_on_spec():
@@ -585,22 +692,29 @@ def test_the_batch_path_reads_nothing_back_from_the_device(monkeypatch):
 
 
 def test_the_varlen_record_travels_in_the_params_alone():
-    """Issue 47: one varlen record, kept apart from the batch tensors, reaching the attention (params.varlen) and
-    RoPE (the params' cu_seqlens) by the params alone; nothing holds it once the params are gone (no cycle)."""
+    """Issue 47 / 60: one varlen record, kept apart from the batch tensors, reaching the attention and RoPE by the
+    params alone (no tensor carries it); nothing holds it once the params are gone (no cycle)."""
     import gc
     import weakref
 
-    from megatron_wlb.cp.device import Varlen
+    from megatron_wlb.cp.device import GatherPlan, Varlen
 
-    assert not {"tokens", "labels", "loss_mask", "position_ids"} & {f.name for f in dataclasses.fields(Varlen)}
+    # the kernel record is small (TorchTitan's has 5 fields): cu_seqlens, max lengths, positions; the all-gather
+    # plan apart; neither holds a batch tensor or a process group
+    assert [f.name for f in dataclasses.fields(Varlen)] == ["cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q",
+                                                            "max_seqlen_k", "positions", "rope_length",
+                                                            "cu_seqlens_padded"]
+    assert not {"tokens", "labels", "loss_mask", "position_ids", "group"} & \
+        {f.name for f in (*dataclasses.fields(Varlen), *dataclasses.fields(GatherPlan))}
     _, data, params, _, _ = _planned(3, "hybrid", 2, 1)
-    assert varlen_of(params.cu_seqlens_q) is params.varlen and varlen_of(params.cu_seqlens_kv) is params.varlen
-    assert varlen_of(data["tokens"]) is None and varlen_of(params.varlen.cu_seqlens_q) is None
+    tensors = [t for t in (*data.values(), params.cu_seqlens_q, params.cu_seqlens_kv, *params.varlen.tensors(),
+                           *params.gather.tensors()) if isinstance(t, torch.Tensor)]
+    assert not [t for t in tensors if any(isinstance(v, Varlen | GatherPlan) for v in vars(t).values())]
     record = weakref.ref(params.varlen)
     gc.disable()
     try:
         del params
-        assert record() is None  # freed by reference counting: the record does not hold the carrier
+        assert record() is None  # freed by reference counting
     finally:
         gc.enable()
 
@@ -628,10 +742,11 @@ def test_rope_hook_passes_newer_megatron_keywords_through():
     assert seen == [{"inverse": True, "max_seqlen": 6}]
     batch, _, params, segs, _ = _planned(4, "hybrid", 1, 0)
     x = torch.randn(int(segs.sum()), 2, 8)
-    out = hooked(x, torch.randn(int(segs.max()), 1, 1, 8), cfg, cu_seqlens=params.cu_seqlens_q, max_seqlen=5)
-    assert out.shape == x.shape and len(seen) == 1  # ours: rotated by the plan's positions
-    with pytest.raises(ValueError, match="inverse is not supported"):
-        hooked(x, torch.randn(int(segs.max()), 1, 1, 8), cfg, cu_seqlens=params.cu_seqlens_q, inverse=True)
+    with attention.attention_scope(params):
+        out = hooked(x, torch.randn(int(segs.max()), 1, 1, 8), cfg, cu_seqlens=params.cu_seqlens_q, max_seqlen=5)
+        assert out.shape == x.shape and len(seen) == 1  # ours: rotated by the plan's positions
+        with pytest.raises(ValueError, match="inverse is not supported"):
+            hooked(x, torch.randn(int(segs.max()), 1, 1, 8), cfg, cu_seqlens=params.cu_seqlens_q, inverse=True)
 
 
 def test_the_device_record_is_one_buffer_copied_once():
@@ -642,13 +757,13 @@ def test_the_device_record_is_one_buffer_copied_once():
     batch, data, params, _, _ = _planned(6, "per-document", 2, 1, rank_multiple=4)
     device = upload(batch, "cpu")
     varlen = device.varlen
-    views = [device.tokens, device.labels, device.loss_mask, device.position_ids, varlen.rope_positions,
+    views = [device.tokens, device.labels, device.loss_mask, device.position_ids, varlen.positions,
              varlen.cu_seqlens_q, varlen.cu_seqlens_k]
     assert len({t.untyped_storage().data_ptr() for t in views}) == 1
     assert device.tokens.tolist() == batch.tokens.tolist() and device.loss_mask.tolist() == batch.loss_mask.tolist()
-    assert varlen.cu_seqlens_k.tolist() == batch.cu_seqlens_k.tolist() and varlen.local_pad == batch.local_pad
-    assert varlen.segment_index.tolist() == batch.shard.gather_rows().tolist()
+    assert varlen.cu_seqlens_k.tolist() == batch.cu_seqlens_k.tolist() and device.gather.local_pad == batch.local_pad
+    assert device.gather.segment_index.tolist() == batch.shard.gather_rows().tolist()
     meta = upload(batch, "cpu", tokens=False)  # middle stages: the metadata only, from the same function
-    assert meta.tokens is None and meta.varlen.segment_index.tolist() == varlen.segment_index.tolist()
+    assert meta.tokens is None and meta.gather.segment_index.tolist() == device.gather.segment_index.tolist()
     out, te = _te_rank([3, 3], 1)
     assert te.varlen.te and te.cu_seqlens_q.untyped_storage().data_ptr() == out["tokens"].untyped_storage().data_ptr()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sysconfig
 from collections import defaultdict
@@ -313,3 +314,16 @@ def test_prefetching_iterator_yields_the_same_micro_batches_built_on_its_thread(
     assert all(t[0] == "MainThread" and all(n.startswith("wlb-prefetch") for n in t[1:]) for t in per_iteration)
     assert fetching.prefetched == 3 * (cfg.n - 1)
     fetching.close()
+    # the upload a thread started (``stage``) is kept by the prefetcher beside the micro-batch, not on it, and
+    # handed out once (``take_staged``, what ``cp_hooks.upload_micro_batch`` asks); the first of an iteration
+    # is built on the critical path, unstaged
+    staged = prefetch.PrefetchingIterator(WlbDataIterator(reader, reader.stream(6 * cfg.tokens_per_iteration),
+                                                          make_packer("wlb", cfg), 0, sharding=sharding),
+                                          stage=lambda batch: ("uploaded", batch.micro_batch))
+    batches = [next(staged) for _ in range(cfg.n)]
+    assert prefetch.take_staged(batches[0]) is None
+    for batch in batches[1:]:
+        assert prefetch.take_staged(batch) == ("uploaded", batch.micro_batch)
+        assert prefetch.take_staged(batch) is None
+    assert "staged" not in {f.name for f in dataclasses.fields(batches[0])}
+    staged.close()

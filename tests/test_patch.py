@@ -372,13 +372,13 @@ batch = rank_micro_batch(lambda doc, offset, n: np.arange(offset, offset + n) + 
 pg.get_batch_on_this_tp_rank = lambda it, mtp_on_this_rank=False: pinned_tp_rank_batch(next(it))
 pg.is_first_or_last_pipeline_stage = lambda vp_stage=None: True
 tokens, labels, loss_mask, attention_mask, position_ids, params = pg.get_batch(iter([batch]))
-assert isinstance(params, cp_hooks.WlbPackedSeqParams) and params.varlen.layout == "per-document"
+assert isinstance(params, cp_hooks.WlbPackedSeqParams) and params.gather.layout == "per-document"
 assert tokens.tolist() == batch.tokens.tolist() and position_ids.tolist() == batch.position_ids.tolist()
 assert labels.tolist() == batch.labels.tolist() and attention_mask is None
 pg.is_first_or_last_pipeline_stage = lambda vp_stage=None: False
 out = pg.get_batch(iter([batch]))
 assert out[:5] == (None,) * 5
-assert torch.equal(out[5].varlen.segment_index, params.varlen.segment_index)
+assert torch.equal(out[5].gather.segment_index, params.gather.segment_index)
 print("get_batch OK")
 """
 

@@ -2,13 +2,14 @@
 
 Each CP rank holds q, k, v of its own tokens, in its layout order (``RankShard.token_index``),
 shaped ``[tokens, heads, head_dim]`` (GQA: fewer k/v heads than q heads), and the micro-batch's
-``Varlen`` record (``cp.device.upload``: one copy per micro-batch, read by every layer). Forward:
+``Varlen`` kernel record and ``GatherPlan`` (``cp.device.upload``: one copy per micro-batch, read by every layer).
+Forward:
 
 1. K and V (written once into one padded buffer: one collective) are all-gathered over the CP
    group: rank 0's tokens, then rank 1's, ... (each rank's block padded to the largest count, so
    unequal counts are fine; at CP = 1 nothing is gathered, and with one run per document nothing is
    copied either);
-2. ``segment_index`` (``Varlen``) picks, for every query run, its document's keys
+2. ``segment_index`` (``GatherPlan``) picks, for every query run, its document's keys
    ``[doc_start, run_end)`` out of the gathered buffer: a materialised copy, because the key
    segments of one document's runs overlap;
 3. one varlen kernel call with ``cu_seqlens_q`` / ``cu_seqlens_k`` and a bottom-right-aligned causal
@@ -39,7 +40,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_wlb.cp.device import Varlen
+from megatron_wlb.cp.device import GatherPlan, Varlen
 
 BACKENDS = ("auto", "torch-varlen", "flash-attn", "reference")
 
@@ -308,63 +309,62 @@ class AllGatherKV(torch.autograd.Function):
         return mine[:local, 0], mine[:local, 1], *none
 
 
-def _check(q, k, v, meta: Varlen, group) -> None:
+def _check(q, k, v, gather: GatherPlan, group) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 3:
             raise ValueError(f"{name} must be [tokens, heads, head_dim], got shape {tuple(t.shape)}")
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
-    n = meta.num_tokens
+    n = gather.num_tokens
     if q.shape[0] != n or k.shape[0] != n:
-        raise ValueError(f"rank {meta.rank} owns {n} tokens in its layout but q has {q.shape[0]} and k "
+        raise ValueError(f"rank {gather.rank} owns {n} tokens in its layout but q has {q.shape[0]} and k "
                          f"{k.shape[0]}; pass this rank's tokens in its layout order (RankShard.token_index)")
     if q.shape[2] != k.shape[2]:
         raise ValueError(f"q and k head_dim differ: {q.shape[2]} vs {k.shape[2]}")
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"q heads ({q.shape[1]}) must be a multiple of k/v heads ({k.shape[1]}) for GQA")
-    cp = len(meta.rank_counts)
+    cp = len(gather.rank_counts)
     if cp > 1 or (group is not None):
         if not dist.is_initialized():
             raise ValueError(f"the layout has cp={cp} ranks but torch.distributed is not initialised")
         size, rank = dist.get_world_size(group), dist.get_rank(group)
-        if size != cp or rank != meta.rank:
+        if size != cp or rank != gather.rank:
             raise ValueError(f"process group has size {size} and this process is rank {rank}, but the shard is rank "
-                             f"{meta.rank} of a cp={cp} layout; pass the CP group and this rank's shard")
+                             f"{gather.rank} of a cp={cp} layout; pass the CP group and this rank's shard")
 
 
-def all_gather_cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                            meta: Varlen, group=None, backend: str = "auto",
-                            softmax_scale: float | None = None) -> torch.Tensor:
+def all_gather_cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, varlen: Varlen, gather: GatherPlan,
+                            group=None, backend: str = "auto", softmax_scale: float | None = None) -> torch.Tensor:
     """Document-causal attention of this rank's queries over the whole micro-batch's keys.
 
     ``q`` [T_r, H, D], ``k``/``v`` [T_r, Hkv, D] in the layout's order (``RankShard.token_index``);
-    ``meta`` is the rank's ``Varlen`` record (``cp.device.upload``, once per micro-batch; tests:
-    ``upload(cp.plan.layout_batch(layout, rank), device).varlen``); ``group`` is the CP process group (``None``:
-    the default group; single-process when the layout has cp=1). Returns [T_r, H, D]. Differentiable
+    ``varlen`` and ``gather`` are the rank's kernel record and all-gather plan (``cp.device.upload``, once per
+    micro-batch; tests: ``upload(cp.plan.layout_batch(layout, rank), device)``); ``group`` is the CP process group
+    (``None``: the default group; single-process when the layout has cp=1). Returns [T_r, H, D]. Differentiable
     w.r.t. q, k, v (dk/dv reduce-scattered to their owners).
     """
-    if not isinstance(meta, Varlen):
-        raise ValueError(f"the attention reads a Varlen record (cp.device.upload(...).varlen), got "
-                         f"{type(meta).__name__}")
-    if meta.te:
+    if not isinstance(varlen, Varlen) or not isinstance(gather, GatherPlan):
+        raise ValueError(f"the attention reads a Varlen record and a GatherPlan (cp.device.upload(...).varlen, "
+                         f".gather), got {type(varlen).__name__} and {type(gather).__name__}")
+    if varlen.te:
         raise ValueError("a per-document-te micro-batch carries TransformerEngine's THD fields, not the all-gather "
                          "attention's metadata")
-    _check(q, k, v, meta, group)
-    if meta.identity_segments:  # CP = 1, one run per document: the segments are k and v themselves
+    _check(q, k, v, gather, group)
+    if gather.identity_segments:  # CP = 1, one run per document: the segments are k and v themselves
         k_seg, v_seg = k, v
     else:
-        k_seg, v_seg = AllGatherKV.apply(k, v, meta.segment_index, meta.occurrence, meta.levels, meta.rank_counts,
-                                         meta.rank, group)
-    if meta.num_runs < 1:
+        k_seg, v_seg = AllGatherKV.apply(k, v, gather.segment_index, gather.occurrence, gather.levels,
+                                         gather.rank_counts, gather.rank, group)
+    if varlen.num_runs < 1:
         # No queries here; keep the (empty) K/V segments in the graph so this rank still joins the
         # backward reduce-scatter that the other ranks start.
         return q * 0.0 + (k_seg.sum() + v_seg.sum()) * 0.0
-    return varlen_attention(q, k_seg, v_seg, meta.cu_seqlens_q, meta.cu_seqlens_k,
-                            meta.max_seqlen_q, meta.max_seqlen_k, backend, softmax_scale)
+    return varlen_attention(q, k_seg, v_seg, varlen.cu_seqlens_q, varlen.cu_seqlens_k,
+                            varlen.max_seqlen_q, varlen.max_seqlen_k, backend, softmax_scale)
 
 
 class AllGatherCPAttention(torch.nn.Module):
-    """:func:`all_gather_cp_attention` as a module (no parameters): ``forward(q, k, v, meta, group)``."""
+    """:func:`all_gather_cp_attention` as a module (no parameters): ``forward(q, k, v, varlen, gather, group)``."""
 
     def __init__(self, backend: str = "auto", softmax_scale: float | None = None):
         super().__init__()
@@ -373,8 +373,9 @@ class AllGatherCPAttention(torch.nn.Module):
         self.backend = backend
         self.softmax_scale = softmax_scale
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Varlen, group=None):
-        return all_gather_cp_attention(q, k, v, meta, group, self.backend, self.softmax_scale)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, varlen: Varlen, gather: GatherPlan,
+                group=None):
+        return all_gather_cp_attention(q, k, v, varlen, gather, group, self.backend, self.softmax_scale)
 
     def extra_repr(self) -> str:
         return f"backend={self.backend!r}, softmax_scale={self.softmax_scale}"

@@ -1,11 +1,12 @@
 """The device record of one micro-batch: ``upload`` copies a host ``RankMicroBatch`` to the device once, as the
-batch tensors and, apart from them, the kernel's ``Varlen`` record.
+batch tensors and, apart from them, two small records: the kernel's ``Varlen`` (cu_seqlens, max lengths, positions)
+and the all-gather attention's ``GatherPlan`` (which all-gathered K/V rows each query run reads).
 
 Every array of the host record (tokens, labels, loss mask, positions, cu_seqlens, the key pieces,
 and under deterministic algorithms the repeat count of each key row) is written into ONE pinned
 host buffer (pinned where CUDA is available), which goes to the device with ONE non-blocking copy;
-the ``DeviceBatch`` and ``Varlen`` fields are views of it, plus the key rows of the all-gather buffer, expanded on
-the device from the O(runs) pieces. Every number a kernel call needs (``max_seqlen_*``, token
+the ``DeviceBatch``, ``Varlen`` and ``GatherPlan`` fields are views of it, plus the key rows of the all-gather
+buffer, expanded on the device from the O(runs) pieces. Every number a kernel call needs (``max_seqlen_*``, token
 counts, the total key count) is a host int, so nothing reads a device tensor back.
 This is the only place the batch path copies host -> device.
 """
@@ -13,7 +14,6 @@ This is the only place the batch path copies host -> device.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
@@ -26,45 +26,29 @@ _ALIGN = 8  # bytes: every view starts at a multiple of the largest element size
 
 @dataclass(frozen=True, eq=False)
 class Varlen:
-    """The varlen record of one micro-batch on one CP rank: the kernel's metadata alone, no batch tensor. Made
-    by ``upload`` only, once per micro-batch; the attention and RoPE of every layer read it, both from the
-    micro-batch's packed-sequence params (``WlbPackedSeqParams.varlen``; RoPE, handed only their cu_seqlens,
-    finds it there: ``carrier``, ``varlen_of``).
+    """The kernel record of one micro-batch on one CP rank (as TorchTitan's varlen metadata): made by ``upload``
+    only, once per micro-batch; read by the varlen kernel of every attention layer and by RoPE, both from the
+    micro-batch's packed-sequence params (``WlbPackedSeqParams.varlen``). No tensor carries it.
 
-    ``cu_seqlens_q`` / ``cu_seqlens_k`` int32 and ``max_seqlen_q`` / ``max_seqlen_k`` (host ints) for the
-    varlen kernel; on the TE path (``cu_seqlens_padded`` set) TE's THD offsets. The all-gather layout:
-    ``segment_index`` long (rows of the padded all-gather buffer holding each query run's keys),
-    ``occurrence`` / ``levels`` (the repeat of each segment row, deterministic backward only), ``rank`` and
-    ``rank_counts`` (rows per CP rank), ``identity_segments`` (CP = 1, the key segments are the local rows
-    in order: K/V go to the kernel as they are), ``num_runs`` (query runs); ``local_pad`` trailing rows
-    are rank padding (sequence parallelism). RoPE: ``rope_positions`` long ``[R]`` (each row's position),
-    ``rope_length`` (the rotary table it needs). ``layout`` is the CP layout used (for ``adaptive``, the
-    chosen one). ``group``: the process group whose ranks the layout spans (dynamic CP: the micro-batch's block
-    group); None: the run's CP group.
+    ``cu_seqlens_q`` / ``cu_seqlens_k`` int32 (this rank's query runs, their key segments) and ``max_seqlen_q`` /
+    ``max_seqlen_k`` (host ints: the longest query run and key segment, what the kernel is called with);
+    ``positions`` long ``[R]`` (each row's position in its document: RoPE's) and ``rope_length`` (the rotary table
+    they need: 1 + the largest, at least the longest segment); on the TE path (``cu_seqlens_padded`` set) TE's THD
+    offsets.
     """
 
     cu_seqlens_q: torch.Tensor
     cu_seqlens_k: torch.Tensor
-    cu_seqlens_padded: torch.Tensor | None
     max_seqlen_q: int
     max_seqlen_k: int
-    segment_index: torch.Tensor
-    occurrence: torch.Tensor | None
-    levels: int
-    num_runs: int
-    rank: int
-    rank_counts: tuple[int, ...]
-    identity_segments: bool
-    rope_positions: torch.Tensor
+    positions: torch.Tensor
     rope_length: int
-    layout: str
-    local_pad: int = 0
-    group: Any = None
+    cu_seqlens_padded: torch.Tensor | None = None
 
     @property
-    def num_tokens(self) -> int:
-        """This rank's own tokens (its rows less the rank padding)."""
-        return self.rank_counts[self.rank]
+    def num_runs(self) -> int:
+        """This rank's query runs (a host int: the tensor's shape)."""
+        return self.cu_seqlens_q.shape[0] - 1
 
     @property
     def te(self) -> bool:
@@ -73,44 +57,59 @@ class Varlen:
 
     def tensors(self) -> list[torch.Tensor]:
         """Every device tensor of the record."""
-        return [t for t in (self.rope_positions, self.cu_seqlens_q, self.cu_seqlens_k, self.cu_seqlens_padded,
-                            self.segment_index, self.occurrence) if t is not None]
+        return [t for t in (self.positions, self.cu_seqlens_q, self.cu_seqlens_k, self.cu_seqlens_padded)
+                if t is not None]
 
 
-#: the attribute of a carrier tensor (``carrier``) that holds its record
-_VARLEN_OF = "_wlb_varlen"
+@dataclass(frozen=True, eq=False)
+class GatherPlan:
+    """The all-gather attention's plan of one micro-batch on one CP rank, apart from the kernel record: made by
+    ``upload`` only, read by ``cp.attention.all_gather_cp_attention`` (``WlbPackedSeqParams.gather``).
 
+    ``segment_index`` long (rows of the padded all-gather buffer holding each query run's keys), ``occurrence`` /
+    ``levels`` (the repeat of each segment row, deterministic backward only), ``rank`` and ``rank_counts`` (rows per
+    CP rank), ``identity_segments`` (CP = 1, the key segments are the local rows in order: K/V go to the kernel as
+    they are); ``local_pad`` trailing rows are rank padding (sequence parallelism). ``layout`` is the CP layout used
+    (for ``adaptive``, the chosen one). The process group is the params' (``cp_group``).
+    """
 
-def carrier(varlen: Varlen, cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """A view of the record's ``cu_seqlens`` (same storage, no copy) that holds the record: what the params
-    hand Megatron as their cu_seqlens, so that RoPE, given only those, reads the record (``varlen_of``). The
-    record does not hold the view, so nothing forms a reference cycle."""
-    view = cu_seqlens.view(cu_seqlens.shape)
-    setattr(view, _VARLEN_OF, varlen)
-    return view
+    segment_index: torch.Tensor
+    occurrence: torch.Tensor | None
+    levels: int
+    rank: int
+    rank_counts: tuple[int, ...]
+    identity_segments: bool
+    layout: str
+    local_pad: int = 0
 
+    @property
+    def num_tokens(self) -> int:
+        """This rank's own tokens (its rows less the rank padding)."""
+        return self.rank_counts[self.rank]
 
-def varlen_of(cu_seqlens: Any) -> Varlen | None:
-    """The ``Varlen`` a carrier tensor (``carrier``) holds; None for any other tensor or object."""
-    return getattr(cu_seqlens, _VARLEN_OF, None)
+    def tensors(self) -> list[torch.Tensor]:
+        """Every device tensor of the plan."""
+        return [t for t in (self.segment_index, self.occurrence) if t is not None]
 
 
 @dataclass(frozen=True, eq=False)
 class DeviceBatch:
     """One micro-batch on one CP rank, on the device (made by ``upload`` only): the batch tensors Megatron
     reads, ``tokens`` / ``labels`` / ``loss_mask`` / ``position_ids`` ``[1, R]`` (None: a metadata-only
-    upload, for middle pipeline stages), and apart from them the kernel's ``varlen`` record."""
+    upload, for middle pipeline stages), and apart from them the kernel's ``varlen`` record and the all-gather
+    ``gather`` plan."""
 
     tokens: torch.Tensor | None
     labels: torch.Tensor | None
     loss_mask: torch.Tensor | None
     position_ids: torch.Tensor | None
     varlen: Varlen
+    gather: GatherPlan
 
     def tensors(self) -> list[torch.Tensor]:
         """Every device tensor of the micro-batch (to keep them alive on another stream)."""
         return [t for t in (self.tokens, self.labels, self.loss_mask, self.position_ids) if t is not None] + \
-            self.varlen.tensors()
+            self.varlen.tensors() + self.gather.tensors()
 
 
 def row_occurrence(rows: np.ndarray) -> np.ndarray:
@@ -135,10 +134,9 @@ def _expand_pieces(base: torch.Tensor, length: torch.Tensor, total: int) -> torc
     return torch.repeat_interleave(base - offsets, length, output_size=total) + torch.arange(total, device=base.device)
 
 
-def upload(batch: RankMicroBatch, device: torch.device | str, *, tokens: bool = True, group: Any = None
-           ) -> DeviceBatch:
+def upload(batch: RankMicroBatch, device: torch.device | str, *, tokens: bool = True) -> DeviceBatch:
     """``batch`` on ``device``: one host buffer (pinned where CUDA is available), one non-blocking copy.
-    ``tokens=False``: the metadata only (no tokens, labels, loss mask); ``group``: the record's (``Varlen``)."""
+    ``tokens=False``: the metadata only (no tokens, labels, loss mask)."""
     device = torch.device(device)
     base, length = batch.key_pieces[:, 0], batch.key_pieces[:, 1]
     occurrence = None
@@ -182,19 +180,19 @@ def upload(batch: RankMicroBatch, device: torch.device | str, *, tokens: bool = 
     cu_padded = None if not te else (cu_q if padded_alias else view("cu_seqlens_padded", torch.int32))
     segment_index = _expand_pieces(view("base", torch.long), view("length", torch.long), int(length.sum()))
     varlen = Varlen(
-        cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, cu_seqlens_padded=cu_padded,
-        max_seqlen_q=int(batch.max_seqlen_q), max_seqlen_k=int(batch.max_seqlen_k),
+        cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=int(batch.max_seqlen_q),
+        max_seqlen_k=int(batch.max_seqlen_k), positions=position_ids[0], rope_length=int(batch.rope_length),
+        cu_seqlens_padded=cu_padded)
+    gather = GatherPlan(
         segment_index=segment_index, occurrence=view("occurrence", torch.int32) if occurrence is not None else None,
-        levels=int(occurrence.max()) + 1 if occurrence is not None and occurrence.size else 1,
-        num_runs=int(batch.cu_seqlens_q.size) - 1, rank=int(batch.rank),
+        levels=int(occurrence.max()) + 1 if occurrence is not None and occurrence.size else 1, rank=int(batch.rank),
         rank_counts=tuple(int(c) for c in batch.rank_counts), identity_segments=batch.identity_segments,
-        rope_positions=position_ids[0], rope_length=int(batch.rope_length), layout=batch.layout.name,
-        local_pad=int(batch.local_pad), group=group)
+        layout=batch.layout.name, local_pad=int(batch.local_pad))
     return DeviceBatch(
         tokens=view("tokens", torch.long) if tokens else None,
         labels=view("labels", torch.long) if tokens else None,
         loss_mask=view("loss_mask", torch.float32) if tokens else None,
-        position_ids=position_ids if tokens else None, varlen=varlen)
+        position_ids=position_ids if tokens else None, varlen=varlen, gather=gather)
 
 
-__all__ = ["DeviceBatch", "Varlen", "carrier", "row_occurrence", "upload", "varlen_of"]
+__all__ = ["DeviceBatch", "GatherPlan", "Varlen", "row_occurrence", "upload"]

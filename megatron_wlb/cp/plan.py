@@ -33,7 +33,6 @@ A layout as a mask, CP=2, per-document, documents ``aaaaaaaa bbbb`` (``rows`` of
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
@@ -117,8 +116,7 @@ class RankMicroBatch:
     in the padded all-gather buffer (O(runs); the device expands them). On the TE path
     (``cu_seqlens_padded`` set) they are TransformerEngine's THD fields instead: real document offsets
     (the padding document counts as one), the documents padded to 2*CP, and no key pieces.
-    ``micro_batch`` is the packer's plan (document pieces); ``staged``: its upload, already started on
-    a side stream by ``prefetch.PrefetchingIterator`` (None: not staged).
+    ``micro_batch`` is the packer's plan (document pieces).
     """
 
     layout: ShardLayout
@@ -138,7 +136,6 @@ class RankMicroBatch:
     key_pieces: np.ndarray
     cu_seqlens_padded: np.ndarray | None = None
     micro_batch: MicroBatch | None = None
-    staged: Any = None
     #: dynamic CP (``cp.dynamic_steps``): the (first slot, size) block of the pool whose process group runs this
     #: micro-batch; None: the run's fixed CP group
     block: tuple[int, int] | None = None

@@ -12,8 +12,8 @@ One micro-batch, from the length stream to the kernel: one host record, one copy
                                         tensors, and apart from them the kernel's Varlen record, carried
                                         in WlbPackedSeqParams.varlen
     every layer                      WlbCoreAttention (attention.py -> cp/attention.py) reads the params'
-                                        Varlen, RoPE the same record through the params' cu_seqlens
-                                        (cp.device.varlen_of); per-document-te: TE reads its THD fields
+                                        Varlen, RoPE the same record through the params its attention
+                                        holds (attention.attention_scope); per-document-te: TE's THD fields
 
 No step reads a device tensor back to the host; the only sync is the agreement before every training
 step (``agreement.py``: one all-reduce of ``2 + 2 * DP`` int64 over the world: the plan, and each CP

@@ -195,9 +195,9 @@ def split_is_empty(args: Any, split_name: str) -> bool:
 def pinned_tp_rank_batch(batch: RankMicroBatch) -> dict[str, Any]:
     """One ``RankMicroBatch``, uploaded, as the pinned ``pretrain_gpt.get_batch`` reads its TP-rank batch.
 
-    The params ride in ``cu_seqlens``, which that ``get_batch`` hands to
-    ``get_thd_batch_on_this_cp_rank`` (ours passes them through); ``max_seqlen`` is the host tensor
-    its ``dim()`` check reads. Key order: it returns ``(*batch.values(), packed_seq_params)`` after
+    The params are handed out (``cp_hooks.hand_out``) and taken back by ``get_thd_batch_on_this_cp_rank``,
+    to which that ``get_batch`` hands the ``cu_seqlens``; ``max_seqlen`` is the host tensor its ``dim()`` check
+    reads. Key order: it returns ``(*batch.values(), packed_seq_params)`` after
     popping the metadata keys, i.e. tokens, labels, loss_mask, attention_mask, position_ids.
     """
     from megatron_wlb.megatron.hooks.cp_hooks import (
@@ -210,8 +210,8 @@ def pinned_tp_rank_batch(batch: RankMicroBatch) -> dict[str, Any]:
 def pretrain_gpt_batch(data_iterator: Any, keys: list[str]) -> list[Any]:
     """This rank's next micro-batch for a core 0.19 ``pretrain_gpt.get_batch`` (patched: ``patches/core_v0.19.0``),
     as the values of its ``BATCH_KEYS`` in order: tokens, labels, loss_mask and position_ids uploaded once;
-    ``cu_seqlens`` the record's (a carrier, ``cp.device.carrier``), from which the patched ``forward_step`` builds
-    the params (``packed_seq_params_of``), as the pinned 0.16 path's THD hook does; ``max_seqlen`` the host
+    ``cu_seqlens`` the record's, with which the patched ``forward_step`` takes back the params handed out
+    (``cp_hooks.packed_seq_params_of``), as the pinned 0.16 path's THD hook does; ``max_seqlen`` the host
     tensor; attention_mask, cu_seqlens_padded, hybrid_cp_group and local_cp_size None. Every rank reads its own
     copy (no TP broadcast), middle pipeline stages included."""
     from megatron_wlb.megatron.hooks.cp_hooks import pinned_batch_fields  # lazy: imports torch

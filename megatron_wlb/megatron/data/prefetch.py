@@ -4,8 +4,9 @@
 a background thread starts on micro-batch i + 1 of the same iteration: its CP plan, its rows of
 tokens/labels/loss_mask/positions (``WlbDataIterator.produce``) and, on CUDA, its upload: the rows
 are copied into pinned host memory and sent with non-blocking copies on a side stream
-(``cp_hooks.stage_upload``); ``upload_micro_batch`` then only makes the compute stream wait for that
-stream's event. The host can run ahead of the GPU.
+(``cp_hooks.stage_upload``), kept here beside the micro-batch, not on it (``take_staged``);
+``upload_micro_batch`` then only makes the compute stream wait for that stream's event. The host can run ahead
+of the GPU.
 
 What stays on the critical path, on purpose: the first micro-batch of every iteration (it packs the
 iteration's global plan, which must follow the online cost-model refit of the iteration before and
@@ -21,19 +22,30 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from megatron_wlb.cp.plan import RankMicroBatch
 from megatron_wlb.megatron.data.packed import WlbDataIterator
 
+#: the uploads the prefetch threads started (``stage``), by the micro-batch they are of, until ``take_staged``
+_STAGED: weakref.WeakKeyDictionary[RankMicroBatch, Any] = weakref.WeakKeyDictionary()
+_STAGED_LOCK = threading.Lock()
+
+
+def take_staged(batch: RankMicroBatch) -> Any:
+    """The upload a prefetch thread started for ``batch`` (what its ``stage`` returned), once; None if none."""
+    with _STAGED_LOCK:
+        return _STAGED.pop(batch, None)
+
 
 class PrefetchingIterator:
     """``WlbDataIterator`` with the next micro-batch of an iteration built (and staged) on a thread.
 
     Everything else (``packer``, ``current``, ``iteration``, ``n``, ``stream``, ...) is the wrapped
-    iterator's. ``stage``: a function ``RankMicroBatch -> RankMicroBatch`` run on the thread after
-    building (the CUDA upload; None: build only)."""
+    iterator's. ``stage``: a function ``RankMicroBatch -> upload or None`` run on the thread after building (the
+    CUDA upload, kept for ``take_staged``; None: build only)."""
 
     def __init__(self, inner: WlbDataIterator, stage: Any = None) -> None:
         self.inner = inner
@@ -60,7 +72,10 @@ class PrefetchingIterator:
             batch = self.inner.produce()
             position = self.inner.position
         if staged and self.stage is not None:
-            batch = self.stage(batch)
+            upload = self.stage(batch)
+            if upload is not None:
+                with _STAGED_LOCK:
+                    _STAGED[batch] = upload
         return batch, position, time.perf_counter() - start
 
     def __next__(self) -> RankMicroBatch:
@@ -106,4 +121,4 @@ def unwrap(iterator: Any) -> Any:
     return iterator.inner if isinstance(iterator, PrefetchingIterator) else iterator
 
 
-__all__ = ["PrefetchingIterator", "unwrap"]
+__all__ = ["PrefetchingIterator", "take_staged", "unwrap"]

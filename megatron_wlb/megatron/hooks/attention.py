@@ -6,10 +6,10 @@ packed_seq_params=...)``. With a packed (THD) micro-batch Megatron has already s
 ``[T, heads, head_dim]`` and expects ``[T, heads * head_dim]`` back; otherwise they are
 ``[s, b, heads, head_dim]`` and it expects ``[s, b, heads * head_dim]``. This module:
 
-- with ``WlbPackedSeqParams`` carrying our ``Varlen`` record (``cp_hooks``' non-TE layouts): calls
-  ``megatron_wlb.cp.attention.all_gather_cp_attention(q, k, v, varlen, group)`` over the CP group
-  (``pg_collection.cp``, else ``parallel_state``'s); GQA passes through (k/v keep their
-  ``num_query_groups`` heads and are all-gathered un-repeated);
+- with ``WlbPackedSeqParams`` carrying our ``Varlen`` record and ``GatherPlan`` (``cp_hooks``' non-TE layouts):
+  calls ``megatron_wlb.cp.attention.all_gather_cp_attention(q, k, v, varlen, gather, group)`` over the params'
+  group (dynamic CP: the micro-batch's own), else the layer's (``pg_collection.cp``, else ``parallel_state``'s);
+  GQA passes through (k/v keep their ``num_query_groups`` heads and are all-gathered un-repeated);
 - otherwise (no WLB metadata: Megatron's own batches, e.g. a non-WLB eval loader, or TE's THD params)
   delegates to the core attention the layer spec asked for (TE's or the local one), built alongside.
 
@@ -19,36 +19,92 @@ does the same on an explicit ``ModuleSpec`` tree. The all-gather attention has n
 no sliding window and no softmax variants: those configurations are refused when the module is built.
 
 RoPE: Megatron's THD RoPE assumes TE's per-document head-tail layout. ``install_core_attention`` also
-replaces ``apply_rotary_pos_emb`` as ``megatron.core.transformer.attention`` calls it: handed the cu_seqlens
-of a WLB micro-batch's params (they carry its ``Varlen`` record: ``cp.device.carrier``), it rotates each
-local row by its position (``Varlen.rope_positions``); the record reaches RoPE by the params, as it reaches
-the attention, recomputation included.
+replaces ``apply_rotary_pos_emb`` as ``megatron.core.transformer.attention`` calls it: inside an attention called
+with a WLB micro-batch's params (``Attention.forward`` is wrapped to hold them for the call: ``attention_scope``),
+it rotates each local row by its position (``Varlen.positions``); the record reaches RoPE by the params, as
+it reaches the attention, recomputation included; no tensor carries it. Packed ``cu_seqlens`` with no params in
+scope, or WLB params without their record, raise: RoPE never falls back to Megatron's own for a WLB micro-batch.
+The rotary table is sized by ``RotaryEmbedding.get_rotary_seq_len`` (wrapped: ``Varlen.rope_length`` for ours),
+so the params' ``max_seqlen_q`` / ``max_seqlen_kv`` stay the kernel's.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import math
+import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from megatron.core import parallel_state
 from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd  # the per-row rotation
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.attention import SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_wlb.cp.attention import all_gather_cp_attention, varlen_attention
-from megatron_wlb.cp.device import Varlen, varlen_of
+from megatron_wlb.cp.device import GatherPlan, Varlen
 from megatron_wlb.megatron.hooks import table as hooks
 from megatron_wlb.megatron.hooks.rebind import wrapping
 from megatron_wlb.megatron.state.process import runtime
 
 _CAUSAL = {AttnMaskType.causal, AttnMaskType.padding_causal}
+
+
+@dataclass
+class WlbPackedSeqParams(PackedSeqParams):
+    """``PackedSeqParams`` plus this CP rank's ``Varlen`` kernel record and ``GatherPlan``: Megatron threads the
+    params from ``forward_step`` through ``GPTModel`` to every layer, the one route of both. Built by
+    ``cp_hooks.packed_seq_params`` only, always with both (params without are refused wherever they arrive:
+    ``record_of``)."""
+    varlen: Varlen | None = None
+    gather: GatherPlan | None = None
+
+
+def record_of(params: Any, where: str) -> Varlen | None:
+    """The ``Varlen`` record of the micro-batch whose params ``where`` (the attention, RoPE) was handed; None for
+    Megatron's own batch (no params, or its plain ``PackedSeqParams``). Raises for WLB params without their record,
+    and for Megatron's own THD params where every batch of this run is a WLB micro-batch (its record was lost)."""
+    if isinstance(params, WlbPackedSeqParams):
+        if params.varlen is None or params.gather is None:
+            raise RuntimeError(f"megatron_wlb: {where} got WlbPackedSeqParams without their Varlen record or "
+                               "GatherPlan; build them with cp_hooks.packed_seq_params (or upload_micro_batch), "
+                               "which always sets both")
+        return params.varlen
+    if getattr(params, "qkv_format", None) == "thd" and every_batch_is_packed():
+        raise RuntimeError(f"megatron_wlb: {where} got Megatron's own {type(params).__name__} (no WLB record) but "
+                           "every batch of this run is a WLB micro-batch: its record was lost between get_batch and "
+                           "the model; the params must be the ones cp_hooks built (cp_hooks.packed_seq_params_of)")
+    return None
+
+
+class _Scope(threading.local):
+    """The packed-sequence params of the attention call running on this thread (``attention_scope``)."""
+    params: Any = None
+    inside: bool = False
+
+
+_SCOPE = _Scope()
+
+
+@contextmanager
+def attention_scope(params: Any) -> Iterator[None]:
+    """Within it, RoPE (``wlb_apply_rotary_pos_emb``) reads ``params``: those of the attention call that holds it
+    (``wrap_attention_forward``; recomputation reruns the call, and so the scope)."""
+    previous = (_SCOPE.params, _SCOPE.inside)
+    _SCOPE.params, _SCOPE.inside = params, True
+    try:
+        yield
+    finally:
+        _SCOPE.params, _SCOPE.inside = previous
 
 
 def _unsupported(config: Any, attention_dropout: float | None) -> list[str]:
@@ -154,11 +210,11 @@ class WlbCoreAttention(MegatronModule):
                 attn_mask_type: AttnMaskType | None = None, attention_bias: Any = None,
                 packed_seq_params: Any = None) -> torch.Tensor:
         """q [T, Hq, D] / k, v [T, Hkv, D] (THD) or [s, b=1, H, D]; returns [T, Hq*D] or [s, 1, Hq*D]."""
-        varlen = getattr(packed_seq_params, "varlen", None)
+        varlen = record_of(packed_seq_params, "the attention")
         if varlen is None and getattr(packed_seq_params, "qkv_format", None) == "thd":
             return self._megatron_thd(query, key, value, attn_mask_type, packed_seq_params)
         if varlen is None or varlen.te:
-            if packed_seq_params is None and _every_batch_is_packed():
+            if packed_seq_params is None and every_batch_is_packed():
                 raise RuntimeError("a micro-batch reached the attention without packed-sequence params, but every "
                                    "batch of this run is a packed WLB micro-batch: the fallback attention would "
                                    "attend across its documents. The entry point's get_batch must give every "
@@ -176,8 +232,9 @@ class WlbCoreAttention(MegatronModule):
             raise ValueError(f"WLB-LLM attention is document-causal; got attn_mask_type={mask_type}")
         if attention_bias is not None:
             raise ValueError("WLB-LLM attention takes no attention_bias")
-        return wlb_attention_forward(query, key, value, varlen,  # dynamic CP: over the micro-batch's own group
-                                     self.cp_group() if varlen.group is None else varlen.group, self.softmax_scale)
+        group = packed_seq_params.cp_group  # the micro-batch's (dynamic CP: its block's), else the layer's
+        return wlb_attention_forward(query, key, value, varlen, packed_seq_params.gather,
+                                     self.cp_group() if group is None else group, self.softmax_scale)
 
     def _megatron_thd(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       attn_mask_type: AttnMaskType | None, params: Any) -> torch.Tensor:
@@ -206,19 +263,19 @@ class WlbCoreAttention(MegatronModule):
         return out.unsqueeze(1) if query.dim() == 4 else out
 
 
-def _every_batch_is_packed() -> bool:
+def every_batch_is_packed() -> bool:
     """Whether this process trains and evaluates on WLB iterators only (no Megatron loader in use)."""
     rt = runtime()
     return rt.registry is not None and bool(rt.registry.iterators) and not rt.megatron_loaders
 
 
-def wlb_attention_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, meta: Varlen, group: Any,
-                          softmax_scale: float | None = None) -> torch.Tensor:
+def wlb_attention_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, varlen: Varlen,
+                          gather: GatherPlan, group: Any, softmax_scale: float | None = None) -> torch.Tensor:
     """The tensor plumbing of ``WlbCoreAttention`` (separate so tests can drive it without a layer).
 
     Accepts THD ``[T, H, D]`` or ``[s, b, H, D]`` with b == 1 (a packed micro-batch), runs the
-    all-gather CP attention on ``[T, H, D]`` with ``meta`` (the micro-batch's ``Varlen`` record) and
-    returns ``[T, H*D]`` or ``[s, b, H*D]``. The last ``meta.local_pad`` rows (sequence-parallel
+    all-gather CP attention on ``[T, H, D]`` with the micro-batch's ``varlen`` record and ``gather`` plan and
+    returns ``[T, H*D]`` or ``[s, b, H*D]``. The last ``gather.local_pad`` rows (sequence-parallel
     padding) attend to nothing: their output is zero.
     """
     sbhd = query.dim() == 4
@@ -234,13 +291,13 @@ def wlb_attention_forward(query: torch.Tensor, key: torch.Tensor, value: torch.T
     if k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2] or q.shape[1] % k.shape[1]:
         raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: k and v must match, share "
                          "q's tokens and head_dim, and q's heads must be a multiple of k's (GQA)")
-    n_local, local_pad = meta.num_tokens, meta.local_pad
+    n_local, local_pad = gather.num_tokens, gather.local_pad
     if q.shape[0] != n_local + local_pad:
         raise ValueError(f"{q.shape[0]} local tokens but this rank's shard holds {n_local}"
                          + (f" plus {local_pad} padding rows" if local_pad else ""))
     if local_pad:
         q, k, v = q[:n_local], k[:n_local], v[:n_local]
-    out = all_gather_cp_attention(q, k, v, meta, group, softmax_scale=softmax_scale)
+    out = all_gather_cp_attention(q, k, v, varlen, gather, group, softmax_scale=softmax_scale)
     out = out.reshape(n_local, -1)
     if local_pad:
         out = torch.cat([out, out.new_zeros(local_pad, out.shape[1])])
@@ -276,30 +333,92 @@ ROPE_NAME = "apply_rotary_pos_emb"
 
 def wlb_apply_rotary_pos_emb(original: Callable) -> Callable:
     """Wrap Megatron's ``apply_rotary_pos_emb(t, freqs, config, cu_seqlens=None, mscale=1.0, cp_group=None)``:
-    for the cu_seqlens of a WLB micro-batch (they carry its ``Varlen``), rotate row i of ``t`` [R, H, D] by
-    ``freqs[positions[i]]``."""
+    inside an attention called with a WLB micro-batch's params (``attention_scope``), rotate row i of ``t``
+    [R, H, D] by ``freqs[positions[i]]`` (the record's). Packed ``cu_seqlens`` with no params in scope raise."""
     @wrapping(original)
     def apply_rotary_pos_emb(t, freqs, config, cu_seqlens=None, mscale=1.0, cp_group=None, **extra):
         # extra: keywords newer Megatron passes (main: mla_rotary_interleaved, inverse,
         # mla_output_remove_interleaving, max_seqlen), handed to Megatron's function as given
-        varlen = varlen_of(cu_seqlens)
+        if cu_seqlens is None:  # not a packed batch
+            return original(t, freqs, config, cu_seqlens=cu_seqlens, mscale=mscale, cp_group=cp_group, **extra)
+        if not _SCOPE.inside or _SCOPE.params is None:
+            held = ", ".join(hooks.hooks_in(_attention_forward())) or "none"
+            raise RuntimeError("megatron_wlb: RoPE got packed cu_seqlens outside an attention call holding its "
+                               f"packed-sequence params (hooks on Attention.forward: {held}), so the micro-batch's "
+                               "record is lost")
+        varlen = record_of(_SCOPE.params, "RoPE")
         if varlen is None or varlen.te:
             return original(t, freqs, config, cu_seqlens=cu_seqlens, mscale=mscale, cp_group=cp_group, **extra)
+        expected = {varlen.cu_seqlens_q.numel(), varlen.cu_seqlens_k.numel()}
+        if cu_seqlens.numel() not in expected or cu_seqlens.device != varlen.cu_seqlens_q.device:
+            raise RuntimeError(f"megatron_wlb: RoPE got cu_seqlens of {cu_seqlens.numel()} entries on "
+                               f"{cu_seqlens.device}, not those of the micro-batch its attention holds "
+                               f"({' or '.join(map(str, sorted(expected)))} on {varlen.cu_seqlens_q.device})")
         unsupported = sorted(k for k in ("inverse", "mla_rotary_interleaved", "mla_output_remove_interleaving")
                              if extra.get(k))
         if unsupported:
             raise ValueError(f"RoPE: {', '.join(unsupported)} is not supported for WLB packed micro-batches")
-        if varlen.rope_positions.shape[0] != t.shape[0]:
-            raise ValueError(f"RoPE: {varlen.rope_positions.shape[0]} position ids for {t.shape[0]} local tokens")
+        if varlen.positions.shape[0] != t.shape[0]:
+            raise ValueError(f"RoPE: {varlen.positions.shape[0]} position ids for {t.shape[0]} local tokens")
         if varlen.rope_length > freqs.shape[0]:
             raise ValueError(f"RoPE: position {varlen.rope_length - 1} beyond the {freqs.shape[0]} rotary positions "
                              "computed (max_seqlen too small)")
-        local = freqs.index_select(0, varlen.rope_positions)
+        local = freqs.index_select(0, varlen.positions)
         return _apply_rotary_pos_emb_bshd(t.unsqueeze(1), local, rotary_interleaved=config.rotary_interleaved,
                                           multi_latent_attention=config.multi_latent_attention,
                                           mscale=mscale).squeeze(1)
 
     return apply_rotary_pos_emb
+
+
+def _attention_forward() -> Any:
+    from megatron.core.transformer.attention import Attention  # the class whose forward calls RoPE
+    return Attention.forward
+
+
+def _argument(original: Callable, name: str) -> Callable[[tuple, dict], Any]:
+    """A reader of argument ``name`` of a call to method ``original`` (given ``self``-less args, kwargs)."""
+    parameters = list(inspect.signature(original).parameters)
+    if name not in parameters:
+        raise RuntimeError(f"megatron_wlb: {original.__qualname__}({', '.join(parameters)}) takes no {name} in this "
+                           "Megatron, where megatron_wlb reads the micro-batch's record: this release is not supported")
+    index = parameters.index(name) - 1  # less self
+
+    def read(args: tuple, kwargs: dict) -> Any:
+        return kwargs[name] if name in kwargs else (args[index] if len(args) > index else None)
+
+    return read
+
+
+def wrap_attention_forward(original: Callable) -> Callable:
+    """``Attention.forward`` holding its ``packed_seq_params`` for the call (``attention_scope``), where RoPE reads
+    them (``hooks.HOOKS``)."""
+    params_of = _argument(original, "packed_seq_params")
+
+    @wrapping(original)
+    @functools.wraps(original)
+    def forward(self, *args, **kwargs):
+        with attention_scope(params_of(args, kwargs)):
+            return original(self, *args, **kwargs)
+
+    return forward
+
+
+def wrap_get_rotary_seq_len(original: Callable) -> Callable:
+    """``RotaryEmbedding.get_rotary_seq_len``: for a WLB micro-batch the rotary table its positions need
+    (``Varlen.rope_length``), since its params' ``max_seqlen_*`` are the kernel's, not the largest position
+    (``hooks.HOOKS``)."""
+    params_of = _argument(original, "packed_seq_params")
+
+    @wrapping(original)
+    @functools.wraps(original)
+    def get_rotary_seq_len(self, *args, **kwargs):
+        varlen = record_of(params_of(args, kwargs), "the rotary table")
+        if varlen is not None and not varlen.te:
+            return varlen.rope_length
+        return original(self, *args, **kwargs)
+
+    return get_rotary_seq_len
 
 
 def wrap_self_attention_init(original: Callable) -> Callable:
@@ -315,7 +434,7 @@ def wrap_self_attention_init(original: Callable) -> Callable:
 
 
 #: the hooks that make every SelfAttention built afterwards ours (``hooks.HOOKS``, phase ``attention``)
-ATTENTION_HOOKS = ("SelfAttention.__init__", ROPE_NAME)
+ATTENTION_HOOKS = ("SelfAttention.__init__", "Attention.forward", ROPE_NAME, "RotaryEmbedding.get_rotary_seq_len")
 
 
 def install_core_attention(enabled: bool = True) -> None:
@@ -327,5 +446,6 @@ def install_core_attention(enabled: bool = True) -> None:
         hooks.uninstall("attention")
 
 
-__all__ = ["WlbCoreAttention", "install_core_attention", "swap_core_attention", "wlb_apply_rotary_pos_emb",
-           "wlb_attention_forward"]
+__all__ = ["WlbCoreAttention", "WlbPackedSeqParams", "attention_scope", "install_core_attention", "record_of",
+           "swap_core_attention", "wlb_apply_rotary_pos_emb", "wlb_attention_forward", "wrap_attention_forward",
+           "wrap_get_rotary_seq_len"]

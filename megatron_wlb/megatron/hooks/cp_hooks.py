@@ -5,14 +5,20 @@ The data iterator has already built the micro-batch's host record for this CP ra
 one pinned buffer, one copy) and hands Megatron its batch tensors and, apart from them, the kernel's
 ``Varlen`` record inside a ``WlbPackedSeqParams``, the ``PackedSeqParams`` that Megatron threads from
 ``forward_step`` through ``GPTModel`` to every layer: the one route of the record. Every attention layer of
-the forward (and of its recomputation and backward) reads it there, and RoPE through the params'
-``cu_seqlens`` (``cp.device.varlen_of``); nothing is read back to the host.
+the forward (and of its recomputation and backward) reads it there, and RoPE through the params its attention
+was called with (``attention.attention_scope``); nothing is read back to the host. No tensor carries the record.
+
+Where Megatron's own ``get_batch`` stands between our iterator and the model (the pinned 0.16
+``pretrain_gpt.get_batch``, the patched 0.19 one), it hands on a batch dict whose ``cu_seqlens`` it may copy:
+``pinned_batch_fields`` hands the micro-batch's params out (``hand_out``) and the next step of that same
+``get_batch`` / ``forward_step`` takes them back (``packed_seq_params_of``), checked against the ``cu_seqlens``
+it holds by count and device (not by identity or value). A missing or untaken hand-out raises in one line.
 
 ``install(settings)`` (``megatron_wlb.megatron.apply()`` calls it once args are validated):
 
 - core < 0.18 (pinned core_v0.16.1): rebinds ``get_thd_batch_on_this_cp_rank`` (the packed path of
-  the pinned ``pretrain_gpt.get_batch``) so that the ``cu_seqlens`` our TP-rank hook uploaded give back
-  their record's params; any other THD batch goes to Megatron's own function;
+  the pinned ``pretrain_gpt.get_batch``) so that it gives back the params our TP-rank hook handed out; a THD
+  batch with none handed out goes to Megatron's own function (raising where every batch is ours);
 - makes every ``SelfAttention`` built afterwards use ``WlbCoreAttention`` and rotate RoPE by the
   plan's positions (``megatron_wlb.megatron.hooks.attention``), unless TE's attention is kept
   (``per-document-te``, whose params are TE's own THD fields).
@@ -23,7 +29,6 @@ Middle pipeline stages of the pinned ``pretrain_gpt.get_batch`` get no batch; th
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import importlib.util
 from collections.abc import Callable, Iterator
@@ -33,23 +38,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
-from megatron.core.packed_seq_params import PackedSeqParams
 
-from megatron_wlb.cp.device import DeviceBatch, Varlen, carrier, upload, varlen_of
+from megatron_wlb.cp.device import DeviceBatch, upload
 from megatron_wlb.cp.dynamic_groups import block_groups, group_of
 from megatron_wlb.cp.plan import RankMicroBatch
 from megatron_wlb.megatron.args.settings import WlbSettings
 from megatron_wlb.megatron.data.device import training_device
+from megatron_wlb.megatron.data.prefetch import take_staged
 from megatron_wlb.megatron.hooks import attention as wlb_attention
 from megatron_wlb.megatron.hooks import table as hooks
+from megatron_wlb.megatron.hooks.attention import WlbPackedSeqParams, every_batch_is_packed
 from megatron_wlb.megatron.hooks.rebind import original_of, wrapping
-
-
-@dataclass
-class WlbPackedSeqParams(PackedSeqParams):
-    """``PackedSeqParams`` plus this CP rank's ``Varlen`` record (None: not a WLB micro-batch): Megatron
-    threads the params from ``forward_step`` through ``GPTModel`` to every layer."""
-    varlen: Varlen | None = None
 
 
 def te_available() -> bool:
@@ -66,18 +65,19 @@ def upload_micro_batch(batch: RankMicroBatch, device: torch.device | None = None
     """``batch`` on ``device`` (default: ``training_device()``) as Megatron reads it: its batch (tokens,
     labels, loss_mask, attention_mask None, position_ids; empty with ``tokens=False``, for stages that need
     only the params) and its ``WlbPackedSeqParams``. The copy is ``cp.device.upload``'s (one, from pinned
-    memory); a batch ``stage_upload`` already sent is not copied again."""
+    memory); a batch the prefetcher already sent (``stage_upload``, ``prefetch.take_staged``) is not copied again."""
     device = training_device() if device is None else device
-    staged = batch.staged
-    if staged is not None and staged[0] == device and tokens:
-        _, event, on_device = staged  # sent on a side stream (stage_upload): wait, no host work
+    staged = take_staged(batch)
+    if isinstance(staged, Staged) and staged.device == device and tokens:
         stream = torch.cuda.current_stream(device)
-        stream.wait_event(event)
+        stream.wait_event(staged.event)  # sent on a side stream (stage_upload): wait, no host work
+        on_device = staged.batch
         for tensor in on_device.tensors():
             tensor.record_stream(stream)  # the caching allocator must not reuse them before this stream is done
     else:
-        on_device = upload(batch, device, tokens=tokens, group=block_group(batch))
-    return megatron_batch(on_device, _cp_group() if cp_group is None else cp_group)
+        on_device = upload(batch, device, tokens=tokens)
+    group = block_group(batch)  # dynamic CP: the micro-batch's block
+    return megatron_batch(on_device, group if group is not None else _cp_group() if cp_group is None else cp_group)
 
 
 #: dynamic CP: this rank's pool's block process groups, ``(first slot, size) -> group`` (``make_dynamic_groups``)
@@ -108,18 +108,18 @@ def block_group(batch: RankMicroBatch) -> Any:
 
 def megatron_batch(batch: DeviceBatch, cp_group: Any) -> tuple[dict[str, torch.Tensor | None], WlbPackedSeqParams]:
     """Megatron's batch dict and ``WlbPackedSeqParams`` over the tensors of ``batch`` (no copy); ``cp_group``:
-    the run's, unless the record names its own (dynamic CP)."""
+    the micro-batch's (the run's, or with dynamic CP its block's)."""
     data: dict[str, torch.Tensor | None] = {}
     if batch.tokens is not None:
         data = {"tokens": batch.tokens, "labels": batch.labels, "loss_mask": batch.loss_mask, "attention_mask": None,
                 "position_ids": batch.position_ids}
-    return data, packed_seq_params(batch.varlen, cp_group)
+    return data, packed_seq_params(batch, cp_group)
 
 
-def packed_seq_params(varlen: Varlen, cp_group: Any) -> WlbPackedSeqParams:
-    """The ``WlbPackedSeqParams`` of a record: its kernel fields in Megatron's names, and the record itself;
-    the CP group is the record's own (dynamic CP) or else ``cp_group``."""
-    cp_group = cp_group if varlen.group is None else varlen.group
+def packed_seq_params(batch: DeviceBatch, cp_group: Any) -> WlbPackedSeqParams:
+    """The ``WlbPackedSeqParams`` of an uploaded micro-batch: its kernel record's fields in Megatron's names, the
+    record itself and its all-gather plan; ``cp_group``: the micro-batch's (the all-gather attention's)."""
+    varlen, gather = batch.varlen, batch.gather
     if varlen.te:
         # TE infers padding between sequences whenever the padded offsets are another tensor, which rules
         # out its FlashAttention backend: nothing padded, the same tensor (``upload`` makes it so). cp_group
@@ -128,51 +128,100 @@ def packed_seq_params(varlen: Varlen, cp_group: Any) -> WlbPackedSeqParams:
         return WlbPackedSeqParams(qkv_format="thd", cu_seqlens_q=varlen.cu_seqlens_q, cu_seqlens_kv=varlen.cu_seqlens_k,
                                   cu_seqlens_q_padded=varlen.cu_seqlens_padded,
                                   cu_seqlens_kv_padded=varlen.cu_seqlens_padded, max_seqlen_q=varlen.max_seqlen_q,
-                                  max_seqlen_kv=varlen.max_seqlen_k, cp_group=None, varlen=varlen)
-    # the cu_seqlens Megatron hands RoPE carry the record (cp.device.carrier): RoPE finds it there
-    cu_q = carrier(varlen, varlen.cu_seqlens_q)
-    cu_k = cu_q if varlen.cu_seqlens_k is varlen.cu_seqlens_q else carrier(varlen, varlen.cu_seqlens_k)
-    return WlbPackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_q, cu_seqlens_kv=cu_k,
-                              max_seqlen_q=varlen.rope_length, max_seqlen_kv=varlen.rope_length,
-                              cp_group=cp_group, varlen=varlen)
+                                  max_seqlen_kv=varlen.max_seqlen_k, cp_group=None, varlen=varlen, gather=gather)
+    # max_seqlen_* the kernel's (the longest query run, key segment); the rotary table is sized by the record
+    # (attention.wrap_get_rotary_seq_len), RoPE reads the record through the params its attention holds
+    return WlbPackedSeqParams(qkv_format="thd", cu_seqlens_q=varlen.cu_seqlens_q, cu_seqlens_kv=varlen.cu_seqlens_k,
+                              max_seqlen_q=varlen.max_seqlen_q, max_seqlen_kv=varlen.max_seqlen_k,
+                              cp_group=cp_group, varlen=varlen, gather=gather)
+
+
+@dataclass(frozen=True)
+class Staged:
+    """A micro-batch's upload sent on a side stream by the prefetch thread (``stage_upload``): ``batch`` is usable
+    on ``device`` once ``event`` has completed."""
+    device: torch.device
+    event: Any
+    batch: DeviceBatch
 
 
 _SIDE_STREAMS: dict[Any, Any] = {}
 
 
-def stage_upload(batch: RankMicroBatch, device: torch.device) -> RankMicroBatch:
-    """``batch`` with its upload (``cp.device.upload``) started on a side stream of ``device`` (run on the
-    prefetch thread); ``upload_micro_batch`` makes the compute stream wait for it."""
+def stage_upload(batch: RankMicroBatch, device: torch.device) -> Staged | None:
+    """``batch``'s upload (``cp.device.upload``) started on a side stream of ``device`` (run on the prefetch
+    thread, which keeps it: ``prefetch.take_staged``); ``upload_micro_batch`` makes the compute stream wait for it.
+    None off CUDA (nothing to overlap)."""
     if device.type != "cuda":
-        return batch
+        return None
     torch.cuda.set_device(device)
     stream = _SIDE_STREAMS.setdefault(device, torch.cuda.Stream(device))
     with torch.cuda.stream(stream):
-        on_device = upload(batch, device, group=block_group(batch))
+        on_device = upload(batch, device)
         event = torch.cuda.Event()
         event.record(stream)
-    return dataclasses.replace(batch, staged=(device, event, on_device))
+    return Staged(device, event, on_device)
+
+
+class _HandedOut:
+    """The params of the micro-batch a ``get_batch`` has handed out and its next step has not yet taken."""
+    params: WlbPackedSeqParams | None = None
+
+
+_HANDED = _HandedOut()
+
+
+def hand_out(params: WlbPackedSeqParams) -> None:
+    """Keep ``params`` for the ``packed_seq_params_of`` of the same ``get_batch`` / ``forward_step`` (every
+    micro-batch is handed out and taken back before the next one is read, whatever the pipeline schedule)."""
+    if _HANDED.params is not None:
+        raise RuntimeError("megatron_wlb: get_batch read a WLB micro-batch while the previous one's params were never "
+                           "taken back (packed_seq_params_of): its forward_step did not build them from its cu_seqlens "
+                           "(use the patch of this release, patches/, or "
+                           "python -m megatron_wlb.megatron.entry.launcher)")
+    _HANDED.params = params
+
+
+def handed_out() -> bool:
+    """Whether a micro-batch's params wait for ``packed_seq_params_of``."""
+    return _HANDED.params is not None
 
 
 def packed_seq_params_of(cu_seqlens: Any) -> WlbPackedSeqParams:
-    """The params of the micro-batch whose record the carrier ``cu_seqlens`` holds (``cp.device.carrier``): what a
-    ``get_batch`` handed the ``cu_seqlens`` of one of our micro-batches builds them from (the pinned 0.16 THD
-    hook below; the patched 0.19 ``forward_step``, ``patches/core_v0.19.0``)."""
-    varlen = varlen_of(cu_seqlens)
-    if varlen is None:
-        raise RuntimeError(f"megatron_wlb: cu_seqlens of type {type(cu_seqlens).__name__} carry no WLB-LLM micro-batch "
-                           "record; WLB-LLM's get_batch hands on the cu_seqlens megatron_wlb uploaded (use the patch "
-                           "of this release, patches/, or python -m megatron_wlb.megatron.entry.launcher)")
-    return packed_seq_params(varlen, _cp_group())
+    """The params of the micro-batch whose ``cu_seqlens`` a ``get_batch`` handed on (``hand_out``): taken back by
+    the pinned 0.16 THD hook below and the patched 0.19 ``forward_step`` (``patches/core_v0.19.0``). Megatron's
+    code may have copied the tensor (``.to()``, ``.clone()``, ``.contiguous()``, a batch dimension): it is checked
+    by count and device only. None handed out, or another micro-batch's count or device, raise."""
+    params, _HANDED.params = _HANDED.params, None
+    if params is None:
+        raise RuntimeError(f"megatron_wlb: forward_step got cu_seqlens ({_described(cu_seqlens)}) but no WLB "
+                           "micro-batch was handed out by get_batch (pinned_batch_fields), so its record is lost; "
+                           "use the patch of this release, patches/, or python -m megatron_wlb.megatron.entry.launcher")
+    expect = params.cu_seqlens_q
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.numel() != expect.numel() \
+            or cu_seqlens.device != expect.device:
+        raise RuntimeError(f"megatron_wlb: forward_step got cu_seqlens ({_described(cu_seqlens)}), not those of the "
+                           f"micro-batch get_batch handed out ({_described(expect)})")
+    return params
+
+
+def _described(cu_seqlens: Any) -> str:
+    if not isinstance(cu_seqlens, torch.Tensor):
+        return f"a {type(cu_seqlens).__name__}"
+    return f"{cu_seqlens.numel()} entries on {cu_seqlens.device}"
 
 
 def get_thd_batch_on_this_cp_rank(batch: dict[str, Any], cu_seqlens: Any, cu_seqlens_padded: Any, max_seqlen: Any,
                                   cp_size: int | None = None, cp_rank: int | None = None):
-    """Megatron's signature (the THD path of the pinned ``pretrain_gpt.get_batch``). Our TP-rank hook
-    hands in the uploaded ``cu_seqlens`` of a ``Varlen`` record (the batch is this rank's already): its
-    params come back; any other THD batch goes to Megatron's own function."""
-    if varlen_of(cu_seqlens) is not None:
+    """Megatron's signature (the THD path of the pinned ``pretrain_gpt.get_batch``). After our TP-rank hook
+    handed out a micro-batch (``hand_out``; the batch is this rank's already), its params come back; any other
+    THD batch goes to Megatron's own function, unless every batch of this run is ours (its record was lost)."""
+    if handed_out():
         return batch, packed_seq_params_of(cu_seqlens)
+    if every_batch_is_packed():
+        raise RuntimeError(f"megatron_wlb: get_thd_batch_on_this_cp_rank got cu_seqlens ({_described(cu_seqlens)}) "
+                           "but no WLB micro-batch was handed out, and every batch of this run is one: its record "
+                           "was lost")
     return _installed().originals["get_thd_batch_on_this_cp_rank"](batch, cu_seqlens, cu_seqlens_padded, max_seqlen,
                                                                    cp_size, cp_rank)
 
@@ -189,14 +238,12 @@ def wrap_get_thd_batch_on_this_cp_rank(original: Callable) -> Callable:
 
 
 def pinned_batch_fields(batch: RankMicroBatch) -> dict[str, Any]:
-    """``iterators.pinned_tp_rank_batch``'s fields: the uploaded batch, the record's ``cu_seqlens`` (from which
-    ``get_thd_batch_on_this_cp_rank`` gives back its params) and ``max_seqlen`` as the host tensor the
-    pinned ``get_batch``'s ``dim()`` check reads."""
+    """``iterators.pinned_tp_rank_batch``'s fields: the uploaded batch, the record's ``cu_seqlens`` and
+    ``max_seqlen`` as the host tensor the pinned ``get_batch``'s ``dim()`` check reads; the params are handed out
+    (``hand_out``), for ``get_thd_batch_on_this_cp_rank`` / the patched ``forward_step`` to take back."""
     data, params = upload_micro_batch(batch)
-    varlen = params.varlen
-    if varlen is None:  # pragma: no cover - upload_micro_batch always sets it
-        raise RuntimeError("an uploaded micro-batch without its Varlen record")
-    return {**data, "cu_seqlens": carrier(varlen, varlen.cu_seqlens_q),
+    hand_out(params)
+    return {**data, "cu_seqlens": params.cu_seqlens_q,
             "max_seqlen": torch.tensor([params.max_seqlen_q], dtype=torch.int32)}
 
 
@@ -263,12 +310,14 @@ def install(settings: WlbSettings) -> None:
 def uninstall() -> None:
     """Undo ``install`` (tests; a training process has no reason to)."""
     state = _STATE.pop("cp", None)
+    _HANDED.params = None
     if state is None:
         return
     hooks.uninstall("cp")
     wlb_attention.install_core_attention(enabled=False)
 
 
-__all__ = ["WlbPackedSeqParams", "block_group", "get_thd_batch_on_this_cp_rank", "install", "make_dynamic_groups",
-           "megatron_batch", "packed_seq_params", "packed_seq_params_from_iterator", "packed_seq_params_of",
-           "te_available", "training_device", "uninstall", "upload_micro_batch"]
+__all__ = ["Staged", "WlbPackedSeqParams", "block_group", "get_thd_batch_on_this_cp_rank", "hand_out", "handed_out",
+           "install", "make_dynamic_groups", "megatron_batch", "packed_seq_params", "packed_seq_params_from_iterator",
+           "packed_seq_params_of", "pinned_batch_fields", "stage_upload", "te_available", "training_device",
+           "uninstall", "upload_micro_batch"]

@@ -97,6 +97,7 @@ P2P_METHODS = ("recv_forward", "recv_backward", "send_forward", "send_backward",
                "send_forward_backward_recv_forward_backward")
 P2P_MODULE = "megatron.core.pipeline_parallel.p2p_communication"
 ATTENTION_MODULE = "megatron.core.transformer.attention"
+ROTARY_MODULE = "megatron.core.models.common.embeddings.rotary_pos_embedding"
 
 #: where Megatron checks the scheduler's name (main after #6742, dev): installed where the check is found
 CHECKS_THE_NAME = frozenset({"main-6742", "dev"})
@@ -156,9 +157,15 @@ HOOKS: tuple[Hook, ...] = (
     Hook("SelfAttention.__init__", ATTENTION_MODULE, "SelfAttention.__init__", EVERY,
          "every SelfAttention built afterwards uses WlbCoreAttention", "attention",
          "megatron_wlb.megatron.hooks.attention:wrap_self_attention_init", everywhere=False),
+    Hook("Attention.forward", ATTENTION_MODULE, "Attention.forward", EVERY,
+         "the attention holds its packed-sequence params for the call, where RoPE reads the micro-batch's record",
+         "attention", "megatron_wlb.megatron.hooks.attention:wrap_attention_forward", everywhere=False),
     Hook("apply_rotary_pos_emb", ATTENTION_MODULE, "apply_rotary_pos_emb", EVERY,
          "RoPE rotates by the plan's positions (documents restart at 0)", "attention",
          "megatron_wlb.megatron.hooks.attention:wlb_apply_rotary_pos_emb", everywhere=False),
+    Hook("RotaryEmbedding.get_rotary_seq_len", ROTARY_MODULE, "RotaryEmbedding.get_rotary_seq_len", EVERY,
+         "the rotary table covers the plan's largest position (the params' max_seqlen_* are the kernel's)",
+         "attention", "megatron_wlb.megatron.hooks.attention:wrap_get_rotary_seq_len", everywhere=False),
     Hook("P2PCommunicator._communicate_shapes", P2P_MODULE, "P2PCommunicator._communicate_shapes", EVERY,
          "shapes exchanged in the activations' rank order (Megatron #5100 deadlock)", "pipeline",
          "megatron_wlb.megatron.hooks.p2p:ordered_communicate_shapes", everywhere=False),
