@@ -76,7 +76,7 @@ def test_version_messages_name_the_command_of_this_python():
     absent = ModuleNotFoundError("No module named 'megatron.training'", name="megatron.training")
     message = training_import_error("arguments", absent)
     assert core_install_command() in message and "0.20.0" not in message
-    source = (ROOT / "megatron_wlb" / "megatron" / "version.py").read_text()
+    source = (ROOT / "megatron_wlb" / "megatron" / "args" / "version.py").read_text()
     assert source.count("core_install_command()") >= 2 and "pip install --no-deps megatron-core" not in source
 
 
