@@ -20,12 +20,9 @@ pytest.importorskip("megatron.core.datasets.gpt_dataset")
 
 from megatron_wlb.costmodel import AnalyticCostModel, ParallelLayout, get_model  # noqa: E402
 from megatron_wlb.data.reader import write_indexed_dataset  # noqa: E402
+from megatron_wlb.megatron.args.validation import masking_problem  # noqa: E402
 from megatron_wlb.megatron.data.gpt_datasets import build_train_dataset  # noqa: E402
-from megatron_wlb.megatron.data.gpt_samples import (  # noqa: E402
-    MegatronSamples,
-    masking_problem,
-    sample_order,
-)
+from megatron_wlb.megatron.data.gpt_samples import MegatronSamples, sample_order  # noqa: E402
 from megatron_wlb.megatron.data.packed import WlbDataIterator  # noqa: E402
 from megatron_wlb.packing import PackingConfig, make_packer  # noqa: E402
 

@@ -37,9 +37,6 @@ ADAPTER_LEVELS = {"args": 0, "data": 1, "state": 2, "hooks": 3, "entry": 4}
 ADAPTER_UP = {
     # preflight asks whether our TorchNorm hook is installed (hooks.table.is_installed)
     ("args.preflight", "hooks.table"): "preflight reads the hooks table",
-    # the data-path checks that validate_wlb_args composes live beside the intake they check
-    ("args.validation", "data.gpt_samples"): "masking_problem",
-    ("args.validation", "data.sft"): "sft_problems",
     # the data builder prints on rank 0 through the process state, and pins a TP batch through cp_hooks
     ("data.iterators", "state.process"): "print_rank0",
     ("data.iterators", "hooks.cp_hooks"): "pinned_batch_fields (function-level: torch)",

@@ -150,7 +150,7 @@ def test_sft_flags_wlb_cannot_honour_are_one_line_each(tmp_path):
     import types
 
     from megatron_wlb.megatron.args.settings import WlbSettings
-    from megatron_wlb.megatron.data.sft import sft_problems
+    from megatron_wlb.megatron.args.validation import sft_problems
 
     jsonl = tmp_path / "c.jsonl"
     jsonl.write_text("")

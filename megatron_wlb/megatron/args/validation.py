@@ -22,10 +22,53 @@ from megatron_wlb.data.blend import data_path_problems
 from megatron_wlb.megatron.args.flags import _show, load_run_config, settings_from_args
 from megatron_wlb.megatron.args.megatron_args import MegatronArgs
 from megatron_wlb.megatron.args.settings import WlbSettings, setting_source
-from megatron_wlb.megatron.data.gpt_samples import masking_problem
-from megatron_wlb.megatron.data.sft import sft_problems
 from megatron_wlb.packing.types import PackingConfig, resolve_max_seq_len
 from megatron_wlb.requirements import missing_message, module_available
+
+#: how a stock job's flags make Megatron's samples attend per document (what the balanced mode needs)
+MASKING_FLAGS = "--reset-attention-mask --reset-position-ids (or --dataloader-inter-document-masking)"
+
+
+def masking_problem(args: Any) -> str | None:
+    """Why ``args`` do not mask attention per document the way the balanced concat-and-cut needs, or None.
+
+    Without per-document masking every window of a stock job attends across its documents and costs
+    the same, so there is nothing to balance, and pieces that attend only within themselves would be
+    a silent change of the training."""
+    a = MegatronArgs.of(args)
+    inter, reset_mask, reset_pos = bool(a.dataloader_inter_document_masking), bool(a.reset_attention_mask), \
+        bool(a.reset_position_ids)
+    if inter or (reset_mask and reset_pos):
+        return None
+    if reset_mask:
+        return ("--wlb-pieces concat-and-cut with --reset-attention-mask but not --reset-position-ids: Megatron's "
+                "position ids then run on across documents, which pieces that restart at 0 cannot reproduce; add "
+                "--reset-position-ids (or use --dataloader-inter-document-masking)")
+    return ("--wlb-pieces concat-and-cut trains Megatron's samples regrouped per document, but this job attends "
+            "across documents (every window then costs the same: nothing to balance); add " + MASKING_FLAGS +
+            " to mask per document, or drop --wlb-pieces concat-and-cut")
+
+
+def sft_problems(args: Any, settings: Any) -> list[str]:
+    """What keeps ``--sft`` from running with WLB's flags, one line each (none: it runs)."""
+    a = MegatronArgs.of(args)
+    problems: list[str] = []
+    if a.tokenizer_type != "SFTTokenizer":
+        problems.append(f"--sft reads conversations through a chat template: give --tokenizer-type SFTTokenizer "
+                        f"--tokenizer-model DIR (not {a.tokenizer_type})")
+    if settings.pieces == "concat-and-cut":
+        problems.append("--sft packs SFTDataset's conversations (sft.samples) as documents: --wlb-pieces "
+                        "concat-and-cut cuts Megatron's GPT samples; use --wlb-pieces documents")
+    if settings.cut == "any":
+        problems.append("--sft trains each conversation's segment whole: packing.cut any would cut forced outliers; "
+                        "use packing.cut split in the YAML of --wlb-config (a line over --seq-length is cut as "
+                        "Megatron's SFTDataset cuts it)")
+    problems.extend(data_path_problems(
+        ((flag, getattr(a, flag)) for flag in ("data_path", "train_data_path", "valid_data_path", "test_data_path")),
+        lambda flag, path: None if os.path.isfile(path) else (
+            f"--{flag.replace('_', '-')} {path}: no such file; --sft reads a jsonl of "
+            "{\"messages\": [...]} lines (as Megatron's SFTDataset)")))
+    return problems
 
 
 def num_microbatches_from_args(args: Any) -> int:

@@ -30,35 +30,12 @@ from megatron_wlb.data.blend import parse_data_path
 from megatron_wlb.data.reader import too_large_token
 from megatron_wlb.data.samples import SAMPLE_CHUNK, GptIndices, SampleOrder, SampleStream, piece_sample
 from megatron_wlb.megatron.args.megatron_args import MegatronArgs
+from megatron_wlb.megatron.args.validation import MASKING_FLAGS
 
 #: samples whose arrays the piece reader keeps (a micro-batch's pieces come from many samples)
 SAMPLE_CACHE = 256
 #: tokens a cursor cuts at a time when it reads samples to find their pieces
 SEGMENT_TOKENS = 1 << 22
-
-#: how a stock job's flags make Megatron's samples attend per document (what the balanced mode needs)
-MASKING_FLAGS = "--reset-attention-mask --reset-position-ids (or --dataloader-inter-document-masking)"
-
-
-def masking_problem(args: Any) -> str | None:
-    """Why ``args`` do not mask attention per document the way the balanced concat-and-cut needs, or None.
-
-    Without per-document masking every window of a stock job attends across its documents and costs
-    the same, so there is nothing to balance, and pieces that attend only within themselves would be
-    a silent change of the training."""
-    a = MegatronArgs.of(args)
-    inter, reset_mask, reset_pos = bool(a.dataloader_inter_document_masking), bool(a.reset_attention_mask), \
-        bool(a.reset_position_ids)
-    if inter or (reset_mask and reset_pos):
-        return None
-    if reset_mask:
-        return ("--wlb-pieces concat-and-cut with --reset-attention-mask but not --reset-position-ids: Megatron's "
-                "position ids then run on across documents, which pieces that restart at 0 cannot reproduce; add "
-                "--reset-position-ids (or use --dataloader-inter-document-masking)")
-    return ("--wlb-pieces concat-and-cut trains Megatron's samples regrouped per document, but this job attends "
-            "across documents (every window then costs the same: nothing to balance); add " + MASKING_FLAGS +
-            " to mask per document, or drop --wlb-pieces concat-and-cut")
-
 
 #: documents per indexed dataset whose last token ``eod_problem`` reads (evenly spaced, first and last included)
 EOD_CHECK_DOCUMENTS = 64

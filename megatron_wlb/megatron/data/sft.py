@@ -16,7 +16,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from megatron_wlb.data.blend import data_path_problems, parse_data_path
+from megatron_wlb.data.blend import parse_data_path
 from megatron_wlb.data.reader import DocumentReader
 from megatron_wlb.data.sft import SAMPLES_MEGATRON, SftCorpus, SftInputError
 from megatron_wlb.data.sft_cache import default_cache_dir, file_sha256
@@ -29,28 +29,6 @@ PieceRead = Callable[[int, int, int], Any]
 _CORPORA: dict[tuple[str, int, int, str, int], SftCorpus] = {}
 #: the files of a --tokenizer-model directory that make its identity (weights are left out)
 _TOKENIZER_FILES = (".json", ".txt", ".model", ".jinja", ".tiktoken", ".vocab", ".py")
-
-
-def sft_problems(args: Any, settings: Any) -> list[str]:
-    """What keeps ``--sft`` from running with WLB's flags, one line each (none: it runs)."""
-    a = MegatronArgs.of(args)
-    problems: list[str] = []
-    if a.tokenizer_type != "SFTTokenizer":
-        problems.append(f"--sft reads conversations through a chat template: give --tokenizer-type SFTTokenizer "
-                        f"--tokenizer-model DIR (not {a.tokenizer_type})")
-    if settings.pieces == "concat-and-cut":
-        problems.append("--sft packs SFTDataset's conversations (sft.samples) as documents: --wlb-pieces "
-                        "concat-and-cut cuts Megatron's GPT samples; use --wlb-pieces documents")
-    if settings.cut == "any":
-        problems.append("--sft trains each conversation's segment whole: packing.cut any would cut forced outliers; "
-                        "use packing.cut split in the YAML of --wlb-config (a line over --seq-length is cut as "
-                        "Megatron's SFTDataset cuts it)")
-    problems.extend(data_path_problems(
-        ((flag, getattr(a, flag)) for flag in ("data_path", "train_data_path", "valid_data_path", "test_data_path")),
-        lambda flag, path: None if os.path.isfile(path) else (
-            f"--{flag.replace('_', '-')} {path}: no such file; --sft reads a jsonl of "
-            "{\"messages\": [...]} lines (as Megatron's SFTDataset)")))
-    return problems
 
 
 def tokenizer_files_digest(args: Any) -> str:
@@ -130,4 +108,4 @@ def sft_reader(args: Any, split_name: str, tokenizer: Any = None,
     return reader, read_piece
 
 
-__all__ = ["sft_corpus", "sft_problems", "sft_reader"]
+__all__ = ["sft_corpus", "sft_reader"]
