@@ -449,7 +449,7 @@ def test_module_runner_registers_before_the_script(tmp_path):
     dev = megatron_checkout(tmp_path / "Megatron-LM-dev", "dev", commit=MOVING_CHECKOUTS["dev"])
     script = dev / "probe_wlb.py"
     script.write_text("import sys\nfrom megatron.core.datasets import data_schedule as D\n"
-                      "from megatron_wlb.megatron import main_schedule\n"
+                      "from megatron_wlb.megatron.hooks import main_schedule\n"
                       "print(main_schedule.register())   # what apply() in the script does: the same class\n"
                       "print('SCRIPT', D.scheduler_map.get('wlb').__qualname__, sys.argv[1:])\n")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore"}

@@ -187,7 +187,7 @@ def test_a_script_without_main_guard_is_refused_in_the_spawned_child(tmp_path):
     script that trains at module level is refused there in one line instead of training a second time."""
     script = tmp_path / "train_without_guard.py"
     script.write_text("import multiprocessing\n"
-                      "from megatron_wlb.megatron import cpu\n"
+                      "from megatron_wlb.megatron.entry import cpu\n"
                       "cpu.install_cpu_redirects()\n"
                       "print('TRAINING', flush=True)\n"
                       "multiprocessing.get_context('spawn').Manager().Queue()  # what the torch_dist writer does\n")

@@ -49,7 +49,7 @@ from megatron_wlb.megatron.data.iterators import (
     reader_from_args,
     stream_tokens_for,
 )
-from megatron_wlb.megatron.hooks import table as hooks
+from megatron_wlb.megatron.hooks import table as hook_table
 from megatron_wlb.megatron.hooks.main_schedule import register as register_main_scheduler
 from megatron_wlb.megatron.state.checkpoint import DataStateRegistry
 from megatron_wlb.megatron.state.process import Runtime, runtime
@@ -102,6 +102,6 @@ def apply(*, check_version: bool = True, middle_stage_batches: bool = False) -> 
     # the training loop's hooks, and the start-up builds made safe where the machine lacks the toolchain
     from megatron_wlb.megatron.hooks.training_hooks import apply_phase_options  # imports torch and Megatron
 
-    rt.originals.update(hooks.install("apply", apply_phase_options()))
+    rt.originals.update(hook_table.install("apply", apply_phase_options()))
     rt.installed = True
     return rt
