@@ -8,7 +8,7 @@ from pathlib import Path
 
 from megatron_wlb.provenance import write_result
 
-__all__ = ["RESULTS_PAGE", "record", "replace_readme_table", "write_result"]
+__all__ = ["RESULTS_PAGE", "record", "replace_block", "replace_readme_table", "write_result"]
 
 #: the generated results page every benchmark's ``--page`` writes its block into (the README links it)
 RESULTS_PAGE = Path(__file__).resolve().parents[1] / "benchmarks" / "results.md"
@@ -25,6 +25,16 @@ def replace_readme_table(path: Path, marker: str, table: str) -> None:
     while stop < len(lines) and lines[stop].startswith("|"):
         stop += 1
     path.write_text("".join(lines[:start + 1]) + table + "".join(lines[stop:]))
+
+
+def replace_block(path: Path, begin: str, end: str, text: str) -> None:
+    """Replace what lies between the markers ``begin`` and ``end`` of the page at ``path`` with ``text``; a page
+    without them stops the benchmark in one line."""
+    page = path.read_text()
+    a, b = page.find(begin), page.find(end)
+    if a < 0 or b < a:
+        raise SystemExit(f"{path}: no {begin} ... {end} block")
+    path.write_text(page[:a + len(begin)] + "\n" + text + "\n" + page[b:])
 
 
 def record(out: str | Path, result: dict, to_markdown: Callable[[dict], str],

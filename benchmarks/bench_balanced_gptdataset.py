@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from _results import record  # noqa: E402
+from _results import record, replace_block  # noqa: E402
 from bench_packing import CORPORA_DIR, STREAMS  # noqa: E402
 
 import megatron_wlb  # noqa: E402
@@ -233,11 +233,7 @@ def readme_summary(result: dict) -> str:
 
 def update_readme(result: dict, path: Path) -> None:
     """Write ``readme_summary`` between the results page's balanced-gptdataset markers."""
-    text = path.read_text()
-    begin, end = text.find(README_BEGIN), text.find(README_END)
-    if begin < 0 or end < begin:
-        raise SystemExit(f"{path}: no {README_BEGIN} ... {README_END} block to write the summary into")
-    path.write_text(text[:begin + len(README_BEGIN)] + "\n" + readme_summary(result) + "\n" + text[end:])
+    replace_block(path, README_BEGIN, README_END, readme_summary(result))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -48,7 +48,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _results import RESULTS_PAGE, replace_readme_table, write_result  # noqa: E402
+from _results import RESULTS_PAGE, replace_block, replace_readme_table, write_result  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 README_MARK = "<!-- scale-table -->"
@@ -363,11 +363,7 @@ def to_markdown(result: dict) -> str:
 
 
 def replace_readme_block(readme: Path, text: str) -> None:
-    content = readme.read_text()
-    a, b = content.find(README_BEGIN), content.find(README_END)
-    if a < 0 or b < a:
-        raise SystemExit(f"{readme}: no {README_BEGIN} ... {README_END} block")
-    readme.write_text(content[:a + len(README_BEGIN)] + "\n" + text + "\n" + content[b:])
+    replace_block(readme, README_BEGIN, README_END, text)
 
 
 def main(argv: list[str] | None = None) -> None:

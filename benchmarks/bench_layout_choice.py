@@ -50,7 +50,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 import bench_paired as paired  # noqa: E402
-from _results import RESULTS_PAGE, write_result  # noqa: E402
+from _results import RESULTS_PAGE, replace_block, write_result  # noqa: E402
 
 from megatron_wlb.provenance import machine  # noqa: E402
 
@@ -370,11 +370,7 @@ def readme_summary(result: dict[str, Any]) -> str:
 
 
 def write_page(result: dict[str, Any], page: Path = RESULTS_PAGE) -> None:
-    text = page.read_text()
-    a, b = text.find(README_BEGIN), text.find(README_END)
-    if a < 0 or b < a:
-        raise SystemExit(f"{page}: no {README_BEGIN} ... {README_END} block")
-    page.write_text(text[:a + len(README_BEGIN)] + "\n" + readme_summary(result) + "\n" + text[b:])
+    replace_block(page, README_BEGIN, README_END, readme_summary(result))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -87,7 +87,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from _results import RESULTS_PAGE, write_result  # noqa: E402
+from _results import RESULTS_PAGE, replace_block, write_result  # noqa: E402
 
 from megatron_wlb.megatron.entry.cpu import PIN_VARIABLE, TINY_GPT_EOD, measurement_env  # noqa: E402
 from megatron_wlb.provenance import machine  # noqa: E402
@@ -774,13 +774,8 @@ def main(argv: list[str] | None = None) -> int:
         result["prior_prediction"] = prior
     write_result(args.out, result, to_markdown)
     if args.page:
-        readme = RESULTS_PAGE
-        text = readme.read_text()
         begin, end = (DYNAMIC_CP_BEGIN, DYNAMIC_CP_END) if args.dynamic_cp else (README_BEGIN, README_END)
-        a, b = text.find(begin), text.find(end)
-        if a < 0 or b < a:
-            raise SystemExit(f"{readme}: no {begin} ... {end} block")
-        readme.write_text(text[:a + len(begin)] + "\n" + readme_summary(result) + "\n" + text[b:])
+        replace_block(RESULTS_PAGE, begin, end, readme_summary(result))
     return 0
 
 

@@ -218,3 +218,46 @@ def test_the_cli_sample_checks_the_documents_it_reads(big, tmp_path):
     assert "\n" not in str(caught.value)
     datasets, read, total = corpus_sample([prefix], "--data-prefix", 1000, 0)
     assert read == 1000 and total == BIG and int(datasets[0].min()) >= 1
+
+
+def test_prefetch_asks_for_every_page_a_document_check_reads(tmp_path):
+    """``IndexFile.prefetch`` (issued by ``check_documents`` before its scattered reads of a cold ``.idx``) names
+    each page holding a checked document's length, its and the next pointer and document index, and no page
+    twice; an index without a map asks for nothing."""
+    import mmap
+
+    from megatron_wlb.data.indexed import _HEADER_BYTES, IndexFile, check_documents, read_index, write_index
+
+    n = 300_000
+    lengths = np.random.default_rng(0).integers(1, 4000, size=n).astype(np.int32)
+    prefix = tmp_path / "c"
+    write_index(prefix, lengths)
+    index = read_index(prefix)
+
+    class Recorder:
+        def __init__(self, size: int) -> None:
+            self.size, self.calls = size, []
+
+        def __len__(self) -> int:
+            return self.size
+
+        def madvise(self, option: int, start: int, length: int) -> None:
+            self.calls.append((option, start, length))
+
+    recorder = Recorder(len(index.mapping))
+    spied = IndexFile(index.sequence_lengths, index.document_indices, index.sequence_pointers, index.dtype,
+                      index.path, recorder)  # type: ignore[arg-type]
+    ids = np.array([0, 7, 4095, 150_000, 150_001, n - 1])
+    (tmp_path / "c.bin").write_bytes(b"")
+    os.truncate(tmp_path / "c.bin", int(lengths.astype(np.int64).sum()) * 2)
+    check_documents(spied, ids, "c.idx", int(lengths.astype(np.int64).sum()) * 2)
+    asked = {start for option, start, _ in recorder.calls if option == mmap.MADV_WILLNEED}
+    assert len(asked) == len(recorder.calls)  # each page once
+    page = mmap.PAGESIZE
+    for i in ids:
+        nxt = min(int(i) + 1, n - 1)
+        for offset in (_HEADER_BYTES + 4 * i, _HEADER_BYTES + 4 * n + 8 * i, _HEADER_BYTES + 4 * n + 8 * nxt,
+                       _HEADER_BYTES + 12 * n + 8 * i, _HEADER_BYTES + 12 * n + 8 * (i + 1)):
+            assert int(offset) // page * page in asked, (int(i), int(offset))
+    assert all(0 < length <= page and start + length <= recorder.size for _, start, length in recorder.calls)
+    IndexFile(index.sequence_lengths, index.document_indices, index.sequence_pointers, index.dtype).prefetch(ids)

@@ -140,6 +140,19 @@ def _analyze_jsonl(tmp_path, path, tok, samples: str, cp: int, seq: int) -> dict
     return json.loads((out / "sft.json").read_text()) | {"md": (out / "sft.md").read_text()}
 
 
+def _identity_corpus(tmp_path):
+    """(Megatron's SFT tokenizer under the ``identity`` prompt format, a jsonl of lines of 1-5 conversations, some
+    over a 96-token window) in ``tmp_path``."""
+    import sft_fixtures as F
+    from test_sft_data import _multi_corpus
+
+    F.build_tokenizer(tmp_path / "tok")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tokenizer = F.megatron_sft_tokenizer(tmp_path / "tok", prompt_format="identity")
+    return tokenizer, _multi_corpus(tmp_path / "multi.jsonl", 40, seed=11)
+
+
 @pytest.mark.parametrize("cp", [1, 2], ids=["cp1", "cp2"])
 def test_analyze_plans_the_documents_sft_trains_from_sftdatasets_samples(tmp_path, monkeypatch, cp):
     """``wlb analyze --sft-jsonl`` plans, by default, exactly the documents ``--sft`` trains: each conversation's
@@ -148,17 +161,12 @@ def test_analyze_plans_the_documents_sft_trains_from_sftdatasets_samples(tmp_pat
     training prints."""
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    import sft_fixtures as F
-    from test_sft_data import _lines, _multi_corpus, _sft_dataset
+    from test_sft_data import _lines, _sft_dataset
 
     from megatron_wlb.data.sft import SftCorpus, jsonl_line_lengths, planned_documents
     from megatron_wlb.sim import sft as sim_sft
 
-    F.build_tokenizer(tmp_path / "tok")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        tokenizer = F.megatron_sft_tokenizer(tmp_path / "tok", prompt_format="identity")
-    path = _multi_corpus(tmp_path / "multi.jsonl", 40, seed=11)  # lines of 1-5 conversations, some over
+    tokenizer, path = _identity_corpus(tmp_path)
     seq = 96
     planned, counts = planned_documents(jsonl_line_lengths(path, tokenizer), seq, "megatron", cp)
     # against SFTDataset itself, line by line: each line's documents tile its sample up to its masked end padding
@@ -200,16 +208,9 @@ def test_analyze_plans_the_documents_sft_trains_from_sftdatasets_samples(tmp_pat
 def test_analyze_plans_whole_conversations_when_the_config_says_whole(tmp_path, monkeypatch):
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    import sft_fixtures as F
-    from test_sft_data import _multi_corpus
-
     from megatron_wlb.data.sft import SftCorpus
 
-    F.build_tokenizer(tmp_path / "tok")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        tokenizer = F.megatron_sft_tokenizer(tmp_path / "tok", prompt_format="identity")
-    path = _multi_corpus(tmp_path / "multi.jsonl", 40, seed=11)
+    tokenizer, path = _identity_corpus(tmp_path)
     corpus = SftCorpus.build(path, tokenizer, 96, cache_dir=str(tmp_path / "cache"), samples="whole")
     seen: list[np.ndarray] = []
     from megatron_wlb.sim import sft as sim_sft

@@ -26,6 +26,7 @@ on them unless ``skip_empty`` is set. Every error is one line naming the file.
 
 from __future__ import annotations
 
+import mmap
 import struct
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -59,6 +60,25 @@ class IndexFile:
     sequence_pointers: np.ndarray  # int64 [S]: byte offset of each sequence in the .bin (view)
     dtype: np.dtype                # token dtype of the .bin
     path: Path | None = None       # the .idx (``chunk`` reads from it without mapping it)
+    mapping: mmap.mmap | None = None  # the map the views read (``prefetch`` asks the kernel for its pages)
+
+    def prefetch(self, sequences: np.ndarray) -> None:
+        """Ask the kernel, all at once, for the pages holding ``sequences``' entries (their lengths, their and the
+        next sequence's pointers and document indices): the scattered entries an epoch order reads from a cold
+        ``.idx`` then arrive as one batch of reads instead of one wait each (a 1e9-document index: ~12k pages
+        for a first plan). Nothing is read or held here; without a map, nothing is done."""
+        ids = np.asarray(sequences, dtype=np.int64)
+        if self.mapping is None or not ids.size:
+            return
+        n_seq, size = int(self.sequence_lengths.size), len(self.mapping)
+        ends = np.minimum(ids + 1, max(n_seq - 1, 0))
+        offsets = np.concatenate([
+            _HEADER_BYTES + 4 * ids, _HEADER_BYTES + 4 * ids + 3,
+            *(_HEADER_BYTES + 4 * n_seq + 8 * k + e for k in (ids, ends) for e in (0, 7)),
+            *(_HEADER_BYTES + 12 * n_seq + 8 * k + e for k in (ids, ids + 1) for e in (0, 7))])
+        for page in np.unique(offsets[offsets < size] // mmap.PAGESIZE):
+            start = int(page) * mmap.PAGESIZE
+            self.mapping.madvise(mmap.MADV_WILLNEED, start, min(mmap.PAGESIZE, size - start))
 
     def chunk(self, name: str, lo: int, hi: int) -> np.ndarray:
         """Entries ``[lo, hi)`` of one of the arrays (int64), read from the file when there is one: a
@@ -115,11 +135,15 @@ def read_index(prefix: str | Path) -> IndexFile:
     if size < need:
         raise ValueError(f"{idx}: truncated, {size} bytes but the header announces {n_seq} sequences and "
                          f"{n_doc} document indices ({need} bytes)")
-    mm = np.memmap(idx, mode="r", dtype=np.uint8)  # views, no copies: pages are read as they are used
+    with open(idx, "rb") as f:  # views, no copies: pages are read as they are used
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    # an epoch order reads entries scattered over the file: no readahead around each (at 1e9 documents a first
+    # plan's 4,096 documents otherwise pulled 2 GB of the .idx into the page cache); ``prefetch`` batches them
+    mm.madvise(mmap.MADV_RANDOM)
     seq = np.frombuffer(mm, dtype=np.int32, count=n_seq, offset=_HEADER_BYTES)
     pointers = np.frombuffer(mm, dtype=np.int64, count=n_seq, offset=_HEADER_BYTES + 4 * n_seq)
     docs = np.frombuffer(mm, dtype=np.int64, count=n_doc, offset=_HEADER_BYTES + 12 * n_seq)
-    return IndexFile(seq, docs, pointers, np.dtype(DTYPE_CODES[code]), idx)
+    return IndexFile(seq, docs, pointers, np.dtype(DTYPE_CODES[code]), idx, mm)
 
 
 def write_index(prefix: str | Path, sequence_lengths: np.ndarray, dtype: type = np.uint16,
@@ -356,6 +380,7 @@ def check_documents(index: IndexFile, documents: np.ndarray, where: str, bin_byt
     n_seq = int(index.sequence_lengths.size)
     if int(ids[0]) < 0 or int(ids[-1]) >= n_seq:
         raise IndexError(f"{where}: documents {int(ids[0])}..{int(ids[-1])} are outside its {n_seq} documents")
+    index.prefetch(ids)
     docs = index.document_indices
     for at, expected in ((docs[ids], ids), (docs[ids + 1], ids + 1)):
         wrong = np.flatnonzero(at != expected)
