@@ -4,7 +4,7 @@
 
 For every frontier stream (``bench_packing.STREAMS``: the embedded stand-in and tests/data/corpora)
 megatron-core's own ``GPTDataset`` indices are built over the stream's document lengths
-(``megatron_wlb.megatron.sample_orders``: seed 1234, split 1,0,0, ``iterations x DP x N`` samples, so
+(``megatron_wlb.megatron.data.sample_orders``: seed 1234, split 1,0,0, ``iterations x DP x N`` samples, so
 GPTDataset adds the epochs it needs), and its samples, cut at document boundaries, are read in
 ``MegatronPretrainingSampler`` order. With configs/7b_128k.yaml (N = 4, seq_len 128K, S_max 192K),
 at each DP: the concat-and-cut baseline (``original``: each sample one micro-batch) and the balanced
@@ -101,7 +101,7 @@ def versions() -> dict[str, str]:
 
 
 def run(streams: list[str], dps: list[int], iterations: int) -> dict:
-    from megatron_wlb.megatron.sample_orders import gpt_sample_order, sample_stream
+    from megatron_wlb.megatron.data.sample_orders import gpt_sample_order, sample_stream
 
     cfg = load_config(CONFIG)
     tables = []

@@ -59,8 +59,8 @@ def run(layers: int, reps: int, step_ms: float = 100.0) -> dict:
     from megatron_wlb.cp.device import upload
     from megatron_wlb.cp.plan import CPSharding
     from megatron_wlb.data import load_lengths
-    from megatron_wlb.megatron.cp_hooks import upload_micro_batch
-    from megatron_wlb.megatron.data import rank_micro_batch
+    from megatron_wlb.megatron.data.packed import rank_micro_batch
+    from megatron_wlb.megatron.hooks.cp_hooks import upload_micro_batch
     from megatron_wlb.provenance import machine
 
     lengths = np.random.default_rng(0).permutation(load_lengths())
@@ -101,8 +101,8 @@ def critical_path(lengths: np.ndarray, read, step_ms: float, iterations: int = 3
     from megatron_wlb.cp.plan import CPSharding
     from megatron_wlb.data.indexed import write_index
     from megatron_wlb.data.reader import DocumentReader
-    from megatron_wlb.megatron.data import WlbDataIterator
-    from megatron_wlb.megatron.prefetch import PrefetchingIterator
+    from megatron_wlb.megatron.data.packed import WlbDataIterator
+    from megatron_wlb.megatron.data.prefetch import PrefetchingIterator
     from megatron_wlb.packing import make_packer
     from megatron_wlb.packing.types import PackingConfig
 

@@ -208,7 +208,7 @@ def measure_rank(prefix: str, tokens: int, cache: str | None = None) -> dict:
     """One rank's start-up (run in a fresh process); ``cache``: the epoch order cache directory."""
     from megatron_wlb.config import load_config
     from megatron_wlb.data.reader import DocumentReader
-    from megatron_wlb.megatron.data import WlbDataIterator
+    from megatron_wlb.megatron.data.packed import WlbDataIterator
     from megatron_wlb.packing import make_packer
 
     before = status_kib("VmRSS")

@@ -5,7 +5,7 @@
 Main's ``DpBalancedScheduler.get_groups_and_subsamples`` (``sequence_packing_scheduler = "dp_balanced"``, imported
 from a Megatron-LM main checkout: the work tree ``$MEGATRON_LM`` names, or a checkout of ``version.MAIN_COMMIT``
 from the repository it names, default the machine's mirror) and ours (``"wlb"``,
-``megatron_wlb.megatron.main_schedule``) group the same global batches of the same streams as bench_packing.py
+``megatron_wlb.megatron.hooks.main_schedule``) group the same global batches of the same streams as bench_packing.py
 (the embedded WLB-LLM stand-in and the corpora of benchmarks/build_corpora.py), at DP 1, 2, 4, 8 with
 configs/7b_128k.yaml's model and layout (CP 2, PP 4: main's window ``max_seqlen_per_dp_cp_rank x cp`` = 128K
 tokens per DP rank's micro-batch). A global batch is the documents, in arrival order, of DP x 4 x 128K tokens
@@ -47,7 +47,7 @@ from bench_packing import STREAMS, stream_lengths  # noqa: E402
 from megatron_wlb.config import load_config  # noqa: E402
 from megatron_wlb.costmodel import build_cost_model  # noqa: E402
 from megatron_wlb.cp.dynamic import group_cost_models, lower_bound, memory_bound, plan_dynamic_cp  # noqa: E402
-from megatron_wlb.megatron.version import DEV_COMMIT, MAIN_COMMIT  # noqa: E402
+from megatron_wlb.megatron.args.version import DEV_COMMIT, MAIN_COMMIT  # noqa: E402
 from megatron_wlb.packing.metrics import overhead_seconds, piece_latency, slowest_rank_schedule_time  # noqa: E402
 from megatron_wlb.packing.types import DocPiece, GlobalBatch, MicroBatch  # noqa: E402
 from megatron_wlb.provenance import machine  # noqa: E402
@@ -74,12 +74,12 @@ def main_checkout(keep: Path) -> Path:
 def import_schedulers(checkout: Path) -> tuple[type, type, str]:
     """(main's DpBalancedScheduler, our WlbPackingScheduler, the checkout's commit)."""
     sys.path.insert(0, str(checkout))
-    from megatron_wlb.megatron.compat import install_python_shims
+    from megatron_wlb.megatron.args.compat import install_python_shims
 
     install_python_shims()
     from megatron.core.datasets import data_schedule
 
-    from megatron_wlb.megatron import main_schedule
+    from megatron_wlb.megatron.hooks import main_schedule
 
     print(main_schedule.register(), file=sys.stderr)
     commit = subprocess.run(["git", "-C", str(checkout), "rev-parse", "HEAD"], capture_output=True,
@@ -323,12 +323,12 @@ def run_dynamic(streams: list[str], dps: list[int], iterations: int, intake_iter
     with tempfile.TemporaryDirectory() as keep:
         checkout = dev_checkout(Path(keep))
         sys.path.insert(0, str(checkout))
-        from megatron_wlb.megatron.compat import install_python_shims
+        from megatron_wlb.megatron.args.compat import install_python_shims
 
         install_python_shims()
         from megatron.core.datasets import data_schedule
 
-        from megatron_wlb.megatron import main_schedule
+        from megatron_wlb.megatron.hooks import main_schedule
 
         print(main_schedule.register(), file=sys.stderr)
         Dynamic, Wlb = data_schedule.DefaultDynamicCPScheduler, main_schedule.scheduler_class()

@@ -53,11 +53,11 @@ from _results import write_result  # noqa: E402
 from megatron_wlb.costmodel import ModelShape, ParallelLayout, build_cost_model  # noqa: E402
 from megatron_wlb.costmodel.measured import IterationTotals  # noqa: E402
 from megatron_wlb.costmodel.trace import Trace, read_trace  # noqa: E402
-from megatron_wlb.megatron.cpu import TINY_GPT_EOD, measurement_env  # noqa: E402
+from megatron_wlb.megatron.entry.cpu import TINY_GPT_EOD, measurement_env  # noqa: E402
 from megatron_wlb.provenance import machine  # noqa: E402
 
 SEQ_LEN = 1024
-#: the tiny GPT (on top of megatron_wlb.megatron.cpu.TINY_GPT_ARGS)
+#: the tiny GPT (on top of megatron_wlb.megatron.entry.cpu.TINY_GPT_ARGS)
 MODEL_FLAGS = ("--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--ffn-hidden-size", "256",
                "--seq-length", str(SEQ_LEN), "--max-position-embeddings", str(2 * SEQ_LEN), "--vocab-size", "300",
                "--global-batch-size", "8", "--log-interval", "10", "--split", "100,0,0",
@@ -151,7 +151,7 @@ def train(run: Run, data: Path, out: Path, iters: int, profile: Path | None, log
     if run.calibrated and profile is not None:
         flags += ["--wlb-cost-profile", str(profile)]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc-per-node",
-           str(run.ranks), "-m", "megatron_wlb.megatron.cpu", "--tiny-gpt", "--data-path", str(data), *flags]
+           str(run.ranks), "-m", "megatron_wlb.megatron.entry.cpu", "--tiny-gpt", "--data-path", str(data), *flags]
     start = time.perf_counter()
     proc = subprocess.run(cmd, env=env, cwd=out, capture_output=True, text=True)
     seconds = time.perf_counter() - start
@@ -246,7 +246,7 @@ def simulator_for(header: dict[str, Any], profile: dict[str, Any] | None, cp_lay
 
 def analyse(run: Run, repeat: int, trace_path: Path, warmup: int, profile: dict[str, Any] | None) -> RunResult:
     """Reduce one run's trace (``costmodel.measured``) and predict the same plans with the simulator."""
-    from megatron_wlb.megatron.data import plan_digest
+    from megatron_wlb.megatron.data.packed import plan_digest
     from megatron_wlb.packing.types import DocPiece, GlobalBatch, MicroBatch
 
     trace = read_trace(trace_path)

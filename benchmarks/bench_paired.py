@@ -89,7 +89,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 from _results import RESULTS_PAGE, replace_block, write_result  # noqa: E402
 
-from megatron_wlb.megatron.cpu import PIN_VARIABLE, TINY_GPT_EOD, measurement_env  # noqa: E402
+from megatron_wlb.megatron.entry.cpu import PIN_VARIABLE, TINY_GPT_EOD, measurement_env  # noqa: E402
 from megatron_wlb.provenance import machine  # noqa: E402
 
 SEQ_LEN = 4096

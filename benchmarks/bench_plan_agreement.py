@@ -1,4 +1,4 @@
-"""Cost of the agreements (``megatron_wlb.megatron.agreement``): per iteration on CPU gloo worlds, and at
+"""Cost of the agreements (``megatron_wlb.megatron.state.agreement``): per iteration on CPU gloo worlds, and at
 start-up per dataset size.
 
 Per iteration: the world is DP x CP2 (CP groups of two ranks). Each rank plans a real global batch (the wlb
@@ -43,8 +43,8 @@ def rank_main(rank: int, world: int, store: str, config_name: str, calls: int, q
     from megatron_wlb.config import load_config
     from megatron_wlb.cp.layouts import layout_digest
     from megatron_wlb.cp.plan import CPSharding
-    from megatron_wlb.megatron.agreement import check_plan_agreement, plan_key
-    from megatron_wlb.megatron.data import plan_micro_batch
+    from megatron_wlb.megatron.data.packed import plan_micro_batch
+    from megatron_wlb.megatron.state.agreement import check_plan_agreement, plan_key
     from megatron_wlb.packing import make_packer
 
     torch.set_num_threads(1)

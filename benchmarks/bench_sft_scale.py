@@ -114,7 +114,7 @@ def measure_reader(jsonl: str) -> dict:
     from megatron_wlb.data.reader import DocumentReader
     from megatron_wlb.data.sft import SftCorpus
     from megatron_wlb.data.sft_cache import default_cache_dir
-    from megatron_wlb.megatron.data import WlbDataIterator
+    from megatron_wlb.megatron.data.packed import WlbDataIterator
     from megatron_wlb.packing import make_packer
 
     before = status_kib("RssAnon")

@@ -65,7 +65,7 @@ def gpt_samples(lengths: np.ndarray, cfg: Any, iterations: int) -> Any:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            from megatron_wlb.megatron.sample_orders import gpt_sample_order, sample_stream
+            from megatron_wlb.megatron.data.sample_orders import gpt_sample_order, sample_stream
 
             count = (iterations + 16) * cfg.packing.micro_batches_per_iteration
             order, name = gpt_sample_order(lengths, cfg.seq_len, count, 1234)

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Paired measurement: one Megatron training process trains two data plans alternately, ABBA.
 
-Run by ``benchmarks/bench_paired.py`` under torchrun, exactly as ``megatron_wlb.megatron.cpu`` runs (our
+Run by ``benchmarks/bench_paired.py`` under torchrun, exactly as ``megatron_wlb.megatron.entry.cpu`` runs (our
 launcher, Megatron's own loop), with one change: the training iterator is a ``PairedDataIterator``.
 Method A is the run's ``--wlb-*`` flags; method B the same with ``WLB_PAIRED_B`` (a JSON object of
 ``WlbSettings`` fields, e.g. ``{"packer": "original"}``) and, with ``WLB_PAIRED_B_DEAL=megatron``, B's
@@ -34,7 +34,7 @@ from typing import Any
 
 from megatron_wlb.cp.dynamic import DynamicCPPlan
 from megatron_wlb.cp.dynamic_steps import DynamicPool
-from megatron_wlb.megatron.data import WlbDataIterator
+from megatron_wlb.megatron.data.packed import WlbDataIterator
 from megatron_wlb.packing.types import GlobalBatch
 
 METHODS = ("A", "B")
@@ -152,13 +152,13 @@ def prefault(megabytes: int) -> None:
 def main() -> None:
     argv = sys.argv[1:]
     prefault(int(os.environ.get("WLB_PREFAULT_MB", "0")))
-    from megatron_wlb.megatron import cpu
+    from megatron_wlb.megatron.entry import cpu
 
     cpu.install_cpu_redirects()
     from megatron.training import training
 
     import megatron_wlb.megatron as wlb
-    from megatron_wlb.megatron.settings import WlbSettings
+    from megatron_wlb.megatron.args.settings import WlbSettings
 
     out = os.environ["WLB_PAIRED_OUT"]
     rank = int(os.environ.get("RANK", "0"))

@@ -6,7 +6,7 @@
 # - patches/<tag>/ holds one supported release's patches and its pinned commit (PINNED_COMMIT):
 #   core_v0.16.1 and core_v0.19.0. The checkout must be a git work tree whose HEAD is one of those
 #   commits; any other commit is refused, naming each supported one and the launcher route
-#   (python -m megatron_wlb.megatron.launcher), which needs no checkout.
+#   (python -m megatron_wlb.megatron.entry.launcher), which needs no checkout.
 # - Tracked files must be unmodified (untracked files are ignored), except for exactly the changes
 #   our patches make: running the script again on a patched checkout is a no-op (idempotent).
 # - Patches are applied with `git apply` after a `git apply --check` of all of them (all or nothing).
@@ -77,7 +77,7 @@ apply_by_content() {
     [[ -n $found ]] || die "$tree is not a git checkout and no release in $patches_root has PINNED_FILES.sha256 / PATCHED_FILES.sha256 to identify it by"
     die "$tree is not a git checkout and its files match no supported release's pinned or patched files:
   use a copy of a supported release's pinned commit, or a git checkout of it;
-  or run our launcher, which needs no checkout: torchrun ... -m megatron_wlb.megatron.launcher <flags>"
+  or run our launcher, which needs no checkout: torchrun ... -m megatron_wlb.megatron.entry.launcher <flags>"
 }
 
 [[ -d $target ]] || die "$target is not a directory"
@@ -99,7 +99,7 @@ if [[ -z $patches_dir ]]; then
   Fix: git -C '$top' checkout $(tr -d '[:space:]' < "$release/PINNED_COMMIT")   ($(basename "$release"))"
     done
     die "$top is at commit $head, but the patches are for other commits:$fixes
-  Or run our launcher, which needs no checkout: torchrun ... -m megatron_wlb.megatron.launcher <flags>"
+  Or run our launcher, which needs no checkout: torchrun ... -m megatron_wlb.megatron.entry.launcher <flags>"
 fi
 pinned=$head
 shopt -s nullglob

@@ -12,7 +12,7 @@
 # --hidden-dropout 0`: every iteration logged, and the same sums in another order (dropout would draw other
 # masks for regrouped tokens). Your flags need per-document masking (`--reset-attention-mask
 # --reset-position-ids`, or `--dataloader-inter-document-masking`). With --cpu, the tiny GPT's flags
-# (megatron_wlb/megatron/cpu.py) come first and DATA (a PREFIX of PREFIX.bin/.idx) defaults to the Python
+# (megatron_wlb/megatron/entry/cpu.py) come first and DATA (a PREFIX of PREFIX.bin/.idx) defaults to the Python
 # standard library's text with the tiny GPT's EOD, written once under OUT.
 #
 # Writes OUT/stock.log, OUT/balanced.log, OUT/loss_curves.png (both curves, and their relative difference) and
@@ -59,10 +59,10 @@ if [[ $cpu == 1 ]]; then
     nproc=$(( ${TP:-1} * ${CP:-1} * ${PP:-1} * ${DP:-1} )) || die "TP, CP, PP and DP must be positive integers"
     DATA=${DATA:-$OUT/data/stdlib_eod_text_document}
     if [[ ! -f $DATA.idx ]]; then
-        "$PYTHON" -m megatron_wlb.megatron.cpu --write-corpus "$DATA" --tiny-gpt-eod
+        "$PYTHON" -m megatron_wlb.megatron.entry.cpu --write-corpus "$DATA" --tiny-gpt-eod
     fi
     launch=("$PYTHON" -m torch.distributed.run --standalone --nnodes 1 --nproc-per-node "$nproc"
-            -m megatron_wlb.megatron.cpu --pretrain-gpt "$script" --tiny-gpt --data-path "$DATA")
+            -m megatron_wlb.megatron.entry.cpu --pretrain-gpt "$script" --tiny-gpt --data-path "$DATA")
 else
     launch=(torchrun --nproc-per-node "${NPROC_PER_NODE:-8}" ${TORCHRUN_ARGS:-} "$script")
 fi

@@ -146,7 +146,7 @@ part2() {
 part3() {
     local corpus=$OUT/data/stdlib_text_document iters entry dry_flag=()
     if [[ ! -f $corpus.idx ]]; then
-        step 3 corpus "$PY" -m megatron_wlb.megatron.cpu --write-corpus "$corpus" || return 1
+        step 3 corpus "$PY" -m megatron_wlb.megatron.entry.cpu --write-corpus "$corpus" || return 1
     fi
     [[ $dry == 1 ]] && dry_flag=(--dry)
     if [[ -n ${ITERS:-} ]]; then
@@ -156,12 +156,12 @@ part3() {
     fi
     local flags=(--wlb-packer wlb --wlb-cp-sharding per-document --wlb-max-seq-len 3072 --wlb-log-interval 1)
     if [[ $dry == 1 ]]; then
-        entry=("$PY" -m torch.distributed.run --standalone --nnodes 1 --nproc-per-node 1 -m megatron_wlb.megatron.cpu
+        entry=("$PY" -m torch.distributed.run --standalone --nnodes 1 --nproc-per-node 1 -m megatron_wlb.megatron.entry.cpu
                --pretrain-gpt "$mlm/pretrain_gpt.py" --tiny-gpt)
     else
         # the startup guards only (stock Megatron otherwise): no nvcc, no make on the GPU machine
         entry=("$PY" -m torch.distributed.run --standalone --nnodes 1 --nproc-per-node 1
-               -m megatron_wlb.megatron.startup "$mlm/pretrain_gpt.py"
+               -m megatron_wlb.megatron.hooks.startup "$mlm/pretrain_gpt.py"
                --num-layers 4 --hidden-size 256 --num-attention-heads 8 --group-query-attention
                --num-query-groups 4 --ffn-hidden-size 1024 --swiglu --normalization RMSNorm
                --position-embedding-type rope --disable-bias-linear --attention-dropout 0.0 --hidden-dropout 0.0

@@ -5,10 +5,10 @@
 #
 # The layout comes from TP, CP, PP, VPP (virtual stages per pipeline rank) and DP; the number of
 # processes is TP*CP*PP*DP. Flags after the script name go to Megatron (and our --wlb-* flags) after
-# the tiny-GPT defaults (megatron_wlb/megatron/cpu.py: TINY_GPT_ARGS), so they override them.
+# the tiny-GPT defaults (megatron_wlb/megatron/entry/cpu.py: TINY_GPT_ARGS), so they override them.
 # With MEGATRON_LM, that checkout's pretrain_gpt.py runs (core_v0.16.1 or core_v0.19.0, patched:
 # scripts/apply_patches.sh);
-# without it, megatron_wlb.megatron.launcher runs Megatron's pretrain() from the installed
+# without it, megatron_wlb.megatron.entry.launcher runs Megatron's pretrain() from the installed
 # megatron-core (0.19 ships megatron/training). DATA (a PREFIX of PREFIX.bin/.idx) defaults to
 # the Python standard library's text, written once under OUT (default out/train_cpu).
 # Megatron's own iteration lines are printed as they come.
@@ -23,7 +23,7 @@ nproc=$(( ${TP:-1} * ${CP:-1} * ${PP:-1} * ${DP:-1} )) || die "TP, CP, PP and DP
 
 DATA=${DATA:-$OUT/data/stdlib_text_document}
 if [[ ! -f $DATA.idx ]]; then
-    "$PYTHON" -m megatron_wlb.megatron.cpu --write-corpus "$DATA"
+    "$PYTHON" -m megatron_wlb.megatron.entry.cpu --write-corpus "$DATA"
 fi
 entry=()
 if [[ -n ${MEGATRON_LM:-} ]]; then
@@ -35,4 +35,4 @@ fi
 source "$repo/scripts/lib/job_python.sh"  # Megatron's dataset helpers built for $PYTHON, pyenv or not
 use_job_python "$PYTHON" || die "cannot run PYTHON=$PYTHON"
 exec "$PYTHON" -m torch.distributed.run --standalone --nnodes 1 --nproc-per-node "$nproc" \
-    -m megatron_wlb.megatron.cpu "${entry[@]}" --tiny-gpt --data-path "$DATA" "$@"
+    -m megatron_wlb.megatron.entry.cpu "${entry[@]}" --tiny-gpt --data-path "$DATA" "$@"

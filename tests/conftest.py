@@ -216,8 +216,8 @@ def embedded_lengths():
 @pytest.fixture(scope="session")
 def text_corpus(tmp_path_factory) -> str:
     """A real Megatron .bin/.idx text corpus for the training tests: the standard library's text, byte tokens
-    (``megatron_wlb.megatron.cpu.write_text_corpus``); its prefix."""
-    from megatron_wlb.megatron.cpu import write_text_corpus
+    (``megatron_wlb.megatron.entry.cpu.write_text_corpus``); its prefix."""
+    from megatron_wlb.megatron.entry.cpu import write_text_corpus
 
     prefix = str(tmp_path_factory.mktemp("corpus") / "stdlib_text_document")
     docs, tokens = write_text_corpus(prefix)
@@ -229,7 +229,7 @@ def text_corpus(tmp_path_factory) -> str:
 def eod_corpus(tmp_path_factory) -> str:
     """The stdlib corpus with every document ending in the tiny GPT tokenizer's own EOD (NullTokenizer,
     vocabulary 300: EOD 299), so Megatron's --reset-* flags find the document boundaries."""
-    from megatron_wlb.megatron.cpu import TINY_GPT_EOD, write_text_corpus
+    from megatron_wlb.megatron.entry.cpu import TINY_GPT_EOD, write_text_corpus
 
     prefix = str(tmp_path_factory.mktemp("eod_corpus") / "stdlib_eod_text_document")
     write_text_corpus(prefix, eod=TINY_GPT_EOD)  # what scripts/compare_loss.sh --cpu writes

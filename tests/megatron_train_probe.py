@@ -2,7 +2,7 @@
 on CPU, plus records.
 
 Usage: ``torchrun ... tests/megatron_train_probe.py [--pretrain-gpt PATH] [--tiny-gpt] <flags>`` with
-``WLB_PROBE_OUT`` naming a directory. It runs exactly what ``megatron_wlb.megatron.cpu`` runs and
+``WLB_PROBE_OUT`` naming a directory. It runs exactly what ``megatron_wlb.megatron.entry.cpu`` runs and
 writes, per rank, ``rank{R}.json``:
 
 - ``losses``: ``{iteration: lm loss}`` as ``train_step`` returned it (last pipeline stage only);
@@ -33,12 +33,12 @@ from collections import defaultdict
 
 
 def main() -> None:
-    """Install the records, then run exactly what ``megatron_wlb.megatron.cpu`` runs."""
+    """Install the records, then run exactly what ``megatron_wlb.megatron.entry.cpu`` runs."""
     argv = sys.argv[1:]
     if argv[:1] == ["--pretrain-gpt"]:  # the checkout's megatron must win over the installed one
         sys.path.insert(0, os.path.dirname(os.path.abspath(argv[1])))
 
-    from megatron_wlb.megatron import cpu
+    from megatron_wlb.megatron.entry import cpu
 
     cpu.install_cpu_redirects()
 
@@ -46,8 +46,8 @@ def main() -> None:
     import torch
     from megatron.training import training
 
-    from megatron_wlb.megatron import cp_hooks
-    from megatron_wlb.megatron.data import WlbDataIterator
+    from megatron_wlb.megatron.data.packed import WlbDataIterator
+    from megatron_wlb.megatron.hooks import cp_hooks
 
     OUT = os.environ["WLB_PROBE_OUT"]
     RANK = int(os.environ.get("RANK", "0"))
@@ -58,7 +58,7 @@ def main() -> None:
     PIECE_ROWS = os.environ.get("WLB_PROBE_PIECE_ROWS") == "1"
     _iterator_index: dict[int, int] = {}
 
-    # produce() builds every micro-batch, whether __next__ or the prefetch thread (megatron/prefetch.py) calls it
+    # produce() builds every micro-batch, whether __next__ or the prefetch thread (megatron/data/prefetch.py) calls it
     _next = WlbDataIterator.produce
     _iterator_of: dict[int, int] = {}  # id(RankMicroBatch) -> index of the iterator that yielded it
 

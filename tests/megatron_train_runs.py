@@ -2,11 +2,11 @@
 a one-node world (``train``), what it left behind (``Run``) and the checks every layout's run must pass.
 
 Each test launches ``tests/megatron_train_probe.py`` as a one-node world (tests/rank_launch.py: the ranks
-torchrun starts, without its agent; ``megatron_wlb.megatron.cpu`` plus records: losses, iteration-1
+torchrun starts, without its agent; ``megatron_wlb.megatron.entry.cpu`` plus records: losses, iteration-1
 gradients, tokens of every document that reached the model) on a tiny GPT and real text (the standard
 library as a byte-level .bin/.idx).
 
-Two ways in: ``megatron_wlb.megatron.launcher`` over the installed megatron-core's
+Two ways in: ``megatron_wlb.megatron.entry.launcher`` over the installed megatron-core's
 ``megatron.training`` (0.19.x ships it; CI installs 0.19.2), and the pinned Megatron-LM checkout's
 patched ``pretrain_gpt.py`` (core_v0.16.1), run wherever ``MEGATRON_LM`` (conftest's one lookup)
 names a git repository holding the pinned commit; the test checks out and patches a copy.
@@ -91,7 +91,7 @@ def train(tmp_path: Path, name: str, corpus: str | None, *flags: str, env: dict 
     """Run the probe as the ranks of a one-node world (``rank_launch.run_ranks``: torchrun's worker environment,
     without its agent) with the layout in ``env`` (TP/CP/PP/VPP/DP) and ``flags`` (no
     ``--data-path`` where ``corpus`` is None: Megatron's mock data)."""
-    from megatron_wlb.megatron.cpu import layout_from_env, world_size
+    from megatron_wlb.megatron.entry.cpu import layout_from_env, world_size
 
     env = {**os.environ, **(env or {})}
     layout, _ = layout_from_env(env)
@@ -181,14 +181,14 @@ def stock_samples(corpus: str, tmp_path: Path, iterations: int, first: int = 0, 
 
     import numpy as np
 
-    from megatron_wlb.megatron.compat import install_python_shims
+    from megatron_wlb.megatron.args.compat import install_python_shims
 
     install_python_shims()
     from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer
     from megatron.training.datasets.data_samplers import MegatronPretrainingSampler
 
-    from megatron_wlb.megatron.gpt_datasets import build_train_dataset
-    from megatron_wlb.megatron.gpt_samples import MegatronSamples
+    from megatron_wlb.megatron.data.gpt_datasets import build_train_dataset
+    from megatron_wlb.megatron.data.gpt_samples import MegatronSamples
 
     seq, gbs, train_iters = 256, 4, 4
     args = types.SimpleNamespace(seed=1234, seq_length=seq, data_path=[corpus], split="98,2,0",

@@ -129,7 +129,7 @@ def test_without_megatron_core_one_line_says_the_order_differs(labelled_corpus, 
 def test_lengths_order_is_gptdatasets_own(labelled_corpus, tmp_path):
     """A bare lengths array gets the very indices megatron-core builds for a .bin/.idx of those documents."""
     from megatron_wlb.data.indexed import read_idx_lengths
-    from megatron_wlb.megatron.sample_orders import LengthsDataset, gpt_sample_order
+    from megatron_wlb.megatron.data.sample_orders import LengthsDataset, gpt_sample_order
 
     lengths = read_idx_lengths(labelled_corpus / "c")
     order, _ = gpt_sample_order(np.asarray(lengths), SEQ_LEN, 50, SEED)

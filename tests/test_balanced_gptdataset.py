@@ -20,13 +20,10 @@ pytest.importorskip("megatron.core.datasets.gpt_dataset")
 
 from megatron_wlb.costmodel import AnalyticCostModel, ParallelLayout, get_model  # noqa: E402
 from megatron_wlb.data.reader import write_indexed_dataset  # noqa: E402
-from megatron_wlb.megatron.data import WlbDataIterator  # noqa: E402
-from megatron_wlb.megatron.gpt_datasets import build_train_dataset  # noqa: E402
-from megatron_wlb.megatron.gpt_samples import (  # noqa: E402
-    MegatronSamples,
-    masking_problem,
-    sample_order,
-)
+from megatron_wlb.megatron.args.validation import masking_problem  # noqa: E402
+from megatron_wlb.megatron.data.gpt_datasets import build_train_dataset  # noqa: E402
+from megatron_wlb.megatron.data.gpt_samples import MegatronSamples, sample_order  # noqa: E402
+from megatron_wlb.megatron.data.packed import WlbDataIterator  # noqa: E402
 from megatron_wlb.packing import PackingConfig, make_packer  # noqa: E402
 
 SEQ, GBS, DP = 256, 8, 2
@@ -195,7 +192,7 @@ def test_inter_document_masking_cuts_at_gptdatasets_own_boundaries(corpora):
 
 
 def test_a_corpus_without_the_tokenizers_eod_is_named(corpora, tmp_path):
-    from megatron_wlb.megatron.gpt_samples import eod_problem
+    from megatron_wlb.megatron.data.gpt_samples import eod_problem
 
     assert eod_problem(_dataset(_args(corpora, True), 2)) is None
     _corpus(str(tmp_path / "b"), 300, 3, 256)  # ends its documents with 256, the tokenizer's EOD is 299
@@ -222,8 +219,8 @@ def test_a_job_that_attends_across_documents_is_refused(corpora):
     assert masking_problem(_args(corpora, False)) is None
     import argparse
 
-    from megatron_wlb.megatron.args import add_wlb_args
-    from megatron_wlb.megatron.validation import validate_wlb_args
+    from megatron_wlb.megatron.args.flags import add_wlb_args
+    from megatron_wlb.megatron.args.validation import validate_wlb_args
 
     parser = argparse.ArgumentParser()
     add_wlb_args(parser)
@@ -268,7 +265,7 @@ def test_a_sample_token_beyond_the_vocabulary_stops_the_run_in_one_line(corpora)
     """Issue 57 (6): the CPU harness no longer reads the whole corpus to size the vocabulary, so a token id beyond
     it is met when Megatron's sample is read: one line naming the sample, the id and the --vocab-size that
     covers it, never an IndexError in the embedding."""
-    from megatron_wlb.megatron.validation import RunRefusal
+    from megatron_wlb.megatron.args.validation import RunRefusal
 
     dataset = _dataset(_args(corpora, False), 4)
     top = max(int(MegatronSamples(dataset).sample(j)[0].max()) for j in range(GBS))

@@ -14,8 +14,8 @@ import conftest
 import pytest
 
 from megatron_wlb.config import list_configs, load_config
-from megatron_wlb.megatron.args import wlb_extra_args_provider
-from megatron_wlb.megatron.validation import cost_model_from_args, packing_config_from_args, validate_wlb_args
+from megatron_wlb.megatron.args.flags import wlb_extra_args_provider
+from megatron_wlb.megatron.args.validation import cost_model_from_args, packing_config_from_args, validate_wlb_args
 
 ROOT = Path(__file__).resolve().parents[1]
 

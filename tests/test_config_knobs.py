@@ -26,9 +26,9 @@ from megatron_wlb.config import (
     list_configs,
     load_config,
 )
-from megatron_wlb.megatron.args import FLAGS, add_wlb_args, config_flags, settings_from_args
-from megatron_wlb.megatron.settings import FLAG_KNOBS, WlbSettings
-from megatron_wlb.megatron.validation import packing_config_from_args
+from megatron_wlb.megatron.args.flags import FLAGS, add_wlb_args, config_flags, settings_from_args
+from megatron_wlb.megatron.args.settings import FLAG_KNOBS, WlbSettings
+from megatron_wlb.megatron.args.validation import packing_config_from_args
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = {"name": "t", "model": "7b", "seq_len": 8192, "layout": {"tp": 1, "cp": 2, "pp": 2, "dp": 2}}
@@ -278,7 +278,7 @@ def test_config_flags_reproduce_the_config_without_its_layout(name: str):
 
 def test_flag_table_in_the_docs_matches_the_code():
     """docs/megatron.md's --wlb-* table is generated from the code; it must be current."""
-    res = subprocess.run([sys.executable, "-m", "megatron_wlb.megatron.args", "--check-docs"],
+    res = subprocess.run([sys.executable, "-m", "megatron_wlb.megatron.args.flags", "--check-docs"],
                          capture_output=True, text=True, cwd=ROOT, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin"})
     assert res.returncode == 0, res.stdout + res.stderr
 
@@ -286,7 +286,7 @@ def test_flag_table_in_the_docs_matches_the_code():
 def test_core_imports_without_highspy():
     """HiGHS is needed only by the fixed-solver packer: config and the Megatron adapter import without it."""
     code = ("import sys; sys.modules['highspy'] = None\n"  # an import of highspy now raises ImportError
-            "import megatron_wlb.config, megatron_wlb.megatron.args\n"
+            "import megatron_wlb.config, megatron_wlb.megatron.args.flags\n"
             "print('ok')")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})

@@ -192,7 +192,7 @@ def test_megatron_argument_names_map_onto_the_shape():
 
 
 def test_cost_model_from_megatron_args_prices_moe_and_ep():
-    from megatron_wlb.megatron.validation import cost_model_from_args
+    from megatron_wlb.megatron.args.validation import cost_model_from_args
 
     args = SimpleNamespace(hidden_size=256, num_layers=4, num_attention_heads=4, group_query_attention=False,
                            num_query_groups=None, ffn_hidden_size=512, padded_vocab_size=1000, swiglu=True,
@@ -263,7 +263,7 @@ def test_calibrate_measures_the_moe_layer(tmp_path, capsys):
 def test_multi_latent_attention_is_refused_at_start_up_in_one_line():
     from test_megatron_args import BASE, parse
 
-    from megatron_wlb.megatron.validation import validate_wlb_args
+    from megatron_wlb.megatron.args.validation import validate_wlb_args
 
     args = parse(BASE)
     args.multi_latent_attention = True  # Megatron's --multi-latent-attention

@@ -138,7 +138,7 @@ def test_cpu_redirects_hide_the_gpus_of_a_gpu_machine():
     process (CUDA_VISIBLE_DEVICES="" before CUDA initialises), and refuses only once CUDA is in use. The
     stand-in is_available answers as the CUDA runtime would: devices unless CUDA_VISIBLE_DEVICES is empty."""
     code = ("import os, torch; torch.cuda.is_available = lambda: os.environ.get('CUDA_VISIBLE_DEVICES') != ''; "
-            "torch.cuda.is_initialized = lambda: {init}; from megatron_wlb.megatron import cpu; "
+            "torch.cuda.is_initialized = lambda: {init}; from megatron_wlb.megatron.entry import cpu; "
             "cpu.install_cpu_redirects(); print('visible=' + repr(os.environ['CUDA_VISIBLE_DEVICES']))")
     env = {k: v for k, v in __import__("os").environ.items() if k != "CUDA_VISIBLE_DEVICES"}
     res = subprocess.run([sys.executable, "-c", code.format(init=False)], capture_output=True, text=True, env=env,

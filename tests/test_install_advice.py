@@ -17,8 +17,8 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 from megatron_wlb.config import load_config
-from megatron_wlb.megatron import version as megatron_version
-from megatron_wlb.megatron.version import (
+from megatron_wlb.megatron.args import version as megatron_version
+from megatron_wlb.megatron.args.version import (
     CORE_WHEEL_RELEASE,
     INSTALL_PYTHONS,
     core_install_command,
@@ -76,7 +76,7 @@ def test_version_messages_name_the_command_of_this_python():
     absent = ModuleNotFoundError("No module named 'megatron.training'", name="megatron.training")
     message = training_import_error("arguments", absent)
     assert core_install_command() in message and "0.20.0" not in message
-    source = (ROOT / "megatron_wlb" / "megatron" / "version.py").read_text()
+    source = (ROOT / "megatron_wlb" / "megatron" / "args" / "version.py").read_text()
     assert source.count("core_install_command()") >= 2 and "pip install --no-deps megatron-core" not in source
 
 
@@ -102,7 +102,7 @@ def test_analyze_sft_jsonl_without_transformers_says_what_to_install(tmp_path):
 def test_sft_training_without_transformers_is_refused_at_start_up(monkeypatch):
     from test_cli_launch import megatron_flags_parser
 
-    from megatron_wlb.megatron import validation
+    from megatron_wlb.megatron.args import validation
 
     args, _ = megatron_flags_parser().parse_known_args(["--seq-length", "1024", "--micro-batch-size", "1",
                                                         "--data-path", "chat.jsonl"])

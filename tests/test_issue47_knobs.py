@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from megatron_wlb.config import RunChoices, load_choices, load_config
-from megatron_wlb.megatron.args import (
+from megatron_wlb.megatron.args.flags import (
     FLAGS,
     YAML_ONLY,
     add_wlb_args,
@@ -18,7 +18,7 @@ from megatron_wlb.megatron.args import (
     one_line_errors,
     settings_from_args,
 )
-from megatron_wlb.megatron.settings import USER_FLAGS, WlbSettings
+from megatron_wlb.megatron.args.settings import USER_FLAGS, WlbSettings
 
 ROOT = Path(__file__).resolve().parents[1]
 ADAPTER = ROOT / "megatron_wlb" / "megatron"

@@ -24,8 +24,8 @@ from megatron_wlb.costmodel import ParallelLayout, build_cost_model
 from megatron_wlb.costmodel.measured import IterationTotals
 from megatron_wlb.cp.dynamic_steps import DynamicPool, slot_step_seconds
 from megatron_wlb.data.reader import DocumentReader, byte_documents, write_indexed_dataset
-from megatron_wlb.megatron.data import WlbDataIterator
-from megatron_wlb.megatron.wlb_logging import WlbMetricsLogger, iteration_metrics
+from megatron_wlb.megatron.data.packed import WlbDataIterator
+from megatron_wlb.megatron.state.wlb_logging import WlbMetricsLogger, iteration_metrics
 from megatron_wlb.packing import make_packer
 from megatron_wlb.packing.types import PackingConfig
 
@@ -103,7 +103,7 @@ def test_the_log_reports_the_dynamic_plans_prediction(tmp_path):
 
 
 def test_the_trace_prices_each_micro_batch_at_its_groups_cp_size(tmp_path):
-    from megatron_wlb.megatron.timing import CpuClock, RankIds, Recorder
+    from megatron_wlb.megatron.state.timing import CpuClock, RankIds, Recorder
 
     layers = 3
     its = _iterators(tmp_path, None)

@@ -57,7 +57,7 @@ def test_the_pinned_get_batch_path_keeps_the_micro_batchs_group(monkeypatch):
 
     from megatron_wlb.cp.dynamic import GroupMicroBatch
     from megatron_wlb.cp.dynamic_steps import step_batch
-    from megatron_wlb.megatron import cp_hooks
+    from megatron_wlb.megatron.hooks import cp_hooks
 
     lengths = np.array([100, 50], dtype=np.int64)
 

@@ -278,7 +278,7 @@ def stdlib_pool_inputs(tmp_path, n: int, files: int, iterations: int):
 
 def _pool_iterators(tmp_path, n: int, cap: int):
     from megatron_wlb.cp.dynamic_steps import DynamicPool
-    from megatron_wlb.megatron.data import WlbDataIterator
+    from megatron_wlb.megatron.data.packed import WlbDataIterator
     from megatron_wlb.packing import make_packer
 
     reader, stream, cfg, cost = stdlib_pool_inputs(tmp_path, n, files=12, iterations=6)
@@ -315,7 +315,7 @@ def test_the_iterator_gives_every_slot_its_group_step_and_every_token_once(tmp_p
     # a plan that needs more micro-batches than Megatron runs per iteration stops in one line
     (tmp_path / "tight").mkdir()
     _, tight = _pool_iterators(tmp_path / "tight", n=1, cap=128)  # 4 x 128: the longest piece fits
-    from megatron_wlb.megatron.validation import RunRefusal
+    from megatron_wlb.megatron.args.validation import RunRefusal
 
     with pytest.raises(RunRefusal, match=r"^megatron_wlb: iteration 0: the dynamic-CP plan of this global batch needs "
                                           r"\d+ micro-batches on its busiest rank, but Megatron runs 1 per"):

@@ -11,8 +11,8 @@ from test_megatron_args import BASE, parse
 
 from megatron_wlb.cli.main import main
 from megatron_wlb.config import cp_sharding_names, load_config
-from megatron_wlb.megatron.settings import WlbSettings
-from megatron_wlb.megatron.validation import bypass_problems, validate_wlb_args
+from megatron_wlb.megatron.args.settings import WlbSettings
+from megatron_wlb.megatron.args.validation import bypass_problems, validate_wlb_args
 
 
 def _config(tmp_path: Path, pp: int) -> str:

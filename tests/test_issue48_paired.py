@@ -62,7 +62,7 @@ def _paired_iterators(tmp_path, n: int, cap: int | None = None):
 
     from megatron_wlb.cp.dynamic_steps import DynamicPool
     from megatron_wlb.cp.plan import CPSharding
-    from megatron_wlb.megatron.data import WlbDataIterator
+    from megatron_wlb.megatron.data.packed import WlbDataIterator
     from megatron_wlb.packing import make_packer
 
     paired = load_script("paired_train")

@@ -2,7 +2,7 @@
 
 Stock Megatron is a core_v0.19.0 checkout's own ``pretrain_gpt.py``, unpatched, without a ``--wlb-*`` flag; the
 balanced run is the same checkout patched (scripts/apply_patches.sh) with ``--wlb-pieces concat-and-cut``. Both
-train the tiny GPT (megatron_wlb/megatron/cpu.py: fp32, dropout 0, ``--calculate-per-token-loss``) on the shipped
+train the tiny GPT (megatron_wlb/megatron/entry/cpu.py: fp32, dropout 0, ``--calculate-per-token-loss``) on the shipped
 standard-library corpus ending its documents with the tokenizer's EOD, with ``--reset-attention-mask
 --reset-position-ids``, for 20 iterations through Megatron's own loop on CPU processes (gloo). At max delay 0 every
 iteration trains exactly its own global batch's tokens, regrouped: every iteration's ``lm loss`` and grad norm

@@ -1,11 +1,11 @@
-"""megatron-wlb as Megatron-LM main's own sequence-packing scheduler (megatron_wlb/megatron/main_schedule.py).
+"""megatron-wlb as Megatron-LM main's own sequence-packing scheduler (megatron_wlb/megatron/hooks/main_schedule.py).
 
 The contract of main's ``get_groups_and_subsamples`` (every sample exactly once; per micro-batch one list of
 sample ids per DPxCP rank, the CP ranks of a DP rank alike, as ``dp_balanced`` lays them out; micro-batches within
 the window), without Megatron; then, from a Megatron-LM main checkout at ``version.MAIN_COMMIT`` (the repository
 $MEGATRON_LM names, skipped without one): selection through main's own enum and ``scheduler_map``, and main's
 ``wrap_data_iterator`` -> ``run()`` at DP2 on gloo with ``sequence_packing_scheduler="wlb"`` (CPU redirects of
-``megatron_wlb.megatron.cpu``: ``run()`` asks ``torch.cuda.current_device()`` and moves tensors with ``.cuda()``).
+``megatron_wlb.megatron.entry.cpu``: ``run()`` asks ``torch.cuda.current_device()`` and moves tensors with ``.cuda()``).
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import pytest
 from megatron_wlb.cli.common import resolve_lengths
 from megatron_wlb.config import load_config
 from megatron_wlb.costmodel import build_cost_model
-from megatron_wlb.megatron.main_schedule import plan_sample_groups
-from megatron_wlb.megatron.version import MOVING_CHECKOUTS
+from megatron_wlb.megatron.args.version import MOVING_CHECKOUTS
+from megatron_wlb.megatron.hooks.main_schedule import plan_sample_groups
 from megatron_wlb.packing.metrics import slowest_rank_schedule_time
 from megatron_wlb.packing.types import DocPiece, GlobalBatch, MicroBatch
 from megatron_wlb.packing.wlb import place_whole_batch
@@ -122,7 +122,7 @@ def test_too_few_samples_is_one_clear_error():
 def main_checkout(tmp_path_factory) -> Path:
     from conftest import megatron_checkout
 
-    from megatron_wlb.megatron.version import MAIN_COMMIT
+    from megatron_wlb.megatron.args.version import MAIN_COMMIT
 
     return megatron_checkout(tmp_path_factory.mktemp("mlm") / "Megatron-LM-main", "main", commit=MAIN_COMMIT)
 
@@ -141,9 +141,9 @@ def moving_checkout(request, tmp_path_factory) -> tuple[str, Path]:
 
 MOVED = """
 import sys
-from megatron_wlb.megatron.compat import install_python_shims
+from megatron_wlb.megatron.args.compat import install_python_shims
 install_python_shims()
-from megatron_wlb.megatron import main_schedule
+from megatron_wlb.megatron.hooks import main_schedule
 print(main_schedule.register())
 print(main_schedule.register())
 from megatron.core.datasets import data_schedule as D
@@ -192,16 +192,16 @@ def test_registered_where_megatron_moved(moving_checkout):
         assert "CONFIG wlb" in out, out
         line = next(x for x in out.splitlines() if x.startswith("EXIT "))
         assert "--sequence-packing-scheduler wlb" in line and "TransformerEngine >= 2.9.0" in line, line
-        assert "megatron_wlb.megatron.launcher" in line, line
+        assert "megatron_wlb.megatron.entry.launcher" in line, line
 
 
 SELECTION = """
-from megatron_wlb.megatron.compat import install_python_shims
+from megatron_wlb.megatron.args.compat import install_python_shims
 install_python_shims()
 from megatron.core.datasets import data_schedule as D
 old_enum = D.PackingSchedulerEnum
 import megatron_wlb.megatron as W
-from megatron_wlb.megatron import main_schedule
+from megatron_wlb.megatron.hooks import main_schedule
 W.apply(middle_stage_batches=True)   # what a main user's launcher calls
 print(W.runtime().main_scheduler)
 print(main_schedule.register())
@@ -264,12 +264,12 @@ def _rank_lengths(rank: int) -> list[int]:
 
 def _run_worker(rank: int, world: int, checkout: str) -> None:
     sys.path.insert(0, checkout)
-    from megatron_wlb.megatron.cpu import install_cpu_redirects
+    from megatron_wlb.megatron.entry.cpu import install_cpu_redirects
 
     install_cpu_redirects()
     from megatron.core import parallel_state
 
-    from megatron_wlb.megatron import main_schedule
+    from megatron_wlb.megatron.hooks import main_schedule
 
     parallel_state.initialize_model_parallel(1, 1)
     main_schedule.register()
@@ -389,7 +389,7 @@ def test_bench_dynamic_cp_one_command(tmp_path):
     both checked (every sample placed over the DP x CP ranks) and scored; the Markdown table written."""
     from conftest import megatron_checkout
 
-    from megatron_wlb.megatron.version import DEV_COMMIT
+    from megatron_wlb.megatron.args.version import DEV_COMMIT
 
     dev = megatron_checkout(tmp_path / "Megatron-LM-dev", "dev", commit=DEV_COMMIT)
     env = {**os.environ, "MEGATRON_LM": str(dev), "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore"}
@@ -417,13 +417,13 @@ def test_wlb_attention_serves_megatrons_own_thd_batches():
 
     import torch
 
-    from megatron_wlb.megatron.compat import install_python_shims
+    from megatron_wlb.megatron.args.compat import install_python_shims
 
     install_python_shims()
     from megatron.core.packed_seq_params import PackedSeqParams
     from megatron.core.transformer.enums import AttnMaskType
 
-    from megatron_wlb.megatron.attention import WlbCoreAttention
+    from megatron_wlb.megatron.hooks.attention import WlbCoreAttention
 
     torch.manual_seed(0)
     cu = torch.tensor([0, 5, 12, 16], dtype=torch.int32)
@@ -442,23 +442,23 @@ def test_wlb_attention_serves_megatrons_own_thd_batches():
 
 @pytest.mark.slow
 def test_module_runner_registers_before_the_script(tmp_path):
-    """``python -m megatron_wlb.megatron.main_schedule SCRIPT`` runs a checkout's script (its directory first on
+    """``python -m megatron_wlb.megatron.hooks.main_schedule SCRIPT`` runs a checkout's script (its directory first on
     sys.path, as Python would) with ``wlb`` already registered; a missing script is one line naming it."""
     from conftest import megatron_checkout
 
     dev = megatron_checkout(tmp_path / "Megatron-LM-dev", "dev", commit=MOVING_CHECKOUTS["dev"])
     script = dev / "probe_wlb.py"
     script.write_text("import sys\nfrom megatron.core.datasets import data_schedule as D\n"
-                      "from megatron_wlb.megatron import main_schedule\n"
+                      "from megatron_wlb.megatron.hooks import main_schedule\n"
                       "print(main_schedule.register())   # what apply() in the script does: the same class\n"
                       "print('SCRIPT', D.scheduler_map.get('wlb').__qualname__, sys.argv[1:])\n")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run([sys.executable, "-m", "megatron_wlb.megatron.main_schedule", str(script), "--x", "1"],
+    proc = subprocess.run([sys.executable, "-m", "megatron_wlb.megatron.hooks.main_schedule", str(script), "--x", "1"],
                           capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "SCRIPT WlbPackingScheduler ['--x', '1']" in proc.stdout, proc.stdout
     assert "registered: sequence_packing_scheduler='wlb' (already)" in proc.stdout, proc.stdout
     assert "> megatron_wlb: registered: sequence_packing_scheduler='wlb'" in proc.stdout
-    missing = subprocess.run([sys.executable, "-m", "megatron_wlb.megatron.main_schedule", str(tmp_path / "nope.py")],
-                             capture_output=True, text=True, env=env, timeout=60)
+    missing = subprocess.run([sys.executable, "-m", "megatron_wlb.megatron.hooks.main_schedule",
+                              str(tmp_path / "nope.py")], capture_output=True, text=True, env=env, timeout=60)
     assert missing.returncode != 0 and missing.stderr.count("\n") == 1 and "no such file" in missing.stderr

@@ -7,15 +7,20 @@ import os
 
 import pytest
 
-from megatron_wlb.megatron.args import add_wlb_args, compose_providers, settings_from_args, wlb_extra_args_provider
-from megatron_wlb.megatron.settings import WlbSettings
-from megatron_wlb.megatron.validation import (
+from megatron_wlb.megatron.args.flags import (
+    add_wlb_args,
+    compose_providers,
+    settings_from_args,
+    wlb_extra_args_provider,
+)
+from megatron_wlb.megatron.args.settings import WlbSettings
+from megatron_wlb.megatron.args.validation import (
     cost_model_from_args,
     num_microbatches_from_args,
     packing_config_from_args,
     validate_wlb_args,
 )
-from megatron_wlb.megatron.version import check_core_version, is_supported
+from megatron_wlb.megatron.args.version import check_core_version, is_supported
 
 
 def megatron_like_parser(extra_args_provider=None) -> argparse.ArgumentParser:
@@ -173,7 +178,7 @@ def test_misconfigurations_fail_with_what_to_change(extra, match, tmp_path):
 def test_flags_that_bypass_ours_are_refused(extra, equivalent):
     """Flags of megatron-core 0.19 / main after #6742 / dev / PR #7000 that would replace or bypass what our hooks
     feed: refused in one line naming the flag and our equivalent, before Megatron's own checks of them."""
-    from megatron_wlb.megatron.validation import StartupError, refuse_bypassing_flags
+    from megatron_wlb.megatron.args.validation import StartupError, refuse_bypassing_flags
 
     args = parse(BASE + extra)
     with pytest.raises(ValueError) as err:
@@ -187,7 +192,7 @@ def test_flags_that_bypass_ours_are_refused(extra, equivalent):
 def test_inter_document_masking_and_p2p_shape_flag_at_pp1_are_accepted():
     """--dataloader-inter-document-masking asks for per-document attention, which our micro-batches give (it is
     honoured, not refused); the fixed-shape p2p flag means nothing without pipeline stages."""
-    from megatron_wlb.megatron.validation import refuse_bypassing_flags
+    from megatron_wlb.megatron.args.validation import refuse_bypassing_flags
 
     args = parse(BASE + ["--dataloader-inter-document-masking"])
     assert validate_wlb_args(args, te_available=False, highspy_available=True, check_files=False).packer == "wlb"
@@ -256,7 +261,7 @@ def test_more_misconfigurations(capsys, tmp_path):
 def test_version_check_admits_the_releases_ci_trains_with():
     from packaging.version import Version
 
-    from megatron_wlb.megatron.version import TESTED_RELEASES
+    from megatron_wlb.megatron.args.version import TESTED_RELEASES
 
     # whichever CI installed; the wheel may add a local part (0.19.2+<git hash>)
     assert Version(check_core_version()).base_version in TESTED_RELEASES
@@ -315,7 +320,7 @@ it = W.build_train_iterator(args, rt.settings, parallel_state.get_data_parallel_
 tokens, labels, loss_mask, attention_mask, position_ids, params = pretrain_gpt.get_batch(RerunDataIterator(it))
 mb = it.current.for_dp_rank(0)[0]
 # the data hook (its Megatron original needs CUDA for a flags broadcast; a loader-less one stands in)
-from megatron_wlb.megatron import training_hooks
+from megatron_wlb.megatron.hooks import training_hooks
 mods = {name: sys.modules["megatron.training." + name] for name in training_hooks.TRAINING_MODULES}
 build = training_hooks.wrap_build_train_valid_test_data_iterators(
     lambda provider: (None, "megatron-valid", "megatron-test"), mods)
@@ -363,7 +368,7 @@ def test_apply_inside_the_pinned_training_code(tmp_path):
     # the data hook: our iterator for training (same first micro-batch as built directly), our valid
     # iterator over the valid split, Megatron's test loader where the test share (1/1000) holds no document
     hook = out["hook"]
-    # (training reads through the prefetching wrapper, megatron/prefetch.py; validation reads it directly)
+    # (training reads through the prefetching wrapper, megatron/data/prefetch.py; validation reads it directly)
     assert hook["train"] == "PrefetchingIterator" and hook["valid"] == "WlbDataIterator"
     assert hook["test"] == "megatron-test" and hook["same_as_direct"] and hook["registered"] == 1
     assert hook["logged"]
@@ -375,8 +380,8 @@ def test_help_prints_our_flags_without_megatrons(monkeypatch, capsys):
     import sys
 
     import megatron_wlb.megatron as W
-    from megatron_wlb.megatron import launcher
-    from megatron_wlb.megatron.training_hooks import wrap_parse_args
+    from megatron_wlb.megatron.entry import launcher
+    from megatron_wlb.megatron.hooks.training_hooks import wrap_parse_args
 
     def crashing_parse_args(*a, **k):  # what megatron-core 0.19.2's help does
         raise ValueError("unsupported format character ')' (0x29) at index 52")
@@ -399,7 +404,7 @@ def test_a_field_megatron_dropped_or_renamed_is_named_not_read_as_none():
     release renamed) is named; those that some release lacks, or that Megatron sets later, are not."""
     import dataclasses
 
-    from megatron_wlb.megatron.megatron_args import MAY_BE_ABSENT, MegatronArgs
+    from megatron_wlb.megatron.args.megatron_args import MAY_BE_ABSENT, MegatronArgs
 
     names = [f.name for f in dataclasses.fields(MegatronArgs)]
     full = argparse.Namespace(**dict.fromkeys(names))
@@ -416,9 +421,9 @@ def test_start_up_stops_in_one_line_on_a_field_megatron_lacks():
     import dataclasses
 
     pytest.importorskip("torch")
-    from megatron_wlb.megatron.megatron_args import MAY_BE_ABSENT, MegatronArgs
-    from megatron_wlb.megatron.training_hooks import wrap_validate_args
-    from megatron_wlb.megatron.validation import StartupError
+    from megatron_wlb.megatron.args.megatron_args import MAY_BE_ABSENT, MegatronArgs
+    from megatron_wlb.megatron.args.validation import StartupError
+    from megatron_wlb.megatron.hooks.training_hooks import wrap_validate_args
 
     args = argparse.Namespace(**{f.name: None for f in dataclasses.fields(MegatronArgs)
                                  if f.name not in MAY_BE_ABSENT and f.name != "seq_length"})

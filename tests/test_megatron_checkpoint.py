@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from megatron_wlb.data.reader import DocumentReader, byte_documents, write_indexed_dataset
-from megatron_wlb.megatron.checkpoint import DataStateRegistry, wrap_load_checkpoint, wrap_save_checkpoint
-from megatron_wlb.megatron.checkpoint_files import SIDECAR_NAME, iteration_dir, load_data_state, save_data_state
-from megatron_wlb.megatron.data import WlbDataIterator
+from megatron_wlb.megatron.data.packed import WlbDataIterator
+from megatron_wlb.megatron.state.checkpoint import DataStateRegistry, wrap_load_checkpoint, wrap_save_checkpoint
+from megatron_wlb.megatron.state.checkpoint_files import SIDECAR_NAME, iteration_dir, load_data_state, save_data_state
 from megatron_wlb.packing import make_packer
 from megatron_wlb.packing.types import PackingConfig
 
@@ -234,8 +234,8 @@ def test_another_dp_size_at_the_same_global_batch_continues_the_saved_plans(pref
     expected = [t for _, t, _ in reference[steps * CFG.dp * CFG.n:]]
     assert len(after) == len(expected) and all(np.array_equal(a, b) for a, b in zip(after, expected))
     # another number of micro-batches per iteration cannot continue the plans
-    from megatron_wlb.megatron.checkpoint import plan_layout_refusal
-    from megatron_wlb.megatron.data import PlanLayoutError
+    from megatron_wlb.megatron.data.packed import PlanLayoutError
+    from megatron_wlb.megatron.state.checkpoint import plan_layout_refusal
 
     other = WlbDataIterator(reader, stream, make_packer("wlb", replace(CFG, dp=1, n=4)), 0)
     with pytest.raises(PlanLayoutError, match=r"planned 8 micro-batches per iteration \(DP 2 x 4\), this run 4"):
@@ -391,7 +391,7 @@ def test_version_2_sidecars_still_resume(tmp_path):
     """Sidecars written before the reset record (version 2) keep resuming, checksum checked."""
     import json
 
-    from megatron_wlb.megatron.checkpoint_files import VERSION_KEYS, sidecar_checksum
+    from megatron_wlb.megatron.state.checkpoint_files import VERSION_KEYS, sidecar_checksum
 
     payload = {"version": 2, "iteration": 4, "settings": None, "data": {"stream_position": 3},
                "data_stream_resets": 1}
@@ -415,7 +415,7 @@ def test_a_checkpoint_planned_on_another_layout_says_what_changed_and_what_resum
     from dataclasses import replace
 
     from megatron_wlb.costmodel import AnalyticCostModel, ParallelLayout, get_model
-    from megatron_wlb.megatron.validation import StartupError
+    from megatron_wlb.megatron.args.validation import StartupError
 
     reader = DocumentReader([(prefix, 1.0)], split="1,0,0", seed=5)
 

@@ -54,8 +54,8 @@ def _planned(seed: int, name: str, cp_size: int, cp_rank: int, *, sequence_multi
              rank_multiple: int = 1, cp_group=None):
     """(RankMicroBatch, uploaded batch, params, segment lengths, packed tokens) of one micro-batch."""
     from megatron_wlb.cp.plan import CPSharding
-    from megatron_wlb.megatron.cp_hooks import upload_micro_batch
-    from megatron_wlb.megatron.data import rank_micro_batch
+    from megatron_wlb.megatron.data.packed import rank_micro_batch
+    from megatron_wlb.megatron.hooks.cp_hooks import upload_micro_batch
 
     mb, read, tokens = _micro_batch(seed)
     sharding = CPSharding(name, cp_size, cp_rank, sequence_multiple=sequence_multiple, rank_multiple=rank_multiple,
@@ -81,8 +81,8 @@ def _check_layouts(cp_group, cp_size: int, cp_rank: int, seed: int) -> None:
     from megatron.core import utils as mcore_utils
 
     from megatron_wlb.cp.layouts import build_layout
-    from megatron_wlb.megatron import cp_hooks
-    from megatron_wlb.megatron.settings import WlbSettings
+    from megatron_wlb.megatron.args.settings import WlbSettings
+    from megatron_wlb.megatron.hooks import cp_hooks
 
     original_split = mcore_utils.get_batch_on_this_cp_rank
     cp_hooks.install(WlbSettings(cp_sharding="per-document"))
@@ -148,7 +148,7 @@ def _check_core_attention(cp_group, cp_size: int, cp_rank: int) -> None:
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from megatron_wlb.cp.attention import reference_document_attention
-    from megatron_wlb.megatron.attention import WlbCoreAttention
+    from megatron_wlb.megatron.hooks.attention import WlbCoreAttention
 
     heads, groups, dim = 4, 2, 8
     cfg = TransformerConfig(num_layers=1, hidden_size=heads * dim, num_attention_heads=heads, num_query_groups=groups,
@@ -196,9 +196,9 @@ def _check_self_attention(cp_size: int, cp_rank: int) -> None:
     from megatron.core.transformer.spec_utils import build_module
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megatron_wlb.megatron import cp_hooks
-    from megatron_wlb.megatron.attention import WlbCoreAttention
-    from megatron_wlb.megatron.settings import WlbSettings
+    from megatron_wlb.megatron.args.settings import WlbSettings
+    from megatron_wlb.megatron.hooks import cp_hooks
+    from megatron_wlb.megatron.hooks.attention import WlbCoreAttention
 
     heads, groups, dim = 4, 2, 8
     hidden = heads * dim
@@ -307,8 +307,8 @@ def test_world8_tp2_cp2_pp2_then_cp4_dp2_then_cp2_dp4():
 
 def test_plan_errors_and_te_requirement():
     from megatron_wlb.cp.plan import CPSharding, micro_batch_lengths, rank_batch
-    from megatron_wlb.megatron import cp_hooks
-    from megatron_wlb.megatron.settings import WlbSettings
+    from megatron_wlb.megatron.args.settings import WlbSettings
+    from megatron_wlb.megatron.hooks import cp_hooks
 
     with pytest.raises(ValueError, match="outside the CP group"):
         CPSharding("per-document", 2, 2)
@@ -335,7 +335,7 @@ def test_plan_errors_and_te_requirement():
 
 def _te_rank(lengths: list[int], rank: int, rank_multiple: int = 1):
     from megatron_wlb.cp.plan import CPSharding, rank_batch
-    from megatron_wlb.megatron.cp_hooks import upload_micro_batch
+    from megatron_wlb.megatron.hooks.cp_hooks import upload_micro_batch
 
     tokens = np.arange(1, sum(lengths) + 1)
     rows = rank_batch(np.array(lengths), CPSharding("per-document-te", 2, rank, rank_multiple=rank_multiple,
@@ -398,8 +398,8 @@ def test_rope_hook_rotates_by_true_positions():
     from megatron.core.packed_seq_params import PackedSeqParams
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megatron_wlb.megatron import attention
-    from megatron_wlb.megatron.attention import WlbPackedSeqParams, attention_scope
+    from megatron_wlb.megatron.hooks import attention
+    from megatron_wlb.megatron.hooks.attention import WlbPackedSeqParams, attention_scope
 
     cfg = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2, use_cpu_initialization=True)
     fallen_through = []
@@ -451,9 +451,9 @@ def test_rope_refuses_megatrons_own_params_when_every_batch_is_ours(monkeypatch)
     from megatron.core.packed_seq_params import PackedSeqParams
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megatron_wlb.megatron import attention
-    from megatron_wlb.megatron import state as adapter
-    from megatron_wlb.megatron.checkpoint import DataStateRegistry
+    from megatron_wlb.megatron.hooks import attention
+    from megatron_wlb.megatron.state import process as adapter
+    from megatron_wlb.megatron.state.checkpoint import DataStateRegistry
 
     cfg = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2, use_cpu_initialization=True)
     hooked = attention.wlb_apply_rotary_pos_emb(lambda t, *a, **k: t)
@@ -472,9 +472,9 @@ def test_the_get_batch_route_survives_copies_and_raises_when_lost(monkeypatch):
     """The pinned 0.16 get_batch and the patched 0.19 forward_step take back the params ``pinned_batch_fields``
     handed out, whatever copy of its cu_seqlens Megatron's code made (issue 60); none handed out, one never taken,
     or another micro-batch's cu_seqlens raise in one line."""
-    from megatron_wlb.megatron import cp_hooks
-    from megatron_wlb.megatron import state as adapter
-    from megatron_wlb.megatron.checkpoint import DataStateRegistry
+    from megatron_wlb.megatron.hooks import cp_hooks
+    from megatron_wlb.megatron.state import process as adapter
+    from megatron_wlb.megatron.state.checkpoint import DataStateRegistry
 
     batch, _, _, _, _ = _planned(5, "per-document", 2, 1)
     copies = [lambda c: c, lambda c: c.clone(), lambda c: c.to("cpu", copy=True), lambda c: c.contiguous(),
@@ -506,7 +506,7 @@ def test_max_seqlen_is_the_kernels_and_the_rotary_table_the_plans():
     the record's ``rope_length`` for a WLB micro-batch and is Megatron's own otherwise."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    from megatron_wlb.megatron import attention
+    from megatron_wlb.megatron.hooks import attention
 
     def megatron_len(self, inference_context, transformer, transformer_input, transformer_config,
                      packed_seq_params=None, *, inference_params=None):
@@ -537,7 +537,7 @@ def test_swap_core_attention_on_spec():
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-    from megatron_wlb.megatron.attention import WlbCoreAttention, swap_core_attention
+    from megatron_wlb.megatron.hooks.attention import WlbCoreAttention, swap_core_attention
 
     spec = get_gpt_layer_local_spec()
     swapped = swap_core_attention(spec)
@@ -551,7 +551,7 @@ def test_unsupported_attention_configs_are_refused():
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megatron_wlb.megatron.attention import WlbCoreAttention
+    from megatron_wlb.megatron.hooks.attention import WlbCoreAttention
 
     cfg = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2, attention_dropout=0.1,
                             use_cpu_initialization=True)
@@ -564,8 +564,8 @@ def test_cp_sharding_from_args_uses_the_run_model_and_padding():
     from types import SimpleNamespace
 
     from megatron_wlb.megatron import cp_sharding_from_args
-    from megatron_wlb.megatron.settings import WlbSettings
-    from megatron_wlb.megatron.validation import cost_model_from_args
+    from megatron_wlb.megatron.args.settings import WlbSettings
+    from megatron_wlb.megatron.args.validation import cost_model_from_args
 
     args = SimpleNamespace(hidden_size=64, num_layers=2, num_attention_heads=4, num_query_groups=2,
                            group_query_attention=True, ffn_hidden_size=128, padded_vocab_size=256, swiglu=True,
@@ -587,7 +587,7 @@ def test_rebind_reaches_every_importer_and_survives_lazy_modules():
     import sys
     import types
 
-    from megatron_wlb.megatron.rebind import rebind
+    from megatron_wlb.megatron.hooks.rebind import rebind
 
     def original():
         return "megatron"
@@ -618,9 +618,9 @@ def test_fallback_attention_refuses_batches_without_params_when_every_batch_is_p
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megatron_wlb.megatron import state as adapter
-    from megatron_wlb.megatron.attention import WlbCoreAttention
-    from megatron_wlb.megatron.checkpoint import DataStateRegistry
+    from megatron_wlb.megatron.hooks.attention import WlbCoreAttention
+    from megatron_wlb.megatron.state import process as adapter
+    from megatron_wlb.megatron.state.checkpoint import DataStateRegistry
 
     calls = []
 
@@ -657,9 +657,9 @@ def test_the_batch_path_reads_nothing_back_from_the_device(monkeypatch):
 
     import megatron_wlb.cp.attention as cp_attention
     from megatron_wlb.cp.plan import CPSharding
-    from megatron_wlb.megatron import launcher
-    from megatron_wlb.megatron.attention import WlbCoreAttention
-    from megatron_wlb.megatron.data import rank_micro_batch
+    from megatron_wlb.megatron.data.packed import rank_micro_batch
+    from megatron_wlb.megatron.entry import launcher
+    from megatron_wlb.megatron.hooks.attention import WlbCoreAttention
 
     mb, read, _ = _micro_batch(5)
     batch = rank_micro_batch(read, mb, CPSharding("hybrid", rank_multiple=4))
@@ -725,7 +725,7 @@ def test_rope_hook_passes_newer_megatron_keywords_through():
     plan) and refuses what it cannot do there."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megatron_wlb.megatron import attention
+    from megatron_wlb.megatron.hooks import attention
 
     cfg = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2, use_cpu_initialization=True)
     seen = []

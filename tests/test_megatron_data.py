@@ -22,7 +22,7 @@ from megatron_wlb.data.reader import (
     write_indexed_dataset,
 )
 from megatron_wlb.data.reader import weighted_prefixes as parse_data_path
-from megatron_wlb.megatron.data import WlbDataIterator, dumps_state, plan_digest, rank_micro_batch
+from megatron_wlb.megatron.data.packed import WlbDataIterator, dumps_state, plan_digest, rank_micro_batch
 from megatron_wlb.packing import make_packer
 from megatron_wlb.packing.types import DocPiece, MicroBatch, PackingConfig
 
@@ -210,7 +210,7 @@ def test_iterator_slices_cover_every_token_once(two_datasets, packer_name):
 
 
 def test_iteration_metrics_values():
-    from megatron_wlb.megatron.wlb_logging import WlbMetricsLogger, iteration_metrics, wrap_training_log
+    from megatron_wlb.megatron.state.wlb_logging import WlbMetricsLogger, iteration_metrics, wrap_training_log
     from megatron_wlb.packing.types import GlobalBatch
 
     def mb(*lens, arrival=0):
@@ -262,7 +262,7 @@ def test_a_truncated_bin_is_refused_at_start_up_naming_the_file(tmp_path):
 
 def test_logger_reports_true_throughput_over_packed_documents():
     from megatron_wlb.costmodel import ModelShape, ParallelLayout, build_cost_model
-    from megatron_wlb.megatron.wlb_logging import WlbMetricsLogger
+    from megatron_wlb.megatron.state.wlb_logging import WlbMetricsLogger
     from megatron_wlb.packing.types import GlobalBatch
 
     shape = ModelShape("t", hidden=64, num_layers=2, num_heads=4, num_kv_heads=4, ffn_hidden=128, vocab=100)
@@ -284,7 +284,7 @@ def test_prefetching_iterator_yields_the_same_micro_batches_built_on_its_thread(
     caller's thread (after an online refit, before a checkpoint)."""
     import threading
 
-    from megatron_wlb.megatron import prefetch
+    from megatron_wlb.megatron.data import prefetch
 
     reader = DocumentReader([(two_datasets["a"], 0.5), (two_datasets["b"], 0.5)], split="1,0,0", seed=11)
     cfg = PackingConfig(seq_len=2048, n=4, dp=1, max_seq_len=4096, max_delay=2)

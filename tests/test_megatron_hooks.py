@@ -19,16 +19,16 @@ from pathlib import Path
 
 import pytest
 
-from megatron_wlb.megatron import hooks
-from megatron_wlb.megatron.validation import Refusal
-from megatron_wlb.megatron.version import MOVING_CHECKOUTS
+from megatron_wlb.megatron.args.validation import Refusal
+from megatron_wlb.megatron.args.version import MOVING_CHECKOUTS
+from megatron_wlb.megatron.hooks import table as hooks
 
 ROOT = Path(__file__).resolve().parents[1]
 
 #: run in a fresh process: apply() and every phase change the process for good
 DIFF_SCRIPT = r'''
 import importlib, json, sys, types
-from megatron_wlb.megatron.compat import install_python_shims
+from megatron_wlb.megatron.args.compat import install_python_shims
 install_python_shims()
 MODULES = ["megatron.training." + m for m in ("arguments", "initialize", "training", "checkpointing", "utils",
                                                "global_vars")] + [
@@ -70,7 +70,7 @@ def lookup(mod_name, path):
 
 def unlisted(before, after):
     """Every changed attribute that no hooks.HOOKS entry accounts for."""
-    from megatron_wlb.megatron import hooks
+    from megatron_wlb.megatron.hooks import table as hooks
 
     problems = []
     for key, value in after.items():
@@ -94,7 +94,7 @@ def unlisted(before, after):
 def refusals():
     """Per phase, its first hook required on this release with its target deleted (a release that renamed it):
     what installing the phase says (the target restored after)."""
-    from megatron_wlb.megatron import hooks
+    from megatron_wlb.megatron.hooks import table as hooks
 
     out = {}
     for phase in hooks.PHASES:
@@ -122,9 +122,10 @@ def refusals():
 refused = refusals()
 before = snapshot()
 import megatron_wlb.megatron as W
-from megatron_wlb.megatron import hooks, training_hooks
-from megatron_wlb.megatron.cpu_redirects import install_megatron_redirects
-from megatron_wlb.megatron.settings import WlbSettings
+from megatron_wlb.megatron.hooks import table as hooks
+from megatron_wlb.megatron.hooks import training_hooks
+from megatron_wlb.megatron.entry.cpu_redirects import install_megatron_redirects
+from megatron_wlb.megatron.args.settings import WlbSettings
 
 W.apply(middle_stage_batches=True)
 training_hooks.install_validated_hooks(WlbSettings(cp_sharding="per-document"), pipeline=True)
@@ -169,7 +170,7 @@ def test_the_table_is_well_formed():
     """Unique names, known phases and releases, a one-line reason for each, factories that exist in the module that
     owns them (no pass-through in between), and the apply phase's options fitting its factories."""
     pytest.importorskip("megatron.core")
-    from megatron_wlb.megatron.compat import install_python_shims
+    from megatron_wlb.megatron.args.compat import install_python_shims
 
     install_python_shims()
     assert len({h.name for h in hooks.HOOKS}) == len(hooks.HOOKS)
@@ -191,7 +192,7 @@ def test_the_table_is_well_formed():
     assert sum(h.phase == "attention" for h in hooks.HOOKS) == 4
     # every hook the CI-trained releases share is required on each (only release-specific ones are not)
     assert all(h.required == hooks.SERIES for h in hooks.HOOKS if h.releases == hooks.RELEASES)
-    from megatron_wlb.megatron.training_hooks import apply_phase_options
+    from megatron_wlb.megatron.hooks.training_hooks import apply_phase_options
 
     for name, options in apply_phase_options().items():
         assert hooks.BY_NAME[name].phase == "apply"
@@ -219,7 +220,7 @@ def test_a_renamed_megatron_function_stops_its_phase_in_one_line(monkeypatch, na
     pytest.importorskip("megatron.core")
     import importlib
 
-    from megatron_wlb.megatron.compat import install_python_shims
+    from megatron_wlb.megatron.args.compat import install_python_shims
 
     install_python_shims()
     hook = hooks.BY_NAME[name]
@@ -246,7 +247,7 @@ def test_a_hook_of_another_release_is_skipped_quietly_here():
     """core 0.16's TP-rank batch function is gone from the 0.19 wheel: not required here, nothing installed (and
     required on 0.16, where its absence would be named)."""
     pytest.importorskip("megatron.core")
-    from megatron_wlb.megatron.compat import install_python_shims
+    from megatron_wlb.megatron.args.compat import install_python_shims
 
     install_python_shims()
     assert hooks.current("get_batch_on_this_tp_rank") is None

@@ -27,7 +27,7 @@ def _has_training_code() -> bool:
 def test_python_shim_stands_in_typing_override(monkeypatch):
     import typing_extensions
 
-    from megatron_wlb.megatron.compat import install_python_shims
+    from megatron_wlb.megatron.args.compat import install_python_shims
 
     monkeypatch.delattr(typing, "override", raising=False)
     assert install_python_shims() is True
@@ -37,16 +37,16 @@ def test_python_shim_stands_in_typing_override(monkeypatch):
 
 @pytest.mark.skipif(not _has_training_code(), reason="megatron.training is not installed (megatron-core 0.19 wheel)")
 def test_launcher_help_runs_on_the_readme_install():
-    """`python -m megatron_wlb.megatron.launcher --help` on this interpreter (3.11 in CI: typing.override is
+    """`python -m megatron_wlb.megatron.entry.launcher --help` on this interpreter (3.11 in CI: typing.override is
     missing there) prints our flags (Megatron's own --help is left to Megatron: issue 20) instead of dying,
     and with the shim the launcher's imports of Megatron's training code succeed."""
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    proc = subprocess.run([sys.executable, "-m", "megatron_wlb.megatron.launcher", "--help"], env=env,
+    proc = subprocess.run([sys.executable, "-m", "megatron_wlb.megatron.entry.launcher", "--help"], env=env,
                           capture_output=True, text=True, timeout=300)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
     assert "--wlb-packer" in out and "Traceback" not in out
-    code = ("from megatron_wlb.megatron.compat import install_python_shims; install_python_shims(); "
+    code = ("from megatron_wlb.megatron.args.compat import install_python_shims; install_python_shims(); "
             "import megatron.training.training, megatron.training.arguments")
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
@@ -118,7 +118,7 @@ def test_every_split_reader_checks_the_model_vocabulary(wide_ids):
 
 def test_cpu_harness_takes_the_vocabulary_from_the_data(wide_ids, tmp_path):
     from megatron_wlb.data.reader import byte_documents, write_indexed_dataset
-    from megatron_wlb.megatron.cpu import tiny_gpt_vocab_flags
+    from megatron_wlb.megatron.entry.cpu import tiny_gpt_vocab_flags
 
     assert tiny_gpt_vocab_flags(["--data-path", wide_ids]) == ["--vocab-size", "1001"]
     # train_cpu.sh puts its default corpus first; the user's --data-path (the last) is what trains
@@ -139,9 +139,9 @@ def test_cpu_harness_start_up_reads_no_token_it_does_not_need(tmp_path, monkeypa
     --vocab-size). Now: nothing with --vocab-size or a byte corpus, else each dataset's first VOCAB_SCAN_TOKENS
     tokens; an id beyond them is refused in one line when it is read, naming the --vocab-size that covers it."""
     import megatron_wlb.data.reader as reader_mod
-    import megatron_wlb.megatron.cpu as cpu_mod
+    import megatron_wlb.megatron.entry.cpu as cpu_mod
     from megatron_wlb.data.reader import DocumentReader, IndexedSource, byte_documents, write_indexed_dataset
-    from megatron_wlb.megatron.cpu import tiny_gpt_vocab_flags
+    from megatron_wlb.megatron.entry.cpu import tiny_gpt_vocab_flags
 
     wide = str(tmp_path / "far_text_document")
     docs = [np.full(10, 400 + i, dtype=np.int64) for i in range(6)]
@@ -174,7 +174,7 @@ def test_cpu_harness_start_up_reads_no_token_it_does_not_need(tmp_path, monkeypa
 def test_help_percents_are_escaped_once():
     import argparse
 
-    from megatron_wlb.megatron.args import escape_help_percents
+    from megatron_wlb.megatron.args.flags import escape_help_percents
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--headroom", help="e.g. 1.10 = 10%) of %(default)s, 100%% sure", default=3)
@@ -187,7 +187,7 @@ def test_a_script_without_main_guard_is_refused_in_the_spawned_child(tmp_path):
     script that trains at module level is refused there in one line instead of training a second time."""
     script = tmp_path / "train_without_guard.py"
     script.write_text("import multiprocessing\n"
-                      "from megatron_wlb.megatron import cpu\n"
+                      "from megatron_wlb.megatron.entry import cpu\n"
                       "cpu.install_cpu_redirects()\n"
                       "print('TRAINING', flush=True)\n"
                       "multiprocessing.get_context('spawn').Manager().Queue()  # what the torch_dist writer does\n")
@@ -202,7 +202,7 @@ def test_a_script_without_main_guard_is_refused_in_the_spawned_child(tmp_path):
 @pytest.mark.slow
 def test_offline_tokenizer_and_preprocess_data_recipe(tmp_path):
     """The docs' recipe on the README's install: scripts/train_tokenizer.py, then the core_v0.19.0 checkout's
-    tools/preprocess_data.py through `python -m megatron_wlb.megatron.compat` (it imports typing.override);
+    tools/preprocess_data.py through `python -m megatron_wlb.megatron.args.compat` (it imports typing.override);
     the result reads back with every id inside the tokenizer's vocabulary."""
     import json
     import sysconfig
@@ -222,7 +222,7 @@ def test_offline_tokenizer_and_preprocess_data_recipe(tmp_path):
                           text=True, timeout=300)
     assert made.returncode == 0, made.stderr
     (tmp_path / "data").mkdir()
-    proc = subprocess.run([sys.executable, "-m", "megatron_wlb.megatron.compat",
+    proc = subprocess.run([sys.executable, "-m", "megatron_wlb.megatron.args.compat",
                            str(checkout / "tools" / "preprocess_data.py"), "--input", str(corpus), "--output-prefix",
                            str(tmp_path / "data" / "corpus"), "--tokenizer-type", "HuggingFaceTokenizer",
                            "--tokenizer-model", str(tmp_path / "tok"), "--append-eod", "--workers", "1"],

@@ -1,4 +1,4 @@
-"""The pipeline shape exchange follows the activations' rank order (megatron_wlb.megatron.p2p, Megatron #5100)."""
+"""The pipeline shape exchange follows the activations' rank order (megatron_wlb.megatron.hooks.p2p, Megatron #5100)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 torch = pytest.importorskip("torch")
 p2p_communication = pytest.importorskip("megatron.core.pipeline_parallel.p2p_communication")
 
-from megatron_wlb.megatron import p2p  # noqa: E402
+from megatron_wlb.megatron.hooks import p2p  # noqa: E402
 
 
 class _Group:

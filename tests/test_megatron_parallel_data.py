@@ -37,8 +37,8 @@ def worker(rank: int, world: int, data_prefix: str) -> None:
     from megatron.core import parallel_state
 
     from megatron_wlb.megatron import build_train_iterator
-    from megatron_wlb.megatron.args import settings_from_args
-    from megatron_wlb.megatron.data import plan_digest
+    from megatron_wlb.megatron.args.flags import settings_from_args
+    from megatron_wlb.megatron.data.packed import plan_digest
 
     for tp, cp, pp in LAYOUTS:
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,

@@ -1,4 +1,4 @@
-"""Start-up checks of the training loop's flags (megatron_wlb.megatron.preflight), on plain namespaces."""
+"""Start-up checks of the training loop's flags (megatron_wlb.megatron.args.preflight), on plain namespaces."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from megatron_wlb.megatron.preflight import check_training_args
+from megatron_wlb.megatron.args.preflight import check_training_args
 
 
 def args(**overrides):
@@ -48,7 +48,7 @@ def test_fixed_shape_features_are_refused(flag, value, message):
 
 
 def test_local_spec_norm_limits_are_said_before_megatron_asserts(monkeypatch):
-    import megatron_wlb.megatron.validation as wlb_args
+    import megatron_wlb.megatron.args.validation as wlb_args
 
     monkeypatch.setattr(wlb_args, "module_available", lambda name: False)  # no apex
     with pytest.raises(ValueError, match="--no-persist-layer-norm"):
@@ -72,7 +72,7 @@ def test_every_problem_is_listed_at_once():
 
 
 def test_empty_split_builds_no_packed_iterator():
-    from megatron_wlb.megatron.iterators import split_is_empty as _split_is_empty
+    from megatron_wlb.megatron.data.iterators import split_is_empty as _split_is_empty
 
     a = SimpleNamespace(data_path=["corpus"], split="98,2,0")
     assert _split_is_empty(a, "test") and not _split_is_empty(a, "valid") and not _split_is_empty(a, "train")

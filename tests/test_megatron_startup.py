@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("megatron.core")
 
-from megatron_wlb.megatron import startup  # noqa: E402
+from megatron_wlb.megatron.hooks import startup  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -1,4 +1,4 @@
-"""The step timing of ``megatron_wlb.megatron.timing`` without Megatron's loop: the recorder's rows,
+"""The step timing of ``megatron_wlb.megatron.state.timing`` without Megatron's loop: the recorder's rows,
 the stand-in CUDA events (read only once complete, never synchronised on the critical path), and the
 cross-rank measurement over a real gloo world. The loop itself is in test_megatron_train.py
 (``assert_trace``: one row per micro-batch per chunk per rank at PP2 x VPP2 and DP2)."""
@@ -19,8 +19,8 @@ from megatron_wlb.costmodel import ParallelLayout, build_cost_model  # noqa: E40
 from megatron_wlb.costmodel.measured import IterationTotals, imbalance_degree, measure_iteration  # noqa: E402
 from megatron_wlb.costmodel.trace import MicroBatchRow, read_trace  # noqa: E402
 from megatron_wlb.cp.plan import CPSharding  # noqa: E402
-from megatron_wlb.megatron import timing  # noqa: E402
-from megatron_wlb.megatron.data import rank_micro_batch  # noqa: E402
+from megatron_wlb.megatron.data.packed import rank_micro_batch  # noqa: E402
+from megatron_wlb.megatron.state import timing  # noqa: E402
 from megatron_wlb.packing.types import DocPiece, MicroBatch  # noqa: E402
 
 COST = build_cost_model("550m", ParallelLayout(1, 1, 1, 1))

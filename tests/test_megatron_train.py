@@ -16,7 +16,7 @@ def test_tp2_pp2_trains_and_every_document_reaches_the_model_once(tmp_path, text
     run = train(tmp_path, "tp2pp2", text_corpus, "--wlb-packer", "wlb", "--wlb-cp-sharding", "per-document",
                 env={"TP": "2", "PP": "2"})
     assert_trains(run)
-    from megatron_wlb.megatron.version import is_supported
+    from megatron_wlb.megatron.args.version import is_supported
 
     assert all(is_supported(r["core_version"]) for r in run.ranks.values())
     assert_documents_once(run)

@@ -102,7 +102,7 @@ def test_apply_alone_is_refused_on_core_019_naming_the_ways_in():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                           env={**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"})
     assert "REFUSED" in proc.stdout, proc.stderr[-3000:]
-    assert "scripts/apply_patches.sh" in proc.stdout and "megatron_wlb.megatron.launcher" in proc.stdout
+    assert "scripts/apply_patches.sh" in proc.stdout and "megatron_wlb.megatron.entry.launcher" in proc.stdout
 
 
 # --- Megatron-LM main (core 0.20.0 at version.MAIN_COMMIT), main after PR #6742, dev: our launcher over each ----
@@ -114,7 +114,7 @@ def test_launcher_over_a_main_checkout_cp2_pp2(tmp_path, text_corpus, name, seri
     sets it (before, every rank died at start-up)."""
     from conftest import megatron_checkout
 
-    from megatron_wlb.megatron.version import MOVING_CHECKOUTS
+    from megatron_wlb.megatron.args.version import MOVING_CHECKOUTS
 
     main = megatron_checkout(tmp_path / f"Megatron-LM-{name}", name, commit=MOVING_CHECKOUTS[name])
     run = train(tmp_path, f"{name}_cp2_pp2", text_corpus, "--wlb-packer", "wlb", "--wlb-cp-sharding", "adaptive",
@@ -137,7 +137,7 @@ def test_flags_that_bypass_ours_are_refused_through_the_launcher(tmp_path, text_
     traceback of ours."""
     from conftest import megatron_checkout
 
-    from megatron_wlb.megatron.version import MOVING_CHECKOUTS
+    from megatron_wlb.megatron.args.version import MOVING_CHECKOUTS
 
     checkout = megatron_checkout(tmp_path / f"Megatron-LM-{name}", name, commit=MOVING_CHECKOUTS[name])
     run = train(tmp_path, f"{name}_refused", text_corpus, "--wlb-packer", "wlb", *flags,
@@ -159,7 +159,7 @@ def test_mains_own_packing_path_with_wlb_trains_through_pretrain_gpt(tmp_path, n
     attention, is lifted for that case alone; with TE's layers and no TE >= 2.9 the run stops in one line."""
     from conftest import megatron_checkout
 
-    from megatron_wlb.megatron.version import MOVING_CHECKOUTS
+    from megatron_wlb.megatron.args.version import MOVING_CHECKOUTS
 
     checkout = megatron_checkout(tmp_path / f"Megatron-LM-{name}", name, commit=MOVING_CHECKOUTS[name])
     # --eval-iters 1: evaluation goes through wrap_data_iterator too (and dev's mock data refuses an empty split)

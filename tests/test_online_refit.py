@@ -97,7 +97,7 @@ def test_a_refitted_cost_model_resumes_exactly_in_the_packer_state():
 def test_the_online_refit_applies_on_schedule_and_refuses_disagreeing_ranks():
     pytest.importorskip("torch")
     from megatron_wlb.costmodel.trace import MicroBatchRow
-    from megatron_wlb.megatron.online import OnlineRefit
+    from megatron_wlb.megatron.state.online import OnlineRefit
 
     base = build_cost_model(MODEL, ParallelLayout(1, 1, 1, 1))
     applied: list = []

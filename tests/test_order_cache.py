@@ -26,7 +26,7 @@ from megatron_wlb.data.reader import (
     order_cache_file,
     shuffled_order,
 )
-from megatron_wlb.megatron.data import WlbDataIterator
+from megatron_wlb.megatron.data.packed import WlbDataIterator
 from megatron_wlb.packing import PackingConfig, make_packer
 
 

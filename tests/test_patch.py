@@ -249,7 +249,7 @@ def test_a_plain_copy_of_each_pinned_tree_is_patched_by_content(tag, tmp_path):
 def test_shipped_pins_and_patches_are_consistent():
     """One folder per patched release; each pin is a full sha that version.py names for that tag; each patch
     touches pretrain_gpt.py and calls apply() saying it feeds middle stages."""
-    from megatron_wlb.megatron.version import PATCHED_CHECKOUTS, PINNED_MEGATRON_COMMIT
+    from megatron_wlb.megatron.args.version import PATCHED_CHECKOUTS, PINNED_MEGATRON_COMMIT
 
     assert PINNED == PINNED_MEGATRON_COMMIT
     folders = sorted(p.name for p in PATCHES.iterdir() if p.is_dir())
@@ -277,7 +277,7 @@ def test_the_release_is_chosen_by_the_checkouts_commit(synthetic, tmp_path):
     git(repo, "commit", "-q", "-m", "third")
     res = run_script(repo, root)
     assert res.returncode == 1
-    assert pinned in res.stderr and old in res.stderr and "megatron_wlb.megatron.launcher" in res.stderr
+    assert pinned in res.stderr and old in res.stderr and "megatron_wlb.megatron.entry.launcher" in res.stderr
 
 
 def test_the_functions_the_patches_call_exist():
@@ -286,11 +286,11 @@ def test_the_functions_the_patches_call_exist():
         return {n.name for n in ast.walk(ast.parse((ROOT / path).read_text())) if isinstance(n, ast.FunctionDef)}
 
     assert "packed_seq_params_from_iterator" in (PATCHES / "core_v0.16.1" / "pretrain_gpt_wlb.patch").read_text()
-    assert "packed_seq_params_from_iterator" in defined("megatron_wlb/megatron/cp_hooks.py")
+    assert "packed_seq_params_from_iterator" in defined("megatron_wlb/megatron/hooks/cp_hooks.py")
     assert "_wlb.pretrain_gpt_batch(" in (PATCHES / "core_v0.19.0" / "pretrain_gpt_wlb.patch").read_text()
     assert "packed_seq_params_of(cu_seqlens)" in (PATCHES / "core_v0.19.0" / "pretrain_gpt_wlb.patch").read_text()
-    assert "packed_seq_params_of" in defined("megatron_wlb/megatron/cp_hooks.py")
-    assert "pretrain_gpt_batch" in defined("megatron_wlb/megatron/iterators.py")
+    assert "packed_seq_params_of" in defined("megatron_wlb/megatron/hooks/cp_hooks.py")
+    assert "pretrain_gpt_batch" in defined("megatron_wlb/megatron/data/iterators.py")
     package = ast.parse((ROOT / "megatron_wlb/megatron/__init__.py").read_text())  # re-exported by the package
     assert "pretrain_gpt_batch" in {a.name for n in ast.walk(package) if isinstance(n, ast.ImportFrom) for a in n.names}
 
@@ -352,17 +352,17 @@ sys.argv = ["pretrain_gpt.py", "--wlb-cp-sharding", "per-document"]
 import numpy as np, torch
 import pretrain_gpt as pg
 assert pg._wlb is not None, "the --wlb-* flag did not turn the hook on"
-from megatron_wlb.megatron import cp_hooks
-from megatron_wlb.megatron.settings import WlbSettings
+from megatron_wlb.megatron.hooks import cp_hooks
+from megatron_wlb.megatron.args.settings import WlbSettings
 cp_hooks.install(WlbSettings(cp_sharding="per-document"))
-from megatron_wlb.megatron import hooks
+from megatron_wlb.megatron.hooks import table as hooks
 assert hooks.hooks_in(pg.get_thd_batch_on_this_cp_rank) == ["get_thd_batch_on_this_cp_rank"]
 pg.get_args = lambda: None
 pg.core_transformer_config_from_args = lambda args: None
 pg.mtp_on_this_rank = lambda *a, **k: False
 from megatron_wlb.cp.plan import CPSharding
 from megatron_wlb.megatron import pinned_tp_rank_batch
-from megatron_wlb.megatron.data import rank_micro_batch
+from megatron_wlb.megatron.data.packed import rank_micro_batch
 from megatron_wlb.packing.types import DocPiece, MicroBatch
 lengths = [5, 1, 9]
 T = sum(lengths)
@@ -517,7 +517,7 @@ def test_gpu_smoke_script_parses():
 _PARSE_WITH_MEGATRON = """
 import json, sys
 from megatron.training.arguments import parse_args
-from megatron_wlb.megatron.args import wlb_extra_args_provider
+from megatron_wlb.megatron.args.flags import wlb_extra_args_provider
 argvs = json.load(open(sys.argv[1]))
 for argv in argvs:
     sys.argv = ["pretrain_gpt.py", *argv]
@@ -529,7 +529,7 @@ print("parsed", len(argvs))
 import sysconfig
 from pathlib import Path
 import megatron_wlb.megatron as wlb
-from megatron_wlb.megatron import cp_hooks
+from megatron_wlb.megatron.hooks import cp_hooks
 from megatron_wlb.data.reader import byte_documents, write_indexed_dataset
 smoke = argvs[-1]
 prefix = smoke[smoke.index("--data-path") + 1]
@@ -591,7 +591,7 @@ def test_sbatch_without_a_checkout_runs_our_launcher(tmp_path: Path):
     assert res.returncode == 0, res.stderr
     argv = record.read_text().splitlines()
     at = argv.index("torchrun")
-    assert argv[argv.index("-m", at) + 1] == "megatron_wlb.megatron.launcher"
+    assert argv[argv.index("-m", at) + 1] == "megatron_wlb.megatron.entry.launcher"
     assert not any(a.endswith("pretrain_gpt.py") for a in argv)
     assert _flag(argv, "--wlb-config") == "550m_64k"
 

@@ -1,4 +1,4 @@
-"""The plan agreement (``megatron_wlb.megatron.agreement``): every rank of the world trains one global
+"""The plan agreement (``megatron_wlb.megatron.state.agreement``): every rank of the world trains one global
 plan. A gloo world whose ranks build their own reader + packer (``build_train_iterator``): alike, the
 check passes every iteration; one rank reading a copy of the corpus whose documents are one token
 longer, every rank stops at the first iteration naming the ranks and the first differing document.
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from conftest import run_world
 
-from megatron_wlb.megatron.agreement import NO_PLAN_KEY, _ranges, describe_disagreement, plan_key
+from megatron_wlb.megatron.state.agreement import NO_PLAN_KEY, _ranges, describe_disagreement, plan_key
 from megatron_wlb.packing.types import DocPiece, GlobalBatch, MicroBatch
 
 WORLD = 3
@@ -45,8 +45,8 @@ def worker(rank: int, world: int, prefix: str, longer: str) -> None:
     from argparse import Namespace
 
     from megatron_wlb.megatron import build_train_iterator
-    from megatron_wlb.megatron.agreement import check_plan_agreement
-    from megatron_wlb.megatron.args import settings_from_args
+    from megatron_wlb.megatron.args.flags import settings_from_args
+    from megatron_wlb.megatron.state.agreement import check_plan_agreement
 
     def iterator(data: str, dp_rank: int):
         args = Namespace(seq_length=1024, micro_batch_size=1, global_batch_size=2 * world, data_parallel_size=world,

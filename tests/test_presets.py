@@ -18,8 +18,8 @@ from megatron_wlb.config import (
     list_configs,
     load_config,
 )
-from megatron_wlb.megatron.args import add_wlb_args, one_line_errors, settings_from_args
-from megatron_wlb.megatron.settings import WlbSettings
+from megatron_wlb.megatron.args.flags import add_wlb_args, one_line_errors, settings_from_args
+from megatron_wlb.megatron.args.settings import WlbSettings
 from megatron_wlb.packing import PackingConfig, make_packer
 from megatron_wlb.packing.presets import PRESETS, preset_default, preset_values
 
@@ -138,7 +138,7 @@ def test_nested_sections_reach_megatron_and_flags_win(tmp_path: Path):
 
 
 def test_the_run_shape_is_never_a_flag(capsys):
-    from megatron_wlb.megatron.settings import FLAG_KNOBS
+    from megatron_wlb.megatron.args.settings import FLAG_KNOBS
 
     shape = {"seq_len", "n", "dp", "pipeline_stages", "virtual_stages"}
     assert not shape & set(FLAG_KNOBS) and not shape & set(WlbSettings.names())
@@ -160,7 +160,7 @@ def test_the_packer_flag_is_named_as_in_yaml_and_the_cli(capsys):
 
 def test_a_checkpoint_s_max_seq_len_compares_as_resolved():
     """``max_seq_len`` None (1.5 x seq_len) and the same length stated are one setting on resume; another is named."""
-    from megatron_wlb.megatron.checkpoint import settings_difference
+    from megatron_wlb.megatron.state.checkpoint import settings_difference
     from megatron_wlb.packing.base import fingerprint_difference, settings_fingerprint
 
     now = WlbSettings().to_dict()

@@ -6,7 +6,7 @@ through Megatron's own loop on CPU; ``wlb analyze`` of the corpus it wrote with 
 Not run here, and why:
 - the install lines: pip and the package index (tests/test_install_advice.py checks that they are version.py's
   one install advice, naming a megatron-core release that setup.py's pin admits and pip installed here);
-- ``torchrun ... -m megatron_wlb.megatron.launcher`` and ``wlb calibrate --config ...``: they need GPUs (the
+- ``torchrun ... -m megatron_wlb.megatron.entry.launcher`` and ``wlb calibrate --config ...``: they need GPUs (the
   launcher on CPU is tests/test_megatron_train.py's);
 - ``wlb reproduce``: its full run (every config, 100 iterations each) takes minutes (404 s on a shared 2-core
   machine); here it runs as written plus ``--iterations 1 --out TMP`` (the same configs and methods, one iteration

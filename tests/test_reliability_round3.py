@@ -17,7 +17,7 @@ from conftest import run_world  # noqa: E402
 
 # -- D5: timing.all_reduce returns new arrays, so the refit's MIN and MAX can differ ---------------------------
 def _world_min_max(rank: int, world: int) -> None:
-    from megatron_wlb.megatron import timing
+    from megatron_wlb.megatron.state import timing
 
     mine = np.array([float(rank), 10.0 - rank, 5.0])
     low, high = timing.all_reduce(mine, "min"), timing.all_reduce(mine, "max")
@@ -43,8 +43,8 @@ def _world_refit(rank: int, world: int, disagree: bool) -> None:
 
     from megatron_wlb.costmodel import ParallelLayout, build_cost_model
     from megatron_wlb.costmodel.fit import RefitStats
-    from megatron_wlb.megatron import timing
-    from megatron_wlb.megatron.online import OnlineRefit
+    from megatron_wlb.megatron.state import timing
+    from megatron_wlb.megatron.state.online import OnlineRefit
 
     points, _ = synthetic_points(n=12)
     part = {k: v[rank::world] for k, v in points.items()}
@@ -119,14 +119,14 @@ def _start(argv: list[str], tmp_path) -> tuple[int, str]:
            "CUDA_VISIBLE_DEVICES": "", "PYTHONWARNINGS": "ignore"}
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "WLB_PIN_CORES"):
         env.pop(name, None)
-    proc = subprocess.run([sys.executable, "-m", "megatron_wlb.megatron.cpu", *argv], env=env, cwd=tmp_path,
+    proc = subprocess.run([sys.executable, "-m", "megatron_wlb.megatron.entry.cpu", *argv], env=env, cwd=tmp_path,
                           capture_output=True, text=True, timeout=300)
     return proc.returncode, proc.stderr
 
 
 @pytest.fixture(scope="module")
 def real_prefix(tmp_path_factory) -> str:
-    from megatron_wlb.megatron.cpu import write_text_corpus
+    from megatron_wlb.megatron.entry.cpu import write_text_corpus
 
     prefix = str(tmp_path_factory.mktemp("startup") / "text_document")
     write_text_corpus(prefix, max_bytes=20_000)
@@ -142,7 +142,7 @@ def _one_line(stderr: str, needle: str) -> str:
 
 @pytest.mark.skipif(importlib.util.find_spec("megatron.training") is None, reason="needs megatron.training")
 def test_start_up_problems_exit_with_one_line_and_no_traceback(real_prefix, tmp_path):
-    from megatron_wlb.megatron.cpu import TINY_GPT_ARGS
+    from megatron_wlb.megatron.entry.cpu import TINY_GPT_ARGS
 
     # bad blend weights, read by the harness (--tiny-gpt sizes the vocabulary from the data first)
     rc, err = _start(["--tiny-gpt", "--data-path", "0.5", real_prefix, "nan", real_prefix], tmp_path)

@@ -17,7 +17,7 @@ import pytest
 
 from megatron_wlb.data.permutation import KeyedPermutation
 from megatron_wlb.data.reader import ORDER_FEISTEL, ORDER_NUMPY_SHUFFLE, DocumentReader
-from megatron_wlb.megatron.data import WlbDataIterator
+from megatron_wlb.megatron.data.packed import WlbDataIterator
 from megatron_wlb.packing import PackingConfig, make_packer
 
 pytest.importorskip("megatron.core.datasets.gpt_dataset")
@@ -107,8 +107,8 @@ def test_the_sample_identity_sees_swapped_one_piece_samples_and_witnesses_the_or
     and refuses another seed."""
     from test_balanced_gptdataset import GBS, _args, _dataset
 
-    from megatron_wlb.megatron.gpt_samples import MegatronSamples
-    from megatron_wlb.megatron.sample_agreement import SampleIdentity, describe_disagreement, index_cache_files
+    from megatron_wlb.megatron.data.gpt_samples import MegatronSamples
+    from megatron_wlb.megatron.data.sample_agreement import SampleIdentity, describe_disagreement, index_cache_files
 
     args = _args(corpora, False)
     dataset = _dataset(args, 6)
@@ -249,7 +249,7 @@ def test_a_balanced_run_stopped_before_its_first_sidecar_is_refused_not_resumed_
     saved args carry our --wlb-* flags: every rank refuses in one line naming --wlb-reset-data-stream."""
     from megatron_train_runs import train
 
-    from megatron_wlb.megatron.checkpoint_files import SIDECAR_NAME
+    from megatron_wlb.megatron.state.checkpoint_files import SIDECAR_NAME
 
     root, cache, _ = balanced
     killed = root / "ckpt_killed"

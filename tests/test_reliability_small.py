@@ -36,7 +36,7 @@ def test_the_cut_policy_never_emits_an_empty_piece(seed):
 
 # -- item 6: the checkpoint sidecar ------------------------------------------------------------------------
 def _sidecar(tmp_path: Path) -> Path:
-    from megatron_wlb.megatron.checkpoint_files import save_data_state
+    from megatron_wlb.megatron.state.checkpoint_files import save_data_state
 
     state = {"stream_position": 12, "packer": {"waiting": [[3, 0, 40, 1], [5, 0, 7, 1]]}}
     return Path(save_data_state(str(tmp_path), 4, state, {"packing": "wlb"}))
@@ -49,7 +49,7 @@ def _sidecar(tmp_path: Path) -> Path:
     (b'{"version": 2, "iteration": 4}', "not a WLB data state"),
 ])
 def test_a_corrupt_sidecar_is_refused_naming_the_file(tmp_path, content, expect):
-    from megatron_wlb.megatron.checkpoint_files import load_data_state
+    from megatron_wlb.megatron.state.checkpoint_files import load_data_state
 
     path = _sidecar(tmp_path)
     path.write_bytes(content)
@@ -59,7 +59,7 @@ def test_a_corrupt_sidecar_is_refused_naming_the_file(tmp_path, content, expect)
 
 
 def test_an_altered_sidecar_that_is_still_valid_json_is_refused(tmp_path):
-    from megatron_wlb.megatron.checkpoint_files import load_data_state
+    from megatron_wlb.megatron.state.checkpoint_files import load_data_state
 
     path = _sidecar(tmp_path)
     assert load_data_state(str(tmp_path), 4)["data"]["stream_position"] == 12  # intact: accepted
@@ -163,7 +163,7 @@ def test_megatrons_early_exits_release_the_process_groups(monkeypatch, leave, re
     by ``sys.exit(0)``, past ``release_process_groups``; every rank leaves there alike, so they are released (not
     on an error: another rank might never reach the barrier)."""
     pytest.importorskip("torch")
-    from megatron_wlb.megatron import launcher
+    from megatron_wlb.megatron.entry import launcher
 
     calls: list[int] = []
     monkeypatch.setattr(launcher, "release_process_groups", lambda: calls.append(1))
@@ -181,8 +181,9 @@ def test_the_end_of_training_names_what_the_packer_still_holds(monkeypatch, caps
     pytest.importorskip("torch")
     from types import SimpleNamespace
 
-    from megatron_wlb.megatron import launcher, state
-    from megatron_wlb.megatron.checkpoint import DataStateRegistry
+    from megatron_wlb.megatron.entry import launcher
+    from megatron_wlb.megatron.state import process as state
+    from megatron_wlb.megatron.state.checkpoint import DataStateRegistry
     from megatron_wlb.packing import make_packer
     from megatron_wlb.packing.base import ArraySource
     from megatron_wlb.packing.types import PackingConfig
@@ -211,8 +212,8 @@ def test_every_packer_names_the_pieces_it_still_holds(monkeypatch, name):
     packer's ``held()`` pieces are its ``pending()`` tokens, and the report names them."""
     from types import SimpleNamespace
 
-    from megatron_wlb.megatron import state
-    from megatron_wlb.megatron.checkpoint import DataStateRegistry
+    from megatron_wlb.megatron.state import process as state
+    from megatron_wlb.megatron.state.checkpoint import DataStateRegistry
     from megatron_wlb.packing.base import ArraySource
 
     packer = make_packer(name, PackingConfig(seq_len=1024, n=2, dp=1, max_seq_len=1536))

@@ -262,12 +262,12 @@ def test_an_out_of_vocabulary_id_in_a_cache_is_refused_in_one_line_when_read(tmp
     import types
 
     from megatron_wlb.data.sft_cache import cache_digest
-    from megatron_wlb.megatron.sft import sft_reader
+    from megatron_wlb.megatron.data.sft import sft_reader
 
     class Vocab(CountingTokenizer):
         vocab_size = 100
 
-    import megatron_wlb.megatron.sft as adapter
+    import megatron_wlb.megatron.data.sft as adapter
 
     jsonl = _write(tmp_path / "chat.jsonl", 30)
     tokenizer = Vocab()

@@ -46,7 +46,7 @@ def sft(tmp_path_factory):
 
 def _sft_dataset(lines: list[list[dict]], tokenizer, seq: int = SEQ, cp: int = 1):
     """Megatron's own SFTDataset over ``lines`` (each a line's messages), one sample a line."""
-    from megatron_wlb.megatron.compat import install_python_shims
+    from megatron_wlb.megatron.args.compat import install_python_shims
 
     install_python_shims()  # the 0.19 wheel's megatron.training needs typing.override
     from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
@@ -65,7 +65,7 @@ def _lines(path: Path) -> list[list[dict]]:
 
 
 def test_split_conversations_is_megatrons(sft):
-    from megatron_wlb.megatron.compat import install_python_shims
+    from megatron_wlb.megatron.args.compat import install_python_shims
 
     install_python_shims()
     from megatron.training.datasets.sft_dataset import SFTDataset
@@ -149,8 +149,8 @@ def test_a_tokenizer_without_a_chat_template_is_named(sft, tmp_path):
 def test_sft_flags_wlb_cannot_honour_are_one_line_each(tmp_path):
     import types
 
-    from megatron_wlb.megatron.settings import WlbSettings
-    from megatron_wlb.megatron.sft import sft_problems
+    from megatron_wlb.megatron.args.settings import WlbSettings
+    from megatron_wlb.megatron.args.validation import sft_problems
 
     jsonl = tmp_path / "c.jsonl"
     jsonl.write_text("")
@@ -213,7 +213,7 @@ def test_sft_reader_splits_blends_and_reads_each_piece_with_its_own_labels(sft, 
     splits disjoint, every stream id (past the first epoch too) read as its conversation's SFTDataset arrays."""
     import types
 
-    from megatron_wlb.megatron.sft import sft_reader
+    from megatron_wlb.megatron.data.sft import sft_reader
 
     _, tokenizer, path = sft
     other = F.write_corpus(tmp_path / "other.jsonl", 40, seed=9)

@@ -1,4 +1,4 @@
-"""The start-up agreement and the per-iteration CP layout agreement (``megatron_wlb.megatron.agreement``,
+"""The start-up agreement and the per-iteration CP layout agreement (``megatron_wlb.megatron.state.agreement``,
 ``megatron_wlb.data.fingerprint``): issue 37's D1 (a CP rank with another cost profile or CP sharding laid
 micro-batches out differently from micro-batch 4 on, rc 0), D2 (a same-size ``.bin`` with zeroed bytes trained
 silently, and was accepted on resume) and D6 (a flag that changes collectives but not the plan hung or
@@ -15,7 +15,7 @@ import pytest
 from conftest import run_world
 
 from megatron_wlb.data import fingerprint as fp
-from megatron_wlb.megatron.agreement import (
+from megatron_wlb.megatron.state.agreement import (
     RunFingerprint,
     describe_fingerprint_disagreement,
     describe_layout_disagreement,
@@ -118,7 +118,7 @@ def test_the_idx_digest_is_sampled_and_a_checkpoint_of_the_whole_file_digest_sti
     not 19 GB at 1e9 documents), under part ``.idx-pages``; a sidecar saved with the whole-file digest (part
     ``.idx``) is not compared on it, and its other parts still are."""
     from megatron_wlb.data.indexed import write_index
-    from megatron_wlb.megatron.agreement import IDX_PART
+    from megatron_wlb.megatron.state.agreement import IDX_PART
 
     lengths = np.arange(1, 600_001) % 97 + 1  # a 12 MB .idx: sampled, not read whole
     write_index(tmp_path / "a", lengths)
@@ -157,9 +157,9 @@ def _args(**extra) -> Namespace:
 def _startup_worker(rank: int, world: int, prefix: str, zeroed: str) -> None:
     import torch
 
-    from megatron_wlb.megatron.agreement import check_startup_agreement, dataset_parts, run_fingerprint
-    from megatron_wlb.megatron.args import settings_from_args
-    from megatron_wlb.megatron.validation import cost_model_from_args, packing_config_from_args
+    from megatron_wlb.megatron.args.flags import settings_from_args
+    from megatron_wlb.megatron.args.validation import cost_model_from_args, packing_config_from_args
+    from megatron_wlb.megatron.state.agreement import check_startup_agreement, dataset_parts, run_fingerprint
 
     def fingerprint(args):
         settings = settings_from_args(args)
@@ -202,8 +202,8 @@ def _layout_worker(rank: int, world: int, prefix: str) -> None:
     import torch
 
     from megatron_wlb.megatron import build_train_iterator, cp_sharding_from_args
-    from megatron_wlb.megatron.agreement import check_plan_agreement
-    from megatron_wlb.megatron.args import settings_from_args
+    from megatron_wlb.megatron.args.flags import settings_from_args
+    from megatron_wlb.megatron.state.agreement import check_plan_agreement
 
     args = _args(data_path=[prefix])
     settings = settings_from_args(args)
@@ -239,7 +239,7 @@ def _slots_worker(rank: int, world: int) -> None:
     """DP2 x CP2: each DP rank's layouts are its own; only a CP group that disagrees stops the world."""
     import torch
 
-    from megatron_wlb.megatron.agreement import check_plan_agreement
+    from megatron_wlb.megatron.state.agreement import check_plan_agreement
 
     dp_rank = rank // 2
     mine = [("per-sequence", 100 + dp_rank), ("per-document", 200 + dp_rank)]

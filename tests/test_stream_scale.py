@@ -12,7 +12,7 @@ import pytest
 
 from megatron_wlb.data.indexed import write_index
 from megatron_wlb.data.reader import DocumentReader, StreamCursor
-from megatron_wlb.megatron.data import WlbDataIterator
+from megatron_wlb.megatron.data.packed import WlbDataIterator
 from megatron_wlb.packing import PackingConfig, make_packer
 
 

@@ -1,5 +1,5 @@
 """The support table (docs/support.md, linked from the README) says what the version gate
-(megatron_wlb/megatron/version.py) admits and what
+(megatron_wlb/megatron/args/version.py) admits and what
 setup.py's [megatron] extra installs: every admitted series, the releases CI trains with, each patched
 checkout's commit and the main commit trained, and nothing the gate refuses (the extra installs every admitted
 series that is not checkout-only)."""
@@ -12,7 +12,7 @@ from pathlib import Path
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-from megatron_wlb.megatron.version import (
+from megatron_wlb.megatron.args.version import (
     CHECKOUT_ONLY_SERIES,
     MAIN_COMMIT,
     MOVING_CHECKOUTS,

@@ -134,7 +134,7 @@ def gpt_samples(corpus: np.ndarray | list[str] | str, seq_len: int, num_samples:
         return None, (f"megatron-core is not importable here ({e}): the concat-and-cut baseline and the balanced "
                       "concat-and-cut follow this tool's document order, not Megatron GPTDataset's sample order; "
                       "install megatron-core and torch (pip install megatron-core torch) for the exact order.")
-    from megatron_wlb.megatron.sample_orders import gpt_sample_order, sample_stream  # megatron-core: optional
+    from megatron_wlb.megatron.data.sample_orders import gpt_sample_order, sample_stream  # megatron-core: optional
 
     streams = []
     with warnings.catch_warnings():

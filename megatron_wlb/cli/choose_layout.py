@@ -27,7 +27,7 @@ from typing import Any
 from megatron_wlb.cli.common import cost_profile, output_file, positive, seeds_from
 from megatron_wlb.config import CpConfig, RunConfig, load_config
 from megatron_wlb.costmodel import CalibratedCostModel, CostModel, build_cost_model, fit_profile, load_profile
-from megatron_wlb.megatron.args import config_flags  # the --wlb-* flags of a config (no torch)
+from megatron_wlb.megatron.args.flags import config_flags  # the --wlb-* flags of a config (no torch)
 from megatron_wlb.requirements import MissingDependency
 from megatron_wlb.sim.experiments import Method, compare
 from megatron_wlb.sim.iteration import split_documents
@@ -85,7 +85,7 @@ def add_choose_args(p: argparse.ArgumentParser) -> None:
 def megatron_memory_module() -> tuple[Any, Any, Any]:
     """(theoretical_memory_usage, add_megatron_arguments, calculate_padded_vocab_size) of the installed
     megatron-core; a one-line error naming what to install when it (or torch) is missing."""
-    from megatron_wlb.megatron.compat import install_python_shims
+    from megatron_wlb.megatron.args.compat import install_python_shims
 
     try:
         install_python_shims()

@@ -31,7 +31,7 @@ from megatron_wlb.cli.common import (
 )
 from megatron_wlb.config import PACKER_NAMES, PACKING_KNOBS, RunConfig, knob_yaml_key, load_config
 from megatron_wlb.costmodel import CostModel, build_cost_model
-from megatron_wlb.megatron.settings import USER_FLAGS
+from megatron_wlb.megatron.args.settings import USER_FLAGS
 from megatron_wlb.packing import make_packer, summarize
 from megatron_wlb.packing.presets import PRESET_NAMES
 from megatron_wlb.sim.experiments import schedule_label

@@ -1,6 +1,6 @@
 """The measured-execution trace: one row per micro-batch per rank and model chunk, as JSON lines.
 
-Written by the Megatron adapter (``megatron_wlb.megatron.timing``, ``--wlb-trace PATH``), read by
+Written by the Megatron adapter (``megatron_wlb.megatron.state.timing``, ``--wlb-trace PATH``), read by
 ``wlb calibrate --from-trace`` and ``benchmarks/bench_measured.py``. Pure: no torch, no Megatron.
 
 Every rank writes its own file, ``trace_path_for_rank(PATH, rank)`` (``trace.jsonl`` ->

@@ -19,7 +19,7 @@ copy interrupted midway leaves zeros; the packer never reads a token). ``dataset
   sampled pages.
 
 Pure (files in, strings out): the Megatron adapter compares them over the world at start-up and
-against a checkpoint's on resume (``megatron_wlb.megatron.agreement``).
+against a checkpoint's on resume (``megatron_wlb.megatron.state.agreement``).
 """
 
 from __future__ import annotations

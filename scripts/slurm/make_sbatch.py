@@ -92,7 +92,7 @@ def wlb_args(run: RunConfig, original: RunConfig | None = None, config_ref: str 
     explicit ``--wlb-*`` flags."""
     if original is None or (original.layout, original.seq_len) == (run.layout, run.seq_len):
         return [f"--wlb-config {config_ref or run.name}"]
-    from megatron_wlb.megatron.args import config_flags
+    from megatron_wlb.megatron.args.flags import config_flags
 
     flags = config_flags(run)
     return [f"{flag} {value}" for flag, value in zip(flags[::2], flags[1::2])]
@@ -119,8 +119,8 @@ TEMPLATE = """#!/bin/bash
 #                        [MEGATRON_LM=/path/to/Megatron-LM] sbatch scripts/slurm/{name}.sbatch
 # Ways in: with MEGATRON_LM, that checkout's own pretrain_gpt.py (core_v0.16.1 or core_v0.19.0, patched with
 # scripts/apply_patches.sh); without it, our launcher over the installed megatron-core 0.19 wheel
-# (python -m megatron_wlb.megatron.launcher). See docs/megatron_launch.md.
-# WLB_CPU=1: the same script in CPU mode, through the CPU harness (megatron_wlb.megatron.cpu: a tiny GPT on
+# (python -m megatron_wlb.megatron.entry.launcher). See docs/megatron_launch.md.
+# WLB_CPU=1: the same script in CPU mode, through the CPU harness (megatron_wlb.megatron.entry.cpu: a tiny GPT on
 # gloo, Megatron's own loop, the config's packing choices; DP = nodes x WLB_CPU_NPROC_PER_NODE, default 1;
 # DATA_PATH defaults to the standard library's text). Submit it with --gpus-per-node=0 where nodes have none.
 #SBATCH --job-name=wlb-{name}
@@ -148,7 +148,7 @@ if [[ $WLB_CPU == 0 ]]; then
     (( NNODES * GPUS_PER_NODE == WORLD )) \\
         || die "TP*CP*PP*DP = $WORLD GPUs, but the job has $NNODES node(s) x $GPUS_PER_NODE GPUs"
 fi
-ENTRY=(-m megatron_wlb.megatron.launcher)
+ENTRY=(-m megatron_wlb.megatron.entry.launcher)
 if [[ -n ${{MEGATRON_LM:-}} ]]; then
     [[ -f $MEGATRON_LM/pretrain_gpt.py ]] || die "$MEGATRON_LM/pretrain_gpt.py not found"
     grep -q "_wlb.apply(" "$MEGATRON_LM/pretrain_gpt.py" \\
@@ -175,11 +175,11 @@ launch() {{
 }}
 
 if [[ $WLB_CPU != 0 ]]; then
-    # CPU mode: Megatron's loop on gloo through megatron_wlb.megatron.cpu, the layout from TP/CP/PP/DP below
+    # CPU mode: Megatron's loop on gloo through megatron_wlb.megatron.entry.cpu, the layout from TP/CP/PP/DP below
     export TP=1 CP=1 PP=1 DP=$(( NNODES * ${{WLB_CPU_NPROC_PER_NODE:-1}} ))
     if [[ -z ${{DATA_PATH:-}} ]]; then
         DATA_PATH=$LOG_DIR/data/stdlib_text_document
-        [[ -f $DATA_PATH.idx ]] || "$PYTHON" -m megatron_wlb.megatron.cpu --write-corpus "$DATA_PATH"
+        [[ -f $DATA_PATH.idx ]] || "$PYTHON" -m megatron_wlb.megatron.entry.cpu --write-corpus "$DATA_PATH"
     fi
     CPU_ENTRY=()
     [[ -n ${{MEGATRON_LM:-}} ]] && CPU_ENTRY=(--pretrain-gpt "$MEGATRON_LM/pretrain_gpt.py")
@@ -187,7 +187,7 @@ if [[ $WLB_CPU != 0 ]]; then
     echo "wlb-{name} (CPU mode): $NNODES node(s) x ${{WLB_CPU_NPROC_PER_NODE:-1}} process(es), DP=$DP," \\
          "rendezvous $MASTER_ADDR:$MASTER_PORT"
     launch "${{WLB_CPU_NPROC_PER_NODE:-1}}" \\
-        -m megatron_wlb.megatron.cpu ${{CPU_ENTRY[@]+"${{CPU_ENTRY[@]}}"}} --tiny-gpt --data-path $DATA_PATH \\
+        -m megatron_wlb.megatron.entry.cpu ${{CPU_ENTRY[@]+"${{CPU_ENTRY[@]}}"}} --tiny-gpt --data-path $DATA_PATH \\
         --train-iters ${{TRAIN_ITERS:-4}} "${{CPU_WLB_ARGS[@]}}" ${{EXTRA[@]+"${{EXTRA[@]}}"}}
     exit 0
 fi

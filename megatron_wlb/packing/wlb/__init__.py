@@ -64,7 +64,7 @@ Extensions beyond the paper (docs/packing.md has the measurements):
 
 ``place.place_whole_batch`` is the placement (4) and dealing (5) alone, for one whole global batch that must be
 placed now with documents whole (Megatron-LM main's own sequence-packing scheduler API,
-``megatron/main_schedule.py``): no delay, and the number of micro-batches chosen by the 1F1B objective.
+``megatron/hooks/main_schedule.py``): no delay, and the number of micro-batches chosen by the 1F1B objective.
 
 With ``PackingConfig.pieces="concat-and-cut"`` the pieces are Megatron's concat-and-cut pieces
 (the base class's intake) and are never cut further (``delay_overruns`` counts forced pieces that

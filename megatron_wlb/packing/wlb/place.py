@@ -5,7 +5,7 @@ forced pieces first, in a pass of their own, and one that fits nowhere whole is 
 micro-batches before any newer piece can take that room (``split_forced``, extension (b)). The
 micro-batches are then dealt to DP ranks and ordered for the pipeline schedule (``deal_micro_batches``,
 extension (d)). ``place_whole_batch`` is this placement and dealing alone, for one whole global batch
-(Megatron-LM main's own sequence-packing scheduler API, ``megatron/main_schedule.py``).
+(Megatron-LM main's own sequence-packing scheduler API, ``megatron/hooks/main_schedule.py``).
 """
 
 from __future__ import annotations
