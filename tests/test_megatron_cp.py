@@ -398,8 +398,9 @@ def test_rope_hook_rotates_by_true_positions():
     from megatron.core.packed_seq_params import PackedSeqParams
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megatron_wlb.megatron.hooks import attention
-    from megatron_wlb.megatron.hooks.attention import WlbPackedSeqParams, attention_scope
+    from megatron_wlb.megatron.hooks import rope
+    from megatron_wlb.megatron.hooks.attention import WlbPackedSeqParams
+    from megatron_wlb.megatron.hooks.rope import attention_scope
 
     cfg = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2, use_cpu_initialization=True)
     fallen_through = []
@@ -408,7 +409,7 @@ def test_rope_hook_rotates_by_true_positions():
         fallen_through.append(cu_seqlens)
         return t
 
-    hooked = attention.wlb_apply_rotary_pos_emb(megatron_rope)
+    hooked = rope.wlb_apply_rotary_pos_emb(megatron_rope)
     for rank in range(2):
         batch, _, params, segs, _ = _planned(4, "hybrid", 2, rank)
         total = int(segs.sum())
@@ -451,12 +452,12 @@ def test_rope_refuses_megatrons_own_params_when_every_batch_is_ours(monkeypatch)
     from megatron.core.packed_seq_params import PackedSeqParams
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megatron_wlb.megatron.hooks import attention
+    from megatron_wlb.megatron.hooks import rope
     from megatron_wlb.megatron.state import process as adapter
     from megatron_wlb.megatron.state.checkpoint import DataStateRegistry
 
     cfg = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2, use_cpu_initialization=True)
-    hooked = attention.wlb_apply_rotary_pos_emb(lambda t, *a, **k: t)
+    hooked = rope.wlb_apply_rotary_pos_emb(lambda t, *a, **k: t)
     _, _, params, segs, _ = _planned(4, "hybrid", 1, 0)
     registry = DataStateRegistry()
     registry.iterators.append(object())
@@ -464,7 +465,7 @@ def test_rope_refuses_megatrons_own_params_when_every_batch_is_ours(monkeypatch)
     rebuilt = PackedSeqParams(qkv_format="thd", cu_seqlens_q=params.cu_seqlens_q.clone(),
                               cu_seqlens_kv=params.cu_seqlens_kv.clone())
     x = torch.randn(int(segs.sum()), 2, 8)
-    with attention.attention_scope(rebuilt), pytest.raises(RuntimeError, match="record was lost"):
+    with rope.attention_scope(rebuilt), pytest.raises(RuntimeError, match="record was lost"):
         hooked(x, torch.randn(int(segs.max()), 1, 1, 8), cfg, cu_seqlens=rebuilt.cu_seqlens_q)
 
 
@@ -506,23 +507,23 @@ def test_max_seqlen_is_the_kernels_and_the_rotary_table_the_plans():
     the record's ``rope_length`` for a WLB micro-batch and is Megatron's own otherwise."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    from megatron_wlb.megatron.hooks import attention
+    from megatron_wlb.megatron.hooks import rope
 
     def megatron_len(self, inference_context, transformer, transformer_input, transformer_config,
                      packed_seq_params=None, *, inference_params=None):
         return max(packed_seq_params.max_seqlen_q, packed_seq_params.max_seqlen_kv)
 
-    wrapped = attention.wrap_get_rotary_seq_len(megatron_len)
+    wrapped = rope.wrap_get_rotary_seq_len(megatron_len)
     for name in ("per-sequence", "per-document", "hybrid"):
         for rank in range(2):
             batch, _, params, _, _ = _planned(8, name, 2, rank)
             shard = batch.shard
             assert params.max_seqlen_q == int(np.diff(shard.cu_seqlens_q).max(initial=0)) == shard.max_seqlen_q
             assert params.max_seqlen_kv == int(np.diff(shard.cu_seqlens_k).max(initial=0)) == shard.max_seqlen_k
-            rope = params.varlen.rope_length
-            assert rope == max(int(batch.position_ids.max()) + 1, int(batch.segment_lengths.max()))
-            assert wrapped(None, None, None, None, None, params) == rope
-            assert wrapped(None, None, None, None, None, packed_seq_params=params) == rope
+            rope_length = params.varlen.rope_length
+            assert rope_length == max(int(batch.position_ids.max()) + 1, int(batch.segment_lengths.max()))
+            assert wrapped(None, None, None, None, None, params) == rope_length
+            assert wrapped(None, None, None, None, None, packed_seq_params=params) == rope_length
     plain = PackedSeqParams(qkv_format="thd", max_seqlen_q=7, max_seqlen_kv=9)
     assert wrapped(None, None, None, None, None, plain) == 9
 
@@ -530,7 +531,7 @@ def test_max_seqlen_is_the_kernels_and_the_rotary_table_the_plans():
         return 0
 
     with pytest.raises(RuntimeError, match="takes no packed_seq_params"):  # a release that renamed the argument
-        attention.wrap_get_rotary_seq_len(renamed)
+        rope.wrap_get_rotary_seq_len(renamed)
 
 
 def test_swap_core_attention_on_spec():
@@ -725,7 +726,7 @@ def test_rope_hook_passes_newer_megatron_keywords_through():
     plan) and refuses what it cannot do there."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megatron_wlb.megatron.hooks import attention
+    from megatron_wlb.megatron.hooks import rope
 
     cfg = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2, use_cpu_initialization=True)
     seen = []
@@ -735,14 +736,14 @@ def test_rope_hook_passes_newer_megatron_keywords_through():
         seen.append({"inverse": inverse, "max_seqlen": max_seqlen})
         return t
 
-    hooked = attention.wlb_apply_rotary_pos_emb(main_rope)
+    hooked = rope.wlb_apply_rotary_pos_emb(main_rope)
     t = torch.randn(6, 2, 8)
     freqs = torch.randn(8, 1, 1, 8)
     hooked(t, freqs, cfg, cu_seqlens=None, inverse=True, max_seqlen=6)
     assert seen == [{"inverse": True, "max_seqlen": 6}]
     batch, _, params, segs, _ = _planned(4, "hybrid", 1, 0)
     x = torch.randn(int(segs.sum()), 2, 8)
-    with attention.attention_scope(params):
+    with rope.attention_scope(params):
         out = hooked(x, torch.randn(int(segs.max()), 1, 1, 8), cfg, cu_seqlens=params.cu_seqlens_q, max_seqlen=5)
         assert out.shape == x.shape and len(seen) == 1  # ours: rotated by the plan's positions
         with pytest.raises(ValueError, match="inverse is not supported"):

@@ -13,7 +13,7 @@ One micro-batch, from the length stream to the kernel: one host record, one copy
                                         in WlbPackedSeqParams.varlen
     every layer                      WlbCoreAttention (attention.py -> cp/attention.py) reads the params'
                                         Varlen, RoPE the same record through the params its attention
-                                        holds (attention.attention_scope); per-document-te: TE's THD fields
+                                        holds (rope.attention_scope); per-document-te: TE's THD fields
 
 No step reads a device tensor back to the host; the only sync is the agreement before every training
 step (``agreement.py``: one all-reduce of ``2 + 2 * DP`` int64 over the world: the plan, and each CP

@@ -6,7 +6,7 @@ one pinned buffer, one copy) and hands Megatron its batch tensors and, apart fro
 ``Varlen`` record inside a ``WlbPackedSeqParams``, the ``PackedSeqParams`` that Megatron threads from
 ``forward_step`` through ``GPTModel`` to every layer: the one route of the record. Every attention layer of
 the forward (and of its recomputation and backward) reads it there, and RoPE through the params its attention
-was called with (``attention.attention_scope``); nothing is read back to the host. No tensor carries the record.
+was called with (``rope.attention_scope``); nothing is read back to the host. No tensor carries the record.
 
 Where Megatron's own ``get_batch`` stands between our iterator and the model (the pinned 0.16
 ``pretrain_gpt.get_batch``, the patched 0.19 one), it hands on a batch dict whose ``cu_seqlens`` it may copy:
@@ -130,7 +130,7 @@ def packed_seq_params(batch: DeviceBatch, cp_group: Any) -> WlbPackedSeqParams:
                                   cu_seqlens_kv_padded=varlen.cu_seqlens_padded, max_seqlen_q=varlen.max_seqlen_q,
                                   max_seqlen_kv=varlen.max_seqlen_k, cp_group=None, varlen=varlen, gather=gather)
     # max_seqlen_* the kernel's (the longest query run, key segment); the rotary table is sized by the record
-    # (attention.wrap_get_rotary_seq_len), RoPE reads the record through the params its attention holds
+    # (rope.wrap_get_rotary_seq_len), RoPE reads the record through the params its attention holds
     return WlbPackedSeqParams(qkv_format="thd", cu_seqlens_q=varlen.cu_seqlens_q, cu_seqlens_kv=varlen.cu_seqlens_k,
                               max_seqlen_q=varlen.max_seqlen_q, max_seqlen_kv=varlen.max_seqlen_k,
                               cp_group=cp_group, varlen=varlen, gather=gather)
