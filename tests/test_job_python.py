@@ -64,10 +64,14 @@ def test_helpers_are_built_for_the_running_interpreter(checkout_019, tmp_path, t
         built.unlink()
     env = {k: v for k, v in os.environ.items() if k != "PYENV_VERSION"}
     # what compare_loss.sh did before: the interpreter's own folder first. A venv's bin has no python3-config, so
-    # the next one on PATH answers; a bare installation's bin (CI runs pyenv's 3.11 itself) has its own, which
-    # would hide the trap, so there the user's PATH is left as it is (pyenv's shims first).
+    # the next one on PATH answers. A bare installation's bin (CI runs pyenv's 3.11 itself, and pyenv's shim put
+    # that bin first on this process's PATH) has its own, which would hide the trap: there the user's PATH is
+    # taken without it (pyenv's shims first).
     own = os.path.dirname(sys.executable)
-    if not os.path.isfile(os.path.join(own, "python3-config")):
+    if os.path.isfile(os.path.join(own, "python3-config")):
+        env["PATH"] = os.pathsep.join(p for p in env["PATH"].split(os.pathsep)
+                                      if not p or os.path.realpath(p) != os.path.realpath(own))
+    else:
         env["PATH"] = f"{own}{os.pathsep}{env['PATH']}"
     if trap == "pyenv":
         other = _other_pyenv_version()
